@@ -1,0 +1,173 @@
+"""The claims registry: what each paper claims, and which tests check it.
+
+Each reproduction registers the claims of its paper in ``<package>/claims.yaml``::
+
+    paper: kimiteam2025kimilinear          # bib key of the paper the claims come from
+    claims:
+      - id: kda/chunk-equals-recurrent     # "<package>/<slug>", unique across the repository
+        section: "§2.2, Eq. 7"             # where the paper states it
+        statement: Chunkwise KDA equals the token-by-token recurrence.
+      - id: kda/b200-throughput
+        section: "§5.3"
+        statement: ...
+        reproducible: false                # registered, shown on the site as not reproduced
+        reason: Needs Blackwell GPUs, which we do not have.
+
+A property test names the claim it checks with ``@pytest.mark.claim("kda/...", section="§2.2, Eq. 7")``;
+the pytest plugin (``paperclub.pytest_claims``) records each test's outcome in
+``<package>/results/claims.json``, which the site shows.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from paperclub import ROOT
+
+CLAIM_ID = re.compile(r"^[a-z0-9][a-z0-9_-]*/[a-z0-9][a-z0-9_.-]*$")
+RESULTS_NAME = "claims.json"
+
+
+@dataclass
+class Claim:
+    id: str
+    section: str
+    statement: str
+    package: str
+    paper: str
+    reproducible: bool = True
+    reason: str = ""
+    source: Path | None = None
+
+
+@dataclass
+class ClaimFile:
+    package: str
+    path: Path
+    paper: str
+    claims: list[Claim] = field(default_factory=list)
+
+
+class ClaimsError(ValueError):
+    """A claims.yaml that cannot be used; the message names file, field and the fix."""
+
+
+def package_dirs(root: Path = ROOT) -> list[tuple[str, Path]]:
+    """Every folder that may hold claims: each ``repro/<name>/`` and ``nanoparallel/``."""
+    out: list[tuple[str, Path]] = []
+    repro = root / "repro"
+    if repro.is_dir():
+        for d in sorted(repro.iterdir()):
+            if d.is_dir() and not d.name.startswith(("_", ".")) and d.name != "__pycache__":
+                out.append((d.name, d))
+    if (root / "nanoparallel").is_dir():
+        out.append(("nanoparallel", root / "nanoparallel"))
+    return out
+
+
+def load_claim_file(package: str, path: Path) -> ClaimFile:
+    rel = _rel(path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ClaimsError(f"{rel}: not valid YAML ({exc}); fix the syntax") from None
+    if not isinstance(data, dict):
+        raise ClaimsError(f"{rel}: expected a mapping with 'paper' and 'claims'")
+    paper = data.get("paper")
+    if not isinstance(paper, str) or not paper:
+        raise ClaimsError(f"{rel}: field 'paper' must be the bib key of the paper these claims come from")
+    items = data.get("claims")
+    if not isinstance(items, list) or not items:
+        raise ClaimsError(f"{rel}: field 'claims' must be a non-empty list")
+    cf = ClaimFile(package=package, path=path, paper=paper)
+    seen: set[str] = set()
+    for i, item in enumerate(items):
+        where = f"{rel}: claims[{i}]"
+        if not isinstance(item, dict):
+            raise ClaimsError(f"{where}: expected a mapping with id, section, statement")
+        for key in ("id", "section", "statement"):
+            if not isinstance(item.get(key), str) or not item[key].strip():
+                raise ClaimsError(f"{where}: field '{key}' is missing or empty; every claim needs it")
+        cid = item["id"]
+        if not CLAIM_ID.match(cid) or not cid.startswith(package + "/"):
+            raise ClaimsError(f"{where}: id '{cid}' must look like '{package}/<slug>' (lowercase, digits, - _ .)")
+        if cid in seen:
+            raise ClaimsError(f"{where}: id '{cid}' appears twice in this file")
+        seen.add(cid)
+        reproducible = item.get("reproducible", True)
+        if not isinstance(reproducible, bool):
+            raise ClaimsError(f"{where}: field 'reproducible' must be true or false")
+        reason = item.get("reason", "") or ""
+        if not reproducible and not reason.strip():
+            raise ClaimsError(f"{where}: claim '{cid}' is marked reproducible: false; say why in 'reason'")
+        unknown = set(item) - {"id", "section", "statement", "reproducible", "reason"}
+        if unknown:
+            raise ClaimsError(f"{where}: unknown field(s) {sorted(unknown)}; allowed: id, section, statement, reproducible, reason")
+        cf.claims.append(
+            Claim(
+                id=cid,
+                section=item["section"].strip(),
+                statement=item["statement"].strip(),
+                package=package,
+                paper=paper,
+                reproducible=reproducible,
+                reason=reason.strip(),
+                source=path,
+            )
+        )
+    return cf
+
+
+def load_registry(root: Path = ROOT) -> dict[str, Claim]:
+    """All claims by id. Raises ClaimsError on a malformed file or an id registered twice."""
+    registry: dict[str, Claim] = {}
+    for package, d in package_dirs(root):
+        path = d / "claims.yaml"
+        if not path.exists():
+            continue
+        for claim in load_claim_file(package, path).claims:
+            if claim.id in registry:
+                raise ClaimsError(f"{_rel(path)}: claim id '{claim.id}' is also registered in {_rel(registry[claim.id].source)}")
+            registry[claim.id] = claim
+    return registry
+
+
+def results_path(package_dir: Path) -> Path:
+    return package_dir / "results" / RESULTS_NAME
+
+
+def load_results(package_dir: Path) -> dict:
+    """The recorded outcomes ``{"tests": {nodeid: {...}}}``; empty when none were recorded."""
+    path = results_path(package_dir)
+    if not path.exists():
+        return {"tests": {}}
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def claim_status(claim: Claim, results: dict) -> tuple[str, list[dict]]:
+    """Summarise a claim: ('passed' | 'failed' | 'skipped' | 'no test' | 'not reproducible', tests)."""
+    tests = [dict(t, nodeid=nid) for nid, t in sorted(results.get("tests", {}).items()) if t.get("claim") == claim.id]
+    if not claim.reproducible:
+        return "not reproducible", tests
+    if not tests:
+        return "no test", tests
+    outcomes = {t["outcome"] for t in tests}
+    if "failed" in outcomes:
+        return "failed", tests
+    if "passed" in outcomes:
+        return "passed", tests
+    return "skipped", tests
+
+
+def _rel(path: Path | None) -> str:
+    if path is None:
+        return "?"
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)

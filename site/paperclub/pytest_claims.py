@@ -1,0 +1,156 @@
+"""pytest plugin: ``@pytest.mark.claim(id, section=...)`` ties a property test to a paper claim.
+
+Loaded for every run through ``addopts = -p paperclub.pytest_claims`` in pyproject.toml.
+
+* Collection fails with a clear message when a test names a claim that ``claims.yaml`` does not
+  register, or a section that differs from the registered one.
+* After the run, each package's ``results/claims.json`` records every claim test's outcome
+  (passed / failed / skipped) and the date that outcome was first seen; a file is rewritten only
+  when an outcome changes, so re-running green tests leaves the tree clean. Set
+  ``PAPERCLUB_RECORD_CLAIMS=0`` to record nothing.
+* Triton kernels run under its CPU interpreter when no NVIDIA GPU is present
+  (``TRITON_INTERPRET=1`` is set before anything imports triton).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+from pathlib import Path
+
+import pytest
+
+if not (os.path.exists("/dev/nvidiactl") or os.environ.get("CUDA_VISIBLE_DEVICES")):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from paperclub import ROOT  # noqa: E402
+from paperclub.claims import ClaimsError, load_registry, package_dirs, results_path  # noqa: E402
+
+_REGISTRY_KEY = pytest.StashKey[dict]()
+_OUTCOMES_KEY = pytest.StashKey[dict]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "claim(id, section): the paper claim this property test checks (registered in <package>/claims.yaml)",
+    )
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped without one")
+    config.addinivalue_line("markers", "slow: longer than a few seconds on a laptop CPU")
+    config.stash[_OUTCOMES_KEY] = {}
+
+
+def _registry(config: pytest.Config) -> dict:
+    if _REGISTRY_KEY not in config.stash:
+        try:
+            config.stash[_REGISTRY_KEY] = load_registry()
+        except ClaimsError as exc:
+            raise pytest.UsageError(f"claims registry: {exc}") from None
+    return config.stash[_REGISTRY_KEY]
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    registry = _registry(config)
+    problems = []
+    for item in items:
+        for mark in item.iter_markers("claim"):
+            if len(mark.args) != 1 or not isinstance(mark.args[0], str):
+                problems.append(f"{item.nodeid}: @pytest.mark.claim takes one claim id, e.g. claim('kda/exact', section='§3')")
+                continue
+            cid = mark.args[0]
+            section = mark.kwargs.get("section")
+            claim = registry.get(cid)
+            if claim is None:
+                pkg = cid.split("/")[0]
+                problems.append(f"{item.nodeid}: claim '{cid}' is not registered; add it to {pkg}/claims.yaml or fix the id")
+            elif section is None:
+                problems.append(f"{item.nodeid}: claim '{cid}' needs section=... (registered: {claim.section!r})")
+            elif section.strip() != claim.section:
+                problems.append(
+                    f"{item.nodeid}: claim '{cid}' says section {section!r} but claims.yaml registers {claim.section!r}"
+                )
+    if problems:
+        raise pytest.UsageError("claim markers do not match the registry:\n  " + "\n  ".join(problems))
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except Exception:  # pragma: no cover - torch missing
+        has_cuda = False
+    if not has_cuda:
+        skip = pytest.mark.skip(reason="needs a CUDA GPU")
+        for item in items:
+            if item.get_closest_marker("gpu"):
+                item.add_marker(skip)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call):
+    report = yield
+    mark = item.get_closest_marker("claim")
+    if mark is not None and mark.args:
+        outcomes = item.config.stash[_OUTCOMES_KEY]
+        prev = outcomes.get(item.nodeid)
+        if report.failed:
+            outcome = "failed"
+        elif report.skipped:
+            outcome = "skipped"
+        elif report.when == "call":
+            outcome = "passed"
+        else:
+            outcome = prev[1] if prev else None
+        if outcome is not None and not (prev and prev[1] == "failed"):
+            outcomes[item.nodeid] = (mark.args[0], outcome, str(item.path))
+    return report
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if os.environ.get("PAPERCLUB_RECORD_CLAIMS", "1") == "0":
+        return
+    outcomes = session.config.stash.get(_OUTCOMES_KEY, {})
+    if not outcomes:
+        return
+    today = _dt.date.today().isoformat()
+    for package, pdir in package_dirs(ROOT):
+        mine = {nid: v for nid, v in outcomes.items() if v[0].split("/")[0] == package}
+        if not mine:
+            continue
+        path = results_path(pdir)
+        old = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {"tests": {}}
+        tests = {nid: t for nid, t in old.get("tests", {}).items() if (ROOT / nid.split("::")[0]).exists()}
+        changed = len(tests) != len(old.get("tests", {}))
+        for nid, (cid, outcome, _file) in mine.items():
+            rel = _relative_nodeid(nid)
+            prev = tests.get(rel)
+            if prev and prev.get("outcome") == outcome and prev.get("claim") == cid:
+                continue
+            tests[rel] = {"claim": cid, "outcome": outcome, "since": today, "platform": _platform()}
+            changed = True
+        if changed:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"tests": dict(sorted(tests.items()))}, indent=1) + "\n", encoding="utf-8")
+
+
+def _relative_nodeid(nodeid: str) -> str:
+    """Node ids relative to the repository root, whatever directory pytest ran from."""
+    file_part, _, rest = nodeid.partition("::")
+    p = Path(file_part)
+    if not p.is_absolute():
+        p = (Path.cwd() / p).resolve()
+    try:
+        file_part = str(p.relative_to(ROOT))
+    except ValueError:
+        pass
+    return f"{file_part}::{rest}" if rest else file_part
+
+
+def _platform() -> str:
+    try:
+        import torch
+
+        dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+        return f"{dev}, torch {torch.__version__}, {platform.machine()}"
+    except Exception:  # pragma: no cover
+        return platform.machine()

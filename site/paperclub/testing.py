@@ -1,0 +1,31 @@
+"""Shared helpers for the reproductions' tests: relative errors and tolerance checks.
+
+Every repro compares a fast path against a reference by the relative Frobenius error
+``||out - ref|| / ||ref||`` (the measure flash-linear-attention and METHOD.md use), so the
+tolerance reads the same everywhere: fp32 vs fp64 about 1e-5, tf32 about 3e-4, bf16 about 1e-2.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||out - ref||_F / max(||ref||_F, tiny)`` computed in float64; NaN/inf give ``inf``."""
+    if out.shape != ref.shape:
+        raise ValueError(f"rel_error: shapes differ, out {tuple(out.shape)} vs ref {tuple(ref.shape)}")
+    o = out.detach().to(torch.float64)
+    r = ref.detach().to(torch.float64)
+    if not torch.isfinite(o).all():
+        return float("inf")
+    denom = r.norm().item()
+    num = (o - r).norm().item()
+    if denom == 0.0:
+        return num
+    return num / denom
+
+
+def assert_rel_close(out: torch.Tensor, ref: torch.Tensor, tol: float, name: str = "output") -> None:
+    """Fail with a message naming ``name``, the error and the tolerance when ``rel_error > tol``."""
+    err = rel_error(out, ref)
+    assert err <= tol, f"{name}: relative error {err:.3e} exceeds tolerance {tol:.1e} (shape {tuple(ref.shape)})"
