@@ -12,6 +12,9 @@ Each reproduction registers the claims of its paper in ``<package>/claims.yaml``
         statement: ...
         reproducible: false                # registered, shown on the site as not reproduced
         reason: Needs Blackwell GPUs, which we do not have.
+      - id: nanoparallel/fault-bounded
+        paper: keiblinger2025pccl          # optional: a claim from another paper than the file's
+        ...
 
 A property test names the claim it checks with ``@pytest.mark.claim("kda/...", section="§2.2, Eq. 7")``;
 the pytest plugin (``paperclub.pytest_claims``) records each test's outcome in
@@ -105,16 +108,21 @@ def load_claim_file(package: str, path: Path) -> ClaimFile:
         reason = item.get("reason", "") or ""
         if not reproducible and not reason.strip():
             raise ClaimsError(f"{where}: claim '{cid}' is marked reproducible: false; say why in 'reason'")
-        unknown = set(item) - {"id", "section", "statement", "reproducible", "reason"}
+        unknown = set(item) - {"id", "section", "statement", "reproducible", "reason", "paper"}
         if unknown:
-            raise ClaimsError(f"{where}: unknown field(s) {sorted(unknown)}; allowed: id, section, statement, reproducible, reason")
+            raise ClaimsError(
+                f"{where}: unknown field(s) {sorted(unknown)}; allowed: id, section, statement, reproducible, reason, paper"
+            )
+        claim_paper = item.get("paper", paper)
+        if not isinstance(claim_paper, str) or not claim_paper:
+            raise ClaimsError(f"{where}: field 'paper' must be a bib key")
         cf.claims.append(
             Claim(
                 id=cid,
                 section=item["section"].strip(),
                 statement=item["statement"].strip(),
                 package=package,
-                paper=paper,
+                paper=claim_paper,
                 reproducible=reproducible,
                 reason=reason.strip(),
                 source=path,
