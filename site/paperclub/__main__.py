@@ -1,0 +1,3 @@
+from paperclub.cli import main
+
+raise SystemExit(main())
