@@ -1,0 +1,91 @@
+"""Argument checks shared by every KDA entry point: one clear error per kind of bad input."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# The Triton kernels hold a [K, V] state tile and [chunk, K] tiles in registers; these sizes
+# are the ones they are written and tested for.
+TRITON_K = (16, 32, 64, 128)
+TRITON_V = (16, 32, 64, 128)
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class KDADims:
+    B: int
+    T: int
+    H: int
+    K: int
+    HV: int
+    V: int
+
+
+def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def check_kda_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    fn: str,
+    *,
+    triton: bool,
+) -> KDADims:
+    """Check shapes, head grouping, dtypes and devices; return the dimensions.
+
+    Raises ValueError naming the argument, what was got and what was expected.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{fn}: argument '{name}' must be a torch.Tensor, got {type(t).__name__}")
+    if q.dim() != 4:
+        raise ValueError(f"{fn}: q must be 4-D [B, T, H, K], got shape {_shape(q)}")
+    B, T, H, K = q.shape
+    if _shape(k) != (B, T, H, K):
+        raise ValueError(f"{fn}: k must have q's shape [B, T, H, K] = {(B, T, H, K)}, got {_shape(k)}")
+    if v.dim() != 4 or v.shape[0] != B or v.shape[1] != T:
+        raise ValueError(f"{fn}: v must be 4-D [B, T, HV, V] with B={B}, T={T}, got shape {_shape(v)}")
+    HV, V = v.shape[2], v.shape[3]
+    if HV % H != 0:
+        raise ValueError(
+            f"{fn}: the number of value heads HV={HV} (v.shape[2]) must be a multiple of the key heads H={H}"
+        )
+    if _shape(g) != (B, T, HV, K):
+        raise ValueError(f"{fn}: g (log-decay) must have shape [B, T, HV, K] = {(B, T, HV, K)}, got {_shape(g)}")
+    if _shape(beta) != (B, T, HV):
+        raise ValueError(f"{fn}: beta must have shape [B, T, HV] = {(B, T, HV)}, got {_shape(beta)}")
+    if initial_state is not None:
+        if not isinstance(initial_state, torch.Tensor):
+            raise ValueError(f"{fn}: initial_state must be a torch.Tensor or None, got {type(initial_state).__name__}")
+        if _shape(initial_state) != (B, HV, K, V):
+            raise ValueError(
+                f"{fn}: initial_state must have shape [B, HV, K, V] = {(B, HV, K, V)}, got {_shape(initial_state)}"
+            )
+    allowed = TRITON_DTYPES if triton else FLOAT_DTYPES
+    names = ", ".join(str(d).replace("torch.", "") for d in allowed)
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state)):
+        if t is not None and t.dtype not in allowed:
+            raise ValueError(f"{fn}: {name} has dtype {t.dtype}; expected one of {names}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"{fn}: q, k, v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    devices = {t.device for t in (q, k, v, g, beta) if t is not None}
+    if initial_state is not None:
+        devices.add(initial_state.device)
+    if len(devices) > 1:
+        raise ValueError(f"{fn}: all tensors must be on one device, got {sorted(map(str, devices))}")
+    if triton:
+        if K not in TRITON_K:
+            raise ValueError(f"{fn}: key head dim K={K} is not supported by the Triton kernels; supported: {TRITON_K}")
+        if V not in TRITON_V:
+            raise ValueError(
+                f"{fn}: value head dim V={V} is not supported by the Triton kernels; supported: {TRITON_V}"
+            )
+    return KDADims(B=B, T=T, H=H, K=K, HV=HV, V=V)
