@@ -1,0 +1,268 @@
+"""FlashAttention-4's algorithmic ideas (zadouri2026flashattention4) in a Triton attention for Hopper.
+
+Public API::
+
+    from repro.fa4 import attention
+    out = attention(q, k, v, causal=True)                      # [B, S, H, D], bf16 / fp16
+    out = attention(q, k, v, lazy_rescale=False, soft_exp=2)   # ablation switches
+
+q: [B, S_q, H, D]; k, v: [B, S_k, H_kv, D] with H_kv dividing H (grouped-query attention);
+D in {64, 128}; causal masks are bottom-right aligned and need S_q <= S_k. Forward and backward
+run through Triton kernels (``repro.fa4.kernels``); ``repro.fa4.reference`` is the ground truth.
+
+:func:`attention_any_d` is the internal entry point the CPU tests use: it also takes D in
+{16, 32} and float32 (for the Triton interpreter, where bf16 matmuls are slow).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from repro.fa4.reference import RESCALE_THRESHOLD
+
+__all__ = ["Switches", "attention", "attention_any_d", "forward_with_counts"]
+
+PUBLIC_HEAD_DIMS = (64, 128)
+TEST_HEAD_DIMS = (16, 32, 64, 128)
+PUBLIC_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class Switches:
+    """Which FA4 ideas the forward kernel uses, plus its launch shape.
+
+    lazy_rescale: conditional rescaling (FA4); False is FA2's rescale-every-block.
+    rescale_threshold: tau in log2 units (FA4 uses 8 = log2 256).
+    soft_exp: quarters of each tile's columns whose 2^x runs on the FMA units (0, 1, 2 or 4).
+    pingpong: each program owns two query tiles sharing K/V loads.
+    warp_specialize: Triton's automatic warp specialisation of the key loop.
+    persistent: one program per SM looping over tiles (heaviest causal tiles first).
+    block_m, block_n, num_warps, num_stages: launch shape; None picks the tuned default.
+    """
+
+    lazy_rescale: bool = True
+    rescale_threshold: float = RESCALE_THRESHOLD
+    soft_exp: int = 0
+    pingpong: bool = False
+    warp_specialize: bool = False
+    persistent: bool = False
+    block_m: int | None = None
+    block_n: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    bwd_block_m: int | None = None
+    bwd_block_n: int | None = None
+    bwd_num_warps: int | None = None
+    bwd_num_stages: int | None = None
+
+
+# Tuned on one H100 (repro/fa4/results/autotune-*.json): (block_m, block_n, num_warps, num_stages).
+FWD_DEFAULTS = {64: (128, 128, 8, 3), 128: (128, 128, 8, 3)}
+BWD_DEFAULTS = {64: (64, 128, 8, 2), 128: (64, 128, 8, 2)}
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, dims, dtypes) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"attention: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"attention: {name} must be [B, S, H, D] (4 dims), got shape {tuple(t.shape)}")
+        if t.dtype not in dtypes:
+            raise TypeError(f"attention: {name} has dtype {t.dtype}, expected one of {[str(d) for d in dtypes]}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"attention: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"attention: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    b, s_q, h, d = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"attention: k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(
+            f"attention: k must be [B={b}, S_k, H_kv, D={d}] to match q {tuple(q.shape)}, got {tuple(k.shape)}"
+        )
+    if d not in dims:
+        raise ValueError(f"attention: head dim D = {d} is not supported, expected one of {list(dims)}")
+    h_kv = k.shape[2]
+    if h_kv == 0 or h % h_kv != 0:
+        raise ValueError(f"attention: KV heads H_kv = {h_kv} must divide query heads H = {h}")
+    if s_q == 0 or k.shape[1] == 0 or b == 0:
+        raise ValueError(f"attention: empty input, q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if causal and s_q > k.shape[1]:
+        raise ValueError(
+            f"attention: causal needs S_q <= S_k (bottom-right aligned mask), got S_q = {s_q}, S_k = {k.shape[1]}"
+        )
+
+
+def _resolve(sw: Switches, d: int, interpret: bool) -> Switches:
+    if sw.soft_exp not in (0, 1, 2, 4):
+        raise ValueError(f"attention: soft_exp is the number of quarters in software, 0, 1, 2 or 4; got {sw.soft_exp}")
+    if sw.rescale_threshold < 0 or sw.rescale_threshold > 64:
+        # 2^tau per term times S_k terms must stay far below fp32's 2^128.
+        raise ValueError(f"attention: rescale_threshold must be in [0, 64] (log2 units), got {sw.rescale_threshold}")
+    bm, bn, nw, ns = FWD_DEFAULTS.get(d, (16, 16, 4, 1)) if not interpret else (16, 16, 4, 1)
+    bbm, bbn, bnw, bns = BWD_DEFAULTS.get(d, (16, 16, 4, 1)) if not interpret else (16, 16, 4, 1)
+    if sw.pingpong and sw.block_m is None:
+        bm = max(16, bm // 2)  # two tiles per program: keep the rows per program the same
+    return replace(
+        sw,
+        block_m=sw.block_m or bm,
+        block_n=sw.block_n or bn,
+        num_warps=sw.num_warps or nw,
+        num_stages=sw.num_stages or ns,
+        bwd_block_m=sw.bwd_block_m or bbm,
+        bwd_block_n=sw.bwd_block_n or bbn,
+        bwd_num_warps=sw.bwd_num_warps or bnw,
+        bwd_num_stages=sw.bwd_num_stages or bns,
+    )
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _forward(q, k, v, causal: bool, scale: float, sw: Switches, count: bool = False):
+    from repro.fa4.kernels import _fwd_kernel
+
+    b, s_q, h, d = q.shape
+    s_k, h_kv = k.shape[1], k.shape[2]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    o = torch.empty_like(q)
+    lse = torch.empty(b, h, s_q, device=q.device, dtype=torch.float32)
+    tile = sw.block_m * (2 if sw.pingpong else 1)
+    n_m = triton_cdiv(s_q, tile)
+    counts = torch.zeros(2 * n_m * b * h if count else 2, device=q.device, dtype=torch.int32)
+    if sw.persistent:
+        if q.device.type == "cuda":
+            idx = q.device.index or 0
+            if idx not in _SM_COUNT:
+                _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+            n_prog = _SM_COUNT[idx]
+        else:
+            n_prog = 4
+        grid = (min(n_prog, n_m * b * h),)
+    else:
+        grid = (n_m, b * h)
+    _fwd_kernel[grid](
+        q, k, v, o, lse, counts,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
+        b, h, h // h_kv, s_q, s_k, scale / math.log(2.0), n_m,
+        D=d, BLOCK_M=sw.block_m, BLOCK_N=sw.block_n, CAUSAL=causal,
+        LAZY_RESCALE=sw.lazy_rescale, RESCALE_TAU=float(sw.rescale_threshold), SOFT_EXP=sw.soft_exp,
+        PINGPONG=sw.pingpong, WARP_SPEC=sw.warp_specialize, PERSISTENT=sw.persistent, COUNT=count,
+        num_warps=sw.num_warps, num_stages=sw.num_stages,
+    )  # fmt: skip
+    return o, lse, counts
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _backward(do, q, k, v, o, lse, causal: bool, scale: float, sw: Switches):
+    from repro.fa4.kernels import _bwd_dkdv_kernel, _bwd_dq_kernel
+
+    b, s_q, h, d = q.shape
+    s_k, h_kv = k.shape[1], k.shape[2]
+    do = do.contiguous()
+    # delta_i = sum_d dO_id O_id = rowsum(P * dP): the softmax-Jacobian term, one pass in PyTorch.
+    delta = (do.float() * o.float()).sum(-1).permute(0, 2, 1).contiguous()  # [B, H, S_q]
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    qk_scale = scale / math.log(2.0)
+    bm, bn = sw.bwd_block_m, sw.bwd_block_n
+    _bwd_dkdv_kernel[(triton_cdiv(s_k, bn), b * h_kv)](
+        q, k, v, do, lse, delta, dk, dv,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        dk.stride(0), dk.stride(1), dk.stride(2),
+        h, h_kv, h // h_kv, s_q, s_k, qk_scale, scale,
+        D=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, num_warps=sw.bwd_num_warps, num_stages=sw.bwd_num_stages,
+    )  # fmt: skip
+    # dQ tiles are the transpose of dK/dV's: many query rows, fewer keys per step.
+    _bwd_dq_kernel[(triton_cdiv(s_q, bn), b * h)](
+        q, k, v, do, lse, delta, dq,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        h, h // h_kv, s_q, s_k, qk_scale, scale,
+        D=d, BLOCK_M=bn, BLOCK_N=bm, CAUSAL=causal, num_warps=sw.bwd_num_warps, num_stages=sw.bwd_num_stages,
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, sw):
+        o, lse, _ = _forward(q, k, v, causal, scale, sw)
+        ctx.save_for_backward(q.contiguous(), k.contiguous(), v.contiguous(), o, lse)
+        ctx.causal, ctx.scale, ctx.sw = causal, scale, sw
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = _backward(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.sw)
+        return dq, dk, dv, None, None, None
+
+
+def _run(q, k, v, causal, scale, switches, dims, dtypes):
+    _check(q, k, v, causal, dims, dtypes)
+    d = q.shape[-1]
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"attention: scale must be a positive finite number, got {scale}")
+    if q.device.type != "cuda" and not _interpreting():
+        raise RuntimeError("attention: needs a CUDA device, or TRITON_INTERPRET=1 for the CPU interpreter")
+    unknown = set(switches) - set(Switches.__dataclass_fields__)
+    if unknown:
+        raise TypeError(f"attention: unknown switches {sorted(unknown)}; known: {list(Switches.__dataclass_fields__)}")
+    sw = _resolve(Switches(**switches), d, _interpreting())
+    return _Attention.apply(q, k, v, bool(causal), scale, sw)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    scale: float | None = None,
+    **switches,
+) -> torch.Tensor:
+    """softmax(Q K^T * scale) V with FA4's forward ideas; differentiable.
+
+    q: [B, S_q, H, D], k and v: [B, S_k, H_kv, D], H_kv dividing H, D in {64, 128}, bf16 or fp16,
+    on CUDA. scale defaults to 1 / sqrt(D). ``switches`` are the fields of :class:`Switches`.
+    Returns [B, S_q, H, D] in q's dtype.
+    """
+    return _run(q, k, v, causal, scale, switches, PUBLIC_HEAD_DIMS, PUBLIC_DTYPES)
+
+
+def attention_any_d(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, scale: float | None = None, **switches
+) -> torch.Tensor:
+    """Internal: :func:`attention` that also accepts D in {16, 32} and float32 (interpreter tests)."""
+    return _run(q, k, v, causal, scale, switches, TEST_HEAD_DIMS, (*PUBLIC_DTYPES, torch.float32))
+
+
+def forward_with_counts(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, scale: float | None = None, **switches
+) -> tuple[torch.Tensor, float]:
+    """Forward only, also returning the fraction of key-block steps (after each tile's first) on which
+    the kernel rescaled O. Shapes as :func:`attention_any_d`. Returns ([B, S_q, H, D], fraction)."""
+    _check(q, k, v, causal, TEST_HEAD_DIMS, (*PUBLIC_DTYPES, torch.float32))
+    d = q.shape[-1]
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    sw = _resolve(Switches(**switches), d, _interpreting())
+    o, _, counts = _forward(q, k, v, causal, scale, sw, count=True)
+    c = counts.view(-1, 2).to(torch.int64)
+    tiles = 2 if sw.pingpong else 1
+    steps = (c[:, 0] - tiles).clamp(min=0).sum().item()
+    resc = (c[:, 1] - tiles).clamp(min=0).sum().item()
+    return o, (resc / steps if steps else 0.0)
