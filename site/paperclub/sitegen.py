@@ -1,0 +1,660 @@
+"""Generate the website's pages from the content: pure functions from :class:`Content` to text.
+
+``site/hooks.py`` calls :func:`generate` during ``mkdocs build`` and adds every returned file
+to the build. Markdown pages go through mkdocs (search index, theme); slide decks, plots and
+vendored assets are written as they are.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import os
+import posixpath
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from paperclub.bench import load_results as load_bench_results
+from paperclub.bench import markdown_table
+from paperclub.claims import claim_status, load_results
+from paperclub.content import Content, Paper, Repro, Session, split_slides
+from paperclub.slides import render_deck
+
+SOURCE_SUFFIXES = {".py", ".yaml", ".md"}
+STATUS_ICON = {
+    "passed": "passed",
+    "failed": "failed",
+    "skipped": "skipped",
+    "no test": "no test yet",
+    "not reproducible": "not reproducible here",
+}
+
+
+@dataclass
+class Site:
+    """Everything generated: markdown pages, other files, and where each page came from."""
+
+    pages: dict[str, str] = field(default_factory=dict)  # src_uri -> markdown
+    files: dict[str, bytes | str] = field(default_factory=dict)  # src_uri -> content
+    origin: dict[str, str] = field(default_factory=dict)  # src_uri -> repo path it was written from
+
+
+def cell(text: object) -> str:
+    """Table-safe text."""
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def rel_link(from_uri: str, to_uri: str) -> str:
+    return posixpath.relpath(to_uri, posixpath.dirname(from_uri) or ".")
+
+
+def status_html(status: str) -> str:
+    cls = "status-" + status.replace(" ", "-")
+    return f'<span class="{cls}">{STATUS_ICON.get(status, status)}</span>'
+
+
+def generate(content: Content, *, render_notebook=None) -> Site:
+    site = Site()
+    root = content.root
+    site.pages["index.md"] = home(content)
+    site.pages["sessions/index.md"] = sessions_index(content)
+    for s in content.sessions:
+        uri = f"sessions/{s.folder}.md"
+        site.pages[uri] = session_page(content, s)
+        site.origin[uri] = f"sessions/{s.folder}/notes.md"
+        if s.deck is not None:
+            site.files[f"slides/{s.folder}/index.html"] = render_deck(
+                s.meta.title, s.deck.read_text(encoding="utf-8"), assets="../../assets/vendor", back_link=f"../../sessions/{s.folder}/"
+            )
+    site.pages["papers/index.md"] = papers_index(content)
+    for key, paper in content.papers.items():
+        uri = f"papers/{key}.md"
+        site.pages[uri] = paper_page(content, paper, site)
+        site.origin[uri] = f"papers/{key}.md"
+    site.pages["repro/index.md"] = repro_index(content)
+    for name, repro in content.repros.items():
+        if repro.planned:
+            continue
+        site.pages[f"repro/{name}.md"] = repro_page(content, repro, site)
+        extra = sorted((root / "tests" / "nanoparallel").rglob("*")) if name == "nanoparallel" else []
+        for path in sorted(repro.path.rglob("*")) + extra:
+            if path.is_file() and path.suffix in SOURCE_SUFFIXES and "__pycache__" not in path.parts:
+                repo_rel = path.relative_to(root).as_posix()
+                site.pages[f"source/{repo_rel}.md"] = source_page(repo_rel, path)
+                site.origin[f"source/{repo_rel}.md"] = repo_rel
+        if repro.walkthrough is not None and render_notebook is not None:
+            md, resources = render_notebook(repro.walkthrough)
+            uri = f"repro/{name}/walkthrough.md"
+            site.pages[uri] = md
+            for fname, data in resources.items():
+                site.files[f"repro/{name}/{fname}"] = data
+    site.pages["claims.md"] = claims_dashboard(content)
+    site.pages["benchmarks.md"] = benchmarks_page(content, site)
+    site.pages["bibliography.md"] = bibliography(content)
+    site.pages["tags.md"] = tags_page(content)
+    return site
+
+
+# ---------------------------------------------------------------- home and sessions
+
+
+def home(content: Content) -> str:
+    sessions = content.sessions_newest_first()
+    landed = [r for r in content.repros.values() if not r.planned]
+    counts = {"passed": 0, "total": 0}
+    for claim in content.claims.values():
+        status, _ = claim_status(claim, load_results(content.repros[claim.package].path))
+        counts["total"] += 1
+        counts["passed"] += status == "passed"
+    lines = [
+        "# ML-performance reading group",
+        "",
+        "We meet weekly; one member presents a paper on making machine learning fast: sequence parallelism,",
+        "MoE kernels, linear and sparse attention, RL systems, speculative decoding, attention kernels and",
+        "collective communication. This site keeps what we learned and proves it: every paper has a summary in",
+        "our own words, and the papers we reproduce have a reference implementation, a fast path, property tests",
+        "for each claim, and benchmarks against the library people actually use.",
+        "",
+        f"**{len(sessions)} sessions · {len(content.papers)} papers · {len(landed)} reproductions · "
+        f"{counts['passed']} of {counts['total']} registered claims checked by a passing test** "
+        "([claims dashboard](claims.md)).",
+        "",
+        "## Latest sessions",
+        "",
+    ]
+    for s in [s for s in sessions if s.meta.date_known != "planned"][:6]:
+        lines.append(f"- **{s.display_date()}** [{s.meta.title}](sessions/{s.folder}.md){repro_badge(content, s, 'index.md')}")
+    planned = [s for s in sessions if s.meta.date_known == "planned"]
+    if planned:
+        lines += ["", "## Planned", ""]
+        lines += [f"- [{s.meta.title}](sessions/{s.folder}.md)" for s in planned]
+    lines += [
+        "",
+        "## Run it yourself",
+        "",
+        "```bash",
+        "bash .ci/serve   # set up, build this site and serve it on http://127.0.0.1:8000",
+        "bash .ci/test    # set up and run every test (what CI runs)",
+        "pytest repro/kda # one reproduction's property tests, on a laptop CPU",
+        "```",
+        "",
+        "Presenting soon? `paperclub new-session` scaffolds your session and `paperclub check` tells you what",
+        "is missing; see [Contributing](contributing.md).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def repro_badge(content: Content, s: Session, from_uri: str) -> str:
+    name = s.meta.repro
+    if not name:
+        return ""
+    repro = content.repros.get(name)
+    if repro is None or repro.planned:
+        return f' <span class="repro-badge planned" title="reproduction planned">repro: {name} (planned)</span>'
+    return f' <a class="repro-badge" href="{rel_link(from_uri, f"repro/{name}/")}">repro: {name}</a>'
+
+
+def paper_links(content: Content, keys: list[str], from_uri: str) -> str:
+    out = []
+    for k in keys:
+        entry = content.bib.get(k)
+        title = entry.title if entry else k
+        if k in content.papers:
+            out.append(f"[{cell(title)}]({rel_link(from_uri, f'papers/{k}.md')})")
+        else:
+            out.append(cell(title))
+    return "<br>".join(out) or "—"
+
+
+def sessions_index(content: Content) -> str:
+    uri = "sessions/index.md"
+    lines = [
+        "# Sessions",
+        "",
+        "Every meeting of the group, newest first. A *repro* badge marks the sessions whose paper we reproduce.",
+        "",
+        "| Date | Session | Presenters | Papers | Recording | Slides |",
+        "|---|---|---|---|---|---|",
+    ]
+    for s in content.sessions_newest_first():
+        m = s.meta
+        num = f"#{m.number} " if m.number else ""
+        rec = f"[video]({m.recording})" if m.recording else "—"
+        slides = []
+        if s.deck is not None:
+            slides.append(f"[deck](../slides/{s.folder}/index.html)")
+        if s.slides_url:
+            slides.append(f"[presenter's]({s.slides_url})")
+        lines.append(
+            f"| {s.display_date()} | {num}[{cell(m.title)}]({s.folder}.md){repro_badge(content, s, uri)} | "
+            f"{cell(', '.join(m.presenters) or '—')} | {paper_links(content, m.papers, uri)} | {rec} | {' · '.join(slides) or '—'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def session_page(content: Content, s: Session) -> str:
+    uri = f"sessions/{s.folder}.md"
+    m = s.meta
+    date_note = {"exact": "", "approximate": " (approximate)", "unknown": "", "planned": ""}[m.date_known]
+    rows = [
+        ("Date", s.display_date() + date_note),
+        ("Presenters", ", ".join(m.presenters) or "not recorded"),
+        ("Papers", paper_links(content, m.papers, uri)),
+    ]
+    if m.number:
+        rows.insert(0, ("Session", f"#{m.number}"))
+    if m.recording:
+        rows.append(("Recording", f"[{m.recording}]({m.recording})"))
+    slides = []
+    if s.deck is not None:
+        slides.append(f"[our slide deck](../slides/{s.folder}/index.html)")
+    if s.slides_url:
+        slides.append(f"[the presenter's slides]({s.slides_url})")
+    elif s.slides_file is not None:
+        slides.append(f"`{m.slides}` (in the session folder)")
+    if slides:
+        rows.append(("Slides", " · ".join(slides)))
+    if m.repro:
+        repro = content.repros.get(m.repro)
+        if repro and not repro.planned:
+            rows.append(("Reproduction", f"[`repro/{m.repro}`](../repro/{m.repro}.md)"))
+        else:
+            rows.append(("Reproduction", f"`{m.repro}`: planned, not started yet"))
+    if m.tags:
+        rows.append(("Tags", ", ".join(f"[{t}](../tags.md#{t})" for t in m.tags)))
+    lines = [f"# {m.title}", ""]
+    if m.summary:
+        lines += [m.summary, ""]
+    lines += ["| | |", "|---|---|"] + [f"| **{k}** | {v} |" for k, v in rows] + [""]
+    if s.notes is not None:
+        lines += ["## Notes", "", demote(s.notes.read_text(encoding="utf-8"), 2), ""]
+    if s.deck is not None:
+        lines += ["## Slides", "", f"[Open the slide deck](../slides/{s.folder}/index.html) (arrow keys to move, `s` for speaker notes). Its text:", ""]
+        for slide in split_slides(s.deck.read_text(encoding="utf-8")):
+            body = re.split(r"^(?:Note|Notes):\s*$", slide, maxsplit=1, flags=re.M)[0]
+            lines += [demote(body, 2), ""]
+    return "\n".join(lines) + "\n"
+
+
+def demote(md: str, levels: int) -> str:
+    """Push headings down so an embedded document nests under the page's own headings."""
+    out = []
+    in_fence = False
+    for line in md.splitlines():
+        if line.startswith("```"):
+            in_fence = not in_fence
+        if not in_fence and re.match(r"^#{1,5} ", line):
+            line = "#" * levels + line
+        out.append(line)
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------- papers
+
+
+def papers_index(content: Content) -> str:
+    uri = "papers/index.md"
+    lines = [
+        "# Papers",
+        "",
+        "Our summary of every paper a session covered, with the claims we check where we reproduce it.",
+        "",
+        "| Paper | Authors | Year | Sessions | Reproduction | Claims |",
+        "|---|---|---|---|---|---|",
+    ]
+    for key, paper in sorted(content.papers.items(), key=lambda kv: (content.bib[kv[0]].year if kv[0] in content.bib else "", kv[0]), reverse=True):
+        entry = content.bib.get(key)
+        sessions = ", ".join(f"[{cell(s.meta.title[:40])}](../sessions/{s.folder}.md)" for s in content.sessions_for_paper(key))
+        claims = [c for c in content.claims.values() if c.paper == key]
+        passed = sum(claim_status(c, load_results(content.repros[c.package].path))[0] == "passed" for c in claims)
+        repro = paper.meta.repro
+        repro_txt = "—"
+        if repro:
+            r = content.repros.get(repro)
+            repro_txt = f"[{repro}](../repro/{repro}.md)" if r and not r.planned else f"{repro} (planned)"
+        lines.append(
+            f"| [{cell(paper.meta.title)}]({key}.md) | {cell(entry.short_authors if entry else '')} | {entry.year if entry else ''} | "
+            f"{sessions or '—'} | {repro_txt} | {f'{passed}/{len(claims)} passed' if claims else '—'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def paper_page(content: Content, paper: Paper, site: Site) -> str:
+    uri = f"papers/{paper.key}.md"
+    entry = content.bib.get(paper.key)
+    m = paper.meta
+    lines = [f"# {m.title}", ""]
+    if entry:
+        link = f"[arXiv:{entry.eprint}]({entry.url})" if entry.eprint else f"[link]({entry.url})"
+        lines += [f"*{cell(', '.join(entry.authors))}* · {entry.year} · {link}", ""]
+    meta_bits = []
+    sessions = content.sessions_for_paper(paper.key)
+    if sessions:
+        meta_bits.append("**Sessions:** " + ", ".join(f"[{s.meta.title}](../sessions/{s.folder}.md)" for s in sessions))
+    if m.repro:
+        r = content.repros.get(m.repro)
+        meta_bits.append(f"**Reproduction:** [`repro/{m.repro}`](../repro/{m.repro}.md)" if r and not r.planned else f"**Reproduction:** `{m.repro}` (planned)")
+    if m.tags:
+        meta_bits.append("**Tags:** " + ", ".join(f"[{t}](../tags.md#{t})" for t in m.tags))
+    if meta_bits:
+        lines += [" · ".join(meta_bits), ""]
+    lines += [paper.body.strip(), ""]
+    claims = [c for c in content.claims.values() if c.paper == paper.key]
+    if claims:
+        lines += ["## Claims and their status", "", claims_table(content, claims, uri), ""]
+    if m.repro and m.repro in content.repros and not content.repros[m.repro].planned:
+        repro = content.repros[m.repro]
+        bench = bench_sections(content, repro, site, uri, level=3)
+        if bench:
+            lines += ["## Benchmark results", "", bench, ""]
+        if repro.walkthrough is not None:
+            lines += ["## Walkthrough", "", f"[The walkthrough notebook](../repro/{m.repro}/walkthrough.md) runs on a laptop CPU in seconds.", ""]
+    if entry and entry.raw:
+        lines += ["## Cite", "", "```bibtex", entry.raw, "```", ""]
+    return "\n".join(lines) + "\n"
+
+
+def claims_table(content: Content, claims: list, from_uri: str) -> str:
+    rows = ["| Claim | Section | Statement | Status | Checked by |", "|---|---|---|---|---|"]
+    for c in sorted(claims, key=lambda c: c.id):
+        repro = content.repros[c.package]
+        status, tests = claim_status(c, load_results(repro.path))
+        if not c.reproducible:
+            checked = "— " + cell(c.reason)
+        elif tests:
+            checked = "<br>".join(
+                f"[`{cell(t['nodeid'].split('::')[-1])}`]({rel_link(from_uri, 'source/' + t['nodeid'].split('::')[0] + '.md')}) "
+                f"({t['outcome']} since {t.get('since', '?')})"
+                for t in tests
+            )
+        else:
+            checked = "no recorded run yet"
+        rows.append(f"| `{c.id}` | {cell(c.section)} | {cell(c.statement)} | {status_html(status)} | {checked} |")
+    return "\n".join(rows)
+
+
+# ---------------------------------------------------------------- reproductions and claims
+
+
+def module_doc(path: Path) -> str:
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (SyntaxError, UnicodeDecodeError):
+        return ""
+    doc = ast.get_docstring(tree) or ""
+    return doc.strip()
+
+
+def repro_index(content: Content) -> str:
+    lines = [
+        "# Reproductions",
+        "",
+        "Each reproduction is a small package: a reference written from the paper's equations, the fast path,",
+        "property tests for the paper's claims, a GPU benchmark against the library people use, and a walkthrough.",
+        "Run one with `pytest repro/<name>` (or `pytest tests/nanoparallel` for the collective library).",
+        "",
+        "| Reproduction | Paper | Claims passing | Benchmarks | Walkthrough |",
+        "|---|---|---|---|---|",
+    ]
+    for name, repro in sorted(content.repros.items()):
+        if repro.planned:
+            continue
+        claims = [c for c in content.claims.values() if c.package == name]
+        statuses = [claim_status(c, load_results(repro.path))[0] for c in claims]
+        papers = sorted({c.paper for c in claims})
+        paper_txt = paper_links(content, papers, "repro/index.md")
+        devices = sorted({d.get("device", "?") for d in load_bench_results(name)})
+        wt = f"[notebook]({name}/walkthrough.md)" if repro.walkthrough else "—"
+        lines.append(
+            f"| [`{name}`]({name}.md) | {paper_txt} | {statuses.count('passed')} of {len(claims)} | {cell(', '.join(devices)) or 'not yet run'} | {wt} |"
+        )
+    planned = [r for r in content.repros.values() if r.planned]
+    if planned:
+        lines += ["", "## Planned", "", "Sessions pair with these; they have not landed yet.", ""]
+        planned_text = _planned_descriptions(content)
+        for r in sorted(planned, key=lambda r: r.name):
+            lines.append(f"- `{r.name}`: {planned_text.get(r.name, '')}")
+    return "\n".join(lines) + "\n"
+
+
+def _planned_descriptions(content: Content) -> dict[str, str]:
+    import yaml
+
+    path = content.root / "repro" / "planned.yaml"
+    return yaml.safe_load(path.read_text(encoding="utf-8")) or {} if path.exists() else {}
+
+
+def repro_page(content: Content, repro: Repro, site: Site) -> str:
+    uri = f"repro/{repro.name}.md"
+    root = content.root
+    init = repro.path / "__init__.py"
+    doc = module_doc(init) if init.exists() else ""
+    lines = [f"# `{repro.path.relative_to(root).as_posix()}`", ""]
+    if doc:
+        lines += [doc, ""]
+    claims = [c for c in content.claims.values() if c.package == repro.name]
+    papers = sorted({c.paper for c in claims})
+    if papers:
+        lines += ["**Paper(s):** " + paper_links(content, papers, uri).replace("<br>", " · "), ""]
+    test_cmd = "pytest tests/nanoparallel" if repro.name == "nanoparallel" else f"pytest repro/{repro.name}"
+    bench_cmd = "python -m nanoparallel.bench" if repro.name == "nanoparallel" else f"python -m repro.{repro.name}.bench"
+    lines += ["```bash", f"{test_cmd}      # property tests, CPU", f"{bench_cmd}   # GPU benchmark, writes results/<device>.json", "```", ""]
+    lines += ["## Files", "", "| File | What it is |", "|---|---|"]
+    for path in sorted(repro.path.rglob("*.py")):
+        if "__pycache__" in path.parts:
+            continue
+        rp = path.relative_to(root).as_posix()
+        first = module_doc(path).split("\n\n")[0].replace("\n", " ")
+        lines.append(f"| [`{path.relative_to(repro.path).as_posix()}`]({rel_link(uri, f'source/{rp}.md')}) | {cell(first)} |")
+    lines.append("")
+    if claims:
+        lines += ["## Claims", "", claims_table(content, claims, uri), ""]
+    bench = bench_sections(content, repro, site, uri, level=3)
+    lines += ["## Benchmarks", "", bench or "No benchmark results have been committed yet.", ""]
+    if repro.walkthrough is not None:
+        lines += ["## Walkthrough", "", f"[Open the walkthrough]({repro.name}/walkthrough.md).", ""]
+    return "\n".join(lines) + "\n"
+
+
+def claims_dashboard(content: Content) -> str:
+    lines = [
+        "# Claims",
+        "",
+        "Every claim of every reproduced paper, the section that states it, the property test that checks it and",
+        "that test's last recorded outcome (`results/claims.json`, written by the pytest plugin). Claims we cannot",
+        "check here are listed with the reason: they count as **not reproduced**.",
+        "",
+    ]
+    all_status = {}
+    for c in content.claims.values():
+        all_status[c.id] = claim_status(c, load_results(content.repros[c.package].path))[0]
+    totals = {k: list(all_status.values()).count(k) for k in STATUS_ICON}
+    lines += ["| Status | Claims |", "|---|---|"] + [f"| {status_html(k)} | {v} |" for k, v in totals.items()] + [""]
+    by_paper: dict[str, list] = {}
+    for c in content.claims.values():
+        by_paper.setdefault(c.paper, []).append(c)
+    if not by_paper:
+        lines.append("No claims are registered yet: they appear here as reproductions land.")
+    for key in sorted(by_paper):
+        entry = content.bib.get(key)
+        title = entry.title if entry else key
+        link = f"[{title}](papers/{key}.md)" if key in content.papers else title
+        lines += [f"## {key}", "", link, "", claims_table(content, by_paper[key], "claims.md"), ""]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- benchmarks
+
+
+def bench_sections(content: Content, repro: Repro, site: Site, from_uri: str, level: int = 2) -> str:
+    docs = load_bench_results(repro.name)
+    out = []
+    for doc in docs:
+        slug = Path(doc["_file"]).stem
+        h = "#" * level
+        env = doc.get("environment", {})
+        versions = ", ".join(
+            f"{k} {v}" for k, v in [("torch", env.get("torch")), ("triton", env.get("triton")), ("CUDA", env.get("cuda"))] if v
+        )
+        pk = env.get("packages") or {}
+        if pk:
+            versions += ", " + ", ".join(f"{k} {v}" for k, v in pk.items())
+        count = doc.get("device_count", 1)
+        out += [
+            f"{h} {doc.get('title', repro.name)}: {doc.get('device')}{f' ×{count}' if count and count > 1 else ''}",
+            "",
+            f"Measured {doc.get('date', '?')[:10]} · {versions}" + (f" · peer: {doc['peer']}" if doc.get("peer") else ""),
+            "",
+        ]
+        if doc.get("ceilings"):
+            out += ["Machine ceilings measured in the same run: " + ", ".join(f"{k} = {v}" for k, v in doc["ceilings"].items()), ""]
+        if doc.get("notes"):
+            out += [doc["notes"], ""]
+        for i, plot in enumerate(doc.get("plots", [])):
+            for j, (label, png) in enumerate(render_plots(doc, plot)):
+                name = f"benchmarks/{repro.name}/{slug}-{i}-{j}.png"
+                site.files[name] = png
+                out += [f'![{cell(label)}]({rel_link(from_uri, name)}){{ .bench-plot }}', ""]
+        out += ["??? note \"Full table\"", "", indent(markdown_table(doc["columns"], doc["rows"]), 4), ""]
+    return "\n".join(out)
+
+
+def indent(text: str, n: int) -> str:
+    return "\n".join((" " * n + line) if line else line for line in text.splitlines())
+
+
+def render_plots(doc: dict, plot: dict) -> list[tuple[str, bytes]]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in doc["rows"] if all(r.get(k) == v for k, v in (plot.get("where") or {}).items())]
+    facets = [None]
+    if plot.get("facet"):
+        facets = sorted({r.get(plot["facet"]) for r in rows}, key=str)
+    out = []
+    for facet in facets:
+        sub = [r for r in rows if facet is None or r.get(plot["facet"]) == facet]
+        fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
+        series = sorted({str(r.get(plot["series"])) for r in sub})
+        for name in series:
+            pts = sorted(
+                ((r[plot["x"]], r[plot["y"]]) for r in sub if str(r.get(plot["series"])) == name and _num(r.get(plot["y"])) and _num(r.get(plot["x"]))),
+                key=lambda p: p[0],
+            )
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        if plot.get("logx"):
+            ax.set_xscale("log", base=2)
+        if plot.get("logy"):
+            ax.set_yscale("log")
+        title = plot.get("title", "") + (f" ({plot['facet']} = {facet})" if facet is not None else "")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel(plot["x"])
+        ax.set_ylabel(plot["y"])
+        ax.grid(True, alpha=0.3)
+        if series:
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png")
+        plt.close(fig)
+        out.append((title, buf.getvalue()))
+    return out
+
+
+def _num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+
+
+def benchmarks_page(content: Content, site: Site) -> str:
+    lines = [
+        "# Benchmarks",
+        "",
+        "Results committed by `python -m repro.<name>.bench` (and `python -m nanoparallel.bench`) on the GPU",
+        "machine, each with its device, library versions and date, beside the peer library's numbers.",
+        "Timings are medians of CUDA-event-timed runs after warm-up (see `paperclub.bench.time_ms`).",
+        "",
+    ]
+    any_results = False
+    for name, repro in sorted(content.repros.items()):
+        if repro.planned:
+            continue
+        body = bench_sections(content, repro, site, "benchmarks.md", level=3)
+        lines += [f"## {name}", ""]
+        if body:
+            any_results = True
+            lines += [body, ""]
+        else:
+            lines += ["No results committed yet.", ""]
+    if not any_results:
+        lines += ["No benchmark has been run yet: results appear here when a reproduction commits them."]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- bibliography, tags, source
+
+
+def bibliography(content: Content) -> str:
+    lines = ["# Bibliography", "", f"{len(content.bib)} papers cited by our sessions. Copy an entry with the button on its block.", ""]
+    for key, e in sorted(content.bib.items(), key=lambda kv: (kv[1].authors[0].split()[-1].lower() if kv[1].authors else "", kv[1].year)):
+        link = f"[{e.title}](papers/{key}.md)" if key in content.papers else e.title
+        lines += [
+            f"### {key}",
+            "",
+            f"{link}. {cell(', '.join(e.authors))}. {e.year}. [{e.venue or e.url}]({e.url})",
+            "",
+            "```bibtex",
+            e.raw,
+            "```",
+            "",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def tags_page(content: Content) -> str:
+    tags: dict[str, list[str]] = {}
+    for s in content.sessions_newest_first():
+        for t in s.meta.tags:
+            tags.setdefault(t, []).append(f"session: [{s.meta.title}](sessions/{s.folder}.md)")
+    for key, p in sorted(content.papers.items()):
+        for t in p.meta.tags:
+            tags.setdefault(t, []).append(f"paper: [{p.meta.title}](papers/{key}.md)")
+    lines = ["# Tags", ""]
+    lines += [" · ".join(f"[{t}](#{t}) ({len(v)})" for t, v in sorted(tags.items())), ""]
+    for t, items in sorted(tags.items()):
+        lines += [f"## {t}", ""] + [f"- {i}" for i in items] + [""]
+    return "\n".join(lines) + "\n"
+
+
+def source_page(repo_rel: str, path: Path) -> str:
+    lang = {".py": "python", ".yaml": "yaml", ".md": "markdown"}[path.suffix]
+    text = path.read_text(encoding="utf-8")
+    fence = "````" if "```" in text else "```"
+    return f"# `{repo_rel}`\n\n{fence}{lang} linenums=\"1\"\n{text}\n{fence}\n"
+
+
+# ---------------------------------------------------------------- links from content to the repository
+
+LINK = re.compile(r"(?<!!)\[([^\]]*)\]\(([^)\s]+)\)")
+
+
+def rewrite_links(markdown_text: str, page_uri: str, origin: str | None, root: Path, known_uris: set[str]) -> str:
+    """Point links that content writes relative to its file in the repository at the site's pages.
+
+    A paper page may link ``../repro/kda/chunk.py#L10-L20``; on the site that is the source page
+    of chunk.py at line 10. Links to sessions, papers and repro folders map to their pages.
+    """
+    if origin is None:
+        return markdown_text
+    origin_dir = posixpath.dirname(origin)
+
+    def fix(m: re.Match) -> str:
+        text, target = m.group(1), m.group(2)
+        if re.match(r"^[a-z]+:", target) or target.startswith("#"):
+            return m.group(0)
+        path, _, anchor = target.partition("#")
+        repo_path = posixpath.normpath(posixpath.join(origin_dir, path)) if path else origin
+        dest = _site_uri_for(repo_path, root, known_uris)
+        if dest is None:
+            return m.group(0)
+        if anchor:
+            line = re.match(r"L(\d+)", anchor)
+            anchor = f"__codelineno-0-{line.group(1)}" if line else anchor
+        return f"[{text}]({rel_link(page_uri, dest)}{'#' + anchor if anchor else ''})"
+
+    return LINK.sub(fix, markdown_text)
+
+
+def _site_uri_for(repo_path: str, root: Path, known: set[str]) -> str | None:
+    if repo_path.startswith(".."):
+        return None
+    parts = repo_path.split("/")
+    candidates = []
+    if parts[0] == "sessions" and len(parts) >= 2:
+        candidates.append(f"sessions/{parts[1]}.md")
+    if parts[0] == "papers" and len(parts) == 2:
+        candidates.append(repo_path if repo_path.endswith(".md") else repo_path + ".md")
+    if parts[0] == "bib":
+        candidates.append("bibliography.md")
+    if parts[0] in ("repro", "nanoparallel"):
+        candidates.append(f"source/{repo_path}.md")
+        if repo_path.endswith(".ipynb"):
+            candidates.append(f"repro/{parts[-2]}/walkthrough.md")
+        name = "nanoparallel" if parts[0] == "nanoparallel" else (parts[1] if len(parts) > 1 else "")
+        if (root / repo_path).is_dir() or len(parts) <= 2:
+            candidates.append(f"repro/{name}.md")
+        if parts[-1] == "results" or "results" in parts:
+            candidates.append(f"repro/{name}.md")
+    if parts[0] == "site" and len(parts) > 2 and parts[1] == "pages":
+        candidates.append("/".join(parts[2:]))
+    for c in candidates:
+        if c in known:
+            return c
+    return None
+
+
+def walk_files(root: Path) -> list[str]:
+    return [os.path.relpath(p, root) for p in root.rglob("*")]
