@@ -1,0 +1,268 @@
+"""Chunkwise KDA on Triton: launchers, the autograd Function, the decode step.
+
+Forward: three Triton launches (kernels.py), no PyTorch math on the hot path.
+
+Backward (honest status): the sequential part, the reverse state recurrence across chunks, is a
+Triton kernel (``kda_state_bwd_kernel``, wrapped in :class:`_StateRecurrence`); the parallel
+intra-chunk parts (cumulative decay, ``A_kk``/``A_qk``, UT transform, WY factors, readout) are
+recomputed in PyTorch from the saved inputs and differentiated by autograd. It is exact (the
+tests compare gradients with the token recurrence) but not fused, hence slower than a fully
+Triton backward; see the benchmark.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from repro.kda.chunk_torch import chunk_matrices
+from repro.kda.kernels import (
+    kda_decode_kernel,
+    kda_intra_fwd_kernel,
+    kda_out_fwd_kernel,
+    kda_state_bwd_kernel,
+    kda_state_fwd_kernel,
+)
+from repro.kda.validate import check_kda_inputs
+
+BT = 64  # chunk size of the Triton path
+SUB = 16  # rows per sub-block in the intra-chunk matrices
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs get full-precision dots (the tests compare against fp64 at ~1e-5);
+    # bf16/fp16 inputs run the fp32 intra-chunk algebra in tf32, well inside their own error.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _block_v(V: int) -> int:
+    return min(V, 64)
+
+
+def _state_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype == torch.float32 else dtype
+
+
+def kda_fwd_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    initial_state: torch.Tensor | None,
+    output_final_state: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The three forward launches; tensors as in :func:`repro.kda.chunk_kda`, contiguous."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    NT = triton.cdiv(T, BT)
+    dev, dt = q.device, q.dtype
+    prec = _dot_precision(dt)
+    G = torch.empty(B, T, HV, K, device=dev, dtype=torch.float32)
+    W = torch.empty(B, T, HV, K, device=dev, dtype=dt)
+    KD = torch.empty(B, T, HV, K, device=dev, dtype=dt)
+    U_prime = torch.empty(B, T, HV, V, device=dev, dtype=dt)
+    Aqk = torch.empty(B, T, HV, BT, device=dev, dtype=dt)
+    gamma = torch.empty(B, HV, NT, K, device=dev, dtype=torch.float32)
+    kda_intra_fwd_kernel[(NT, B * HV)](
+        q, k, v, g, beta, G, W, U_prime, Aqk, KD, gamma, scale, T, NT,
+        H=H, HV=HV, K=K, V=V, BT=BT, SUB=SUB, DOT_PREC=prec, num_warps=4,
+    )  # fmt: skip
+    h_all, U_new, hT = _state_fwd(W, U_prime, KD, gamma, initial_state, output_final_state, prec)
+    o = torch.empty_like(v)
+    BV = _block_v(V)
+    kda_out_fwd_kernel[(NT, triton.cdiv(V, BV), B * HV)](
+        q, G, h_all, Aqk, U_new, o, scale, T, NT,
+        H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, DOT_PREC=prec, num_warps=4,
+    )  # fmt: skip
+    return o, hT
+
+
+def _state_fwd(W, U_prime, KD, gamma, h0, output_final_state, prec):
+    B, T, HV, K = W.shape
+    V = U_prime.shape[-1]
+    NT = gamma.shape[2]
+    h_all = torch.empty(B, HV, NT, K, V, device=W.device, dtype=_state_dtype(W.dtype))
+    U_new = torch.empty_like(U_prime)
+    hT = torch.empty(B, HV, K, V, device=W.device, dtype=torch.float32) if output_final_state else None
+    BV = _block_v(V)
+    h0c = h0.float().contiguous() if h0 is not None else None
+    kda_state_fwd_kernel[(triton.cdiv(V, BV), B * HV)](
+        W, U_prime, KD, gamma, h0c, h_all, U_new, hT, T, NT,
+        HV=HV, K=K, V=V, BT=BT, BV=BV, USE_H0=h0 is not None, STORE_FINAL=output_final_state,
+        DOT_PREC=prec, num_warps=4,
+    )  # fmt: skip
+    return h_all, U_new, hT
+
+
+class _StateRecurrence(torch.autograd.Function):
+    """The inter-chunk recurrence as one differentiable op with Triton forward and backward.
+
+    Inputs W, KD ``[B, T, HV, K]``, U_prime ``[B, T, HV, V]``, gamma ``[B, HV, NT, K]``, h0
+    ``[B, HV, K, V]`` (T a multiple of the chunk size). Outputs the incoming state of every
+    chunk ``[B, HV, NT, K, V]``, the pseudo-values U ``[B, T, HV, V]`` and the final state.
+    """
+
+    @staticmethod
+    def forward(ctx, W, U_prime, KD, gamma, h0):
+        prec = _dot_precision(W.dtype)
+        h_all, U_new, hT = _state_fwd(W, U_prime, KD, gamma, h0, True, prec)
+        ctx.save_for_backward(W, KD, gamma, h_all, U_new)
+        ctx.has_h0 = h0 is not None
+        ctx.prec = prec
+        return h_all, U_new, hT
+
+    @staticmethod
+    def backward(ctx, dh_all, dU_new, dhT):
+        W, KD, gamma, h_all, U_new = ctx.saved_tensors
+        B, T, HV, K = W.shape
+        V = U_new.shape[-1]
+        NT = gamma.shape[2]
+        f32 = dict(device=W.device, dtype=torch.float32)
+        dh_all = torch.zeros(B, HV, NT, K, V, **f32) if dh_all is None else dh_all.float().contiguous()
+        dU_new = torch.zeros(B, T, HV, V, **f32) if dU_new is None else dU_new.float().contiguous()
+        dW = torch.empty(B, T, HV, K, **f32)
+        dKD = torch.empty(B, T, HV, K, **f32)
+        dU_prime = torch.empty(B, T, HV, V, **f32)
+        dgamma = torch.empty(B, HV, NT, K, **f32)
+        dh0 = torch.empty(B, HV, K, V, **f32)
+        dhT_c = dhT.float().contiguous() if dhT is not None else None
+        kda_state_bwd_kernel[(B * HV,)](
+            W, KD, gamma, h_all, U_new, dU_new, dh_all, dhT_c, dW, dU_prime, dKD, dgamma, dh0, T, NT,
+            HV=HV, K=K, V=V, BT=BT, USE_DHT=dhT is not None, DOT_PREC=ctx.prec, num_warps=8,
+        )  # fmt: skip
+        return dW, dU_prime, dKD, dgamma, (dh0 if ctx.has_h0 else None)
+
+
+def _to_chunks(x: torch.Tensor, N: int) -> torch.Tensor:
+    """[B, Tpad, HV, D] -> [B, HV, N, C, D] (a view where possible)."""
+    B, Tp, HV, D = x.shape
+    return x.reshape(B, N, BT, HV, D).permute(0, 3, 1, 2, 4)
+
+
+def _from_chunks(x: torch.Tensor) -> torch.Tensor:
+    """[B, HV, N, C, D] -> [B, N*C, HV, D], contiguous."""
+    B, HV, N, C, D = x.shape
+    return x.permute(0, 2, 3, 1, 4).reshape(B, N * C, HV, D).contiguous()
+
+
+def _kda_differentiable(q, k, v, g, beta, scale, h0):
+    """The chunkwise forward again, as PyTorch ops around :class:`_StateRecurrence` (fp32)."""
+    B, T, H, K = q.shape
+    HV = v.shape[2]
+    N = triton.cdiv(T, BT)
+    pad = N * BT - T
+    group = HV // H
+
+    def prep(x):
+        return F.pad(x.float(), (0, 0, 0, 0, 0, pad))
+
+    qp = prep(q.repeat_interleave(group, dim=2))
+    kp = prep(k.repeat_interleave(group, dim=2))
+    vp, gp = prep(v), prep(g)
+    bp = F.pad(beta.float(), (0, 0, 0, pad))
+    qc, kc, vc, gc = (_to_chunks(x, N) for x in (qp, kp, vp, gp))
+    bc = bp.reshape(B, N, BT, HV).permute(0, 3, 1, 2)  # [B, HV, N, C]
+
+    G = gc.cumsum(dim=-2)
+    A_kk, A_qk = chunk_matrices(qc, kc, G, bc, scale)
+    eye = torch.eye(BT, device=q.device, dtype=torch.float32)
+    T_ut = torch.linalg.solve_triangular(eye + A_kk, eye.expand_as(A_kk), upper=False, unitriangular=True)
+    eG = torch.exp(G)
+    W = T_ut @ (bc.unsqueeze(-1) * kc * eG)
+    U_prime = T_ut @ (bc.unsqueeze(-1) * vc)
+    G_last = G[..., -1:, :]
+    KD = kc * torch.exp(G_last - G)
+    gamma = torch.exp(G_last).squeeze(-2)  # [B, HV, N, K]
+
+    dt = q.dtype
+    h_all, U_new, hT = _StateRecurrence.apply(
+        _from_chunks(W).to(dt), _from_chunks(U_prime).to(dt), _from_chunks(KD).to(dt), gamma.contiguous(), h0
+    )
+    Uc = _to_chunks(U_new.float(), N)
+    o = (qc * eG * scale) @ h_all.float() + A_qk @ Uc
+    o = _from_chunks(o)[:, :T]
+    return o, hT
+
+
+class ChunkKDAFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state):
+        o, hT = kda_fwd_triton(q, k, v, g, beta, scale, initial_state, output_final_state)
+        ctx.save_for_backward(q, k, v, g, beta, initial_state)
+        ctx.scale = scale
+        ctx.output_final_state = output_final_state
+        return o, hT
+
+    @staticmethod
+    def backward(ctx, do, dhT):
+        q, k, v, g, beta, h0 = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [x.detach().requires_grad_(True) for x in (q, k, v, g, beta)]
+            h0_leaf = h0.detach().float().requires_grad_(True) if h0 is not None else None
+            o, hT = _kda_differentiable(*leaves, ctx.scale, h0_leaf)
+            outputs, grads = [o], [do]
+            if ctx.output_final_state and dhT is not None:
+                outputs.append(hT)
+                grads.append(dhT)
+            inputs = leaves + ([h0_leaf] if h0_leaf is not None else [])
+            grad_inputs = torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
+        dq, dk, dv, dg, dbeta = grad_inputs[:5]
+        dh0 = grad_inputs[5].to(h0.dtype) if h0 is not None else None
+        return dq, dk, dv, dg, dbeta, None, dh0, None
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunkwise-parallel KDA with Triton kernels (forward fused, backward see module docstring).
+
+    q, k ``[B, T, H, K]``; v ``[B, T, HV, V]`` (HV a multiple of H); g ``[B, T, HV, K]`` the
+    log-decay (``alpha = exp(g)``, exact for ``-10 <= g <= 0``); beta ``[B, T, HV]`` in [0, 1];
+    initial_state ``[B, HV, K, V]``; scale defaults to ``K ** -0.5``. Any T.
+    Returns o ``[B, T, HV, V]`` (v's dtype) and the final state ``[B, HV, K, V]`` (fp32) or None.
+    K and V must be one of 16, 32, 64, 128; dtypes float32, bfloat16 or float16.
+    """
+    check_kda_inputs(q, k, v, g, beta, initial_state, "chunk_kda", triton=True)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    return ChunkKDAFunction.apply(q, k, v, g, beta, scale, initial_state, output_final_state)
+
+
+def decode_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """One generated token: updates ``state`` in place and returns o ``[B, 1, HV, V]``.
+
+    q, k ``[B, 1, H, K]``; v ``[B, 1, HV, V]``; g ``[B, 1, HV, K]``; beta ``[B, 1, HV]``;
+    state ``[B, HV, K, V]`` float32 (the cache: its size does not depend on how many tokens
+    came before). Forward only (inference).
+    """
+    dims = check_kda_inputs(q, k, v, g, beta, state, "decode_step", triton=True)
+    if dims.T != 1:
+        raise ValueError(f"decode_step: takes one token, got T={dims.T} (q.shape[1]); use chunk_kda for prefill")
+    if state.dtype != torch.float32 or not state.is_contiguous():
+        raise ValueError(f"decode_step: state must be a contiguous float32 tensor, got {state.dtype}")
+    scale = dims.K**-0.5 if scale is None else float(scale)
+    o = torch.empty_like(v)
+    BV = _block_v(dims.V)
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    kda_decode_kernel[(triton.cdiv(dims.V, BV), dims.B * dims.HV)](
+        q, k, v, g, beta, state, o, scale, H=dims.H, HV=dims.HV, K=dims.K, V=dims.V, BV=BV, num_warps=4
+    )
+    return o

@@ -1,0 +1,337 @@
+"""Triton kernels for chunkwise KDA (kimiteam2025kimilinear §3.1); launchers are in chunk.py.
+
+Forward, three launches (the same split as the derivation in chunk_torch.py):
+
+* :func:`kda_intra_fwd_kernel`, one program per (chunk, batch x value head), all chunks in
+  parallel: cumulative log-decay ``G``, the matrices ``A_kk`` and ``A_qk``, the UT transform
+  ``T = (I + A_kk)^{-1}`` and the WY factors ``W = T Diag(beta)(K*exp(G))``,
+  ``U' = T Diag(beta) V``.
+* :func:`kda_state_fwd_kernel`, one program per (value block, batch x value head), walking the
+  chunks in order: ``U = U' - W S``, ``S <- Diag(exp(G_C)) S + (K*exp(G_C - G))^T U``; stores each
+  chunk's incoming state and the pseudo-values U.
+* :func:`kda_out_fwd_kernel`, all chunks in parallel: ``O = scale (Q*exp(G)) S + A_qk U``.
+
+Backward: :func:`kda_state_bwd_kernel` runs the state recurrence in reverse (the sequential
+part of the backward pass); the parallel intra-chunk parts are differentiated by PyTorch (see
+chunk.py).
+
+Block sizes: ``BT`` (chunk) is 64, the largest whose ``[BT, BT]`` fp32 matrices and
+``[BT, K]`` tiles fit in registers next to a ``[K, BV]`` state tile for K = 128; the
+sub-blocks of 16 rows are what ``tl.dot`` needs as its smallest M.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def kda_intra_fwd_kernel(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    G_out,
+    W_out,
+    U_out,
+    Aqk_out,
+    KD_out,
+    gamma_out,
+    scale,
+    T,
+    NT,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    SUB: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    i_t = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    b = i_bh // HV
+    hv = i_bh % HV
+    hk = hv // (HV // H)  # GQA-like: value head hv reads key head hv // (HV/H)
+
+    loc = tl.arange(0, BT)
+    rows = i_t * BT + loc
+    mrow = rows < T
+    offk = tl.arange(0, K)
+    offv = tl.arange(0, V)
+
+    qk_off = ((b * T + rows[:, None]) * H + hk) * K + offk[None, :]
+    gv_off = ((b * T + rows[:, None]) * HV + hv) * K + offk[None, :]
+    b_k = tl.load(k + qk_off, mask=mrow[:, None], other=0.0).to(tl.float32)
+    b_q = tl.load(q + qk_off, mask=mrow[:, None], other=0.0).to(tl.float32)
+    # padded rows get g = 0 (no decay) and beta = 0, k = 0 (no write): they leave the state alone
+    b_g = tl.load(g + gv_off, mask=mrow[:, None], other=0.0).to(tl.float32)
+    b_beta = tl.load(beta + (b * T + rows) * HV + hv, mask=mrow, other=0.0).to(tl.float32)
+    b_v = tl.load(
+        v + ((b * T + rows[:, None]) * HV + hv) * V + offv[None, :], mask=mrow[:, None], other=0.0
+    ).to(tl.float32)
+
+    b_G = tl.cumsum(b_g, axis=0)  # G_r = g_1 + ... + g_r inside the chunk
+    tl.store(G_out + gv_off, b_G, mask=mrow[:, None])
+    # padded rows have g = 0, so the last row of the cumsum is G at the chunk's last real token
+    G_last = tl.sum(tl.where(loc[:, None] == BT - 1, b_G, 0.0), axis=0)
+    tl.store(gamma_out + (i_bh * NT + i_t) * K + offk, tl.exp(G_last))
+    b_kd = b_k * tl.exp(G_last[None, :] - b_G)  # decay from token i to the end of the chunk
+    tl.store(KD_out + gv_off, b_kd.to(KD_out.dtype.element_ty), mask=mrow[:, None])
+
+    # A[r, i] = sum_c x_rc k_ic exp(G_rc - G_ic), one 16-row block at a time, each factored
+    # around a reference row in its middle so that no exp overflows (see chunk_torch.chunk_matrices)
+    A_kk = tl.zeros([BT, BT], dtype=tl.float32)
+    A_qk = tl.zeros([BT, BT], dtype=tl.float32)
+    for a in tl.static_range(BT // SUB):
+        ref_row = a * SUB + SUB // 2
+        G_ref = tl.sum(tl.where(loc[:, None] == ref_row, b_G, 0.0), axis=0)  # [K]
+        in_block = (loc >= a * SUB) & (loc < (a + 1) * SUB)
+        upto_block = loc < (a + 1) * SUB
+        # clamp the exponent where the row/column is masked out anyway: no inf * 0
+        e_row = tl.exp(tl.where(in_block[:, None], b_G - G_ref[None, :], 0.0))
+        e_col = tl.exp(tl.where(upto_block[:, None], G_ref[None, :] - b_G, 0.0))
+        x_k = tl.where(in_block[:, None], b_k * e_row, 0.0)
+        x_q = tl.where(in_block[:, None], b_q * e_row, 0.0)
+        y_k = tl.where(upto_block[:, None], b_k * e_col, 0.0)
+        A_kk += tl.dot(x_k, tl.trans(y_k), input_precision=DOT_PREC)
+        A_qk += tl.dot(x_q, tl.trans(y_k), input_precision=DOT_PREC)
+    A_kk = tl.where(loc[:, None] > loc[None, :], A_kk, 0.0) * b_beta[:, None]
+    A_qk = tl.where(loc[:, None] >= loc[None, :], A_qk, 0.0) * scale
+    tl.store(
+        Aqk_out + ((b * T + rows[:, None]) * HV + hv) * BT + loc[None, :],
+        A_qk.to(Aqk_out.dtype.element_ty),
+        mask=mrow[:, None],
+    )
+
+    # UT transform by forward substitution: row r of (I + A)^{-1} is e_r - sum_{i<r} A[r, i] T_i
+    T_ut = tl.where(loc[:, None] == loc[None, :], 1.0, 0.0)
+    for r in range(1, BT):
+        a_r = tl.sum(tl.where(loc[:, None] == r, A_kk, 0.0), axis=0)  # row r of A (zero for i >= r)
+        corr = tl.sum(a_r[:, None] * T_ut, axis=0)
+        T_ut = tl.where(loc[:, None] == r, T_ut - corr[None, :], T_ut)
+
+    b_W = tl.dot(T_ut, b_k * tl.exp(b_G) * b_beta[:, None], input_precision=DOT_PREC)
+    b_U = tl.dot(T_ut, b_v * b_beta[:, None], input_precision=DOT_PREC)
+    tl.store(W_out + gv_off, b_W.to(W_out.dtype.element_ty), mask=mrow[:, None])
+    tl.store(
+        U_out + ((b * T + rows[:, None]) * HV + hv) * V + offv[None, :],
+        b_U.to(U_out.dtype.element_ty),
+        mask=mrow[:, None],
+    )
+
+
+@triton.jit
+def kda_state_fwd_kernel(
+    W,
+    U_prime,
+    KD,
+    gamma,
+    h0,
+    h_all,
+    U_new,
+    hT,
+    T,
+    NT,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BV: tl.constexpr,
+    USE_H0: tl.constexpr,
+    STORE_FINAL: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """S_{n+1} = Diag(gamma_n) S_n + KD_n^T (U'_n - W_n S_n), one program per (V block, b*HV).
+
+    W, KD ``[B, T, HV, K]`` (KD = k * exp(G_last - G)); U_prime, U_new ``[B, T, HV, V]``;
+    gamma ``[B, HV, NT, K]`` (exp(G_last)); h0, hT ``[B, HV, K, V]`` fp32;
+    h_all ``[B, HV, NT, K, V]`` the state entering each chunk.
+    """
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    b = i_bh // HV
+    hv = i_bh % HV
+    offk = tl.arange(0, K)
+    offv = i_v * BV + tl.arange(0, BV)
+    loc = tl.arange(0, BT)
+    kv_off = offk[:, None] * V + offv[None, :]
+
+    h = tl.zeros([K, BV], dtype=tl.float32)
+    if USE_H0:
+        h += tl.load(h0 + i_bh * K * V + kv_off).to(tl.float32)
+    # a while loop, not range(NT): Triton 3.6's CPU interpreter cannot range over a runtime int
+    n = 0
+    while n < NT:
+        tl.store(h_all + (i_bh * NT + n) * K * V + kv_off, h.to(h_all.dtype.element_ty))
+        rows = n * BT + loc
+        mrow = rows < T
+        k_off = ((b * T + rows[:, None]) * HV + hv) * K + offk[None, :]
+        v_off = ((b * T + rows[:, None]) * HV + hv) * V + offv[None, :]
+        b_w = tl.load(W + k_off, mask=mrow[:, None], other=0.0)
+        b_kd = tl.load(KD + k_off, mask=mrow[:, None], other=0.0)
+        b_up = tl.load(U_prime + v_off, mask=mrow[:, None], other=0.0).to(tl.float32)
+        # the matmul runs in the inputs' dtype (bf16 tensor cores for bf16), accumulating in fp32
+        b_u = b_up - tl.dot(b_w, h.to(b_w.dtype), input_precision=DOT_PREC)
+        tl.store(U_new + v_off, b_u.to(U_new.dtype.element_ty), mask=mrow[:, None])
+        b_gamma = tl.load(gamma + (i_bh * NT + n) * K + offk).to(tl.float32)
+        h = h * b_gamma[:, None] + tl.dot(tl.trans(b_kd), b_u.to(b_kd.dtype), input_precision=DOT_PREC)
+        n += 1
+    if STORE_FINAL:
+        tl.store(hT + i_bh * K * V + kv_off, h)
+
+
+@triton.jit
+def kda_out_fwd_kernel(
+    q,
+    G,
+    h_all,
+    Aqk,
+    U_new,
+    o,
+    scale,
+    T,
+    NT,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BV: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """O = scale (Q * exp(G)) S_n + A_qk U for one chunk and one value block."""
+    i_t = tl.program_id(0)
+    i_v = tl.program_id(1)
+    i_bh = tl.program_id(2)
+    b = i_bh // HV
+    hv = i_bh % HV
+    hk = hv // (HV // H)
+    loc = tl.arange(0, BT)
+    rows = i_t * BT + loc
+    mrow = rows < T
+    offk = tl.arange(0, K)
+    offv = i_v * BV + tl.arange(0, BV)
+
+    b_q = tl.load(q + ((b * T + rows[:, None]) * H + hk) * K + offk[None, :], mask=mrow[:, None], other=0.0)
+    b_G = tl.load(G + ((b * T + rows[:, None]) * HV + hv) * K + offk[None, :], mask=mrow[:, None], other=0.0)
+    b_qg = (b_q.to(tl.float32) * tl.exp(b_G) * scale).to(q.dtype.element_ty)
+    b_h = tl.load(h_all + (i_bh * NT + i_t) * K * V + offk[:, None] * V + offv[None, :])
+    b_o = tl.dot(b_qg, b_h.to(b_qg.dtype), input_precision=DOT_PREC)
+    b_A = tl.load(Aqk + ((b * T + rows[:, None]) * HV + hv) * BT + loc[None, :], mask=mrow[:, None], other=0.0)
+    b_u = tl.load(U_new + ((b * T + rows[:, None]) * HV + hv) * V + offv[None, :], mask=mrow[:, None], other=0.0)
+    b_o += tl.dot(b_A.to(b_u.dtype), b_u, input_precision=DOT_PREC)
+    tl.store(
+        o + ((b * T + rows[:, None]) * HV + hv) * V + offv[None, :], b_o.to(o.dtype.element_ty), mask=mrow[:, None]
+    )
+
+
+@triton.jit
+def kda_state_bwd_kernel(
+    W,
+    KD,
+    gamma,
+    h_all,
+    U_new,
+    dU_ext,
+    dh_ext,
+    dhT,
+    dW,
+    dU_prime,
+    dKD,
+    dgamma,
+    dh0,
+    T,
+    NT,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    USE_DHT: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """Reverse of :func:`kda_state_fwd_kernel`, one program per b*HV (full V: dKD sums over it).
+
+    With dS the gradient reaching S_{n+1}, for n = NT-1 .. 0:
+        dU_n   = dU_ext_n + KD_n dS          (U_n feeds S_{n+1} through KD_n^T U_n)
+        dKD_n  = U_n dS^T
+        dgamma_n = rowsum(dS * S_n)
+        dW_n   = -dU_n S_n^T                 (U_n = U'_n - W_n S_n)
+        dS    <- Diag(gamma_n) dS - W_n^T dU_n + dh_ext_n
+    """
+    i_bh = tl.program_id(0)
+    b = i_bh // HV
+    hv = i_bh % HV
+    offk = tl.arange(0, K)
+    offv = tl.arange(0, V)
+    loc = tl.arange(0, BT)
+    kv_off = offk[:, None] * V + offv[None, :]
+
+    dS = tl.zeros([K, V], dtype=tl.float32)
+    if USE_DHT:
+        dS += tl.load(dhT + i_bh * K * V + kv_off).to(tl.float32)
+    n = NT - 1
+    while n >= 0:
+        rows = n * BT + loc
+        mrow = rows < T
+        k_off = ((b * T + rows[:, None]) * HV + hv) * K + offk[None, :]
+        v_off = ((b * T + rows[:, None]) * HV + hv) * V + offv[None, :]
+        b_kd = tl.load(KD + k_off, mask=mrow[:, None], other=0.0).to(tl.float32)
+        b_w = tl.load(W + k_off, mask=mrow[:, None], other=0.0).to(tl.float32)
+        b_u = tl.load(U_new + v_off, mask=mrow[:, None], other=0.0).to(tl.float32)
+        b_du = tl.load(dU_ext + v_off, mask=mrow[:, None], other=0.0).to(tl.float32)
+        b_h = tl.load(h_all + (i_bh * NT + n) * K * V + kv_off).to(tl.float32)
+        b_gamma = tl.load(gamma + (i_bh * NT + n) * K + offk).to(tl.float32)
+
+        b_du += tl.dot(b_kd, dS, input_precision=DOT_PREC)
+        b_dkd = tl.dot(b_u, tl.trans(dS), input_precision=DOT_PREC)
+        b_dgamma = tl.sum(dS * b_h, axis=1)
+        b_dw = -tl.dot(b_du, tl.trans(b_h), input_precision=DOT_PREC)
+        tl.store(dU_prime + v_off, b_du, mask=mrow[:, None])
+        tl.store(dKD + k_off, b_dkd, mask=mrow[:, None])
+        tl.store(dW + k_off, b_dw, mask=mrow[:, None])
+        tl.store(dgamma + (i_bh * NT + n) * K + offk, b_dgamma)
+        b_dh = tl.load(dh_ext + (i_bh * NT + n) * K * V + kv_off).to(tl.float32)
+        dS = dS * b_gamma[:, None] - tl.dot(tl.trans(b_w), b_du, input_precision=DOT_PREC) + b_dh
+        n -= 1
+    tl.store(dh0 + i_bh * K * V + kv_off, dS)
+
+
+@triton.jit
+def kda_decode_kernel(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    state,
+    o,
+    scale,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BV: tl.constexpr,
+):
+    """One token of KDA, updating ``state [B, HV, K, V]`` (fp32) in place; o ``[B, 1, HV, V]``."""
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    b = i_bh // HV
+    hv = i_bh % HV
+    hk = hv // (HV // H)
+    offk = tl.arange(0, K)
+    offv = i_v * BV + tl.arange(0, BV)
+    kv_off = i_bh * K * V + offk[:, None] * V + offv[None, :]
+    b_q = tl.load(q + (b * H + hk) * K + offk).to(tl.float32)
+    b_k = tl.load(k + (b * H + hk) * K + offk).to(tl.float32)
+    b_g = tl.load(g + (b * HV + hv) * K + offk).to(tl.float32)
+    b_beta = tl.load(beta + b * HV + hv).to(tl.float32)
+    b_v = tl.load(v + (b * HV + hv) * V + offv).to(tl.float32)
+    S = tl.load(state + kv_off) * tl.exp(b_g)[:, None]  # Diag(alpha_t) S_{t-1}
+    err = b_v - tl.sum(b_k[:, None] * S, axis=0)  # v_t - (Diag(alpha_t) S_{t-1})^T k_t
+    S += b_beta * b_k[:, None] * err[None, :]
+    tl.store(state + kv_off, S)
+    b_o = tl.sum(b_q[:, None] * S, axis=0) * scale
+    tl.store(o + (b * HV + hv) * V + offv, b_o.to(o.dtype.element_ty))
