@@ -204,7 +204,7 @@ class Report:
             "schema": SCHEMA,
             "package": self.package,
             "title": self.title,
-            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
             "device": env.get("device"),
             "device_count": env.get("device_count", 1),
             "environment": env,

@@ -36,7 +36,11 @@ class BibEntry:
         if not self.authors:
             return ""
         first = self.authors[0]
-        return first if len(self.authors) == 1 else (f"{first} and {self.authors[1]}" if len(self.authors) == 2 else f"{first} et al.")
+        return (
+            first
+            if len(self.authors) == 1
+            else (f"{first} and {self.authors[1]}" if len(self.authors) == 2 else f"{first} et al.")
+        )
 
     @property
     def venue(self) -> str:
@@ -81,21 +85,39 @@ def load_bibliography(bib_dir: Path, root: Path) -> tuple[dict[str, BibEntry], l
             line = (block.start_line or 0) + 1
             kind = type(block).__name__
             if kind == "DuplicateBlockKeyBlock":
-                problems.append((file, f"line {line}", f"entry key '{block.key}' appears twice in this file; remove or rename one"))
+                problems.append(
+                    (
+                        file,
+                        f"line {line}",
+                        f"entry key '{block.key}' appears twice in this file; remove or rename one",
+                    )
+                )
             else:
-                problems.append((file, f"line {line}", "an entry could not be parsed (unbalanced braces or a missing comma?); fix its syntax"))
+                problems.append(
+                    (
+                        file,
+                        f"line {line}",
+                        "an entry could not be parsed (unbalanced braces or a missing comma?); fix its syntax",
+                    )
+                )
         for e in lib.entries:
             where = f"@{e.entry_type}{{{e.key}}}"
             if not KEY.match(e.key):
-                problems.append((file, where, "key must be lowercase letters and digits, e.g. dao2022flashattention"))
+                problems.append(
+                    (file, where, "key must be lowercase letters and digits, e.g. dao2022flashattention")
+                )
             if e.key in entries:
-                problems.append((file, where, f"key is also defined in {entries[e.key].file}; keep one entry per paper"))
+                problems.append(
+                    (file, where, f"key is also defined in {entries[e.key].file}; keep one entry per paper")
+                )
                 continue
             f = {k: v for k, v in e.fields_dict.items()}
             values = {k: fld.value for k, fld in f.items()}
             missing = [k for k in REQUIRED if not str(values.get(k, "")).strip()]
             for k in missing:
-                problems.append((file, f"{where}.{k}", "is required; every entry needs title, author, year and url"))
+                problems.append(
+                    (file, f"{where}.{k}", "is required; every entry needs title, author, year and url")
+                )
             year = str(values.get("year", "")).strip()
             if year and not re.fullmatch(r"(19|20)\d\d", year):
                 problems.append((file, f"{where}.year", f"'{year}' is not a four-digit year"))
@@ -105,7 +127,9 @@ def load_bibliography(bib_dir: Path, root: Path) -> tuple[dict[str, BibEntry], l
             eprint = str(values.get("eprint", "")).strip() or None
             if eprint:
                 if not ARXIV_ID.match(eprint):
-                    problems.append((file, f"{where}.eprint", f"'{eprint}' is not an arXiv id like 2507.04786"))
+                    problems.append(
+                        (file, f"{where}.eprint", f"'{eprint}' is not an arXiv id like 2507.04786")
+                    )
                 if str(values.get("archiveprefix", "")).lower() != "arxiv":
                     problems.append((file, f"{where}.archiveprefix", "must be {arXiv} when eprint is given"))
             for k, v in values.items():
@@ -126,12 +150,29 @@ def load_bibliography(bib_dir: Path, root: Path) -> tuple[dict[str, BibEntry], l
     return entries, problems
 
 
-def format_entry(key: str, *, title: str, authors: list[str], year: int | str, arxiv: str | None = None,
-                 url: str | None = None, primary_class: str = "cs.LG") -> str:
+def format_entry(
+    key: str,
+    *,
+    title: str,
+    authors: list[str],
+    year: int | str,
+    arxiv: str | None = None,
+    url: str | None = None,
+    primary_class: str = "cs.LG",
+) -> str:
     """A BibTeX entry in the house format (used by ``paperclub new-session``)."""
     url = url or (f"https://arxiv.org/abs/{arxiv}" if arxiv else "")
-    lines = [f"@article{{{key},", f"  title = {{{title}}},", f"  author = {{{' and '.join(authors)}}},", f"  year = {{{year}}},"]
+    lines = [
+        f"@article{{{key},",
+        f"  title = {{{title}}},",
+        f"  author = {{{' and '.join(authors)}}},",
+        f"  year = {{{year}}},",
+    ]
     if arxiv:
-        lines += [f"  eprint = {{{arxiv}}},", "  archivePrefix = {arXiv},", f"  primaryClass = {{{primary_class}}},"]
+        lines += [
+            f"  eprint = {{{arxiv}}},",
+            "  archivePrefix = {arXiv},",
+            f"  primaryClass = {{{primary_class}}},",
+        ]
     lines += [f"  url = {{{url}}},", "}"]
     return "\n".join(lines) + "\n"

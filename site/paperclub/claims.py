@@ -57,7 +57,11 @@ class ClaimFile:
 
 
 class ClaimsError(ValueError):
-    """A claims.yaml that cannot be used; the message names file, field and the fix."""
+    """A claims.yaml that cannot be used; names the file, the field and the fix."""
+
+    def __init__(self, file: str, field: str, message: str):
+        super().__init__(f"{file}: field '{field}': {message}" if field else f"{file}: {message}")
+        self.file, self.field, self.message = file, field, message
 
 
 def package_dirs(root: Path = ROOT) -> list[tuple[str, Path]]:
@@ -73,49 +77,53 @@ def package_dirs(root: Path = ROOT) -> list[tuple[str, Path]]:
     return out
 
 
-def load_claim_file(package: str, path: Path) -> ClaimFile:
-    rel = _rel(path)
+def load_claim_file(package: str, path: Path, root: Path = ROOT) -> ClaimFile:
+    rel = _rel(path, root)
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
-        raise ClaimsError(f"{rel}: not valid YAML ({exc}); fix the syntax") from None
+        raise ClaimsError(rel, "", f"is not valid YAML ({exc}); fix the syntax") from None
     if not isinstance(data, dict):
-        raise ClaimsError(f"{rel}: expected a mapping with 'paper' and 'claims'")
+        raise ClaimsError(rel, "", "must be a mapping with 'paper' and 'claims'")
     paper = data.get("paper")
     if not isinstance(paper, str) or not paper:
-        raise ClaimsError(f"{rel}: field 'paper' must be the bib key of the paper these claims come from")
+        raise ClaimsError(rel, "paper", "must be the bib key of the paper these claims come from")
     items = data.get("claims")
     if not isinstance(items, list) or not items:
-        raise ClaimsError(f"{rel}: field 'claims' must be a non-empty list")
+        raise ClaimsError(rel, "claims", "must be a non-empty list")
     cf = ClaimFile(package=package, path=path, paper=paper)
     seen: set[str] = set()
     for i, item in enumerate(items):
-        where = f"{rel}: claims[{i}]"
+        where = f"claims[{i}]"
         if not isinstance(item, dict):
-            raise ClaimsError(f"{where}: expected a mapping with id, section, statement")
+            raise ClaimsError(rel, where, "expected a mapping with id, section, statement")
         for key in ("id", "section", "statement"):
             if not isinstance(item.get(key), str) or not item[key].strip():
-                raise ClaimsError(f"{where}: field '{key}' is missing or empty; every claim needs it")
+                raise ClaimsError(rel, where, f"field '{key}' is missing or empty; every claim needs it")
         cid = item["id"]
         if not CLAIM_ID.match(cid) or not cid.startswith(package + "/"):
-            raise ClaimsError(f"{where}: id '{cid}' must look like '{package}/<slug>' (lowercase, digits, - _ .)")
+            raise ClaimsError(
+                rel, where, f"id '{cid}' must look like '{package}/<slug>' (lowercase, digits, - _ .)"
+            )
         if cid in seen:
-            raise ClaimsError(f"{where}: id '{cid}' appears twice in this file")
+            raise ClaimsError(rel, where, f"id '{cid}' appears twice in this file")
         seen.add(cid)
         reproducible = item.get("reproducible", True)
         if not isinstance(reproducible, bool):
-            raise ClaimsError(f"{where}: field 'reproducible' must be true or false")
+            raise ClaimsError(rel, where, "field 'reproducible' must be true or false")
         reason = item.get("reason", "") or ""
         if not reproducible and not reason.strip():
-            raise ClaimsError(f"{where}: claim '{cid}' is marked reproducible: false; say why in 'reason'")
+            raise ClaimsError(rel, where, f"claim '{cid}' is marked reproducible: false; say why in 'reason'")
         unknown = set(item) - {"id", "section", "statement", "reproducible", "reason", "paper"}
         if unknown:
             raise ClaimsError(
-                f"{where}: unknown field(s) {sorted(unknown)}; allowed: id, section, statement, reproducible, reason, paper"
+                rel,
+                where,
+                f"unknown field(s) {sorted(unknown)}; allowed: id, section, statement, reproducible, reason, paper",
             )
         claim_paper = item.get("paper", paper)
         if not isinstance(claim_paper, str) or not claim_paper:
-            raise ClaimsError(f"{where}: field 'paper' must be a bib key")
+            raise ClaimsError(rel, where, "field 'paper' must be a bib key")
         cf.claims.append(
             Claim(
                 id=cid,
@@ -138,9 +146,13 @@ def load_registry(root: Path = ROOT) -> dict[str, Claim]:
         path = d / "claims.yaml"
         if not path.exists():
             continue
-        for claim in load_claim_file(package, path).claims:
+        for claim in load_claim_file(package, path, root).claims:
             if claim.id in registry:
-                raise ClaimsError(f"{_rel(path)}: claim id '{claim.id}' is also registered in {_rel(registry[claim.id].source)}")
+                raise ClaimsError(
+                    _rel(path, root),
+                    claim.id,
+                    f"is also registered in {_rel(registry[claim.id].source, root)}",
+                )
             registry[claim.id] = claim
     return registry
 
@@ -159,7 +171,11 @@ def load_results(package_dir: Path) -> dict:
 
 def claim_status(claim: Claim, results: dict) -> tuple[str, list[dict]]:
     """Summarise a claim: ('passed' | 'failed' | 'skipped' | 'no test' | 'not reproducible', tests)."""
-    tests = [dict(t, nodeid=nid) for nid, t in sorted(results.get("tests", {}).items()) if t.get("claim") == claim.id]
+    tests = [
+        dict(t, nodeid=nid)
+        for nid, t in sorted(results.get("tests", {}).items())
+        if t.get("claim") == claim.id
+    ]
     if not claim.reproducible:
         return "not reproducible", tests
     if not tests:
@@ -172,10 +188,10 @@ def claim_status(claim: Claim, results: dict) -> tuple[str, list[dict]]:
     return "skipped", tests
 
 
-def _rel(path: Path | None) -> str:
+def _rel(path: Path | None, root: Path = ROOT) -> str:
     if path is None:
         return "?"
     try:
-        return str(path.resolve().relative_to(ROOT))
+        return str(path.resolve().relative_to(root.resolve()))
     except ValueError:
         return str(path)

@@ -27,7 +27,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     if problems:
         for p in problems:
             print(f"error: {p}", file=sys.stderr)
-        print(f"\n{len(problems)} problem(s) found; fix them and run 'paperclub check' again.", file=sys.stderr)
+        print(
+            f"\n{len(problems)} problem(s) found; fix them and run 'paperclub check' again.", file=sys.stderr
+        )
         return 1
     n_claims = len(content.claims)
     print(
@@ -59,7 +61,9 @@ def _ask(prompt: str, current: str | None, required: bool = True) -> str | None:
         return current
     if not sys.stdin.isatty():
         if required:
-            raise SystemExit(f"error: {prompt} is required; pass it as an option (see 'paperclub new-session --help')")
+            raise SystemExit(
+                f"error: {prompt} is required; pass it as an option (see 'paperclub new-session --help')"
+            )
         return None
     while True:
         value = input(f"{prompt}: ").strip()
@@ -73,7 +77,9 @@ def cmd_new_session(args: argparse.Namespace) -> int:
     root = Path(args.root)
     title = _ask("title", args.title)
     date = _ask("date (YYYY-MM-DD, or YYYY-MM; empty if not known)", args.date, required=False)
-    date_known = args.date_known or ("planned" if not date else ("exact" if len(date) == 10 else "approximate"))
+    date_known = args.date_known or (
+        "planned" if not date else ("exact" if len(date) == 10 else "approximate")
+    )
     if date:
         try:
             _dt.date.fromisoformat(date if len(date) == 10 else date + "-01")
@@ -83,7 +89,9 @@ def cmd_new_session(args: argparse.Namespace) -> int:
     prefix = date or ("planned" if date_known == "planned" else "undated")
     folder = root / "sessions" / f"{prefix}-{slug}"
     if folder.exists():
-        raise SystemExit(f"error: {folder.relative_to(root)} already exists; refusing to overwrite it (choose another --slug)")
+        raise SystemExit(
+            f"error: {folder.relative_to(root)} already exists; refusing to overwrite it (choose another --slug)"
+        )
     content, _ = load(root)
     if any(s.slug == slug for s in content.sessions):
         raise SystemExit(f"error: the slug '{slug}' is already used by another session; pass --slug")
@@ -102,7 +110,14 @@ def cmd_new_session(args: argparse.Namespace) -> int:
         year = args.paper_year or "20" + arxiv[:2]
         paper_title = args.paper_title or "TODO: the paper's title"
         last = re.sub(r"[^a-z]", "", authors[0].split(",")[0].lower()) or "author"
-        word = next((w for w in re.findall(r"[a-z0-9]+", paper_title.lower()) if w not in {"a", "an", "the", "on", "of", "todo"}), "paper")
+        word = next(
+            (
+                w
+                for w in re.findall(r"[a-z0-9]+", paper_title.lower())
+                if w not in {"a", "an", "the", "on", "of", "todo"}
+            ),
+            "paper",
+        )
         key = f"{last}{year}{word}"
         if key in content.bib or key in keys:
             key = f"{key}{arxiv.replace('.', '')}"
@@ -113,7 +128,9 @@ def cmd_new_session(args: argparse.Namespace) -> int:
             raise SystemExit(f"error: {page.relative_to(root)} already exists; refusing to overwrite it")
         new_papers.append((page, _paper_template(key, paper_title, folder.name)))
     if args.slides and not URL.match(args.slides):
-        raise SystemExit(f"error: --slides '{args.slides}' must be an https:// URL (put a slides file in the folder by hand)")
+        raise SystemExit(
+            f"error: --slides '{args.slides}' must be an https:// URL (put a slides file in the folder by hand)"
+        )
 
     lines = [f"title: {_q(title)}"]
     if args.number:
@@ -176,7 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("claims", help="list every claim and its last status").set_defaults(func=cmd_claims)
     new = sub.add_parser("new-session", help="scaffold a session folder (prompts for what is missing)")
     new.add_argument("--title")
-    new.add_argument("--date", help="YYYY-MM-DD, or YYYY-MM when only the month is known; omit for a planned session")
+    new.add_argument(
+        "--date", help="YYYY-MM-DD, or YYYY-MM when only the month is known; omit for a planned session"
+    )
     new.add_argument("--date-known", choices=["exact", "approximate", "unknown", "planned"])
     new.add_argument("--number", type=int)
     new.add_argument("--slug", help="folder slug (default: from the title)")

@@ -22,7 +22,9 @@ from paperclub.bibliography import BibEntry, load_bibliography
 from paperclub.claims import ClaimsError, load_registry, package_dirs
 
 SLUG = r"[a-z0-9]+(?:-[a-z0-9]+)*"
-FOLDER = re.compile(rf"^(?P<prefix>\d{{4}}-\d{{2}}-\d{{2}}|\d{{4}}-\d{{2}}|undated|planned)-(?P<slug>{SLUG})$")
+FOLDER = re.compile(
+    rf"^(?P<prefix>\d{{4}}-\d{{2}}-\d{{2}}|\d{{4}}-\d{{2}}|undated|planned)-(?P<slug>{SLUG})$"
+)
 TAG = re.compile(rf"^{SLUG}$")
 URL = re.compile(r"^https?://[^\s/$.?#][^\s]*\.[^\s]+$")
 BIBKEY = re.compile(r"^[a-z][a-z0-9]*$")
@@ -79,7 +81,9 @@ class SessionMeta(BaseModel):
             else:
                 raise ValueError
         except ValueError:
-            raise ValueError(f"'{v}' is not a real date; write YYYY-MM-DD, or YYYY-MM when only the month is known") from None
+            raise ValueError(
+                f"'{v}' is not a real date; write YYYY-MM-DD, or YYYY-MM when only the month is known"
+            ) from None
         return v
 
     @field_validator("presenters", "tags", "papers", mode="before")
@@ -119,7 +123,9 @@ class SessionMeta(BaseModel):
     def _keys(cls, v):
         for k in v:
             if not BIBKEY.match(k):
-                raise ValueError(f"'{k}' is not a bib key (lowercase letters and digits, e.g. dao2022flashattention)")
+                raise ValueError(
+                    f"'{k}' is not a bib key (lowercase letters and digits, e.g. dao2022flashattention)"
+                )
         if len(set(v)) != len(v):
             raise ValueError("a paper is listed twice")
         return v
@@ -131,7 +137,9 @@ class SessionMeta(BaseModel):
         if self.date_known == "approximate" and self.date is None:
             raise ValueError("date_known is 'approximate' but there is no 'date'; give the best guess")
         if self.date_known in ("unknown", "planned") and self.date is not None:
-            raise ValueError(f"date_known is '{self.date_known}' but a 'date' is given; use 'exact' or 'approximate'")
+            raise ValueError(
+                f"date_known is '{self.date_known}' but a 'date' is given; use 'exact' or 'approximate'"
+            )
         return self
 
 
@@ -267,13 +275,23 @@ SESSION_HINTS = {
 PAPER_HINTS = {"_fields": list(PaperMeta.model_fields), "bibkey": "the key of this paper in bib/*.bib"}
 
 
+class _Loader(yaml.SafeLoader):
+    """Safe YAML, but dates stay strings: the schema checks them and can name the field."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    k: [(tag, rx) for tag, rx in v if tag != "tag:yaml.org,2002:timestamp"]
+    for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+
+
 def read_yaml(path: Path, root: Path) -> tuple[object, list[Problem]]:
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         return None, [Problem(rel(path, root), "", "is not UTF-8 text; save it as UTF-8")]
     try:
-        return yaml.safe_load(text), []
+        return yaml.load(text, Loader=_Loader), []
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -285,19 +303,29 @@ def load_session(folder: Path, root: Path) -> tuple[Session | None, list[Problem
     path = folder / "session.yaml"
     file = rel(path, root)
     if not path.exists():
-        return None, [Problem(rel(folder, root), "", "has no session.yaml; every session folder needs one (paperclub new-session makes it)")]
+        return None, [
+            Problem(
+                rel(folder, root),
+                "",
+                "has no session.yaml; every session folder needs one (paperclub new-session makes it)",
+            )
+        ]
     data, problems = read_yaml(path, root)
     if problems:
         return None, problems
     if not isinstance(data, dict):
-        return None, [Problem(file, "", "must be a mapping of fields (title: ..., date: ...), not a list or a scalar")]
+        return None, [
+            Problem(file, "", "must be a mapping of fields (title: ..., date: ...), not a list or a scalar")
+        ]
     try:
         meta = SessionMeta.model_validate(data)
     except ValidationError as exc:
         return None, _pydantic_problems(exc, file, SESSION_HINTS)
     deck = folder / "slides.md"
     notes = folder / "notes.md"
-    return Session(folder.name, folder, meta, deck if deck.exists() else None, notes if notes.exists() else None), []
+    return Session(
+        folder.name, folder, meta, deck if deck.exists() else None, notes if notes.exists() else None
+    ), []
 
 
 def split_front_matter(text: str) -> tuple[dict | None, str, str | None]:
@@ -305,12 +333,12 @@ def split_front_matter(text: str) -> tuple[dict | None, str, str | None]:
     if not m:
         return None, text, "has no front matter; start it with a '---' block holding bibkey, title, sessions"
     try:
-        meta = yaml.safe_load(m.group(1))
+        meta = yaml.load(m.group(1), Loader=_Loader)
     except yaml.YAMLError as exc:
         return None, text, f"front matter is not valid YAML: {str(exc).splitlines()[0]}"
     if not isinstance(meta, dict):
         return None, text, "front matter must be a mapping of fields"
-    return meta, text[m.end():], None
+    return meta, text[m.end() :], None
 
 
 def load_paper(path: Path, root: Path) -> tuple[Paper | None, list[Problem]]:
@@ -323,7 +351,9 @@ def load_paper(path: Path, root: Path) -> tuple[Paper | None, list[Problem]]:
     except ValidationError as exc:
         return None, _pydantic_problems(exc, file, PAPER_HINTS)
     if pm.bibkey != path.stem:
-        return None, [Problem(file, "bibkey", f"is '{pm.bibkey}' but the file is named '{path.name}'; they must agree")]
+        return None, [
+            Problem(file, "bibkey", f"is '{pm.bibkey}' but the file is named '{path.name}'; they must agree")
+        ]
     return Paper(pm.bibkey, path, pm, body), []
 
 
@@ -338,11 +368,23 @@ def load_repros(root: Path) -> tuple[dict[str, Repro], list[Problem]]:
         data, probs = read_yaml(planned, root)
         problems += probs
         if isinstance(data, dict):
-            for name, info in data.items():
+            for name in data:
                 if name in repros:
-                    problems.append(Problem(rel(planned, root), name, "is listed as planned but repro/" f"{name}/ exists; remove it from planned.yaml"))
+                    problems.append(
+                        Problem(
+                            rel(planned, root),
+                            name,
+                            f"is listed as planned but repro/{name}/ exists; remove it from planned.yaml",
+                        )
+                    )
                 elif not re.fullmatch(SLUG, str(name)):
-                    problems.append(Problem(rel(planned, root), str(name), "is not a valid repro name (lowercase, digits, '-')"))
+                    problems.append(
+                        Problem(
+                            rel(planned, root),
+                            str(name),
+                            "is not a valid repro name (lowercase, digits, '-')",
+                        )
+                    )
                 else:
                     repros[name] = Repro(name, root / "repro" / name, planned=True)
         elif data is not None:
@@ -370,10 +412,20 @@ def load(root: Path = ROOT) -> tuple[Content, list[Problem]]:
         m = FOLDER.match(folder.name)
         if not m:
             problems.append(
-                Problem(rel(folder, root), "", "folder name must be '<YYYY-MM-DD>-<slug>', '<YYYY-MM>-<slug>', 'undated-<slug>' or 'planned-<slug>' (slug: lowercase words joined by '-')")
+                Problem(
+                    rel(folder, root),
+                    "",
+                    "folder name must be '<YYYY-MM-DD>-<slug>', '<YYYY-MM>-<slug>', 'undated-<slug>' or 'planned-<slug>' (slug: lowercase words joined by '-')",
+                )
             )
         elif m.group("slug") in slugs:
-            problems.append(Problem(rel(folder, root), "", f"slug '{m.group('slug')}' is already used by sessions/{slugs[m.group('slug')]}; choose another"))
+            problems.append(
+                Problem(
+                    rel(folder, root),
+                    "",
+                    f"slug '{m.group('slug')}' is already used by sessions/{slugs[m.group('slug')]}; choose another",
+                )
+            )
         else:
             slugs[m.group("slug")] = folder.name
         if session is None:
@@ -390,23 +442,47 @@ def load(root: Path = ROOT) -> tuple[Content, list[Problem]]:
         content.papers[paper.key] = paper
         file = rel(path, root)
         if paper.key not in content.bib:
-            problems.append(Problem(file, "bibkey", f"'{paper.key}' has no entry in bib/*.bib; add one (title, author, year, url, eprint)"))
+            problems.append(
+                Problem(
+                    file,
+                    "bibkey",
+                    f"'{paper.key}' has no entry in bib/*.bib; add one (title, author, year, url, eprint)",
+                )
+            )
         folders = {s.folder for s in content.sessions}
         for s in paper.meta.sessions:
             if s not in folders:
-                problems.append(Problem(file, "sessions", f"'{s}' is not a folder in sessions/; use the folder name of the session"))
+                problems.append(
+                    Problem(
+                        file,
+                        "sessions",
+                        f"'{s}' is not a folder in sessions/; use the folder name of the session",
+                    )
+                )
         if paper.meta.repro and paper.meta.repro not in content.repros:
-            problems.append(Problem(file, "repro", f"'{paper.meta.repro}' is neither a folder in repro/ nor listed in repro/planned.yaml"))
+            problems.append(
+                Problem(
+                    file,
+                    "repro",
+                    f"'{paper.meta.repro}' is neither a folder in repro/ nor listed in repro/planned.yaml",
+                )
+            )
 
     for s in content.sessions:
         for key in s.meta.papers:
             if key in content.bib and key not in content.papers:
-                problems.append(Problem(f"papers/{key}.md", "", f"is missing; sessions/{s.folder} cites '{key}', and every cited paper needs a summary page"))
+                problems.append(
+                    Problem(
+                        f"papers/{key}.md",
+                        "",
+                        f"is missing; sessions/{s.folder} cites '{key}', and every cited paper needs a summary page",
+                    )
+                )
 
     try:
         content.claims = load_registry(root)
     except ClaimsError as exc:
-        problems.append(Problem(str(exc).split(":", 1)[0], "claims", str(exc).split(":", 1)[-1].strip()))
+        problems.append(Problem(exc.file, exc.field, exc.message))
     problems += _check_claims(content, root)
     problems += _check_results(content, root)
     return content, problems
@@ -420,16 +496,38 @@ def _check_session(session: Session, m: re.Match | None, content: Content, root:
         prefix = m.group("prefix")
         expected = meta.date if meta.date else ("planned" if meta.date_known == "planned" else "undated")
         if prefix != expected:
-            out.append(Problem(file, "date", f"folder starts with '{prefix}' but the date says '{expected}'; rename the folder to '{expected}-{m.group('slug')}' or fix the date"))
+            out.append(
+                Problem(
+                    file,
+                    "date",
+                    f"folder starts with '{prefix}' but the date says '{expected}'; rename the folder to '{expected}-{m.group('slug')}' or fix the date",
+                )
+            )
     for key in meta.papers:
         if key not in content.bib:
-            out.append(Problem(file, "papers", f"'{key}' is not a key in bib/*.bib; add the BibTeX entry or fix the key"))
+            out.append(
+                Problem(
+                    file, "papers", f"'{key}' is not a key in bib/*.bib; add the BibTeX entry or fix the key"
+                )
+            )
     if meta.slides and not URL.match(meta.slides):
         target = session.path / meta.slides
         if ".." in Path(meta.slides).parts or not target.is_file():
-            out.append(Problem(file, "slides", f"'{meta.slides}' is neither an https:// URL nor a file in {rel(session.path, root)}/"))
+            out.append(
+                Problem(
+                    file,
+                    "slides",
+                    f"'{meta.slides}' is neither an https:// URL nor a file in {rel(session.path, root)}/",
+                )
+            )
     if meta.repro and meta.repro not in content.repros:
-        out.append(Problem(file, "repro", f"'{meta.repro}' is neither a folder in repro/ nor listed in repro/planned.yaml"))
+        out.append(
+            Problem(
+                file,
+                "repro",
+                f"'{meta.repro}' is neither a folder in repro/ nor listed in repro/planned.yaml",
+            )
+        )
     if session.deck is not None:
         text = session.deck.read_text(encoding="utf-8")
         if not text.strip():
@@ -437,7 +535,13 @@ def _check_session(session: Session, m: re.Match | None, content: Content, root:
         else:
             for i, slide in enumerate(split_slides(text), start=1):
                 if not re.search(r"^#{1,3} \S", slide, re.M):
-                    out.append(Problem(rel(session.deck, root), f"slide {i}", "has no heading; start every slide with '# ' or '## '"))
+                    out.append(
+                        Problem(
+                            rel(session.deck, root),
+                            f"slide {i}",
+                            "has no heading; start every slide with '# ' or '## '",
+                        )
+                    )
     return out
 
 
@@ -462,7 +566,14 @@ def _check_claims(content: Content, root: Path) -> list[Problem]:
             if claim.paper not in content.bib:
                 out.append(Problem(file, claim.id, f"paper '{claim.paper}' is not a key in bib/*.bib"))
             if claim.reproducible and f'"{claim.id}"' not in sources and f"'{claim.id}'" not in sources:
-                out.append(Problem(file, claim.id, "has no test: mark a property test with @pytest.mark.claim('" f"{claim.id}', section=...) or register it as reproducible: false with a reason"))
+                out.append(
+                    Problem(
+                        file,
+                        claim.id,
+                        "has no test: mark a property test with @pytest.mark.claim('"
+                        f"{claim.id}', section=...) or register it as reproducible: false with a reason",
+                    )
+                )
     return out
 
 
@@ -491,5 +602,9 @@ def _check_results(content: Content, root: Path) -> list[Problem]:
                 continue
             missing = [k for k in RESULT_KEYS if k not in doc]
             if missing:
-                out.append(Problem(file, ", ".join(missing), "missing; write result files with paperclub.bench.Report"))
+                out.append(
+                    Problem(
+                        file, ", ".join(missing), "missing; write result files with paperclub.bench.Report"
+                    )
+                )
     return out

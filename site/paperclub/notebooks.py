@@ -42,16 +42,24 @@ def render_notebook(nb_path: Path, timeout_s: int = 300) -> tuple[str, dict[str,
     os.environ.setdefault("TRITON_INTERPRET", "1")
     os.environ.setdefault("MPLBACKEND", "Agg")
     try:
-        ExecutePreprocessor(timeout=timeout_s, kernel_name="python3").preprocess(nb, {"metadata": {"path": str(nb_path.parent)}})
+        ExecutePreprocessor(timeout=timeout_s, kernel_name="python3").preprocess(
+            nb, {"metadata": {"path": str(nb_path.parent)}}
+        )
     finally:
         os.environ.clear()
         os.environ.update(env_backup)
     exporter = MarkdownExporter()
     stem = "walkthrough_files"
-    body, resources = exporter.from_notebook_node(nb, resources={"output_files_dir": stem, "unique_key": "walkthrough"})
+    body, resources = exporter.from_notebook_node(
+        nb, resources={"output_files_dir": stem, "unique_key": "walkthrough"}
+    )
     files = {name: data for name, data in resources.get("outputs", {}).items()}
     rel = nb_path.relative_to(ROOT).as_posix()
-    header = f"!!! info \"Executed at build time\"\n    This page is `{rel}`, run on the CPU by nbconvert when the site was built.\n\n"
+    header = f'!!! info "Executed at build time"\n    This page is `{rel}`, run on the CPU by nbconvert when the site was built.\n\n'
     markdown = header + body
-    cached.write_text(json.dumps({"markdown": markdown, "files": {k: base64.b64encode(v).decode() for k, v in files.items()}}))
+    cached.write_text(
+        json.dumps(
+            {"markdown": markdown, "files": {k: base64.b64encode(v).decode() for k, v in files.items()}}
+        )
+    )
     return markdown, files

@@ -51,22 +51,30 @@ def _registry(config: pytest.Config) -> dict:
     return config.stash[_REGISTRY_KEY]
 
 
-def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(
+    session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
+) -> None:
     registry = _registry(config)
     problems = []
     for item in items:
         for mark in item.iter_markers("claim"):
             if len(mark.args) != 1 or not isinstance(mark.args[0], str):
-                problems.append(f"{item.nodeid}: @pytest.mark.claim takes one claim id, e.g. claim('kda/exact', section='§3')")
+                problems.append(
+                    f"{item.nodeid}: @pytest.mark.claim takes one claim id, e.g. claim('kda/exact', section='§3')"
+                )
                 continue
             cid = mark.args[0]
             section = mark.kwargs.get("section")
             claim = registry.get(cid)
             if claim is None:
                 pkg = cid.split("/")[0]
-                problems.append(f"{item.nodeid}: claim '{cid}' is not registered; add it to {pkg}/claims.yaml or fix the id")
+                problems.append(
+                    f"{item.nodeid}: claim '{cid}' is not registered; add it to {pkg}/claims.yaml or fix the id"
+                )
             elif section is None:
-                problems.append(f"{item.nodeid}: claim '{cid}' needs section=... (registered: {claim.section!r})")
+                problems.append(
+                    f"{item.nodeid}: claim '{cid}' needs section=... (registered: {claim.section!r})"
+                )
             elif section.strip() != claim.section:
                 problems.append(
                     f"{item.nodeid}: claim '{cid}' says section {section!r} but claims.yaml registers {claim.section!r}"
@@ -130,7 +138,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             changed = True
         if changed:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({"tests": dict(sorted(tests.items()))}, indent=1) + "\n", encoding="utf-8")
+            path.write_text(
+                json.dumps({"tests": dict(sorted(tests.items()))}, indent=1) + "\n", encoding="utf-8"
+            )
 
 
 def _relative_nodeid(nodeid: str) -> str:

@@ -65,7 +65,10 @@ def generate(content: Content, *, render_notebook=None) -> Site:
         site.origin[uri] = f"sessions/{s.folder}/notes.md"
         if s.deck is not None:
             site.files[f"slides/{s.folder}/index.html"] = render_deck(
-                s.meta.title, s.deck.read_text(encoding="utf-8"), assets="../../assets/vendor", back_link=f"../../sessions/{s.folder}/"
+                s.meta.title,
+                s.deck.read_text(encoding="utf-8"),
+                assets="../../assets/vendor",
+                back_link=f"../../sessions/{s.folder}/",
             )
     site.pages["papers/index.md"] = papers_index(content)
     for key, paper in content.papers.items():
@@ -124,7 +127,9 @@ def home(content: Content) -> str:
         "",
     ]
     for s in [s for s in sessions if s.meta.date_known != "planned"][:6]:
-        lines.append(f"- **{s.display_date()}** [{s.meta.title}](sessions/{s.folder}.md){repro_badge(content, s, 'index.md')}")
+        lines.append(
+            f"- **{s.display_date()}** [{s.meta.title}](sessions/{s.folder}.md){repro_badge(content, s, 'index.md')}"
+        )
     planned = [s for s in sessions if s.meta.date_known == "planned"]
     if planned:
         lines += ["", "## Planned", ""]
@@ -151,7 +156,9 @@ def repro_badge(content: Content, s: Session, from_uri: str) -> str:
         return ""
     repro = content.repros.get(name)
     if repro is None or repro.planned:
-        return f' <span class="repro-badge planned" title="reproduction planned">repro: {name} (planned)</span>'
+        return (
+            f' <span class="repro-badge planned" title="reproduction planned">repro: {name} (planned)</span>'
+        )
     return f' <a class="repro-badge" href="{rel_link(from_uri, f"repro/{name}/")}">repro: {name}</a>'
 
 
@@ -230,7 +237,12 @@ def session_page(content: Content, s: Session) -> str:
     if s.notes is not None:
         lines += ["## Notes", "", demote(s.notes.read_text(encoding="utf-8"), 2), ""]
     if s.deck is not None:
-        lines += ["## Slides", "", f"[Open the slide deck](../slides/{s.folder}/index.html) (arrow keys to move, `s` for speaker notes). Its text:", ""]
+        lines += [
+            "## Slides",
+            "",
+            f"[Open the slide deck](../slides/{s.folder}/index.html) (arrow keys to move, `s` for speaker notes). Its text:",
+            "",
+        ]
         for slide in split_slides(s.deck.read_text(encoding="utf-8")):
             body = re.split(r"^(?:Note|Notes):\s*$", slide, maxsplit=1, flags=re.M)[0]
             lines += [demote(body, 2), ""]
@@ -254,7 +266,6 @@ def demote(md: str, levels: int) -> str:
 
 
 def papers_index(content: Content) -> str:
-    uri = "papers/index.md"
     lines = [
         "# Papers",
         "",
@@ -263,11 +274,19 @@ def papers_index(content: Content) -> str:
         "| Paper | Authors | Year | Sessions | Reproduction | Claims |",
         "|---|---|---|---|---|---|",
     ]
-    for key, paper in sorted(content.papers.items(), key=lambda kv: (content.bib[kv[0]].year if kv[0] in content.bib else "", kv[0]), reverse=True):
+    for key, paper in sorted(
+        content.papers.items(),
+        key=lambda kv: (content.bib[kv[0]].year if kv[0] in content.bib else "", kv[0]),
+        reverse=True,
+    ):
         entry = content.bib.get(key)
-        sessions = ", ".join(f"[{cell(s.meta.title[:40])}](../sessions/{s.folder}.md)" for s in content.sessions_for_paper(key))
+        sessions = ", ".join(
+            f"[{cell(s.meta.title[:40])}](../sessions/{s.folder}.md)" for s in content.sessions_for_paper(key)
+        )
         claims = [c for c in content.claims.values() if c.paper == key]
-        passed = sum(claim_status(c, load_results(content.repros[c.package].path))[0] == "passed" for c in claims)
+        passed = sum(
+            claim_status(c, load_results(content.repros[c.package].path))[0] == "passed" for c in claims
+        )
         repro = paper.meta.repro
         repro_txt = "—"
         if repro:
@@ -291,10 +310,16 @@ def paper_page(content: Content, paper: Paper, site: Site) -> str:
     meta_bits = []
     sessions = content.sessions_for_paper(paper.key)
     if sessions:
-        meta_bits.append("**Sessions:** " + ", ".join(f"[{s.meta.title}](../sessions/{s.folder}.md)" for s in sessions))
+        meta_bits.append(
+            "**Sessions:** " + ", ".join(f"[{s.meta.title}](../sessions/{s.folder}.md)" for s in sessions)
+        )
     if m.repro:
         r = content.repros.get(m.repro)
-        meta_bits.append(f"**Reproduction:** [`repro/{m.repro}`](../repro/{m.repro}.md)" if r and not r.planned else f"**Reproduction:** `{m.repro}` (planned)")
+        meta_bits.append(
+            f"**Reproduction:** [`repro/{m.repro}`](../repro/{m.repro}.md)"
+            if r and not r.planned
+            else f"**Reproduction:** `{m.repro}` (planned)"
+        )
     if m.tags:
         meta_bits.append("**Tags:** " + ", ".join(f"[{t}](../tags.md#{t})" for t in m.tags))
     if meta_bits:
@@ -309,7 +334,12 @@ def paper_page(content: Content, paper: Paper, site: Site) -> str:
         if bench:
             lines += ["## Benchmark results", "", bench, ""]
         if repro.walkthrough is not None:
-            lines += ["## Walkthrough", "", f"[The walkthrough notebook](../repro/{m.repro}/walkthrough.md) runs on a laptop CPU in seconds.", ""]
+            lines += [
+                "## Walkthrough",
+                "",
+                f"[The walkthrough notebook](../repro/{m.repro}/walkthrough.md) runs on a laptop CPU in seconds.",
+                "",
+            ]
     if entry and entry.raw:
         lines += ["## Cite", "", "```bibtex", entry.raw, "```", ""]
     return "\n".join(lines) + "\n"
@@ -330,7 +360,9 @@ def claims_table(content: Content, claims: list, from_uri: str) -> str:
             )
         else:
             checked = "no recorded run yet"
-        rows.append(f"| `{c.id}` | {cell(c.section)} | {cell(c.statement)} | {status_html(status)} | {checked} |")
+        rows.append(
+            f"| `{c.id}` | {cell(c.section)} | {cell(c.statement)} | {status_html(status)} | {checked} |"
+        )
     return "\n".join(rows)
 
 
@@ -398,15 +430,27 @@ def repro_page(content: Content, repro: Repro, site: Site) -> str:
     if papers:
         lines += ["**Paper(s):** " + paper_links(content, papers, uri).replace("<br>", " · "), ""]
     test_cmd = "pytest tests/nanoparallel" if repro.name == "nanoparallel" else f"pytest repro/{repro.name}"
-    bench_cmd = "python -m nanoparallel.bench" if repro.name == "nanoparallel" else f"python -m repro.{repro.name}.bench"
-    lines += ["```bash", f"{test_cmd}      # property tests, CPU", f"{bench_cmd}   # GPU benchmark, writes results/<device>.json", "```", ""]
+    bench_cmd = (
+        "python -m nanoparallel.bench"
+        if repro.name == "nanoparallel"
+        else f"python -m repro.{repro.name}.bench"
+    )
+    lines += [
+        "```bash",
+        f"{test_cmd}      # property tests, CPU",
+        f"{bench_cmd}   # GPU benchmark, writes results/<device>.json",
+        "```",
+        "",
+    ]
     lines += ["## Files", "", "| File | What it is |", "|---|---|"]
     for path in sorted(repro.path.rglob("*.py")):
         if "__pycache__" in path.parts:
             continue
         rp = path.relative_to(root).as_posix()
         first = module_doc(path).split("\n\n")[0].replace("\n", " ")
-        lines.append(f"| [`{path.relative_to(repro.path).as_posix()}`]({rel_link(uri, f'source/{rp}.md')}) | {cell(first)} |")
+        lines.append(
+            f"| [`{path.relative_to(repro.path).as_posix()}`]({rel_link(uri, f'source/{rp}.md')}) | {cell(first)} |"
+        )
     lines.append("")
     if claims:
         lines += ["## Claims", "", claims_table(content, claims, uri), ""]
@@ -430,7 +474,11 @@ def claims_dashboard(content: Content) -> str:
     for c in content.claims.values():
         all_status[c.id] = claim_status(c, load_results(content.repros[c.package].path))[0]
     totals = {k: list(all_status.values()).count(k) for k in STATUS_ICON}
-    lines += ["| Status | Claims |", "|---|---|"] + [f"| {status_html(k)} | {v} |" for k, v in totals.items()] + [""]
+    lines += (
+        ["| Status | Claims |", "|---|---|"]
+        + [f"| {status_html(k)} | {v} |" for k, v in totals.items()]
+        + [""]
+    )
     by_paper: dict[str, list] = {}
     for c in content.claims.values():
         by_paper.setdefault(c.paper, []).append(c)
@@ -455,7 +503,13 @@ def bench_sections(content: Content, repro: Repro, site: Site, from_uri: str, le
         h = "#" * level
         env = doc.get("environment", {})
         versions = ", ".join(
-            f"{k} {v}" for k, v in [("torch", env.get("torch")), ("triton", env.get("triton")), ("CUDA", env.get("cuda"))] if v
+            f"{k} {v}"
+            for k, v in [
+                ("torch", env.get("torch")),
+                ("triton", env.get("triton")),
+                ("CUDA", env.get("cuda")),
+            ]
+            if v
         )
         pk = env.get("packages") or {}
         if pk:
@@ -464,19 +518,24 @@ def bench_sections(content: Content, repro: Repro, site: Site, from_uri: str, le
         out += [
             f"{h} {doc.get('title', repro.name)}: {doc.get('device')}{f' ×{count}' if count and count > 1 else ''}",
             "",
-            f"Measured {doc.get('date', '?')[:10]} · {versions}" + (f" · peer: {doc['peer']}" if doc.get("peer") else ""),
+            f"Measured {doc.get('date', '?')[:10]} · {versions}"
+            + (f" · peer: {doc['peer']}" if doc.get("peer") else ""),
             "",
         ]
         if doc.get("ceilings"):
-            out += ["Machine ceilings measured in the same run: " + ", ".join(f"{k} = {v}" for k, v in doc["ceilings"].items()), ""]
+            out += [
+                "Machine ceilings measured in the same run: "
+                + ", ".join(f"{k} = {v}" for k, v in doc["ceilings"].items()),
+                "",
+            ]
         if doc.get("notes"):
             out += [doc["notes"], ""]
         for i, plot in enumerate(doc.get("plots", [])):
             for j, (label, png) in enumerate(render_plots(doc, plot)):
                 name = f"benchmarks/{repro.name}/{slug}-{i}-{j}.png"
                 site.files[name] = png
-                out += [f'![{cell(label)}]({rel_link(from_uri, name)}){{ .bench-plot }}', ""]
-        out += ["??? note \"Full table\"", "", indent(markdown_table(doc["columns"], doc["rows"]), 4), ""]
+                out += [f"![{cell(label)}]({rel_link(from_uri, name)}){{ .bench-plot }}", ""]
+        out += ['??? note "Full table"', "", indent(markdown_table(doc["columns"], doc["rows"]), 4), ""]
     return "\n".join(out)
 
 
@@ -501,7 +560,13 @@ def render_plots(doc: dict, plot: dict) -> list[tuple[str, bytes]]:
         series = sorted({str(r.get(plot["series"])) for r in sub})
         for name in series:
             pts = sorted(
-                ((r[plot["x"]], r[plot["y"]]) for r in sub if str(r.get(plot["series"])) == name and _num(r.get(plot["y"])) and _num(r.get(plot["x"]))),
+                (
+                    (r[plot["x"]], r[plot["y"]])
+                    for r in sub
+                    if str(r.get(plot["series"])) == name
+                    and _num(r.get(plot["y"]))
+                    and _num(r.get(plot["x"]))
+                ),
                 key=lambda p: p[0],
             )
             if pts:
@@ -558,8 +623,16 @@ def benchmarks_page(content: Content, site: Site) -> str:
 
 
 def bibliography(content: Content) -> str:
-    lines = ["# Bibliography", "", f"{len(content.bib)} papers cited by our sessions. Copy an entry with the button on its block.", ""]
-    for key, e in sorted(content.bib.items(), key=lambda kv: (kv[1].authors[0].split()[-1].lower() if kv[1].authors else "", kv[1].year)):
+    lines = [
+        "# Bibliography",
+        "",
+        f"{len(content.bib)} papers cited by our sessions. Copy an entry with the button on its block.",
+        "",
+    ]
+    for key, e in sorted(
+        content.bib.items(),
+        key=lambda kv: (kv[1].authors[0].split()[-1].lower() if kv[1].authors else "", kv[1].year),
+    ):
         link = f"[{e.title}](papers/{key}.md)" if key in content.papers else e.title
         lines += [
             f"### {key}",
@@ -593,7 +666,7 @@ def source_page(repo_rel: str, path: Path) -> str:
     lang = {".py": "python", ".yaml": "yaml", ".md": "markdown"}[path.suffix]
     text = path.read_text(encoding="utf-8")
     fence = "````" if "```" in text else "```"
-    return f"# `{repo_rel}`\n\n{fence}{lang} linenums=\"1\"\n{text}\n{fence}\n"
+    return f'# `{repo_rel}`\n\n{fence}{lang} linenums="1"\n{text}\n{fence}\n'
 
 
 # ---------------------------------------------------------------- links from content to the repository
@@ -601,7 +674,9 @@ def source_page(repo_rel: str, path: Path) -> str:
 LINK = re.compile(r"(?<!!)\[([^\]]*)\]\(([^)\s]+)\)")
 
 
-def rewrite_links(markdown_text: str, page_uri: str, origin: str | None, root: Path, known_uris: set[str]) -> str:
+def rewrite_links(
+    markdown_text: str, page_uri: str, origin: str | None, root: Path, known_uris: set[str]
+) -> str:
     """Point links that content writes relative to its file in the repository at the site's pages.
 
     A paper page may link ``../repro/kda/chunk.py#L10-L20``; on the site that is the source page

@@ -35,7 +35,11 @@ def render_slide(text: str) -> tuple[str, str]:
     out = md.convert(body)
     for i, d in enumerate(diagrams):
         out = out.replace(f"<p>MERMAIDDIAGRAM{i}</p>", f'<pre class="mermaid">{html.escape(d)}</pre>')
-    notes_html = markdown.markdown(notes, extensions=EXTENSIONS, extension_configs=EXTENSION_CONFIGS) if notes.strip() else ""
+    notes_html = (
+        markdown.markdown(notes, extensions=EXTENSIONS, extension_configs=EXTENSION_CONFIGS)
+        if notes.strip()
+        else ""
+    )
     return out, notes_html
 
 

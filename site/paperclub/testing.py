@@ -28,4 +28,6 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 def assert_rel_close(out: torch.Tensor, ref: torch.Tensor, tol: float, name: str = "output") -> None:
     """Fail with a message naming ``name``, the error and the tolerance when ``rel_error > tol``."""
     err = rel_error(out, ref)
-    assert err <= tol, f"{name}: relative error {err:.3e} exceeds tolerance {tol:.1e} (shape {tuple(ref.shape)})"
+    assert err <= tol, (
+        f"{name}: relative error {err:.3e} exceeds tolerance {tol:.1e} (shape {tuple(ref.shape)})"
+    )
