@@ -1,0 +1,123 @@
+"""A real browser (Debian's Chromium through Playwright) on the built site, served statically.
+
+It searches for "Ulysses" and lands on the USP session, steps through a slide deck with the
+keyboard, checks that math and diagrams render, that the palette toggles, and that no page
+asks the internet for anything.
+"""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import re
+import shutil
+import threading
+from urllib.parse import urlparse
+
+import pytest
+
+from paperclub import ROOT
+from paperclub.content import load, split_slides
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (bash .ci/setup --browser)")
+USP = "2025-08-unified-sequence-parallelism"
+
+
+@pytest.fixture(scope="module")
+def server(built_site):
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(built_site))
+    handler.log_message = lambda *a: None
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(
+            executable_path=CHROMIUM,
+            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update", "--no-first-run"],
+        )
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser, server):
+    context = browser.new_context()
+    pg = context.new_page()
+    pg.set_default_timeout(20_000)
+    pg.outside_requests = []
+
+    def watch(route):
+        host = urlparse(route.request.url).hostname
+        if host not in ("127.0.0.1", "localhost", None):
+            pg.outside_requests.append(route.request.url)
+            return route.abort()
+        return route.continue_()
+
+    pg.route("**/*", watch)
+    errors = []
+    pg.on("pageerror", lambda exc: errors.append(str(exc)))
+    pg.js_errors = errors
+    yield pg
+    assert not pg.outside_requests, f"the site asked the internet for: {pg.outside_requests}"
+    context.close()
+
+
+def test_search_for_ulysses_lands_on_the_usp_session(page, server):
+    page.goto(server + "/")
+    page.click("label[for='__search']")
+    page.fill("input.md-search__input", "Ulysses")
+    page.wait_for_selector(".md-search-result__item a")
+    links = page.eval_on_selector_all(".md-search-result__item > a", "els => els.map(e => e.href)")
+    session_links = [h for h in links if "/sessions/" in h]
+    assert session_links and USP in session_links[0], f"first session result is not the USP session: {links}"
+    page.click(f".md-search-result__item > a[href*='{USP}']")
+    page.wait_for_url(re.compile(USP))
+    assert "Unified Sequence Parallelism" in page.inner_text("h1")
+    assert not page.js_errors, page.js_errors
+
+
+def test_slide_deck_steps_with_the_keyboard(page, server):
+    content, _ = load(ROOT)
+    session = next(s for s in content.sessions if s.folder == USP)
+    slides = split_slides(session.deck.read_text())
+    page.goto(f"{server}/slides/{USP}/index.html")
+    page.wait_for_function("window.Reveal && Reveal.isReady()")
+    assert page.evaluate("Reveal.getTotalSlides()") == len(slides)
+    for expected in range(1, 4):
+        page.keyboard.press("ArrowRight")
+        page.wait_for_function(f"Reveal.getIndexes().h === {expected}")
+        heading = page.evaluate("Reveal.getCurrentSlide().querySelector('h1, h2, h3').textContent")
+        source_heading = re.search(r"^#{1,3} (.+)$", slides[expected], re.M).group(1)
+        assert heading.strip() == re.sub(r"[*_`$]", "", source_heading).strip() or heading.strip()[:10] in source_heading
+    page.keyboard.press("ArrowLeft")
+    page.wait_for_function("Reveal.getIndexes().h === 2")
+    assert not page.js_errors, page.js_errors
+
+
+def test_math_and_diagrams_render_offline(page, server):
+    content, _ = load(ROOT)
+    math_paper = next(k for k, p in content.papers.items() if "$$" in p.body)
+    page.goto(f"{server}/papers/{math_paper}/")
+    page.wait_for_selector(".arithmatex .katex")
+    diagram = next((k for k, p in content.papers.items() if "```mermaid" in p.body), None)
+    if diagram is None:
+        pytest.skip("no paper page has a mermaid diagram")
+    page.goto(f"{server}/papers/{diagram}/")
+    page.wait_for_selector(".mermaid svg")
+    assert not page.js_errors, page.js_errors
+
+
+def test_palette_toggles_between_light_and_dark(page, server):
+    page.goto(server + "/")
+    before = page.get_attribute("body", "data-md-color-scheme")
+    page.click("form[data-md-component='palette'] label:visible")
+    page.wait_for_function(f"document.body.getAttribute('data-md-color-scheme') !== '{before}'")
