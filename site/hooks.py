@@ -47,7 +47,9 @@ def on_config(config):
         for p in problems:  # a draft build shows the site anyway; the warnings still fail --strict
             log.warning(str(p))
     elif problems:
-        raise PluginError("the content has problems (run 'paperclub check'):\n  " + "\n  ".join(map(str, problems)))
+        raise PluginError(
+            "the content has problems (run 'paperclub check'):\n  " + "\n  ".join(map(str, problems))
+        )
     _state["content"] = content
     return config
 
@@ -55,7 +57,9 @@ def on_config(config):
 def on_files(files: Files, config) -> Files:
     missing = [src for src, _ in VENDOR_FILES if not (VENDOR / src).exists()]
     if missing:
-        raise PluginError(f"vendored front-end assets are missing ({missing[0]} ...): run 'bash .ci/setup' (npm install in site/vendor)")
+        raise PluginError(
+            f"vendored front-end assets are missing ({missing[0]} ...): run 'bash .ci/setup' (npm install in site/vendor)"
+        )
     site = generate(_state["content"], render_notebook=render_notebook)
     _state["site"] = site
     for uri, text in site.pages.items():
@@ -68,6 +72,12 @@ def on_files(files: Files, config) -> Files:
         files.append(File.generated(config, f"assets/vendor/{dest}", abs_src_path=str(VENDOR / src)))
     for font in sorted((VENDOR / "katex" / "dist" / "fonts").glob("*.woff2")):
         files.append(File.generated(config, f"assets/vendor/katex/fonts/{font.name}", abs_src_path=str(font)))
+    reveal_fonts = VENDOR / "reveal.js" / "dist" / "theme" / "fonts"
+    for font in sorted(p for p in reveal_fonts.rglob("*") if p.is_file()):
+        rel = font.relative_to(reveal_fonts).as_posix()
+        files.append(
+            File.generated(config, f"assets/vendor/reveal/theme/fonts/{rel}", abs_src_path=str(font))
+        )
     _state["known"] = {f.src_uri for f in files}
     return files
 

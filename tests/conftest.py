@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from paperclub import ROOT
 
 FIXTURES = Path(__file__).parent / "fixtures"

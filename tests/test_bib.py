@@ -14,7 +14,9 @@ from paperclub.content import load
 def test_every_bib_file_parses_without_failed_blocks():
     for path in sorted((ROOT / "bib").glob("*.bib")):
         lib = parse_text(path.read_text(encoding="utf-8"))
-        assert not lib.failed_blocks, f"{path.name}: {[(b.start_line, type(b).__name__) for b in lib.failed_blocks]}"
+        assert not lib.failed_blocks, (
+            f"{path.name}: {[(b.start_line, type(b).__name__) for b in lib.failed_blocks]}"
+        )
         assert lib.entries, f"{path.name} holds no entry"
 
 
@@ -37,7 +39,9 @@ def test_round_trip_through_bibtexparser_keeps_every_field():
         again = parse_text(bibtexparser.write_string(lib))
         assert [e.key for e in again.entries] == [e.key for e in lib.entries]
         for a, b in zip(lib.entries, again.entries, strict=True):
-            assert {k: f.value for k, f in a.fields_dict.items()} == {k: f.value for k, f in b.fields_dict.items()}, a.key
+            assert {k: f.value for k, f in a.fields_dict.items()} == {
+                k: f.value for k, f in b.fields_dict.items()
+            }, a.key
 
 
 names = st.from_regex(r"[A-Z][a-z]{1,10}", fullmatch=True)
@@ -51,7 +55,13 @@ names = st.from_regex(r"[A-Z][a-z]{1,10}", fullmatch=True)
     arxiv=st.from_regex(r"[0-9]{4}\.[0-9]{5}", fullmatch=True),
 )
 def test_entries_written_by_new_session_parse_back_identically(tmp_path_factory, title, authors, year, arxiv):
-    text = format_entry("doe2026x", title=title, authors=[f"{last}, {first}" for first, last in authors], year=year, arxiv=arxiv)
+    text = format_entry(
+        "doe2026x",
+        title=title,
+        authors=[f"{last}, {first}" for first, last in authors],
+        year=year,
+        arxiv=arxiv,
+    )
     d = tmp_path_factory.mktemp("bib")
     (d / "bib").mkdir()
     (d / "bib" / "a.bib").write_text(text)

@@ -20,7 +20,9 @@ from paperclub import ROOT
 from paperclub.content import load, split_slides
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (bash .ci/setup --browser)")
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None, reason="Debian's chromium is not installed (bash .ci/setup --browser)"
+)
 USP = "2025-08-unified-sequence-parallelism"
 
 
@@ -42,7 +44,13 @@ def browser():
     with sync_playwright() as p:
         b = p.chromium.launch(
             executable_path=CHROMIUM,
-            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update", "--no-first-run"],
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--no-first-run",
+            ],
         )
         yield b
         b.close()
@@ -97,7 +105,10 @@ def test_slide_deck_steps_with_the_keyboard(page, server):
         page.wait_for_function(f"Reveal.getIndexes().h === {expected}")
         heading = page.evaluate("Reveal.getCurrentSlide().querySelector('h1, h2, h3').textContent")
         source_heading = re.search(r"^#{1,3} (.+)$", slides[expected], re.M).group(1)
-        assert heading.strip() == re.sub(r"[*_`$]", "", source_heading).strip() or heading.strip()[:10] in source_heading
+        assert (
+            heading.strip() == re.sub(r"[*_`$]", "", source_heading).strip()
+            or heading.strip()[:10] in source_heading
+        )
     page.keyboard.press("ArrowLeft")
     page.wait_for_function("Reveal.getIndexes().h === 2")
     assert not page.js_errors, page.js_errors

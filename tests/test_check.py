@@ -8,8 +8,8 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from paperclub.content import load
 
+from paperclub.content import load
 from tests.conftest import FIXTURES, make_repo, paperclub
 
 BROKEN = sorted(p.name for p in (FIXTURES / "broken").iterdir() if p.is_dir())

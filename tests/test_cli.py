@@ -13,9 +13,25 @@ from paperclub import ROOT, cli
 from tests.conftest import build_site, make_repo, paperclub
 
 NEW = [
-    "new-session", "--title", "Demystifying collectives", "--date", "2026-12-06", "--presenter", "Ada Lovelace",
-    "--arxiv", "2612.01234", "--paper-title", "A Study of Collective Algorithms", "--paper-author", "Hopper, Grace",
-    "--paper-year", "2026", "--tag", "collectives", "--summary", "We read about ring and tree all-reduce.",
+    "new-session",
+    "--title",
+    "Demystifying collectives",
+    "--date",
+    "2026-12-06",
+    "--presenter",
+    "Ada Lovelace",
+    "--arxiv",
+    "2612.01234",
+    "--paper-title",
+    "A Study of Collective Algorithms",
+    "--paper-author",
+    "Hopper, Grace",
+    "--paper-year",
+    "2026",
+    "--tag",
+    "collectives",
+    "--summary",
+    "We read about ring and tree all-reduce.",
 ]
 
 
@@ -49,7 +65,20 @@ def test_missing_title_without_a_terminal_is_a_clear_error(tmp_path):
 
 def test_bib_stub_without_metadata_is_flagged_by_check(tmp_path):
     root = make_repo(tmp_path)
-    assert paperclub("--root", str(root), "new-session", "--title", "Stub", "--date", "2026-12-13", "--arxiv", "2612.04321").returncode == 0
+    assert (
+        paperclub(
+            "--root",
+            str(root),
+            "new-session",
+            "--title",
+            "Stub",
+            "--date",
+            "2026-12-13",
+            "--arxiv",
+            "2612.04321",
+        ).returncode
+        == 0
+    )
     checked = paperclub("--root", str(root), "check")
     assert checked.returncode == 1
     assert "still says TODO; fill in the real value" in checked.stderr
@@ -66,7 +95,9 @@ def test_prompts_ask_for_what_is_missing(tmp_path, monkeypatch, capsys):
 
 
 def _copy_repository(dest):
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True, check=True)
+    files = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True, check=True
+    )
     for rel in files.stdout.splitlines():
         src = ROOT / rel
         if src.is_file():

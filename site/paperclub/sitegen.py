@@ -233,9 +233,10 @@ def session_page(content: Content, s: Session) -> str:
     lines = [f"# {m.title}", ""]
     if m.summary:
         lines += [m.summary, ""]
-    lines += ["| | |", "|---|---|"] + [f"| **{k}** | {v} |" for k, v in rows] + [""]
+    lines += [f"- **{k}:** {v}" for k, v in rows] + [""]
     if s.notes is not None:
-        lines += ["## Notes", "", demote(s.notes.read_text(encoding="utf-8"), 2), ""]
+        notes = re.sub(r"\A\s*#\s+Notes?\s*\n", "", s.notes.read_text(encoding="utf-8"), flags=re.I)
+        lines += ["## Notes", "", demote(notes, 2), ""]
     if s.deck is not None:
         lines += [
             "## Slides",

@@ -64,6 +64,7 @@ DECK_TEMPLATE = """<!doctype html>
 <meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>{title} - slides</title>
+<link rel="icon" href="data:,">
 <link rel="stylesheet" href="{assets}/reveal/reset.css">
 <link rel="stylesheet" href="{assets}/reveal/reveal.css">
 <link rel="stylesheet" href="{assets}/reveal/theme/white.css">
