@@ -1,0 +1,1 @@
+"""Reproductions of the papers the group read: one subpackage per paper."""
