@@ -29,6 +29,7 @@ from paperclub import ROOT  # noqa: E402
 from paperclub.claims import ClaimsError, load_registry, package_dirs, results_path  # noqa: E402
 
 _REGISTRY_KEY = pytest.StashKey[dict]()
+_ROOT_KEY = pytest.StashKey[Path]()
 _OUTCOMES_KEY = pytest.StashKey[dict]()
 
 
@@ -40,12 +41,16 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped without one")
     config.addinivalue_line("markers", "slow: longer than a few seconds on a laptop CPU")
     config.stash[_OUTCOMES_KEY] = {}
+    # the repository whose claims apply: pytest's rootdir when it holds reproductions, else this checkout
+    rootpath = Path(config.rootpath)
+    has_packages = (rootpath / "repro").is_dir() or (rootpath / "nanoparallel").is_dir()
+    config.stash[_ROOT_KEY] = rootpath if has_packages else ROOT
 
 
 def _registry(config: pytest.Config) -> dict:
     if _REGISTRY_KEY not in config.stash:
         try:
-            config.stash[_REGISTRY_KEY] = load_registry()
+            config.stash[_REGISTRY_KEY] = load_registry(config.stash[_ROOT_KEY])
         except ClaimsError as exc:
             raise pytest.UsageError(f"claims registry: {exc}") from None
     return config.stash[_REGISTRY_KEY]
@@ -81,17 +86,17 @@ def pytest_collection_modifyitems(
                 )
     if problems:
         raise pytest.UsageError("claim markers do not match the registry:\n  " + "\n  ".join(problems))
-    try:
-        import torch
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu_items:
+        try:
+            import torch
 
-        has_cuda = torch.cuda.is_available()
-    except Exception:  # pragma: no cover - torch missing
-        has_cuda = False
-    if not has_cuda:
-        skip = pytest.mark.skip(reason="needs a CUDA GPU")
-        for item in items:
-            if item.get_closest_marker("gpu"):
-                item.add_marker(skip)
+            has_cuda = torch.cuda.is_available()
+        except Exception:  # pragma: no cover - torch missing
+            has_cuda = False
+        if not has_cuda:
+            for item in gpu_items:
+                item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
 
 
 @pytest.hookimpl(wrapper=True)
@@ -121,16 +126,17 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if not outcomes:
         return
     today = _dt.date.today().isoformat()
-    for package, pdir in package_dirs(ROOT):
+    root = session.config.stash[_ROOT_KEY]
+    for package, pdir in package_dirs(root):
         mine = {nid: v for nid, v in outcomes.items() if v[0].split("/")[0] == package}
         if not mine:
             continue
         path = results_path(pdir)
         old = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {"tests": {}}
-        tests = {nid: t for nid, t in old.get("tests", {}).items() if (ROOT / nid.split("::")[0]).exists()}
+        tests = {nid: t for nid, t in old.get("tests", {}).items() if (root / nid.split("::")[0]).exists()}
         changed = len(tests) != len(old.get("tests", {}))
         for nid, (cid, outcome, _file) in mine.items():
-            rel = _relative_nodeid(nid)
+            rel = _relative_nodeid(nid, Path(session.config.rootpath), root)
             prev = tests.get(rel)
             if prev and prev.get("outcome") == outcome and prev.get("claim") == cid:
                 continue
@@ -143,14 +149,14 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             )
 
 
-def _relative_nodeid(nodeid: str) -> str:
-    """Node ids relative to the repository root, whatever directory pytest ran from."""
+def _relative_nodeid(nodeid: str, rootpath: Path, root: Path) -> str:
+    """Node ids (relative to pytest's rootdir) made relative to the repository root."""
     file_part, _, rest = nodeid.partition("::")
     p = Path(file_part)
     if not p.is_absolute():
-        p = (Path.cwd() / p).resolve()
+        p = (rootpath / p).resolve()
     try:
-        file_part = str(p.relative_to(ROOT))
+        file_part = str(p.relative_to(root.resolve()))
     except ValueError:
         pass
     return f"{file_part}::{rest}" if rest else file_part
