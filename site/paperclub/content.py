@@ -44,6 +44,13 @@ class Problem:
         return f"{where}: {self.message}"
 
 
+def check_tags(tags: list[str]) -> list[str]:
+    for t in tags:
+        if not TAG.match(t):
+            raise ValueError(f"tag '{t}' must be lowercase words joined by '-', e.g. 'linear-attention'")
+    return tags
+
+
 class SessionMeta(BaseModel):
     """``sessions/<folder>/session.yaml``."""
 
@@ -110,13 +117,7 @@ class SessionMeta(BaseModel):
             raise ValueError(f"'{v}' is not a URL; give the full https:// address of the recording")
         return v
 
-    @field_validator("tags")
-    @classmethod
-    def _tags(cls, v):
-        for t in v:
-            if not TAG.match(t):
-                raise ValueError(f"tag '{t}' must be lowercase words joined by '-', e.g. 'linear-attention'")
-        return v
+    _tags = field_validator("tags")(lambda cls, v: check_tags(v))
 
     @field_validator("papers")
     @classmethod
@@ -154,13 +155,7 @@ class PaperMeta(BaseModel):
     repro: str | None = None
     tags: list[str] = Field(default_factory=list)
 
-    @field_validator("tags")
-    @classmethod
-    def _tags(cls, v):
-        for t in v:
-            if not TAG.match(t):
-                raise ValueError(f"tag '{t}' must be lowercase words joined by '-'")
-        return v
+    _tags = field_validator("tags")(lambda cls, v: check_tags(v))
 
 
 @dataclass
