@@ -1,0 +1,574 @@
+"""GPU collectives on one host through peer memory, with our own Triton kernels and flag barriers.
+
+:class:`CudaPeerBackend` is what ``Communicator(transport="cuda")`` hands CUDA tensors to. Each rank
+allocates its staging buffers and flags in torch's symmetric memory
+(``torch.distributed._symmetric_memory``): that maps every rank's buffer into every rank's
+address space over NVLink, and that is all we take from it. Moving and reducing data, and the
+barriers between ranks, are the kernels in :mod:`nanoparallel.cuda.kernels`: loads from peers'
+buffers, a reduction in registers, stores, and epoch flags written with release atomics and
+polled with acquire loads at system scope. NVLink multicast (NVLS) is never used: the environment
+switches below are forced on before anything initialises, and no kernel issues multimem
+instructions.
+
+The data path of every call:
+
+* copy the caller's tensor into this rank's staging buffer (inside the kernel, no extra launch);
+* barrier with the same-numbered program on every peer;
+* read what is needed straight from the peers' staging buffers (one-shot, two-shot, ring, direct)
+  or let the copy engine pull it (``copy_engine``: ``Tensor.copy_`` from a peer's buffer).
+
+Two staging buffers alternate between calls, which is why no call needs a closing barrier (see
+``kernels.py``). All work goes on the current CUDA stream; callers must use one stream for all
+collectives of a backend.
+
+Faults: every barrier spins a bounded number of times (``timeout_s``); when a peer never arrives
+the kernel records it in an error word. :meth:`barrier` and :meth:`close` synchronise and raise
+:class:`~nanoparallel.errors.CommTimeoutError` if any call since the last check timed out;
+``check_errors=True`` checks after every call (one host synchronisation each).
+"""
+
+from __future__ import annotations
+
+import os
+
+# Never NVLink multicast (NVLS): forced, not defaulted, and before torch touches NCCL or symmetric memory.
+os.environ["NCCL_NVLS_ENABLE"] = "0"
+os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
+
+import warnings  # noqa: E402
+from datetime import timedelta  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from nanoparallel.cuda import kernels as K  # noqa: E402
+from nanoparallel.errors import CommAbortedError, CommTimeoutError, MismatchError  # noqa: E402
+
+ALGORITHMS: dict[str, tuple[str, ...]] = {
+    "all_reduce": ("one_shot", "two_shot", "ring"),
+    "all_gather": ("direct", "copy_engine"),
+    "reduce_scatter": ("direct", "ring"),
+    "broadcast": ("direct", "copy_engine"),
+    "all_to_all": ("direct",),
+}
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64)
+REDUCE_OPS = tuple(K.OP_CODES)
+
+# 8 KiB per program per step: 8 warps x 32 threads x 32 bytes, two 16-byte vectors per thread
+STEP_BYTES = 8192
+NUM_WARPS = 8
+# programs per SM; every program of a kernel must be resident at once, because programs of one
+# rank wait for programs of another (2 x 256 threads fit on any SM with room to spare)
+PROGRAMS_PER_SM = 2
+MIN_STAGING_BYTES = 16 << 20
+# one-shot reads (W-1) n remote bytes against two-shot's 2 (W-1)/W n: equal at W = 2, so with two
+# GPUs one-shot (one barrier) wins at every size; from three GPUs on only small messages
+ONE_SHOT_MAX_BYTES = 256 << 10
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def split_work(n: int, max_programs: int, step: int) -> tuple[int, int]:
+    """(elements per program, programs) for n elements: a multiple of ``step`` each, few programs
+    for small n (each program costs a barrier round trip), at most ``max_programs`` for large n."""
+    chunk = _round_up(max(-(-n // max_programs), 1), step)
+    return chunk, max(1, -(-n // chunk))
+
+
+def slice_size(n: int, world_size: int) -> int:
+    """Elements each rank owns in two-shot and ring all-reduce: 64-element (256-byte) aligned."""
+    return _round_up(-(-n // world_size), 64)
+
+
+def ring_barriers(world_size: int, gather: bool) -> int:
+    """Barriers in one ring call: after the copy-in, between reduce steps, between copy steps."""
+    return 2 * world_size - 2 if gather else world_size - 1
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+class _Symmetric:
+    """One symmetric allocation: local tensor, peer element offsets, copy-engine views of peers."""
+
+    def __init__(self, nbytes: int, device: torch.device, group) -> None:
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        self.nbytes = nbytes
+        self.local = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+        self.handle = symm_mem.rendezvous(self.local, group)
+        self.ptrs = [int(p) for p in self.handle.buffer_ptrs]
+        self.rank = int(self.handle.rank)
+        # buffer_ptrs may be the bases of pool segments rather than this tensor's address; the
+        # tensor sits at the same offset in every rank's segment, so differences are what count
+        self.offset = self.local.data_ptr() - self.ptrs[self.rank]
+        self._peer_views: list[torch.Tensor] | None = None
+
+    def deltas(self, dtype: torch.dtype) -> tuple[int, ...]:
+        """Peer p's buffer is at ``local.view(dtype) + deltas[p]`` (in elements)."""
+        size = torch.empty(0, dtype=dtype).element_size()
+        me = self.ptrs[self.rank]
+        out = []
+        for p in self.ptrs:
+            if (p - me) % size:
+                raise RuntimeError(f"symmetric buffers are not {size}-byte aligned relative to each other")
+            out.append((p - me) // size)
+        return tuple(out)
+
+    def peer(self, p: int) -> torch.Tensor:
+        """A uint8 tensor on this device that aliases rank p's buffer (for the copy engine)."""
+        if self._peer_views is None:
+            self._peer_views = [
+                self.handle.get_buffer(r, [self.nbytes], torch.uint8, self.offset)
+                for r in range(len(self.ptrs))
+            ]
+        return self._peer_views[p]
+
+
+class CudaPeerBackend:
+    """Collectives among ``world_size`` processes, one GPU each, on one host.
+
+    Args:
+        rank, world_size: this process's rank and the number of ranks.
+        store: a ``torch.distributed.Store`` shared by all ranks (bootstrap only).
+        device: this rank's GPU (``torch.device('cuda', i)`` or an index); distinct per rank.
+        timeout_s: how long a barrier waits for a peer before giving up (approximate: counted in
+            polls of about a microsecond).
+        staging_bytes: upper bound of one staging buffer; larger all-reduce, all-gather,
+            reduce-scatter and broadcast calls are cut into pieces of this size.
+        check_errors: synchronise after every call and raise at once on a timeout or split mismatch.
+    """
+
+    ALGORITHMS = ALGORITHMS
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        store,
+        device: torch.device | int | str,
+        timeout_s: float = 60.0,
+        *,
+        staging_bytes: int = 1 << 30,
+        check_errors: bool = False,
+    ) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("CudaPeerBackend: CUDA is not available")
+        if not (isinstance(world_size, int) and world_size >= 1):
+            raise ValueError(f"CudaPeerBackend: world_size must be a positive int, got {world_size!r}")
+        if not (isinstance(rank, int) and 0 <= rank < world_size):
+            raise ValueError(f"CudaPeerBackend: rank must be in [0, {world_size}), got {rank!r}")
+        if world_size > 8:
+            raise ValueError(f"CudaPeerBackend: world_size is at most 8 (one host), got {world_size}")
+        self.rank, self.world_size, self.timeout_s = rank, world_size, float(timeout_s)
+        self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        if self.device.type != "cuda":
+            raise ValueError(f"CudaPeerBackend: device must be a CUDA device, got {self.device}")
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(self.device)
+        self.check_errors = check_errors
+        self.staging_cap = int(staging_bytes)
+        self.closed: str | None = None
+        # about one poll per microsecond; capped to stay an int32 for the kernel
+        self.max_spins = int(min(max(self.timeout_s, 0.001) * 1e6, 2**31 - 1))
+        props = torch.cuda.get_device_properties(self.device)
+        self.max_programs = PROGRAMS_PER_SM * props.multi_processor_count
+        self.epoch = 0
+        self.parity = 0
+        self._bootstrap(store)
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        try:  # keep NVSHMEM (and its own NVLS use) out of it: plain CUDA driver mappings only
+            symm_mem.set_backend("CUDA")
+        except Exception:
+            pass
+        self._flags = _Symmetric(4 * self.max_programs * world_size, self.device, self.group)
+        self._flags.local.zero_()
+        self._meta = [_Symmetric(8 * 2 * world_size, self.device, self.group) for _ in range(2)]
+        self._err = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._staging: list[_Symmetric] = []
+        self._retired: list[_Symmetric] = []  # kept alive until close: peers may still read them
+        self._grow(MIN_STAGING_BYTES)
+        torch.cuda.synchronize(self.device)
+        # flags must be zero everywhere before the first signal
+        dist.barrier(group=self.group)
+
+    # -- set-up ------------------------------------------------------------------------------------
+    def _bootstrap(self, store) -> None:
+        """A gloo group over ``store``: symmetric memory exchanges its handles through it."""
+        if self.world_size == 1:
+            store = dist.HashStore() if store is None else store
+        prefix = dist.PrefixStore("nanoparallel-cuda", store)
+        if dist.is_initialized():
+            if dist.get_world_size() != self.world_size or dist.get_rank() != self.rank:
+                raise ValueError(
+                    f"CudaPeerBackend: torch.distributed is initialised with rank {dist.get_rank()} of "
+                    f"{dist.get_world_size()}, but this backend was given rank {self.rank} of {self.world_size}"
+                )
+            self.group = dist.new_group(backend="gloo")
+            self._owns_default = False
+        else:
+            dist.init_process_group(
+                "gloo",
+                store=prefix,
+                rank=self.rank,
+                world_size=self.world_size,
+                timeout=timedelta(seconds=600),
+            )
+            self.group = dist.group.WORLD
+            self._owns_default = True
+        try:  # torch < 2.12 wants the group registered for symmetric memory
+            from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                enable_symm_mem_for_group(self.group.group_name)
+        except ImportError:
+            pass
+
+    def _grow(self, nbytes: int) -> None:
+        """Make both staging buffers at least ``nbytes`` (collective: every rank asks alike)."""
+        if self._staging and self._staging[0].nbytes >= nbytes:
+            return
+        size = max(MIN_STAGING_BYTES, _pow2(nbytes))
+        self._retired += self._staging
+        self._staging = [_Symmetric(size, self.device, self.group) for _ in range(2)]
+
+    def _next(self, nbytes: int, barriers: int) -> tuple[_Symmetric, int]:
+        """The staging buffer for this call and the epoch its barriers start from."""
+        self._grow(nbytes)
+        buf = self._staging[self.parity]
+        self.parity ^= 1
+        epoch = self.epoch
+        self.epoch += barriers
+        return buf, epoch
+
+    # -- checks ------------------------------------------------------------------------------------
+    def _check_tensor(self, what: str, name: str, t: torch.Tensor) -> None:
+        if self.closed:
+            raise CommAbortedError(f"nanoparallel rank {self.rank}: {what}: backend is {self.closed}")
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device != self.device:
+            raise ValueError(f"{what}: {name} is on {t.device}, expected {self.device}")
+        if t.dtype not in DTYPES:
+            raise TypeError(f"{what}: {name} has dtype {t.dtype}, expected one of {[str(d) for d in DTYPES]}")
+        if not t.is_contiguous():
+            raise ValueError(f"{what}: {name} must be contiguous")
+        if t.numel() >= 2**31:
+            raise ValueError(f"{what}: {name} has {t.numel()} elements, at most 2**31 - 1 supported")
+
+    def _algorithm(self, collective: str, algorithm: str, nbytes: int) -> str:
+        names = ALGORITHMS[collective]
+        if algorithm == "auto":
+            if collective == "all_reduce":
+                if self.world_size <= 2 or nbytes <= ONE_SHOT_MAX_BYTES:
+                    return "one_shot"
+                return "two_shot"
+            return names[0]
+        if algorithm not in names:
+            raise ValueError(f"{collective}: algorithm {algorithm!r} is not one of {names + ('auto',)}")
+        return algorithm
+
+    def _op(self, what: str, op: str, dtype: torch.dtype) -> int:
+        if op not in K.OP_CODES:
+            raise ValueError(f"{what}: op {op!r} is not one of {REDUCE_OPS}")
+        if op == "avg" and not dtype.is_floating_point:
+            raise TypeError(f"{what}: op 'avg' needs a floating-point tensor, got {dtype}")
+        return K.OP_CODES[op]
+
+    def _chunk(self, n: int, elem: int) -> tuple[int, int]:
+        return split_work(n, self.max_programs, STEP_BYTES // elem)
+
+    def _after(self, what: str) -> None:
+        if self.check_errors:
+            self.check(what)
+
+    def check(self, what: str = "check") -> None:
+        """Synchronise and raise if any kernel since the last check timed out or saw bad splits."""
+        torch.cuda.synchronize(self.device)
+        code = int(self._err.item())
+        if code:
+            self._err.zero_()
+            if code & K.ERR_TIMEOUT:
+                self.closed = "aborted after a timeout"
+                raise CommTimeoutError(
+                    f"nanoparallel rank {self.rank}: {what}: a peer did not reach a GPU barrier within "
+                    f"~{self.timeout_s:g} s (a peer died, hung, or ranks called different collectives)"
+                )
+            raise MismatchError(
+                f"nanoparallel rank {self.rank}: {what}: all_to_all splits disagree: some rank's "
+                "input_splits[r] differs from rank r's output_splits for it"
+            )
+
+    def _common(self, buf: _Symmetric, dtype: torch.dtype, epoch: int) -> dict:
+        return dict(
+            D=buf.deltas(dtype),
+            flags=self._flags.local.view(torch.int32),
+            F=self._flags.deltas(torch.int32),
+            err=self._err,
+            epoch=epoch,
+            max_spins=self.max_spins,
+        )
+
+    # -- collectives ---------------------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto") -> torch.Tensor:
+        """In place: tensor <- op over ranks of tensor. tensor: [...], same shape on every rank."""
+        what = "all_reduce"
+        self._check_tensor(what, "tensor", tensor)
+        code = self._op(what, op, tensor.dtype)
+        elem = tensor.element_size()
+        algorithm = self._algorithm(what, algorithm, tensor.numel() * elem)
+        flat = tensor.view(-1)
+        W = self.world_size
+        if flat.numel() == 0 or W == 1:
+            return tensor  # with one rank every op (avg too) leaves the tensor as it is
+        piece = max(self.staging_cap // elem // 1024 * 1024, 1024)
+        for start in range(0, flat.numel(), piece):
+            seg = flat[start : start + piece]
+            self._all_reduce_piece(seg, code, algorithm)
+        self._after(what)
+        return tensor
+
+    def _all_reduce_piece(self, x: torch.Tensor, code: int, algorithm: str) -> None:
+        n, elem, W = x.numel(), x.element_size(), self.world_size
+        if algorithm == "one_shot":
+            buf, epoch = self._next(n * elem, 1)
+            chunk, grid = self._chunk(n, elem)
+            K.one_shot_all_reduce_kernel[(grid,)](
+                x, x, buf.local.view(x.dtype), n=n, chunk=chunk, OP=code, RANK=self.rank, W=W,
+                BLOCK=STEP_BYTES // elem, num_warps=NUM_WARPS, **self._common(buf, x.dtype, epoch),
+            )  # fmt: skip
+            return
+        S = slice_size(n, W)
+        chunk, grid = self._chunk(S, elem)
+        kernel = K.two_shot_all_reduce_kernel if algorithm == "two_shot" else K.ring_all_reduce_kernel
+        barriers = 2 if algorithm == "two_shot" else ring_barriers(W, True)
+        buf, epoch = self._next(W * S * elem, barriers)
+        kernel[(grid,)](
+            x, x, buf.local.view(x.dtype), n=n, S=S, chunk=chunk, OP=code, RANK=self.rank, W=W,
+            BLOCK=STEP_BYTES // elem, GATHER=True, num_warps=NUM_WARPS, **self._common(buf, x.dtype, epoch),
+        )  # fmt: skip
+
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", algorithm: str = "auto"
+    ) -> torch.Tensor:
+        """output <- slice ``rank`` of op over ranks of input. input: [W*m], output: [m]."""
+        what = "reduce_scatter"
+        self._check_tensor(what, "output", output)
+        self._check_tensor(what, "input", input)
+        W = self.world_size
+        if input.dtype != output.dtype:
+            raise TypeError(f"{what}: input is {input.dtype} but output is {output.dtype}")
+        if input.numel() != W * output.numel():
+            raise ValueError(
+                f"{what}: input has {input.numel()} elements, expected world_size * output.numel() = "
+                f"{W} * {output.numel()} = {W * output.numel()}"
+            )
+        code = self._op(what, op, input.dtype)
+        elem = input.element_size()
+        algorithm = self._algorithm(what, algorithm, input.numel() * elem)
+        m = output.numel()
+        if m == 0:
+            return output
+        if W == 1:
+            output.view(-1).copy_(input.view(-1))
+            return output
+        inp, out = input.view(W, m), output.view(-1)
+        piece = max(self.staging_cap // elem // W // 1024 * 1024, 1024)
+        kernel = K.two_shot_all_reduce_kernel if algorithm == "direct" else K.ring_all_reduce_kernel
+        barriers = 1 if algorithm == "direct" else ring_barriers(W, False)
+        for start in range(0, m, piece):
+            k = min(piece, m - start)
+            # the kernel wants the W slices of this piece side by side: [W, k] contiguous
+            src = inp[:, start : start + k]
+            src = src if src.is_contiguous() else src.contiguous()
+            dst = out[start : start + k]
+            buf, epoch = self._next(W * k * elem, barriers)
+            chunk, grid = self._chunk(k, elem)
+            kernel[(grid,)](
+                src, dst, buf.local.view(input.dtype), n=W * k, S=k, chunk=chunk, OP=code, RANK=self.rank,
+                W=W, BLOCK=STEP_BYTES // elem, GATHER=False, num_warps=NUM_WARPS,
+                **self._common(buf, input.dtype, epoch),
+            )  # fmt: skip
+        self._after(what)
+        return output
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, algorithm: str = "auto") -> torch.Tensor:
+        """output[p*m:(p+1)*m] <- input of rank p. input: [m], output: [W*m]."""
+        what = "all_gather"
+        self._check_tensor(what, "output", output)
+        self._check_tensor(what, "input", input)
+        W = self.world_size
+        if input.dtype != output.dtype:
+            raise TypeError(f"{what}: input is {input.dtype} but output is {output.dtype}")
+        if output.numel() != W * input.numel():
+            raise ValueError(
+                f"{what}: output has {output.numel()} elements, expected world_size * input.numel() = "
+                f"{W} * {input.numel()} = {W * input.numel()}"
+            )
+        elem = input.element_size()
+        algorithm = self._algorithm(what, algorithm, output.numel() * elem)
+        m = input.numel()
+        if m == 0:
+            return output
+        inp, out = input.view(-1), output.view(W, m)
+        piece = max(self.staging_cap // elem // 1024 * 1024, 1024)
+        for start in range(0, m, piece):
+            k = min(piece, m - start)
+            src = inp[start : start + k]
+            buf, epoch = self._next(k * elem, 1)
+            if algorithm == "copy_engine":
+                buf.local.view(input.dtype)[:k].copy_(src)
+                self._barrier_kernel(epoch)
+                for p in range(W):
+                    view = src if p == self.rank else buf.peer(p).view(input.dtype)[:k]
+                    out[p, start : start + k].copy_(view)
+                continue
+            dst = out[:, start : start + k]
+            if not dst.is_contiguous():
+                # a piece of a [W, m] output is W strided rows; gather into a contiguous [W, k] first
+                tmp = torch.empty(W, k, dtype=input.dtype, device=self.device)
+            else:
+                tmp = dst
+            chunk, grid = self._chunk(k, elem)
+            K.all_gather_kernel[(grid,)](
+                src, tmp, buf.local.view(input.dtype), m=k, chunk=chunk, RANK=self.rank, W=W,
+                BLOCK=STEP_BYTES // elem, num_warps=NUM_WARPS, **self._common(buf, input.dtype, epoch),
+            )  # fmt: skip
+            if tmp is not dst:
+                dst.copy_(tmp)
+        self._after(what)
+        return output
+
+    def broadcast(self, tensor: torch.Tensor, root: int = 0, algorithm: str = "auto") -> torch.Tensor:
+        """In place: tensor <- tensor of rank ``root``. tensor: [...], same shape on every rank."""
+        what = "broadcast"
+        self._check_tensor(what, "tensor", tensor)
+        W = self.world_size
+        if not (isinstance(root, int) and 0 <= root < W):
+            raise ValueError(f"{what}: root must be in [0, {W}), got {root!r}")
+        elem = tensor.element_size()
+        algorithm = self._algorithm(what, algorithm, tensor.numel() * elem)
+        flat = tensor.view(-1)
+        if flat.numel() == 0 or W == 1:
+            return tensor
+        piece = max(self.staging_cap // elem // 1024 * 1024, 1024)
+        for start in range(0, flat.numel(), piece):
+            seg = flat[start : start + piece]
+            n = seg.numel()
+            buf, epoch = self._next(n * elem, 1)
+            if algorithm == "copy_engine":
+                if self.rank == root:
+                    buf.local.view(tensor.dtype)[:n].copy_(seg)
+                self._barrier_kernel(epoch)
+                if self.rank != root:
+                    seg.copy_(buf.peer(root).view(tensor.dtype)[:n])
+                continue
+            chunk, grid = self._chunk(n, elem)
+            K.broadcast_kernel[(grid,)](
+                seg, buf.local.view(tensor.dtype), n=n, chunk=chunk, root=root, RANK=self.rank, W=W,
+                BLOCK=STEP_BYTES // elem, num_warps=NUM_WARPS, **self._common(buf, tensor.dtype, epoch),
+            )  # fmt: skip
+        self._after(what)
+        return tensor
+
+    def all_to_all(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_splits: list[int] | None = None,
+        input_splits: list[int] | None = None,
+        algorithm: str = "auto",
+    ) -> torch.Tensor:
+        """Rank r sends input[sum(input_splits[:p]) : ...+input_splits[p]] to rank p.
+
+        input: [sum(input_splits)], output: [sum(output_splits)] (elements of the flattened tensors;
+        even splits when None). output_splits[p] must equal rank p's input_splits[r]; a mismatch is
+        reported by the next check (or at once with ``check_errors``).
+        """
+        what = "all_to_all"
+        self._check_tensor(what, "output", output)
+        self._check_tensor(what, "input", input)
+        W = self.world_size
+        if input.dtype != output.dtype:
+            raise TypeError(f"{what}: input is {input.dtype} but output is {output.dtype}")
+        input_splits = self._splits(what, "input_splits", input_splits, input.numel())
+        output_splits = self._splits(what, "output_splits", output_splits, output.numel())
+        self._algorithm(what, algorithm, input.numel())
+        elem = input.element_size()
+        total_in = input.numel()
+        if W == 1:
+            output.view(-1).copy_(input.view(-1))
+            return output
+        if total_in * elem > self.staging_cap:
+            raise ValueError(
+                f"{what}: input is {total_in * elem} bytes, more than staging_bytes={self.staging_cap}; "
+                "raise staging_bytes when creating the backend"
+            )
+        # ranks send different amounts, but growing is collective: every rank takes the whole cap
+        # on its first all_to_all, so all of them grow at the same call
+        buf, epoch = self._next(self.staging_cap, 1)
+        meta = self._meta[self.parity ^ 1]  # the parity _next just used
+        meta.local.view(torch.int64).copy_(torch.tensor(input_splits + output_splits, dtype=torch.int64))
+        K.all_to_all_kernel[(self.max_programs,)](
+            input.view(-1), output.view(-1), buf.local.view(input.dtype), meta=meta.local.view(torch.int64),
+            M=meta.deltas(torch.int64), RANK=self.rank, W=W, WP2=_pow2(W),
+            BLOCK=STEP_BYTES // elem, num_warps=NUM_WARPS, **self._common(buf, input.dtype, epoch),
+        )  # fmt: skip
+        self.check(what)
+        return output
+
+    def _splits(self, what: str, name: str, splits, total: int) -> list[int]:
+        W = self.world_size
+        if splits is None:
+            if total % W:
+                raise ValueError(
+                    f"{what}: {name} not given and {total} elements do not split evenly over {W} ranks"
+                )
+            return [total // W] * W
+        splits = [int(s) for s in splits]
+        if len(splits) != W or any(s < 0 for s in splits):
+            raise ValueError(f"{what}: {name} must be {W} non-negative counts, got {splits}")
+        if sum(splits) != total:
+            raise ValueError(f"{what}: {name} sums to {sum(splits)} but the tensor has {total} elements")
+        return splits
+
+    def _barrier_kernel(self, epoch: int) -> None:
+        flags = self._flags
+        K.barrier_kernel[(1,)](
+            flags.local.view(torch.int32), flags.deltas(torch.int32), self._err, epoch=epoch,
+            max_spins=self.max_spins, RANK=self.rank, W=self.world_size, num_warps=1,
+        )  # fmt: skip
+
+    def barrier(self) -> None:
+        """All ranks meet on the GPU; then this rank's host waits for its GPU and checks for errors."""
+        if self.closed:
+            raise CommAbortedError(f"nanoparallel rank {self.rank}: barrier: backend is {self.closed}")
+        if self.world_size > 1:
+            _, epoch = self._next(0, 1)
+            self._barrier_kernel(epoch)
+        self.check("barrier")
+
+    def close(self) -> None:
+        """Wait for outstanding work, check it, and release the buffers once every rank is done."""
+        if self.closed == "closed":
+            return
+        try:
+            if not self.closed:
+                self.check("close")
+        finally:
+            self.closed = "closed"
+            torch.cuda.synchronize(self.device)
+            try:
+                dist.barrier(group=self.group)
+            except Exception:
+                pass
+            self._staging, self._retired, self._meta = [], [], []
+            if self._owns_default and dist.is_initialized():
+                dist.destroy_process_group()

@@ -1,0 +1,291 @@
+"""Triton kernels that move and reduce data across GPU peer buffers, with our own flag barriers.
+
+Every kernel here sees the *same* staging buffer on every rank (symmetric memory: one buffer per
+rank, each mapped into every rank's address space). Kernels get the local buffer ``buf`` and a
+tuple ``D`` of element offsets: rank ``p``'s buffer starts at ``buf + D[p]`` (``D[RANK] == 0``).
+Passing peers as offsets from a real tensor argument, rather than as raw integer addresses, keeps
+Triton's alignment analysis working (the offsets are multiples of 16 elements, so loads and stores
+compile to 16-byte vector accesses) and lets the CPU tests stand in host buffers for peers under
+``TRITON_INTERPRET=1``.
+
+Synchronisation (no NCCL, no NVLink multicast): ``flags`` is a symmetric int32 array of
+``MAX_PROGRAMS * W`` words per rank. Program ``b`` of rank ``r`` signals peer ``p`` by writing an
+*epoch number* into ``flags_p[b * W + r]`` (release, system scope) and waits until its own
+``flags_r[b * W + p]`` reaches that epoch (acquire, system scope). Epochs only grow, so flags never
+need resetting and a fast peer that already wrote a later epoch does not confuse a slow one. Only
+programs with the same index synchronise: program ``b`` of every rank touches the same index ranges,
+so no grid-wide barrier is needed. Each barrier spins at most ``max_spins`` times; on expiry it sets
+bit 1 of ``err`` and goes on (the host raises on the next check instead of hanging forever).
+
+Staging buffers alternate between two per call (see ``nanoparallel.cuda``), so a kernel needs a
+barrier only after its own writes: before a rank overwrites a buffer again, two calls later, every
+peer has passed a barrier of the call in between, hence finished reading it.
+
+Reduction ops (``OP``): 0 sum, 1 max, 2 min, 3 avg (sum, then divide by W). Half-precision inputs
+accumulate in float32; integers accumulate in their own type.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+OP_CODES = {"sum": 0, "max": 1, "min": 2, "avg": 3}
+ERR_TIMEOUT = 1
+ERR_SPLITS = 2
+
+
+@triton.jit
+def _combine(acc, x, OP: tl.constexpr):
+    if OP == 1:
+        return tl.maximum(acc, x)
+    elif OP == 2:
+        return tl.minimum(acc, x)
+    else:
+        return acc + x
+
+
+@triton.jit
+def _acc_type(x):
+    # bf16/fp16 partial sums lose bits fast; widen them, keep every other type as it is
+    if x.dtype == tl.bfloat16 or x.dtype == tl.float16:
+        return x.to(tl.float32)
+    else:
+        return x
+
+
+@triton.jit
+def _barrier(flags, F, err, target, max_spins, RANK: tl.constexpr, W: tl.constexpr):
+    """Program ``b`` of this rank meets program ``b`` of every peer (see module docstring)."""
+    slot = tl.program_id(0) * W
+    # every thread's stores must be issued before thread 0 publishes the flag
+    tl.debug_barrier()
+    for p in tl.static_range(W):
+        if p != RANK:
+            tl.atomic_xchg(flags + F[p] + slot + RANK, target, sem="release", scope="sys")
+    for p in tl.static_range(W):
+        if p != RANK:
+            seen = tl.atomic_add(flags + slot + p, 0, sem="acquire", scope="sys")
+            spins = 0
+            while (seen < target) & (spins < max_spins):
+                seen = tl.atomic_add(flags + slot + p, 0, sem="acquire", scope="sys")
+                spins += 1
+            if seen < target:
+                tl.atomic_or(err, 1)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _copy(dst, src, lo, hi, BLOCK: tl.constexpr):
+    """dst[lo:hi] = src[lo:hi], BLOCK elements at a time."""
+    for start in range(lo, hi, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < hi
+        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+
+@triton.jit
+def _reduce_peers(out, buf, D, lo, hi, OP: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr):
+    """out[lo:hi] = op over p of buf_p[lo:hi], peers in rank order (same result on every rank)."""
+    for start in range(lo, hi, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < hi
+        acc = _acc_type(tl.load(buf + D[0] + offs, mask=mask))
+        for p in tl.static_range(1, W):
+            acc = _combine(acc, _acc_type(tl.load(buf + D[p] + offs, mask=mask)), OP)
+        if OP == 3:
+            acc = acc / W
+        tl.store(out + offs, acc.to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["epoch", "max_spins"])
+def one_shot_all_reduce_kernel(
+    inp, out, buf, D, flags, F, err, n, chunk, epoch, max_spins,
+    OP: tl.constexpr, RANK: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One barrier: copy my chunk in, meet, read that chunk from all W buffers and reduce.
+
+    inp, out: [n] (may alias). Program b owns elements [b*chunk, (b+1)*chunk).
+    Remote bytes read per rank: (W-1) n; every rank reduces everything.
+    """
+    lo = tl.program_id(0) * chunk
+    hi = tl.minimum(lo + chunk, n)
+    _copy(buf, inp, lo, hi, BLOCK)
+    _barrier(flags, F, err, epoch + 1, max_spins, RANK, W)
+    _reduce_peers(out, buf, D, lo, hi, OP, W, BLOCK)
+
+
+@triton.jit(do_not_specialize=["epoch", "max_spins"])
+def two_shot_all_reduce_kernel(
+    inp, out, buf, D, flags, F, err, n, S, chunk, epoch, max_spins,
+    OP: tl.constexpr, RANK: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr, GATHER: tl.constexpr,
+):  # fmt: skip
+    """Reduce-scatter by reading, then all-gather by reading: two barriers.
+
+    inp: [n]; rank r owns slice r = [r*S, min((r+1)*S, n)); program b handles [b*chunk, (b+1)*chunk)
+    of every slice. Phase 1 reduces my slice from all W buffers into my buffer (and ``out``);
+    phase 2 (GATHER) reads every peer's reduced slice. With GATHER=False this is reduce-scatter and
+    ``out`` is my slice only ([S]). Remote bytes read per rank: 2 (W-1)/W n, the ring's volume.
+    """
+    b0 = tl.program_id(0) * chunk
+    b1 = tl.minimum(b0 + chunk, S)
+    for r in tl.static_range(W):
+        _copy(buf, inp, tl.minimum(r * S + b0, n), tl.minimum(r * S + b1, n), BLOCK)
+    _barrier(flags, F, err, epoch + 1, max_spins, RANK, W)
+    lo = tl.minimum(RANK * S + b0, n)
+    hi = tl.minimum(RANK * S + b1, n)
+    if GATHER:
+        # the reduced slice goes back into my own buffer, where peers read it in phase 2; only I
+        # read this slice of my buffer in phase 1, so overwriting it is safe
+        _reduce_peers(buf, buf, D, lo, hi, OP, W, BLOCK)
+        _barrier(flags, F, err, epoch + 2, max_spins, RANK, W)
+        for p in tl.static_range(W):
+            _copy(out, buf + D[p], tl.minimum(p * S + b0, n), tl.minimum(p * S + b1, n), BLOCK)
+    else:
+        _reduce_peers(out - RANK * S, buf, D, lo, hi, OP, W, BLOCK)
+
+
+@triton.jit(do_not_specialize=["epoch", "max_spins"])
+def ring_all_reduce_kernel(
+    inp, out, buf, D, flags, F, err, n, S, chunk, epoch, max_spins,
+    OP: tl.constexpr, RANK: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr, GATHER: tl.constexpr,
+):  # fmt: skip
+    """NCCL's ring, pulled from the left neighbour: W-1 reduce steps, then W-1 copy steps.
+
+    Chunk c is [c*S, min((c+1)*S, n)). In reduce step s rank r adds its own chunk
+    (r - s - 2) mod W to the partial sum the left neighbour made of it one step earlier, so after
+    W-1 steps rank r holds the full sum of chunk r. Copy step t takes chunk (r - 1 - t) mod W, just
+    completed by the left neighbour. One barrier per step: 2W - 2 in all (the price of the ring on
+    a machine where every GPU can read every other one directly).
+    GATHER=False stops after the reduce steps (reduce-scatter; ``out`` is [S], my chunk).
+    """
+    b0 = tl.program_id(0) * chunk
+    b1 = tl.minimum(b0 + chunk, S)
+    LEFT: tl.constexpr = (RANK + W - 1) % W
+    for q in tl.static_range(W):
+        _copy(buf, inp, tl.minimum(q * S + b0, n), tl.minimum(q * S + b1, n), BLOCK)
+    _barrier(flags, F, err, epoch + 1, max_spins, RANK, W)
+    for s in tl.static_range(W - 1):
+        c = (RANK - s - 2 + 2 * W) % W
+        lo = tl.minimum(c * S + b0, n)
+        hi = tl.minimum(c * S + b1, n)
+        for start in range(lo, hi, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < hi
+            mine = _acc_type(tl.load(buf + offs, mask=mask))
+            left = _acc_type(tl.load(buf + D[LEFT] + offs, mask=mask))
+            acc = _combine(left, mine, OP)
+            if s == W - 2:
+                if OP == 3:
+                    acc = acc / W
+                if GATHER:
+                    tl.store(out + offs, acc.to(out.dtype.element_ty), mask=mask)
+                else:
+                    tl.store(out - RANK * S + offs, acc.to(out.dtype.element_ty), mask=mask)
+            tl.store(buf + offs, acc.to(buf.dtype.element_ty), mask=mask)
+        if GATHER or s < W - 2:
+            _barrier(flags, F, err, epoch + 2 + s, max_spins, RANK, W)
+    if GATHER:
+        for t in tl.static_range(W - 1):
+            c2 = (RANK - 1 - t + 2 * W) % W
+            lo = tl.minimum(c2 * S + b0, n)
+            hi = tl.minimum(c2 * S + b1, n)
+            for start in range(lo, hi, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                mask = offs < hi
+                x = tl.load(buf + D[LEFT] + offs, mask=mask)
+                tl.store(out + offs, x, mask=mask)
+                if t < W - 2:
+                    tl.store(buf + offs, x, mask=mask)
+            if t < W - 2:
+                _barrier(flags, F, err, epoch + 1 + W + t, max_spins, RANK, W)
+
+
+@triton.jit(do_not_specialize=["epoch", "max_spins"])
+def all_gather_kernel(
+    inp, out, buf, D, flags, F, err, m, chunk, epoch, max_spins,
+    RANK: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """out[p*m:(p+1)*m] = inp of rank p. inp: [m], out: [W*m]; one barrier, (W-1) m bytes read."""
+    lo = tl.program_id(0) * chunk
+    hi = tl.minimum(lo + chunk, m)
+    _copy(buf, inp, lo, hi, BLOCK)
+    _barrier(flags, F, err, epoch + 1, max_spins, RANK, W)
+    for p in tl.static_range(W):
+        if p == RANK:
+            _copy(out + p * m, inp, lo, hi, BLOCK)
+        else:
+            _copy(out + p * m, buf + D[p], lo, hi, BLOCK)
+
+
+@triton.jit(do_not_specialize=["epoch", "max_spins"])
+def broadcast_kernel(
+    tensor, buf, D, flags, F, err, n, chunk, root, epoch, max_spins,
+    RANK: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Every rank reads the root's buffer. tensor: [n]; one barrier, n bytes read per non-root."""
+    lo = tl.program_id(0) * chunk
+    hi = tl.minimum(lo + chunk, n)
+    if root == RANK:
+        _copy(buf, tensor, lo, hi, BLOCK)
+    _barrier(flags, F, err, epoch + 1, max_spins, RANK, W)
+    if root != RANK:
+        # root is a runtime value, so find its offset with a static scan over the ranks
+        for p in tl.static_range(W):
+            if p == root:
+                _copy(tensor, buf + D[p], lo, hi, BLOCK)
+
+
+@triton.jit(do_not_specialize=["epoch", "max_spins"])
+def all_to_all_kernel(
+    inp, out, buf, D, meta, M, flags, F, err, epoch, max_spins,
+    RANK: tl.constexpr, W: tl.constexpr, WP2: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Uneven all-to-all. meta (int64, symmetric): [input_splits (W), output_splits (W)].
+
+    Each rank publishes its split table next to its data; after one barrier, rank r finds its
+    segment in peer p's buffer at offset sum(p.input_splits[:r]) and length p.input_splits[r],
+    which must equal r.output_splits[p] (else bit 2 of err is set and the shorter length is used).
+    Program b copies in, and later reads, the same share of every segment (``_share``), so what a
+    program reads was written by the same-numbered program of the sender, the one it met.
+    """
+    nprog = tl.num_programs(0)
+    in_off = 0
+    for d in tl.static_range(W):
+        count = tl.load(meta + d)
+        lo, hi = _share(count, count, nprog)
+        _copy(buf + in_off, inp + in_off, lo, hi, BLOCK)
+        in_off += count
+    _barrier(flags, F, err, epoch + 1, max_spins, RANK, W)
+    idx = tl.arange(0, WP2)
+    out_off = 0
+    for p in tl.static_range(W):
+        peer_meta = meta + M[p]
+        peer_splits = tl.load(peer_meta + idx, mask=idx < W, other=0)
+        src_off = tl.sum(tl.where(idx < RANK, peer_splits, 0), axis=0)
+        count = tl.load(peer_meta + RANK)
+        expect = tl.load(meta + W + p)
+        if count != expect:
+            tl.atomic_or(err, 2)
+        lo, hi = _share(count, tl.minimum(count, expect), nprog)
+        if (src_off % 16 == 0) & (out_off % 16 == 0) & (count % 16 == 0):
+            # splits in multiples of 16 elements (the common case): say so, so that the compiler
+            # can move 16 bytes per access instead of one element
+            _copy(out + tl.multiple_of(out_off, 16), buf + D[p] + tl.multiple_of(src_off, 16), lo, hi, BLOCK)
+        else:
+            _copy(out + out_off, buf + D[p] + src_off, lo, hi, BLOCK)
+        out_off += expect
+
+
+@triton.jit
+def _share(count, limit, nprog):
+    """This program's [lo, hi) of a segment of ``count`` elements, clipped to ``limit``."""
+    per = tl.cdiv(tl.cdiv(count, nprog), 16) * 16
+    lo = tl.program_id(0) * per
+    return tl.minimum(lo, limit), tl.minimum(lo + per, limit)
+
+
+@triton.jit(do_not_specialize=["epoch", "max_spins"])
+def barrier_kernel(flags, F, err, epoch, max_spins, RANK: tl.constexpr, W: tl.constexpr):
+    """A bare barrier (one program), for the copy-engine paths."""
+    _barrier(flags, F, err, epoch + 1, max_spins, RANK, W)

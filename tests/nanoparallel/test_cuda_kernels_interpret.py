@@ -1,0 +1,283 @@
+"""The GPU peer kernels, run on CPU: three processes under TRITON_INTERPRET=1 stand in for 3 GPUs.
+
+Each rank's staging buffer and flags are shared host memory (nanoparallel.cuda.emulate), so these
+tests run the real kernels with their real flag barriers: every program of every rank copies in,
+signals, waits, and reads its peers' buffers. Inputs are drawn per rank from a seed; the reference
+is computed in float64 from all ranks' inputs. Tolerances: float32 sums of 3 values are within a
+few ulps (1e-6); bf16/fp16 results are rounded once from a float32 sum in one-shot and two-shot
+(2^-8 relative, so 1e-2), and once per ring step; integer results are exact.
+
+Small BLOCK and chunk values make every kernel loop run several times and spread work over
+several programs, so the partitioning (the part most likely to be wrong) is exercised.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from nanoparallel.cuda import kernels as K
+from nanoparallel.cuda import ring_barriers, slice_size, split_work
+from nanoparallel.cuda.emulate import EmulatedPeers
+from paperclub.testing import assert_rel_close
+
+W = 3
+BLOCK = 16  # elements per step: tiny, so loops iterate
+MAX_PROGRAMS = 4
+TOL = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.int32: 0.0, torch.int64: 0.0}
+SETTINGS = settings(
+    max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+sizes = st.one_of(st.sampled_from([1, 2, 13, 37, 64, 97]), st.integers(1, 200))
+float_dtypes = st.sampled_from([torch.float32, torch.bfloat16, torch.float16])
+all_dtypes = st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64])
+
+
+@pytest.fixture(scope="module")
+def peers():
+    with EmulatedPeers(W, max_programs=MAX_PROGRAMS) as p:
+        yield p
+
+
+def draw_inputs(n: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
+    out = []
+    for r in range(W):
+        g = torch.Generator().manual_seed(seed * 1000 + r)
+        if dtype.is_floating_point:
+            x = torch.randn(n, generator=g, dtype=torch.float64).to(dtype)
+        else:
+            x = torch.randint(-1000, 1000, (n,), generator=g, dtype=torch.int64).to(dtype)
+        out.append(x)
+    return out
+
+
+def reference(inputs: list[torch.Tensor], op: str) -> torch.Tensor:
+    stack = torch.stack([x.to(torch.float64) for x in inputs])
+    if op == "sum":
+        return stack.sum(0)
+    if op == "avg":
+        return stack.mean(0)
+    if op == "max":
+        return stack.max(0).values
+    return stack.min(0).values
+
+
+def check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, name: str, steps: int = 1) -> None:
+    if dtype.is_floating_point:
+        assert_rel_close(out, ref, TOL[dtype] * steps, name)
+    else:
+        assert torch.equal(out.to(torch.float64), ref), (
+            f"{name}: integer result differs from the exact reference"
+        )
+
+
+@SETTINGS
+@given(
+    n=sizes, dtype=all_dtypes, op=st.sampled_from(["sum", "max", "min", "avg"]), seed=st.integers(0, 10**6)
+)
+def test_one_shot_all_reduce(peers, n, dtype, op, seed):
+    if op == "avg" and not dtype.is_floating_point:
+        op = "sum"
+    inputs = draw_inputs(n, dtype, seed)
+    xs = peers.shared(lambda r: inputs[r].clone())
+    bufs = peers.shared(lambda r: torch.full((n,), 7, dtype=dtype))  # poisoned: must be overwritten
+    chunk, grid = split_work(n, MAX_PROGRAMS, BLOCK)
+    per_rank = [
+        dict(inp=xs[r], out=xs[r], n=n, chunk=chunk, OP=K.OP_CODES[op], RANK=r, W=W, BLOCK=BLOCK)
+        for r in range(W)
+    ]
+    peers.run("one_shot_all_reduce_kernel", grid, per_rank, {"buf": (bufs, "D")}, barriers=1)
+    ref = reference(inputs, op)
+    for r in range(W):
+        check(xs[r], ref, dtype, f"one-shot {op} rank {r}")
+        # every rank reduces in the same order, so the results agree bit for bit
+        assert torch.equal(xs[r], xs[0]), "ranks disagree"
+
+
+@SETTINGS
+@given(
+    n=sizes,
+    dtype=all_dtypes,
+    op=st.sampled_from(["sum", "max", "avg"]),
+    ring=st.booleans(),
+    seed=st.integers(0, 10**6),
+)
+def test_two_shot_and_ring_all_reduce(peers, n, dtype, op, ring, seed):
+    if op == "avg" and not dtype.is_floating_point:
+        op = "max"
+    inputs = draw_inputs(n, dtype, seed)
+    S = slice_size(n, W)
+    xs = peers.shared(lambda r: inputs[r].clone())
+    bufs = peers.shared(lambda r: torch.full((W * S,), 7, dtype=dtype))
+    chunk, grid = split_work(S, MAX_PROGRAMS, BLOCK)
+    per_rank = [
+        dict(
+            inp=xs[r],
+            out=xs[r],
+            n=n,
+            S=S,
+            chunk=chunk,
+            OP=K.OP_CODES[op],
+            RANK=r,
+            W=W,
+            BLOCK=BLOCK,
+            GATHER=True,
+        )
+        for r in range(W)
+    ]
+    kernel = "ring_all_reduce_kernel" if ring else "two_shot_all_reduce_kernel"
+    barriers = ring_barriers(W, True) if ring else 2
+    peers.run(kernel, grid, per_rank, {"buf": (bufs, "D")}, barriers=barriers)
+    ref = reference(inputs, op)
+    for r in range(W):
+        check(xs[r], ref, dtype, f"{kernel} {op} rank {r}", steps=W if ring else 1)
+        assert torch.equal(xs[r], xs[0]), "ranks disagree: a chunk was gathered from the wrong owner"
+
+
+@SETTINGS
+@given(
+    m=sizes,
+    dtype=all_dtypes,
+    op=st.sampled_from(["sum", "min", "avg"]),
+    ring=st.booleans(),
+    seed=st.integers(0, 10**6),
+)
+def test_reduce_scatter(peers, m, dtype, op, ring, seed):
+    if op == "avg" and not dtype.is_floating_point:
+        op = "min"
+    inputs = draw_inputs(W * m, dtype, seed)
+    xs = peers.shared(lambda r: inputs[r].clone())
+    outs = peers.shared(lambda r: torch.full((m,), 7, dtype=dtype))
+    bufs = peers.shared(lambda r: torch.full((W * m,), 7, dtype=dtype))
+    chunk, grid = split_work(m, MAX_PROGRAMS, BLOCK)
+    per_rank = [
+        dict(
+            inp=xs[r],
+            out=outs[r],
+            n=W * m,
+            S=m,
+            chunk=chunk,
+            OP=K.OP_CODES[op],
+            RANK=r,
+            W=W,
+            BLOCK=BLOCK,
+            GATHER=False,
+        )
+        for r in range(W)
+    ]
+    kernel = "ring_all_reduce_kernel" if ring else "two_shot_all_reduce_kernel"
+    barriers = ring_barriers(W, False) if ring else 1
+    peers.run(kernel, grid, per_rank, {"buf": (bufs, "D")}, barriers=barriers)
+    ref = reference(inputs, op)
+    for r in range(W):
+        check(
+            outs[r],
+            ref[r * m : (r + 1) * m],
+            dtype,
+            f"reduce-scatter ({kernel}) {op} rank {r}",
+            steps=W if ring else 1,
+        )
+        assert torch.equal(xs[r], inputs[r]), "reduce-scatter modified its input"
+
+
+@SETTINGS
+@given(m=sizes, dtype=all_dtypes, seed=st.integers(0, 10**6))
+def test_all_gather(peers, m, dtype, seed):
+    inputs = draw_inputs(m, dtype, seed)
+    xs = peers.shared(lambda r: inputs[r].clone())
+    outs = peers.shared(lambda r: torch.full((W * m,), 7, dtype=dtype))
+    bufs = peers.shared(lambda r: torch.full((m,), 7, dtype=dtype))
+    chunk, grid = split_work(m, MAX_PROGRAMS, BLOCK)
+    per_rank = [dict(inp=xs[r], out=outs[r], m=m, chunk=chunk, RANK=r, W=W, BLOCK=BLOCK) for r in range(W)]
+    peers.run("all_gather_kernel", grid, per_rank, {"buf": (bufs, "D")}, barriers=1)
+    expected = torch.cat(inputs)
+    for r in range(W):
+        assert torch.equal(outs[r], expected), (
+            f"all-gather rank {r}: output is not the ranks' inputs in rank order"
+        )
+
+
+@SETTINGS
+@given(n=sizes, dtype=all_dtypes, root=st.integers(0, W - 1), seed=st.integers(0, 10**6))
+def test_broadcast(peers, n, dtype, root, seed):
+    inputs = draw_inputs(n, dtype, seed)
+    xs = peers.shared(lambda r: inputs[r].clone())
+    bufs = peers.shared(lambda r: torch.full((n,), 7, dtype=dtype))
+    chunk, grid = split_work(n, MAX_PROGRAMS, BLOCK)
+    per_rank = [dict(tensor=xs[r], n=n, chunk=chunk, root=root, RANK=r, W=W, BLOCK=BLOCK) for r in range(W)]
+    peers.run("broadcast_kernel", grid, per_rank, {"buf": (bufs, "D")}, barriers=1)
+    for r in range(W):
+        assert torch.equal(xs[r], inputs[root]), f"broadcast from {root}: rank {r} differs"
+
+
+@SETTINGS
+@given(
+    counts=st.lists(st.lists(st.integers(0, 40), min_size=W, max_size=W), min_size=W, max_size=W),
+    dtype=all_dtypes,
+    seed=st.integers(0, 10**6),
+)
+def test_all_to_all_uneven(peers, counts, dtype, seed):
+    # counts[s][d]: elements rank s sends to rank d (zeros included)
+    inputs = [draw_inputs(max(sum(counts[s]), 1), dtype, seed + s)[s][: sum(counts[s])] for s in range(W)]
+    totals_out = [sum(counts[s][d] for s in range(W)) for d in range(W)]
+    cap = max(max(sum(c) for c in counts), 1)
+    xs = peers.shared(lambda r: inputs[r].clone() if inputs[r].numel() else torch.zeros(1, dtype=dtype))
+    outs = peers.shared(lambda r: torch.full((max(totals_out[r], 1),), 7, dtype=dtype))
+    bufs = peers.shared(lambda r: torch.full((cap,), 7, dtype=dtype))
+    metas = peers.shared(
+        lambda r: torch.tensor(
+            [counts[r][d] for d in range(W)] + [counts[s][r] for s in range(W)], dtype=torch.int64
+        )
+    )
+    per_rank = [dict(inp=xs[r], out=outs[r], RANK=r, W=W, WP2=4, BLOCK=BLOCK) for r in range(W)]
+    peers.run(
+        "all_to_all_kernel", MAX_PROGRAMS, per_rank, {"buf": (bufs, "D"), "meta": (metas, "M")}, barriers=1
+    )
+    for d in range(W):
+        pieces = []
+        for s in range(W):
+            off = sum(counts[s][:d])
+            pieces.append(inputs[s][off : off + counts[s][d]])
+        expected = torch.cat(pieces)
+        assert torch.equal(outs[d][: totals_out[d]], expected), (
+            f"all-to-all: rank {d} received the wrong data"
+        )
+
+
+def test_all_to_all_split_mismatch_is_reported(peers):
+    # rank 0 says it sends 5 to rank 1, rank 1 expects 4: the kernel must flag it, not hide it
+    counts = [[2, 5, 1], [3, 3, 3], [1, 1, 1]]
+    expect = [[counts[s][d] for s in range(W)] for d in range(W)]
+    expect[1][0] = 4
+    xs = peers.shared(lambda r: torch.arange(sum(counts[r]), dtype=torch.float32))
+    outs = peers.shared(lambda r: torch.zeros(sum(expect[r]), dtype=torch.float32))
+    bufs = peers.shared(lambda r: torch.zeros(9, dtype=torch.float32))
+    metas = peers.shared(lambda r: torch.tensor(counts[r] + expect[r], dtype=torch.int64))
+    per_rank = [dict(inp=xs[r], out=outs[r], RANK=r, W=W, WP2=4, BLOCK=BLOCK) for r in range(W)]
+    with pytest.raises(RuntimeError, match=r"error words set on ranks \{1: 2\}"):
+        peers.run(
+            "all_to_all_kernel",
+            MAX_PROGRAMS,
+            per_rank,
+            {"buf": (bufs, "D"), "meta": (metas, "M")},
+            barriers=1,
+        )
+
+
+def test_barrier_times_out_instead_of_hanging():
+    # only two of three ranks arrive: the barrier must give up after max_spins and say so
+    with EmulatedPeers(2, max_programs=1) as two:
+        flags3 = [torch.zeros(3, dtype=torch.int32).share_memory_() for _ in range(3)]
+        per_rank = [dict(RANK=r, W=3) for r in range(2)]
+        with pytest.raises(RuntimeError, match="error words set"):
+            two.run("barrier_kernel", 1, per_rank, {"flags": (flags3, "F")}, barriers=1, max_spins=200)
+
+
+def test_split_work_covers_every_element():
+    for n in [1, 15, 16, 17, 1000, 4099]:
+        for programs in [1, 3, 132]:
+            chunk, grid = split_work(n, programs, 16)
+            assert chunk % 16 == 0 and grid <= programs and grid * chunk >= n and (grid - 1) * chunk < n
