@@ -107,9 +107,21 @@ class _Symmetric:
         # tensor sits at the same offset in every rank's segment, so differences are what count
         self.offset = self.local.data_ptr() - self.ptrs[self.rank]
         self._peer_views: list[torch.Tensor] | None = None
+        self._deltas: dict[torch.dtype, tuple[int, ...]] = {}
+        self._views: dict[torch.dtype, torch.Tensor] = {}
 
     def deltas(self, dtype: torch.dtype) -> tuple[int, ...]:
         """Peer p's buffer is at ``local.view(dtype) + deltas[p]`` (in elements)."""
+        if dtype not in self._deltas:
+            self._deltas[dtype] = self._compute_deltas(dtype)
+        return self._deltas[dtype]
+
+    def view(self, dtype: torch.dtype) -> torch.Tensor:
+        if dtype not in self._views:
+            self._views[dtype] = self.local.view(dtype)
+        return self._views[dtype]
+
+    def _compute_deltas(self, dtype: torch.dtype) -> tuple[int, ...]:
         size = torch.empty(0, dtype=dtype).element_size()
         me = self.ptrs[self.rank]
         out = []
@@ -309,7 +321,7 @@ class CudaPeerBackend:
     def _common(self, buf: _Symmetric, dtype: torch.dtype, epoch: int) -> dict:
         return dict(
             D=buf.deltas(dtype),
-            flags=self._flags.local.view(torch.int32),
+            flags=self._flags.view(torch.int32),
             F=self._flags.deltas(torch.int32),
             err=self._err,
             epoch=epoch,
@@ -341,7 +353,7 @@ class CudaPeerBackend:
             buf, epoch = self._next(n * elem, 1)
             chunk, grid = self._chunk(n, elem)
             K.one_shot_all_reduce_kernel[(grid,)](
-                x, x, buf.local.view(x.dtype), n=n, chunk=chunk, OP=code, RANK=self.rank, W=W,
+                x, x, buf.view(x.dtype), n=n, chunk=chunk, OP=code, RANK=self.rank, W=W,
                 BLOCK=STEP_BYTES // elem, num_warps=NUM_WARPS, **self._common(buf, x.dtype, epoch),
             )  # fmt: skip
             return
@@ -351,7 +363,7 @@ class CudaPeerBackend:
         barriers = 2 if algorithm == "two_shot" else ring_barriers(W, True)
         buf, epoch = self._next(W * S * elem, barriers)
         kernel[(grid,)](
-            x, x, buf.local.view(x.dtype), n=n, S=S, chunk=chunk, OP=code, RANK=self.rank, W=W,
+            x, x, buf.view(x.dtype), n=n, S=S, chunk=chunk, OP=code, RANK=self.rank, W=W,
             BLOCK=STEP_BYTES // elem, GATHER=True, num_warps=NUM_WARPS, **self._common(buf, x.dtype, epoch),
         )  # fmt: skip
 
@@ -392,7 +404,7 @@ class CudaPeerBackend:
             buf, epoch = self._next(W * k * elem, barriers)
             chunk, grid = self._chunk(k, elem)
             kernel[(grid,)](
-                src, dst, buf.local.view(input.dtype), n=W * k, S=k, chunk=chunk, OP=code, RANK=self.rank,
+                src, dst, buf.view(input.dtype), n=W * k, S=k, chunk=chunk, OP=code, RANK=self.rank,
                 W=W, BLOCK=STEP_BYTES // elem, GATHER=False, num_warps=NUM_WARPS,
                 **self._common(buf, input.dtype, epoch),
             )  # fmt: skip
@@ -424,7 +436,7 @@ class CudaPeerBackend:
             src = inp[start : start + k]
             buf, epoch = self._next(k * elem, 1)
             if algorithm == "copy_engine":
-                buf.local.view(input.dtype)[:k].copy_(src)
+                buf.view(input.dtype)[:k].copy_(src)
                 self._barrier_kernel(epoch)
                 for p in range(W):
                     view = src if p == self.rank else buf.peer(p).view(input.dtype)[:k]
@@ -438,7 +450,7 @@ class CudaPeerBackend:
                 tmp = dst
             chunk, grid = self._chunk(k, elem)
             K.all_gather_kernel[(grid,)](
-                src, tmp, buf.local.view(input.dtype), m=k, chunk=chunk, RANK=self.rank, W=W,
+                src, tmp, buf.view(input.dtype), m=k, chunk=chunk, RANK=self.rank, W=W,
                 BLOCK=STEP_BYTES // elem, num_warps=NUM_WARPS, **self._common(buf, input.dtype, epoch),
             )  # fmt: skip
             if tmp is not dst:
@@ -465,14 +477,14 @@ class CudaPeerBackend:
             buf, epoch = self._next(n * elem, 1)
             if algorithm == "copy_engine":
                 if self.rank == root:
-                    buf.local.view(tensor.dtype)[:n].copy_(seg)
+                    buf.view(tensor.dtype)[:n].copy_(seg)
                 self._barrier_kernel(epoch)
                 if self.rank != root:
                     seg.copy_(buf.peer(root).view(tensor.dtype)[:n])
                 continue
             chunk, grid = self._chunk(n, elem)
             K.broadcast_kernel[(grid,)](
-                seg, buf.local.view(tensor.dtype), n=n, chunk=chunk, root=root, RANK=self.rank, W=W,
+                seg, buf.view(tensor.dtype), n=n, chunk=chunk, root=root, RANK=self.rank, W=W,
                 BLOCK=STEP_BYTES // elem, num_warps=NUM_WARPS, **self._common(buf, tensor.dtype, epoch),
             )  # fmt: skip
         self._after(what)
@@ -515,13 +527,15 @@ class CudaPeerBackend:
         # on its first all_to_all, so all of them grow at the same call
         buf, epoch = self._next(self.staging_cap, 1)
         meta = self._meta[self.parity ^ 1]  # the parity _next just used
-        meta.local.view(torch.int64).copy_(torch.tensor(input_splits + output_splits, dtype=torch.int64))
+        # pinned, so the copy is queued on the stream instead of synchronising it
+        table = torch.tensor(input_splits + output_splits, dtype=torch.int64).pin_memory()
+        meta.local.view(torch.int64).copy_(table, non_blocking=True)
         K.all_to_all_kernel[(self.max_programs,)](
-            input.view(-1), output.view(-1), buf.local.view(input.dtype), meta=meta.local.view(torch.int64),
+            input.view(-1), output.view(-1), buf.view(input.dtype), meta=meta.local.view(torch.int64),
             M=meta.deltas(torch.int64), RANK=self.rank, W=W, WP2=_pow2(W),
             BLOCK=STEP_BYTES // elem, num_warps=NUM_WARPS, **self._common(buf, input.dtype, epoch),
         )  # fmt: skip
-        self.check(what)
+        self._after(what)
         return output
 
     def _splits(self, what: str, name: str, splits, total: int) -> list[int]:

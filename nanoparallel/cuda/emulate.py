@@ -94,10 +94,20 @@ class EmulatedPeers:
         self._procs = []
 
     def __enter__(self) -> EmulatedPeers:
-        for r in range(self.world_size):
-            p = self._ctx.Process(target=_worker, args=(r, self._jobs[r], self._results), daemon=True)
-            p.start()
-            self._procs.append(p)
+        # the kernels are decorated when nanoparallel.cuda is imported, which a spawned worker does
+        # before _worker runs: the variable must already be in the environment it inherits
+        before = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "1"
+        try:
+            for r in range(self.world_size):
+                p = self._ctx.Process(target=_worker, args=(r, self._jobs[r], self._results), daemon=True)
+                p.start()
+                self._procs.append(p)
+        finally:
+            if before is None:
+                del os.environ["TRITON_INTERPRET"]
+            else:
+                os.environ["TRITON_INTERPRET"] = before
         return self
 
     def __exit__(self, *exc) -> None:

@@ -1,0 +1,250 @@
+"""GPU sweep (issue #6): nanoparallel.cuda against NCCL, every collective, 8 B to 1 GB.
+
+    python -m nanoparallel.cuda.sweep --world-size 2 --tag cuda-x2 [--out DIR] [--quick]
+
+One process per GPU. Every rank first runs :func:`nanoparallel.cuda.check.check_all` (every
+collective, algorithm, dtype and awkward size against a float64 reference), then times, for each
+collective and size, NCCL through ``torch.distributed`` and each of our algorithms plus ``auto``.
+
+Timing: all ranks meet (an NCCL barrier and a device synchronisation), then each rank records CUDA
+events around ``iters`` back-to-back calls issued from Python, as a PyTorch program would issue them;
+the time of a call is the elapsed time over ``iters``, and the slowest rank's time is reported.
+No CUDA graphs on either side (our flag epochs are launch arguments, so a replayed graph would
+reuse stale epochs). Bandwidth follows nccl-tests' PERFORMANCE.md: ``algbw = bytes / time`` with
+``bytes`` the per-rank message (all-gather: the gathered output; reduce-scatter and all-to-all: the
+per-rank input) and ``busbw = algbw * factor``, factor 2(n-1)/n for all-reduce, (n-1)/n for
+all-gather, reduce-scatter and all-to-all, 1 for broadcast.
+
+NVLink multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1,
+NVSHMEM_DISABLE_NVLS=1, set here and by nanoparallel.cuda before anything initialises).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ["NCCL_NVLS_ENABLE"] = "0"
+os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
+
+import datetime  # noqa: E402
+import socket  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+
+
+def busbw_factor(collective: str, n: int) -> float:
+    if collective == "all_reduce":
+        return 2 * (n - 1) / n
+    if collective == "broadcast":
+        return 1.0
+    return (n - 1) / n
+
+
+def sizes(min_bytes: int, max_bytes: int, step: int) -> list[int]:
+    out, b = [], min_bytes
+    while b <= max_bytes:
+        out.append(b)
+        b *= step
+    return out
+
+
+def _iters(nbytes: int) -> int:
+    # about 0.5 GB moved per measurement, between 10 and 100 calls (values double per sum call;
+    # 100 doublings keep random float32 data finite)
+    return int(min(100, max(10, 5e8 // max(nbytes, 1))))
+
+
+def _impls(coll: str, x: torch.Tensor, be, world: int) -> dict:
+    """NCCL's call and each of our algorithms for one collective on the message ``x`` ([count])."""
+    import torch.distributed as dist
+
+    from nanoparallel.cuda import ALGORITHMS
+
+    algos = ALGORITHMS[coll] + ("auto",)
+    if coll == "all_reduce":
+        impls = {"nccl": lambda: dist.all_reduce(x)}
+        impls.update({a: (lambda a=a: be.all_reduce(x, "sum", a)) for a in algos})
+    elif coll == "broadcast":
+        impls = {"nccl": lambda: dist.broadcast(x, src=0)}
+        impls.update({a: (lambda a=a: be.broadcast(x, 0, a)) for a in algos})
+    elif coll == "all_gather":
+        inp, out = x[: x.numel() // world], torch.empty_like(x)
+        impls = {"nccl": lambda: dist.all_gather_into_tensor(out, inp)}
+        impls.update({a: (lambda a=a: be.all_gather(out, inp, a)) for a in algos})
+    elif coll == "reduce_scatter":
+        out = torch.empty(x.numel() // world, device=x.device, dtype=x.dtype)
+        impls = {"nccl": lambda: dist.reduce_scatter_tensor(out, x)}
+        impls.update({a: (lambda a=a: be.reduce_scatter(out, x, "sum", a)) for a in algos})
+    else:
+        out = torch.empty_like(x)
+        impls = {"nccl": lambda: dist.all_to_all_single(out, x)}
+        impls.update({a: (lambda a=a: be.all_to_all(out, x, algorithm=a)) for a in algos})
+    return impls
+
+
+def _rank_main(rank: int, world: int, port: int, args, results) -> None:
+    import torch.distributed as dist
+
+    from nanoparallel.cuda import CudaPeerBackend
+    from nanoparallel.cuda.check import check_all
+
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    store = dist.TCPStore(
+        "127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=300)
+    )
+    dist.init_process_group(
+        "nccl", store=dist.PrefixStore("nccl", store), rank=rank, world_size=world, device_id=dev
+    )
+    be = CudaPeerBackend(rank, world, store, dev, timeout_s=60)
+    t0 = time.perf_counter()
+    cases, failures = (0, []) if args.skip_check else check_all(be, seed=args.seed)
+    check_s = time.perf_counter() - t0
+
+    def timed(fn, nbytes: int) -> float:
+        iters = _iters(nbytes)
+        for _ in range(3):
+            fn()
+        dist.barrier()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        t = torch.tensor([start.elapsed_time(end) / iters], device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item()) * 1e3  # microseconds
+
+    rows = []
+    nccl_ms: dict = {}
+    for coll in args.collectives:
+        for nbytes in sizes(args.min_bytes, args.max_bytes, args.step):
+            dtype = torch.float32
+            count = max(nbytes // 4, 1)
+            count = -(-count // world) * world  # divisible where the collective needs it
+            nb = count * 4
+            g = torch.Generator(device=dev).manual_seed(args.seed + rank)
+            x = torch.randn(count, device=dev, generator=g, dtype=dtype)
+            impls = _impls(coll, x, be, world)
+            for impl, fn in impls.items():
+                us = timed(fn, nb)
+                algbw = nb / (us * 1e-6) / 1e9
+                busbw = algbw * busbw_factor(coll, world)
+                if impl == "nccl":
+                    nccl_ms[(coll, nb)] = us
+                rows.append(
+                    dict(
+                        collective=coll,
+                        impl="nccl" if impl == "nccl" else "nanoparallel",
+                        algorithm="nccl" if impl == "nccl" else impl,
+                        bytes=nb,
+                        count=count,
+                        dtype="float32",
+                        time_us=round(us, 2),
+                        algbw_GBps=round(algbw, 2),
+                        busbw_GBps=round(busbw, 2),
+                        speedup_vs_nccl=round(nccl_ms[(coll, nb)] / us, 3),
+                    )
+                )
+            if rank == 0:
+                last = [r for r in rows if r["bytes"] == nb and r["collective"] == coll]
+                print(
+                    f"{coll:15s} {nb:>11d} B  "
+                    + "  ".join(
+                        f"{r['algorithm']}={r['time_us']:.1f}us/{r['busbw_GBps']:.0f}GB/s" for r in last
+                    ),
+                    flush=True,
+                )
+    be.barrier()
+    be.close()
+    dist.destroy_process_group()
+    results.put((rank, cases, failures, check_s, rows))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--world-size", type=int, default=torch.cuda.device_count())
+    p.add_argument("--min-bytes", type=int, default=8)
+    p.add_argument("--max-bytes", type=int, default=1 << 30)
+    p.add_argument("--step", type=int, default=4, help="size multiplier between rows")
+    p.add_argument("--collectives", nargs="+", default=list(COLLECTIVES), choices=COLLECTIVES)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip-check", action="store_true", help="skip the correctness check (not for results)")
+    p.add_argument("--tag", default="cuda")
+    p.add_argument(
+        "--out", type=Path, default=None, help="folder for the JSON (default nanoparallel/results)"
+    )
+    args = p.parse_args(argv)
+    world = args.world_size
+    if world < 2 or world > torch.cuda.device_count():
+        raise SystemExit(
+            f"--world-size must be between 2 and the {torch.cuda.device_count()} GPUs here, got {world}"
+        )
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, args, results)) for r in range(world)]
+    for pr in procs:
+        pr.start()
+    out = sorted((results.get(timeout=3000) for _ in range(world)), key=lambda r: r[0])
+    for pr in procs:
+        pr.join(timeout=60)
+    cases = sum(o[1] for o in out)
+    failures = [f for o in out for f in o[2]]
+    rows = out[0][4]
+
+    from nanoparallel.cuda import ALGORITHMS
+    from paperclub.bench import Report
+
+    nccl = ".".join(map(str, torch.cuda.nccl.version()))
+    report = Report(
+        package="nanoparallel",
+        title=f"GPU collectives on {world} GPUs: nanoparallel.cuda (peer memory, Triton) vs NCCL",
+        peer=f"NCCL {nccl} (torch.distributed, NVLS off)",
+        columns=list(rows[0]),
+        packages=["torch", "triton"],
+        notes=(
+            f"Correctness in the same job: {cases - len(failures)} of {cases} checks passed "
+            f"({'no failures' if not failures else '; '.join(failures[:5])}); algorithms {dict(ALGORITHMS)}. "
+            "Time per call: CUDA events around back-to-back calls issued from Python, slowest rank. "
+            "busbw = algbw x 2(n-1)/n (all_reduce), (n-1)/n (all_gather, reduce_scatter, all_to_all), "
+            "1 (broadcast), as in nccl-tests. NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1."
+        ),
+    )
+    for r in rows:
+        report.add(**r)
+    report.plot(
+        title="bus bandwidth", x="bytes", y="busbw_GBps", series="algorithm", facet="collective", logx=True
+    )
+    report.plot(
+        title="time per call",
+        x="bytes",
+        y="time_us",
+        series="algorithm",
+        facet="collective",
+        logx=True,
+        logy=True,
+    )
+    report.write(tag=args.tag, out_dir=args.out)
+    if failures:
+        print(f"\n{len(failures)} correctness failures:\n" + "\n".join(failures[:40]))
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
