@@ -71,14 +71,18 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, dims
         if t.dim() != 4:
             raise ValueError(f"attention: {name} must be [B, S, H, D] (4 dims), got shape {tuple(t.shape)}")
         if t.dtype not in dtypes:
-            raise TypeError(f"attention: {name} has dtype {t.dtype}, expected one of {[str(d) for d in dtypes]}")
+            raise TypeError(
+                f"attention: {name} has dtype {t.dtype}, expected one of {[str(d) for d in dtypes]}"
+            )
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"attention: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"attention: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     b, s_q, h, d = q.shape
     if k.shape != v.shape:
-        raise ValueError(f"attention: k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        raise ValueError(
+            f"attention: k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
     if k.shape[0] != b or k.shape[3] != d:
         raise ValueError(
             f"attention: k must be [B={b}, S_k, H_kv, D={d}] to match q {tuple(q.shape)}, got {tuple(k.shape)}"
@@ -98,10 +102,14 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, dims
 
 def _resolve(sw: Switches, d: int, interpret: bool) -> Switches:
     if sw.soft_exp not in (0, 1, 2, 4):
-        raise ValueError(f"attention: soft_exp is the number of quarters in software, 0, 1, 2 or 4; got {sw.soft_exp}")
+        raise ValueError(
+            f"attention: soft_exp is the number of quarters in software, 0, 1, 2 or 4; got {sw.soft_exp}"
+        )
     if sw.rescale_threshold < 0 or sw.rescale_threshold > 64:
         # 2^tau per term times S_k terms must stay far below fp32's 2^128.
-        raise ValueError(f"attention: rescale_threshold must be in [0, 64] (log2 units), got {sw.rescale_threshold}")
+        raise ValueError(
+            f"attention: rescale_threshold must be in [0, 64] (log2 units), got {sw.rescale_threshold}"
+        )
     bm, bn, nw, ns = FWD_DEFAULTS.get(d, (16, 16, 4, 1)) if not interpret else (16, 16, 4, 1)
     bbm, bbn, bnw, bns = BWD_DEFAULTS.get(d, (16, 16, 4, 1)) if not interpret else (16, 16, 4, 1)
     if sw.pingpong and sw.block_m is None:
@@ -222,7 +230,9 @@ def _run(q, k, v, causal, scale, switches, dims, dtypes):
         raise RuntimeError("attention: needs a CUDA device, or TRITON_INTERPRET=1 for the CPU interpreter")
     unknown = set(switches) - set(Switches.__dataclass_fields__)
     if unknown:
-        raise TypeError(f"attention: unknown switches {sorted(unknown)}; known: {list(Switches.__dataclass_fields__)}")
+        raise TypeError(
+            f"attention: unknown switches {sorted(unknown)}; known: {list(Switches.__dataclass_fields__)}"
+        )
     sw = _resolve(Switches(**switches), d, _interpreting())
     return _Attention.apply(q, k, v, bool(causal), scale, sw)
 
@@ -245,14 +255,24 @@ def attention(
 
 
 def attention_any_d(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, scale: float | None = None, **switches
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    scale: float | None = None,
+    **switches,
 ) -> torch.Tensor:
     """Internal: :func:`attention` that also accepts D in {16, 32} and float32 (interpreter tests)."""
     return _run(q, k, v, causal, scale, switches, TEST_HEAD_DIMS, (*PUBLIC_DTYPES, torch.float32))
 
 
 def forward_with_counts(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, scale: float | None = None, **switches
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    scale: float | None = None,
+    **switches,
 ) -> tuple[torch.Tensor, float]:
     """Forward only, also returning the fraction of key-block steps (after each tile's first) on which
     the kernel rescaled O. Shapes as :func:`attention_any_d`. Returns ([B, S_q, H, D], fraction)."""

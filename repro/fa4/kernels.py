@@ -185,7 +185,9 @@ def _fwd_tile(
     offs_mb = offs_ma + BLOCK_M
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BLOCK_N)
-    q_a = tl.load(q_base + offs_ma[:, None] * stride_qs + offs_d[None, :], mask=offs_ma[:, None] < S_Q, other=0.0)
+    q_a = tl.load(
+        q_base + offs_ma[:, None] * stride_qs + offs_d[None, :], mask=offs_ma[:, None] < S_Q, other=0.0
+    )
     m_a = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_a = tl.zeros([BLOCK_M], tl.float32)
     acc_a = tl.zeros([BLOCK_M, D], tl.float32)

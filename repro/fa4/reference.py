@@ -52,7 +52,9 @@ def attention_exact(
     """
     b, s_q, h, d = q.shape
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    q64, k64, v64 = (t.detach().to(torch.float64) if not t.requires_grad else t.to(torch.float64) for t in (q, k, v))
+    q64, k64, v64 = (
+        t.detach().to(torch.float64) if not t.requires_grad else t.to(torch.float64) for t in (q, k, v)
+    )
     k64, v64 = _expand_kv(k64, h), _expand_kv(v64, h)
     logits = torch.einsum("bihd,bjhd->bhij", q64, k64) * scale
     if causal:
