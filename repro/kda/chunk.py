@@ -255,7 +255,9 @@ def decode_step(
     """
     dims = check_kda_inputs(q, k, v, g, beta, state, "decode_step", triton=True)
     if dims.T != 1:
-        raise ValueError(f"decode_step: takes one token, got T={dims.T} (q.shape[1]); use chunk_kda for prefill")
+        raise ValueError(
+            f"decode_step: takes one token, got T={dims.T} (q.shape[1]); use chunk_kda for prefill"
+        )
     if state.dtype != torch.float32 or not state.is_contiguous():
         raise ValueError(f"decode_step: state must be a contiguous float32 tensor, got {state.dtype}")
     scale = dims.K**-0.5 if scale is None else float(scale)

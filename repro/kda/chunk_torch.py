@@ -111,8 +111,14 @@ def chunk_kda_torch(
     (fp64 for fp64 inputs); returns o ``[B, T, HV, V]`` in v's dtype and the final state.
     """
     dims = check_kda_inputs(q, k, v, g, beta, initial_state, "chunk_kda_torch", triton=False)
-    if not isinstance(chunk_size, int) or chunk_size < 1 or (chunk_size > SUB_BLOCK and chunk_size % SUB_BLOCK):
-        raise ValueError(f"chunk_kda_torch: chunk_size must be a positive int, a multiple of 16 above 16; got {chunk_size}")
+    if (
+        not isinstance(chunk_size, int)
+        or chunk_size < 1
+        or (chunk_size > SUB_BLOCK and chunk_size % SUB_BLOCK)
+    ):
+        raise ValueError(
+            f"chunk_kda_torch: chunk_size must be a positive int, a multiple of 16 above 16; got {chunk_size}"
+        )
     B, T, H, K, HV, V = dims.B, dims.T, dims.H, dims.K, dims.HV, dims.V
     scale = K**-0.5 if scale is None else scale
     dt = torch.float64 if torch.float64 in (q.dtype, v.dtype, g.dtype, beta.dtype) else torch.float32

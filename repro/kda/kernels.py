@@ -220,11 +220,17 @@ def kda_out_fwd_kernel(
     b_qg = (b_q.to(tl.float32) * tl.exp(b_G) * scale).to(q.dtype.element_ty)
     b_h = tl.load(h_all + (i_bh * NT + i_t) * K * V + offk[:, None] * V + offv[None, :])
     b_o = tl.dot(b_qg, b_h.to(b_qg.dtype), input_precision=DOT_PREC)
-    b_A = tl.load(Aqk + ((b * T + rows[:, None]) * HV + hv) * BT + loc[None, :], mask=mrow[:, None], other=0.0)
-    b_u = tl.load(U_new + ((b * T + rows[:, None]) * HV + hv) * V + offv[None, :], mask=mrow[:, None], other=0.0)
+    b_A = tl.load(
+        Aqk + ((b * T + rows[:, None]) * HV + hv) * BT + loc[None, :], mask=mrow[:, None], other=0.0
+    )
+    b_u = tl.load(
+        U_new + ((b * T + rows[:, None]) * HV + hv) * V + offv[None, :], mask=mrow[:, None], other=0.0
+    )
     b_o += tl.dot(b_A.to(b_u.dtype), b_u, input_precision=DOT_PREC)
     tl.store(
-        o + ((b * T + rows[:, None]) * HV + hv) * V + offv[None, :], b_o.to(o.dtype.element_ty), mask=mrow[:, None]
+        o + ((b * T + rows[:, None]) * HV + hv) * V + offv[None, :],
+        b_o.to(o.dtype.element_ty),
+        mask=mrow[:, None],
     )
 
 

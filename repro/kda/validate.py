@@ -59,12 +59,16 @@ def check_kda_inputs(
             f"{fn}: the number of value heads HV={HV} (v.shape[2]) must be a multiple of the key heads H={H}"
         )
     if _shape(g) != (B, T, HV, K):
-        raise ValueError(f"{fn}: g (log-decay) must have shape [B, T, HV, K] = {(B, T, HV, K)}, got {_shape(g)}")
+        raise ValueError(
+            f"{fn}: g (log-decay) must have shape [B, T, HV, K] = {(B, T, HV, K)}, got {_shape(g)}"
+        )
     if _shape(beta) != (B, T, HV):
         raise ValueError(f"{fn}: beta must have shape [B, T, HV] = {(B, T, HV)}, got {_shape(beta)}")
     if initial_state is not None:
         if not isinstance(initial_state, torch.Tensor):
-            raise ValueError(f"{fn}: initial_state must be a torch.Tensor or None, got {type(initial_state).__name__}")
+            raise ValueError(
+                f"{fn}: initial_state must be a torch.Tensor or None, got {type(initial_state).__name__}"
+            )
         if _shape(initial_state) != (B, HV, K, V):
             raise ValueError(
                 f"{fn}: initial_state must have shape [B, HV, K, V] = {(B, HV, K, V)}, got {_shape(initial_state)}"
@@ -83,7 +87,9 @@ def check_kda_inputs(
         raise ValueError(f"{fn}: all tensors must be on one device, got {sorted(map(str, devices))}")
     if triton:
         if K not in TRITON_K:
-            raise ValueError(f"{fn}: key head dim K={K} is not supported by the Triton kernels; supported: {TRITON_K}")
+            raise ValueError(
+                f"{fn}: key head dim K={K} is not supported by the Triton kernels; supported: {TRITON_K}"
+            )
         if V not in TRITON_V:
             raise ValueError(
                 f"{fn}: value head dim V={V} is not supported by the Triton kernels; supported: {TRITON_V}"

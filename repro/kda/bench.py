@@ -1,0 +1,176 @@
+"""Benchmark: our chunkwise KDA against flash-linear-attention and causal flash attention.
+
+``python -m repro.kda.bench [--quick] [--out DIR]``
+
+Shapes: H = 16 heads, K = V = 128, bf16, B x T = 16384 tokens for T = 2k .. 32k; at T = 64k
+B = 1 (65536 tokens: B cannot go below 1). Each row is the median time of one call
+(``paperclub.bench.time_ms``, CUDA events through triton's do_bench):
+
+* ``ours``: ``repro.kda.chunk_kda`` (Triton forward; backward = Triton state recurrence plus
+  PyTorch autograd for the intra-chunk parts, see chunk.py);
+* ``fla_kda``: ``fla.ops.kda.chunk_kda`` (flash-linear-attention 0.6.0, default arguments);
+* ``fla_gdn``: ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` (scalar gate per head);
+* ``sdpa_flash``: ``torch.nn.functional.scaled_dot_product_attention`` causal, flash backend.
+
+``rel_err_vs_fla`` (forward rows of ``ours``) is ``||o_ours - o_fla|| / ||o_fla||`` on the same
+inputs; both run in bf16, so about 1e-2 is agreement.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from paperclub.bench import Report, time_ms
+from paperclub.testing import rel_error
+
+H, K, V = 16, 128, 128
+TOKENS = 16384
+
+
+def make_inputs(B: int, T: int, device: str = "cuda", dtype=torch.bfloat16, seed: int = 0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q = F.normalize(torch.randn(B, T, H, K, device=device, generator=gen), dim=-1).to(dtype)
+    k = F.normalize(torch.randn(B, T, H, K, device=device, generator=gen), dim=-1).to(dtype)
+    v = torch.randn(B, T, H, V, device=device, generator=gen).to(dtype)
+    # a per-channel log-decay like a trained gate's: mostly mild, some channels fast (>= -10 per token)
+    g = (F.logsigmoid(torch.randn(B, T, H, K, device=device, generator=gen)) * 0.5).float()
+    beta = torch.rand(B, T, H, device=device, generator=gen).float()
+    return q, k, v, g, beta
+
+
+def impls():
+    from repro.kda import chunk_kda as ours
+
+    out = {"ours": lambda q, k, v, g, beta: ours(q, k, v, g, beta)[0]}
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        from fla.ops.kda import chunk_kda as fla_kda
+
+        out["fla_kda"] = lambda q, k, v, g, beta: fla_kda(q, k, v, g, beta)[0]
+        # GDN: one decay per head and token (the channel mean of KDA's), same q, k, v, beta
+        out["fla_gdn"] = lambda q, k, v, g, beta: chunk_gated_delta_rule(q, k, v, g.mean(-1), beta)[0]
+    except ImportError as exc:
+        print(f"flash-linear-attention not importable ({exc}); timing ours and SDPA only")
+
+    def sdpa(q, k, v, g, beta):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            o = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+            )
+        return o.transpose(1, 2)
+
+    out["sdpa_flash"] = sdpa
+    return out
+
+
+def run(quick: bool, out_dir: Path | None) -> None:
+    if not torch.cuda.is_available():
+        raise SystemExit("repro.kda.bench needs a CUDA GPU")
+    report = Report(
+        package="kda",
+        title="KDA forward and forward+backward, H=16, K=V=128, bf16",
+        peer="flash-linear-attention 0.6.0",
+        columns=["impl", "B", "T", "pass", "ms", "rel_err_vs_fla"],
+        packages=["flash-linear-attention", "fla-core"],
+        notes=(
+            "B*T = 16384 tokens except T = 65536 (B = 1, 65536 tokens). ours: Triton forward; backward is the "
+            "Triton state recurrence plus PyTorch autograd for the intra-chunk parts (not fused). "
+            "rel_err_vs_fla: our forward output against fla's chunk_kda on the same bf16 inputs."
+        ),
+        measure_ceilings=not quick,
+    )
+    fns = impls()
+    Ts = [4096] if quick else [2048, 4096, 8192, 16384, 32768, 65536]
+    for T in Ts:
+        B = max(1, TOKENS // T)
+        inputs = make_inputs(B, T)
+        err = float("nan")
+        if "fla_kda" in fns:
+            err = rel_error(fns["ours"](*inputs).float(), fns["fla_kda"](*inputs).float())
+        for name, fn in fns.items():
+            ms = time_ms(lambda fn=fn, inputs=inputs: fn(*inputs))
+            report.add(impl=name, B=B, T=T, ms=round(ms, 4), rel_err_vs_fla=err if name == "ours" else None,
+                       **{"pass": "fwd"})  # fmt: skip
+            leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
+            do = torch.randn_like(inputs[2])
+
+            def fwd_bwd(fn=fn, leaves=leaves, do=do):
+                o = fn(*leaves)
+                return torch.autograd.grad(o, leaves, do, allow_unused=True)
+
+            ms_fb = time_ms(fwd_bwd)
+            report.add(impl=name, B=B, T=T, ms=round(ms_fb, 4), **{"pass": "fwd+bwd"})
+            print(f"T={T:6d} B={B:2d} {name:11s} fwd {ms:8.3f} ms  fwd+bwd {ms_fb:8.3f} ms", flush=True)
+        del inputs
+        torch.cuda.empty_cache()
+    report.plot(
+        title="forward time", x="T", y="ms", series="impl", where={"pass": "fwd"}, logx=True, logy=True
+    )
+    report.plot(title="forward + backward time", x="T", y="ms", series="impl", where={"pass": "fwd+bwd"},
+                logx=True, logy=True)  # fmt: skip
+    report.write(out_dir=out_dir, tag="quick" if quick else "")
+
+
+def breakdown(B: int = 4, T: int = 4096) -> None:
+    """Print the time of each forward launch and of the backward's two halves (for tuning)."""
+    import triton
+
+    from repro.kda import chunk as ck
+    from repro.kda import kernels as kn
+
+    q, k, v, g, beta = make_inputs(B, T)
+    HV, NT = H, triton.cdiv(T, ck.BT)
+    dt, dev = q.dtype, q.device
+    G = torch.empty(B, T, HV, K, device=dev)
+    W, KD = torch.empty_like(G, dtype=dt), torch.empty_like(G, dtype=dt)
+    Up, Aqk = torch.empty_like(v), torch.empty(B, T, HV, ck.BT, device=dev, dtype=dt)
+    gamma = torch.empty(B, HV, NT, K, device=dev)
+    scale = K**-0.5
+
+    def intra():
+        kn.kda_intra_fwd_kernel[(NT, B * HV)](
+            q, k, v, g, beta, G, W, Up, Aqk, KD, gamma, scale, T, NT,
+            H=H, HV=HV, K=K, V=V, BT=ck.BT, SUB=ck.SUB, DOT_PREC="tf32", num_warps=4,
+        )  # fmt: skip
+
+    intra()
+    h_all, U_new, _ = ck._state_fwd(W, Up, KD, gamma, None, False, "tf32")
+    print(f"intra {time_ms(intra):.3f} ms")
+    print(f"state {time_ms(lambda: ck._state_fwd(W, Up, KD, gamma, None, False, 'tf32')):.3f} ms")
+    print(f"full fwd {time_ms(lambda: ck.chunk_kda(q, k, v, g, beta)):.3f} ms")
+    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, g, beta)]
+    do = torch.randn_like(v)
+
+    def torch_part():
+        with torch.enable_grad():
+            return ck._kda_differentiable(*leaves, scale, None)
+
+    print(f"bwd recompute (torch + triton state fwd) {time_ms(torch_part):.3f} ms")
+
+    def whole_bwd():
+        o, _ = torch_part()
+        return torch.autograd.grad(o, leaves, do)
+
+    print(f"bwd recompute + grad {time_ms(whole_bwd):.3f} ms")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="one shape, a smoke test")
+    ap.add_argument("--out", type=Path, default=None, help="folder for the JSON (default repro/kda/results)")
+    ap.add_argument("--breakdown", action="store_true", help="time each launch at B=4, T=4096 and exit")
+    args = ap.parse_args()
+    if args.breakdown:
+        breakdown()
+        return
+    run(args.quick, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""Bad input raises ValueError naming the argument, what was got and what was expected."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from repro.kda import chunk_kda, chunk_kda_torch, decode_step, recurrent_kda
+
+
+def _inputs(B=1, T=8, H=2, HV=4, K=16, V=16, dtype=torch.float32):
+    return dict(
+        q=torch.randn(B, T, H, K, dtype=dtype),
+        k=torch.randn(B, T, H, K, dtype=dtype),
+        v=torch.randn(B, T, HV, V, dtype=dtype),
+        g=-torch.rand(B, T, HV, K),
+        beta=torch.rand(B, T, HV),
+    )
+
+
+@pytest.mark.parametrize("fn", [chunk_kda, recurrent_kda, chunk_kda_torch])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda d: d.update(q=d["q"][0]), r"q must be 4-D"),
+        (lambda d: d.update(k=d["k"][:, :4]), r"k must have q's shape"),
+        (lambda d: d.update(v=torch.randn(1, 8, 3, 16)), r"HV=3.*multiple of the key heads H=2"),
+        (lambda d: d.update(g=d["g"][..., :8]), r"g \(log-decay\) must have shape \[B, T, HV, K\]"),
+        (lambda d: d.update(beta=d["beta"][..., None]), r"beta must have shape"),
+        (lambda d: d.update(initial_state=torch.zeros(1, 2, 16, 16)), r"initial_state must have shape"),
+        (lambda d: d.update(v=d["v"].to(torch.float16)), r"share one dtype"),
+        (lambda d: d.update(q=d["q"].to(torch.int64)), r"q has dtype torch.int64"),
+    ],
+)
+def test_bad_inputs_are_named(fn, change, match):
+    d = _inputs()
+    change(d)
+    with pytest.raises(ValueError, match=match):
+        fn(**d)
+
+
+def test_triton_head_dims_are_listed():
+    with pytest.raises(ValueError, match=r"K=24 is not supported.*\(16, 32, 64, 128\)"):
+        chunk_kda(**_inputs(K=24))
+    with pytest.raises(ValueError, match=r"V=256 is not supported"):
+        chunk_kda(**_inputs(V=256))
+    with pytest.raises(ValueError, match=r"float64"):
+        chunk_kda(**_inputs(dtype=torch.float64))
+
+
+def test_decode_step_rejects_many_tokens_and_bad_state():
+    d = _inputs(T=1)
+    with pytest.raises(ValueError, match=r"state must be a contiguous float32"):
+        decode_step(**d, state=torch.zeros(1, 4, 16, 16, dtype=torch.bfloat16))
+    d = _inputs(T=3)
+    with pytest.raises(ValueError, match=r"one token, got T=3"):
+        decode_step(**d, state=torch.zeros(1, 4, 16, 16))
+
+
+def test_chunk_size_is_checked():
+    with pytest.raises(ValueError, match=r"chunk_size"):
+        chunk_kda_torch(**_inputs(), chunk_size=24)
