@@ -225,7 +225,7 @@ class Communicator:
         return t
 
     def _algorithm(self, collective: str, algorithm: str, nbytes: int) -> str:
-        names = self.algorithms[collective]
+        names = self.algorithms.get(collective, ())
         if algorithm == "auto":
             if self.backend is not None:
                 return "auto"
@@ -301,7 +301,7 @@ class Communicator:
         return op
 
     def _alg_index(self, what: str, alg: str) -> int:
-        names = self.algorithms[what]
+        names = self.algorithms.get(what, ())
         return names.index(alg) if alg in names else -1
 
     # -- collectives --------------------------------------------------------------------------

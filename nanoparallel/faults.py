@@ -116,19 +116,19 @@ class Liveness:
 
     def check(self, what: str) -> None:
         """Raise PeerFailureError naming the peer if any peer is dead or aborted."""
-        for p in range(self.world_size):
-            if p == self.rank:
-                continue
-            if self.same_host:
-                code = int(self._status[p][0])
-                if code != 0 and code != 4:
+        if self.same_host:
+            # deaths first: a dead rank is the root cause, the peers' aborts are its echo
+            for p in range(self.world_size):
+                if p != self.rank and not _proc_alive(self.pids[p]):
+                    raise PeerFailureError(
+                        f"nanoparallel rank {self.rank}: {what}: rank {p} (pid {self.pids[p]}) is dead"
+                    )
+            for p in range(self.world_size):
+                code = int(self._status[p][0]) if p != self.rank else 0
+                if code not in (0, 4):
                     raise PeerFailureError(
                         f"nanoparallel rank {self.rank}: {what}: rank {p} aborted its communicator "
                         f"({ABORT_CODES.get(code, code)})"
-                    )
-                if not _proc_alive(self.pids[p]):
-                    raise PeerFailureError(
-                        f"nanoparallel rank {self.rank}: {what}: rank {p} (pid {self.pids[p]}) is dead"
                     )
         if not self.same_host and time.monotonic() - self._last_store_poll > self.heartbeat_s:
             self._last_store_poll = time.monotonic()
