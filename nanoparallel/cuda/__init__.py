@@ -41,6 +41,7 @@ from datetime import timedelta  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from triton import knobs  # noqa: E402
 
 from nanoparallel.cuda import kernels as K  # noqa: E402
 from nanoparallel.errors import CommAbortedError, CommTimeoutError, MismatchError  # noqa: E402
@@ -62,6 +63,7 @@ NUM_WARPS = 8
 # rank wait for programs of another (2 x 256 threads fit on any SM with room to spare)
 PROGRAMS_PER_SM = 2
 MIN_STAGING_BYTES = 16 << 20
+SPINS_PER_S = 5e6
 # one-shot reads (W-1) n remote bytes against two-shot's 2 (W-1)/W n: equal at W = 2, so with two
 # GPUs one-shot (one barrier) wins at every size; from three GPUs on only small messages
 ONE_SHOT_MAX_BYTES = 256 << 10
@@ -141,6 +143,64 @@ class _Symmetric:
         return self._peer_views[p]
 
 
+class _Launcher:
+    """Launches Triton kernels, skipping the JIT's per-call argument binding after the first call.
+
+    Small collectives are bound by host time (the GPU work is a few microseconds), so the path
+    from Python to the launch matters. The first call with a given specialisation goes through
+    ``kernel[grid](...)``, which compiles; later calls with the same key call the compiled
+    kernel's launcher directly. The key holds everything Triton specialises on: constexpr values,
+    each tensor's dtype and 16-byte alignment, each integer's ``== 1`` and ``% 16 == 0`` and its
+    width (except for ``do_not_specialize`` arguments), and tuples of integers by value.
+    """
+
+    def __init__(self, device_index: int, fast: bool = True) -> None:
+        self.device_index = device_index
+        self.fast = fast
+        self._compiled: dict = {}
+        self._kinds: dict = {}
+
+    def _param_kinds(self, kernel) -> tuple[str, ...]:
+        kinds = self._kinds.get(kernel)
+        if kinds is None:
+            kinds = tuple(
+                "c" if p.is_constexpr else ("n" if p.do_not_specialize else "s") for p in kernel.params
+            )
+            self._kinds[kernel] = kinds
+        return kinds
+
+    def __call__(self, kernel, grid: int, args: tuple, num_warps: int = NUM_WARPS) -> None:
+        key = [kernel, num_warps]
+        for kind, a in zip(self._param_kinds(kernel), args, strict=True):
+            if kind == "c" or isinstance(a, tuple):
+                key.append(a)
+            elif isinstance(a, torch.Tensor):
+                key.append((a.dtype, a.data_ptr() % 16 == 0))
+            elif kind == "n":
+                key.append(-(2**31) <= a < 2**31)
+            else:
+                key.append((a == 1, a % 16 == 0, -(2**31) <= a < 2**31))
+        key = tuple(key)
+        compiled = self._compiled.get(key) if self.fast else None
+        if compiled is None:
+            compiled = kernel[(grid,)](*args, num_warps=num_warps)
+            if hasattr(compiled, "packed_metadata"):  # not under the interpreter
+                self._compiled[key] = compiled
+            return
+        try:
+            compiled.run(
+                grid, 1, 1, torch._C._cuda_getCurrentRawStream(self.device_index), compiled.function,
+                compiled.packed_metadata, None, knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook,
+                *args,
+            )  # fmt: skip
+        except Exception as exc:  # a Triton whose launcher differs: fall back to the JIT path for good
+            warnings.warn(
+                f"nanoparallel.cuda: direct launch failed ({exc!r}); using kernel[grid](...)", stacklevel=2
+            )
+            self.fast = False
+            kernel[(grid,)](*args, num_warps=num_warps)
+
+
 class CudaPeerBackend:
     """Collectives among ``world_size`` processes, one GPU each, on one host.
 
@@ -149,10 +209,11 @@ class CudaPeerBackend:
         store: a ``torch.distributed.Store`` shared by all ranks (bootstrap only).
         device: this rank's GPU (``torch.device('cuda', i)`` or an index); distinct per rank.
         timeout_s: how long a barrier waits for a peer before giving up (approximate: counted in
-            polls of about a microsecond).
+            polls, about 5 million a second on an H200).
         staging_bytes: upper bound of one staging buffer; larger all-reduce, all-gather,
             reduce-scatter and broadcast calls are cut into pieces of this size.
         check_errors: synchronise after every call and raise at once on a timeout or split mismatch.
+        fast_launch: call compiled kernels' launchers directly after the first call (see _Launcher).
     """
 
     ALGORITHMS = ALGORITHMS
@@ -167,6 +228,7 @@ class CudaPeerBackend:
         *,
         staging_bytes: int = 1 << 30,
         check_errors: bool = False,
+        fast_launch: bool = True,
     ) -> None:
         if not torch.cuda.is_available():
             raise RuntimeError("CudaPeerBackend: CUDA is not available")
@@ -186,12 +248,14 @@ class CudaPeerBackend:
         self.check_errors = check_errors
         self.staging_cap = int(staging_bytes)
         self.closed: str | None = None
-        # about one poll per microsecond; capped to stay an int32 for the kernel
-        self.max_spins = int(min(max(self.timeout_s, 0.001) * 1e6, 2**31 - 1))
+        # polls per second of a barrier's acquire load, measured on H200 (a 2e6-poll limit expired
+        # after 0.41 s); capped to stay an int32, about 7 minutes
+        self.max_spins = int(min(max(self.timeout_s, 0.001) * SPINS_PER_S, 2**31 - 1))
         props = torch.cuda.get_device_properties(self.device)
         self.max_programs = PROGRAMS_PER_SM * props.multi_processor_count
         self.epoch = 0
         self.parity = 0
+        self._launch = _Launcher(self.device.index, fast_launch)
         self._bootstrap(store)
         from torch.distributed import _symmetric_memory as symm_mem
 
@@ -203,6 +267,8 @@ class CudaPeerBackend:
         self._flags.local.zero_()
         self._meta = [_Symmetric(8 * 2 * world_size, self.device, self.group) for _ in range(2)]
         self._err = torch.zeros(1, dtype=torch.int32, device=self.device)
+        # what every kernel takes for its barriers: my flags, offsets to the peers' flags, error word
+        self._sync = (self._flags.view(torch.int32), self._flags.deltas(torch.int32), self._err)
         self._staging: list[_Symmetric] = []
         self._retired: list[_Symmetric] = []  # kept alive until close: peers may still read them
         self._grow(MIN_STAGING_BYTES)
@@ -318,16 +384,6 @@ class CudaPeerBackend:
                 "input_splits[r] differs from rank r's output_splits for it"
             )
 
-    def _common(self, buf: _Symmetric, dtype: torch.dtype, epoch: int) -> dict:
-        return dict(
-            D=buf.deltas(dtype),
-            flags=self._flags.view(torch.int32),
-            F=self._flags.deltas(torch.int32),
-            err=self._err,
-            epoch=epoch,
-            max_spins=self.max_spins,
-        )
-
     # -- collectives ---------------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto") -> torch.Tensor:
         """In place: tensor <- op over ranks of tensor. tensor: [...], same shape on every rank."""
@@ -336,14 +392,16 @@ class CudaPeerBackend:
         code = self._op(what, op, tensor.dtype)
         elem = tensor.element_size()
         algorithm = self._algorithm(what, algorithm, tensor.numel() * elem)
-        flat = tensor.view(-1)
-        W = self.world_size
-        if flat.numel() == 0 or W == 1:
+        n = tensor.numel()
+        if n == 0 or self.world_size == 1:
             return tensor  # with one rank every op (avg too) leaves the tensor as it is
         piece = max(self.staging_cap // elem // 1024 * 1024, 1024)
-        for start in range(0, flat.numel(), piece):
-            seg = flat[start : start + piece]
-            self._all_reduce_piece(seg, code, algorithm)
+        if n <= piece:  # the common case: no reshaping, the kernel indexes the contiguous storage
+            self._all_reduce_piece(tensor, code, algorithm)
+        else:
+            flat = tensor.view(-1)
+            for start in range(0, n, piece):
+                self._all_reduce_piece(flat[start : start + piece], code, algorithm)
         self._after(what)
         return tensor
 
@@ -352,20 +410,20 @@ class CudaPeerBackend:
         if algorithm == "one_shot":
             buf, epoch = self._next(n * elem, 1)
             chunk, grid = self._chunk(n, elem)
-            K.one_shot_all_reduce_kernel[(grid,)](
-                x, x, buf.view(x.dtype), n=n, chunk=chunk, OP=code, RANK=self.rank, W=W,
-                BLOCK=STEP_BYTES // elem, num_warps=NUM_WARPS, **self._common(buf, x.dtype, epoch),
-            )  # fmt: skip
+            self._launch(K.one_shot_all_reduce_kernel, grid, (
+                x, x, buf.view(x.dtype), buf.deltas(x.dtype), *self._sync, n, chunk, epoch, self.max_spins,
+                code, self.rank, W, STEP_BYTES // elem,
+            ))  # fmt: skip
             return
         S = slice_size(n, W)
         chunk, grid = self._chunk(S, elem)
         kernel = K.two_shot_all_reduce_kernel if algorithm == "two_shot" else K.ring_all_reduce_kernel
         barriers = 2 if algorithm == "two_shot" else ring_barriers(W, True)
         buf, epoch = self._next(W * S * elem, barriers)
-        kernel[(grid,)](
-            x, x, buf.view(x.dtype), n=n, S=S, chunk=chunk, OP=code, RANK=self.rank, W=W,
-            BLOCK=STEP_BYTES // elem, GATHER=True, num_warps=NUM_WARPS, **self._common(buf, x.dtype, epoch),
-        )  # fmt: skip
+        self._launch(kernel, grid, (
+            x, x, buf.view(x.dtype), buf.deltas(x.dtype), *self._sync, n, S, chunk, epoch, self.max_spins,
+            code, self.rank, W, STEP_BYTES // elem, True,
+        ))  # fmt: skip
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", algorithm: str = "auto"
@@ -403,11 +461,10 @@ class CudaPeerBackend:
             dst = out[start : start + k]
             buf, epoch = self._next(W * k * elem, barriers)
             chunk, grid = self._chunk(k, elem)
-            kernel[(grid,)](
-                src, dst, buf.view(input.dtype), n=W * k, S=k, chunk=chunk, OP=code, RANK=self.rank,
-                W=W, BLOCK=STEP_BYTES // elem, GATHER=False, num_warps=NUM_WARPS,
-                **self._common(buf, input.dtype, epoch),
-            )  # fmt: skip
+            self._launch(kernel, grid, (
+                src, dst, buf.view(input.dtype), buf.deltas(input.dtype), *self._sync, W * k, k, chunk, epoch,
+                self.max_spins, code, self.rank, W, STEP_BYTES // elem, False,
+            ))  # fmt: skip
         self._after(what)
         return output
 
@@ -449,10 +506,10 @@ class CudaPeerBackend:
             else:
                 tmp = dst
             chunk, grid = self._chunk(k, elem)
-            K.all_gather_kernel[(grid,)](
-                src, tmp, buf.view(input.dtype), m=k, chunk=chunk, RANK=self.rank, W=W,
-                BLOCK=STEP_BYTES // elem, num_warps=NUM_WARPS, **self._common(buf, input.dtype, epoch),
-            )  # fmt: skip
+            self._launch(K.all_gather_kernel, grid, (
+                src, tmp, buf.view(input.dtype), buf.deltas(input.dtype), *self._sync, k, chunk, epoch,
+                self.max_spins, self.rank, W, STEP_BYTES // elem,
+            ))  # fmt: skip
             if tmp is not dst:
                 dst.copy_(tmp)
         self._after(what)
@@ -483,10 +540,10 @@ class CudaPeerBackend:
                     seg.copy_(buf.peer(root).view(tensor.dtype)[:n])
                 continue
             chunk, grid = self._chunk(n, elem)
-            K.broadcast_kernel[(grid,)](
-                seg, buf.view(tensor.dtype), n=n, chunk=chunk, root=root, RANK=self.rank, W=W,
-                BLOCK=STEP_BYTES // elem, num_warps=NUM_WARPS, **self._common(buf, tensor.dtype, epoch),
-            )  # fmt: skip
+            self._launch(K.broadcast_kernel, grid, (
+                seg, buf.view(tensor.dtype), buf.deltas(tensor.dtype), *self._sync, n, chunk, root, epoch,
+                self.max_spins, self.rank, W, STEP_BYTES // elem,
+            ))  # fmt: skip
         self._after(what)
         return tensor
 
@@ -498,10 +555,11 @@ class CudaPeerBackend:
         input_splits: list[int] | None = None,
         algorithm: str = "auto",
     ) -> torch.Tensor:
-        """Rank r sends input[sum(input_splits[:p]) : ...+input_splits[p]] to rank p.
+        """Rank r sends rows input[sum(input_splits[:p]) : ...+input_splits[p]] to rank p.
 
-        input: [sum(input_splits)], output: [sum(output_splits)] (elements of the flattened tensors;
-        even splits when None). output_splits[p] must equal rank p's input_splits[r]; a mismatch is
+        input: [sum(input_splits), ...], output: [sum(output_splits), ...]: splits count rows (the
+        first dimension, as ``torch.distributed.all_to_all_single``), even when None; the trailing
+        dimensions must agree. output_splits[p] must equal rank p's input_splits[r]; a mismatch is
         reported by the next check (or at once with ``check_errors``).
         """
         what = "all_to_all"
@@ -510,8 +568,17 @@ class CudaPeerBackend:
         W = self.world_size
         if input.dtype != output.dtype:
             raise TypeError(f"{what}: input is {input.dtype} but output is {output.dtype}")
-        input_splits = self._splits(what, "input_splits", input_splits, input.numel())
-        output_splits = self._splits(what, "output_splits", output_splits, output.numel())
+        if input.dim() != output.dim() or tuple(input.shape[1:]) != tuple(output.shape[1:]):
+            raise ValueError(
+                f"{what}: input {tuple(input.shape)} and output {tuple(output.shape)} must agree beyond dimension 0"
+            )
+        row = 1
+        for d in input.shape[1:]:
+            row *= d
+        rows_in = input.shape[0] if input.dim() else 1
+        rows_out = output.shape[0] if output.dim() else 1
+        input_splits = [s * row for s in self._splits(what, "input_splits", input_splits, rows_in)]
+        output_splits = [s * row for s in self._splits(what, "output_splits", output_splits, rows_out)]
         self._algorithm(what, algorithm, input.numel())
         elem = input.element_size()
         total_in = input.numel()
@@ -529,12 +596,12 @@ class CudaPeerBackend:
         meta = self._meta[self.parity ^ 1]  # the parity _next just used
         # pinned, so the copy is queued on the stream instead of synchronising it
         table = torch.tensor(input_splits + output_splits, dtype=torch.int64).pin_memory()
-        meta.local.view(torch.int64).copy_(table, non_blocking=True)
-        K.all_to_all_kernel[(self.max_programs,)](
-            input.view(-1), output.view(-1), buf.view(input.dtype), meta=meta.local.view(torch.int64),
-            M=meta.deltas(torch.int64), RANK=self.rank, W=W, WP2=_pow2(W),
-            BLOCK=STEP_BYTES // elem, num_warps=NUM_WARPS, **self._common(buf, input.dtype, epoch),
-        )  # fmt: skip
+        meta.view(torch.int64).copy_(table, non_blocking=True)
+        self._launch(K.all_to_all_kernel, self.max_programs, (
+            input, output, buf.view(input.dtype), buf.deltas(input.dtype), meta.view(torch.int64),
+            meta.deltas(torch.int64), *self._sync, epoch, self.max_spins, self.rank, W, _pow2(W),
+            STEP_BYTES // elem,
+        ))  # fmt: skip
         self._after(what)
         return output
 
@@ -543,22 +610,20 @@ class CudaPeerBackend:
         if splits is None:
             if total % W:
                 raise ValueError(
-                    f"{what}: {name} not given and {total} elements do not split evenly over {W} ranks"
+                    f"{what}: {name} not given and {total} rows do not split evenly over {W} ranks"
                 )
             return [total // W] * W
         splits = [int(s) for s in splits]
         if len(splits) != W or any(s < 0 for s in splits):
             raise ValueError(f"{what}: {name} must be {W} non-negative counts, got {splits}")
         if sum(splits) != total:
-            raise ValueError(f"{what}: {name} sums to {sum(splits)} but the tensor has {total} elements")
+            raise ValueError(f"{what}: {name} sums to {sum(splits)} but the tensor has {total} rows")
         return splits
 
     def _barrier_kernel(self, epoch: int) -> None:
-        flags = self._flags
-        K.barrier_kernel[(1,)](
-            flags.local.view(torch.int32), flags.deltas(torch.int32), self._err, epoch=epoch,
-            max_spins=self.max_spins, RANK=self.rank, W=self.world_size, num_warps=1,
-        )  # fmt: skip
+        self._launch(
+            K.barrier_kernel, 1, (*self._sync, epoch, self.max_spins, self.rank, self.world_size), num_warps=1
+        )
 
     def barrier(self) -> None:
         """All ranks meet on the GPU; then this rank's host waits for its GPU and checks for errors."""

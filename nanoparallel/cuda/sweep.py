@@ -9,6 +9,8 @@ collective and size, NCCL through ``torch.distributed`` and each of our algorith
 Timing: all ranks meet (an NCCL barrier and a device synchronisation), then each rank records CUDA
 events around ``iters`` back-to-back calls issued from Python, as a PyTorch program would issue them;
 the time of a call is the elapsed time over ``iters``, and the slowest rank's time is reported.
+``host_us`` is the Python time per call in the same loop: where it is close to ``time_us`` the
+loop is bound by the host (launch overhead), not by the GPUs.
 No CUDA graphs on either side (our flag epochs are launch arguments, so a replayed graph would
 reuse stale epochs). Bandwidth follows nccl-tests' PERFORMANCE.md: ``algbw = bytes / time`` with
 ``bytes`` the per-rank message (all-gather: the gathered output; reduce-scatter and all-to-all: the
@@ -108,7 +110,8 @@ def _rank_main(rank: int, world: int, port: int, args, results) -> None:
     cases, failures = (0, []) if args.skip_check else check_all(be, seed=args.seed)
     check_s = time.perf_counter() - t0
 
-    def timed(fn, nbytes: int) -> float:
+    def timed(fn, nbytes: int) -> tuple[float, float]:
+        """(device time per call, host time per call), microseconds, slowest rank."""
         iters = _iters(nbytes)
         for _ in range(3):
             fn()
@@ -116,13 +119,15 @@ def _rank_main(rank: int, world: int, port: int, args, results) -> None:
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        h0 = time.perf_counter()
         for _ in range(iters):
             fn()
+        host = (time.perf_counter() - h0) / iters
         end.record()
         torch.cuda.synchronize()
-        t = torch.tensor([start.elapsed_time(end) / iters], device=dev)
+        t = torch.tensor([start.elapsed_time(end) / iters * 1e3, host * 1e6], device=dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t.item()) * 1e3  # microseconds
+        return float(t[0].item()), float(t[1].item())
 
     rows = []
     nccl_ms: dict = {}
@@ -136,7 +141,7 @@ def _rank_main(rank: int, world: int, port: int, args, results) -> None:
             x = torch.randn(count, device=dev, generator=g, dtype=dtype)
             impls = _impls(coll, x, be, world)
             for impl, fn in impls.items():
-                us = timed(fn, nb)
+                us, host_us = timed(fn, nb)
                 algbw = nb / (us * 1e-6) / 1e9
                 busbw = algbw * busbw_factor(coll, world)
                 if impl == "nccl":
@@ -150,6 +155,7 @@ def _rank_main(rank: int, world: int, port: int, args, results) -> None:
                         count=count,
                         dtype="float32",
                         time_us=round(us, 2),
+                        host_us=round(host_us, 2),
                         algbw_GBps=round(algbw, 2),
                         busbw_GBps=round(busbw, 2),
                         speedup_vs_nccl=round(nccl_ms[(coll, nb)] / us, 3),
