@@ -1,35 +1,46 @@
 """The alpha-beta(-gamma) cost model that ``algorithm="auto"`` uses, and its calibration.
 
 A message of N bytes between two ranks costs ``alpha + N * beta`` (alpha: per-message overhead,
-here mostly the Python progress engine and the flag round trip; beta: seconds per byte copied
-through the transport). Reducing N bytes locally costs ``N * gamma``. With n ranks, N the buffer
-bytes, p the largest power of two <= n, d = ceil(log2(n + 1)) - 1 the depth of the binary tree:
+here mostly the Python progress engine and the flag round trip; beta: seconds per byte through the
+transport). Reducing N bytes locally costs ``N * gamma``. Every call also pays a fixed ``delta``
+(argument checks, the header exchange, setting up the engine), measured as the time of an empty
+all-reduce.
 
-=============  =====================================================================================
-all-reduce
-ring           2(n-1) alpha + 2(n-1)/n N beta + (n-1)/n N gamma
-tree           2 d alpha + 2 N beta + N gamma   (two trees of N/2; an interior node moves 3N/2, a
-               leaf N/2, so a rank moves about 2N over both trees; pipelined, so depth costs alpha)
-rhd            2 log2(p) alpha + 2(p-1)/p N beta + (p-1)/p N gamma  [+ 2 alpha + 2 N beta + N gamma
-               when n != p: the fold and unfold]
-one_shot       (n-1) alpha + (n-1) N beta + (n-1) N gamma
-two_shot       2(n-1) alpha + 2(n-1)/n N beta + (n-1)/n N gamma
-reduce-scatter ring and direct: (n-1) alpha + (n-1)/n N beta + (n-1)/n N gamma (N = input bytes)
-all-gather     ring and direct: (n-1) alpha + (n-1)/n N beta (N = output bytes)
-broadcast      ring (n-1) alpha + N beta; tree ceil(log2 n) alpha + ceil(log2 n) N beta at the
-               root (pipelined, the root sends to each child); direct (n-1) alpha + (n-1) N beta
-all-to-all     (n-1) alpha + (n-1)/n N beta
-=============  =====================================================================================
+The bandwidth term counts the bytes the busiest rank sends (S) and receives (R):
+``(S + w R) beta``. On a network link sending and receiving overlap (full duplex, ``w = 0``);
+over shared memory a rank does its own copies, into the peer's slots when it sends and out of its
+own slots when it receives, so both cost its CPU time (``w = 1``). With n ranks, N buffer bytes,
+p the largest power of two <= n and d the binary-tree depth:
 
-On shared memory all ranks' copies go through the same memory system, so a "link" is not
-independent: the model is deliberately simple and the benchmark prints its prediction beside the
-measurement so the reader can see where it fails. Every collective also pays the header check,
-(n-1) alpha, added to every prediction. The direct algorithms count alpha per peer because the
-engine serves their messages one after the other.
+===============  =========================  ===================================  =================
+collective       algorithm                  latency                              S, R per rank
+===============  =========================  ===================================  =================
+all-reduce       ring                       2(n-1) alpha                         2(n-1)/n N each
+all-reduce       tree (double binary)       2 d alpha                            from the trees:
+                                                                                 N/2 per edge
+all-reduce       rhd                        2 log2(p) alpha (+2 alpha if n != p) 2(p-1)/p N (+N)
+all-reduce       one_shot                   (n-1) alpha                          (n-1) N each
+all-reduce       two_shot                   2(n-1) alpha                         2(n-1)/n N each
+reduce-scatter   ring, direct               (n-1) alpha                          (n-1)/n N each
+all-gather       ring, direct               (n-1) alpha                          (n-1)/n N each
+broadcast        ring                       (n-1) alpha                          N each (a relay)
+broadcast        tree (binomial)            ceil(log2 n) alpha                   S = children * N
+broadcast        direct                     (n-1) alpha                          S = (n-1) N
+reduce           tree (binomial)            ceil(log2 n) alpha                   R = children * N
+all-to-all       direct                     (n-1) alpha                          (n-1)/n N each
+===============  =========================  ===================================  =================
 
-Calibration (:func:`calibrate`) runs a ping-pong between ranks 0 and 1 over the transport and
-fits alpha and beta by least squares; gamma comes from timing ``add_`` locally. The result is
-cached as JSON (default ``~/.cache/nanoparallel/calibration.json``, keyed by transport).
+plus ``N_reduced * gamma`` for the reducing collectives ((n-1)/n N for ring / rhd / two-shot, the
+busiest rank's received bytes for trees, (n-1) N for one-shot). The direct algorithms count alpha
+per peer because the engine serves their messages one after the other. Pipelining is assumed
+perfect (no fill term), and all ranks' copies are assumed not to slow each other down, which
+is false on a memory-bound machine; the benchmark prints every prediction next to its
+measurement so the reader can see where the model fails.
+
+Calibration (:func:`calibrate`) runs a ping-pong between ranks 0 and 1 over the transport (sizes
+up to 32 MiB, so beta sees DRAM and not only cache), fits alpha and beta by least squares, times
+``add_`` for gamma and an empty all-reduce for delta. The result is cached as JSON (default
+``~/.cache/nanoparallel/calibration.json``, keyed by transport); ``init`` uses rank 0's copy.
 """
 
 from __future__ import annotations
@@ -55,42 +66,64 @@ class Params:
     alpha: float = 20e-6
     beta: float = 1 / 4e9
     gamma: float = 1 / 8e9
+    delta: float = 50e-6
+    recv_weight: float = 1.0
     source: str = "default guess (not calibrated)"
+
+
+def _tree_load(n: int) -> tuple[float, float]:
+    """Busiest rank's (sent, received) over both trees, in units of the buffer N."""
+    from nanoparallel.algorithms.tree import double_binary_trees
+
+    sent, recv = [0.0] * n, [0.0] * n
+    for parent, children in double_binary_trees(n):
+        for r in range(n):
+            up = parent[r] is not None
+            sent[r] += 0.5 * (up + len(children[r]))  # reduce to parent, broadcast to children
+            recv[r] += 0.5 * (len(children[r]) + up)
+    worst = max(range(n), key=lambda r: sent[r] + recv[r])
+    return sent[worst], recv[worst]
 
 
 def predict(collective: str, algorithm: str, n: int, nbytes: int, prm: Params, header: bool = True) -> float:
     """Predicted seconds for one collective of ``nbytes`` (per-rank buffer) on ``n`` ranks."""
-    a, b, g, N = prm.alpha, prm.beta, prm.gamma, float(nbytes)
     if n <= 1:
-        return 0.0
-    hdr = (n - 1) * a if header else 0.0
+        return prm.delta if header else 0.0
+    N = float(nbytes)
     p = 1 << (n.bit_length() - 1)
     lg = math.ceil(math.log2(n))
-    d = max(math.ceil(math.log2(n + 1)) - 1, 1)
     f = (n - 1) / n
+    fp = (p - 1) / p
+    fold = n != p
+    if (collective, algorithm) == ("all_reduce", "tree"):
+        from nanoparallel.algorithms.tree import double_binary_trees, tree_depth
+
+        d = max(tree_depth(t[0]) for t in double_binary_trees(n))
+        ts, tr = _tree_load(n)
+    # (latency in alphas, sent / N, received / N, reduced / N)
     table = {
-        ("all_reduce", "ring"): 2 * (n - 1) * a + 2 * f * N * b + f * N * g,
-        ("all_reduce", "tree"): 2 * d * a + 2 * N * b + N * g,
-        ("all_reduce", "rhd"): 2 * math.log2(p) * a
-        + 2 * (p - 1) / p * N * b
-        + (p - 1) / p * N * g
-        + ((2 * a + 2 * N * b + N * g) if n != p else 0.0),
-        ("all_reduce", "one_shot"): (n - 1) * (a + N * b + N * g),
-        ("all_reduce", "two_shot"): 2 * (n - 1) * a + 2 * f * N * b + f * N * g,
-        ("reduce_scatter", "ring"): (n - 1) * a + f * N * (b + g),
-        ("reduce_scatter", "direct"): (n - 1) * a + f * N * (b + g),
-        ("all_gather", "ring"): (n - 1) * a + f * N * b,
-        ("all_gather", "direct"): (n - 1) * a + f * N * b,
-        ("broadcast", "ring"): (n - 1) * a + N * b,
-        ("broadcast", "tree"): lg * a + lg * N * b,
-        ("broadcast", "direct"): (n - 1) * (a + N * b),
-        ("reduce", "tree"): lg * a + lg * N * (b + g),
-        ("all_to_all", "direct"): (n - 1) * a + f * N * b,
+        ("all_reduce", "ring"): (2 * (n - 1), 2 * f, 2 * f, f),
+        ("all_reduce", "rhd"): (2 * math.log2(p) + 2 * fold, 2 * fp + fold, 2 * fp + fold, fp + fold),
+        ("all_reduce", "one_shot"): (n - 1, n - 1, n - 1, n - 1),
+        ("all_reduce", "two_shot"): (2 * (n - 1), 2 * f, 2 * f, f),
+        ("reduce_scatter", "ring"): (n - 1, f, f, f),
+        ("reduce_scatter", "direct"): (n - 1, f, f, f),
+        ("all_gather", "ring"): (n - 1, f, f, 0),
+        ("all_gather", "direct"): (n - 1, f, f, 0),
+        ("broadcast", "ring"): (n - 1, 1, 1, 0),
+        ("broadcast", "tree"): (lg, lg, 1, 0),
+        ("broadcast", "direct"): (n - 1, n - 1, 0, 0),
+        ("reduce", "tree"): (lg, 1, lg, lg),
+        ("all_to_all", "direct"): (n - 1, f, f, 0),
     }
+    if (collective, algorithm) == ("all_reduce", "tree"):
+        table[("all_reduce", "tree")] = (2 * d, ts, tr, tr / 2)
     key = (collective, algorithm)
     if key not in table:
         raise ValueError(f"predict: no formula for collective {collective!r} with algorithm {algorithm!r}")
-    return table[key] + hdr
+    lat, s, r, red = table[key]
+    t = lat * prm.alpha + (s + prm.recv_weight * r) * N * prm.beta + red * N * prm.gamma
+    return t + (prm.delta if header else 0.0)
 
 
 def choose(collective: str, algorithms: tuple[str, ...], n: int, nbytes: int, prm: Params) -> str:
@@ -125,7 +158,7 @@ def calibrate(
     for size in sizes:
         buf = torch.zeros(size, dtype=torch.uint8)
         comm.barrier()
-        t = 0.0
+        samples = []
         if comm.rank in (0, 1) and comm.world_size > 1:
             peer = 1 - comm.rank
             for i in range(reps + 2):
@@ -137,8 +170,8 @@ def calibrate(
                     tp.run([Recv(peer, buf, None, tuple(range(tp.n_channels)))], "calibrate")
                     tp.run([Send(peer, buf, tuple(range(tp.n_channels)))], "calibrate")
                 if i >= 2:
-                    t += (time.perf_counter() - t0) / 2
-        times.append(t / reps)
+                    samples.append((time.perf_counter() - t0) / 2)
+        times.append(sorted(samples)[len(samples) // 2] if samples else 0.0)  # median: robust to noise
     x = torch.ones(1 << 22, dtype=torch.float32)
     y = torch.ones_like(x)
     t0 = time.perf_counter()

@@ -77,6 +77,7 @@ class Transport:
     name = "abstract"
     chunk_bytes = 1 << 20
     n_channels = 1
+    spin_s = 1e-3  # busy-poll this long before sleeping between polls (latency vs. a free core)
 
     def __init__(self, rank: int, world_size: int, timeout_s: float, liveness=None):
         self.rank, self.world_size, self.timeout_s, self.liveness = rank, world_size, timeout_s, liveness
@@ -157,14 +158,15 @@ class Transport:
                 idle = 0
                 continue
             idle += 1
-            if idle & 63 == 0:
-                self._check(what, streams, heads, time.monotonic() - last_progress)
-            if idle > 512:
-                # Nothing arrived for a while: sleep briefly so an oversubscribed machine can run
-                # the peer we wait for. (sched_yield costs a whole time slice on some VMs.)
-                time.sleep(20e-6)
             if idle == 1:
                 last_progress = time.monotonic()
+            elif idle & 63 == 0:
+                waited = time.monotonic() - last_progress
+                self._check(what, streams, heads, waited)
+                if waited > self.spin_s:
+                    # Nothing arrived for a while: sleep briefly so an oversubscribed machine can
+                    # run the peer we wait for (sched_yield costs a whole time slice on some VMs).
+                    time.sleep(20e-6)
         self._flush()
 
     def _chunk(self, op, k: int) -> torch.Tensor:
