@@ -356,8 +356,6 @@ class CudaPeerBackend:
     def _op(self, what: str, op: str, dtype: torch.dtype) -> int:
         if op not in K.OP_CODES:
             raise ValueError(f"{what}: op {op!r} is not one of {REDUCE_OPS}")
-        if op == "avg" and not dtype.is_floating_point:
-            raise TypeError(f"{what}: op 'avg' needs a floating-point tensor, got {dtype}")
         return K.OP_CODES[op]
 
     def _chunk(self, n: int, elem: int) -> tuple[int, int]:

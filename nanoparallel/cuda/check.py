@@ -28,7 +28,7 @@ OPS = {
     torch.float32: ("sum", "max", "min", "avg"),
     torch.bfloat16: ("sum", "avg"),
     torch.float16: ("sum", "max"),
-    torch.int32: ("sum", "max", "min"),
+    torch.int32: ("sum", "max", "min", "avg"),
     torch.int64: ("sum",),
 }
 
@@ -45,7 +45,8 @@ def reduce_ref(xs: list[torch.Tensor], op: str) -> torch.Tensor:
     if op == "sum":
         return s.sum(0)
     if op == "avg":
-        return s.mean(0)
+        # integers: floor of the mean, like torch.div(..., rounding_mode="floor")
+        return s.mean(0) if xs[0].dtype.is_floating_point else torch.floor(s.sum(0) / len(xs))
     return s.max(0).values if op == "max" else s.min(0).values
 
 

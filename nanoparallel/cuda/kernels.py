@@ -21,7 +21,8 @@ Staging buffers alternate between two per call (see ``nanoparallel.cuda``), so a
 barrier only after its own writes: before a rank overwrites a buffer again, two calls later, every
 peer has passed a barrier of the call in between, hence finished reading it.
 
-Reduction ops (``OP``): 0 sum, 1 max, 2 min, 3 avg (sum, then divide by W). Half-precision inputs
+Reduction ops (``OP``): 0 sum, 1 max, 2 min, 3 avg (sum, then divide by W; integers round
+toward minus infinity, as torch's floor division and nanoparallel's CPU path). Half-precision inputs
 accumulate in float32; integers accumulate in their own type.
 """
 
@@ -52,6 +53,16 @@ def _acc_type(x):
         return x.to(tl.float32)
     else:
         return x
+
+
+@triton.jit
+def _mean(total, W: tl.constexpr):
+    """avg: sum / W for floats; floor(sum / W) for integers (torch's floor division)."""
+    if total.dtype.is_floating():
+        return total / W
+    else:
+        q = total // W  # truncates toward zero; step down where that rounded a negative up
+        return tl.where((q * W != total) & (total < 0), q - 1, q)
 
 
 @triton.jit
@@ -94,7 +105,7 @@ def _reduce_peers(out, buf, D, lo, hi, OP: tl.constexpr, W: tl.constexpr, BLOCK:
         for p in tl.static_range(1, W):
             acc = _combine(acc, _acc_type(tl.load(buf + D[p] + offs, mask=mask)), OP)
         if OP == 3:
-            acc = acc / W
+            acc = _mean(acc, W)
         tl.store(out + offs, acc.to(out.dtype.element_ty), mask=mask)
 
 
@@ -177,7 +188,7 @@ def ring_all_reduce_kernel(
             acc = _combine(left, mine, OP)
             if s == W - 2:
                 if OP == 3:
-                    acc = acc / W
+                    acc = _mean(acc, W)
                 if GATHER:
                     tl.store(out + offs, acc.to(out.dtype.element_ty), mask=mask)
                 else:
