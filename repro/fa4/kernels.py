@@ -96,7 +96,8 @@ def _exp2_mixed(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFT_EXP: tl.co
 
 @triton.jit
 def _softmax_step(
-    s,
+    qk,
+    qk_scale,
     m_i,
     l_i,
     acc,
@@ -108,8 +109,9 @@ def _softmax_step(
     RESCALE_TAU: tl.constexpr,
     SOFT_EXP: tl.constexpr,
 ):
-    """One online-softmax step for a tile: s [BLOCK_M, BLOCK_N] base-2 logits (-inf where masked)."""
-    m_cand = tl.maximum(m_i, tl.max(s, 1))
+    """One online-softmax step for a tile: qk [BLOCK_M, BLOCK_N] raw scores (-inf where masked);
+    the base-2 logits are qk * qk_scale, folded into one FMA with the shift below."""
+    m_cand = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
     if LAZY_RESCALE:
         # Warp-uniform decision for the whole tile: the branch is skipped entirely most of the time.
         # (grow is +inf on the first block, NaN never: the first block of every row has a visible key.)
@@ -126,7 +128,7 @@ def _softmax_step(
         acc = acc * alpha[:, None]
         l_i = l_i * alpha
         m_i = m_cand
-    p = _exp2_mixed(s - m_i[:, None], BLOCK_M, BLOCK_N, SOFT_EXP)
+    p = _exp2_mixed(tl.fma(qk, qk_scale, -m_i[:, None]), BLOCK_M, BLOCK_N, SOFT_EXP)
     l_i += tl.sum(p, 1)
     acc = tl.dot(p.to(v.dtype), v, acc)
     return m_i, l_i, acc, n_resc
@@ -214,14 +216,25 @@ def _fwd_tile(
         cols = start_n + offs_n
         k = tl.load(k_base + cols[:, None] * stride_ks + offs_d[None, :])
         v = tl.load(v_base + cols[:, None] * stride_vs + offs_d[None, :])
-        s_a = tl.dot(q_a, tl.trans(k)) * qk_scale
+        s_a = tl.dot(q_a, tl.trans(k))
         m_a, l_a, acc_a, n_resc_a = _softmax_step(
-            s_a, m_a, l_a, acc_a, v, n_resc_a, BLOCK_M, BLOCK_N, LAZY_RESCALE, RESCALE_TAU, SOFT_EXP
+            s_a, qk_scale, m_a, l_a, acc_a, v, n_resc_a, BLOCK_M, BLOCK_N, LAZY_RESCALE, RESCALE_TAU, SOFT_EXP
         )
         if PINGPONG:
-            s_b = tl.dot(q_b, tl.trans(k)) * qk_scale
+            s_b = tl.dot(q_b, tl.trans(k))
             m_b, l_b, acc_b, n_resc_b = _softmax_step(
-                s_b, m_b, l_b, acc_b, v, n_resc_b, BLOCK_M, BLOCK_N, LAZY_RESCALE, RESCALE_TAU, SOFT_EXP
+                s_b,
+                qk_scale,
+                m_b,
+                l_b,
+                acc_b,
+                v,
+                n_resc_b,
+                BLOCK_M,
+                BLOCK_N,
+                LAZY_RESCALE,
+                RESCALE_TAU,
+                SOFT_EXP,
             )
     # Phase 2: the diagonal band (causal) and the ragged last block: masked.
     for start_n in tl.range(full_end, hi, BLOCK_N):
@@ -232,17 +245,28 @@ def _fwd_tile(
         ok_a = cols[None, :] < S_K
         if CAUSAL:
             ok_a = ok_a & (cols[None, :] <= offs_ma[:, None] + diag)
-        s_a = tl.where(ok_a, tl.dot(q_a, tl.trans(k)) * qk_scale, float("-inf"))
+        s_a = tl.where(ok_a, tl.dot(q_a, tl.trans(k)), float("-inf"))
         m_a, l_a, acc_a, n_resc_a = _softmax_step(
-            s_a, m_a, l_a, acc_a, v, n_resc_a, BLOCK_M, BLOCK_N, LAZY_RESCALE, RESCALE_TAU, SOFT_EXP
+            s_a, qk_scale, m_a, l_a, acc_a, v, n_resc_a, BLOCK_M, BLOCK_N, LAZY_RESCALE, RESCALE_TAU, SOFT_EXP
         )
         if PINGPONG:
             ok_b = cols[None, :] < S_K
             if CAUSAL:
                 ok_b = ok_b & (cols[None, :] <= offs_mb[:, None] + diag)
-            s_b = tl.where(ok_b, tl.dot(q_b, tl.trans(k)) * qk_scale, float("-inf"))
+            s_b = tl.where(ok_b, tl.dot(q_b, tl.trans(k)), float("-inf"))
             m_b, l_b, acc_b, n_resc_b = _softmax_step(
-                s_b, m_b, l_b, acc_b, v, n_resc_b, BLOCK_M, BLOCK_N, LAZY_RESCALE, RESCALE_TAU, SOFT_EXP
+                s_b,
+                qk_scale,
+                m_b,
+                l_b,
+                acc_b,
+                v,
+                n_resc_b,
+                BLOCK_M,
+                BLOCK_N,
+                LAZY_RESCALE,
+                RESCALE_TAU,
+                SOFT_EXP,
             )
     # Epilogue: one shared shift for O and l, so the stale max cancels exactly.
     lse_base = LSE + (off_b * H + off_h) * S_Q
