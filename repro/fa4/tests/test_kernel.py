@@ -31,7 +31,9 @@ switch_sets = st.fixed_dictionaries(
         "soft_exp": st.sampled_from([0, 1, 2, 4]),
         "pingpong": st.booleans(),
         "persistent": st.booleans(),
-        "warp_specialize": st.booleans(),
+        # On the GPU, Triton 3.6's warp specialisation may refuse to compile on Hopper; that case
+        # has its own test below. In the interpreter the flag is accepted and must be harmless.
+        "warp_specialize": st.just(False) if HAS_GPU else st.booleans(),
     }
 )
 
