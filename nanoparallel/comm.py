@@ -31,7 +31,7 @@ from nanoparallel.errors import CommAbortedError, CommError, MismatchError
 from nanoparallel.faults import DTYPES, REDUCE_OPS, Liveness, check_headers, header, store_barrier
 from nanoparallel.transport.base import Recv, Send, Transport
 
-TRANSPORTS = ("auto", "shm", "torch", "cuda")
+TRANSPORTS = ("auto", "shm", "torch", "gloo", "cuda")  # "gloo" is another name for "torch"
 
 
 def default_store(rank: int, world_size: int, timeout_s: float):
@@ -85,6 +85,8 @@ def init(
     if timeout_s <= 0:
         raise ValueError(f"nanoparallel.init: timeout_s must be > 0, got {timeout_s}")
     device = torch.device(device)
+    if transport == "gloo":
+        transport = "torch"
     if store is None:
         store = default_store(rank, world_size, timeout_s)
     joined = store.add(f"nanoparallel/{name}/joined", 1)
@@ -458,7 +460,11 @@ class Communicator:
         def run():
             self.last_algorithm = "tree"
             if self.world_size > 1 and tensor.numel():
-                work = tensor.view(-1) if self.rank == root else tensor.reshape(-1).clone()
+                if self.rank == root:
+                    work = tensor.view(-1)
+                else:
+                    work = self.transport.scratch("reduce", tensor.numel(), tensor.dtype)
+                    work.copy_(tensor.view(-1))
                 algs.reduce_tree(self.transport, work, root, REDUCERS[op])
             if self.rank == root:
                 self._finish_avg(tensor, op)

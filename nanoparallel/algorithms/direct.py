@@ -18,11 +18,18 @@ from nanoparallel.algorithms.common import blocks
 from nanoparallel.transport.base import Recv, Reducer, Send, Transport
 
 
-def _ordered_reduce(rows: list[torch.Tensor], reduce: Reducer, out: torch.Tensor) -> None:
-    acc = rows[0].clone()
+def _ordered_reduce(tp: Transport, rows: list[torch.Tensor], reduce: Reducer, out: torch.Tensor) -> None:
+    acc = tp.scratch("direct-acc", rows[0].numel(), rows[0].dtype)
+    acc.copy_(rows[0])
     for row in rows[1:]:
         reduce(acc, row)
     out.copy_(acc)
+
+
+def _rows(tp: Transport, name: str, mine: torch.Tensor, numel: int) -> list[torch.Tensor]:
+    """One receive buffer per peer (reused across calls), and ``mine`` in this rank's place."""
+    buf = tp.scratch(name, tp.world_size * numel, mine.dtype).view(tp.world_size, numel)
+    return [mine if p == tp.rank else buf[p] for p in range(tp.world_size)]
 
 
 def _peers(tp: Transport) -> list[int]:
@@ -31,11 +38,11 @@ def _peers(tp: Transport) -> list[int]:
 
 def all_reduce_one_shot(tp: Transport, x: torch.Tensor, reduce: Reducer) -> None:
     ch = tuple(range(tp.n_channels))
-    rows = [x if p == tp.rank else torch.empty_like(x) for p in range(tp.world_size)]
+    rows = _rows(tp, "one-shot", x, x.numel())
     ops: list = [Send(p, x, ch, label="one-shot send") for p in _peers(tp)]
     ops += [Recv(p, rows[p], None, ch, label="one-shot receive") for p in _peers(tp)]
     tp.run(ops, "all_reduce(one_shot)")
-    _ordered_reduce(rows, reduce, x)
+    _ordered_reduce(tp, rows, reduce, x)
 
 
 def _reduce_scatter_direct(
@@ -43,13 +50,13 @@ def _reduce_scatter_direct(
 ) -> None:
     ch = tuple(range(tp.n_channels))
     lo, hi = bounds[tp.rank]
-    rows = [x[lo:hi] if p == tp.rank else torch.empty(hi - lo, dtype=x.dtype) for p in range(tp.world_size)]
+    rows = _rows(tp, "direct-reduce-scatter", x[lo:hi], hi - lo)
     ops: list = [
         Send(p, x[bounds[p][0] : bounds[p][1]], ch, label="direct reduce-scatter send") for p in _peers(tp)
     ]
     ops += [Recv(p, rows[p], None, ch, label="direct reduce-scatter receive") for p in _peers(tp)]
     tp.run(ops, "reduce_scatter(direct)")
-    _ordered_reduce(rows, reduce, out)
+    _ordered_reduce(tp, rows, reduce, out)
 
 
 def _all_gather_direct(tp: Transport, x: torch.Tensor, bounds) -> None:

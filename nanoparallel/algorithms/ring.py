@@ -61,7 +61,8 @@ def all_reduce_ring(tp: Transport, x: torch.Tensor, reduce: Reducer) -> None:
 
 def reduce_scatter_ring(tp: Transport, output: torch.Tensor, input: torch.Tensor, reduce: Reducer) -> None:
     """``input`` [n * m] -> ``output`` [m]: block ``rank`` reduced over ranks; ``input`` is untouched."""
-    work = input.clone()
+    work = tp.scratch("ring-reduce-scatter", input.numel(), input.dtype)
+    work.copy_(input)
     m = output.numel()
     bounds = [(b * m, (b + 1) * m) for b in range(tp.world_size)]
     tp.run(ring_ops(tp, work, bounds, reduce, reduce_scatter=True, all_gather=False), "reduce_scatter(ring)")
