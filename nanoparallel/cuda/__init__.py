@@ -47,7 +47,7 @@ from nanoparallel.cuda import kernels as K  # noqa: E402
 from nanoparallel.errors import CommAbortedError, CommTimeoutError, MismatchError  # noqa: E402
 
 ALGORITHMS: dict[str, tuple[str, ...]] = {
-    "all_reduce": ("one_shot", "two_shot", "ring"),
+    "all_reduce": ("one_shot", "one_shot_push", "two_shot", "ring"),
     "all_gather": ("direct", "copy_engine"),
     "reduce_scatter": ("direct", "ring"),
     "broadcast": ("direct", "copy_engine"),
@@ -410,6 +410,15 @@ class CudaPeerBackend:
             chunk, grid = self._chunk(n, elem)
             self._launch(K.one_shot_all_reduce_kernel, grid, (
                 x, x, buf.view(x.dtype), buf.deltas(x.dtype), *self._sync, n, chunk, epoch, self.max_spins,
+                code, self.rank, W, STEP_BYTES // elem,
+            ))  # fmt: skip
+            return
+        if algorithm == "one_shot_push":
+            S = _round_up(n, 64)  # slot stride, 256-byte aligned
+            buf, epoch = self._next(W * S * elem, 1)
+            chunk, grid = self._chunk(n, elem)
+            self._launch(K.one_shot_push_all_reduce_kernel, grid, (
+                x, x, buf.view(x.dtype), buf.deltas(x.dtype), *self._sync, n, S, chunk, epoch, self.max_spins,
                 code, self.rank, W, STEP_BYTES // elem,
             ))  # fmt: skip
             return

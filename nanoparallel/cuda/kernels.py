@@ -127,6 +127,38 @@ def one_shot_all_reduce_kernel(
 
 
 @triton.jit(do_not_specialize=["epoch", "max_spins"])
+def one_shot_push_all_reduce_kernel(
+    inp, out, buf, D, flags, F, err, n, S, chunk, epoch, max_spins,
+    OP: tl.constexpr, RANK: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One-shot by writing: my input goes into slot RANK of every rank's buffer, then each rank
+    reduces its W slots from local memory.
+
+    inp, out: [n] (may alias); buf: W slots of S elements. Same bytes over NVLink as the pull
+    version, (W-1) n per rank, but as stores, which the sender need not wait for, and in the same
+    pass that reads the input (no separate copy-in); the reduction then reads local memory only.
+    """
+    lo = tl.program_id(0) * chunk
+    hi = tl.minimum(lo + chunk, n)
+    for start in range(lo, hi, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < hi
+        x = tl.load(inp + offs, mask=mask)
+        for p in tl.static_range(W):
+            tl.store(buf + D[p] + RANK * S + offs, x, mask=mask)
+    _barrier(flags, F, err, epoch + 1, max_spins, RANK, W)
+    for start in range(lo, hi, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < hi
+        acc = _acc_type(tl.load(buf + offs, mask=mask))
+        for q in tl.static_range(1, W):
+            acc = _combine(acc, _acc_type(tl.load(buf + q * S + offs, mask=mask)), OP)
+        if OP == 3:
+            acc = _mean(acc, W)
+        tl.store(out + offs, acc.to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["epoch", "max_spins"])
 def two_shot_all_reduce_kernel(
     inp, out, buf, D, flags, F, err, n, S, chunk, epoch, max_spins,
     OP: tl.constexpr, RANK: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr, GATHER: tl.constexpr,

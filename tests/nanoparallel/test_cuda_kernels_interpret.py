@@ -97,6 +97,27 @@ def test_one_shot_all_reduce(peers, n, dtype, op, seed):
 
 @SETTINGS
 @given(
+    n=sizes, dtype=all_dtypes, op=st.sampled_from(["sum", "max", "min", "avg"]), seed=st.integers(0, 10**6)
+)
+def test_one_shot_push_all_reduce(peers, n, dtype, op, seed):
+    inputs = draw_inputs(n, dtype, seed)
+    S = -(-n // 64) * 64
+    xs = peers.shared(lambda r: inputs[r].clone())
+    bufs = peers.shared(lambda r: torch.full((W * S,), 7, dtype=dtype))
+    chunk, grid = split_work(n, MAX_PROGRAMS, BLOCK)
+    per_rank = [
+        dict(inp=xs[r], out=xs[r], n=n, S=S, chunk=chunk, OP=K.OP_CODES[op], RANK=r, W=W, BLOCK=BLOCK)
+        for r in range(W)
+    ]
+    peers.run("one_shot_push_all_reduce_kernel", grid, per_rank, {"buf": (bufs, "D")}, barriers=1)
+    ref = reference(inputs, op)
+    for r in range(W):
+        check(xs[r], ref, dtype, f"one-shot push {op} rank {r}")
+        assert torch.equal(xs[r], xs[0]), "ranks disagree"
+
+
+@SETTINGS
+@given(
     n=sizes,
     dtype=all_dtypes,
     op=st.sampled_from(["sum", "max", "avg"]),
