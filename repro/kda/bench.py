@@ -109,11 +109,15 @@ def run(quick: bool, out_dir: Path | None) -> None:
             print(f"T={T:6d} B={B:2d} {name:11s} fwd {ms:8.3f} ms  fwd+bwd {ms_fb:8.3f} ms", flush=True)
         del inputs
         torch.cuda.empty_cache()
+        if T != Ts[-1]:  # keep what was measured if the run is cut short
+            report.measure_ceilings = False
+            report.write(out_dir=out_dir, tag="quick" if quick else "")
     report.plot(
         title="forward time", x="T", y="ms", series="impl", where={"pass": "fwd"}, logx=True, logy=True
     )
     report.plot(title="forward + backward time", x="T", y="ms", series="impl", where={"pass": "fwd+bwd"},
                 logx=True, logy=True)  # fmt: skip
+    report.measure_ceilings = not quick
     report.write(out_dir=out_dir, tag="quick" if quick else "")
 
 
@@ -131,11 +135,12 @@ def breakdown(B: int = 4, T: int = 4096) -> None:
     W, KD = torch.empty_like(G, dtype=dt), torch.empty_like(G, dtype=dt)
     Up, Aqk = torch.empty_like(v), torch.empty(B, T, HV, ck.BT, device=dev, dtype=dt)
     gamma = torch.empty(B, HV, NT, K, device=dev)
+    T_ut = torch.empty(B, T, HV, ck.BT, device=dev)
     scale = K**-0.5
 
     def intra():
         kn.kda_intra_fwd_kernel[(NT, B * HV)](
-            q, k, v, g, beta, G, W, Up, Aqk, KD, gamma, scale, T, NT,
+            q, k, v, g, beta, G, W, Up, Aqk, KD, gamma, T_ut, scale, T, NT,
             H=H, HV=HV, K=K, V=V, BT=ck.BT, SUB=ck.SUB, DOT_PREC="tf32", num_warps=4,
         )  # fmt: skip
 
@@ -149,7 +154,7 @@ def breakdown(B: int = 4, T: int = 4096) -> None:
 
     def torch_part():
         with torch.enable_grad():
-            return ck._kda_differentiable(*leaves, scale, None)
+            return ck._kda_differentiable(*leaves, scale, None, T_ut)
 
     print(f"bwd recompute (torch + triton state fwd) {time_ms(torch_part):.3f} ms")
 
@@ -158,6 +163,13 @@ def breakdown(B: int = 4, T: int = 4096) -> None:
         return torch.autograd.grad(o, leaves, do)
 
     print(f"bwd recompute + grad {time_ms(whole_bwd):.3f} ms")
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            whole_bwd()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
 
 
 def main() -> None:

@@ -66,8 +66,9 @@ def kda_fwd_triton(
     U_prime = torch.empty(B, T, HV, V, device=dev, dtype=dt)
     Aqk = torch.empty(B, T, HV, BT, device=dev, dtype=dt)
     gamma = torch.empty(B, HV, NT, K, device=dev, dtype=torch.float32)
+    T_ut = torch.empty(B, T, HV, BT, device=dev, dtype=torch.float32)
     kda_intra_fwd_kernel[(NT, B * HV)](
-        q, k, v, g, beta, G, W, U_prime, Aqk, KD, gamma, scale, T, NT,
+        q, k, v, g, beta, G, W, U_prime, Aqk, KD, gamma, T_ut, scale, T, NT,
         H=H, HV=HV, K=K, V=V, BT=BT, SUB=SUB, DOT_PREC=prec, num_warps=4,
     )  # fmt: skip
     h_all, U_new, hT = _state_fwd(W, U_prime, KD, gamma, initial_state, output_final_state, prec)
@@ -77,7 +78,7 @@ def kda_fwd_triton(
         q, G, h_all, Aqk, U_new, o, scale, T, NT,
         H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, DOT_PREC=prec, num_warps=4,
     )  # fmt: skip
-    return o, hT
+    return o, hT, T_ut
 
 
 def _state_fwd(W, U_prime, KD, gamma, h0, output_final_state, prec):
@@ -148,7 +149,7 @@ def _from_chunks(x: torch.Tensor) -> torch.Tensor:
     return x.permute(0, 2, 3, 1, 4).reshape(B, N * C, HV, D).contiguous()
 
 
-def _kda_differentiable(q, k, v, g, beta, scale, h0):
+def _kda_differentiable(q, k, v, g, beta, scale, h0, T_fwd):
     """The chunkwise forward again, as PyTorch ops around :class:`_StateRecurrence` (fp32)."""
     B, T, H, K = q.shape
     HV = v.shape[2]
@@ -168,8 +169,9 @@ def _kda_differentiable(q, k, v, g, beta, scale, h0):
 
     G = gc.cumsum(dim=-2)
     A_kk, A_qk = chunk_matrices(qc, kc, G, bc, scale)
-    eye = torch.eye(BT, device=q.device, dtype=torch.float32)
-    T_ut = torch.linalg.solve_triangular(eye + A_kk, eye.expand_as(A_kk), upper=False, unitriangular=True)
+    # the forward kernel's UT transform, reused; _UTInverse supplies its gradient
+    T_saved = _to_chunks(F.pad(T_fwd, (0, 0, 0, 0, 0, pad)), N)
+    T_ut = _UTInverse.apply(A_kk, T_saved)
     eG = torch.exp(G)
     W = T_ut @ (bc.unsqueeze(-1) * kc * eG)
     U_prime = T_ut @ (bc.unsqueeze(-1) * vc)
@@ -187,22 +189,40 @@ def _kda_differentiable(q, k, v, g, beta, scale, h0):
     return o, hT
 
 
+class _UTInverse(torch.autograd.Function):
+    """T = (I + A)^{-1} for strictly lower A, with T supplied (from the forward kernel).
+
+    Gradient: dT = -T dA T, so dA = -T^T dT T^T, kept strictly lower (A's structure).
+    """
+
+    @staticmethod
+    def forward(ctx, A, T_ut):
+        ctx.save_for_backward(T_ut)
+        return T_ut.clone()
+
+    @staticmethod
+    def backward(ctx, dT):
+        (T_ut,) = ctx.saved_tensors
+        Tt = T_ut.transpose(-1, -2)
+        return -(Tt @ dT @ Tt).tril(-1), None
+
+
 class ChunkKDAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state):
-        o, hT = kda_fwd_triton(q, k, v, g, beta, scale, initial_state, output_final_state)
-        ctx.save_for_backward(q, k, v, g, beta, initial_state)
+        o, hT, T_ut = kda_fwd_triton(q, k, v, g, beta, scale, initial_state, output_final_state)
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, T_ut)
         ctx.scale = scale
         ctx.output_final_state = output_final_state
         return o, hT
 
     @staticmethod
     def backward(ctx, do, dhT):
-        q, k, v, g, beta, h0 = ctx.saved_tensors
+        q, k, v, g, beta, h0, T_ut = ctx.saved_tensors
         with torch.enable_grad():
             leaves = [x.detach().requires_grad_(True) for x in (q, k, v, g, beta)]
             h0_leaf = h0.detach().float().requires_grad_(True) if h0 is not None else None
-            o, hT = _kda_differentiable(*leaves, ctx.scale, h0_leaf)
+            o, hT = _kda_differentiable(*leaves, ctx.scale, h0_leaf, T_ut)
             outputs, grads = [o], [do]
             if ctx.output_final_state and dhT is not None:
                 outputs.append(hT)

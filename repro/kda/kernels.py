@@ -39,11 +39,12 @@ def kda_intra_fwd_kernel(
     Aqk_out,
     KD_out,
     gamma_out,
+    T_out,
     scale,
     T,
     NT,
-    H: tl.constexpr,
-    HV: tl.constexpr,
+    H,
+    HV,
     K: tl.constexpr,
     V: tl.constexpr,
     BT: tl.constexpr,
@@ -106,12 +107,28 @@ def kda_intra_fwd_kernel(
         mask=mrow[:, None],
     )
 
-    # UT transform by forward substitution: row r of (I + A)^{-1} is e_r - sum_{i<r} A[r, i] T_i
-    T_ut = tl.where(loc[:, None] == loc[None, :], 1.0, 0.0)
-    for r in range(1, BT):
-        a_r = tl.sum(tl.where(loc[:, None] == r, A_kk, 0.0), axis=0)  # row r of A (zero for i >= r)
-        corr = tl.sum(a_r[:, None] * T_ut, axis=0)
-        T_ut = tl.where(loc[:, None] == r, T_ut - corr[None, :], T_ut)
+    # UT transform T = (I + A)^{-1}, blocked (see chunk_torch.ut_transform_blocked):
+    # 1) invert the 16x16 diagonal blocks by forward substitution, all four at once: step j fixes
+    #    row j of every block, T_d[r] = e_r - sum_{i<r, same block} A[r, i] T_d[i], as one matmul;
+    # 2) I + A = (I + A_d)(I + T_d A_o) with A_o the part below the diagonal blocks, and
+    #    N = T_d A_o is nilpotent (N^(BT/SUB) = 0), so (I + A)^{-1} = (I - N + N^2 - ...) T_d.
+    same_block = (loc[:, None] // SUB) == (loc[None, :] // SUB)
+    eye = tl.where(loc[:, None] == loc[None, :], 1.0, 0.0)
+    A_d = tl.where(same_block, A_kk, 0.0)
+    A_o = tl.where(same_block, 0.0, A_kk)
+    T_d = eye
+    for j in tl.static_range(1, SUB):
+        row_j = (loc % SUB) == j
+        corr = tl.dot(tl.where(row_j[:, None], A_d, 0.0), T_d, input_precision=DOT_PREC)
+        T_d = tl.where(row_j[:, None], T_d - corr, T_d)
+    N = tl.dot(T_d, A_o, input_precision=DOT_PREC)
+    series = eye
+    power = eye
+    for _m in tl.static_range(1, BT // SUB):
+        power = -tl.dot(power, N, input_precision=DOT_PREC)
+        series += power
+    T_ut = tl.dot(series, T_d, input_precision=DOT_PREC)
+    tl.store(T_out + ((b * T + rows[:, None]) * HV + hv) * BT + loc[None, :], T_ut, mask=mrow[:, None])
 
     b_W = tl.dot(T_ut, b_k * tl.exp(b_G) * b_beta[:, None], input_precision=DOT_PREC)
     b_U = tl.dot(T_ut, b_v * b_beta[:, None], input_precision=DOT_PREC)
@@ -135,7 +152,7 @@ def kda_state_fwd_kernel(
     hT,
     T,
     NT,
-    HV: tl.constexpr,
+    HV,
     K: tl.constexpr,
     V: tl.constexpr,
     BT: tl.constexpr,
@@ -194,8 +211,8 @@ def kda_out_fwd_kernel(
     scale,
     T,
     NT,
-    H: tl.constexpr,
-    HV: tl.constexpr,
+    H,
+    HV,
     K: tl.constexpr,
     V: tl.constexpr,
     BT: tl.constexpr,
@@ -251,7 +268,7 @@ def kda_state_bwd_kernel(
     dh0,
     T,
     NT,
-    HV: tl.constexpr,
+    HV,
     K: tl.constexpr,
     V: tl.constexpr,
     BT: tl.constexpr,
@@ -315,8 +332,8 @@ def kda_decode_kernel(
     state,
     o,
     scale,
-    H: tl.constexpr,
-    HV: tl.constexpr,
+    H,
+    HV,
     K: tl.constexpr,
     V: tl.constexpr,
     BV: tl.constexpr,
