@@ -51,7 +51,7 @@ ALGORITHMS: dict[str, tuple[str, ...]] = {
     "all_gather": ("direct", "copy_engine"),
     "reduce_scatter": ("direct", "ring"),
     "broadcast": ("direct", "copy_engine"),
-    "all_to_all": ("direct",),
+    "all_to_all": ("direct", "push"),
 }
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64)
 REDUCE_OPS = tuple(K.OP_CODES)
@@ -586,7 +586,7 @@ class CudaPeerBackend:
         rows_out = output.shape[0] if output.dim() else 1
         input_splits = [s * row for s in self._splits(what, "input_splits", input_splits, rows_in)]
         output_splits = [s * row for s in self._splits(what, "output_splits", output_splits, rows_out)]
-        self._algorithm(what, algorithm, input.numel())
+        algorithm = self._algorithm(what, algorithm, input.numel() * input.element_size())
         elem = input.element_size()
         total_in = input.numel()
         if W == 1:
@@ -597,6 +597,12 @@ class CudaPeerBackend:
                 f"{what}: input is {total_in * elem} bytes, more than staging_bytes={self.staging_cap}; "
                 "raise staging_bytes when creating the backend"
             )
+        slot = self.staging_cap // elem // W // 64 * 64  # push: one slot per sender in every buffer
+        if algorithm == "push" and max(input_splits) > slot:
+            raise ValueError(
+                f"{what}: algorithm 'push' gives each sender {slot} elements in a peer's buffer, but "
+                f"input_splits has {max(input_splits)}; use 'direct' or raise staging_bytes"
+            )
         # ranks send different amounts, but growing is collective: every rank takes the whole cap
         # on its first all_to_all, so all of them grow at the same call
         buf, epoch = self._next(self.staging_cap, 1)
@@ -604,11 +610,18 @@ class CudaPeerBackend:
         # pinned, so the copy is queued on the stream instead of synchronising it
         table = torch.tensor(input_splits + output_splits, dtype=torch.int64).pin_memory()
         meta.view(torch.int64).copy_(table, non_blocking=True)
-        self._launch(K.all_to_all_kernel, self.max_programs, (
-            input, output, buf.view(input.dtype), buf.deltas(input.dtype), meta.view(torch.int64),
-            meta.deltas(torch.int64), *self._sync, epoch, self.max_spins, self.rank, W, _pow2(W),
-            STEP_BYTES // elem,
-        ))  # fmt: skip
+        if algorithm == "push":
+            self._launch(K.all_to_all_push_kernel, self.max_programs, (
+                input, output, buf.view(input.dtype), buf.deltas(input.dtype), meta.view(torch.int64),
+                meta.deltas(torch.int64), *self._sync, slot, epoch, self.max_spins, self.rank, W,
+                STEP_BYTES // elem,
+            ))  # fmt: skip
+        else:
+            self._launch(K.all_to_all_kernel, self.max_programs, (
+                input, output, buf.view(input.dtype), buf.deltas(input.dtype), meta.view(torch.int64),
+                meta.deltas(torch.int64), *self._sync, epoch, self.max_spins, self.rank, W, _pow2(W),
+                STEP_BYTES // elem,
+            ))  # fmt: skip
         self._after(what)
         return output
 

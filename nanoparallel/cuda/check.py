@@ -135,10 +135,13 @@ def check_all(backend, seed: int = 0, sizes=SIZES, dtypes=DTYPES) -> tuple[int, 
             counts = [[0] * W for _ in range(W)]
         xs = [draw(sum(counts[s]), dtype, seed + 1000 * k + s) for s in range(W)]
         recv = [counts[s][rank] for s in range(W)]
-        out = poison(sum(recv), dtype, dev)
-        backend.all_to_all(out, xs[rank].to(dev), output_splits=recv, input_splits=counts[rank])
         expected = torch.cat([xs[s][sum(counts[s][:rank]) : sum(counts[s][: rank + 1])] for s in range(W)])
-        ok = torch.equal(out.cpu(), expected)
-        report(f"all_to_all {dtype} counts={counts}", None if ok else "received the wrong data")
+        for algo in ALGORITHMS["all_to_all"] + ("auto",):
+            out = poison(sum(recv), dtype, dev)
+            backend.all_to_all(
+                out, xs[rank].to(dev), output_splits=recv, input_splits=counts[rank], algorithm=algo
+            )
+            ok = torch.equal(out.cpu(), expected)
+            report(f"all_to_all {algo} {dtype} counts={counts}", None if ok else "received the wrong data")
     backend.barrier()
     return cases, failures

@@ -332,6 +332,47 @@ def all_to_all_kernel(
         out_off += expect
 
 
+@triton.jit(do_not_specialize=["epoch", "max_spins"])
+def all_to_all_push_kernel(
+    inp, out, buf, D, meta, M, flags, F, err, slot, epoch, max_spins,
+    RANK: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Uneven all-to-all by writing: my segment for rank d goes into slot RANK of d's buffer.
+
+    buf: W slots of ``slot`` elements (the host checks every split fits). meta as in
+    all_to_all_kernel. After one barrier each rank copies its W slots, from local memory, to
+    ``out`` at the offsets its own output_splits give. The bytes cross NVLink as stores, in the
+    same pass that reads the input: no separate copy-in.
+    """
+    nprog = tl.num_programs(0)
+    in_off = 0
+    for d in tl.static_range(W):
+        count = tl.load(meta + d)
+        lo, hi = _share(count, count, nprog)
+        dst = buf + D[d] + RANK * slot
+        if (in_off % 16 == 0) & (count % 16 == 0):
+            a_off = tl.multiple_of(in_off, 16)
+            _copy(dst - a_off, inp, tl.multiple_of(a_off + lo, 16), tl.multiple_of(a_off + hi, 16), BLOCK)
+        else:
+            _copy(dst - in_off, inp, in_off + lo, in_off + hi, BLOCK)
+        in_off += count
+    _barrier(flags, F, err, epoch + 1, max_spins, RANK, W)
+    out_off = 0
+    for p in tl.static_range(W):
+        count = tl.load(meta + M[p] + RANK)
+        expect = tl.load(meta + W + p)
+        if count != expect:
+            tl.atomic_or(err, 2)
+        lo, hi = _share(count, tl.minimum(count, expect), nprog)
+        src = buf + p * slot
+        if (out_off % 16 == 0) & (count % 16 == 0) & (expect % 16 == 0):
+            a_out = tl.multiple_of(out_off, 16)
+            _copy(out + a_out, src, tl.multiple_of(lo, 16), tl.multiple_of(hi, 16), BLOCK)
+        else:
+            _copy(out + out_off, src, lo, hi, BLOCK)
+        out_off += expect
+
+
 @triton.jit
 def _share(count, limit, nprog):
     """This program's [lo, hi) of a segment of ``count`` elements, clipped to ``limit``."""

@@ -262,6 +262,39 @@ def test_all_to_all_uneven(peers, counts, dtype, seed):
         )
 
 
+@SETTINGS
+@given(
+    counts=st.lists(st.lists(st.integers(0, 40), min_size=W, max_size=W), min_size=W, max_size=W),
+    dtype=all_dtypes,
+    seed=st.integers(0, 10**6),
+)
+def test_all_to_all_push_uneven(peers, counts, dtype, seed):
+    slot = 48  # elements per sender in every rank's buffer: each split (<= 40) fits
+    inputs = [draw_inputs(max(sum(counts[s]), 1), dtype, seed + s)[s][: sum(counts[s])] for s in range(W)]
+    totals_out = [sum(counts[s][d] for s in range(W)) for d in range(W)]
+    xs = peers.shared(lambda r: inputs[r].clone() if inputs[r].numel() else torch.zeros(1, dtype=dtype))
+    outs = peers.shared(lambda r: torch.full((max(totals_out[r], 1),), 7, dtype=dtype))
+    bufs = peers.shared(lambda r: torch.full((W * slot,), 7, dtype=dtype))
+    metas = peers.shared(
+        lambda r: torch.tensor(
+            [counts[r][d] for d in range(W)] + [counts[s][r] for s in range(W)], dtype=torch.int64
+        )
+    )
+    per_rank = [dict(inp=xs[r], out=outs[r], slot=slot, RANK=r, W=W, BLOCK=BLOCK) for r in range(W)]
+    peers.run(
+        "all_to_all_push_kernel",
+        MAX_PROGRAMS,
+        per_rank,
+        {"buf": (bufs, "D"), "meta": (metas, "M")},
+        barriers=1,
+    )
+    for d in range(W):
+        expected = torch.cat([inputs[s][sum(counts[s][:d]) : sum(counts[s][: d + 1])] for s in range(W)])
+        assert torch.equal(outs[d][: totals_out[d]], expected), (
+            f"all-to-all push: rank {d} received the wrong data"
+        )
+
+
 def test_all_to_all_split_mismatch_is_reported(peers):
     # rank 0 says it sends 5 to rank 1, rank 1 expects 4: the kernel must flag it, not hide it
     counts = [[2, 5, 1], [3, 3, 3], [1, 1, 1]]
