@@ -19,11 +19,18 @@ from nanoparallel.transport.base import Recv, Reducer, Send, Transport
 
 
 def _ordered_reduce(tp: Transport, rows: list[torch.Tensor], reduce: Reducer, out: torch.Tensor) -> None:
-    acc = tp.scratch("direct-acc", rows[0].numel(), rows[0].dtype)
-    acc.copy_(rows[0])
+    """out = rows[0] (op) rows[1] (op) ... in rank order, with as few passes over memory as we can:
+    ``out`` may be one of the rows (it is this rank's own contribution)."""
+    rows = list(rows)
+    for k in range(1, len(rows)):
+        if rows[k].numel() and rows[k].data_ptr() == out.data_ptr():
+            keep = tp.scratch("direct-own", out.numel(), out.dtype)
+            keep.copy_(out)  # out is about to be overwritten with rows[0]
+            rows[k] = keep
+    if not (rows[0].numel() and rows[0].data_ptr() == out.data_ptr()):
+        out.copy_(rows[0])
     for row in rows[1:]:
-        reduce(acc, row)
-    out.copy_(acc)
+        reduce(out, row)
 
 
 def _rows(tp: Transport, name: str, mine: torch.Tensor, numel: int) -> list[torch.Tensor]:
