@@ -19,7 +19,9 @@ import triton
 from repro.kda.chunk_torch import chunk_matrices
 from repro.kda.kernels import (
     kda_decode_kernel,
+    kda_intra_bwd_kernel,
     kda_intra_fwd_kernel,
+    kda_out_bwd_kernel,
     kda_out_fwd_kernel,
     kda_state_bwd_kernel,
     kda_state_fwd_kernel,
@@ -78,7 +80,8 @@ def kda_fwd_triton(
         q, G, h_all, Aqk, U_new, o, scale, T, NT,
         H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, DOT_PREC=prec, num_warps=4,
     )  # fmt: skip
-    return o, hT, T_ut
+    saved = dict(G=G, W=W, KD=KD, gamma=gamma, Aqk=Aqk, T_ut=T_ut, h_all=h_all, U_new=U_new)
+    return o, hT, saved
 
 
 def _state_fwd(W, U_prime, KD, gamma, h0, output_final_state, prec):
@@ -207,24 +210,82 @@ class _UTInverse(torch.autograd.Function):
         return -(Tt @ dT @ Tt).tril(-1), None
 
 
+def kda_bwd_triton(q, k, v, g, beta, scale, h0, saved, do, dhT):
+    """The backward pass in three Triton launches: readout, reverse state recurrence, intra-chunk."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    NT = triton.cdiv(T, BT)
+    prec = _dot_precision(q.dtype)
+    f32 = dict(device=q.device, dtype=torch.float32)
+    do = do.contiguous()
+    dU_ext = torch.empty(B, T, HV, V, **f32)
+    dh_ext = torch.empty(B, HV, NT, K, V, **f32)
+    BV = _block_v(V)
+    kda_out_bwd_kernel[(NT, triton.cdiv(V, BV), B * HV)](
+        q, saved["G"], saved["Aqk"], do, dU_ext, dh_ext, scale, T, NT,
+        H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, DOT_PREC=prec, num_warps=4,
+    )  # fmt: skip
+    dW = torch.empty(B, T, HV, K, **f32)
+    dKD = torch.empty(B, T, HV, K, **f32)
+    dU_prime = torch.empty(B, T, HV, V, **f32)
+    dgamma = torch.empty(B, HV, NT, K, **f32)
+    dh0 = torch.empty(B, HV, K, V, **f32)
+    dhT_c = dhT.float().contiguous() if dhT is not None else None
+    kda_state_bwd_kernel[(B * HV,)](
+        saved["W"], saved["KD"], saved["gamma"], saved["h_all"], saved["U_new"], dU_ext, dh_ext, dhT_c,
+        dW, dU_prime, dKD, dgamma, dh0, T, NT,
+        HV=HV, K=K, V=V, BT=BT, USE_DHT=dhT is not None, DOT_PREC=prec, num_warps=8,
+    )  # fmt: skip
+    dq = torch.empty(B, T, HV, K, **f32)
+    dk = torch.empty(B, T, HV, K, **f32)
+    dg = torch.empty(B, T, HV, K, **f32)
+    dv = torch.empty(B, T, HV, V, **f32)
+    dbeta = torch.empty(B, T, HV, **f32)
+    kda_intra_bwd_kernel[(NT, B * HV)](
+        q, k, v, beta, saved["G"], saved["T_ut"], saved["U_new"], saved["h_all"], do,
+        dW, dU_prime, dKD, dgamma, dq, dk, dv, dg, dbeta, scale, T, NT,
+        H=H, HV=HV, K=K, V=V, BT=BT, SUB=SUB, DOT_PREC=prec, num_warps=8,
+    )  # fmt: skip
+    group = HV // H
+    # value heads that share a key head add their gradients into it
+    dq = dq.view(B, T, H, group, K).sum(3)
+    dk = dk.view(B, T, H, group, K).sum(3)
+    return (
+        dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype),
+        dh0.to(h0.dtype) if h0 is not None else None,
+    )  # fmt: skip
+
+
+# "triton": the backward above. "torch": PyTorch autograd over a recomputation plus the Triton
+# state-recurrence backward (the first version; kept as a second, independent backward).
+BACKWARD = "triton"
+
+
 class ChunkKDAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state):
-        o, hT, T_ut = kda_fwd_triton(q, k, v, g, beta, scale, initial_state, output_final_state)
-        ctx.save_for_backward(q, k, v, g, beta, initial_state, T_ut)
+        o, hT, saved = kda_fwd_triton(q, k, v, g, beta, scale, initial_state, output_final_state)
+        ctx.names = list(saved)
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, *saved.values())
         ctx.scale = scale
         ctx.output_final_state = output_final_state
         return o, hT
 
     @staticmethod
     def backward(ctx, do, dhT):
-        q, k, v, g, beta, h0, T_ut = ctx.saved_tensors
+        q, k, v, g, beta, h0, *rest = ctx.saved_tensors
+        saved = dict(zip(ctx.names, rest, strict=True))
+        if not ctx.output_final_state:
+            dhT = None
+        if BACKWARD == "triton":
+            grads = kda_bwd_triton(q, k, v, g, beta, ctx.scale, h0, saved, do, dhT)
+            return *grads[:5], None, grads[5], None
         with torch.enable_grad():
             leaves = [x.detach().requires_grad_(True) for x in (q, k, v, g, beta)]
             h0_leaf = h0.detach().float().requires_grad_(True) if h0 is not None else None
-            o, hT = _kda_differentiable(*leaves, ctx.scale, h0_leaf, T_ut)
+            o, hT = _kda_differentiable(*leaves, ctx.scale, h0_leaf, saved["T_ut"])
             outputs, grads = [o], [do]
-            if ctx.output_final_state and dhT is not None:
+            if dhT is not None:
                 outputs.append(hT)
                 grads.append(dhT)
             inputs = leaves + ([h0_leaf] if h0_leaf is not None else [])
