@@ -40,6 +40,7 @@ class Switches:
     pingpong: each program owns two query tiles sharing K/V loads.
     warp_specialize: Triton's automatic warp specialisation of the key loop.
     persistent: one program per SM looping over tiles (heaviest causal tiles first).
+    tma: load K and V tiles with the TMA copy engine (tensor descriptors) instead of pointer loads.
     block_m, block_n, num_warps, num_stages: launch shape; None picks the tuned default.
     """
 
@@ -49,6 +50,7 @@ class Switches:
     pingpong: bool = False
     warp_specialize: bool = False
     persistent: bool = False
+    tma: bool = False
     block_m: int | None = None
     block_n: int | None = None
     num_warps: int | None = None
@@ -59,9 +61,9 @@ class Switches:
     bwd_num_stages: int | None = None
 
 
-# Tuned on one H100 (repro/fa4/results/autotune-*.json): (block_m, block_n, num_warps, num_stages).
+# Tuned on one H100 (repro/fa4/results/*-autotune.json, S = 8192): (block_m, block_n, num_warps, num_stages).
 FWD_DEFAULTS = {64: (128, 128, 8, 3), 128: (128, 128, 8, 3)}
-BWD_DEFAULTS = {64: (64, 128, 8, 2), 128: (64, 128, 8, 2)}
+BWD_DEFAULTS = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2)}
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, dims, dtypes) -> None:
@@ -114,6 +116,10 @@ def _resolve(sw: Switches, d: int, interpret: bool) -> Switches:
     bbm, bbn, bnw, bns = BWD_DEFAULTS.get(d, (16, 16, 4, 1)) if not interpret else (16, 16, 4, 1)
     if sw.pingpong and sw.block_m is None:
         bm = max(16, bm // 2)  # two tiles per program: keep the rows per program the same
+    if sw.soft_exp == 1 and sw.num_stages is None:
+        # The 1-in-4 column split needs a layout conversion through shared memory, which does not
+        # fit beside three K/V stages of 128 x 128 on an H100 (262 KB asked, 227 KB there).
+        ns = min(ns, 2)
     return replace(
         sw,
         block_m=sw.block_m or bm,
@@ -158,14 +164,19 @@ def _forward(q, k, v, causal: bool, scale: float, sw: Switches, count: bool = Fa
         grid = (min(n_prog, n_m * b * h),)
     else:
         grid = (n_m, b * h)
+    kk, vv = k, v
+    if sw.tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        kk, vv = (TensorDescriptor.from_tensor(t.view(b * s_k, h_kv * d), [sw.block_n, d]) for t in (k, v))
     _fwd_kernel[grid](
-        q, k, v, o, lse, counts,
+        q, kk, vv, o, lse, counts,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
         b, h, h // h_kv, s_q, s_k, scale / math.log(2.0), n_m,
         D=d, BLOCK_M=sw.block_m, BLOCK_N=sw.block_n, CAUSAL=causal,
         LAZY_RESCALE=sw.lazy_rescale, RESCALE_TAU=float(sw.rescale_threshold), SOFT_EXP=sw.soft_exp,
-        PINGPONG=sw.pingpong, WARP_SPEC=sw.warp_specialize, PERSISTENT=sw.persistent, COUNT=count,
+        PINGPONG=sw.pingpong, WARP_SPEC=sw.warp_specialize, PERSISTENT=sw.persistent, COUNT=count, USE_TMA=sw.tma,
         num_warps=sw.num_warps, num_stages=sw.num_stages,
     )  # fmt: skip
     return o, lse, counts

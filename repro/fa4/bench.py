@@ -38,6 +38,8 @@ ABLATIONS: dict[str, dict] = {
     "soft-exp-all": {"soft_exp": 4},
     "pingpong": {"pingpong": True},
     "persistent": {"persistent": True},
+    "tma": {"tma": True},
+    "tma+soft-exp-1/4": {"tma": True, "soft_exp": 1},
     "warp-specialize": {"warp_specialize": True},
     "stages-2": {"num_stages": 2},
     "stages-4": {"num_stages": 4},
@@ -109,6 +111,7 @@ def full(out_dir: Path | None, seqlens, ablate_passes=("fwd",)) -> None:
             qt, kt, vt = make_inputs(b, s, layout="bhsd")
             for passes in ("fwd", "fwd+bwd"):
                 impls = [("compare", "fa4-triton", ours(q, k, v, causal, {}), (q, k, v))]
+                impls += [("compare", "fa4-triton-tma", ours(q, k, v, causal, {"tma": True}), (q, k, v))]
                 impls += [
                     ("compare", f"sdpa-{be}", sdpa(qt, kt, vt, causal, be), (qt, kt, vt))
                     for be in ("cudnn", "flash2")

@@ -10,5 +10,6 @@ if [ "$stage" = sweep ]; then
   timeout 240 python3 -m pytest repro/fa4/tests/test_kernel.py -q -p no:cacheprovider --maxfail=5 2>&1 | tee "$OUT/pytest-gpu.log" | tail -25
   timeout 270 python3 -m repro.fa4.bench --sweep --out "$OUT" 2>&1 | tee "$OUT/sweep.log" | tail -45
 else
-  timeout 440 python3 -m repro.fa4.bench --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -120
+  timeout 330 python3 -m repro.fa4.bench --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -150
+  timeout 120 python3 -m pytest repro/fa4/tests/test_kernel.py -q -p no:cacheprovider --maxfail=8 2>&1 | tee "$OUT/pytest-gpu.log" | tail -15
 fi

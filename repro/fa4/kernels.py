@@ -9,6 +9,7 @@ Forward (``_fwd_kernel``), per query tile of BLOCK_M rows, over key blocks of BL
                   units (range reduction + exponent-bit add) and the rest use the hardware ex2.
     l += rowsum P;  O += P V
 Schedule switches (what Triton on Hopper can express):
+    USE_TMA:  K/V tiles through the tensor-memory-accelerator copy engine (host tensor descriptors);
     PINGPONG: each program owns two query tiles and interleaves their softmax / matmuls over one
               load of K and V (FA3/FA4 ping-pong between warpgroups is not expressible: Triton gives
               no named barriers or per-warpgroup roles; this is the closest single-program form);
@@ -173,13 +174,18 @@ def _fwd_tile(
     PINGPONG: tl.constexpr,
     WARP_SPEC: tl.constexpr,
     COUNT: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     """Attention for query rows [m_block * TILE, +TILE) of head (off_b, off_h); TILE = BLOCK_M, or
     2 * BLOCK_M with PINGPONG (two tiles a and b sharing each K/V load)."""
     off_hk = off_h // GROUP
     q_base = Q + off_b * stride_qb + off_h * stride_qh
-    k_base = K + off_b * stride_kb + off_hk * stride_kh
-    v_base = V + off_b * stride_vb + off_hk * stride_vh
+    # With USE_TMA, K and V are tensor descriptors over [B * S_K, H_KV * D] (bulk copies by the TMA
+    # engine); otherwise pointers.
+    kv_row0 = off_b * S_K
+    if not USE_TMA:
+        k_base = K + off_b * stride_kb + off_hk * stride_kh
+        v_base = V + off_b * stride_vb + off_hk * stride_vh
     o_base = O + off_b * stride_ob + off_h * stride_oh
     TILES: tl.constexpr = 2 if PINGPONG else 1
     start_a = m_block * (TILES * BLOCK_M)
@@ -214,8 +220,12 @@ def _fwd_tile(
     # Phase 1: key blocks every row sees in full: no masks at all.
     for start_n in tl.range(0, full_end, BLOCK_N, warp_specialize=WARP_SPEC):
         cols = start_n + offs_n
-        k = tl.load(k_base + cols[:, None] * stride_ks + offs_d[None, :])
-        v = tl.load(v_base + cols[:, None] * stride_vs + offs_d[None, :])
+        if USE_TMA:
+            k = K.load([kv_row0 + start_n, off_hk * D])
+            v = V.load([kv_row0 + start_n, off_hk * D])
+        else:
+            k = tl.load(k_base + cols[:, None] * stride_ks + offs_d[None, :])
+            v = tl.load(v_base + cols[:, None] * stride_vs + offs_d[None, :])
         s_a = tl.dot(q_a, tl.trans(k))
         m_a, l_a, acc_a, n_resc_a = _softmax_step(
             s_a, qk_scale, m_a, l_a, acc_a, v, n_resc_a, BLOCK_M, BLOCK_N, LAZY_RESCALE, RESCALE_TAU, SOFT_EXP
@@ -240,8 +250,14 @@ def _fwd_tile(
     for start_n in tl.range(full_end, hi, BLOCK_N):
         cols = start_n + offs_n
         kv_ok = cols[:, None] < S_K
-        k = tl.load(k_base + cols[:, None] * stride_ks + offs_d[None, :], mask=kv_ok, other=0.0)
-        v = tl.load(v_base + cols[:, None] * stride_vs + offs_d[None, :], mask=kv_ok, other=0.0)
+        if USE_TMA:
+            # Rows past S_K belong to the next batch (or lie out of bounds and read as zero); their
+            # scores are masked to -inf below, so P is 0 there and they add nothing.
+            k = K.load([kv_row0 + start_n, off_hk * D])
+            v = V.load([kv_row0 + start_n, off_hk * D])
+        else:
+            k = tl.load(k_base + cols[:, None] * stride_ks + offs_d[None, :], mask=kv_ok, other=0.0)
+            v = tl.load(v_base + cols[:, None] * stride_vs + offs_d[None, :], mask=kv_ok, other=0.0)
         ok_a = cols[None, :] < S_K
         if CAUSAL:
             ok_a = ok_a & (cols[None, :] <= offs_ma[:, None] + diag)
@@ -331,6 +347,7 @@ def _fwd_kernel(
     WARP_SPEC: tl.constexpr,
     PERSISTENT: tl.constexpr,
     COUNT: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     if PERSISTENT:
         # Tile t -> (m block, head): all heads' last (heaviest causal) query block first, so the
@@ -344,7 +361,7 @@ def _fwd_kernel(
                 stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                 stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
                 H, GROUP, S_Q, S_K, qk_scale,
-                D, BLOCK_M, BLOCK_N, CAUSAL, LAZY_RESCALE, RESCALE_TAU, SOFT_EXP, PINGPONG, WARP_SPEC, COUNT,
+                D, BLOCK_M, BLOCK_N, CAUSAL, LAZY_RESCALE, RESCALE_TAU, SOFT_EXP, PINGPONG, WARP_SPEC, COUNT, USE_TMA,
             )  # fmt: skip
     else:
         m_block = NUM_M_BLOCKS - 1 - tl.program_id(0)  # heaviest causal blocks launch first
@@ -354,7 +371,7 @@ def _fwd_kernel(
             stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
             stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
             H, GROUP, S_Q, S_K, qk_scale,
-            D, BLOCK_M, BLOCK_N, CAUSAL, LAZY_RESCALE, RESCALE_TAU, SOFT_EXP, PINGPONG, WARP_SPEC, COUNT,
+            D, BLOCK_M, BLOCK_N, CAUSAL, LAZY_RESCALE, RESCALE_TAU, SOFT_EXP, PINGPONG, WARP_SPEC, COUNT, USE_TMA,
         )  # fmt: skip
 
 

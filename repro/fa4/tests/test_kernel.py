@@ -31,6 +31,7 @@ switch_sets = st.fixed_dictionaries(
         "soft_exp": st.sampled_from([0, 1, 2, 4]),
         "pingpong": st.booleans(),
         "persistent": st.booleans(),
+        "tma": st.booleans(),
         # On the GPU, Triton 3.6's warp specialisation may refuse to compile on Hopper; that case
         # has its own test below. In the interpreter the flag is accepted and must be harmless.
         "warp_specialize": st.just(False) if HAS_GPU else st.booleans(),
@@ -48,7 +49,8 @@ def _check_against_reference(q, k, v, causal, out_tol, grad_tol, **switches):
     out = attention_any_d(q, k, v, causal=causal, **switches)
     ref = attention_exact(q, k, v, causal=causal)
     assert out.dtype == q.dtype and out.shape == q.shape
-    do = torch.randn_like(out)
+    g = torch.Generator().manual_seed(out.numel())  # a fixed dO per shape: reruns see the same case
+    do = torch.randn(out.shape, generator=g).to(out.device, out.dtype)
     grads = torch.autograd.grad(out, (q, k, v), do)
     ref_grads = torch.autograd.grad(ref, (q, k, v), do.to(torch.float64))
     assert_rel_close(out, ref, out_tol, "output")
@@ -80,7 +82,7 @@ def test_kernel_matches_reference(b, s_q, extra, heads, d, causal, switches, see
     # relative error per term, ~3e-5 on outputs and gradients (the backward's P uses hardware exp2).
     tol = 2e-4 if switches["soft_exp"] else 2e-5
     if HAS_GPU:
-        tol = max(tol, 2e-3)  # fp32 dots run as tf32 on the GPU
+        tol = max(tol, 1e-2)  # fp32 dots run as tf32 (10-bit mantissa) on the GPU
     _check_against_reference(q, k, v, causal, tol, tol, **switches)
 
 
@@ -115,8 +117,10 @@ def test_kernel_rescale_count_matches_emulation(seed, sigma, s):
         q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), scale=scale, block_m=16, block_n=16
     )
     emu, stats = lazy_rescale_attention(q, k, v, scale=scale, block_m=16, block_n=16)
-    assert_rel_close(out.cpu(), emu, 1e-4, "output")
-    assert frac == pytest.approx(stats.fraction, abs=1e-9), (frac, stats.fraction)
+    # Exact fp32 in the interpreter; on the GPU fp32 dots are tf32, which can move a logit across
+    # the threshold now and then, so there the count may differ by a step or two.
+    assert_rel_close(out.cpu(), emu, 1e-2 if HAS_GPU else 1e-4, "output")
+    assert frac == pytest.approx(stats.fraction, abs=0.05 if HAS_GPU else 1e-9), (frac, stats.fraction)
 
 
 @pytest.mark.parametrize(
@@ -155,10 +159,11 @@ def test_bad_dtypes_and_options_raise():
     with pytest.raises(ValueError, match="causal needs S_q <= S_k"):
         attention(torch.randn(1, 9, 2, 64).bfloat16(), qb, qb, causal=True)
     if INTERPRET or HAS_GPU:
+        qd = q.to(DEVICE)
         with pytest.raises(ValueError, match="soft_exp"):
-            attention_any_d(q, q, q, soft_exp=3)
+            attention_any_d(qd, qd, qd, soft_exp=3)
         with pytest.raises(TypeError, match="unknown switches"):
-            attention_any_d(q, q, q, lazy=True)
+            attention_any_d(qd, qd, qd, lazy=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -173,23 +178,29 @@ GPU_SWITCHES = [
     {"soft_exp": 4},
     {"pingpong": True},
     {"persistent": True},
+    {"tma": True},
+    {"tma": True, "soft_exp": 1, "persistent": True},
     {"num_stages": 2},
 ]
 
 
+GPU_CASES = [(sw, 128, causal) for sw in GPU_SWITCHES for causal in (False, True)]
+GPU_CASES += [({}, 64, False), ({}, 64, True), ({"soft_exp": 2, "pingpong": True}, 64, True)]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "switches", GPU_SWITCHES, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()) or "default"
+    "switches, d, causal",
+    GPU_CASES,
+    ids=[",".join(f"{k}={v}" for k, v in sw.items()) + f"-d{d}-causal{c}" for sw, d, c in GPU_CASES],
 )
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("causal", [False, True])
 def test_gpu_public_api(switches, d, causal):
     for seed, (b, s, h, h_kv) in enumerate([(2, 1000, 4, 2), (1, 2048, 8, 8)]):
         q, k, v = _inputs(seed, b, s, s, h, h_kv, d, torch.bfloat16)
         out = attention(q, k, v, causal=causal, **switches)
         ref = attention_exact(q, k, v, causal=causal)
         assert_rel_close(out, ref, 1.5e-2, "output")
-        do = torch.randn_like(out)
+        do = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.device, out.dtype)
         grads = torch.autograd.grad(out, (q, k, v), do)
         ref_grads = torch.autograd.grad(ref, (q, k, v), do.double())
         for name, g_, r in zip("qkv", grads, ref_grads, strict=True):
