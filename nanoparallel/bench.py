@@ -214,7 +214,9 @@ def build_plan(device: str, sizes_: list[int], collectives: list[str]) -> list[d
     for collective in collectives:
         for size in sizes_:
             if device == "cuda":
-                impls = [("cuda", a) for a in ("auto",)] + [("peer", "nccl")]
+                from nanoparallel.cuda import ALGORITHMS as CUDA_ALGORITHMS
+
+                impls = [("cuda", a) for a in ("auto", *CUDA_ALGORITHMS.get(collective, ()))] + [("peer", "nccl")]
             else:
                 algs = ("auto", *ALGORITHMS[collective])
                 impls = [("shm-simple", a) for a in algs] + [("peer", "gloo")]

@@ -24,6 +24,7 @@ A subclass implements three non-blocking calls: ``_try_send(peer, channel, op, k
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -77,13 +78,18 @@ class Transport:
     name = "abstract"
     chunk_bytes = 1 << 20
     n_channels = 1
-    spin_s = 1e-3  # busy-poll this long before sleeping between polls (latency vs. a free core)
 
     def __init__(self, rank: int, world_size: int, timeout_s: float, liveness=None):
         self.rank, self.world_size, self.timeout_s, self.liveness = rank, world_size, timeout_s, liveness
         self.bytes_sent = 0  # payload bytes handed to peers; tests count them against the paper's formulas
         self.messages_sent = 0  # chunks
         self.aborted: str | None = None
+        # Busy-poll this long before sleeping between polls. With a core per rank, spinning gives
+        # the lowest latency; with more ranks than cores the peer we wait for needs our core, so
+        # give it up soon. NANOPARALLEL_SPIN_US overrides.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        default_us = 1000.0 if world_size <= cores else 30.0
+        self.spin_s = float(os.environ.get("NANOPARALLEL_SPIN_US", default_us)) * 1e-6
 
     def scratch(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A reusable buffer: fresh large allocations cost a page fault per 4 KiB on every call
