@@ -42,9 +42,9 @@ def render_notebook(nb_path: Path, timeout_s: int = 300) -> tuple[str, dict[str,
     os.environ.setdefault("TRITON_INTERPRET", "1")
     os.environ.setdefault("MPLBACKEND", "Agg")
     try:
-        ExecutePreprocessor(timeout=timeout_s, kernel_name="python3").preprocess(
-            nb, {"metadata": {"path": str(nb_path.parent)}}
-        )
+        ExecutePreprocessor(
+            timeout=timeout_s, kernel_name="python3", extra_arguments=["--IPKernelApp.log_level=ERROR"]
+        ).preprocess(nb, {"metadata": {"path": str(nb_path.parent)}})
     finally:
         os.environ.clear()
         os.environ.update(env_backup)
