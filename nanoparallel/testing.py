@@ -176,3 +176,17 @@ def fault_case(ctx: dict, scenario: str, timeout_s: float) -> dict:
     except Exception as exc:
         return {"error": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - t0}
     return {"error": None, "message": "", "seconds": time.monotonic() - t0}
+
+
+def calibrate_task(ctx: dict, path: str) -> dict:
+    """Calibrate the cost model over shared memory (small sizes) and cache it at ``path``."""
+    from pathlib import Path
+
+    from nanoparallel import cost_model
+
+    comm = comm_for(ctx, "calibrate", transport="shm")
+    prm = cost_model.calibrate(comm, sizes=(8, 1 << 12, 1 << 16, 1 << 20), reps=3)
+    if ctx["rank"] == 0:
+        cost_model.save("shm-simple", prm, Path(path))
+    comm.barrier()
+    return prm.__dict__

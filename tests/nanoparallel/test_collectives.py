@@ -23,7 +23,7 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 # 0, 1, primes, and sizes spanning many 256-byte chunks (so several channels and slot reuse)
 COUNTS = st.one_of(st.sampled_from([0, 1, 2, 3, 7, 13, 61, 257, 1021]), st.integers(0, 3000))
 SETTINGS = dict(deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-WORLD_EXAMPLES = {1: 6, 2: 25, 3: 25, 4: 20, 8: 6}
+WORLD_EXAMPLES = {1: 8, 2: 40, 3: 40, 4: 30, 8: 10}
 
 
 def run_and_check(world, key, collective, algorithm, dtype, count, op, root, seed) -> list[dict]:

@@ -213,3 +213,32 @@ def test_cuda_transport_without_gpu_is_a_clear_error():
         pytest.skip("has a GPU")
     with pytest.raises(RuntimeError, match="cuda"):
         npl.init(0, 1, store=dist.HashStore(), transport="cuda", device="cpu")
+
+
+def test_default_store_from_torchrun_environment(monkeypatch):
+    """Without a store, init reads MASTER_ADDR / MASTER_PORT like torchrun sets them."""
+    from nanoparallel.launch import free_port
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    comm = npl.init(0, 1)
+    assert torch.equal(comm.all_reduce(torch.ones(3)), torch.ones(3))
+    comm.close()
+    monkeypatch.delenv("MASTER_ADDR")
+    with pytest.raises(ValueError, match="MASTER_ADDR"):
+        npl.init(0, 1)
+
+
+@pytest.mark.timeout(120)
+def test_calibration_is_cached_and_used(worlds, tmp_path):
+    """calibrate() gives positive alpha/beta/gamma/delta, the same on every rank, and round-trips
+    through the JSON cache."""
+    from nanoparallel import testing as T
+
+    path = tmp_path / "calibration.json"
+    got = worlds(2).run(T.calibrate_task, str(path))
+    assert got[0] == got[1], "ranks adopted different parameters"
+    for k in ("alpha", "beta", "gamma", "delta"):
+        assert got[0][k] > 0
+    loaded = cost_model.load("shm-simple", path)
+    assert loaded is not None and loaded.alpha == got[0]["alpha"]
