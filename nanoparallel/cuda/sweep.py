@@ -1,6 +1,8 @@
 """GPU sweep (issue #6): nanoparallel.cuda against NCCL, every collective, 8 B to 1 GB.
 
-    python -m nanoparallel.cuda.sweep --world-size 2 --tag cuda-x2 [--out DIR] [--quick]
+    python -m nanoparallel.cuda.sweep --world-size 2 --min-bytes 16 --step 4 --tag cuda-x2 [--out DIR]
+
+(16 B x 4^k up to 1 GiB, plus 8 B: the sizes include 64 KiB and 64 MiB, where issue #6 sets targets.)
 
 One process per GPU. Every rank first runs :func:`nanoparallel.cuda.check.check_all` (every
 collective, algorithm, dtype and awkward size against a float64 reference), then times, for each
@@ -132,7 +134,7 @@ def _rank_main(rank: int, world: int, port: int, args, results) -> None:
     rows = []
     nccl_ms: dict = {}
     for coll in args.collectives:
-        for nbytes in sizes(args.min_bytes, args.max_bytes, args.step):
+        for nbytes in sorted(set(sizes(args.min_bytes, args.max_bytes, args.step)) | set(args.extra_bytes)):
             dtype = torch.float32
             count = max(nbytes // 4, 1)
             count = -(-count // world) * world  # divisible where the collective needs it
@@ -188,6 +190,7 @@ def main(argv=None) -> None:
     p.add_argument("--min-bytes", type=int, default=8)
     p.add_argument("--max-bytes", type=int, default=1 << 30)
     p.add_argument("--step", type=int, default=4, help="size multiplier between rows")
+    p.add_argument("--extra-bytes", type=int, nargs="*", default=[8], help="sizes measured besides the steps")
     p.add_argument("--collectives", nargs="+", default=list(COLLECTIVES), choices=COLLECTIVES)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-check", action="store_true", help="skip the correctness check (not for results)")
