@@ -190,3 +190,13 @@ def calibrate_task(ctx: dict, path: str) -> dict:
         cost_model.save("shm-simple", prm, Path(path))
     comm.barrier()
     return prm.__dict__
+
+
+def out_of_place(ctx: dict, key: str, count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """all_reduce(x, out=y): y gets the sum, x stays as it was."""
+    comm = comm_for(ctx, key)
+    x = make_input(seed, ctx["rank"], count, torch.float32)
+    keep = x.clone()
+    y = torch.empty_like(x)
+    ret = comm.all_reduce(x, out=y)
+    return y, x, bool(torch.equal(x, keep)) and ret is y

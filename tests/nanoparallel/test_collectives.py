@@ -23,7 +23,7 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 # 0, 1, primes, and sizes spanning many 256-byte chunks (so several channels and slot reuse)
 COUNTS = st.one_of(st.sampled_from([0, 1, 2, 3, 7, 13, 61, 257, 1021]), st.integers(0, 3000))
 SETTINGS = dict(deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-WORLD_EXAMPLES = {1: 8, 2: 40, 3: 40, 4: 30, 8: 10}
+WORLD_EXAMPLES = {1: 8, 2: 40, 3: 40, 4: 30, 6: 8, 8: 10}
 
 
 def run_and_check(world, key, collective, algorithm, dtype, count, op, root, seed) -> list[dict]:
@@ -49,7 +49,7 @@ def run_and_check(world, key, collective, algorithm, dtype, count, op, root, see
 @pytest.mark.claim("nanoparallel/collectives-correct", section="Collective algorithms")
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("key", ["shm-simple", "shm-ll", "torch"])
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 6, 8])  # 6: recursive halving folds two extra ranks
 def test_all_reduce_every_algorithm(worlds, n, key):
     """all_reduce equals the reference on every rank, for every algorithm, and all ranks agree bitwise."""
     world = worlds(n)

@@ -31,3 +31,13 @@ def test_send_recv_ring(worlds, key):
         outs = world.run(ring_pass, key, count, dtype, seed)
         for r in range(4):
             assert torch.equal(outs[r], T.make_input(seed, (r - 1) % 4, count, dtype))
+
+
+@pytest.mark.timeout(60)
+def test_all_reduce_out_of_place(worlds):
+    world = worlds(2)
+    res = world.run(T.out_of_place, "shm-simple", 1000, 7)
+    ref = T.make_input(7, 0, 1000, torch.float32) + T.make_input(7, 1, 1000, torch.float32)
+    for y, _x, untouched in res:
+        assert untouched, "all_reduce(out=...) modified its input"
+        assert torch.allclose(y, ref, rtol=1e-6, atol=1e-6)
