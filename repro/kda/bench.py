@@ -19,6 +19,7 @@ inputs; both run in bf16, so about 1e-2 is agreement.
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
 import torch
@@ -29,6 +30,7 @@ from paperclub.testing import rel_error
 
 H, K, V = 16, 128, 128
 TOKENS = 16384
+ALL_T = [2048, 4096, 8192, 16384, 32768, 65536]
 
 
 def make_inputs(B: int, T: int, device: str = "cuda", dtype=torch.bfloat16, seed: int = 0):
@@ -69,9 +71,28 @@ def impls():
     return out
 
 
-def run(quick: bool, out_dir: Path | None) -> None:
+def warm(Ts: list[int]) -> None:
+    """Compile and autotune every implementation at every shape once, timing nothing.
+
+    flash-linear-attention autotunes its kernels on first use and caches the results on disk,
+    as Triton caches compiled kernels: a warm-up process running beside the tests makes the
+    measuring run itself short."""
+    fns = impls()
+    for T in Ts:
+        B = max(1, TOKENS // T)
+        inputs = make_inputs(B, T)
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
+            torch.autograd.grad(fn(*leaves), leaves, torch.randn_like(inputs[2]), allow_unused=True)
+            torch.cuda.synchronize()
+            print(f"warm T={T} {name}: {time.perf_counter() - t0:.1f} s", flush=True)
+
+
+def run(quick: bool, out_dir: Path | None, budget_s: float) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("repro.kda.bench needs a CUDA GPU")
+    start = time.perf_counter()
     report = Report(
         package="kda",
         title="KDA forward and forward+backward, H=16, K=V=128, bf16",
@@ -79,14 +100,15 @@ def run(quick: bool, out_dir: Path | None) -> None:
         columns=["impl", "B", "T", "pass", "ms", "rel_err_vs_fla"],
         packages=["flash-linear-attention", "fla-core"],
         notes=(
-            "B*T = 16384 tokens except T = 65536 (B = 1, 65536 tokens). ours: Triton forward; backward is the "
-            "Triton state recurrence plus PyTorch autograd for the intra-chunk parts (not fused). "
-            "rel_err_vs_fla: our forward output against fla's chunk_kda on the same bf16 inputs."
+            "B*T = 16384 tokens except T = 65536 (B = 1, 65536 tokens). ours: Triton forward (3 launches) and "
+            "Triton backward (3 launches). rel_err_vs_fla: our forward output against fla's chunk_kda on the "
+            "same bf16 inputs."
         ),
-        measure_ceilings=not quick,
+        measure_ceilings=False,
     )
     fns = impls()
-    Ts = [4096] if quick else [2048, 4096, 8192, 16384, 32768, 65536]
+    Ts = [4096] if quick else ALL_T
+    skipped = []
     for T in Ts:
         B = max(1, TOKENS // T)
         inputs = make_inputs(B, T)
@@ -94,6 +116,9 @@ def run(quick: bool, out_dir: Path | None) -> None:
         if "fla_kda" in fns:
             err = rel_error(fns["ours"](*inputs).float(), fns["fla_kda"](*inputs).float())
         for name, fn in fns.items():
+            if time.perf_counter() - start > budget_s:
+                skipped.append(f"{name}@T={T}")
+                continue
             ms = time_ms(lambda fn=fn, inputs=inputs: fn(*inputs))
             report.add(impl=name, B=B, T=T, ms=round(ms, 4), rel_err_vs_fla=err if name == "ours" else None,
                        **{"pass": "fwd"})  # fmt: skip
@@ -109,15 +134,15 @@ def run(quick: bool, out_dir: Path | None) -> None:
             print(f"T={T:6d} B={B:2d} {name:11s} fwd {ms:8.3f} ms  fwd+bwd {ms_fb:8.3f} ms", flush=True)
         del inputs
         torch.cuda.empty_cache()
-        if T != Ts[-1]:  # keep what was measured if the run is cut short
-            report.measure_ceilings = False
-            report.write(out_dir=out_dir, tag="quick" if quick else "")
+        if skipped:
+            report.notes += f" Not measured (time budget of the run): {', '.join(skipped)}."
+        report.write(out_dir=out_dir, tag="quick" if quick else "")  # keep what was measured so far
     report.plot(
         title="forward time", x="T", y="ms", series="impl", where={"pass": "fwd"}, logx=True, logy=True
     )
     report.plot(title="forward + backward time", x="T", y="ms", series="impl", where={"pass": "fwd+bwd"},
                 logx=True, logy=True)  # fmt: skip
-    report.measure_ceilings = not quick
+    report.measure_ceilings = not quick and time.perf_counter() - start < budget_s
     report.write(out_dir=out_dir, tag="quick" if quick else "")
 
 
@@ -177,11 +202,15 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="one shape, a smoke test")
     ap.add_argument("--out", type=Path, default=None, help="folder for the JSON (default repro/kda/results)")
     ap.add_argument("--breakdown", action="store_true", help="time each launch at B=4, T=4096 and exit")
+    ap.add_argument("--warm", action="store_true", help="compile and autotune every shape, time nothing")
+    ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new measurements after this")
     args = ap.parse_args()
     if args.breakdown:
         breakdown()
-        return
-    run(args.quick, args.out)
+    elif args.warm:
+        warm([4096] if args.quick else ALL_T)
+    else:
+        run(args.quick, args.out, args.budget_s)
 
 
 if __name__ == "__main__":

@@ -101,6 +101,26 @@ def _state_fwd(W, U_prime, KD, gamma, h0, output_final_state, prec):
     return h_all, U_new, hT
 
 
+def _state_bwd(W, KD, gamma, h_all, U_new, dU_ext, dh_ext, dhT, prec):
+    B, T, HV, K = W.shape
+    V = U_new.shape[-1]
+    NT = gamma.shape[2]
+    f32 = dict(device=W.device, dtype=torch.float32)
+    # zeros: V blocks add their parts of dW, dKD, dgamma atomically
+    dW = torch.zeros(B, T, HV, K, **f32)
+    dKD = torch.zeros(B, T, HV, K, **f32)
+    dgamma = torch.zeros(B, HV, NT, K, **f32)
+    dU_prime = torch.empty(B, T, HV, V, **f32)
+    dh0 = torch.empty(B, HV, K, V, **f32)
+    dhT_c = dhT.float().contiguous() if dhT is not None else None
+    BV = min(V, 32)
+    kda_state_bwd_kernel[(triton.cdiv(V, BV), B * HV)](
+        W, KD, gamma, h_all, U_new, dU_ext, dh_ext, dhT_c, dW, dU_prime, dKD, dgamma, dh0, T, NT,
+        HV=HV, K=K, V=V, BT=BT, BV=BV, USE_DHT=dhT is not None, DOT_PREC=prec, num_warps=4,
+    )  # fmt: skip
+    return dW, dKD, dU_prime, dgamma, dh0
+
+
 class _StateRecurrence(torch.autograd.Function):
     """The inter-chunk recurrence as one differentiable op with Triton forward and backward.
 
@@ -127,16 +147,7 @@ class _StateRecurrence(torch.autograd.Function):
         f32 = dict(device=W.device, dtype=torch.float32)
         dh_all = torch.zeros(B, HV, NT, K, V, **f32) if dh_all is None else dh_all.float().contiguous()
         dU_new = torch.zeros(B, T, HV, V, **f32) if dU_new is None else dU_new.float().contiguous()
-        dW = torch.empty(B, T, HV, K, **f32)
-        dKD = torch.empty(B, T, HV, K, **f32)
-        dU_prime = torch.empty(B, T, HV, V, **f32)
-        dgamma = torch.empty(B, HV, NT, K, **f32)
-        dh0 = torch.empty(B, HV, K, V, **f32)
-        dhT_c = dhT.float().contiguous() if dhT is not None else None
-        kda_state_bwd_kernel[(B * HV,)](
-            W, KD, gamma, h_all, U_new, dU_new, dh_all, dhT_c, dW, dU_prime, dKD, dgamma, dh0, T, NT,
-            HV=HV, K=K, V=V, BT=BT, USE_DHT=dhT is not None, DOT_PREC=ctx.prec, num_warps=8,
-        )  # fmt: skip
+        dW, dKD, dU_prime, dgamma, dh0 = _state_bwd(W, KD, gamma, h_all, U_new, dU_new, dh_all, dhT, ctx.prec)
         return dW, dU_prime, dKD, dgamma, (dh0 if ctx.has_h0 else None)
 
 
@@ -225,17 +236,9 @@ def kda_bwd_triton(q, k, v, g, beta, scale, h0, saved, do, dhT):
         q, saved["G"], saved["Aqk"], do, dU_ext, dh_ext, scale, T, NT,
         H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, DOT_PREC=prec, num_warps=4,
     )  # fmt: skip
-    dW = torch.empty(B, T, HV, K, **f32)
-    dKD = torch.empty(B, T, HV, K, **f32)
-    dU_prime = torch.empty(B, T, HV, V, **f32)
-    dgamma = torch.empty(B, HV, NT, K, **f32)
-    dh0 = torch.empty(B, HV, K, V, **f32)
-    dhT_c = dhT.float().contiguous() if dhT is not None else None
-    kda_state_bwd_kernel[(B * HV,)](
-        saved["W"], saved["KD"], saved["gamma"], saved["h_all"], saved["U_new"], dU_ext, dh_ext, dhT_c,
-        dW, dU_prime, dKD, dgamma, dh0, T, NT,
-        HV=HV, K=K, V=V, BT=BT, USE_DHT=dhT is not None, DOT_PREC=prec, num_warps=8,
-    )  # fmt: skip
+    dW, dKD, dU_prime, dgamma, dh0 = _state_bwd(
+        saved["W"], saved["KD"], saved["gamma"], saved["h_all"], saved["U_new"], dU_ext, dh_ext, dhT, prec
+    )
     dq = torch.empty(B, T, HV, K, **f32)
     dk = torch.empty(B, T, HV, K, **f32)
     dg = torch.empty(B, T, HV, K, **f32)

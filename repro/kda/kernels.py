@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "NT"])
 def kda_intra_fwd_kernel(
     q,
     k,
@@ -140,7 +140,7 @@ def kda_intra_fwd_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "NT"])
 def kda_state_fwd_kernel(
     W,
     U_prime,
@@ -200,7 +200,7 @@ def kda_state_fwd_kernel(
         tl.store(hT + i_bh * K * V + kv_off, h)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "NT"])
 def kda_out_fwd_kernel(
     q,
     G,
@@ -251,7 +251,7 @@ def kda_out_fwd_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "NT"])
 def kda_state_bwd_kernel(
     W,
     KD,
@@ -272,10 +272,11 @@ def kda_state_bwd_kernel(
     K: tl.constexpr,
     V: tl.constexpr,
     BT: tl.constexpr,
+    BV: tl.constexpr,
     USE_DHT: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """Reverse of :func:`kda_state_fwd_kernel`, one program per b*HV (full V: dKD sums over it).
+    """Reverse of :func:`kda_state_fwd_kernel`, one program per (V block, b*HV).
 
     With dS the gradient reaching S_{n+1}, for n = NT-1 .. 0:
         dU_n   = dU_ext_n + KD_n dS          (U_n feeds S_{n+1} through KD_n^T U_n)
@@ -283,16 +284,19 @@ def kda_state_bwd_kernel(
         dgamma_n = rowsum(dS * S_n)
         dW_n   = -dU_n S_n^T                 (U_n = U'_n - W_n S_n)
         dS    <- Diag(gamma_n) dS - W_n^T dU_n + dh_ext_n
+    Columns of the state (value channels) evolve independently, so V is split across programs;
+    dKD, dW and dgamma sum over V and are accumulated with atomic adds (zero-initialised).
     """
-    i_bh = tl.program_id(0)
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1)
     b = i_bh // HV
     hv = i_bh % HV
     offk = tl.arange(0, K)
-    offv = tl.arange(0, V)
+    offv = i_v * BV + tl.arange(0, BV)
     loc = tl.arange(0, BT)
     kv_off = offk[:, None] * V + offv[None, :]
 
-    dS = tl.zeros([K, V], dtype=tl.float32)
+    dS = tl.zeros([K, BV], dtype=tl.float32)
     if USE_DHT:
         dS += tl.load(dhT + i_bh * K * V + kv_off).to(tl.float32)
     n = NT - 1
@@ -313,9 +317,9 @@ def kda_state_bwd_kernel(
         b_dgamma = tl.sum(dS * b_h, axis=1)
         b_dw = -tl.dot(b_du, tl.trans(b_h), input_precision=DOT_PREC)
         tl.store(dU_prime + v_off, b_du, mask=mrow[:, None])
-        tl.store(dKD + k_off, b_dkd, mask=mrow[:, None])
-        tl.store(dW + k_off, b_dw, mask=mrow[:, None])
-        tl.store(dgamma + (i_bh * NT + n) * K + offk, b_dgamma)
+        tl.atomic_add(dKD + k_off, b_dkd, mask=mrow[:, None], sem="relaxed")
+        tl.atomic_add(dW + k_off, b_dw, mask=mrow[:, None], sem="relaxed")
+        tl.atomic_add(dgamma + (i_bh * NT + n) * K + offk, b_dgamma, sem="relaxed")
         b_dh = tl.load(dh_ext + (i_bh * NT + n) * K * V + kv_off).to(tl.float32)
         dS = dS * b_gamma[:, None] - tl.dot(tl.trans(b_w), b_du, input_precision=DOT_PREC) + b_dh
         n -= 1
@@ -360,7 +364,7 @@ def kda_decode_kernel(
     tl.store(o + (b * HV + hv) * V + offv, b_o.to(o.dtype.element_ty))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "NT"])
 def kda_out_bwd_kernel(
     q,
     G,
@@ -406,7 +410,7 @@ def kda_out_bwd_kernel(
     tl.store(dh_ext + (i_bh * NT + i_t) * K * V + offk[:, None] * V + offv[None, :], b_dh)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "NT"])
 def kda_intra_bwd_kernel(
     q,
     k,

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from paperclub.testing import assert_rel_close
 from repro.kda import chunk_kda, decode_step, recurrent_kda
-from repro.kda.tests.strategies import make_case
+from repro.kda.tests.strategies import HEAD_DIMS, make_case
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -25,8 +25,8 @@ def _case(draw_args):
 case_args = st.tuples(
     st.integers(0, 2**31 - 1),
     st.integers(2, 80),
-    st.sampled_from([16, 32]),
-    st.sampled_from([16, 32]),
+    st.sampled_from(HEAD_DIMS),
+    st.sampled_from(HEAD_DIMS),
     st.sampled_from([1, 2]),
     st.booleans(),
 )
