@@ -1,13 +1,17 @@
 """Chunkwise KDA on Triton: launchers, the autograd Function, the decode step.
 
-Forward: three Triton launches (kernels.py), no PyTorch math on the hot path.
+Forward: three Triton launches (kernels.py), no PyTorch math on the hot path. It saves the
+intermediates the backward needs (cumulative decay G, the UT transform T, W, KD, the states
+entering each chunk, the pseudo-values U): no recomputation.
 
-Backward (honest status): the sequential part, the reverse state recurrence across chunks, is a
-Triton kernel (``kda_state_bwd_kernel``, wrapped in :class:`_StateRecurrence`); the parallel
-intra-chunk parts (cumulative decay, ``A_kk``/``A_qk``, UT transform, WY factors, readout) are
-recomputed in PyTorch from the saved inputs and differentiated by autograd. It is exact (the
-tests compare gradients with the token recurrence) but not fused, hence slower than a fully
-Triton backward; see the benchmark.
+Backward (``BACKWARD = "triton"``, the default): three Triton launches: the readout's gradient
+(``kda_out_bwd_kernel``), the reverse state recurrence (``kda_state_bwd_kernel``, the only
+sequential part) and all intra-chunk gradients (``kda_intra_bwd_kernel``: WY factors, the UT
+transform through dA = -T^T dT T^T, the decayed key products, the cumulative sum of g).
+
+``BACKWARD = "torch"`` selects the first, slower backward: PyTorch autograd over a recomputation
+of the intra-chunk parts around the Triton state-recurrence backward. The tests check both
+against the recurrence, so each is a check on the other.
 """
 
 from __future__ import annotations

@@ -11,9 +11,10 @@ Forward, three launches (the same split as the derivation in chunk_torch.py):
   chunk's incoming state and the pseudo-values U.
 * :func:`kda_out_fwd_kernel`, all chunks in parallel: ``O = scale (Q*exp(G)) S + A_qk U``.
 
-Backward: :func:`kda_state_bwd_kernel` runs the state recurrence in reverse (the sequential
-part of the backward pass); the parallel intra-chunk parts are differentiated by PyTorch (see
-chunk.py).
+Backward, three launches: :func:`kda_out_bwd_kernel` (gradient of the readout towards U and
+the states), :func:`kda_state_bwd_kernel` (the state recurrence in reverse, the sequential part)
+and :func:`kda_intra_bwd_kernel` (all intra-chunk gradients, parallel over chunks).
+:func:`kda_decode_kernel` is the one-token step for inference.
 
 Block sizes: ``BT`` (chunk) is 64, the largest whose ``[BT, BT]`` fp32 matrices and
 ``[BT, K]`` tiles fit in registers next to a ``[K, BV]`` state tile for K = 128; the
