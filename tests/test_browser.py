@@ -28,8 +28,11 @@ USP = "2025-08-unified-sequence-parallelism"
 
 @pytest.fixture(scope="module")
 def server(built_site):
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(built_site))
-    handler.log_message = lambda *a: None
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):  # keep pytest's output readable
+            pass
+
+    handler = functools.partial(Quiet, directory=str(built_site))
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
@@ -58,7 +61,7 @@ def browser():
 
 @pytest.fixture
 def page(browser, server):
-    context = browser.new_context()
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
     pg = context.new_page()
     pg.set_default_timeout(20_000)
     pg.outside_requests = []
@@ -81,8 +84,8 @@ def page(browser, server):
 
 def test_search_for_ulysses_lands_on_the_usp_session(page, server):
     page.goto(server + "/")
-    page.click("label[for='__search']")
-    page.fill("input.md-search__input", "Ulysses")
+    page.click("input.md-search__input")
+    page.keyboard.type("Ulysses")
     page.wait_for_selector(".md-search-result__item a")
     links = page.eval_on_selector_all(".md-search-result__item > a", "els => els.map(e => e.href)")
     session_links = [h for h in links if "/sessions/" in h]
@@ -102,7 +105,7 @@ def test_slide_deck_steps_with_the_keyboard(page, server):
     assert page.evaluate("Reveal.getTotalSlides()") == len(slides)
     for expected in range(1, 4):
         page.keyboard.press("ArrowRight")
-        page.wait_for_function(f"Reveal.getIndexes().h === {expected}")
+        page.wait_for_function(f"Reveal.getIndices().h === {expected}")
         heading = page.evaluate("Reveal.getCurrentSlide().querySelector('h1, h2, h3').textContent")
         source_heading = re.search(r"^#{1,3} (.+)$", slides[expected], re.M).group(1)
         assert (
@@ -110,7 +113,7 @@ def test_slide_deck_steps_with_the_keyboard(page, server):
             or heading.strip()[:10] in source_heading
         )
     page.keyboard.press("ArrowLeft")
-    page.wait_for_function("Reveal.getIndexes().h === 2")
+    page.wait_for_function("Reveal.getIndices().h === 2")
     assert not page.js_errors, page.js_errors
 
 
@@ -123,7 +126,10 @@ def test_math_and_diagrams_render_offline(page, server):
     if diagram is None:
         pytest.skip("no paper page has a mermaid diagram")
     page.goto(f"{server}/papers/{diagram}/")
-    page.wait_for_selector(".mermaid svg")
+    # Material swaps each <pre class="mermaid"> for a <div class="mermaid"> holding the SVG in a closed shadow root
+    page.wait_for_function(
+        "Array.from(document.querySelectorAll('div.mermaid')).some(e => e.getBoundingClientRect().height > 20)"
+    )
     assert not page.js_errors, page.js_errors
 
 

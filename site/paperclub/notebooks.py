@@ -40,7 +40,6 @@ def render_notebook(nb_path: Path, timeout_s: int = 300) -> tuple[str, dict[str,
     nb = nbformat.read(nb_path, as_version=4)
     env_backup = dict(os.environ)
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    os.environ.setdefault("MPLBACKEND", "Agg")
     try:
         ExecutePreprocessor(
             timeout=timeout_s, kernel_name="python3", extra_arguments=["--IPKernelApp.log_level=ERROR"]
