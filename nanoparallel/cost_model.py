@@ -141,19 +141,25 @@ def fit_alpha_beta(sizes: list[int], seconds: list[float]) -> tuple[float, float
     sxy = sum(wi * wi * x * y for wi, x, y in zip(w, sizes, seconds, strict=True))
     beta = (sw * sxy - sx * sy) / (sw * sxx - sx * sx)
     alpha = (sy - beta * sx) / sw
-    return max(alpha, 1e-7), max(beta, 1e-13)
+    if beta <= 0:  # noise beat the signal: fall back to the slope between the two largest sizes
+        (x0, y0), (x1, y1) = sorted(zip(sizes, seconds, strict=True))[-2:]
+        beta = max((y1 - y0) / max(x1 - x0, 1), 1e-13)
+    return max(alpha, 1e-7), beta
 
 
 def calibrate(
-    comm, sizes: tuple[int, ...] = (8, 1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22), reps: int = 10
+    comm, sizes: tuple[int, ...] = (8, 1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22, 1 << 25), reps: int = 9
 ) -> Params:
-    """Measure alpha, beta (ping-pong rank 0 <-> 1 through ``comm``'s transport) and gamma.
+    """Measure alpha, beta (ping-pong rank 0 <-> 1 through ``comm``'s transport), gamma (local
+    ``add_``) and delta (an empty all-reduce). Each time is the minimum over ``reps``: other jobs
+    on the machine only ever add time.
 
     Collective: every rank of ``comm`` must call it. Ranks other than 0 and 1 only wait.
     """
     from nanoparallel.transport.base import Recv, Send
 
     tp = comm.transport
+    ch = tuple(range(tp.n_channels))
     times: list[float] = []
     for size in sizes:
         buf = torch.zeros(size, dtype=torch.uint8)
@@ -164,25 +170,41 @@ def calibrate(
             for i in range(reps + 2):
                 t0 = time.perf_counter()
                 if comm.rank == 0:
-                    tp.run([Send(peer, buf, tuple(range(tp.n_channels)))], "calibrate")
-                    tp.run([Recv(peer, buf, None, tuple(range(tp.n_channels)))], "calibrate")
+                    tp.run([Send(peer, buf, ch)], "calibrate")
+                    tp.run([Recv(peer, buf, None, ch)], "calibrate")
                 else:
-                    tp.run([Recv(peer, buf, None, tuple(range(tp.n_channels)))], "calibrate")
-                    tp.run([Send(peer, buf, tuple(range(tp.n_channels)))], "calibrate")
+                    tp.run([Recv(peer, buf, None, ch)], "calibrate")
+                    tp.run([Send(peer, buf, ch)], "calibrate")
                 if i >= 2:
                     samples.append((time.perf_counter() - t0) / 2)
-        times.append(min(samples) if samples else 0.0)  # min: other jobs on the machine only add time
+        times.append(min(samples) if samples else 0.0)
     x = torch.ones(1 << 22, dtype=torch.float32)
     y = torch.ones_like(x)
-    t0 = time.perf_counter()
+    adds = []
     for _ in range(5):
+        t0 = time.perf_counter()
         x.add_(y)
-    gamma = (time.perf_counter() - t0) / 5 / x.numel() / 4
-    stats = torch.tensor([*times, gamma], dtype=torch.float64)
+        adds.append(time.perf_counter() - t0)
+    gamma = min(adds) / (x.numel() * 4)
+    empty = torch.empty(0)
+    calls = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        comm.all_reduce(empty, algorithm="ring")
+        calls.append(time.perf_counter() - t0)
+    stats = torch.tensor([*times, gamma, min(calls)], dtype=torch.float64)
     comm.broadcast(stats, root=0)  # everyone adopts rank 0's numbers, so "auto" picks alike
-    alpha, beta = fit_alpha_beta(list(sizes), stats[:-1].tolist()) if comm.world_size > 1 else (1e-7, 1e-13)
+    if comm.world_size > 1:
+        alpha, beta = fit_alpha_beta(list(sizes), stats[:-2].tolist())
+    else:
+        alpha, beta = 1e-7, 1e-13
     return Params(
-        alpha=alpha, beta=beta, gamma=float(stats[-1]), source=f"calibrated {time.strftime('%Y-%m-%d %H:%M')}"
+        alpha=alpha,
+        beta=beta,
+        gamma=float(stats[-2]),
+        delta=float(stats[-1]),
+        recv_weight=1.0 if tp.name.startswith("shm") else 0.0,
+        source=f"calibrated {time.strftime('%Y-%m-%d %H:%M')} on {comm.world_size} ranks",
     )
 
 
