@@ -85,6 +85,15 @@ def sdpa(q, k, v, causal, backend):
     return run
 
 
+def fn_same_inputs(name: str, qt, kt, vt, causal: bool):
+    """Our variant ``name`` on the SDPA-layout inputs (made [B, S, H, D]), to compare outputs."""
+    from repro.fa4 import attention
+
+    sw = {"fa4-triton": {}, "fa4-triton-tma": {"tma": True}}.get(name, ABLATIONS.get(name, {}))
+    q, k, v = (t.detach().transpose(1, 2).contiguous() for t in (qt, kt, vt))
+    return attention(q, k, v, causal=causal, **sw)
+
+
 def _row_error(report: Report, **row) -> None:
     report.add(**row, ms=float("nan"), tflops=float("nan"))
 
@@ -121,13 +130,21 @@ def full(out_dir: Path | None, seqlens, ablate_passes=("fwd",)) -> None:
                         ("ablation", name, ours(q, k, v, causal, sw), (q, k, v))
                         for name, sw in ABLATIONS.items()
                     ]
+                if passes == "fwd":  # cuDNN's output: the yardstick for a correctness check of each variant
+                    with torch.no_grad():
+                        ref = sdpa(qt, kt, vt, causal, "cudnn")().transpose(1, 2).float()
                 for group, name, fn, inputs in impls:
                     row = dict(group=group, impl=name, causal=causal, S=s, B=b, **{"pass": passes})
                     try:
+                        note = ""
+                        if passes == "fwd" and not name.startswith("sdpa"):
+                            with torch.no_grad():
+                                out = fn_same_inputs(name, qt, kt, vt, causal)
+                            err = ((out.float() - ref).norm() / ref.norm()).item()
+                            note = f"rel.err vs cuDNN {err:.1e}" + ("" if err < 2e-2 else " WRONG")
                         ms = timed(fn, passes, inputs)
-                        report.add(
-                            **row, ms=ms, tflops=flops(b, s, causal, passes) / (ms * 1e-3) / 1e12, note=""
-                        )
+                        tflops = flops(b, s, causal, passes) / (ms * 1e-3) / 1e12
+                        report.add(**row, ms=ms, tflops=tflops, note=note)
                     except Exception as exc:  # record and go on: one failing variant must not stop the sweep
                         msg = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
                         print(f"[{name} S={s} causal={causal} {passes}] failed: {msg}", file=sys.stderr)

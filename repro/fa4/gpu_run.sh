@@ -11,5 +11,5 @@ if [ "$stage" = sweep ]; then
   timeout 270 python3 -m repro.fa4.bench --sweep --out "$OUT" 2>&1 | tee "$OUT/sweep.log" | tail -45
 else
   timeout 330 python3 -m repro.fa4.bench --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -150
-  timeout 120 python3 -m pytest repro/fa4/tests/test_kernel.py -q -p no:cacheprovider --maxfail=8 2>&1 | tee "$OUT/pytest-gpu.log" | tail -15
+  timeout 100 python3 -m pytest repro/fa4/tests/test_kernel.py -m gpu -q -p no:cacheprovider --maxfail=8 2>&1 | tee "$OUT/pytest-gpu.log" | tail -15
 fi
