@@ -297,12 +297,12 @@ def all_to_all_kernel(
     for d in tl.static_range(W):
         count = tl.load(meta + d)
         if (in_off % 16 == 0) & (count % 16 == 0):
-            # splits in multiples of 16 elements (the common case): say so, so that the compiler
-            # moves 16 bytes per access instead of one element
-            a_off = tl.multiple_of(in_off, 16)
-            a_count = tl.multiple_of(count, 16)
+            # splits in multiples of 16 elements (the common case): rebuild the values as x//16*16,
+            # equal here, which the compiler can see are aligned, so it moves 16 bytes per access
+            a_off = _a16(in_off)
+            a_count = _a16(count)
             lo, hi = _share(a_count, a_count, nprog)
-            _copy(buf + a_off, inp + a_off, tl.multiple_of(lo, 16), tl.multiple_of(hi, 16), BLOCK)
+            _copy(buf + a_off, inp + a_off, _a16(lo), _a16(hi), BLOCK)
         else:
             lo, hi = _share(count, count, nprog)
             _copy(buf + in_off, inp + in_off, lo, hi, BLOCK)
@@ -320,13 +320,7 @@ def all_to_all_kernel(
             tl.atomic_or(err, 2)
         lo, hi = _share(count, tl.minimum(count, expect), nprog)
         if (src_off % 16 == 0) & (out_off % 16 == 0) & (count % 16 == 0) & (expect % 16 == 0):
-            _copy(
-                out + tl.multiple_of(out_off, 16),
-                buf + D[p] + tl.multiple_of(src_off, 16),
-                tl.multiple_of(lo, 16),
-                tl.multiple_of(hi, 16),
-                BLOCK,
-            )
+            _copy(out + _a16(out_off), buf + D[p] + _a16(src_off), _a16(lo), _a16(hi), BLOCK)
         else:
             _copy(out + out_off, buf + D[p] + src_off, lo, hi, BLOCK)
         out_off += expect
@@ -351,8 +345,8 @@ def all_to_all_push_kernel(
         lo, hi = _share(count, count, nprog)
         dst = buf + D[d] + RANK * slot
         if (in_off % 16 == 0) & (count % 16 == 0):
-            a_off = tl.multiple_of(in_off, 16)
-            _copy(dst - a_off, inp, tl.multiple_of(a_off + lo, 16), tl.multiple_of(a_off + hi, 16), BLOCK)
+            a_off = _a16(in_off)
+            _copy(dst - a_off, inp, a_off + _a16(lo), a_off + _a16(hi), BLOCK)
         else:
             _copy(dst - in_off, inp, in_off + lo, in_off + hi, BLOCK)
         in_off += count
@@ -366,11 +360,21 @@ def all_to_all_push_kernel(
         lo, hi = _share(count, tl.minimum(count, expect), nprog)
         src = buf + p * slot
         if (out_off % 16 == 0) & (count % 16 == 0) & (expect % 16 == 0):
-            a_out = tl.multiple_of(out_off, 16)
-            _copy(out + a_out, src, tl.multiple_of(lo, 16), tl.multiple_of(hi, 16), BLOCK)
+            _copy(out + _a16(out_off), src, _a16(lo), _a16(hi), BLOCK)
         else:
             _copy(out + out_off, src, lo, hi, BLOCK)
         out_off += expect
+
+
+@triton.jit
+def _a16(x):
+    """x rounded down to a multiple of 16, for values known at run time to be multiples already.
+
+    Not ``tl.multiple_of``: that annotates the op that computed x, so the promise would leak into
+    the unaligned branch too (misaligned 16-byte accesses, seen on H200). ``x // 16 * 16`` is a new
+    value that the alignment analysis can prove divisible by 16 on its own.
+    """
+    return (x // 16) * 16
 
 
 @triton.jit

@@ -94,6 +94,16 @@ def _impls(coll: str, x: torch.Tensor, be, world: int) -> dict:
 
 
 def _rank_main(rank: int, world: int, port: int, args, results) -> None:
+    try:
+        _rank_body(rank, world, port, args, results)
+    except BaseException as exc:  # tell the parent at once, which then stops every rank
+        import traceback
+
+        results.put((rank, -1, [f"rank {rank} crashed: {exc!r}\n{traceback.format_exc()}"], 0.0, []))
+        raise
+
+
+def _rank_body(rank: int, world: int, port: int, args, results) -> None:
     import torch.distributed as dist
 
     from nanoparallel.cuda import CudaPeerBackend
@@ -210,9 +220,19 @@ def main(argv=None) -> None:
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, args, results)) for r in range(world)]
     for pr in procs:
         pr.start()
-    out = sorted((results.get(timeout=3000) for _ in range(world)), key=lambda r: r[0])
-    for pr in procs:
-        pr.join(timeout=60)
+    out = []
+    try:
+        while len(out) < world:
+            got = results.get(timeout=1800)
+            if got[1] == -1:  # a rank crashed: the others would wait for it forever
+                raise SystemExit(got[2][0])
+            out.append(got)
+    finally:
+        for pr in procs:
+            pr.join(timeout=30 if len(out) == world else 1)
+            if pr.is_alive():
+                pr.kill()
+    out.sort(key=lambda r: r[0])
     cases = sum(o[1] for o in out)
     failures = [f for o in out for f in o[2]]
     rows = out[0][4]
