@@ -182,10 +182,52 @@ def _rank_body(rank: int, world: int, port: int, args, results) -> None:
                     ),
                     flush=True,
                 )
+        if rank == 0 and rows:
+            _report(rows, world, cases, failures, partial=True).write(tag=args.tag, out_dir=args.out)
     be.barrier()
     be.close()
     dist.destroy_process_group()
     results.put((rank, cases, failures, check_s, rows))
+
+
+def _report(rows: list[dict], world: int, cases: int, failures: list[str], partial: bool):
+    """The Report of the rows so far (``partial``: written after each collective, no ceilings)."""
+    from nanoparallel.cuda import ALGORITHMS
+    from paperclub.bench import Report
+
+    nccl = ".".join(map(str, torch.cuda.nccl.version()))
+    report = Report(
+        package="nanoparallel",
+        title=f"GPU collectives on {world} GPUs: nanoparallel.cuda (peer memory, Triton) vs NCCL",
+        peer=f"NCCL {nccl} (torch.distributed, NVLS off)",
+        columns=list(rows[0]),
+        packages=["torch", "triton"],
+        measure_ceilings=not partial,
+        notes=(
+            ("PARTIAL (written after each collective; the run did not finish). " if partial else "")
+            + f"Correctness in the same job: {cases - len(failures)} of {cases} checks passed on rank 0"
+            + ("" if partial else " and the other ranks")
+            + f" ({'no failures' if not failures else '; '.join(failures[:5])}); algorithms {dict(ALGORITHMS)}. "
+            "Time per call: CUDA events around back-to-back calls issued from Python, slowest rank. "
+            "busbw = algbw x 2(n-1)/n (all_reduce), (n-1)/n (all_gather, reduce_scatter, all_to_all), "
+            "1 (broadcast), as in nccl-tests. NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1."
+        ),
+    )
+    for r in rows:
+        report.add(**r)
+    report.plot(
+        title="bus bandwidth", x="bytes", y="busbw_GBps", series="algorithm", facet="collective", logx=True
+    )
+    report.plot(
+        title="time per call",
+        x="bytes",
+        y="time_us",
+        series="algorithm",
+        facet="collective",
+        logx=True,
+        logy=True,
+    )
+    return report
 
 
 def _free_port() -> int:
@@ -237,38 +279,7 @@ def main(argv=None) -> None:
     failures = [f for o in out for f in o[2]]
     rows = out[0][4]
 
-    from nanoparallel.cuda import ALGORITHMS
-    from paperclub.bench import Report
-
-    nccl = ".".join(map(str, torch.cuda.nccl.version()))
-    report = Report(
-        package="nanoparallel",
-        title=f"GPU collectives on {world} GPUs: nanoparallel.cuda (peer memory, Triton) vs NCCL",
-        peer=f"NCCL {nccl} (torch.distributed, NVLS off)",
-        columns=list(rows[0]),
-        packages=["torch", "triton"],
-        notes=(
-            f"Correctness in the same job: {cases - len(failures)} of {cases} checks passed "
-            f"({'no failures' if not failures else '; '.join(failures[:5])}); algorithms {dict(ALGORITHMS)}. "
-            "Time per call: CUDA events around back-to-back calls issued from Python, slowest rank. "
-            "busbw = algbw x 2(n-1)/n (all_reduce), (n-1)/n (all_gather, reduce_scatter, all_to_all), "
-            "1 (broadcast), as in nccl-tests. NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1."
-        ),
-    )
-    for r in rows:
-        report.add(**r)
-    report.plot(
-        title="bus bandwidth", x="bytes", y="busbw_GBps", series="algorithm", facet="collective", logx=True
-    )
-    report.plot(
-        title="time per call",
-        x="bytes",
-        y="time_us",
-        series="algorithm",
-        facet="collective",
-        logx=True,
-        logy=True,
-    )
+    report = _report(rows, world, cases, failures, partial=False)
     report.write(tag=args.tag, out_dir=args.out)
     if failures:
         print(f"\n{len(failures)} correctness failures:\n" + "\n".join(failures[:40]))
