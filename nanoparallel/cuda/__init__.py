@@ -456,10 +456,19 @@ class CudaPeerBackend:
         if W == 1:
             output.view(-1).copy_(input.view(-1))
             return output
-        inp, out = input.view(W, m), output.view(-1)
         piece = max(self.staging_cap // elem // W // 1024 * 1024, 1024)
         kernel = K.two_shot_all_reduce_kernel if algorithm == "direct" else K.ring_all_reduce_kernel
         barriers = 1 if algorithm == "direct" else ring_barriers(W, False)
+        if m <= piece:  # the common case: hand the tensors over as they are (host time matters)
+            buf, epoch = self._next(W * m * elem, barriers)
+            chunk, grid = self._chunk(m, elem)
+            self._launch(kernel, grid, (
+                input, output, buf.view(input.dtype), buf.deltas(input.dtype), *self._sync, W * m, m, chunk, epoch,
+                self.max_spins, code, self.rank, W, STEP_BYTES // elem, False,
+            ))  # fmt: skip
+            self._after(what)
+            return output
+        inp, out = input.view(W, m), output.view(-1)
         for start in range(0, m, piece):
             k = min(piece, m - start)
             # the kernel wants the W slices of this piece side by side: [W, k] contiguous
@@ -493,8 +502,17 @@ class CudaPeerBackend:
         m = input.numel()
         if m == 0:
             return output
-        inp, out = input.view(-1), output.view(W, m)
         piece = max(self.staging_cap // elem // 1024 * 1024, 1024)
+        if m <= piece and algorithm == "direct":  # the common case, without reshaping
+            buf, epoch = self._next(m * elem, 1)
+            chunk, grid = self._chunk(m, elem)
+            self._launch(K.all_gather_kernel, grid, (
+                input, output, buf.view(input.dtype), buf.deltas(input.dtype), *self._sync, m, chunk, epoch,
+                self.max_spins, self.rank, W, STEP_BYTES // elem,
+            ))  # fmt: skip
+            self._after(what)
+            return output
+        inp, out = input.view(-1), output.view(W, m)
         for start in range(0, m, piece):
             k = min(piece, m - start)
             src = inp[start : start + k]
@@ -531,10 +549,20 @@ class CudaPeerBackend:
             raise ValueError(f"{what}: root must be in [0, {W}), got {root!r}")
         elem = tensor.element_size()
         algorithm = self._algorithm(what, algorithm, tensor.numel() * elem)
-        flat = tensor.view(-1)
-        if flat.numel() == 0 or W == 1:
+        n = tensor.numel()
+        if n == 0 or W == 1:
             return tensor
         piece = max(self.staging_cap // elem // 1024 * 1024, 1024)
+        if n <= piece and algorithm == "direct":  # the common case, without reshaping
+            buf, epoch = self._next(n * elem, 1)
+            chunk, grid = self._chunk(n, elem)
+            self._launch(K.broadcast_kernel, grid, (
+                tensor, buf.view(tensor.dtype), buf.deltas(tensor.dtype), *self._sync, n, chunk, root, epoch,
+                self.max_spins, self.rank, W, STEP_BYTES // elem,
+            ))  # fmt: skip
+            self._after(what)
+            return tensor
+        flat = tensor.view(-1)
         for start in range(0, flat.numel(), piece):
             seg = flat[start : start + piece]
             n = seg.numel()
