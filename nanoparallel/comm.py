@@ -91,6 +91,7 @@ def init(
         store = default_store(rank, world_size, timeout_s)
     joined = store.add(f"nanoparallel/{name}/joined", 1)
     key = f"nanoparallel/{name}/{(joined - 1) // world_size}"
+    requested = transport
     if transport == "auto":
         transport = "cuda" if device.type == "cuda" else "shm"
     if transport == "cuda":
@@ -112,11 +113,13 @@ def init(
         )
     liveness = Liveness(rank, world_size, store, f"{key}/live", timeout_s)
     if transport == "shm" and not liveness.same_host:
-        transport = "torch"  # "auto" lands here; an explicit "shm" across hosts is an error below
+        if requested == "shm":
+            raise ValueError(
+                f"nanoparallel.init: transport 'shm' needs all ranks on one host; they are on {sorted(set(liveness.hosts))}"
+            )
+        transport = "torch"  # "auto" across hosts
     tp: Transport
     if transport == "shm":
-        if not liveness.same_host:
-            raise ValueError("nanoparallel.init: transport 'shm' needs all ranks on one host")
         from nanoparallel.transport.shm import ShmTransport
 
         tp = ShmTransport(

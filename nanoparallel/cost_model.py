@@ -34,7 +34,8 @@ plus ``N_reduced * gamma`` for the reducing collectives ((n-1)/n N for ring / rh
 busiest rank's received bytes for trees, (n-1) N for one-shot). The direct algorithms count alpha
 per peer because the engine serves their messages one after the other. Pipelining is assumed
 perfect (no fill term), and all ranks' copies are assumed not to slow each other down, which
-is false on a memory-bound machine; the benchmark prints every prediction next to its
+is false on a memory-bound machine (over shared memory, when ranks outnumber cores, the time is
+scaled by n / cores since the ranks' copies then take turns on the cores); the benchmark prints every prediction next to its
 measurement so the reader can see where the model fails.
 
 Calibration (:func:`calibrate`) runs a ping-pong between ranks 0 and 1 over the transport (sizes
@@ -68,6 +69,7 @@ class Params:
     gamma: float = 1 / 8e9
     delta: float = 50e-6
     recv_weight: float = 1.0
+    cores: int = 0  # cores the ranks share (0: unknown); see predict()
     source: str = "default guess (not calibrated)"
 
 
@@ -123,6 +125,8 @@ def predict(collective: str, algorithm: str, n: int, nbytes: int, prm: Params, h
         raise ValueError(f"predict: no formula for collective {collective!r} with algorithm {algorithm!r}")
     lat, s, r, red = table[key]
     t = lat * prm.alpha + (s + prm.recv_weight * r) * N * prm.beta + red * N * prm.gamma
+    if prm.recv_weight and prm.cores and n > prm.cores:
+        t *= n / prm.cores  # shared memory is CPU-bound: more ranks than cores time-share them
     return t + (prm.delta if header else 0.0)
 
 
@@ -204,6 +208,7 @@ def calibrate(
         gamma=float(stats[-2]),
         delta=float(stats[-1]),
         recv_weight=1.0 if tp.name.startswith("shm") else 0.0,
+        cores=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 0),
         source=f"calibrated {time.strftime('%Y-%m-%d %H:%M')} on {comm.world_size} ranks",
     )
 
