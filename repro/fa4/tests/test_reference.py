@@ -188,7 +188,7 @@ def rescale_fractions(
     length sees ``tokens`` query rows (equal sample sizes); logits have std ``sigma`` (log2 units).
     Returns (fractions, number of tile steps behind each)."""
     g = torch.Generator().manual_seed(seed)
-    d, heads = 16, 4
+    d, heads = 16, 2
     fractions, steps = [], []
     for s in lengths:
         b = max(1, tokens // s)
