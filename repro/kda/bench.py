@@ -6,8 +6,7 @@ Shapes: H = 16 heads, K = V = 128, bf16, B x T = 16384 tokens for T = 2k .. 32k;
 B = 1 (65536 tokens: B cannot go below 1). Each row is the median time of one call
 (``paperclub.bench.time_ms``, CUDA events through triton's do_bench):
 
-* ``ours``: ``repro.kda.chunk_kda`` (Triton forward; backward = Triton state recurrence plus
-  PyTorch autograd for the intra-chunk parts, see chunk.py);
+* ``ours``: ``repro.kda.chunk_kda`` (Triton forward and backward, three launches each; see chunk.py);
 * ``fla_kda``: ``fla.ops.kda.chunk_kda`` (flash-linear-attention 0.6.0, default arguments);
 * ``fla_gdn``: ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` (scalar gate per head);
 * ``sdpa_flash``: ``torch.nn.functional.scaled_dot_product_attention`` causal, flash backend.
@@ -108,7 +107,8 @@ def run(quick: bool, out_dir: Path | None, budget_s: float) -> None:
     )
     fns = impls()
     Ts = [4096] if quick else ALL_T
-    skipped = []
+    skipped: list[str] = []
+    base_notes = report.notes
     for T in Ts:
         B = max(1, TOKENS // T)
         inputs = make_inputs(B, T)
@@ -134,8 +134,9 @@ def run(quick: bool, out_dir: Path | None, budget_s: float) -> None:
             print(f"T={T:6d} B={B:2d} {name:11s} fwd {ms:8.3f} ms  fwd+bwd {ms_fb:8.3f} ms", flush=True)
         del inputs
         torch.cuda.empty_cache()
-        if skipped:
-            report.notes += f" Not measured (time budget of the run): {', '.join(skipped)}."
+        report.notes = base_notes + (
+            f" Not measured (time budget of the run): {', '.join(skipped)}." if skipped else ""
+        )
         report.write(out_dir=out_dir, tag="quick" if quick else "")  # keep what was measured so far
     report.plot(
         title="forward time", x="T", y="ms", series="impl", where={"pass": "fwd"}, logx=True, logy=True
