@@ -67,6 +67,13 @@ SPINS_PER_S = 5e6
 # one-shot reads (W-1) n remote bytes against two-shot's 2 (W-1)/W n: equal at W = 2, so with two
 # GPUs one-shot (one barrier) wins at every size; from three GPUs on only small messages
 ONE_SHOT_MAX_BYTES = 256 << 10
+# Thresholds of "auto" from the 2 x H200 sweep (nanoparallel/results/nvidia-h200-cuda-x2.json):
+# all-reduce one_shot_push beat one_shot from 64 MiB (283 vs 274 GB/s busbw, 294 vs 284 at 1 GiB);
+# all-to-all push beat direct from 16 MiB (192 vs 170 GB/s); the copy engine beat the direct
+# kernel for all-gather and broadcast from 256 MiB (257 vs 244 and 370 vs 361 GB/s).
+PUSH_ALL_REDUCE_MIN_BYTES = 32 << 20
+PUSH_ALL_TO_ALL_MIN_BYTES = 16 << 20
+COPY_ENGINE_MIN_BYTES = 256 << 20
 
 
 def _round_up(x: int, m: int) -> int:
@@ -345,9 +352,13 @@ class CudaPeerBackend:
         names = ALGORITHMS[collective]
         if algorithm == "auto":
             if collective == "all_reduce":
-                if self.world_size <= 2 or nbytes <= ONE_SHOT_MAX_BYTES:
-                    return "one_shot"
-                return "two_shot"
+                if self.world_size <= 2:
+                    return "one_shot_push" if nbytes >= PUSH_ALL_REDUCE_MIN_BYTES else "one_shot"
+                return "one_shot" if nbytes <= ONE_SHOT_MAX_BYTES else "two_shot"
+            if collective in ("all_gather", "broadcast"):
+                return "copy_engine" if nbytes >= COPY_ENGINE_MIN_BYTES else "direct"
+            if collective == "all_to_all":
+                return "push" if nbytes >= PUSH_ALL_TO_ALL_MIN_BYTES else "direct"
             return names[0]
         if algorithm not in names:
             raise ValueError(f"{collective}: algorithm {algorithm!r} is not one of {names + ('auto',)}")
@@ -614,6 +625,7 @@ class CudaPeerBackend:
         rows_out = output.shape[0] if output.dim() else 1
         input_splits = [s * row for s in self._splits(what, "input_splits", input_splits, rows_in)]
         output_splits = [s * row for s in self._splits(what, "output_splits", output_splits, rows_out)]
+        requested = algorithm
         algorithm = self._algorithm(what, algorithm, input.numel() * input.element_size())
         elem = input.element_size()
         total_in = input.numel()
@@ -626,6 +638,8 @@ class CudaPeerBackend:
                 "raise staging_bytes when creating the backend"
             )
         slot = self.staging_cap // elem // W // 64 * 64  # push: one slot per sender in every buffer
+        if requested == "auto" and algorithm == "push" and max(input_splits) > slot:
+            algorithm = "direct"  # a split too large for push's per-sender slot
         if algorithm == "push" and max(input_splits) > slot:
             raise ValueError(
                 f"{what}: algorithm 'push' gives each sender {slot} elements in a peer's buffer, but "
