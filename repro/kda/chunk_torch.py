@@ -92,6 +92,37 @@ def ut_transform(A: torch.Tensor) -> torch.Tensor:
     return T
 
 
+def ut_transform_blocked(A: torch.Tensor, block: int = SUB_BLOCK) -> torch.Tensor:
+    """``(I + A)^{-1}`` the way the Triton kernel computes it: blocks, then a nilpotent series.
+
+    Split ``A = A_d + A_o`` into its ``block x block`` diagonal blocks and the part below them.
+    Then ``I + A = (I + A_d)(I + T_d A_o)`` with ``T_d = (I + A_d)^{-1}`` (check: the product is
+    ``I + A_d + (I + A_d) T_d A_o = I + A_d + A_o``). ``T_d`` is C/block independent small
+    forward substitutions, done together (step j fixes row j of every block); ``N = T_d A_o`` is
+    strictly block-lower, so ``N^(C/block) = 0`` and ``(I + N)^{-1} = I - N + N^2 - ...``
+    ends after C/block - 1 terms. Every step is a matmul: no loop over the C rows.
+    """
+    C = A.shape[-1]
+    block = min(block, C)
+    if C % block:
+        raise ValueError(f"ut_transform_blocked: chunk size {C} must be a multiple of the block {block}")
+    idx = torch.arange(C, device=A.device)
+    same_block = (idx[:, None] // block) == (idx[None, :] // block)
+    A_d = torch.where(same_block, A, 0.0)
+    A_o = A - A_d
+    eye = torch.eye(C, dtype=A.dtype, device=A.device)
+    T_d = eye.expand(A.shape).clone()
+    for j in range(1, block):
+        row_j = (idx % block == j)[:, None]
+        T_d = torch.where(row_j, T_d - torch.where(row_j, A_d, 0.0) @ T_d, T_d)
+    N = T_d @ A_o
+    series, power = eye.expand(A.shape).clone(), eye.expand(A.shape).clone()
+    for _ in range(1, C // block):
+        power = -(power @ N)
+        series = series + power
+    return series @ T_d
+
+
 def chunk_kda_torch(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -108,7 +108,7 @@ def kda_intra_fwd_kernel(
         mask=mrow[:, None],
     )
 
-    # UT transform T = (I + A)^{-1}, blocked (see chunk_torch.ut_transform_blocked):
+    # UT transform T = (I + A)^{-1}, blocked (as chunk_torch.ut_transform_blocked):
     # 1) invert the 16x16 diagonal blocks by forward substitution, all four at once: step j fixes
     #    row j of every block, T_d[r] = e_r - sum_{i<r, same block} A[r, i] T_d[i], as one matmul;
     # 2) I + A = (I + A_d)(I + T_d A_o) with A_o the part below the diagonal blocks, and
