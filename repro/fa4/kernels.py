@@ -26,11 +26,10 @@ query block accumulating dQ. Layout is [B, S, H, D] everywhere; LSE is [B, H, S_
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
+from paperclub.triton_compat import fix_interpreter_index
 from repro.fa4.reference import EXP2_MIN_INPUT, EXP2_POLY3
 
 # Polynomial coefficients as compile-time constants (c0 = 1 is pinned in the fit).
@@ -40,26 +39,7 @@ _C3 = tl.constexpr(EXP2_POLY3[3])
 _XMIN = tl.constexpr(EXP2_MIN_INPUT)
 
 
-def _fix_interpreter_index() -> None:
-    """Triton 3.6's CPU interpreter turns a scalar tensor into a Python int with int(array) on a
-    1-element array, which numpy >= 2.4 refuses; loops over run-time bounds then fail. Convert
-    through the element instead. Only touches the interpreter, only when it is in use."""
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-    if getattr(original, "_fa4_fixed", False):
-        return
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._fa4_fixed = True
-    interpreter._patch_lang_tensor = patched
-
-
-if os.environ.get("TRITON_INTERPRET", "0") == "1":
-    _fix_interpreter_index()
+fix_interpreter_index()  # loops over run-time bounds under the CPU interpreter
 
 
 @triton.jit
