@@ -376,7 +376,8 @@ def module_doc(path: Path) -> str:
     except (SyntaxError, UnicodeDecodeError):
         return ""
     doc = ast.get_docstring(tree) or ""
-    return doc.strip()
+    # Sphinx roles read as noise in markdown: :func:`f` -> `f`
+    return re.sub(r":(?:func|class|meth|mod|attr|data|obj):`([^`]+)`", r"`\1`", doc).strip()
 
 
 def repro_index(content: Content) -> str:
