@@ -90,7 +90,9 @@ def _expected(collective: str, n: int, rank: int, count: int, dtype) -> torch.Te
         return base[rank * (count // n) : (rank + 1) * (count // n)] * (n * (n + 1) // 2)
     if collective == "all_to_all":
         m = count // n
-        return torch.cat([((torch.arange(count) % 7 + 1).double() * (r + 1))[rank * m : (rank + 1) * m] for r in range(n)])
+        return torch.cat(
+            [((torch.arange(count) % 7 + 1).double() * (r + 1))[rank * m : (rank + 1) * m] for r in range(n)]
+        )
     raise ValueError(collective)
 
 
@@ -151,16 +153,28 @@ def bench_worker(ctx: dict, plan: list[dict], device: str, calibrate: bool, pass
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=dist.PrefixStore("peer", store),
-                                rank=rank, world_size=n, device_id=dev if dev.type == "cuda" else None)
+        dist.init_process_group(
+            "nccl" if dev.type == "cuda" else "gloo",
+            store=dist.PrefixStore("peer", store),
+            rank=rank,
+            world_size=n,
+            device_id=dev if dev.type == "cuda" else None,
+        )
     comms, params = {}, {}
     for impl in sorted({p["impl"] for p in plan} - {"peer"}):
         if impl == "cuda":
             comms[impl] = npl.init(rank, n, store=store, transport="cuda", device=dev, name=f"bench-{impl}")
             continue
         transport, _, protocol = impl.partition("-")
-        comms[impl] = npl.init(rank, n, store=store, transport=transport, protocol=protocol or "simple",
-                               name=f"bench-{impl}", timeout_s=120.0)
+        comms[impl] = npl.init(
+            rank,
+            n,
+            store=store,
+            transport=transport,
+            protocol=protocol or "simple",
+            name=f"bench-{impl}",
+            timeout_s=120.0,
+        )
     best: list[dict] = []
     for _ in range(passes):
         for impl, comm in comms.items():
@@ -175,7 +189,11 @@ def bench_worker(ctx: dict, plan: list[dict], device: str, calibrate: bool, pass
                     cost_model.save(comm.transport.name, prm)
             params[impl] = comm.params.__dict__
         rows = _run_plan(plan, comms, rank, n, store, dev)
-        best = rows if not best else [a if a["seconds"] <= b["seconds"] else b for a, b in zip(best, rows, strict=True)]
+        best = (
+            rows
+            if not best
+            else [a if a["seconds"] <= b["seconds"] else b for a, b in zip(best, rows, strict=True)]
+        )
     for c in comms.values():
         c.close()
     return {"rows": best, "params": params}
@@ -217,8 +235,13 @@ def _run_plan(plan, comms, rank, n, store, dev) -> list[dict]:
         except Exception as exc:  # e.g. a collective gloo does not implement: record, keep going
             seconds, error, chosen = float("nan"), float("nan"), f"unsupported: {type(exc).__name__}"
             if comm is not None and comm._closed:
-                comms[p["impl"]] = comm = npl.init(rank, n, store=store, transport=comm.transport.name.split("-")[0],
-                                                   name=f"bench-{p['impl']}-{len(rows)}")
+                comms[p["impl"]] = comm = npl.init(
+                    rank,
+                    n,
+                    store=store,
+                    transport=comm.transport.name.split("-")[0],
+                    name=f"bench-{p['impl']}-{len(rows)}",
+                )
         rows.append({"seconds": seconds, "error": error, "count": count, "chosen": chosen})
     return rows
 
@@ -232,7 +255,9 @@ def build_plan(device: str, sizes_: list[int], collectives: list[str]) -> list[d
             if device == "cuda":
                 from nanoparallel.cuda import ALGORITHMS as CUDA_ALGORITHMS
 
-                impls = [("cuda", a) for a in ("auto", *CUDA_ALGORITHMS.get(collective, ()))] + [("peer", "nccl")]
+                impls = [("cuda", a) for a in ("auto", *CUDA_ALGORITHMS.get(collective, ()))] + [
+                    ("peer", "nccl")
+                ]
             else:
                 algs = ("auto", *ALGORITHMS[collective])
                 impls = [("shm-simple", a) for a in algs] + [("peer", "gloo")]
@@ -241,8 +266,15 @@ def build_plan(device: str, sizes_: list[int], collectives: list[str]) -> list[d
                 if size <= 1 << 20 and collective == "all_reduce":
                     impls += [("torch", "ring"), ("torch", "auto")]
             for impl, alg in impls:
-                plan.append({"collective": collective, "impl": impl, "algorithm": alg, "size_bytes": size,
-                             "dtype": "float32"})
+                plan.append(
+                    {
+                        "collective": collective,
+                        "impl": impl,
+                        "algorithm": alg,
+                        "size_bytes": size,
+                        "dtype": "float32",
+                    }
+                )
     return plan
 
 
@@ -293,25 +325,52 @@ def main(argv=None) -> None:
                 pred = None
         impl = p["impl"] if p["impl"] != "peer" else p["algorithm"]
         report.add(
-            collective=p["collective"], impl=impl, algorithm=p["algorithm"], chosen=row["chosen"],
-            variant=f"{impl}/{p['algorithm']}" if p["impl"] != "peer" else impl, size_bytes=size,
-            count=row["count"], dtype=p["dtype"], time_us=round(seconds * 1e6, 2), algbw_GBps=round(algbw, 4),
-            busbw_GBps=round(algbw * BUS_FACTOR[p["collective"]](n), 4), error=error, predicted_us=pred,
+            collective=p["collective"],
+            impl=impl,
+            algorithm=p["algorithm"],
+            chosen=row["chosen"],
+            variant=f"{impl}/{p['algorithm']}" if p["impl"] != "peer" else impl,
+            size_bytes=size,
+            count=row["count"],
+            dtype=p["dtype"],
+            time_us=round(seconds * 1e6, 2),
+            algbw_GBps=round(algbw, 4),
+            busbw_GBps=round(algbw * BUS_FACTOR[p["collective"]](n), 4),
+            error=error,
+            predicted_us=pred,
             size_class="small" if size <= 64 << 10 else "large",
         )
     fit = _fit_quality(report.rows)
     report.notes = (
         f"{n} ranks on one host, 1 torch thread per rank, float32, best of {args.passes} sweeps x 3 timed loops. "
         "Cost-model parameters (seconds): "
-        + json.dumps({k: {"alpha": v.alpha, "beta": v.beta, "gamma": v.gamma, "delta": v.delta} for k, v in params.items()})
+        + json.dumps(
+            {
+                k: {"alpha": v.alpha, "beta": v.beta, "gamma": v.gamma, "delta": v.delta}
+                for k, v in params.items()
+            }
+        )
         + f". Model fit: {fit}. Sweep took {time.time() - t0:.0f}s. The machine is shared: other jobs may "
         "have run at the same time, so treat single points with care."
     )
     for collective in args.collectives.split(","):
-        report.plot(title=f"{collective}: bus bandwidth", x="size_bytes", y="busbw_GBps", series="variant",
-                    where={"collective": collective, "size_class": "large"}, logx=True)
-    report.plot(title="all_reduce: latency, small messages", x="size_bytes", y="time_us", series="variant",
-                where={"collective": "all_reduce", "size_class": "small"}, logx=True, logy=True)
+        report.plot(
+            title=f"{collective}: bus bandwidth",
+            x="size_bytes",
+            y="busbw_GBps",
+            series="variant",
+            where={"collective": collective, "size_class": "large"},
+            logx=True,
+        )
+    report.plot(
+        title="all_reduce: latency, small messages",
+        x="size_bytes",
+        y="time_us",
+        series="variant",
+        where={"collective": "all_reduce", "size_class": "small"},
+        logx=True,
+        logy=True,
+    )
     report.write(tag=args.tag or f"{args.device}-x{n}")
 
 
