@@ -67,7 +67,8 @@ class Liveness:
     ):
         self.rank, self.world_size, self.store, self.prefix = rank, world_size, store, prefix
         self.heartbeat_s = heartbeat_s
-        host = socket.gethostname()
+        # NANOPARALLEL_HOSTNAME lets a test pretend ranks sit on different hosts (store heartbeats)
+        host = os.environ.get("NANOPARALLEL_HOSTNAME") or socket.gethostname()
         store.set(f"{prefix}/who/{rank}", f"{host}:{os.getpid()}".encode())
         who = [store.get(f"{prefix}/who/{r}").decode() for r in range(world_size)]
         self.hosts = [w.rsplit(":", 1)[0] for w in who]
@@ -93,13 +94,27 @@ class Liveness:
             store_barrier(store, f"{prefix}/status-mapped", rank, world_size, timeout_s)
             os.unlink(name)  # every peer has it mapped; unlinking now means a crash leaks nothing
         else:
-            self._thread = threading.Thread(target=self._beat, daemon=True)
+            store.set(f"{prefix}/hb/{rank}", str(time.time()).encode())  # alive from the start
+            self._thread = threading.Thread(
+                target=self._beat, args=(self._own_client(store, timeout_s),), daemon=True
+            )
             self._thread.start()
 
-    def _beat(self) -> None:
+    @staticmethod
+    def _own_client(store, timeout_s: float):
+        """The heartbeat thread's own connection: a store client is not safe to share across threads."""
+        import torch.distributed as dist
+
+        if isinstance(store, dist.TCPStore):
+            return dist.TCPStore(
+                store.host, store.port, is_master=False, timeout=timedelta(seconds=timeout_s)
+            )
+        return store  # e.g. a HashStore or FileStore in one process: share it
+
+    def _beat(self, store) -> None:
         while not self._stop.wait(self.heartbeat_s):
             try:
-                self.store.set(f"{self.prefix}/hb/{self.rank}", str(time.time()).encode())
+                store.set(f"{self.prefix}/hb/{self.rank}", str(time.time()).encode())
             except Exception:  # the store went away: nothing left to report to
                 return
 
@@ -133,17 +148,21 @@ class Liveness:
         if not self.same_host and time.monotonic() - self._last_store_poll > self.heartbeat_s:
             self._last_store_poll = time.monotonic()
             now = time.time()
-            for p in range(self.world_size):
-                if p == self.rank:
-                    continue
-                if self.store.check([f"{self.prefix}/abort/{p}"]):
-                    raise PeerFailureError(f"nanoparallel rank {self.rank}: {what}: rank {p} aborted")
+            peers = [p for p in range(self.world_size) if p != self.rank]
+            for p in peers:  # silence first: the frozen rank is the root cause, aborts are its echo
                 if self.store.check([f"{self.prefix}/hb/{p}"]):
                     age = now - float(self.store.get(f"{self.prefix}/hb/{p}").decode())
                     if age > 4 * self.heartbeat_s:
                         raise PeerFailureError(
                             f"nanoparallel rank {self.rank}: {what}: rank {p} sent no heartbeat for {age:.1f}s"
                         )
+            for p in peers:
+                if self.store.check([f"{self.prefix}/abort/{p}"]):
+                    code = int(self.store.get(f"{self.prefix}/abort/{p}").decode())
+                    raise PeerFailureError(
+                        f"nanoparallel rank {self.rank}: {what}: rank {p} aborted its communicator "
+                        f"({ABORT_CODES.get(code, code)})"
+                    )
 
     def peer_closed(self, p: int) -> bool:
         return bool(self._status) and int(self._status[p][0]) == 4

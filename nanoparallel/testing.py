@@ -129,12 +129,21 @@ def reference(collective: str, inputs: list[torch.Tensor], op: str, root: int) -
 def fault_case(ctx: dict, scenario: str, timeout_s: float) -> dict:
     """Run one failure scenario; return what this rank saw and how long it took to see it."""
     r = ctx["rank"]
-    comm = comm_for(
-        ctx, f"faults-{scenario}", timeout_s=timeout_s, transport="shm", slot_bytes=4096, nslots=2
-    )
-    comm.barrier()
+    if scenario == "stopped-rank-hosts":
+        import os
+
+        os.environ["NANOPARALLEL_HOSTNAME"] = f"host{r}"  # every rank "elsewhere": store heartbeats
+        comm = comm_for(ctx, f"faults-{scenario}", timeout_s=timeout_s, transport="auto", slot_bytes=4096)
+        assert not comm.liveness.same_host and comm.transport.name == "torch"
+    else:
+        comm = comm_for(
+            ctx, f"faults-{scenario}", timeout_s=timeout_s, transport="shm", slot_bytes=4096, nslots=2
+        )
     t0 = time.monotonic()
     try:
+        # inside the try: a rank that dies right after its barrier may be seen dead by a peer
+        # still finishing the same barrier
+        comm.barrier()
         if scenario == "mismatch-count":
             comm.all_reduce(torch.ones(100 + (r == 1)))
         elif scenario == "mismatch-op":
@@ -167,6 +176,13 @@ def fault_case(ctx: dict, scenario: str, timeout_s: float) -> dict:
 
                 os._exit(1)
             comm.all_reduce(torch.ones(1 << 16))
+        elif scenario == "stopped-rank-hosts":
+            if r == ctx["world_size"] - 1:
+                import os
+                import signal
+
+                os.kill(os.getpid(), signal.SIGSTOP)  # frozen: pid alive, sockets open, no heartbeat
+            comm.all_reduce(torch.ones(1 << 12))
         elif scenario == "hung-rank":
             if r == 1:
                 time.sleep(timeout_s * 3)

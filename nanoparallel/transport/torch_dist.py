@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
+from nanoparallel.errors import PeerFailureError
 from nanoparallel.transport.base import Transport
 
 TAG_BASE = 1000
@@ -62,15 +63,26 @@ class TorchTransport(Transport):
         fut, buf = self._pending[key]
         if not fut.done():
             return False
-        fut.result()
+        exc = fut.exception()
+        if exc is not None:  # gloo saw the connection drop: the peer's process is gone
+            self.abort(2, str(exc))
+            raise PeerFailureError(
+                f"nanoparallel rank {self.rank}: receive from rank {peer} failed in gloo: {exc}"
+            )
         del self._pending[key]
         self._deliver(op, k, buf)
         return True
 
     def _flush(self) -> None:
-        for work, _ in self._sends:
-            work.wait()
-        self._sends = []
+        sends, self._sends = self._sends, []
+        for work, _ in sends:
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                self.abort(2, str(exc))
+                raise PeerFailureError(
+                    f"nanoparallel rank {self.rank}: a send failed in gloo: {exc}"
+                ) from None
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

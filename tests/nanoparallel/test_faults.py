@@ -75,3 +75,28 @@ def test_hung_rank_times_out_with_context(worlds):
     msg = first[0]["message"]
     assert "all_reduce" in msg and "rank 1" in msg and "timed out" in msg and "sequence" in msg
     assert res[1][1][0]["error"] is not None  # the late rank finds its peers gone
+
+
+@pytest.mark.claim("nanoparallel/fault-dead-peer", section="Fault tolerance")
+@pytest.mark.timeout(120)
+def test_frozen_rank_on_another_host_detected_by_heartbeat():
+    """Ranks on different hosts (simulated): a rank that freezes (SIGSTOP: its sockets stay open,
+    its pid stays alive) stops its store heartbeat, and the others raise PeerFailureError naming it
+    within a few heartbeats, long before the 60 s timeout."""
+    timeout_s = 60.0
+    with World(3) as world:
+        world.submit(T.fault_case, "stopped-rank-hosts", timeout_s)
+        try:
+            res = world.collect(timeout=40, ranks=[0, 1])
+        finally:
+            world.procs[2].kill()
+    messages = []
+    for r in (0, 1):
+        kind, payload = res[r]
+        assert kind == "ok", f"rank {r}: {kind} {payload}"
+        seen = payload[0]
+        assert seen["error"] == "PeerFailureError", f"rank {r}: {seen}"
+        assert seen["seconds"] < 10.0, f"rank {r} needed {seen['seconds']:.1f}s"
+        messages.append(seen["message"])
+    # the first to notice names the silent rank; the other may instead see that one's abort
+    assert any("rank 2 sent no heartbeat" in m for m in messages), messages
