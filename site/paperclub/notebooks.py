@@ -43,7 +43,7 @@ def render_notebook(nb_path: Path, timeout_s: int = 300) -> tuple[str, dict[str,
     try:
         ExecutePreprocessor(
             timeout=timeout_s, kernel_name="python3", extra_arguments=["--IPKernelApp.log_level=ERROR"]
-        ).preprocess(nb, {"metadata": {"path": str(nb_path.parent)}})
+        ).preprocess(nb, {"metadata": {"path": str(ROOT)}})  # from the root: nanoparallel/cuda would shadow `cuda`
     finally:
         os.environ.clear()
         os.environ.update(env_backup)
