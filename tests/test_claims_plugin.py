@@ -83,3 +83,13 @@ def test_missing_section_is_an_error(pytester, toy):
     result = pytester.runpytest_subprocess()
     assert result.ret != 0
     result.stderr.fnmatch_lines(["*needs section=...*"])
+
+
+def test_a_skip_does_not_erase_a_recorded_outcome(pytester, toy):
+    body = '@pytest.mark.claim("toy/exact", section="§2, Eq. 3")\ndef test_gpu():\n    {}\n'
+    write_test(toy, body.format("assert True"))
+    pytester.runpytest_subprocess().assert_outcomes(passed=1)
+    write_test(toy, body.format('pytest.skip("no GPU here")'))
+    pytester.runpytest_subprocess().assert_outcomes(skipped=1)
+    record = json.loads(toy.joinpath("results", "claims.json").read_text())["tests"]
+    assert record["repro/toy/test_toy.py::test_gpu"]["outcome"] == "passed"

@@ -6,7 +6,8 @@ Loaded for every run through ``addopts = -p paperclub.pytest_claims`` in pyproje
   register, or a section that differs from the registered one.
 * After the run, each package's ``results/claims.json`` records every claim test's outcome
   (passed / failed / skipped) and the date that outcome was first seen; a file is rewritten only
-  when an outcome changes, so re-running green tests leaves the tree clean. Set
+  when an outcome changes, so re-running green tests leaves the tree clean. A skip does not
+  replace a pass or failure recorded on a machine that could run the test (a GPU test on a CPU). Set
   ``PAPERCLUB_RECORD_CLAIMS=0`` to record nothing.
 * Triton kernels run under its CPU interpreter when no NVIDIA GPU is present
   (``TRITON_INTERPRET=1`` is set before anything imports triton).
@@ -140,6 +141,13 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             prev = tests.get(rel)
             if prev and prev.get("outcome") == outcome and prev.get("claim") == cid:
                 continue
+            if (
+                outcome == "skipped"
+                and prev
+                and prev.get("outcome") in ("passed", "failed")
+                and prev.get("claim") == cid
+            ):
+                continue  # a skip here (no GPU, say) does not erase what a machine that ran the test saw
             tests[rel] = {"claim": cid, "outcome": outcome, "since": today, "platform": _platform()}
             changed = True
         if changed:
