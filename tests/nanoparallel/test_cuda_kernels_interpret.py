@@ -78,6 +78,7 @@ def check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, name: str, s
 @given(
     n=sizes, dtype=all_dtypes, op=st.sampled_from(["sum", "max", "min", "avg"]), seed=st.integers(0, 10**6)
 )
+@pytest.mark.claim("nanoparallel/p2p-kernels", section="Intra-node data transfer: P2P transport")
 def test_one_shot_all_reduce(peers, n, dtype, op, seed):
     inputs = draw_inputs(n, dtype, seed)
     xs = peers.shared(lambda r: inputs[r].clone())
@@ -99,6 +100,7 @@ def test_one_shot_all_reduce(peers, n, dtype, op, seed):
 @given(
     n=sizes, dtype=all_dtypes, op=st.sampled_from(["sum", "max", "min", "avg"]), seed=st.integers(0, 10**6)
 )
+@pytest.mark.claim("nanoparallel/p2p-kernels", section="Intra-node data transfer: P2P transport")
 def test_one_shot_push_all_reduce(peers, n, dtype, op, seed):
     inputs = draw_inputs(n, dtype, seed)
     S = -(-n // 64) * 64
@@ -124,6 +126,7 @@ def test_one_shot_push_all_reduce(peers, n, dtype, op, seed):
     ring=st.booleans(),
     seed=st.integers(0, 10**6),
 )
+@pytest.mark.claim("nanoparallel/p2p-kernels", section="Intra-node data transfer: P2P transport")
 def test_two_shot_and_ring_all_reduce(peers, n, dtype, op, ring, seed):
     inputs = draw_inputs(n, dtype, seed)
     S = slice_size(n, W)
@@ -162,6 +165,7 @@ def test_two_shot_and_ring_all_reduce(peers, n, dtype, op, ring, seed):
     ring=st.booleans(),
     seed=st.integers(0, 10**6),
 )
+@pytest.mark.claim("nanoparallel/p2p-kernels", section="Intra-node data transfer: P2P transport")
 def test_reduce_scatter(peers, m, dtype, op, ring, seed):
     inputs = draw_inputs(W * m, dtype, seed)
     xs = peers.shared(lambda r: inputs[r].clone())
@@ -200,6 +204,7 @@ def test_reduce_scatter(peers, m, dtype, op, ring, seed):
 
 @SETTINGS
 @given(m=sizes, dtype=all_dtypes, seed=st.integers(0, 10**6))
+@pytest.mark.claim("nanoparallel/p2p-kernels", section="Intra-node data transfer: P2P transport")
 def test_all_gather(peers, m, dtype, seed):
     inputs = draw_inputs(m, dtype, seed)
     xs = peers.shared(lambda r: inputs[r].clone())
@@ -217,6 +222,7 @@ def test_all_gather(peers, m, dtype, seed):
 
 @SETTINGS
 @given(n=sizes, dtype=all_dtypes, root=st.integers(0, W - 1), seed=st.integers(0, 10**6))
+@pytest.mark.claim("nanoparallel/p2p-kernels", section="Intra-node data transfer: P2P transport")
 def test_broadcast(peers, n, dtype, root, seed):
     inputs = draw_inputs(n, dtype, seed)
     xs = peers.shared(lambda r: inputs[r].clone())
@@ -234,6 +240,7 @@ def test_broadcast(peers, n, dtype, root, seed):
     dtype=all_dtypes,
     seed=st.integers(0, 10**6),
 )
+@pytest.mark.claim("nanoparallel/p2p-kernels", section="Intra-node data transfer: P2P transport")
 def test_all_to_all_uneven(peers, counts, dtype, seed):
     # counts[s][d]: elements rank s sends to rank d (zeros included)
     inputs = [draw_inputs(max(sum(counts[s]), 1), dtype, seed + s)[s][: sum(counts[s])] for s in range(W)]
@@ -268,6 +275,7 @@ def test_all_to_all_uneven(peers, counts, dtype, seed):
     dtype=all_dtypes,
     seed=st.integers(0, 10**6),
 )
+@pytest.mark.claim("nanoparallel/p2p-kernels", section="Intra-node data transfer: P2P transport")
 def test_all_to_all_push_uneven(peers, counts, dtype, seed):
     slot = 48  # elements per sender in every rank's buffer: each split (<= 40) fits
     inputs = [draw_inputs(max(sum(counts[s]), 1), dtype, seed + s)[s][: sum(counts[s])] for s in range(W)]
