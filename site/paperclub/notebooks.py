@@ -40,10 +40,10 @@ def render_notebook(nb_path: Path, timeout_s: int = 300) -> tuple[str, dict[str,
     nb = nbformat.read(nb_path, as_version=4)
     env_backup = dict(os.environ)
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    try:
+    try:  # run from the root: inside nanoparallel/, its cuda/ package would shadow the `cuda` module
         ExecutePreprocessor(
             timeout=timeout_s, kernel_name="python3", extra_arguments=["--IPKernelApp.log_level=ERROR"]
-        ).preprocess(nb, {"metadata": {"path": str(ROOT)}})  # from the root: nanoparallel/cuda would shadow `cuda`
+        ).preprocess(nb, {"metadata": {"path": str(ROOT)}})
     finally:
         os.environ.clear()
         os.environ.update(env_backup)
