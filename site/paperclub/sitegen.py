@@ -105,11 +105,10 @@ def generate(content: Content, *, render_notebook=None) -> Site:
 def home(content: Content) -> str:
     sessions = content.sessions_newest_first()
     landed = [r for r in content.repros.values() if not r.planned]
-    counts = {"passed": 0, "total": 0}
-    for claim in content.claims.values():
-        status, _ = claim_status(claim, load_results(content.repros[claim.package].path))
-        counts["total"] += 1
-        counts["passed"] += status == "passed"
+    statuses = [
+        claim_status(c, load_results(content.repros[c.package].path))[0] for c in content.claims.values()
+    ]
+    testable = len(statuses) - statuses.count("not reproducible")
     lines = [
         "# ML-performance reading group",
         "",
@@ -120,7 +119,8 @@ def home(content: Content) -> str:
         "for each claim, and benchmarks against the library people actually use.",
         "",
         f"**{len(sessions)} sessions · {len(content.papers)} papers · {len(landed)} reproductions · "
-        f"{counts['passed']} of {counts['total']} registered claims checked by a passing test** "
+        f"{statuses.count('passed')} of {testable} testable claims pass their tests · "
+        f"{statuses.count('not reproducible')} claims we cannot reproduce here, with the reason** "
         "([claims dashboard](claims.md)).",
         "",
         "## Latest sessions",
@@ -388,7 +388,7 @@ def repro_index(content: Content) -> str:
         "property tests for the paper's claims, a GPU benchmark against the library people use, and a walkthrough.",
         "Run one with `pytest repro/<name>` (or `pytest tests/nanoparallel` for the collective library).",
         "",
-        "| Reproduction | Paper | Claims passing | Benchmarks | Walkthrough |",
+        "| Reproduction | Paper | Claims | Benchmarks | Walkthrough |",
         "|---|---|---|---|---|",
     ]
     for name, repro in sorted(content.repros.items()):
@@ -401,7 +401,8 @@ def repro_index(content: Content) -> str:
         devices = sorted({d.get("device", "?") for d in load_bench_results(name)})
         wt = f"[notebook]({name}/walkthrough.md)" if repro.walkthrough else "—"
         lines.append(
-            f"| [`{name}`]({name}.md) | {paper_txt} | {statuses.count('passed')} of {len(claims)} | {cell(', '.join(devices)) or 'not yet run'} | {wt} |"
+            f"| [`{name}`]({name}.md) | {paper_txt} | {statuses.count('passed')} of {len(claims) - statuses.count('not reproducible')} pass; "
+            f"{statuses.count('not reproducible')} not reproducible here | {cell(', '.join(devices)) or 'not yet run'} | {wt} |"
         )
     planned = [r for r in content.repros.values() if r.planned]
     if planned:
