@@ -325,7 +325,8 @@ def paper_page(content: Content, paper: Paper, site: Site) -> str:
         meta_bits.append("**Tags:** " + ", ".join(f"[{t}](../tags.md#{t})" for t in m.tags))
     if meta_bits:
         lines += [" · ".join(meta_bits), ""]
-    lines += [paper.body.strip(), ""]
+    body = re.sub(r"\A\s*# [^\n]*\n", "", paper.body)  # the page already has the title as its heading
+    lines += [body.strip(), ""]
     claims = [c for c in content.claims.values() if c.paper == paper.key]
     if claims:
         lines += ["## Claims and their status", "", claims_table(content, claims, uri), ""]
