@@ -118,6 +118,31 @@ def test_one_shot_push_all_reduce(peers, n, dtype, op, seed):
         assert torch.equal(xs[r], xs[0]), "ranks disagree"
 
 
+def launch_two_shot(peers, xs, outs, bufs, n: int, S: int, op: str, ring: bool, gather: bool) -> str:
+    """Run the two-shot (or ring) kernel on every emulated rank; ``gather=False`` stops after the
+    reduce-scatter half. Returns the kernel's name for messages."""
+    chunk, grid = split_work(S, MAX_PROGRAMS, BLOCK)
+    per_rank = [
+        dict(
+            inp=xs[r],
+            out=outs[r],
+            n=n,
+            S=S,
+            chunk=chunk,
+            OP=K.OP_CODES[op],
+            RANK=r,
+            W=W,
+            BLOCK=BLOCK,
+            GATHER=gather,
+        )
+        for r in range(W)
+    ]
+    kernel = "ring_all_reduce_kernel" if ring else "two_shot_all_reduce_kernel"
+    barriers = ring_barriers(W, gather) if ring else (2 if gather else 1)
+    peers.run(kernel, grid, per_rank, {"buf": (bufs, "D")}, barriers=barriers)
+    return kernel
+
+
 @SETTINGS
 @given(
     n=sizes,
@@ -132,25 +157,7 @@ def test_two_shot_and_ring_all_reduce(peers, n, dtype, op, ring, seed):
     S = slice_size(n, W)
     xs = peers.shared(lambda r: inputs[r].clone())
     bufs = peers.shared(lambda r: torch.full((W * S,), 7, dtype=dtype))
-    chunk, grid = split_work(S, MAX_PROGRAMS, BLOCK)
-    per_rank = [
-        dict(
-            inp=xs[r],
-            out=xs[r],
-            n=n,
-            S=S,
-            chunk=chunk,
-            OP=K.OP_CODES[op],
-            RANK=r,
-            W=W,
-            BLOCK=BLOCK,
-            GATHER=True,
-        )
-        for r in range(W)
-    ]
-    kernel = "ring_all_reduce_kernel" if ring else "two_shot_all_reduce_kernel"
-    barriers = ring_barriers(W, True) if ring else 2
-    peers.run(kernel, grid, per_rank, {"buf": (bufs, "D")}, barriers=barriers)
+    kernel = launch_two_shot(peers, xs, xs, bufs, n, S, op, ring, gather=True)
     ref = reference(inputs, op)
     for r in range(W):
         check(xs[r], ref, dtype, f"{kernel} {op} rank {r}", steps=W if ring else 1)
@@ -171,25 +178,7 @@ def test_reduce_scatter(peers, m, dtype, op, ring, seed):
     xs = peers.shared(lambda r: inputs[r].clone())
     outs = peers.shared(lambda r: torch.full((m,), 7, dtype=dtype))
     bufs = peers.shared(lambda r: torch.full((W * m,), 7, dtype=dtype))
-    chunk, grid = split_work(m, MAX_PROGRAMS, BLOCK)
-    per_rank = [
-        dict(
-            inp=xs[r],
-            out=outs[r],
-            n=W * m,
-            S=m,
-            chunk=chunk,
-            OP=K.OP_CODES[op],
-            RANK=r,
-            W=W,
-            BLOCK=BLOCK,
-            GATHER=False,
-        )
-        for r in range(W)
-    ]
-    kernel = "ring_all_reduce_kernel" if ring else "two_shot_all_reduce_kernel"
-    barriers = ring_barriers(W, False) if ring else 1
-    peers.run(kernel, grid, per_rank, {"buf": (bufs, "D")}, barriers=barriers)
+    kernel = launch_two_shot(peers, xs, outs, bufs, W * m, m, op, ring, gather=False)
     ref = reference(inputs, op)
     for r in range(W):
         check(
