@@ -216,6 +216,7 @@ class Repro:
     path: Path
     planned: bool = False
     walkthrough: Path | None = None
+    description: str = ""  # for planned repros: what repro/planned.yaml says it will be
 
 
 @dataclass
@@ -381,7 +382,9 @@ def load_repros(root: Path) -> tuple[dict[str, Repro], list[Problem]]:
                         )
                     )
                 else:
-                    repros[name] = Repro(name, root / "repro" / name, planned=True)
+                    repros[name] = Repro(
+                        name, root / "repro" / name, planned=True, description=str(data[name] or "")
+                    )
         elif data is not None:
             problems.append(Problem(rel(planned, root), "", "must map repro names to a short description"))
     return repros, problems

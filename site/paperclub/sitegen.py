@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ast
 import io
-import os
 import posixpath
 import re
 from dataclasses import dataclass, field
@@ -408,17 +407,9 @@ def repro_index(content: Content) -> str:
     planned = [r for r in content.repros.values() if r.planned]
     if planned:
         lines += ["", "## Planned", "", "Sessions pair with these; they have not landed yet.", ""]
-        planned_text = _planned_descriptions(content)
         for r in sorted(planned, key=lambda r: r.name):
-            lines.append(f"- `{r.name}`: {planned_text.get(r.name, '')}")
+            lines.append(f"- `{r.name}`: {r.description}")
     return "\n".join(lines) + "\n"
-
-
-def _planned_descriptions(content: Content) -> dict[str, str]:
-    import yaml
-
-    path = content.root / "repro" / "planned.yaml"
-    return yaml.safe_load(path.read_text(encoding="utf-8")) or {} if path.exists() else {}
 
 
 def repro_page(content: Content, repro: Repro, site: Site) -> str:
@@ -733,7 +724,3 @@ def _site_uri_for(repo_path: str, root: Path, known: set[str]) -> str | None:
         if c in known:
             return c
     return None
-
-
-def walk_files(root: Path) -> list[str]:
-    return [os.path.relpath(p, root) for p in root.rglob("*")]
