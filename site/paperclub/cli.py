@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import os
 import re
 import sys
 from pathlib import Path
@@ -40,13 +41,11 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_claims(args: argparse.Namespace) -> int:
-    from paperclub.claims import claim_status, load_results
     from paperclub.content import load
 
     content, problems = load(Path(args.root))
     for claim in sorted(content.claims.values(), key=lambda c: c.id):
-        repro = content.repros[claim.package]
-        status, tests = claim_status(claim, load_results(repro.path))
+        status, _ = content.status(claim)
         print(f"{status:17s} {claim.id:45s} {claim.section}")
     return 0
 
@@ -219,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # output piped into `head`: stop quietly
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - keeps Python's exit flush from failing again
+        return 0
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from paperclub import ROOT
 from paperclub.bibliography import BibEntry, load_bibliography
-from paperclub.claims import ClaimsError, load_registry, package_dirs
+from paperclub.claims import ClaimsError, claim_status, load_registry, load_results, package_dirs
 
 SLUG = r"[a-z0-9]+(?:-[a-z0-9]+)*"
 FOLDER = re.compile(
@@ -227,6 +227,13 @@ class Content:
     bib: dict[str, BibEntry] = field(default_factory=dict)
     repros: dict[str, Repro] = field(default_factory=dict)
     claims: dict = field(default_factory=dict)
+    _results: dict = field(default_factory=dict, repr=False)
+
+    def status(self, claim) -> tuple[str, list[dict]]:
+        """A claim's status and its recorded tests (each package's claims.json is read once)."""
+        if claim.package not in self._results:
+            self._results[claim.package] = load_results(self.repros[claim.package].path)
+        return claim_status(claim, self._results[claim.package])
 
     def sessions_newest_first(self) -> list[Session]:
         return sorted(self.sessions, key=lambda s: s.sort_key, reverse=True)

@@ -16,7 +16,6 @@ from pathlib import Path
 
 from paperclub.bench import load_results as load_bench_results
 from paperclub.bench import markdown_table
-from paperclub.claims import claim_status, load_results
 from paperclub.content import Content, Paper, Repro, Session, split_slides
 from paperclub.slides import render_deck
 
@@ -104,9 +103,7 @@ def generate(content: Content, *, render_notebook=None) -> Site:
 def home(content: Content) -> str:
     sessions = content.sessions_newest_first()
     landed = [r for r in content.repros.values() if not r.planned]
-    statuses = [
-        claim_status(c, load_results(content.repros[c.package].path))[0] for c in content.claims.values()
-    ]
+    statuses = [content.status(c)[0] for c in content.claims.values()]
     testable = len(statuses) - statuses.count("not reproducible")
     lines = [
         "# ML-performance reading group",
@@ -284,9 +281,7 @@ def papers_index(content: Content) -> str:
             f"[{cell(s.meta.title[:40])}](../sessions/{s.folder}.md)" for s in content.sessions_for_paper(key)
         )
         claims = [c for c in content.claims.values() if c.paper == key]
-        passed = sum(
-            claim_status(c, load_results(content.repros[c.package].path))[0] == "passed" for c in claims
-        )
+        passed = sum(content.status(c)[0] == "passed" for c in claims)
         repro = paper.meta.repro
         repro_txt = "—"
         if repro:
@@ -349,8 +344,7 @@ def paper_page(content: Content, paper: Paper, site: Site) -> str:
 def claims_table(content: Content, claims: list, from_uri: str) -> str:
     rows = ["| Claim | Section | Statement | Status | Checked by |", "|---|---|---|---|---|"]
     for c in sorted(claims, key=lambda c: c.id):
-        repro = content.repros[c.package]
-        status, tests = claim_status(c, load_results(repro.path))
+        status, tests = content.status(c)
         if not c.reproducible:
             checked = "— " + cell(c.reason)
         elif tests:
@@ -395,7 +389,7 @@ def repro_index(content: Content) -> str:
         if repro.planned:
             continue
         claims = [c for c in content.claims.values() if c.package == name]
-        statuses = [claim_status(c, load_results(repro.path))[0] for c in claims]
+        statuses = [content.status(c)[0] for c in claims]
         papers = sorted({c.paper for c in claims})
         paper_txt = paper_links(content, papers, "repro/index.md")
         devices = sorted({d.get("device", "?") for d in load_bench_results(name)})
@@ -467,7 +461,7 @@ def claims_dashboard(content: Content) -> str:
     ]
     all_status = {}
     for c in content.claims.values():
-        all_status[c.id] = claim_status(c, load_results(content.repros[c.package].path))[0]
+        all_status[c.id] = content.status(c)[0]
     totals = {k: list(all_status.values()).count(k) for k in STATUS_ICON}
     lines += (
         ["| Status | Claims |", "|---|---|"]
