@@ -147,67 +147,104 @@ def run(quick: bool, out_dir: Path | None, budget_s: float) -> None:
     report.write(out_dir=out_dir, tag="quick" if quick else "")
 
 
-def breakdown(B: int = 4, T: int = 4096) -> None:
-    """Print the time of each forward launch and of the backward's two halves (for tuning)."""
-    import triton
+def breakdown(B: int = 8, T: int = 2048, names: tuple[str, ...] = ("ours", "fla_kda")) -> dict:
+    """GPU time of every kernel in one forward and one forward+backward, per implementation.
 
-    from repro.kda import chunk as ck
-    from repro.kda import kernels as kn
-
-    q, k, v, g, beta = make_inputs(B, T)
-    HV, NT = H, triton.cdiv(T, ck.BT)
-    dt, dev = q.dtype, q.device
-    G = torch.empty(B, T, HV, K, device=dev)
-    W, KD = torch.empty_like(G, dtype=dt), torch.empty_like(G, dtype=dt)
-    Up, Aqk = torch.empty_like(v), torch.empty(B, T, HV, ck.BT, device=dev, dtype=dt)
-    gamma = torch.empty(B, HV, NT, K, device=dev)
-    T_ut = torch.empty(B, T, HV, ck.BT, device=dev)
-    scale = K**-0.5
-
-    def intra():
-        kn.kda_intra_fwd_kernel[(NT, B * HV)](
-            q, k, v, g, beta, G, W, Up, Aqk, KD, gamma, T_ut, scale, T, NT,
-            H=H, HV=HV, K=K, V=V, BT=ck.BT, SUB=ck.SUB, DOT_PREC="tf32", num_warps=4,
-        )  # fmt: skip
-
-    intra()
-    h_all, U_new, _ = ck._state_fwd(W, Up, KD, gamma, None, False, "tf32")
-    print(f"intra {time_ms(intra):.3f} ms")
-    print(f"state {time_ms(lambda: ck._state_fwd(W, Up, KD, gamma, None, False, 'tf32')):.3f} ms")
-    print(f"full fwd {time_ms(lambda: ck.chunk_kda(q, k, v, g, beta)):.3f} ms")
-    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, g, beta)]
-    do = torch.randn_like(v)
-
-    def torch_part():
-        with torch.enable_grad():
-            return ck._kda_differentiable(*leaves, scale, None, T_ut)
-
-    print(f"bwd recompute (torch + triton state fwd) {time_ms(torch_part):.3f} ms")
-
-    def whole_bwd():
-        o, _ = torch_part()
-        return torch.autograd.grad(o, leaves, do)
-
-    print(f"bwd recompute + grad {time_ms(whole_bwd):.3f} ms")
+    Runs each implementation three times under torch.profiler (after a warm-up) and prints, for
+    each, the kernels sorted by time per call: where the time goes, to compare launch by launch
+    with the peer. Returns ``{impl: {pass: [(kernel, us_per_call), ...]}}``."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            whole_bwd()
-        torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+    fns = impls()
+    inputs = make_inputs(B, T)
+    do = torch.randn_like(inputs[2])
+    out: dict = {}
+    reps = 3
+    for name in names:
+        if name not in fns:
+            continue
+        fn = fns[name]
+        leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
+
+        def fwd(fn=fn):
+            return fn(*inputs)
+
+        def fwd_bwd(fn=fn, leaves=leaves):
+            return torch.autograd.grad(fn(*leaves), leaves, do, allow_unused=True)
+
+        out[name] = {}
+        for label, f in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+            f()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(reps):
+                    f()
+                torch.cuda.synchronize()
+            rows = sorted(
+                ((e.key, e.device_time_total / reps) for e in prof.key_averages() if e.device_time_total > 0),
+                key=lambda r: -r[1],
+            )
+            total = sum(us for _, us in rows)
+            print(f"\n{name} {label} B={B} T={T}: {total / 1000:.3f} ms of kernel time per call")
+            for kname, us in rows[:14]:
+                print(f"  {us:9.1f} us  {100 * us / total:5.1f}%  {kname[:90]}")
+            out[name][label] = [(k, round(us, 1)) for k, us in rows]
+    return out
+
+
+TUNING = {  # launch settings of repro.kda.chunk tried one at a time against the defaults
+    "INTRA_FWD_WARPS": [8],
+    "INTRA_BK": [64],
+    "INTRA_BWD_WARPS": [4],
+    "STATE_FWD_BV": [32],
+    "STATE_BWD_BV": [64],
+}
+
+
+def tune(B: int = 8, T: int = 2048) -> list[dict]:
+    """Time ours (fwd, fwd+bwd) with the defaults and with each setting of TUNING changed alone."""
+    from repro.kda import chunk as ck
+
+    inputs = make_inputs(B, T)
+    leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
+    do = torch.randn_like(inputs[2])
+    defaults = {name: getattr(ck, name) for name in TUNING}
+    trials = [{}] + [{name: value} for name, values in TUNING.items() for value in values]
+    rows = []
+    for change in trials:
+        for name, value in {**defaults, **change}.items():
+            setattr(ck, name, value)
+        try:
+            fwd = time_ms(lambda: ck.chunk_kda(*inputs))
+            fb = time_ms(lambda: torch.autograd.grad(ck.chunk_kda(*leaves)[0], leaves, do))
+        except Exception as exc:  # a setting that does not compile (out of shared memory) is a result
+            print(f"{change or 'defaults'}: failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+            continue
+        rows.append({"change": change, "fwd_ms": round(fwd, 4), "fwd_bwd_ms": round(fb, 4)})
+        print(f"{str(change or 'defaults'):32s} fwd {fwd:7.3f} ms  fwd+bwd {fb:7.3f} ms", flush=True)
+    for name, value in defaults.items():
+        setattr(ck, name, value)
+    return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one shape, a smoke test")
     ap.add_argument("--out", type=Path, default=None, help="folder for the JSON (default repro/kda/results)")
-    ap.add_argument("--breakdown", action="store_true", help="time each launch at B=4, T=4096 and exit")
+    ap.add_argument("--breakdown", action="store_true", help="GPU time per kernel, ours and fla, B=8, T=2048")
     ap.add_argument("--warm", action="store_true", help="compile and autotune every shape, time nothing")
+    ap.add_argument("--tune", action="store_true", help="time ours with each launch setting changed alone")
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new measurements after this")
     args = ap.parse_args()
     if args.breakdown:
-        breakdown()
+        import json
+
+        result = breakdown(names=("ours",) if args.tune else ("ours", "fla_kda"))
+        if args.tune:
+            result["tune"] = tune()
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "breakdown.json").write_text(json.dumps(result, indent=1))
     elif args.warm:
         warm([4096] if args.quick else ALL_T)
     else:

@@ -4,10 +4,11 @@ Forward: three Triton launches (kernels.py), no PyTorch math on the hot path. It
 intermediates the backward needs (cumulative decay G, the UT transform T, W, KD, the states
 entering each chunk, the pseudo-values U): no recomputation.
 
-Backward (``BACKWARD = "triton"``, the default): three Triton launches: the readout's gradient
-(``kda_out_bwd_kernel``), the reverse state recurrence (``kda_state_bwd_kernel``, the only
-sequential part) and all intra-chunk gradients (``kda_intra_bwd_kernel``: WY factors, the UT
-transform through dA = -T^T dT T^T, the decayed key products, the cumulative sum of g).
+Backward (``BACKWARD = "triton"``, the default): two Triton launches: the reverse state
+recurrence with the readout's gradient folded in (``kda_state_bwd_fused_kernel``, the only
+sequential part) and all intra-chunk gradients (``kda_intra_bwd_kernel``: the readout, the WY
+factors, the UT transform through dA = -T^T dT T^T, the decayed key products, the cumulative sum
+of g).
 
 ``BACKWARD = "torch"`` selects the first, slower backward: PyTorch autograd over a recomputation
 of the intra-chunk parts around the Triton state-recurrence backward. The tests check both
@@ -25,8 +26,8 @@ from repro.kda.kernels import (
     kda_decode_kernel,
     kda_intra_bwd_kernel,
     kda_intra_fwd_kernel,
-    kda_out_bwd_kernel,
     kda_out_fwd_kernel,
+    kda_state_bwd_fused_kernel,
     kda_state_bwd_kernel,
     kda_state_fwd_kernel,
 )
@@ -34,6 +35,13 @@ from repro.kda.validate import check_kda_inputs
 
 BT = 64  # chunk size of the Triton path
 SUB = 16  # rows per sub-block in the intra-chunk matrices
+LOG_SUB, LOG_NB = SUB.bit_length() - 1, (BT // SUB).bit_length() - 1  # 16 = 2^4, 64 / 16 = 2^2
+# launch settings of the parallel kernels (tuned on an H100; see bench.py --breakdown)
+INTRA_FWD_WARPS = 4
+INTRA_BWD_WARPS = 8
+INTRA_BK = 32  # key channels per step of the intra-chunk kernels: small tiles stay out of spills
+STATE_FWD_BV = 64
+STATE_BWD_BV = 32
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -44,6 +52,10 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 def _block_v(V: int) -> int:
     return min(V, 64)
+
+
+def _block_k(K: int) -> int:
+    return min(K, INTRA_BK)
 
 
 def _state_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -75,7 +87,8 @@ def kda_fwd_triton(
     T_ut = torch.empty(B, T, HV, BT, device=dev, dtype=torch.float32)
     kda_intra_fwd_kernel[(NT, B * HV)](
         q, k, v, g, beta, G, W, U_prime, Aqk, KD, gamma, T_ut, scale, T, NT,
-        H=H, HV=HV, K=K, V=V, BT=BT, SUB=SUB, DOT_PREC=prec, num_warps=4,
+        H=H, HV=HV, K=K, V=V, BT=BT, SUB=SUB, LOG_SUB=LOG_SUB, LOG_NB=LOG_NB, BK=_block_k(K),
+        BV=_block_v(V), DOT_PREC=prec, num_warps=INTRA_FWD_WARPS,
     )  # fmt: skip
     h_all, U_new, hT = _state_fwd(W, U_prime, KD, gamma, initial_state, output_final_state, prec)
     o = torch.empty_like(v)
@@ -95,7 +108,7 @@ def _state_fwd(W, U_prime, KD, gamma, h0, output_final_state, prec):
     h_all = torch.empty(B, HV, NT, K, V, device=W.device, dtype=_state_dtype(W.dtype))
     U_new = torch.empty_like(U_prime)
     hT = torch.empty(B, HV, K, V, device=W.device, dtype=torch.float32) if output_final_state else None
-    BV = _block_v(V)
+    BV = min(V, STATE_FWD_BV)
     h0c = h0.float().contiguous() if h0 is not None else None
     kda_state_fwd_kernel[(triton.cdiv(V, BV), B * HV)](
         W, U_prime, KD, gamma, h0c, h_all, U_new, hT, T, NT,
@@ -226,41 +239,43 @@ class _UTInverse(torch.autograd.Function):
 
 
 def kda_bwd_triton(q, k, v, g, beta, scale, h0, saved, do, dhT):
-    """The backward pass in three Triton launches: readout, reverse state recurrence, intra-chunk."""
+    """The backward pass in two Triton launches: the reverse state recurrence, then everything
+    parallel over chunks."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     NT = triton.cdiv(T, BT)
     prec = _dot_precision(q.dtype)
     f32 = dict(device=q.device, dtype=torch.float32)
     do = do.contiguous()
-    dU_ext = torch.empty(B, T, HV, V, **f32)
-    dh_ext = torch.empty(B, HV, NT, K, V, **f32)
-    BV = _block_v(V)
-    kda_out_bwd_kernel[(NT, triton.cdiv(V, BV), B * HV)](
-        q, saved["G"], saved["Aqk"], do, dU_ext, dh_ext, scale, T, NT,
-        H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, DOT_PREC=prec, num_warps=4,
-    )  # fmt: skip
-    dW, dKD, dU_prime, dgamma, dh0 = _state_bwd(
-        saved["W"], saved["KD"], saved["gamma"], saved["h_all"], saved["U_new"], dU_ext, dh_ext, dhT, prec
-    )
-    dq = torch.empty(B, T, HV, K, **f32)
-    dk = torch.empty(B, T, HV, K, **f32)
-    dg = torch.empty(B, T, HV, K, **f32)
-    dv = torch.empty(B, T, HV, V, **f32)
-    dbeta = torch.empty(B, T, HV, **f32)
-    kda_intra_bwd_kernel[(NT, B * HV)](
-        q, k, v, beta, saved["G"], saved["T_ut"], saved["U_new"], saved["h_all"], do,
-        dW, dU_prime, dKD, dgamma, dq, dk, dv, dg, dbeta, scale, T, NT,
-        H=H, HV=HV, K=K, V=V, BT=BT, SUB=SUB, DOT_PREC=prec, num_warps=8,
+    dU = torch.empty(B, T, HV, V, **f32)
+    dh_all = torch.empty_like(saved["h_all"])
+    dh0 = torch.empty(B, HV, K, V, **f32)
+    dhT_c = dhT.float().contiguous() if dhT is not None else None
+    BVs = min(V, STATE_BWD_BV)
+    kda_state_bwd_fused_kernel[(triton.cdiv(V, BVs), B * HV)](
+        q, saved["G"], saved["Aqk"], saved["W"], saved["KD"], saved["gamma"], do, dhT_c, dU, dh_all, dh0,
+        scale, T, NT, H=H, HV=HV, K=K, V=V, BT=BT, BV=BVs, USE_DHT=dhT is not None, DOT_PREC=prec,
+        num_warps=4,
     )  # fmt: skip
     group = HV // H
-    # value heads that share a key head add their gradients into it
-    dq = dq.view(B, T, H, group, K).sum(3)
-    dk = dk.view(B, T, H, group, K).sum(3)
-    return (
-        dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype),
-        dh0.to(h0.dtype) if h0 is not None else None,
+    # one value head per key head: the kernel writes dq, dk in their final dtype; otherwise fp32
+    # per value head, summed below into the key head they share
+    qk_dtype = q.dtype if group == 1 else torch.float32
+    dq = torch.empty(B, T, HV, K, device=q.device, dtype=qk_dtype)
+    dk = torch.empty(B, T, HV, K, device=q.device, dtype=qk_dtype)
+    dg = torch.empty(B, T, HV, K, device=q.device, dtype=g.dtype)
+    dv = torch.empty(B, T, HV, V, device=q.device, dtype=v.dtype)
+    dbeta = torch.empty(B, T, HV, device=q.device, dtype=beta.dtype)
+    kda_intra_bwd_kernel[(NT, B * HV)](
+        q, k, v, beta, saved["G"], saved["T_ut"], saved["U_new"], saved["h_all"], dh_all, do, dU,
+        dq, dk, dv, dg, dbeta, scale, T, NT,
+        H=H, HV=HV, K=K, V=V, BT=BT, SUB=SUB, BK=_block_k(K), BV=_block_v(V), DOT_PREC=prec,
+        num_warps=INTRA_BWD_WARPS,
     )  # fmt: skip
+    if group > 1:
+        dq = dq.view(B, T, H, group, K).sum(3).to(q.dtype)
+        dk = dk.view(B, T, H, group, K).sum(3).to(k.dtype)
+    return dq, dk, dv, dg, dbeta, dh0.to(h0.dtype) if h0 is not None else None
 
 
 # "triton": the backward above. "torch": PyTorch autograd over a recomputation plus the Triton

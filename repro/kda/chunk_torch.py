@@ -123,6 +123,38 @@ def ut_transform_blocked(A: torch.Tensor, block: int = SUB_BLOCK) -> torch.Tenso
     return series @ T_d
 
 
+def ut_transform_doubling(A: torch.Tensor, block: int = SUB_BLOCK) -> torch.Tensor:
+    """``(I + A)^{-1}`` the way the Triton forward kernel computes it: blocks and repeated squaring.
+
+    As in :func:`ut_transform_blocked`, ``I + A = (I + A_d)(I + N)`` with ``N = T_d A_o``. Both
+    ``A_d`` (``A_d^block = 0``) and ``N`` (``N^(C/block) = 0``) are nilpotent, and for a nilpotent
+    ``X`` with ``X^(2^m) = 0`` the series ``I - X + X^2 - ...`` factors as
+    ``(I - X)(I + X^2)(I + X^4) ... (I + X^(2^(m-1)))``. So ``T_d`` takes log2(block) factors
+    (4 for 16) instead of block - 1 substitution steps, and ``(I + N)^{-1}`` log2(C/block).
+    Needs power-of-two sizes.
+    """
+    C = A.shape[-1]
+    block = min(block, C)
+    if C % block or block & (block - 1) or (C // block) & (C // block - 1):
+        raise ValueError(f"ut_transform_doubling: C={C} and block={block} must be powers of two, block | C")
+    idx = torch.arange(C, device=A.device)
+    same_block = (idx[:, None] // block) == (idx[None, :] // block)
+    A_d = torch.where(same_block, A, 0.0)
+    A_o = A - A_d
+    eye = torch.eye(C, dtype=A.dtype, device=A.device)
+
+    def inverse_of_identity_plus(X: torch.Tensor, nilpotency: int) -> torch.Tensor:
+        out, power, reach = eye - X, X, 2
+        while reach < nilpotency:  # out = I - X + ... + (-X)^(reach - 1)
+            power = power @ power
+            out = out + out @ power
+            reach *= 2
+        return out
+
+    T_d = inverse_of_identity_plus(A_d, block)
+    return inverse_of_identity_plus(T_d @ A_o, C // block) @ T_d
+
+
 def chunk_kda_torch(
     q: torch.Tensor,
     k: torch.Tensor,

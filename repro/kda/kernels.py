@@ -27,6 +27,61 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def _block_products(b_k, b_x, b_G, loc, a, SUB: tl.constexpr):
+    """One 16-row block of ``A[r, i] = sum_c x_rc k_ic exp(G_rc - G_ic)`` as a matmul's operands.
+
+    Rows ``r`` of block ``a`` against every column ``i`` up to the block's end, factored around a
+    reference row in the block's middle so that neither factor overflows (chunk_torch.chunk_matrices):
+    returns ``x_rows = x * exp(G - G_ref)`` (zero outside the block), ``k_cols = k * exp(G_ref - G)``
+    (zero after the block) and the two exponentials, for the gradient."""
+    ref_row = a * SUB + SUB // 2
+    G_ref = tl.sum(tl.where(loc[:, None] == ref_row, b_G, 0.0), axis=0)
+    in_block = (loc >= a * SUB) & (loc < (a + 1) * SUB)
+    upto_block = loc < (a + 1) * SUB
+    # the exponent is clamped to 0 where the row/column is masked out anyway: no inf * 0
+    e_row = tl.exp(tl.where(in_block[:, None], b_G - G_ref[None, :], 0.0))
+    e_col = tl.exp(tl.where(upto_block[:, None], G_ref[None, :] - b_G, 0.0))
+    x_rows = tl.where(in_block[:, None], b_x * e_row, 0.0)
+    k_cols = tl.where(upto_block[:, None], b_k * e_col, 0.0)
+    return x_rows, k_cols, e_row, e_col, in_block, upto_block
+
+
+@triton.jit
+def _unit_lower_inverse(
+    A_kk,
+    loc,
+    BT: tl.constexpr,
+    SUB: tl.constexpr,
+    LOG_SUB: tl.constexpr,
+    LOG_NB: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """``(I + A)^{-1}`` for a strictly lower ``[BT, BT]`` A, in ten matmuls for BT = 64, SUB = 16.
+
+    ``A = A_d + A_o`` (16x16 diagonal blocks, and the part below them). ``A_d^SUB = 0``, so
+    ``(I + A_d)^{-1} = sum_m (-A_d)^m = (I - A_d)(I + A_d^2)(I + A_d^4)(I + A_d^8)`` (repeated
+    squaring: log2(16) = 4 factors instead of 15 steps of forward substitution). Then
+    ``I + A = (I + A_d)(I + N)`` with ``N = T_d A_o`` strictly block-lower, ``N^(BT/SUB) = 0``, and
+    ``(I + N)^{-1} = (I - N)(I + N^2)`` the same way (chunk_torch.ut_transform_doubling)."""
+    same_block = (loc[:, None] // SUB) == (loc[None, :] // SUB)
+    eye = tl.where(loc[:, None] == loc[None, :], 1.0, 0.0)
+    A_d = tl.where(same_block, A_kk, 0.0)
+    A_o = tl.where(same_block, 0.0, A_kk)
+    T_d = eye - A_d
+    power = A_d
+    for _m in tl.static_range(1, LOG_SUB):  # SUB = 2^LOG_SUB: LOG_SUB factors in all
+        power = tl.dot(power, power, input_precision=DOT_PREC)
+        T_d += tl.dot(T_d, power, input_precision=DOT_PREC)
+    N = tl.dot(T_d, A_o, input_precision=DOT_PREC)
+    series = eye - N
+    power = N
+    for _m in tl.static_range(1, LOG_NB):  # BT / SUB = 2^LOG_NB blocks
+        power = tl.dot(power, power, input_precision=DOT_PREC)
+        series += tl.dot(series, power, input_precision=DOT_PREC)
+    return tl.dot(series, T_d, input_precision=DOT_PREC)
+
+
 @triton.jit(do_not_specialize=["T", "NT"])
 def kda_intra_fwd_kernel(
     q,
@@ -50,8 +105,19 @@ def kda_intra_fwd_kernel(
     V: tl.constexpr,
     BT: tl.constexpr,
     SUB: tl.constexpr,
+    LOG_SUB: tl.constexpr,
+    LOG_NB: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
+    """One program per (chunk, batch x value head), all chunks in parallel.
+
+    Pass 1 over key-channel blocks of BK: cumulative log-decay ``G`` (stored), ``gamma = exp(G_C)``,
+    ``KD = k exp(G_C - G)``, and the sums over channels that make ``A_kk`` and ``A_qk`` (each block
+    of channels adds its part: the ``[BT, BK]`` tiles stay small, so nothing spills). Then the UT
+    transform ``T = (I + A_kk)^{-1}`` (:func:`_unit_lower_inverse`); pass 2 the WY factors
+    ``W = T Diag(beta)(K*exp(G))`` per channel block and ``U' = T Diag(beta) V`` per value block."""
     i_t = tl.program_id(0)
     i_bh = tl.program_id(1)
     b = i_bh // HV
@@ -61,84 +127,54 @@ def kda_intra_fwd_kernel(
     loc = tl.arange(0, BT)
     rows = i_t * BT + loc
     mrow = rows < T
-    offk = tl.arange(0, K)
-    offv = tl.arange(0, V)
-
-    qk_off = ((b * T + rows[:, None]) * H + hk) * K + offk[None, :]
-    gv_off = ((b * T + rows[:, None]) * HV + hv) * K + offk[None, :]
-    b_k = tl.load(k + qk_off, mask=mrow[:, None], other=0.0).to(tl.float32)
-    b_q = tl.load(q + qk_off, mask=mrow[:, None], other=0.0).to(tl.float32)
     # padded rows get g = 0 (no decay) and beta = 0, k = 0 (no write): they leave the state alone
-    b_g = tl.load(g + gv_off, mask=mrow[:, None], other=0.0).to(tl.float32)
     b_beta = tl.load(beta + (b * T + rows) * HV + hv, mask=mrow, other=0.0).to(tl.float32)
-    b_v = tl.load(
-        v + ((b * T + rows[:, None]) * HV + hv) * V + offv[None, :], mask=mrow[:, None], other=0.0
-    ).to(tl.float32)
 
-    b_G = tl.cumsum(b_g, axis=0)  # G_r = g_1 + ... + g_r inside the chunk
-    tl.store(G_out + gv_off, b_G, mask=mrow[:, None])
-    # padded rows have g = 0, so the last row of the cumsum is G at the chunk's last real token
-    G_last = tl.sum(tl.where(loc[:, None] == BT - 1, b_G, 0.0), axis=0)
-    tl.store(gamma_out + (i_bh * NT + i_t) * K + offk, tl.exp(G_last))
-    b_kd = b_k * tl.exp(G_last[None, :] - b_G)  # decay from token i to the end of the chunk
-    tl.store(KD_out + gv_off, b_kd.to(KD_out.dtype.element_ty), mask=mrow[:, None])
-
-    # A[r, i] = sum_c x_rc k_ic exp(G_rc - G_ic), one 16-row block at a time, each factored
-    # around a reference row in its middle so that no exp overflows (see chunk_torch.chunk_matrices)
     A_kk = tl.zeros([BT, BT], dtype=tl.float32)
     A_qk = tl.zeros([BT, BT], dtype=tl.float32)
-    for a in tl.static_range(BT // SUB):
-        ref_row = a * SUB + SUB // 2
-        G_ref = tl.sum(tl.where(loc[:, None] == ref_row, b_G, 0.0), axis=0)  # [K]
-        in_block = (loc >= a * SUB) & (loc < (a + 1) * SUB)
-        upto_block = loc < (a + 1) * SUB
-        # clamp the exponent where the row/column is masked out anyway: no inf * 0
-        e_row = tl.exp(tl.where(in_block[:, None], b_G - G_ref[None, :], 0.0))
-        e_col = tl.exp(tl.where(upto_block[:, None], G_ref[None, :] - b_G, 0.0))
-        x_k = tl.where(in_block[:, None], b_k * e_row, 0.0)
-        x_q = tl.where(in_block[:, None], b_q * e_row, 0.0)
-        y_k = tl.where(upto_block[:, None], b_k * e_col, 0.0)
-        A_kk += tl.dot(x_k, tl.trans(y_k), input_precision=DOT_PREC)
-        A_qk += tl.dot(x_q, tl.trans(y_k), input_precision=DOT_PREC)
+    for kb in tl.static_range(K // BK):
+        offk = kb * BK + tl.arange(0, BK)
+        qk_off = ((b * T + rows[:, None]) * H + hk) * K + offk[None, :]
+        gv_off = ((b * T + rows[:, None]) * HV + hv) * K + offk[None, :]
+        b_k = tl.load(k + qk_off, mask=mrow[:, None], other=0.0).to(tl.float32)
+        b_q = tl.load(q + qk_off, mask=mrow[:, None], other=0.0).to(tl.float32)
+        b_g = tl.load(g + gv_off, mask=mrow[:, None], other=0.0).to(tl.float32)
+        b_G = tl.cumsum(b_g, axis=0)  # G_r = g_1 + ... + g_r inside the chunk
+        tl.store(G_out + gv_off, b_G, mask=mrow[:, None])
+        # padded rows have g = 0, so the last row of the cumsum is G at the chunk's last real token
+        G_last = tl.sum(tl.where(loc[:, None] == BT - 1, b_G, 0.0), axis=0)
+        tl.store(gamma_out + (i_bh * NT + i_t) * K + offk, tl.exp(G_last))
+        b_kd = b_k * tl.exp(G_last[None, :] - b_G)  # decay from token i to the end of the chunk
+        tl.store(KD_out + gv_off, b_kd.to(KD_out.dtype.element_ty), mask=mrow[:, None])
+        for a in tl.static_range(BT // SUB):
+            x_k, k_cols, e_row, _e_col, in_block, _upto = _block_products(b_k, b_k, b_G, loc, a, SUB)
+            x_q = tl.where(in_block[:, None], b_q * e_row, 0.0)
+            A_kk += tl.dot(x_k, tl.trans(k_cols), input_precision=DOT_PREC)
+            A_qk += tl.dot(x_q, tl.trans(k_cols), input_precision=DOT_PREC)
     A_kk = tl.where(loc[:, None] > loc[None, :], A_kk, 0.0) * b_beta[:, None]
     A_qk = tl.where(loc[:, None] >= loc[None, :], A_qk, 0.0) * scale
-    tl.store(
-        Aqk_out + ((b * T + rows[:, None]) * HV + hv) * BT + loc[None, :],
-        A_qk.to(Aqk_out.dtype.element_ty),
-        mask=mrow[:, None],
-    )
+    c_off = ((b * T + rows[:, None]) * HV + hv) * BT + loc[None, :]
+    tl.store(Aqk_out + c_off, A_qk.to(Aqk_out.dtype.element_ty), mask=mrow[:, None])
 
-    # UT transform T = (I + A)^{-1}, blocked (as chunk_torch.ut_transform_blocked):
-    # 1) invert the 16x16 diagonal blocks by forward substitution, all four at once: step j fixes
-    #    row j of every block, T_d[r] = e_r - sum_{i<r, same block} A[r, i] T_d[i], as one matmul;
-    # 2) I + A = (I + A_d)(I + T_d A_o) with A_o the part below the diagonal blocks, and
-    #    N = T_d A_o is nilpotent (N^(BT/SUB) = 0), so (I + A)^{-1} = (I - N + N^2 - ...) T_d.
-    same_block = (loc[:, None] // SUB) == (loc[None, :] // SUB)
-    eye = tl.where(loc[:, None] == loc[None, :], 1.0, 0.0)
-    A_d = tl.where(same_block, A_kk, 0.0)
-    A_o = tl.where(same_block, 0.0, A_kk)
-    T_d = eye
-    for j in tl.static_range(1, SUB):
-        row_j = (loc % SUB) == j
-        corr = tl.dot(tl.where(row_j[:, None], A_d, 0.0), T_d, input_precision=DOT_PREC)
-        T_d = tl.where(row_j[:, None], T_d - corr, T_d)
-    N = tl.dot(T_d, A_o, input_precision=DOT_PREC)
-    series = eye
-    power = eye
-    for _m in tl.static_range(1, BT // SUB):
-        power = -tl.dot(power, N, input_precision=DOT_PREC)
-        series += power
-    T_ut = tl.dot(series, T_d, input_precision=DOT_PREC)
-    tl.store(T_out + ((b * T + rows[:, None]) * HV + hv) * BT + loc[None, :], T_ut, mask=mrow[:, None])
+    T_ut = _unit_lower_inverse(A_kk, loc, BT, SUB, LOG_SUB, LOG_NB, DOT_PREC)
+    tl.store(T_out + c_off, T_ut, mask=mrow[:, None])
 
-    b_W = tl.dot(T_ut, b_k * tl.exp(b_G) * b_beta[:, None], input_precision=DOT_PREC)
-    b_U = tl.dot(T_ut, b_v * b_beta[:, None], input_precision=DOT_PREC)
-    tl.store(W_out + gv_off, b_W.to(W_out.dtype.element_ty), mask=mrow[:, None])
-    tl.store(
-        U_out + ((b * T + rows[:, None]) * HV + hv) * V + offv[None, :],
-        b_U.to(U_out.dtype.element_ty),
-        mask=mrow[:, None],
-    )
+    for kb in tl.static_range(K // BK):
+        offk = kb * BK + tl.arange(0, BK)
+        gv_off = ((b * T + rows[:, None]) * HV + hv) * K + offk[None, :]
+        b_k = tl.load(
+            k + ((b * T + rows[:, None]) * H + hk) * K + offk[None, :], mask=mrow[:, None], other=0.0
+        )
+        b_g = tl.load(g + gv_off, mask=mrow[:, None], other=0.0).to(tl.float32)
+        b_kb = b_k.to(tl.float32) * tl.exp(tl.cumsum(b_g, axis=0)) * b_beta[:, None]
+        b_W = tl.dot(T_ut, b_kb, input_precision=DOT_PREC)
+        tl.store(W_out + gv_off, b_W.to(W_out.dtype.element_ty), mask=mrow[:, None])
+    for vb in tl.static_range(V // BV):
+        offv = vb * BV + tl.arange(0, BV)
+        v_off = ((b * T + rows[:, None]) * HV + hv) * V + offv[None, :]
+        b_v = tl.load(v + v_off, mask=mrow[:, None], other=0.0).to(tl.float32)
+        b_U = tl.dot(T_ut, b_v * b_beta[:, None], input_precision=DOT_PREC)
+        tl.store(U_out + v_off, b_U.to(U_out.dtype.element_ty), mask=mrow[:, None])
 
 
 @triton.jit(do_not_specialize=["T", "NT"])
@@ -366,13 +402,18 @@ def kda_decode_kernel(
 
 
 @triton.jit(do_not_specialize=["T", "NT"])
-def kda_out_bwd_kernel(
+def kda_state_bwd_fused_kernel(
     q,
     G,
     Aqk,
+    W,
+    KD,
+    gamma,
     do,
-    dU_ext,
-    dh_ext,
+    dhT,
+    dU,
+    dh_all,
+    dh0,
     scale,
     T,
     NT,
@@ -382,33 +423,64 @@ def kda_out_bwd_kernel(
     V: tl.constexpr,
     BT: tl.constexpr,
     BV: tl.constexpr,
+    USE_DHT: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """Gradients leaving the readout O = scale (Q*exp(G)) S_n + A_qk U towards U and S_n:
-    dU_ext = A_qk^T dO and dh_ext_n = scale (Q*exp(G))^T dO, for one chunk and value block."""
-    i_t = tl.program_id(0)
-    i_v = tl.program_id(1)
-    i_bh = tl.program_id(2)
+    """The backward's only sequential part, one program per (V block, b*HV), chunks in reverse.
+
+    Forward per chunk n: ``U_n = U'_n - W_n S_n``, ``S_{n+1} = Diag(gamma_n) S_n + KD_n^T U_n``,
+    ``O_n = scale (Q_n*exp(G_n)) S_n + A_qk,n U_n``. With dS the gradient reaching S_{n+1}:
+
+        dU_n = A_qk,n^T dO_n + KD_n dS                      (stored: it is also dU'_n)
+        dS  <- Diag(gamma_n) dS - W_n^T dU_n + scale (Q_n*exp(G_n))^T dO_n
+
+    and dS before the update (the gradient at S_{n+1}) is stored per chunk in ``dh_all``. The
+    readout's gradients (A_qk^T dO, (Q e^G)^T dO) are computed here, in the loop, rather than
+    written to memory by a separate kernel and read back; everything that is a sum over the value
+    channels (dW, dKD, dgamma) is left to the parallel :func:`kda_intra_bwd_kernel`, so this kernel
+    needs no atomics.
+    """
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1)
     b = i_bh // HV
     hv = i_bh % HV
     hk = hv // (HV // H)
-    loc = tl.arange(0, BT)
-    rows = i_t * BT + loc
-    mrow = rows < T
     offk = tl.arange(0, K)
     offv = i_v * BV + tl.arange(0, BV)
-    b_q = tl.load(q + ((b * T + rows[:, None]) * H + hk) * K + offk[None, :], mask=mrow[:, None], other=0.0)
-    b_G = tl.load(G + ((b * T + rows[:, None]) * HV + hv) * K + offk[None, :], mask=mrow[:, None], other=0.0)
-    b_qg = b_q.to(tl.float32) * tl.exp(b_G) * scale
-    b_A = tl.load(
-        Aqk + ((b * T + rows[:, None]) * HV + hv) * BT + loc[None, :], mask=mrow[:, None], other=0.0
-    )
-    v_off = ((b * T + rows[:, None]) * HV + hv) * V + offv[None, :]
-    b_do = tl.load(do + v_off, mask=mrow[:, None], other=0.0).to(tl.float32)
-    b_du = tl.dot(tl.trans(b_A.to(tl.float32)), b_do, input_precision=DOT_PREC)
-    tl.store(dU_ext + v_off, b_du, mask=mrow[:, None])
-    b_dh = tl.dot(tl.trans(b_qg), b_do, input_precision=DOT_PREC)
-    tl.store(dh_ext + (i_bh * NT + i_t) * K * V + offk[:, None] * V + offv[None, :], b_dh)
+    loc = tl.arange(0, BT)
+    kv_off = offk[:, None] * V + offv[None, :]
+
+    dS = tl.zeros([K, BV], dtype=tl.float32)
+    if USE_DHT:
+        dS += tl.load(dhT + i_bh * K * V + kv_off).to(tl.float32)
+    n = NT - 1
+    while n >= 0:
+        rows = n * BT + loc
+        mrow = rows < T
+        k_off = ((b * T + rows[:, None]) * HV + hv) * K + offk[None, :]
+        v_off = ((b * T + rows[:, None]) * HV + hv) * V + offv[None, :]
+        b_q = tl.load(
+            q + ((b * T + rows[:, None]) * H + hk) * K + offk[None, :], mask=mrow[:, None], other=0.0
+        )
+        b_G = tl.load(G + k_off, mask=mrow[:, None], other=0.0)
+        b_qg = (b_q.to(tl.float32) * tl.exp(b_G) * scale).to(b_q.dtype)
+        b_A = tl.load(
+            Aqk + ((b * T + rows[:, None]) * HV + hv) * BT + loc[None, :], mask=mrow[:, None], other=0.0
+        )
+        b_kd = tl.load(KD + k_off, mask=mrow[:, None], other=0.0)
+        b_w = tl.load(W + k_off, mask=mrow[:, None], other=0.0)
+        b_do = tl.load(do + v_off, mask=mrow[:, None], other=0.0).to(b_q.dtype)
+        b_gamma = tl.load(gamma + (i_bh * NT + n) * K + offk).to(tl.float32)
+
+        tl.store(dh_all + (i_bh * NT + n) * K * V + kv_off, dS.to(dh_all.dtype.element_ty))
+        # matmuls in the inputs' dtype (bf16 tensor cores for bf16), accumulating in fp32
+        b_du = tl.dot(tl.trans(b_A.to(b_do.dtype)), b_do, input_precision=DOT_PREC)
+        b_du += tl.dot(b_kd, dS.to(b_kd.dtype), input_precision=DOT_PREC)
+        tl.store(dU + v_off, b_du, mask=mrow[:, None])
+        dS = dS * b_gamma[:, None] - tl.dot(tl.trans(b_w), b_du.to(b_w.dtype), input_precision=DOT_PREC)
+        dS += tl.dot(tl.trans(b_qg), b_do, input_precision=DOT_PREC)
+        n -= 1
+    tl.store(dh0 + i_bh * K * V + kv_off, dS)
 
 
 @triton.jit(do_not_specialize=["T", "NT"])
@@ -421,11 +493,9 @@ def kda_intra_bwd_kernel(
     T_ut,
     U_new,
     h_all,
+    dh_all,
     do,
-    dW,
-    dU_prime,
-    dKD,
-    dgamma,
+    dU,
     dq,
     dk,
     dv,
@@ -440,14 +510,24 @@ def kda_intra_bwd_kernel(
     V: tl.constexpr,
     BT: tl.constexpr,
     SUB: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     """Everything parallel over chunks in the backward pass, one program per (chunk, b*HV).
 
-    Inputs: the forward's G (fp32), T = (I + A_kk)^{-1} (fp32), U, the chunk's incoming state,
-    dO, and from :func:`kda_state_bwd_kernel` dW, dU', dKD, dgamma. Outputs per value head
-    (the launcher sums dq, dk over the value heads sharing a key head): dq, dk, dv, dg, dbeta.
-    Each line differentiates one line of the forward (kda_intra_fwd_kernel, kda_out_fwd_kernel).
+    Inputs: the forward's G (fp32), T = (I + A_kk)^{-1} (fp32), U, the chunk's incoming state S_n
+    (``h_all``), dO, and from :func:`kda_state_bwd_fused_kernel` dU (= dU') and dS_{n+1}
+    (``dh_all``). Outputs per value head (the launcher sums dq, dk over the value heads sharing a
+    key head): dq, dk, dv, dg, dbeta. Three passes, each over small tiles:
+
+    * over value blocks: ``M_q = tril(dO U^T) scale`` (gradient of A_qk), the value part of
+      ``dT``, and ``dv``, ``dbeta`` from ``U' = T Diag(beta) V``;
+    * over key-channel blocks: ``dW = -dU S_n^T`` and the key part of ``dT = dW (beta k e^G)^T``,
+      and ``A_kk`` again (for dbeta); then ``dA = -T^T dT T^T`` (strictly lower);
+    * over key-channel blocks again: dq, dk, dG from the readout, the WY factors, ``KD`` and
+      ``gamma``, and the decayed key products (per 16-row block, as in the forward); ``dg`` is the
+      reverse cumulative sum of dG. dW is recomputed here rather than stored (a small matmul).
     """
     i_t = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -457,95 +537,131 @@ def kda_intra_bwd_kernel(
     loc = tl.arange(0, BT)
     rows = i_t * BT + loc
     mrow = rows < T
-    offk = tl.arange(0, K)
-    offv = tl.arange(0, V)
-    qk_off = ((b * T + rows[:, None]) * H + hk) * K + offk[None, :]
-    k_off = ((b * T + rows[:, None]) * HV + hv) * K + offk[None, :]
-    v_off = ((b * T + rows[:, None]) * HV + hv) * V + offv[None, :]
-    c_off = ((b * T + rows[:, None]) * HV + hv) * BT + loc[None, :]
-
-    b_q = tl.load(q + qk_off, mask=mrow[:, None], other=0.0).to(tl.float32)
-    b_k = tl.load(k + qk_off, mask=mrow[:, None], other=0.0).to(tl.float32)
-    b_v = tl.load(v + v_off, mask=mrow[:, None], other=0.0).to(tl.float32)
-    b_beta = tl.load(beta + (b * T + rows) * HV + hv, mask=mrow, other=0.0).to(tl.float32)
-    b_G = tl.load(G + k_off, mask=mrow[:, None], other=0.0)
     last = tl.minimum(T - i_t * BT, BT) - 1  # the chunk's last real token
-    G_last = tl.sum(tl.where(loc[:, None] == last, b_G, 0.0), axis=0)
-    # padded rows were never stored: in the forward their G equals G_last (g = 0 there)
-    b_G = tl.where(mrow[:, None], b_G, G_last[None, :])
-    b_eG = tl.exp(b_G)
-    b_T = tl.load(T_ut + c_off, mask=mrow[:, None], other=0.0)
-    b_u = tl.load(U_new + v_off, mask=mrow[:, None], other=0.0).to(tl.float32)
-    b_do = tl.load(do + v_off, mask=mrow[:, None], other=0.0).to(tl.float32)
-    b_h = tl.load(h_all + (i_bh * NT + i_t) * K * V + offk[:, None] * V + offv[None, :]).to(tl.float32)
-
-    # readout O = scale (Q*e^G) S_n + A_qk U
-    b_dqg = tl.dot(b_do, tl.trans(b_h), input_precision=DOT_PREC) * scale  # d(Q*e^G)
-    b_dq = b_dqg * b_eG
-    b_dG = b_dq * b_q
     lower = loc[:, None] >= loc[None, :]
-    M_q = tl.where(lower, tl.dot(b_do, tl.trans(b_u), input_precision=DOT_PREC), 0.0) * scale
+    strict = loc[:, None] > loc[None, :]
+    state_off = (i_bh * NT + i_t) * K * V
 
-    # WY factors W = T KB, U' = T VB with KB = beta k e^G, VB = beta v
-    b_dw = tl.load(dW + k_off, mask=mrow[:, None], other=0.0)
-    b_dup = tl.load(dU_prime + v_off, mask=mrow[:, None], other=0.0)
-    b_KB = b_k * b_eG * b_beta[:, None]
-    b_VB = b_v * b_beta[:, None]
-    dT = tl.dot(b_dw, tl.trans(b_KB), input_precision=DOT_PREC) + tl.dot(
-        b_dup, tl.trans(b_VB), input_precision=DOT_PREC
-    )
-    b_dKB = tl.dot(tl.trans(b_T), b_dw, input_precision=DOT_PREC)
-    b_dVB = tl.dot(tl.trans(b_T), b_dup, input_precision=DOT_PREC)
-    b_dv = b_dVB * b_beta[:, None]
-    b_dbeta = tl.sum(b_dVB * b_v, axis=1) + tl.sum(b_dKB * b_k * b_eG, axis=1)
-    b_dk = b_dKB * b_eG * b_beta[:, None]
-    b_dG += b_dKB * b_KB
-    # T = (I + A_kk)^{-1}: dA = -T^T dT T^T, strictly lower
+    b_beta = tl.load(beta + (b * T + rows) * HV + hv, mask=mrow, other=0.0).to(tl.float32)
+    c_off = ((b * T + rows[:, None]) * HV + hv) * BT + loc[None, :]
+    b_T = tl.load(T_ut + c_off, mask=mrow[:, None], other=0.0)
+
+    # pass 1, value blocks
+    M_q = tl.zeros([BT, BT], dtype=tl.float32)
+    dT = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dbeta = tl.zeros([BT], dtype=tl.float32)
+    for vb in tl.static_range(V // BV):
+        offv = vb * BV + tl.arange(0, BV)
+        v_off = ((b * T + rows[:, None]) * HV + hv) * V + offv[None, :]
+        b_do = tl.load(do + v_off, mask=mrow[:, None], other=0.0).to(tl.float32)
+        b_u = tl.load(U_new + v_off, mask=mrow[:, None], other=0.0).to(tl.float32)
+        b_du = tl.load(dU + v_off, mask=mrow[:, None], other=0.0)
+        b_v = tl.load(v + v_off, mask=mrow[:, None], other=0.0).to(tl.float32)
+        M_q += tl.dot(b_do, tl.trans(b_u), input_precision=DOT_PREC)
+        dT += tl.dot(b_du, tl.trans(b_v * b_beta[:, None]), input_precision=DOT_PREC)
+        b_dvb = tl.dot(tl.trans(b_T), b_du, input_precision=DOT_PREC)  # d(Diag(beta) V)
+        tl.store(dv + v_off, (b_dvb * b_beta[:, None]).to(dv.dtype.element_ty), mask=mrow[:, None])
+        b_dbeta += tl.sum(b_dvb * b_v, axis=1)
+    M_q = tl.where(lower, M_q, 0.0) * scale
+
+    # pass 2, key-channel blocks: the rest of dT, and A_kk without beta
+    A_raw = tl.zeros([BT, BT], dtype=tl.float32)
+    for kb in tl.static_range(K // BK):
+        offk = kb * BK + tl.arange(0, BK)
+        k_off = ((b * T + rows[:, None]) * HV + hv) * K + offk[None, :]
+        b_k = tl.load(
+            k + ((b * T + rows[:, None]) * H + hk) * K + offk[None, :], mask=mrow[:, None], other=0.0
+        )
+        b_k = b_k.to(tl.float32)
+        b_G = tl.load(G + k_off, mask=mrow[:, None], other=0.0)
+        G_last = tl.sum(tl.where(loc[:, None] == last, b_G, 0.0), axis=0)
+        # padded rows were never stored: in the forward their G equals G_last (g = 0 there)
+        b_G = tl.where(mrow[:, None], b_G, G_last[None, :])
+        b_dw = tl.zeros([BT, BK], dtype=tl.float32)
+        for vb in tl.static_range(V // BV):
+            offv = vb * BV + tl.arange(0, BV)
+            b_du = tl.load(
+                dU + ((b * T + rows[:, None]) * HV + hv) * V + offv[None, :], mask=mrow[:, None], other=0.0
+            )
+            b_h = tl.load(h_all + state_off + offk[:, None] * V + offv[None, :]).to(tl.float32)
+            b_dw -= tl.dot(b_du, tl.trans(b_h), input_precision=DOT_PREC)
+        dT += tl.dot(b_dw, tl.trans(b_k * tl.exp(b_G) * b_beta[:, None]), input_precision=DOT_PREC)
+        for a in tl.static_range(BT // SUB):
+            x_k, k_cols, _e_row, _e_col, _in, _upto = _block_products(b_k, b_k, b_G, loc, a, SUB)
+            A_raw += tl.dot(x_k, tl.trans(k_cols), input_precision=DOT_PREC)
+    # T = (I + A_kk)^{-1}: dA = -T^T dT T^T, strictly lower; A_kk = Diag(beta) A_raw
     b_Tt = tl.trans(b_T)
     dA = -tl.dot(tl.dot(b_Tt, dT, input_precision=DOT_PREC), b_Tt, input_precision=DOT_PREC)
-    dA = tl.where(loc[:, None] > loc[None, :], dA, 0.0)
+    dA = tl.where(strict, dA, 0.0)
     M_k = dA * b_beta[:, None]
+    # A_raw's upper triangle can overflow (it is never used): mask before the product reaches it
+    b_dbeta += tl.sum(tl.where(strict, dA * A_raw, 0.0), axis=1)
 
-    # KD = k e^(G_last - G) and gamma = e^G_last feed the state recurrence
-    b_dkd = tl.load(dKD + k_off, mask=mrow[:, None], other=0.0)
-    e_tail = tl.exp(G_last[None, :] - b_G)
-    b_dk += b_dkd * e_tail
-    kd_term = b_dkd * b_k * e_tail
-    b_dG -= kd_term
-    dG_last = tl.sum(kd_term, axis=0) + tl.load(dgamma + (i_bh * NT + i_t) * K + offk) * tl.exp(G_last)
+    # pass 3, key-channel blocks: dq, dk, dg
+    for kb in tl.static_range(K // BK):
+        offk = kb * BK + tl.arange(0, BK)
+        k_off = ((b * T + rows[:, None]) * HV + hv) * K + offk[None, :]
+        qk_off = ((b * T + rows[:, None]) * H + hk) * K + offk[None, :]
+        b_q = tl.load(q + qk_off, mask=mrow[:, None], other=0.0).to(tl.float32)
+        b_k = tl.load(k + qk_off, mask=mrow[:, None], other=0.0).to(tl.float32)
+        b_G = tl.load(G + k_off, mask=mrow[:, None], other=0.0)
+        G_last = tl.sum(tl.where(loc[:, None] == last, b_G, 0.0), axis=0)
+        b_G = tl.where(mrow[:, None], b_G, G_last[None, :])
+        b_eG = tl.exp(b_G)
 
-    # A[r, i] = sum_c x_rc k_ic e^(G_rc - G_ic), factored per 16-row block as in the forward
-    A_raw = tl.zeros([BT, BT], dtype=tl.float32)
-    for a in tl.static_range(BT // SUB):
-        ref_row = a * SUB + SUB // 2
-        G_ref = tl.sum(tl.where(loc[:, None] == ref_row, b_G, 0.0), axis=0)
-        in_block = (loc >= a * SUB) & (loc < (a + 1) * SUB)
-        upto_block = loc < (a + 1) * SUB
-        e_row = tl.exp(tl.where(in_block[:, None], b_G - G_ref[None, :], 0.0))
-        e_col = tl.exp(tl.where(upto_block[:, None], G_ref[None, :] - b_G, 0.0))
-        x_k = tl.where(in_block[:, None], b_k * e_row, 0.0)
-        x_q = tl.where(in_block[:, None], b_q * e_row, 0.0)
-        y_k = tl.where(upto_block[:, None], b_k * e_col, 0.0)
-        A_raw += tl.dot(x_k, tl.trans(y_k), input_precision=DOT_PREC)
-        Mk_a = tl.where(in_block[:, None], M_k, 0.0)
-        Mq_a = tl.where(in_block[:, None], M_q, 0.0)
-        d_xk = tl.dot(Mk_a, y_k, input_precision=DOT_PREC) * e_row
-        d_xq = tl.dot(Mq_a, y_k, input_precision=DOT_PREC) * e_row
-        d_y = (
-            tl.dot(tl.trans(Mk_a), x_k, input_precision=DOT_PREC)
-            + tl.dot(tl.trans(Mq_a), x_q, input_precision=DOT_PREC)
-        ) * e_col
-        d_y = tl.where(upto_block[:, None], d_y, 0.0)
-        b_dk += d_xk + d_y
-        b_dq += d_xq
-        b_dG += d_xk * b_k + d_xq * b_q - d_y * b_k
-    b_dbeta += tl.sum(tl.where(loc[:, None] > loc[None, :], dA * A_raw, 0.0), axis=1)
+        b_dw = tl.zeros([BT, BK], dtype=tl.float32)
+        b_dkd = tl.zeros([BT, BK], dtype=tl.float32)
+        b_dqg = tl.zeros([BT, BK], dtype=tl.float32)
+        b_dgamma = tl.zeros([BK], dtype=tl.float32)
+        for vb in tl.static_range(V // BV):
+            offv = vb * BV + tl.arange(0, BV)
+            v_off = ((b * T + rows[:, None]) * HV + hv) * V + offv[None, :]
+            kv_off = offk[:, None] * V + offv[None, :]
+            b_du = tl.load(dU + v_off, mask=mrow[:, None], other=0.0)
+            b_u = tl.load(U_new + v_off, mask=mrow[:, None], other=0.0).to(tl.float32)
+            b_do = tl.load(do + v_off, mask=mrow[:, None], other=0.0).to(tl.float32)
+            b_h = tl.load(h_all + state_off + kv_off).to(tl.float32)
+            b_ds = tl.load(dh_all + state_off + kv_off).to(tl.float32)
+            b_dw -= tl.dot(b_du, tl.trans(b_h), input_precision=DOT_PREC)  # U = U' - W S_n
+            b_dkd += tl.dot(b_u, tl.trans(b_ds), input_precision=DOT_PREC)  # S_{n+1} += KD^T U
+            b_dqg += tl.dot(b_do, tl.trans(b_h), input_precision=DOT_PREC)  # O += (Q e^G) S_n
+            b_dgamma += tl.sum(b_ds * b_h, axis=1)  # S_{n+1} += Diag(gamma) S_n
 
-    # G = cumsum(g): dg_r = sum_{r' >= r} dG_r'
-    b_dG += tl.where(loc[:, None] == BT - 1, dG_last[None, :], 0.0)
-    b_dg = tl.sum(b_dG, axis=0)[None, :] - tl.cumsum(b_dG, axis=0) + b_dG
-    tl.store(dq + k_off, b_dq, mask=mrow[:, None])
-    tl.store(dk + k_off, b_dk, mask=mrow[:, None])
-    tl.store(dg + k_off, b_dg, mask=mrow[:, None])
-    tl.store(dv + v_off, b_dv, mask=mrow[:, None])
-    tl.store(dbeta + (b * T + rows) * HV + hv, b_dbeta, mask=mrow)
+        # readout O = scale (Q*e^G) S_n + A_qk U
+        b_dq = b_dqg * scale * b_eG
+        b_dG = b_dq * b_q
+        # WY factor W = T KB with KB = beta k e^G
+        b_kg = b_k * b_eG
+        b_dkb = tl.dot(b_Tt, b_dw, input_precision=DOT_PREC)
+        b_dk = b_dkb * b_eG * b_beta[:, None]
+        b_dG += b_dkb * b_kg * b_beta[:, None]
+        b_dbeta += tl.sum(b_dkb * b_kg, axis=1)
+        # KD = k e^(G_last - G) and gamma = e^G_last feed the state recurrence
+        e_tail = tl.exp(G_last[None, :] - b_G)
+        b_dk += b_dkd * e_tail
+        kd_term = b_dkd * b_k * e_tail
+        b_dG -= kd_term
+        dG_last = tl.sum(kd_term, axis=0) + b_dgamma * tl.exp(G_last)
+        # A[r, i] = sum_c x_rc k_ic e^(G_rc - G_ic), per 16-row block as in the forward
+        for a in tl.static_range(BT // SUB):
+            x_k, k_cols, e_row, e_col, in_block, upto = _block_products(b_k, b_k, b_G, loc, a, SUB)
+            x_q = tl.where(in_block[:, None], b_q * e_row, 0.0)
+            Mk_a = tl.where(in_block[:, None], M_k, 0.0)
+            Mq_a = tl.where(in_block[:, None], M_q, 0.0)
+            d_xk = tl.dot(Mk_a, k_cols, input_precision=DOT_PREC) * e_row
+            d_xq = tl.dot(Mq_a, k_cols, input_precision=DOT_PREC) * e_row
+            d_y = (
+                tl.dot(tl.trans(Mk_a), x_k, input_precision=DOT_PREC)
+                + tl.dot(tl.trans(Mq_a), x_q, input_precision=DOT_PREC)
+            ) * e_col
+            d_y = tl.where(upto[:, None], d_y, 0.0)
+            b_dk += d_xk + d_y
+            b_dq += d_xq
+            b_dG += d_xk * b_k + d_xq * b_q - d_y * b_k
+        # G = cumsum(g): dg_r = sum_{r' >= r} dG_r'
+        b_dG += tl.where(loc[:, None] == BT - 1, dG_last[None, :], 0.0)
+        b_dg = tl.sum(b_dG, axis=0)[None, :] - tl.cumsum(b_dG, axis=0) + b_dG
+        tl.store(dq + k_off, b_dq.to(dq.dtype.element_ty), mask=mrow[:, None])
+        tl.store(dk + k_off, b_dk.to(dk.dtype.element_ty), mask=mrow[:, None])
+        tl.store(dg + k_off, b_dg.to(dg.dtype.element_ty), mask=mrow[:, None])
+    tl.store(dbeta + (b * T + rows) * HV + hv, b_dbeta.to(dbeta.dtype.element_ty), mask=mrow)

@@ -1,7 +1,8 @@
-"""kda/ut-transform: the inverse of the chunk's unit lower-triangular matrix, three ways, against
+"""kda/ut-transform: the inverse of the chunk's unit lower-triangular matrix, four ways, against
 torch.linalg.solve_triangular: forward substitution (ut_transform), the blocked form with a
-nilpotent series (ut_transform_blocked), and the Triton intra-chunk kernel, which uses the
-blocked form and stores T for the backward pass.
+nilpotent series (ut_transform_blocked), the blocked form with repeated squaring
+(ut_transform_doubling), and the Triton intra-chunk kernel, which uses the last and stores T for
+the backward pass.
 
 Tolerances: fp64 1e-10 (rounding). The Triton kernel runs in fp32 (ieee dots for fp32 inputs):
 1e-5, since T's entries are sums of products along chains of up to 64 rows.
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 from paperclub.testing import assert_rel_close
 from repro.kda import ut_transform
 from repro.kda.chunk import BT, kda_fwd_triton
-from repro.kda.chunk_torch import chunk_matrices, ut_transform_blocked
+from repro.kda.chunk_torch import chunk_matrices, ut_transform_blocked, ut_transform_doubling
 from repro.kda.tests.strategies import HEAD_DIMS, make_case
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -47,7 +48,9 @@ def test_ut_transform_equals_triangular_solve(seed, C, K, g_max):
     case = make_case(seed=seed, B=1, T=C, H=1, group=1, K=K, V=16, g_max=g_max, with_h0=False)
     A_kk = _chunk_A(case, C)
     expected = _solve(A_kk)
-    for name, got in [("substitution", ut_transform(A_kk)), ("blocked", ut_transform_blocked(A_kk))]:
+    ways = [("substitution", ut_transform(A_kk)), ("blocked", ut_transform_blocked(A_kk))]
+    ways.append(("doubling", ut_transform_doubling(A_kk)))
+    for name, got in ways:
         assert_rel_close(got, expected, 1e-10, f"(I + A)^-1 by {name}")
         assert torch.equal(got.triu(1), torch.zeros_like(got)), (
             f"{name}: the inverse must stay lower-triangular"
