@@ -9,12 +9,22 @@ Modes:
   (default)   the full comparison and ablation; writes results/<device>.json and <device>-rescale.json
   --sweep     launch-shape sweep (block sizes, warps, pipelining depth) -> <device>-autotune.json
   --quick     two sequence lengths only (smoke test)
+  --fa4-smoke flash-attn-4 (``flash_attn.cute``) on one small shape against the float64 reference;
+              exit status 3 when it does not import, compile or run -> <device>-fa4-smoke.json
+  --peer      flash-attn-4 beside cuDNN and our best configuration (TMA on), same shapes, forward
+              and forward + backward -> <device>-peer.json (``--no-fa4``: cuDNN and ours only)
+  --ncu-target  one forward each of ours, cuDNN and flash-attn-4 at S = 8k inside
+              cudaProfilerStart/Stop, for ``ncu --profile-from-start off`` (gpu_run_peer.sh)
   --out DIR   where to write the JSON (default repro/fa4/results/)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import csv
+import io
+import json
 import os
 import sys
 import traceback
@@ -109,8 +119,8 @@ def full(out_dir: Path | None, seqlens, ablate_passes=("fwd",)) -> None:
         notes=(
             "TFLOP/s: 4 B H S^2 D forward (halved when causal), x3.5 for forward+backward. group=compare: "
             "our default kernel and the SDPA backends; group=ablation: one switch of our kernel changed. "
-            "flash-attn-4 (4.0.0b36) is not here: its CuTe-DSL runtime wheel is 92 MB (226 MiB unpacked, "
-            "60.6 MiB xz), over the device tool's 64 MiB transfer limit with its other dependencies."
+            "flash-attn-4 is not in this table: `--fa4-smoke` and `--peer` (gpu_run_peer.sh) measure it in a "
+            "separate call, because its CuTe-DSL runtime wheel (92 MB) is carried in two halves."
         ),
     )
     for causal in (False, True):
@@ -274,20 +284,373 @@ def sweep(out_dir: Path | None) -> None:
     report.write(tag="autotune", out_dir=out_dir)
 
 
+# ---------------------------------------------------------------------------------------------
+# flash-attn-4, the paper's own CuTe-DSL kernels, as a peer on Hopper (gpu_run_peer.sh runs this)
+# ---------------------------------------------------------------------------------------------
+
+#: Distributions whose versions go into the peer JSON.
+FA4_DISTRIBUTIONS = [
+    "flash-attn-4",
+    "nvidia-cutlass-dsl",
+    "nvidia-cutlass-dsl-libs-cu13",
+    "quack-kernels",
+    "apache-tvm-ffi",
+    "triton",
+    "torch",
+]
+#: Our fastest forward in results/nvidia-h100-80gb-hbm3.json (S = 4k-16k): TMA on, default launch shape.
+OURS_BEST = {"tma": True}
+#: (B, S, H, D) of the smoke test: small enough for a float64 reference with gradients.
+SMOKE_SHAPE = (2, 512, HEADS, HEAD_DIM)
+PEER_COLUMNS = ["group", "impl", "causal", "S", "B", "pass", "ms", "tflops", "note"]
+
+
+def error_text(exc: BaseException, limit: int = 400) -> str:
+    """``Type: message`` on one line (whitespace collapsed), cut to ``limit`` characters, for JSON notes."""
+    msg = " ".join(str(exc).split())
+    text = f"{type(exc).__name__}: {msg}" if msg else type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def load_flash_attn_4():
+    """(forward, version) of flash-attn-4, or (None, why the import failed).
+
+    The forward is ``flash_attn.cute.flash_attn_func(q, k, v, softmax_scale=None, causal=False, ...)``
+    on [B, S, H, D] tensors (H_kv dividing H, scale 1/sqrt(D) by default); it returns ``(out, lse)``
+    and is differentiable in ``out``. On an H100 it dispatches to its sm90 kernels.
+    """
+    try:
+        from flash_attn.cute import flash_attn_func
+    except Exception as exc:  # not installed, or its CuTe-DSL runtime does not load
+        return None, f"import flash_attn.cute failed: {error_text(exc)}"
+    from paperclub.bench import versions
+
+    return flash_attn_func, versions(["flash-attn-4"])["flash-attn-4"]
+
+
+def fa4_cute(fn, q, k, v, causal: bool):
+    """flash-attn-4 on [B, S, H, D] inputs; the callable returns only the output, not the LSE."""
+
+    def run():
+        out = fn(q, k, v, causal=causal)
+        return out[0] if isinstance(out, tuple) else out
+
+    return run
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64."""
+    out, ref = out.detach().double(), ref.detach().double()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def _quiet_write(report: Report, tag: str, out_dir: Path | None) -> None:
+    """Save the JSON so far without printing the table: a run killed by its timeout keeps its rows."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        report.write(tag=tag, out_dir=out_dir)
+
+
+def fa4_smoke(out_dir: Path | None) -> bool:
+    """flash-attn-4 at SMOKE_SHAPE, forward and gradients, against float64; cuDNN and ours beside it.
+
+    Writes <device>-fa4-smoke.json; returns whether flash-attn-4 ran. Its error, if any, is printed
+    with the traceback and kept in the JSON's notes (a failure on Hopper is itself the answer).
+    """
+    from repro.fa4 import attention
+    from repro.fa4.reference import attention_exact
+
+    b, s, h, d = SMOKE_SHAPE
+    report = Report(
+        package="fa4",
+        title=f"flash-attn-4 smoke test: B={b}, S={s}, H={h}, D={d}, bf16, relative error vs float64",
+        columns=["impl", "causal", "out_err", "dq_err", "dk_err", "dv_err", "note"],
+        packages=FA4_DISTRIBUTIONS,
+        measure_ceilings=False,
+        notes="Relative L2 errors of the output and of dq, dk, dv (one random dO) against exact float64 attention.",
+    )
+    fn, info = load_flash_attn_4()
+    print(f"flash-attn-4: {info}", flush=True)
+    ok = fn is not None
+    if not ok:
+        report.notes += f" flash-attn-4 did not import: {info}"
+    impls = {
+        "sdpa-cudnn": lambda q, k, v, c: sdpa(*(t.transpose(1, 2) for t in (q, k, v)), c, "cudnn")().transpose(1, 2),
+        "fa4-triton-tma": lambda q, k, v, c: attention(q, k, v, causal=c, **OURS_BEST),
+    }  # fmt: skip
+    if fn is not None:
+        impls = {"fa4-cute": lambda q, k, v, c: fa4_cute(fn, q, k, v, c)(), **impls}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for causal in (False, True):
+        q, k, v, do = (
+            torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4)
+        )
+        leaves64 = [t.double().requires_grad_() for t in (q, k, v)]
+        ref = attention_exact(*leaves64, causal=causal)
+        ref_grads = torch.autograd.grad(ref, leaves64, do.double())
+        for name, f in impls.items():
+            row = dict(impl=name, causal=causal)
+            try:
+                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                out = f(*leaves, causal)
+                grads = torch.autograd.grad(out, leaves, do)
+                torch.cuda.synchronize()
+                errs = [rel_err(out, ref)] + [rel_err(a, r) for a, r in zip(grads, ref_grads, strict=True)]
+                report.add(
+                    **row, **dict(zip(["out_err", "dq_err", "dk_err", "dv_err"], errs, strict=True)), note=""
+                )
+            except Exception as exc:
+                print(f"[smoke {name} causal={causal}] failed:", file=sys.stderr)
+                traceback.print_exc()
+                report.add(**row, note=error_text(exc))
+                if name == "fa4-cute":
+                    ok = False
+                    if "flash-attn-4 failed" not in report.notes:
+                        report.notes += f" flash-attn-4 failed on this GPU: {error_text(exc)}"
+    report.write(tag="fa4-smoke", out_dir=out_dir)
+    return ok
+
+
+def _smoke_error(out_dir: Path | None) -> str:
+    """The smoke test's note about flash-attn-4, if its JSON is in ``out_dir``."""
+    for f in sorted((out_dir or Path(".")).glob("*-fa4-smoke.json")):
+        notes = json.loads(f.read_text(encoding="utf-8")).get("notes", "")
+        return notes.split("flash-attn-4 ", 1)[-1] if "flash-attn-4 " in notes else "smoke test passed"
+    return "no smoke-test result found"
+
+
+def peer(out_dir: Path | None, seqlens, use_fa4: bool = True) -> None:
+    """flash-attn-4, cuDNN (SDPA) and ours (OURS_BEST) at the shapes of :func:`full`, one process.
+
+    Each flash-attn-4 failure is recorded in its row and in the notes; after one failure for a
+    (pass, causal) pair the rest of that pair is not retried (each retry would recompile).
+    """
+    report = Report(
+        package="fa4",
+        title="flash-attn-4 (CuTe-DSL) beside cuDNN (SDPA) and ours (TMA on), D=128, 16 heads, B*S=16k, bf16",
+        peer=f"flash-attn-4 (flash_attn.cute.flash_attn_func); torch {torch.__version__} SDPA, cuDNN {torch.backends.cudnn.version()}",
+        columns=PEER_COLUMNS,
+        packages=FA4_DISTRIBUTIONS,
+        measure_ceilings=False,
+        notes=(
+            "TFLOP/s as in the main result file (4 B H S^2 D forward, halved when causal, x3.5 for forward+backward). "
+            "All three timed in one process, in the order fa4-cute, sdpa-cudnn, fa4-triton-tma; rel.err is against "
+            "cuDNN's output on the same inputs."
+        ),
+    )
+    fn, info = load_flash_attn_4() if use_fa4 else (None, f"not run (--no-fa4): {_smoke_error(out_dir)}")
+    report.notes += f" flash-attn-4: {info}."
+    failed: dict[tuple[str, bool], str] = {}
+    for causal in (False, True):
+        for s in seqlens:
+            b = max(1, TOKENS // s)
+            q, k, v = make_inputs(b, s)
+            qt, kt, vt = make_inputs(b, s, layout="bhsd")
+            # cuDNN's inputs as [B, S, H, D], for the error check against its output
+            same = [t.detach().transpose(1, 2).contiguous() for t in (qt, kt, vt)]
+            with torch.no_grad():
+                ref = sdpa(qt, kt, vt, causal, "cudnn")().transpose(1, 2).float()
+            for passes in ("fwd", "fwd+bwd"):
+                impls = []
+                if fn is not None:
+                    impls.append(
+                        ("fa4-cute", fa4_cute(fn, q, k, v, causal), (q, k, v), fa4_cute(fn, *same, causal))
+                    )
+                impls.append(("sdpa-cudnn", sdpa(qt, kt, vt, causal, "cudnn"), (qt, kt, vt), None))
+                impls.append(("fa4-triton-tma", ours(q, k, v, causal, OURS_BEST), (q, k, v), ours(*same, causal, OURS_BEST)))  # fmt: skip
+                for name, f, inputs, f_same in impls:
+                    row = dict(group="peer", impl=name, causal=causal, S=s, B=b, **{"pass": passes})
+                    if name == "fa4-cute" and (passes, causal) in failed:
+                        _row_error(report, **row, note=f"not retried: {failed[(passes, causal)][:120]}")
+                        continue
+                    try:
+                        note = ""
+                        if passes == "fwd" and f_same is not None:
+                            with torch.no_grad():
+                                err = rel_err(f_same(), ref)
+                            note = f"rel.err vs cuDNN {err:.1e}" + ("" if err < 2e-2 else " WRONG")
+                        ms = timed(f, passes, inputs)
+                        report.add(
+                            **row, ms=ms, tflops=flops(b, s, causal, passes) / (ms * 1e-3) / 1e12, note=note
+                        )
+                    except Exception as exc:  # record and go on
+                        msg = error_text(exc)
+                        print(f"[{name} S={s} causal={causal} {passes}] failed: {msg}", file=sys.stderr)
+                        if name == "fa4-cute":
+                            if not failed:
+                                traceback.print_exc()
+                                report.notes += (
+                                    f" First flash-attn-4 failure ({passes}, causal={causal}, S={s}): {msg}"
+                                )
+                            failed[(passes, causal)] = msg
+                        _row_error(report, **row, note=msg)
+                    torch.cuda.empty_cache()
+            print(f"done causal={causal} S={s}", flush=True)
+            _quiet_write(report, "peer", out_dir)
+    for causal in (False, True):
+        for passes in ("fwd", "fwd+bwd"):
+            report.plot(title=f"{passes} TFLOP/s, causal={causal}", x="S", y="tflops", series="impl",
+                        where={"pass": passes, "causal": causal}, logx=True)  # fmt: skip
+    report.write(tag="peer", out_dir=out_dir)
+
+
+def ncu_target(use_fa4: bool = True, s: int = 8192, causal: bool = False) -> None:
+    """One forward each of ours (OURS_BEST), cuDNN and flash-attn-4 between cudaProfilerStart/Stop.
+
+    Three untimed calls first compile and warm each; run under ``ncu --profile-from-start off`` so
+    that only the measured calls (and their small helper kernels, e.g. a fill) are profiled.
+    """
+    b = TOKENS // s
+    q, k, v = (t.detach() for t in make_inputs(b, s))
+    qt, kt, vt = (t.detach() for t in make_inputs(b, s, layout="bhsd"))
+    runs = [
+        ("fa4-triton-tma", ours(q, k, v, causal, OURS_BEST)),
+        ("sdpa-cudnn", sdpa(qt, kt, vt, causal, "cudnn")),
+    ]
+    if use_fa4:
+        fn, info = load_flash_attn_4()
+        if fn is None:
+            print(f"ncu-target: flash-attn-4 left out: {info}")
+        else:
+            runs.append(("fa4-cute", fa4_cute(fn, q, k, v, causal)))
+    with torch.no_grad():
+        for name, f in runs:
+            try:
+                for _ in range(3):
+                    f()
+                torch.cuda.synchronize()
+                torch.cuda.profiler.start()
+                f()
+                torch.cuda.synchronize()
+                torch.cuda.profiler.stop()
+                print(
+                    f"ncu-target: profiled one forward of {name} (S={s}, B={b}, causal={causal})", flush=True
+                )
+            except Exception as exc:
+                print(f"ncu-target: {name} failed: {error_text(exc)}", flush=True)
+
+
+#: What the ncu summary prints: a label and the raw-page metric names to try, first found wins.
+NCU_SUMMARY: dict[str, tuple[str, ...]] = {
+    "duration (us)": ("gpu__time_duration.sum",),
+    "registers/thread": ("launch__registers_per_thread",),
+    "dyn. shared mem/block (B)": ("launch__shared_mem_per_block_dynamic",),
+    "achieved occupancy %": ("sm__warps_active.avg.pct_of_peak_sustained_active",),
+    "tensor pipe %": ("sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active",),
+    "tensor GMMA inst. %": ("sm__inst_executed_pipe_tensor_op_gmma.avg.pct_of_peak_sustained_active",),
+    "XU (MUFU, exp2) pipe %": (
+        "sm__pipe_xu_cycles_active.avg.pct_of_peak_sustained_active",
+        "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active",
+    ),
+    "FMA pipe %": (
+        "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active",
+        "sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active",
+    ),
+    "ALU pipe %": ("sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active",),
+    "issue slots busy %": (
+        "sm__inst_issued.avg.pct_of_peak_sustained_active",
+        "smsp__issue_active.avg.pct_of_peak_sustained_active",
+    ),
+    "SM throughput %": ("sm__throughput.avg.pct_of_peak_sustained_elapsed",),
+    "DRAM throughput %": ("dram__throughput.avg.pct_of_peak_sustained_elapsed",),
+}
+
+
+#: ncu's time units (it scales them per metric unless told --print-units base) in microseconds.
+TIME_UNITS_IN_US = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
+
+
+def _number(text: str):
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return text
+
+
+def ncu_summary(csv_text: str, top_stalls: int = 4) -> list[dict]:
+    """ncu's ``--csv --page raw`` output reduced to the metrics of NCU_SUMMARY, one dict per kernel.
+
+    Each dict has ``kernel`` (the name, cut to 60 characters), the NCU_SUMMARY labels (None where the
+    report lacks every candidate metric) and ``stalls``: the ``top_stalls`` largest
+    ``smsp__average_warps_issue_stalled_*_per_issue_active.ratio`` values as "reason ratio" strings.
+    Lines that ncu prefixes with ``==`` and the units row are skipped.
+    """
+    lines = [ln for ln in csv_text.splitlines() if ln.strip() and not ln.startswith("==")]
+    rows = list(csv.reader(lines))
+    if not rows:
+        return []
+    header, out = rows[0], []
+    for r in rows[1:]:
+        rec = dict(zip(header, r, strict=False))
+        if not rec.get("ID", "").strip().isdigit():  # the units row
+            continue
+        item: dict = {"kernel": rec.get("Kernel Name", "?")[:60]}
+        for label, names in NCU_SUMMARY.items():
+            item[label] = next((_number(rec[n]) for n in names if rec.get(n, "") != ""), None)
+        if isinstance(item["duration (us)"], float):
+            unit = _units(rows, header, "gpu__time_duration.sum")
+            item["duration (us)"] *= TIME_UNITS_IN_US.get(unit, float("nan"))
+        stalls = []
+        for name, val in rec.items():
+            if name.startswith("smsp__average_warps_issue_stalled_") and name.endswith(
+                "_per_issue_active.ratio"
+            ):
+                v = _number(val)
+                if isinstance(v, float):
+                    reason = name.removeprefix("smsp__average_warps_issue_stalled_").removesuffix(
+                        "_per_issue_active.ratio"
+                    )
+                    stalls.append((v, reason))
+        item["stalls"] = [f"{reason} {v:.2f}" for v, reason in sorted(stalls, reverse=True)[:top_stalls]]
+        out.append(item)
+    return out
+
+
+def print_ncu_summary(csv_text: str) -> None:
+    """The ncu summary as a markdown table, one row per profiled kernel."""
+    from paperclub.bench import markdown_table
+
+    items = ncu_summary(csv_text)
+    if not items:
+        print("ncu summary: no kernels in the report")
+        return
+    print(markdown_table(list(items[0]), [{**i, "stalls": "; ".join(i["stalls"])} for i in items]))
+
+
+def _units(rows: list[list[str]], header: list[str], column: str) -> str:
+    if len(rows) > 1 and column in header and not rows[1][0].strip().isdigit():
+        return rows[1][header.index(column)]
+    return ""
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--fa4-smoke", action="store_true")
+    parser.add_argument("--peer", action="store_true")
+    parser.add_argument("--no-fa4", action="store_true")
+    parser.add_argument("--ncu-target", action="store_true")
+    parser.add_argument("--ncu-summary", type=Path, default=None, metavar="CSV")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.ncu_summary is not None:  # reads a file: no GPU needed
+        print_ncu_summary(args.ncu_summary.read_text(encoding="utf-8", errors="replace"))
+        return
     if not torch.cuda.is_available():
         raise SystemExit("repro.fa4.bench needs a CUDA GPU (an H100 for the numbers on the paper page)")
     out = args.out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
     try:
         if args.sweep:
             sweep(out)
+        elif args.fa4_smoke:
+            if not fa4_smoke(out):
+                raise SystemExit(3)
+        elif args.peer:
+            peer(out, (2048, 8192) if args.quick else SEQLENS, use_fa4=not args.no_fa4)
+        elif args.ncu_target:
+            ncu_target(use_fa4=not args.no_fa4)
         else:
             full(out, (2048, 8192) if args.quick else SEQLENS)
     except Exception:
