@@ -38,6 +38,7 @@ os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
 
 import warnings  # noqa: E402
 from datetime import timedelta  # noqa: E402
+from typing import NamedTuple  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -47,11 +48,11 @@ from nanoparallel.cuda import kernels as K  # noqa: E402
 from nanoparallel.errors import CommAbortedError, CommTimeoutError, MismatchError  # noqa: E402
 
 ALGORITHMS: dict[str, tuple[str, ...]] = {
-    "all_reduce": ("one_shot", "one_shot_push", "two_shot", "ring"),
+    "all_reduce": ("one_shot", "one_shot_push", "one_shot_pipelined", "two_shot", "ring"),
     "all_gather": ("direct", "copy_engine"),
     "reduce_scatter": ("direct", "ring"),
     "broadcast": ("direct", "copy_engine"),
-    "all_to_all": ("direct", "push"),
+    "all_to_all": ("direct", "push", "push_pipelined", "copy_engine"),
 }
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64)
 REDUCE_OPS = tuple(K.OP_CODES)
@@ -74,6 +75,19 @@ ONE_SHOT_MAX_BYTES = 256 << 10
 PUSH_ALL_REDUCE_MIN_BYTES = 32 << 20
 PUSH_ALL_TO_ALL_MIN_BYTES = 16 << 20
 COPY_ENGINE_MIN_BYTES = 256 << 20
+# "auto" as tables of (from this many bytes, algorithm); the last row whose bound the message
+# reaches wins. one_shot_pipelined, push_pipelined and the all-to-all copy_engine are not in them
+# yet: they enter once a sweep has measured them (nanoparallel.cuda.diagnose, .sweep).
+AUTO_ALL_REDUCE_TWO_GPUS = ((0, "one_shot"), (PUSH_ALL_REDUCE_MIN_BYTES, "one_shot_push"))
+AUTO_ALL_TO_ALL = ((0, "direct"), (PUSH_ALL_TO_ALL_MIN_BYTES, "push"))
+AUTO_COPY_ENGINE = ((0, "direct"), (COPY_ENGINE_MIN_BYTES, "copy_engine"))
+# pipelined variants: barriers (steps) per call, the same on every rank whatever its share
+PIPELINE_STEPS = 4
+# the all-to-all copy engine cuts every segment into this many pieces, one barrier each, so the
+# drain of piece c (a local copy, on a second stream) overlaps the NVLink copies of piece c + 1
+COPY_ENGINE_PIECES = 4
+# validated split tables kept per backend (a MoE layer cycles through a few; more is a misuse)
+SPLIT_CACHE_ENTRIES = 64
 
 
 def _round_up(x: int, m: int) -> int:
@@ -99,6 +113,113 @@ def ring_barriers(world_size: int, gather: bool) -> int:
 
 def _pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
+
+
+def pick(table: tuple[tuple[int, str], ...], nbytes: int) -> str:
+    """The algorithm of the last row of an AUTO_* table whose byte bound ``nbytes`` reaches."""
+    choice = table[0][1]
+    for bound, name in table:
+        if nbytes >= bound:
+            choice = name
+    return choice
+
+
+def pipeline_steps(chunk: int, steps: int, block: int) -> tuple[int, int]:
+    """(elements per step, steps) for a program range of ``chunk`` elements cut into at most
+    ``steps`` steps of whole ``block``s; fewer steps when the range is short."""
+    sub = _round_up(max(-(-chunk // max(steps, 1)), 1), block)
+    return sub, max(1, -(-chunk // sub))
+
+
+def copy_engine_pieces(splits, me: int, c: int, pieces: int) -> list[tuple[int, int, int]]:
+    """Piece c of each segment for the all-to-all copy engine: (peer, start, end) in elements from
+    the segment's start, non-empty pieces only. ``splits``: my input_splits (pieces I send) or my
+    output_splits (pieces I receive). A sender and its receiver cut the same count the same way;
+    pieces start at multiples of 64 elements (256-byte aligned copies for 4-byte types)."""
+    out = []
+    for p, count in enumerate(splits):
+        size = _round_up(max(-(-count // pieces), 1), 64)
+        start, end = min(c * size, count), min((c + 1) * size, count)
+        if end > start:
+            out.append((p, start, end))
+    return out
+
+
+def check_splits(what: str, name: str, splits, total: int, world_size: int) -> list[int]:
+    """Split counts (rows) as a list of ints, or ValueError saying what is wrong with them."""
+    W = world_size
+    if splits is None:
+        if total % W:
+            raise ValueError(f"{what}: {name} not given and {total} rows do not split evenly over {W} ranks")
+        return [total // W] * W
+    splits = [int(s) for s in splits]
+    if len(splits) != W or any(s < 0 for s in splits):
+        raise ValueError(f"{what}: {name} must be {W} non-negative counts, got {splits}")
+    if sum(splits) != total:
+        raise ValueError(f"{what}: {name} sums to {sum(splits)} but the tensor has {total} rows")
+    return splits
+
+
+class SplitPlan(NamedTuple):
+    """One all-to-all's validated splits, in elements, and what the kernels and copies need."""
+
+    input_splits: tuple[int, ...]
+    output_splits: tuple[int, ...]
+    input_offsets: tuple[int, ...]
+    output_offsets: tuple[int, ...]
+    largest: int  # the largest split, sent or received: must fit a per-sender slot for push
+    table: torch.Tensor | None  # int64 [input_splits, output_splits] on the device; None: uncached
+
+
+def _key(splits):
+    if splits is None:
+        return None
+    if isinstance(splits, torch.Tensor):
+        return tuple(splits.tolist())
+    return tuple(splits)
+
+
+def _offsets(splits: tuple[int, ...]) -> tuple[int, ...]:
+    out, acc = [], 0
+    for s in splits:
+        out.append(acc)
+        acc += s
+    return tuple(out)
+
+
+class SplitCache:
+    """Validated all-to-all split tables and their device copies, keyed by the splits as given.
+
+    Validating the splits and copying the table to the GPU through a fresh pinned host tensor were
+    what the all-to-all path did on every call beyond the other collectives' (34-51 us per small
+    call against their 14-16 us on 2 x H200). A model calls all-to-all with few distinct splits, so
+    both are done once per distinct (rows, splits) and looked up afterwards (a tuple hash).
+    """
+
+    def __init__(self, world_size: int, device: torch.device, max_entries: int = SPLIT_CACHE_ENTRIES) -> None:
+        self.world_size = world_size
+        self.device = device
+        self.max_entries = max_entries
+        self._plans: dict = {}
+        self.misses = 0
+
+    def plan(self, rows_in: int, rows_out: int, row: int, input_splits, output_splits, cache: bool = True):
+        """The SplitPlan of a call; ``cache=False`` validates afresh and leaves ``table`` None."""
+        key = (rows_in, rows_out, row, _key(input_splits), _key(output_splits)) if cache else None
+        got = self._plans.get(key) if cache else None
+        if got is not None:
+            return got
+        self.misses += 1
+        W = self.world_size
+        ins = tuple(s * row for s in check_splits("all_to_all", "input_splits", input_splits, rows_in, W))
+        outs = tuple(s * row for s in check_splits("all_to_all", "output_splits", output_splits, rows_out, W))
+        table = torch.tensor(ins + outs, dtype=torch.int64, device=self.device) if cache else None
+        got = SplitPlan(ins, outs, _offsets(ins), _offsets(outs), max(ins + outs), table)
+        if cache:
+            if len(self._plans) >= self.max_entries:
+                self._plans.clear()  # splits that change every call: keep memory bounded
+            self._plans[key] = got
+        return got
 
 
 class _Symmetric:
@@ -221,6 +342,13 @@ class CudaPeerBackend:
             reduce-scatter and broadcast calls are cut into pieces of this size.
         check_errors: synchronise after every call and raise at once on a timeout or split mismatch.
         fast_launch: call compiled kernels' launchers directly after the first call (see _Launcher).
+
+    Knobs a measurement may change between calls (the same value on every rank):
+        programs: programs per kernel launch (default and at most ``max_programs``, 2 per SM).
+        pipeline_steps: barriers per call of one_shot_pipelined and push_pipelined.
+        copy_engine_pieces: pieces per segment of the all-to-all copy engine.
+        cache_splits: look validated all-to-all splits up in a cache (False: the per-call
+            validation and pinned-table copy of before, kept to measure the difference).
     """
 
     ALGORITHMS = ALGORITHMS
@@ -260,6 +388,13 @@ class CudaPeerBackend:
         self.max_spins = int(min(max(self.timeout_s, 0.001) * SPINS_PER_S, 2**31 - 1))
         props = torch.cuda.get_device_properties(self.device)
         self.max_programs = PROGRAMS_PER_SM * props.multi_processor_count
+        self.programs = self.max_programs
+        self.pipeline_steps = PIPELINE_STEPS
+        self.copy_engine_pieces = COPY_ENGINE_PIECES
+        self.cache_splits = True
+        self._split_cache = SplitCache(world_size, self.device)
+        self._meta_tables: list[torch.Tensor | None] = [None, None]  # what each meta buffer holds
+        self._side: torch.cuda.Stream | None = None
         self.epoch = 0
         self.parity = 0
         self._launch = _Launcher(self.device.index, fast_launch)
@@ -353,12 +488,12 @@ class CudaPeerBackend:
         if algorithm == "auto":
             if collective == "all_reduce":
                 if self.world_size <= 2:
-                    return "one_shot_push" if nbytes >= PUSH_ALL_REDUCE_MIN_BYTES else "one_shot"
+                    return pick(AUTO_ALL_REDUCE_TWO_GPUS, nbytes)
                 return "one_shot" if nbytes <= ONE_SHOT_MAX_BYTES else "two_shot"
             if collective in ("all_gather", "broadcast"):
-                return "copy_engine" if nbytes >= COPY_ENGINE_MIN_BYTES else "direct"
+                return pick(AUTO_COPY_ENGINE, nbytes)
             if collective == "all_to_all":
-                return "push" if nbytes >= PUSH_ALL_TO_ALL_MIN_BYTES else "direct"
+                return pick(AUTO_ALL_TO_ALL, nbytes)
             return names[0]
         if algorithm not in names:
             raise ValueError(f"{collective}: algorithm {algorithm!r} is not one of {names + ('auto',)}")
@@ -370,7 +505,7 @@ class CudaPeerBackend:
         return K.OP_CODES[op]
 
     def _chunk(self, n: int, elem: int) -> tuple[int, int]:
-        return split_work(n, self.max_programs, STEP_BYTES // elem)
+        return split_work(n, min(self.programs, self.max_programs), STEP_BYTES // elem)
 
     def _after(self, what: str) -> None:
         if self.check_errors:
@@ -422,6 +557,16 @@ class CudaPeerBackend:
             self._launch(K.one_shot_all_reduce_kernel, grid, (
                 x, x, buf.view(x.dtype), buf.deltas(x.dtype), *self._sync, n, chunk, epoch, self.max_spins,
                 code, self.rank, W, STEP_BYTES // elem,
+            ))  # fmt: skip
+            return
+        if algorithm == "one_shot_pipelined":
+            S = _round_up(n, 64)
+            chunk, grid = self._chunk(n, elem)
+            sub, steps = pipeline_steps(chunk, self.pipeline_steps, STEP_BYTES // elem)
+            buf, epoch = self._next(W * S * elem, steps)
+            self._launch(K.one_shot_pipelined_all_reduce_kernel, grid, (
+                x, x, buf.view(x.dtype), buf.deltas(x.dtype), *self._sync, n, S, chunk, sub, steps, epoch,
+                self.max_spins, code, self.rank, W, STEP_BYTES // elem,
             ))  # fmt: skip
             return
         if algorithm == "one_shot_push":
@@ -623,64 +768,108 @@ class CudaPeerBackend:
             row *= d
         rows_in = input.shape[0] if input.dim() else 1
         rows_out = output.shape[0] if output.dim() else 1
-        input_splits = [s * row for s in self._splits(what, "input_splits", input_splits, rows_in)]
-        output_splits = [s * row for s in self._splits(what, "output_splits", output_splits, rows_out)]
+        plan = self._split_cache.plan(rows_in, rows_out, row, input_splits, output_splits, self.cache_splits)
         requested = algorithm
-        algorithm = self._algorithm(what, algorithm, input.numel() * input.element_size())
         elem = input.element_size()
-        total_in = input.numel()
+        algorithm = self._algorithm(what, algorithm, input.numel() * elem)
         if W == 1:
             output.view(-1).copy_(input.view(-1))
             return output
-        if total_in * elem > self.staging_cap:
+        if input.numel() * elem > self.staging_cap:
             raise ValueError(
-                f"{what}: input is {total_in * elem} bytes, more than staging_bytes={self.staging_cap}; "
+                f"{what}: input is {input.numel() * elem} bytes, more than staging_bytes={self.staging_cap}; "
                 "raise staging_bytes when creating the backend"
             )
         slot = self.staging_cap // elem // W // 64 * 64  # push: one slot per sender in every buffer
-        if requested == "auto" and algorithm == "push" and max(input_splits) > slot:
-            algorithm = "direct"  # a split too large for push's per-sender slot
-        if algorithm == "push" and max(input_splits) > slot:
-            raise ValueError(
-                f"{what}: algorithm 'push' gives each sender {slot} elements in a peer's buffer, but "
-                f"input_splits has {max(input_splits)}; use 'direct' or raise staging_bytes"
-            )
+        if algorithm != "direct" and plan.largest > slot:
+            if requested != "auto":
+                raise ValueError(
+                    f"{what}: algorithm {algorithm!r} gives each sender {slot} elements in a peer's buffer, "
+                    f"but a split has {plan.largest}; use 'direct' or raise staging_bytes"
+                )
+            algorithm = "direct"  # a split too large for the per-sender slot
+        if algorithm == "push_pipelined":
+            barriers = self.pipeline_steps
+        elif algorithm == "copy_engine":
+            barriers = self.copy_engine_pieces
+        else:
+            barriers = 1
         # ranks send different amounts, but growing is collective: every rank takes the whole cap
         # on its first all_to_all, so all of them grow at the same call
-        buf, epoch = self._next(self.staging_cap, 1)
-        meta = self._meta[self.parity ^ 1]  # the parity _next just used
-        # pinned, so the copy is queued on the stream instead of synchronising it
-        table = torch.tensor(input_splits + output_splits, dtype=torch.int64).pin_memory()
-        meta.view(torch.int64).copy_(table, non_blocking=True)
-        if algorithm == "push":
-            self._launch(K.all_to_all_push_kernel, self.max_programs, (
-                input, output, buf.view(input.dtype), buf.deltas(input.dtype), meta.view(torch.int64),
-                meta.deltas(torch.int64), *self._sync, slot, epoch, self.max_spins, self.rank, W,
-                STEP_BYTES // elem,
+        buf, epoch = self._next(self.staging_cap, barriers)
+        meta_index = self.parity ^ 1  # the parity _next just used
+        meta = self._meta[meta_index]
+        if plan.table is None:  # uncached: a pinned host tensor per call, queued without a sync
+            table = torch.tensor(plan.input_splits + plan.output_splits, dtype=torch.int64).pin_memory()
+            meta.view(torch.int64).copy_(table, non_blocking=True)
+            self._meta_tables[meta_index] = None
+        elif self._meta_tables[meta_index] is not plan.table:
+            # peers read this table after the barrier; it is rewritten only when the splits change
+            meta.view(torch.int64).copy_(plan.table)
+            self._meta_tables[meta_index] = plan.table
+        if algorithm == "copy_engine":
+            self._all_to_all_copy_engine(input, output, plan, buf, meta, epoch, slot)
+            self._after(what)
+            return output
+        args = (input, output, buf.view(input.dtype), buf.deltas(input.dtype), meta.view(torch.int64),
+                meta.deltas(torch.int64), *self._sync)  # fmt: skip
+        grid = min(self.programs, self.max_programs)  # the same on every rank: not from the sizes
+        if algorithm == "push_pipelined":
+            self._launch(K.all_to_all_pipelined_kernel, grid, (
+                *args, slot, self.pipeline_steps, epoch, self.max_spins, self.rank, W, STEP_BYTES // elem,
+            ))  # fmt: skip
+        elif algorithm == "push":
+            self._launch(K.all_to_all_push_kernel, grid, (
+                *args, slot, epoch, self.max_spins, self.rank, W, STEP_BYTES // elem,
             ))  # fmt: skip
         else:
-            self._launch(K.all_to_all_kernel, self.max_programs, (
-                input, output, buf.view(input.dtype), buf.deltas(input.dtype), meta.view(torch.int64),
-                meta.deltas(torch.int64), *self._sync, epoch, self.max_spins, self.rank, W, _pow2(W),
-                STEP_BYTES // elem,
+            self._launch(K.all_to_all_kernel, grid, (
+                *args, epoch, self.max_spins, self.rank, W, _pow2(W), STEP_BYTES // elem,
             ))  # fmt: skip
         self._after(what)
         return output
 
-    def _splits(self, what: str, name: str, splits, total: int) -> list[int]:
-        W = self.world_size
-        if splits is None:
-            if total % W:
-                raise ValueError(
-                    f"{what}: {name} not given and {total} rows do not split evenly over {W} ranks"
-                )
-            return [total // W] * W
-        splits = [int(s) for s in splits]
-        if len(splits) != W or any(s < 0 for s in splits):
-            raise ValueError(f"{what}: {name} must be {W} non-negative counts, got {splits}")
-        if sum(splits) != total:
-            raise ValueError(f"{what}: {name} sums to {sum(splits)} but the tensor has {total} rows")
-        return splits
+    def _all_to_all_copy_engine(
+        self, input: torch.Tensor, output: torch.Tensor, plan: SplitPlan, buf: _Symmetric, meta: _Symmetric,
+        epoch: int, slot: int,
+    ) -> None:  # fmt: skip
+        """Segments for peers go by ``Tensor.copy_`` (the copy engine) into slot ``rank`` of each
+        peer's buffer, piece by piece, with a barrier after each piece; the own segment and the
+        drain of each received piece (slot to output, local memory) run on a second stream, so they
+        overlap the NVLink copies of the next piece. The first barrier also compares split tables."""
+        W, me, dtype = self.world_size, self.rank, input.dtype
+        inp, out, local = input.view(-1), output.view(-1), buf.view(dtype)
+        main = torch.cuda.current_stream(self.device)
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        side = self._side
+        side.wait_stream(main)  # the input, the output and the split table are ready on main
+        n_self = min(plan.input_splits[me], plan.output_splits[me])
+        with torch.cuda.stream(side):
+            i0, o0 = plan.input_offsets[me], plan.output_offsets[me]
+            out[o0 : o0 + n_self].copy_(inp[i0 : i0 + n_self])
+        peers = [buf.peer(p).view(dtype) if p != me else local for p in range(W)]
+        pieces = self.copy_engine_pieces
+        for c in range(pieces):
+            for d, a, b in copy_engine_pieces(plan.input_splits, me, c, pieces):
+                if d != me:
+                    off = plan.input_offsets[d]
+                    peers[d][me * slot + a : me * slot + b].copy_(inp[off + a : off + b])
+            if c == 0:
+                self._launch(K.all_to_all_check_barrier_kernel, 1, (
+                    meta.view(torch.int64), meta.deltas(torch.int64), *self._sync, epoch, self.max_spins, me, W,
+                ), num_warps=1)  # fmt: skip
+            else:
+                self._barrier_kernel(epoch + c)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                for p, a, b in copy_engine_pieces(plan.output_splits, me, c, pieces):
+                    if p != me:
+                        off = plan.output_offsets[p]
+                        out[off + a : off + b].copy_(local[p * slot + a : p * slot + b])
+        # the caller's stream goes on only after the drains: a peer overwrites these slots two calls
+        # later, after a barrier this rank reaches only from the caller's stream
+        main.wait_stream(side)
 
     def _barrier_kernel(self, epoch: int) -> None:
         self._launch(

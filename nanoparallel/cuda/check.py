@@ -6,6 +6,10 @@ locally and compares its own output with it: no second communication path is tru
 GPU tests and by the sweep, so a benchmark run on a machine also proves the numbers are of correct
 collectives.
 
+``python -m nanoparallel.cuda.check --world-size 2`` runs it on every GPU of the group (exit 1 on
+any failure); after the collectives it turns the backend's knobs (pipeline steps, copy-engine
+pieces, programs, uncached splits) at sizes where they change the partition.
+
 Tolerances (relative Frobenius error against float64): float32 1e-6 per reduction step;
 bf16 1e-2 and fp16 2e-3 per step (one rounding of a float32 sum); integers exact. The ring rounds
 its partial sums once per step, so its tolerance is multiplied by the number of ranks.
@@ -143,5 +147,125 @@ def check_all(backend, seed: int = 0, sizes=SIZES, dtypes=DTYPES) -> tuple[int, 
             )
             ok = torch.equal(out.cpu(), expected)
             report(f"all_to_all {algo} {dtype} counts={counts}", None if ok else "received the wrong data")
+    _check_knobs(backend, seed + 1000 * (k + 1), report)
     backend.barrier()
     return cases, failures
+
+
+def _check_knobs(backend, seed: int, report) -> int:
+    """The knobs a measurement turns (steps, pieces, programs, uncached splits), at sizes where
+    they change the partition, float32 only; restores every knob. Returns the next seed."""
+    rank, W, dev = backend.rank, backend.world_size, backend.device
+    saved = (backend.pipeline_steps, backend.copy_engine_pieces, backend.programs, backend.cache_splits)
+    try:
+        for steps, pieces, programs, cached in (
+            (1, 1, 7, False),
+            (3, 3, backend.max_programs, True),
+            (16, 5, 3, True),
+        ):
+            backend.pipeline_steps, backend.copy_engine_pieces = steps, pieces
+            backend.programs, backend.cache_splits = programs, cached
+            knobs = f"steps={steps} pieces={pieces} programs={programs} cached={cached}"
+            for n in (65537, (1 << 20) + 7):
+                seed += 1
+                xs = [draw(n, torch.float32, seed + r) for r in range(W)]
+                for algo in ("one_shot_push", "one_shot_pipelined"):
+                    t = xs[rank].to(dev)
+                    backend.all_reduce(t, op="sum", algorithm=algo)
+                    report(
+                        f"all_reduce {algo} sum n={n} {knobs}",
+                        _close(t, reduce_ref(xs, "sum"), torch.float32, 1),
+                    )
+                g = torch.Generator().manual_seed(seed)
+                counts = torch.randint(0, n + 1, (W, W), generator=g).tolist()
+                ys = [draw(sum(counts[s]), torch.float32, seed + 100 + s) for s in range(W)]
+                recv = [counts[s][rank] for s in range(W)]
+                expected = torch.cat(
+                    [ys[s][sum(counts[s][:rank]) : sum(counts[s][: rank + 1])] for s in range(W)]
+                )
+                for algo in ALGORITHMS["all_to_all"]:
+                    out = poison(sum(recv), torch.float32, dev)
+                    backend.all_to_all(out, ys[rank].to(dev), recv, counts[rank], algorithm=algo)
+                    ok = torch.equal(out.cpu(), expected)
+                    report(f"all_to_all {algo} n~{n} {knobs}", None if ok else "received the wrong data")
+    finally:
+        backend.pipeline_steps, backend.copy_engine_pieces, backend.programs, backend.cache_splits = saved
+    return seed
+
+
+def _rank_main(rank: int, world: int, port: int, quick: bool, results) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from nanoparallel.cuda import CudaPeerBackend
+
+    try:
+        store = dist.TCPStore(
+            "127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=120)
+        )
+        backend = CudaPeerBackend(rank, world, store, torch.device("cuda", rank), timeout_s=30)
+        if quick:
+            cases, failures = check_all(
+                backend, sizes=(0, 1, 31, 4099), dtypes=(torch.float32, torch.bfloat16, torch.int32)
+            )
+        else:
+            cases, failures = check_all(backend)
+        backend.close()
+        results.put((rank, cases, failures))
+    except BaseException as exc:  # tell the parent, which stops the others
+        import traceback
+
+        results.put((rank, -1, [f"rank {rank} crashed: {exc!r}\n{traceback.format_exc()}"]))
+
+
+def main(argv=None) -> None:
+    """``python -m nanoparallel.cuda.check --world-size 2``: every rank runs check_all; exit 1 on
+    any failure."""
+    import argparse
+    import socket
+    import time
+
+    import torch.multiprocessing as mp
+
+    p = argparse.ArgumentParser(description="correctness check of every nanoparallel.cuda collective")
+    p.add_argument("--world-size", type=int, default=torch.cuda.device_count())
+    p.add_argument("--quick", action="store_true", help="float32, bfloat16, int32 at sizes 0, 1, 31, 4099")
+    args = p.parse_args(argv)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    t0 = time.perf_counter()
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, args.world_size, port, args.quick, results))
+        for r in range(args.world_size)
+    ]
+    for pr in procs:
+        pr.start()
+    out = []
+    try:
+        while len(out) < args.world_size:
+            got = results.get(timeout=900)
+            out.append(got)
+            if got[1] == -1:
+                break
+    finally:
+        for pr in procs:
+            pr.join(timeout=30 if len(out) == args.world_size else 1)
+            if pr.is_alive():
+                pr.kill()
+    failures = [f for o in out for f in o[2]]
+    cases = sum(max(o[1], 0) for o in out)
+    print(
+        f"{cases - len(failures)} of {cases} checks passed on {args.world_size} GPUs in {time.perf_counter() - t0:.0f} s"
+    )
+    for f in failures[:60]:
+        print(f)
+    if failures or len(out) < args.world_size:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

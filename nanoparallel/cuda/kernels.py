@@ -389,3 +389,189 @@ def _share(count, limit, nprog):
 def barrier_kernel(flags, F, err, epoch, max_spins, RANK: tl.constexpr, W: tl.constexpr):
     """A bare barrier (one program), for the copy-engine paths."""
     _barrier(flags, F, err, epoch + 1, max_spins, RANK, W)
+
+
+# -- pipelined variants: one barrier per step, so the local half of step c overlaps step c+1 ------
+
+
+@triton.jit
+def _step(lo, hi, sub, c):
+    """[lo, hi) cut into steps of ``sub`` elements: the range of step c (empty past the end)."""
+    s_lo = tl.minimum(lo + c * sub, hi)
+    return s_lo, tl.minimum(s_lo + sub, hi)
+
+
+@triton.jit
+def _push_peers(inp, buf, D, S, lo, hi, RANK: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr):
+    """inp[lo:hi] into slot RANK of every *peer's* buffer (my own slot is never written)."""
+    for start in range(lo, hi, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < hi
+        x = tl.load(inp + offs, mask=mask)
+        for p in tl.static_range(W):
+            if p != RANK:
+                tl.store(buf + D[p] + RANK * S + offs, x, mask=mask)
+
+
+@triton.jit
+def _reduce_slots(inp, out, buf, S, lo, hi, OP: tl.constexpr, RANK: tl.constexpr, W: tl.constexpr,
+                  BLOCK: tl.constexpr):  # fmt: skip
+    """out[lo:hi] = op over q of slot q, my own term read from inp; rank order, as one_shot_push."""
+    for start in range(lo, hi, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < hi
+        if RANK == 0:
+            acc = _acc_type(tl.load(inp + offs, mask=mask))
+        else:
+            acc = _acc_type(tl.load(buf + offs, mask=mask))
+        for q in tl.static_range(1, W):
+            if q == RANK:
+                acc = _combine(acc, _acc_type(tl.load(inp + offs, mask=mask)), OP)
+            else:
+                acc = _combine(acc, _acc_type(tl.load(buf + q * S + offs, mask=mask)), OP)
+        if OP == 3:
+            acc = _mean(acc, W)
+        tl.store(out + offs, acc.to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["epoch", "max_spins", "steps"])
+def one_shot_pipelined_all_reduce_kernel(
+    inp, out, buf, D, flags, F, err, n, S, chunk, sub, steps, epoch, max_spins,
+    OP: tl.constexpr, RANK: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """one_shot_push cut into ``steps`` steps of ``sub`` elements per program, one barrier each.
+
+    inp, out: [n] (may alias); buf: W slots of S elements (slot RANK unused: my own term is read
+    from inp, which saves writing and re-reading n elements of local memory). Program b pushes step
+    c + 1 of its range to the peers before it reduces step c, whose data the barrier of step c has
+    released, so the NVLink stores of one step are in flight while the reduction of the previous
+    one reads local memory. ``steps`` is the same on every program and rank (barrier epochs
+    epoch+1 .. epoch+steps); a program whose range is shorter meets the others with empty steps.
+    """
+    lo = tl.program_id(0) * chunk
+    hi = tl.minimum(lo + chunk, n)
+    f_lo, f_hi = _step(lo, hi, sub, 0)
+    _push_peers(inp, buf, D, S, f_lo, f_hi, RANK, W, BLOCK)
+    _barrier(flags, F, err, epoch + 1, max_spins, RANK, W)
+    for c in range(steps):
+        if c + 1 < steps:
+            n_lo, n_hi = _step(lo, hi, sub, c + 1)
+            _push_peers(inp, buf, D, S, n_lo, n_hi, RANK, W, BLOCK)
+        s_lo, s_hi = _step(lo, hi, sub, c)
+        _reduce_slots(inp, out, buf, S, s_lo, s_hi, OP, RANK, W, BLOCK)
+        if c + 1 < steps:
+            _barrier(flags, F, err, epoch + 2 + c, max_spins, RANK, W)
+
+
+@triton.jit
+def _a2a_step(count, limit, nprog, sub_of, c):
+    """Step c of this program's share of a segment: the share as in ``_share``, cut into steps of
+    ``cdiv(share, sub_of)`` elements rounded up to 16. Sender and receiver both derive it from the
+    sender's count, so they agree; ``limit`` clips it to what the receiver expects."""
+    per = tl.cdiv(tl.cdiv(count, nprog), 16) * 16
+    sub = tl.cdiv(tl.cdiv(per, sub_of), 16) * 16
+    lo = tl.program_id(0) * per + c * sub
+    hi = tl.minimum(lo + sub, tl.program_id(0) * per + per)
+    return tl.minimum(lo, limit), tl.minimum(hi, limit)
+
+
+@triton.jit
+def _a2a_push(inp, buf, D, meta, slot, nprog, steps, c, RANK: tl.constexpr, W: tl.constexpr,
+              BLOCK: tl.constexpr):  # fmt: skip
+    """Step c of my segments for the peers, into slot RANK of each peer's buffer."""
+    in_off = 0
+    for d in tl.static_range(W):
+        count = tl.load(meta + d)
+        if d != RANK:
+            lo, hi = _a2a_step(count, count, nprog, steps, c)
+            dst = buf + D[d] + RANK * slot
+            if (in_off % 16 == 0) & (count % 16 == 0):
+                a_off = _a16(in_off)
+                _copy(dst - a_off, inp, a_off + _a16(lo), a_off + _a16(hi), BLOCK)
+            else:
+                _copy(dst - in_off, inp, in_off + lo, in_off + hi, BLOCK)
+        in_off += count
+
+
+@triton.jit
+def _a2a_drain(out, buf, meta, M, err, slot, nprog, steps, c, RANK: tl.constexpr, W: tl.constexpr,
+               BLOCK: tl.constexpr):  # fmt: skip
+    """Step c of the peers' segments, from my slots to ``out``, comparing split tables as it goes."""
+    out_off = 0
+    for p in tl.static_range(W):
+        expect = tl.load(meta + W + p)
+        if p != RANK:
+            count = tl.load(meta + M[p] + RANK)
+            if count != expect:
+                tl.atomic_or(err, 2)
+            lo, hi = _a2a_step(count, tl.minimum(count, expect), nprog, steps, c)
+            src = buf + p * slot
+            if (out_off % 16 == 0) & (count % 16 == 0) & (expect % 16 == 0):
+                _copy(out + _a16(out_off), src, _a16(lo), _a16(hi), BLOCK)
+            else:
+                _copy(out + out_off, src, lo, hi, BLOCK)
+        out_off += expect
+
+
+@triton.jit(do_not_specialize=["epoch", "max_spins", "steps"])
+def all_to_all_pipelined_kernel(
+    inp, out, buf, D, meta, M, flags, F, err, slot, steps, epoch, max_spins,
+    RANK: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """all_to_all_push in ``steps`` steps with one barrier each, and the own segment copied
+    straight from input to output (it never touches the staging buffer).
+
+    Each program's share of every peer segment is cut into ``steps`` pieces; the program pushes
+    piece c + 1 before draining piece c from its slots (released by the barrier of step c), so the
+    local drain overlaps NVLink stores instead of following all of them. buf, meta as in
+    all_to_all_push_kernel; barriers epoch+1 .. epoch+steps.
+    """
+    nprog = tl.num_programs(0)
+    # my own segment: input offset sum(input_splits[:RANK]), output offset sum(output_splits[:RANK])
+    in_self = 0
+    out_self = 0
+    for q in tl.static_range(RANK):
+        in_self += tl.load(meta + q)
+        out_self += tl.load(meta + W + q)
+    count = tl.load(meta + RANK)
+    expect = tl.load(meta + W + RANK)
+    if count != expect:
+        tl.atomic_or(err, 2)
+    lo, hi = _share(count, tl.minimum(count, expect), nprog)
+    if (in_self % 16 == 0) & (out_self % 16 == 0) & (count % 16 == 0) & (expect % 16 == 0):
+        a_in = _a16(in_self)
+        _copy(out + _a16(out_self) - a_in, inp, a_in + _a16(lo), a_in + _a16(hi), BLOCK)
+    else:
+        _copy(out + out_self - in_self, inp, in_self + lo, in_self + hi, BLOCK)
+    _a2a_push(inp, buf, D, meta, slot, nprog, steps, 0, RANK, W, BLOCK)
+    _barrier(flags, F, err, epoch + 1, max_spins, RANK, W)
+    for c in range(steps):
+        if c + 1 < steps:
+            _a2a_push(inp, buf, D, meta, slot, nprog, steps, c + 1, RANK, W, BLOCK)
+        _a2a_drain(out, buf, meta, M, err, slot, nprog, steps, c, RANK, W, BLOCK)
+        if c + 1 < steps:
+            _barrier(flags, F, err, epoch + 2 + c, max_spins, RANK, W)
+
+
+@triton.jit(do_not_specialize=["epoch", "max_spins"])
+def all_to_all_check_barrier_kernel(
+    meta, M, flags, F, err, epoch, max_spins, RANK: tl.constexpr, W: tl.constexpr
+):  # fmt: skip
+    """A bare barrier that then compares split tables (the copy-engine all-to-all's first barrier):
+    bit 2 of err when peer p's input_splits[RANK] differs from my output_splits[p]."""
+    _barrier(flags, F, err, epoch + 1, max_spins, RANK, W)
+    for p in tl.static_range(W):
+        if tl.load(meta + M[p] + RANK) != tl.load(meta + W + p):
+            tl.atomic_or(err, 2)
+
+
+@triton.jit
+def peer_copy_kernel(local, buf, D, n, chunk, PEER: tl.constexpr, READ: tl.constexpr, BLOCK: tl.constexpr):
+    """Raw NVLink bandwidth probe (nanoparallel.cuda.diagnose): READ copies peer PEER's buffer into
+    ``local``, otherwise ``local`` into the peer's buffer; program b moves [b*chunk, (b+1)*chunk)."""
+    lo = tl.program_id(0) * chunk
+    hi = tl.minimum(lo + chunk, n)
+    if READ:
+        _copy(local, buf + D[PEER], lo, hi, BLOCK)
+    else:
+        _copy(buf + D[PEER], local, lo, hi, BLOCK)

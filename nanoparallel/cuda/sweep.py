@@ -59,10 +59,10 @@ def sizes(min_bytes: int, max_bytes: int, step: int) -> list[int]:
     return out
 
 
-def _iters(nbytes: int) -> int:
+def _iters(nbytes: int, max_iters: int = 100) -> int:
     # about 0.5 GB moved per measurement, between 10 and 100 calls (values double per sum call;
     # 100 doublings keep random float32 data finite)
-    return int(min(100, max(10, 5e8 // max(nbytes, 1))))
+    return int(min(max_iters, max(10, 5e8 // max(nbytes, 1))))
 
 
 def _impls(coll: str, x: torch.Tensor, be, world: int) -> dict:
@@ -131,7 +131,7 @@ def _rank_body(rank: int, world: int, port: int, args, results) -> None:
 
     def timed(fn, nbytes: int) -> tuple[float, float]:
         """(device time per call, host time per call), microseconds, slowest rank."""
-        iters = _iters(nbytes)
+        iters = _iters(nbytes, args.max_iters)
         for _ in range(3):
             fn()
         dist.barrier()
@@ -252,6 +252,7 @@ def main(argv=None) -> None:
     p.add_argument("--extra-bytes", type=int, nargs="*", default=[8], help="sizes measured besides the steps")
     p.add_argument("--collectives", nargs="+", default=list(COLLECTIVES), choices=COLLECTIVES)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-iters", type=int, default=100, help="timed calls per measurement at small sizes")
     p.add_argument("--skip-check", action="store_true", help="skip the correctness check (not for results)")
     p.add_argument(
         "--quick-check", action="store_true", help="check float32, bfloat16, int32 at sizes 0, 1, 31, 4099"

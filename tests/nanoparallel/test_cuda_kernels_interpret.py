@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from nanoparallel.cuda import copy_engine_pieces, pipeline_steps, ring_barriers, slice_size, split_work
 from nanoparallel.cuda import kernels as K
-from nanoparallel.cuda import ring_barriers, slice_size, split_work
 from nanoparallel.cuda.emulate import EmulatedPeers
 from paperclub.testing import assert_rel_close
 
@@ -290,6 +290,150 @@ def test_all_to_all_push_uneven(peers, counts, dtype, seed):
         assert torch.equal(outs[d][: totals_out[d]], expected), (
             f"all-to-all push: rank {d} received the wrong data"
         )
+
+
+@SETTINGS
+@given(
+    n=sizes,
+    dtype=all_dtypes,
+    op=st.sampled_from(["sum", "max", "min", "avg"]),
+    steps=st.integers(1, 5),
+    seed=st.integers(0, 10**6),
+)
+@example(n=200, dtype=torch.float32, op="sum", steps=3, seed=1)  # 4 programs x 64, 3 steps of 32 or 16
+@example(n=97, dtype=torch.int32, op="avg", steps=5, seed=2)
+@pytest.mark.claim("nanoparallel/p2p-kernels", section="Intra-node data transfer: P2P transport")
+def test_one_shot_pipelined_all_reduce(peers, n, dtype, op, steps, seed):
+    inputs = draw_inputs(n, dtype, seed)
+    S = -(-n // 64) * 64
+    xs = peers.shared(lambda r: inputs[r].clone())
+    bufs = peers.shared(lambda r: torch.full((W * S,), 7, dtype=dtype))
+    chunk, grid = split_work(n, MAX_PROGRAMS, BLOCK)
+    sub, steps = pipeline_steps(chunk, steps, BLOCK)
+    per_rank = [
+        dict(inp=xs[r], out=xs[r], n=n, S=S, chunk=chunk, sub=sub, steps=steps, OP=K.OP_CODES[op], RANK=r,
+             W=W, BLOCK=BLOCK)
+        for r in range(W)
+    ]  # fmt: skip
+    peers.run("one_shot_pipelined_all_reduce_kernel", grid, per_rank, {"buf": (bufs, "D")}, barriers=steps)
+    ref = reference(inputs, op)
+    for r in range(W):
+        check(xs[r], ref, dtype, f"one-shot pipelined ({steps} steps) {op} rank {r}")
+        assert torch.equal(xs[r], xs[0]), "ranks disagree"
+        # the own slot is never written: the rank's term comes straight from its input
+        assert (bufs[r][r * S : r * S + n] == 7).all(), f"rank {r} wrote its own slot"
+
+
+def a2a_case(peers, counts, dtype, seed, slot):
+    """Shared inputs, poisoned outputs and buffers, split tables, and the expected outputs."""
+    inputs = [draw_inputs(max(sum(counts[s]), 1), dtype, seed + s)[s][: sum(counts[s])] for s in range(W)]
+    totals_out = [sum(counts[s][d] for s in range(W)) for d in range(W)]
+    xs = peers.shared(lambda r: inputs[r].clone() if inputs[r].numel() else torch.zeros(1, dtype=dtype))
+    outs = peers.shared(lambda r: torch.full((max(totals_out[r], 1),), 7, dtype=dtype))
+    bufs = peers.shared(lambda r: torch.full((W * slot,), 7, dtype=dtype))
+    metas = peers.shared(
+        lambda r: torch.tensor(
+            [counts[r][d] for d in range(W)] + [counts[s][r] for s in range(W)], dtype=torch.int64
+        )
+    )
+    expected = [
+        torch.cat([inputs[s][sum(counts[s][:d]) : sum(counts[s][: d + 1])] for s in range(W)])
+        for d in range(W)
+    ]
+    return xs, outs, bufs, metas, expected, totals_out
+
+
+@SETTINGS
+@given(
+    counts=st.lists(st.lists(st.integers(0, 200), min_size=W, max_size=W), min_size=W, max_size=W),
+    dtype=all_dtypes,
+    steps=st.integers(1, 4),
+    seed=st.integers(0, 10**6),
+)
+# shares of 64 elements per program cut into 2 or 3 steps; splits not multiples of 16 included
+@example(counts=[[200, 131, 7], [64, 192, 0], [5, 17, 160]], dtype=torch.float32, steps=3, seed=3)
+@example(counts=[[190, 200, 33], [1, 150, 128], [0, 0, 199]], dtype=torch.bfloat16, steps=2, seed=4)
+@pytest.mark.claim("nanoparallel/p2p-kernels", section="Intra-node data transfer: P2P transport")
+def test_all_to_all_pipelined_uneven(peers, counts, dtype, steps, seed):
+    slot = 256
+    xs, outs, bufs, metas, expected, totals_out = a2a_case(peers, counts, dtype, seed, slot)
+    per_rank = [
+        dict(inp=xs[r], out=outs[r], slot=slot, steps=steps, RANK=r, W=W, BLOCK=BLOCK) for r in range(W)
+    ]
+    peers.run(
+        "all_to_all_pipelined_kernel",
+        MAX_PROGRAMS,
+        per_rank,
+        {"buf": (bufs, "D"), "meta": (metas, "M")},
+        barriers=steps,
+    )
+    for d in range(W):
+        assert torch.equal(outs[d][: totals_out[d]], expected[d]), (
+            f"all-to-all pipelined ({steps} steps): rank {d} received the wrong data"
+        )
+        # the own segment goes straight from input to output, never through slot d
+        assert (bufs[d][d * slot : (d + 1) * slot] == 7).all(), f"rank {d} staged its own segment"
+
+
+def test_all_to_all_copy_engine_schedule_in_emulation(peers):
+    # the copy-engine path's host plan (pieces of every segment, slot offsets) and its barrier,
+    # which compares split tables: each rank moves its pieces with tensor copies between barriers
+    counts = [[5, 17, 0], [3, 33, 1], [40, 2, 9]]
+    xs, outs, bufs, metas, expected, totals_out = a2a_case(peers, counts, torch.float32, 7, 48)
+    for r in range(W):
+        outs[r].fill_(7)
+    pieces = 3
+    for c in range(pieces):
+        for s in range(W):
+            for d, start, end in copy_engine_pieces(counts[s], s, c, pieces):
+                in_off = sum(counts[s][:d])
+                if d == s:  # own segment: input to output directly
+                    out_off = sum(counts[q][s] for q in range(s))
+                    outs[s][out_off + start : out_off + end] = xs[s][in_off + start : in_off + end]
+                else:
+                    bufs[d][s * 48 + start : s * 48 + end] = xs[s][in_off + start : in_off + end]
+        per_rank = [dict(RANK=r, W=W) for r in range(W)]
+        peers.run("all_to_all_check_barrier_kernel", 1, per_rank, {"meta": (metas, "M")}, barriers=1)
+        for d in range(W):
+            recv = [counts[s][d] for s in range(W)]
+            for s, start, end in copy_engine_pieces(recv, d, c, pieces):
+                if s != d:
+                    out_off = sum(recv[:s])
+                    outs[d][out_off + start : out_off + end] = bufs[d][s * 48 + start : s * 48 + end]
+    for d in range(W):
+        assert torch.equal(outs[d][: totals_out[d]], expected[d]), f"rank {d}: pieces miss or overlap"
+
+
+def test_all_to_all_check_barrier_reports_mismatch(peers):
+    counts = [[2, 5, 1], [3, 3, 3], [1, 1, 1]]
+    expect = [[counts[s][d] for s in range(W)] for d in range(W)]
+    expect[2][1] = 4  # rank 2 expects 4 from rank 1, which sends 3
+    metas = peers.shared(lambda r: torch.tensor(counts[r] + expect[r], dtype=torch.int64))
+    per_rank = [dict(RANK=r, W=W) for r in range(W)]
+    with pytest.raises(RuntimeError, match=r"error words set on ranks \{2: 2\}"):
+        peers.run("all_to_all_check_barrier_kernel", 1, per_rank, {"meta": (metas, "M")}, barriers=1)
+
+
+@pytest.mark.parametrize("read", [True, False])
+def test_peer_copy_kernel(peers, read):
+    n = 100
+    locals_ = peers.shared(lambda r: torch.arange(n, dtype=torch.float32) + 1000 * r)
+    bufs = peers.shared(lambda r: torch.arange(128, dtype=torch.float32) - 500 * (r + 1))
+    chunk, grid = split_work(n, MAX_PROGRAMS, BLOCK)
+    per_rank = [
+        dict(local=locals_[r], n=n, chunk=chunk, PEER=(r + 1) % W, READ=read, BLOCK=BLOCK) for r in range(W)
+    ]
+    peers.run("peer_copy_kernel", grid, per_rank, {"buf": (bufs, "D")}, barriers=0)
+    for r in range(W):
+        nxt, prev = (r + 1) % W, (r - 1) % W
+        if read:
+            assert torch.equal(locals_[r], torch.arange(n, dtype=torch.float32) - 500 * (nxt + 1)), (
+                f"rank {r} did not read rank {nxt}'s buffer"
+            )
+        else:
+            assert torch.equal(bufs[r][:n], torch.arange(n, dtype=torch.float32) + 1000 * prev), (
+                f"rank {r}'s buffer does not hold what rank {prev} wrote"
+            )
 
 
 def test_all_to_all_split_mismatch_is_reported(peers):

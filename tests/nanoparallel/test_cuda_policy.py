@@ -8,6 +8,7 @@ needs GPUs); only the pure methods are exercised.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from nanoparallel.cuda import (
     ALGORITHMS,
@@ -16,6 +17,11 @@ from nanoparallel.cuda import (
     PUSH_ALL_REDUCE_MIN_BYTES,
     PUSH_ALL_TO_ALL_MIN_BYTES,
     CudaPeerBackend,
+    SplitCache,
+    check_splits,
+    copy_engine_pieces,
+    pick,
+    pipeline_steps,
 )
 
 
@@ -60,3 +66,71 @@ def test_every_auto_choice_is_a_listed_algorithm():
 def test_unknown_algorithm_names_the_choices():
     with pytest.raises(ValueError, match=r"all_reduce: algorithm 'tree' is not one of .*one_shot.*auto"):
         backend(2)._algorithm("all_reduce", "tree", 8)
+
+
+def test_auto_tables_pick_the_last_bound_reached():
+    table = ((0, "a"), (100, "b"), (1000, "c"))
+    assert [pick(table, n) for n in (0, 99, 100, 999, 1000, 1 << 40)] == ["a", "a", "b", "b", "c", "c"]
+    # the new variants stay out of auto until a sweep has measured them
+    for n in (8, 64 << 20, 1 << 30):
+        assert backend(2)._algorithm("all_to_all", "auto", n) in ("direct", "push")
+        assert backend(2)._algorithm("all_reduce", "auto", n) in ("one_shot", "one_shot_push")
+
+
+@pytest.mark.parametrize("chunk,steps", [(16, 4), (64, 3), (1000, 4), (2048, 1), (4096, 8), (100, 100)])
+def test_pipeline_steps_cover_the_range(chunk, steps):
+    sub, got = pipeline_steps(chunk, steps, 16)
+    assert sub % 16 == 0 and 1 <= got <= steps
+    assert got * sub >= chunk and (got - 1) * sub < chunk, "a step is empty or elements are left over"
+
+
+@pytest.mark.parametrize("pieces", [1, 3, 4, 7])
+def test_copy_engine_pieces_tile_every_segment(pieces):
+    splits = [0, 1, 63, 64, 65, 1000, 4097]
+    covered = {p: [] for p in range(len(splits))}
+    for c in range(pieces):
+        for p, start, end in copy_engine_pieces(splits, 0, c, pieces):
+            assert 0 <= start < end <= splits[p] and start % 64 == 0
+            covered[p].append((start, end))
+    for p, ranges in covered.items():
+        pos = 0
+        for start, end in ranges:  # in piece order, without gaps or overlaps
+            assert start == pos
+            pos = end
+        assert pos == splits[p], f"segment {p}: pieces cover {pos} of {splits[p]} elements"
+
+
+def test_split_cache_validates_once_and_keys_by_value():
+    cache = SplitCache(3, torch.device("cpu"), max_entries=4)
+    a = cache.plan(6, 9, 2, [1, 2, 3], [3, 3, 3])
+    assert a.input_splits == (2, 4, 6) and a.output_splits == (6, 6, 6)  # rows x 2 elements
+    assert a.input_offsets == (0, 2, 6) and a.output_offsets == (0, 6, 12) and a.largest == 6
+    assert a.table.tolist() == [2, 4, 6, 6, 6, 6]
+    assert cache.plan(6, 9, 2, (1, 2, 3), [3, 3, 3]) is a and cache.misses == 1  # a tuple hits too
+    even = cache.plan(6, 6, 1, None, None)
+    assert even.input_splits == (2, 2, 2) and cache.plan(6, 6, 1, None, None) is even
+    splits = [1, 2, 3]
+    b = cache.plan(6, 6, 1, splits, None)
+    splits[0] = 5  # the caller reuses its list: the key was taken by value
+    assert cache.plan(6, 6, 1, [1, 2, 3], None) is b
+    with pytest.raises(ValueError, match="sums to 10 but the tensor has 6 rows"):
+        cache.plan(6, 6, 1, splits, None)
+    for k in range(5):  # past max_entries the cache starts over instead of growing
+        cache.plan(3 * k + 3, 3, 1, None, None)
+    assert len(cache._plans) <= 4
+    uncached = cache.plan(6, 9, 2, [1, 2, 3], [3, 3, 3], cache=False)
+    assert uncached.table is None and uncached.input_splits == a.input_splits
+
+
+@pytest.mark.parametrize(
+    "splits,total,message",
+    [
+        (None, 7, "not given and 7 rows do not split evenly over 3 ranks"),
+        ([1, 2], 3, "must be 3 non-negative counts"),
+        ([4, -1, 0], 3, "must be 3 non-negative counts"),
+        ([1, 1, 1], 4, "sums to 3 but the tensor has 4 rows"),
+    ],
+)
+def test_check_splits_says_what_is_wrong(splits, total, message):
+    with pytest.raises(ValueError, match=message):
+        check_splits("all_to_all", "input_splits", splits, total, 3)
