@@ -28,6 +28,14 @@ import triton.language as tl
 
 
 @triton.jit
+def _tile(base, R, row_stride, C: tl.constexpr, r0, c0, BR: tl.constexpr, BC: tl.constexpr):
+    """Block pointer to rows ``r0 .. r0+BR`` and columns ``c0 .. c0+BC`` of an ``[R, C]`` matrix
+    with unit column stride: one token-major head of a ``[B, T, heads, D]`` tensor, or a state.
+    Loads through it with ``boundary_check=(0,)`` zero the rows past R (the padded tail chunk)."""
+    return tl.make_block_ptr(base, (R, C), (row_stride, 1), (r0, c0), (BR, BC), (1, 0))
+
+
+@triton.jit
 def _block_products(b_k, b_x, b_G, loc, a, SUB: tl.constexpr):
     """One 16-row block of ``A[r, i] = sum_c x_rc k_ic exp(G_rc - G_ic)`` as a matmul's operands.
 
@@ -110,6 +118,7 @@ def kda_intra_fwd_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    SKIP: tl.constexpr = 0,
 ):
     """One program per (chunk, batch x value head), all chunks in parallel.
 
@@ -117,7 +126,9 @@ def kda_intra_fwd_kernel(
     ``KD = k exp(G_C - G)``, and the sums over channels that make ``A_kk`` and ``A_qk`` (each block
     of channels adds its part: the ``[BT, BK]`` tiles stay small, so nothing spills). Then the UT
     transform ``T = (I + A_kk)^{-1}`` (:func:`_unit_lower_inverse`); pass 2 the WY factors
-    ``W = T Diag(beta)(K*exp(G))`` per channel block and ``U' = T Diag(beta) V`` per value block."""
+    ``W = T Diag(beta)(K*exp(G))`` per channel block and ``U' = T Diag(beta) V`` per value block.
+    ``SKIP`` (bits 1, 2, 4: the products for A, the inverse, pass 2) leaves parts out, for timing
+    the parts in bench.py's profile only: the results are then wrong."""
     i_t = tl.program_id(0)
     i_bh = tl.program_id(1)
     b = i_bh // HV
@@ -129,52 +140,65 @@ def kda_intra_fwd_kernel(
     mrow = rows < T
     # padded rows get g = 0 (no decay) and beta = 0, k = 0 (no write): they leave the state alone
     b_beta = tl.load(beta + (b * T + rows) * HV + hv, mask=mrow, other=0.0).to(tl.float32)
+    r0 = i_t * BT
+    qk_base = (b * T * H + hk) * K  # [B, T, H, K]: row t of head hk starts at qk_base + t H K
+    gk_base = (b * T * HV + hv) * K  # [B, T, HV, K]
+    v_base = (b * T * HV + hv) * V
+    c_base = (b * T * HV + hv) * BT  # [B, T, HV, BT]
 
     A_kk = tl.zeros([BT, BT], dtype=tl.float32)
     A_qk = tl.zeros([BT, BT], dtype=tl.float32)
-    for kb in tl.static_range(K // BK):
-        offk = kb * BK + tl.arange(0, BK)
-        qk_off = ((b * T + rows[:, None]) * H + hk) * K + offk[None, :]
-        gv_off = ((b * T + rows[:, None]) * HV + hv) * K + offk[None, :]
-        b_k = tl.load(k + qk_off, mask=mrow[:, None], other=0.0).to(tl.float32)
-        b_q = tl.load(q + qk_off, mask=mrow[:, None], other=0.0).to(tl.float32)
-        b_g = tl.load(g + gv_off, mask=mrow[:, None], other=0.0).to(tl.float32)
+    for kb in range(K // BK):
+        p_k = tl.make_block_ptr(k + qk_base, (T, K), (H * K, 1), (r0, kb * BK), (BT, BK), (1, 0))
+        p_q = tl.make_block_ptr(q + qk_base, (T, K), (H * K, 1), (r0, kb * BK), (BT, BK), (1, 0))
+        p_g = tl.make_block_ptr(g + gk_base, (T, K), (HV * K, 1), (r0, kb * BK), (BT, BK), (1, 0))
+        p_G = tl.make_block_ptr(G_out + gk_base, (T, K), (HV * K, 1), (r0, kb * BK), (BT, BK), (1, 0))
+        p_kd = tl.make_block_ptr(KD_out + gk_base, (T, K), (HV * K, 1), (r0, kb * BK), (BT, BK), (1, 0))
+        b_k = tl.load(p_k, boundary_check=(0,), padding_option="zero").to(tl.float32)
+        b_q = tl.load(p_q, boundary_check=(0,), padding_option="zero").to(tl.float32)
+        b_g = tl.load(p_g, boundary_check=(0,), padding_option="zero").to(tl.float32)
         b_G = tl.cumsum(b_g, axis=0)  # G_r = g_1 + ... + g_r inside the chunk
-        tl.store(G_out + gv_off, b_G, mask=mrow[:, None])
+        tl.store(p_G, b_G, boundary_check=(0,))
         # padded rows have g = 0, so the last row of the cumsum is G at the chunk's last real token
         G_last = tl.sum(tl.where(loc[:, None] == BT - 1, b_G, 0.0), axis=0)
-        tl.store(gamma_out + (i_bh * NT + i_t) * K + offk, tl.exp(G_last))
+        tl.store(gamma_out + (i_bh * NT + i_t) * K + kb * BK + tl.arange(0, BK), tl.exp(G_last))
         b_kd = b_k * tl.exp(G_last[None, :] - b_G)  # decay from token i to the end of the chunk
-        tl.store(KD_out + gv_off, b_kd.to(KD_out.dtype.element_ty), mask=mrow[:, None])
+        tl.store(p_kd, b_kd.to(KD_out.dtype.element_ty), boundary_check=(0,))
         for a in tl.static_range(BT // SUB):
-            x_k, k_cols, e_row, _e_col, in_block, _upto = _block_products(b_k, b_k, b_G, loc, a, SUB)
-            x_q = tl.where(in_block[:, None], b_q * e_row, 0.0)
-            A_kk += tl.dot(x_k, tl.trans(k_cols), input_precision=DOT_PREC)
-            A_qk += tl.dot(x_q, tl.trans(k_cols), input_precision=DOT_PREC)
+            if SKIP & 1 == 0:
+                x_k, k_cols, e_row, _e_col, in_block, _upto = _block_products(b_k, b_k, b_G, loc, a, SUB)
+                x_q = tl.where(in_block[:, None], b_q * e_row, 0.0)
+                A_kk += tl.dot(x_k, tl.trans(k_cols), input_precision=DOT_PREC)
+                A_qk += tl.dot(x_q, tl.trans(k_cols), input_precision=DOT_PREC)
     A_kk = tl.where(loc[:, None] > loc[None, :], A_kk, 0.0) * b_beta[:, None]
     A_qk = tl.where(loc[:, None] >= loc[None, :], A_qk, 0.0) * scale
-    c_off = ((b * T + rows[:, None]) * HV + hv) * BT + loc[None, :]
-    tl.store(Aqk_out + c_off, A_qk.to(Aqk_out.dtype.element_ty), mask=mrow[:, None])
+    p_A = tl.make_block_ptr(Aqk_out + c_base, (T, BT), (HV * BT, 1), (r0, 0), (BT, BT), (1, 0))
+    tl.store(p_A, A_qk.to(Aqk_out.dtype.element_ty), boundary_check=(0,))
 
-    T_ut = _unit_lower_inverse(A_kk, loc, BT, SUB, LOG_SUB, LOG_NB, DOT_PREC)
-    tl.store(T_out + c_off, T_ut, mask=mrow[:, None])
+    if SKIP & 2 == 0:
+        T_ut = _unit_lower_inverse(A_kk, loc, BT, SUB, LOG_SUB, LOG_NB, DOT_PREC)
+    else:
+        T_ut = A_kk
+    p_T = tl.make_block_ptr(T_out + c_base, (T, BT), (HV * BT, 1), (r0, 0), (BT, BT), (1, 0))
+    tl.store(p_T, T_ut, boundary_check=(0,))
+    if SKIP & 4:
+        return
 
-    for kb in tl.static_range(K // BK):
-        offk = kb * BK + tl.arange(0, BK)
-        gv_off = ((b * T + rows[:, None]) * HV + hv) * K + offk[None, :]
-        b_k = tl.load(
-            k + ((b * T + rows[:, None]) * H + hk) * K + offk[None, :], mask=mrow[:, None], other=0.0
-        )
-        b_g = tl.load(g + gv_off, mask=mrow[:, None], other=0.0).to(tl.float32)
-        b_kb = b_k.to(tl.float32) * tl.exp(tl.cumsum(b_g, axis=0)) * b_beta[:, None]
+    for kb in range(K // BK):
+        p_k = tl.make_block_ptr(k + qk_base, (T, K), (H * K, 1), (r0, kb * BK), (BT, BK), (1, 0))
+        p_g = tl.make_block_ptr(g + gk_base, (T, K), (HV * K, 1), (r0, kb * BK), (BT, BK), (1, 0))
+        p_w = tl.make_block_ptr(W_out + gk_base, (T, K), (HV * K, 1), (r0, kb * BK), (BT, BK), (1, 0))
+        b_k = tl.load(p_k, boundary_check=(0,), padding_option="zero").to(tl.float32)
+        b_g = tl.load(p_g, boundary_check=(0,), padding_option="zero").to(tl.float32)
+        b_kb = b_k * tl.exp(tl.cumsum(b_g, axis=0)) * b_beta[:, None]
         b_W = tl.dot(T_ut, b_kb, input_precision=DOT_PREC)
-        tl.store(W_out + gv_off, b_W.to(W_out.dtype.element_ty), mask=mrow[:, None])
-    for vb in tl.static_range(V // BV):
-        offv = vb * BV + tl.arange(0, BV)
-        v_off = ((b * T + rows[:, None]) * HV + hv) * V + offv[None, :]
-        b_v = tl.load(v + v_off, mask=mrow[:, None], other=0.0).to(tl.float32)
+        tl.store(p_w, b_W.to(W_out.dtype.element_ty), boundary_check=(0,))
+    for vb in range(V // BV):
+        p_v = tl.make_block_ptr(v + v_base, (T, V), (HV * V, 1), (r0, vb * BV), (BT, BV), (1, 0))
+        p_u = tl.make_block_ptr(U_out + v_base, (T, V), (HV * V, 1), (r0, vb * BV), (BT, BV), (1, 0))
+        b_v = tl.load(p_v, boundary_check=(0,), padding_option="zero").to(tl.float32)
         b_U = tl.dot(T_ut, b_v * b_beta[:, None], input_precision=DOT_PREC)
-        tl.store(U_out + v_off, b_U.to(U_out.dtype.element_ty), mask=mrow[:, None])
+        tl.store(p_u, b_U.to(U_out.dtype.element_ty), boundary_check=(0,))
 
 
 @triton.jit(do_not_specialize=["T", "NT"])
@@ -210,8 +234,9 @@ def kda_state_fwd_kernel(
     hv = i_bh % HV
     offk = tl.arange(0, K)
     offv = i_v * BV + tl.arange(0, BV)
-    loc = tl.arange(0, BT)
     kv_off = offk[:, None] * V + offv[None, :]
+    k_base = (b * T * HV + hv) * K  # [B, T, HV, K]: token t at k_base + t HV K
+    v_base = (b * T * HV + hv) * V
 
     h = tl.zeros([K, BV], dtype=tl.float32)
     if USE_H0:
@@ -219,17 +244,20 @@ def kda_state_fwd_kernel(
     # a while loop, not range(NT): Triton 3.6's CPU interpreter cannot range over a runtime int
     n = 0
     while n < NT:
-        tl.store(h_all + (i_bh * NT + n) * K * V + kv_off, h.to(h_all.dtype.element_ty))
-        rows = n * BT + loc
-        mrow = rows < T
-        k_off = ((b * T + rows[:, None]) * HV + hv) * K + offk[None, :]
-        v_off = ((b * T + rows[:, None]) * HV + hv) * V + offv[None, :]
-        b_w = tl.load(W + k_off, mask=mrow[:, None], other=0.0)
-        b_kd = tl.load(KD + k_off, mask=mrow[:, None], other=0.0)
-        b_up = tl.load(U_prime + v_off, mask=mrow[:, None], other=0.0).to(tl.float32)
+        p_h = tl.make_block_ptr(
+            h_all + (i_bh * NT + n) * K * V, (K, V), (V, 1), (0, i_v * BV), (K, BV), (1, 0)
+        )
+        tl.store(p_h, h.to(h_all.dtype.element_ty))
+        p_w = tl.make_block_ptr(W + k_base, (T, K), (HV * K, 1), (n * BT, 0), (BT, K), (1, 0))
+        p_kd = tl.make_block_ptr(KD + k_base, (T, K), (HV * K, 1), (n * BT, 0), (BT, K), (1, 0))
+        p_up = tl.make_block_ptr(U_prime + v_base, (T, V), (HV * V, 1), (n * BT, i_v * BV), (BT, BV), (1, 0))
+        p_un = tl.make_block_ptr(U_new + v_base, (T, V), (HV * V, 1), (n * BT, i_v * BV), (BT, BV), (1, 0))
+        b_w = tl.load(p_w, boundary_check=(0,), padding_option="zero")
+        b_kd = tl.load(p_kd, boundary_check=(0,), padding_option="zero")
+        b_up = tl.load(p_up, boundary_check=(0,), padding_option="zero").to(tl.float32)
         # the matmul runs in the inputs' dtype (bf16 tensor cores for bf16), accumulating in fp32
         b_u = b_up - tl.dot(b_w, h.to(b_w.dtype), input_precision=DOT_PREC)
-        tl.store(U_new + v_off, b_u.to(U_new.dtype.element_ty), mask=mrow[:, None])
+        tl.store(p_un, b_u.to(U_new.dtype.element_ty), boundary_check=(0,))
         b_gamma = tl.load(gamma + (i_bh * NT + n) * K + offk).to(tl.float32)
         h = h * b_gamma[:, None] + tl.dot(tl.trans(b_kd), b_u.to(b_kd.dtype), input_precision=DOT_PREC)
         n += 1
@@ -263,29 +291,24 @@ def kda_out_fwd_kernel(
     b = i_bh // HV
     hv = i_bh % HV
     hk = hv // (HV // H)
-    loc = tl.arange(0, BT)
-    rows = i_t * BT + loc
-    mrow = rows < T
-    offk = tl.arange(0, K)
-    offv = i_v * BV + tl.arange(0, BV)
+    r0 = i_t * BT
+    p_q = tl.make_block_ptr(q + (b * T * H + hk) * K, (T, K), (H * K, 1), (r0, 0), (BT, K), (1, 0))
+    p_G = tl.make_block_ptr(G + (b * T * HV + hv) * K, (T, K), (HV * K, 1), (r0, 0), (BT, K), (1, 0))
+    p_h = tl.make_block_ptr(h_all + (i_bh * NT + i_t) * K * V, (K, V), (V, 1), (0, i_v * BV), (K, BV), (1, 0))
+    p_A = tl.make_block_ptr(Aqk + (b * T * HV + hv) * BT, (T, BT), (HV * BT, 1), (r0, 0), (BT, BT), (1, 0))
+    v_base = (b * T * HV + hv) * V
+    p_u = tl.make_block_ptr(U_new + v_base, (T, V), (HV * V, 1), (r0, i_v * BV), (BT, BV), (1, 0))
+    p_o = tl.make_block_ptr(o + v_base, (T, V), (HV * V, 1), (r0, i_v * BV), (BT, BV), (1, 0))
 
-    b_q = tl.load(q + ((b * T + rows[:, None]) * H + hk) * K + offk[None, :], mask=mrow[:, None], other=0.0)
-    b_G = tl.load(G + ((b * T + rows[:, None]) * HV + hv) * K + offk[None, :], mask=mrow[:, None], other=0.0)
+    b_q = tl.load(p_q, boundary_check=(0,), padding_option="zero")
+    b_G = tl.load(p_G, boundary_check=(0,), padding_option="zero")
     b_qg = (b_q.to(tl.float32) * tl.exp(b_G) * scale).to(q.dtype.element_ty)
-    b_h = tl.load(h_all + (i_bh * NT + i_t) * K * V + offk[:, None] * V + offv[None, :])
+    b_h = tl.load(p_h)
     b_o = tl.dot(b_qg, b_h.to(b_qg.dtype), input_precision=DOT_PREC)
-    b_A = tl.load(
-        Aqk + ((b * T + rows[:, None]) * HV + hv) * BT + loc[None, :], mask=mrow[:, None], other=0.0
-    )
-    b_u = tl.load(
-        U_new + ((b * T + rows[:, None]) * HV + hv) * V + offv[None, :], mask=mrow[:, None], other=0.0
-    )
+    b_A = tl.load(p_A, boundary_check=(0,), padding_option="zero")
+    b_u = tl.load(p_u, boundary_check=(0,), padding_option="zero")
     b_o += tl.dot(b_A.to(b_u.dtype), b_u, input_precision=DOT_PREC)
-    tl.store(
-        o + ((b * T + rows[:, None]) * HV + hv) * V + offv[None, :],
-        b_o.to(o.dtype.element_ty),
-        mask=mrow[:, None],
-    )
+    tl.store(p_o, b_o.to(o.dtype.element_ty), boundary_check=(0,))
 
 
 @triton.jit(do_not_specialize=["T", "NT"])
@@ -447,36 +470,43 @@ def kda_state_bwd_fused_kernel(
     hk = hv // (HV // H)
     offk = tl.arange(0, K)
     offv = i_v * BV + tl.arange(0, BV)
-    loc = tl.arange(0, BT)
     kv_off = offk[:, None] * V + offv[None, :]
+    q_base = (b * T * H + hk) * K
+    k_base = (b * T * HV + hv) * K
+    v_base = (b * T * HV + hv) * V
+    c_base = (b * T * HV + hv) * BT
 
     dS = tl.zeros([K, BV], dtype=tl.float32)
     if USE_DHT:
         dS += tl.load(dhT + i_bh * K * V + kv_off).to(tl.float32)
     n = NT - 1
     while n >= 0:
-        rows = n * BT + loc
-        mrow = rows < T
-        k_off = ((b * T + rows[:, None]) * HV + hv) * K + offk[None, :]
-        v_off = ((b * T + rows[:, None]) * HV + hv) * V + offv[None, :]
+        r0 = n * BT
         b_q = tl.load(
-            q + ((b * T + rows[:, None]) * H + hk) * K + offk[None, :], mask=mrow[:, None], other=0.0
+            _tile(q + q_base, T, H * K, K, r0, 0, BT, K), boundary_check=(0,), padding_option="zero"
         )
-        b_G = tl.load(G + k_off, mask=mrow[:, None], other=0.0)
+        b_G = tl.load(
+            _tile(G + k_base, T, HV * K, K, r0, 0, BT, K), boundary_check=(0,), padding_option="zero"
+        )
         b_qg = (b_q.to(tl.float32) * tl.exp(b_G) * scale).to(b_q.dtype)
         b_A = tl.load(
-            Aqk + ((b * T + rows[:, None]) * HV + hv) * BT + loc[None, :], mask=mrow[:, None], other=0.0
+            _tile(Aqk + c_base, T, HV * BT, BT, r0, 0, BT, BT), boundary_check=(0,), padding_option="zero"
         )
-        b_kd = tl.load(KD + k_off, mask=mrow[:, None], other=0.0)
-        b_w = tl.load(W + k_off, mask=mrow[:, None], other=0.0)
-        b_do = tl.load(do + v_off, mask=mrow[:, None], other=0.0).to(b_q.dtype)
+        b_kd = tl.load(
+            _tile(KD + k_base, T, HV * K, K, r0, 0, BT, K), boundary_check=(0,), padding_option="zero"
+        )
+        b_w = tl.load(
+            _tile(W + k_base, T, HV * K, K, r0, 0, BT, K), boundary_check=(0,), padding_option="zero"
+        )
+        p_do = _tile(do + v_base, T, HV * V, V, r0, i_v * BV, BT, BV)
+        b_do = tl.load(p_do, boundary_check=(0,), padding_option="zero").to(b_q.dtype)
         b_gamma = tl.load(gamma + (i_bh * NT + n) * K + offk).to(tl.float32)
 
         tl.store(dh_all + (i_bh * NT + n) * K * V + kv_off, dS.to(dh_all.dtype.element_ty))
         # matmuls in the inputs' dtype (bf16 tensor cores for bf16), accumulating in fp32
         b_du = tl.dot(tl.trans(b_A.to(b_do.dtype)), b_do, input_precision=DOT_PREC)
         b_du += tl.dot(b_kd, dS.to(b_kd.dtype), input_precision=DOT_PREC)
-        tl.store(dU + v_off, b_du, mask=mrow[:, None])
+        tl.store(_tile(dU + v_base, T, HV * V, V, r0, i_v * BV, BT, BV), b_du, boundary_check=(0,))
         dS = dS * b_gamma[:, None] - tl.dot(tl.trans(b_w), b_du.to(b_w.dtype), input_precision=DOT_PREC)
         dS += tl.dot(tl.trans(b_qg), b_do, input_precision=DOT_PREC)
         n -= 1
@@ -537,54 +567,61 @@ def kda_intra_bwd_kernel(
     loc = tl.arange(0, BT)
     rows = i_t * BT + loc
     mrow = rows < T
-    last = tl.minimum(T - i_t * BT, BT) - 1  # the chunk's last real token
+    r0 = i_t * BT
+    last = tl.minimum(T - r0, BT) - 1  # the chunk's last real token
     lower = loc[:, None] >= loc[None, :]
     strict = loc[:, None] > loc[None, :]
-    state_off = (i_bh * NT + i_t) * K * V
+    s_base = (i_bh * NT + i_t) * K * V  # [B, HV, NT, K, V]
+    q_base = (b * T * H + hk) * K
+    k_base = (b * T * HV + hv) * K
+    v_base = (b * T * HV + hv) * V
+    QS, KS, VS = H * K, HV * K, HV * V  # row strides
 
     b_beta = tl.load(beta + (b * T + rows) * HV + hv, mask=mrow, other=0.0).to(tl.float32)
-    c_off = ((b * T + rows[:, None]) * HV + hv) * BT + loc[None, :]
-    b_T = tl.load(T_ut + c_off, mask=mrow[:, None], other=0.0)
+    p_T = _tile(T_ut + (b * T * HV + hv) * BT, T, HV * BT, BT, r0, 0, BT, BT)
+    b_T = tl.load(p_T, boundary_check=(0,), padding_option="zero")
 
     # pass 1, value blocks
     M_q = tl.zeros([BT, BT], dtype=tl.float32)
     dT = tl.zeros([BT, BT], dtype=tl.float32)
     b_dbeta = tl.zeros([BT], dtype=tl.float32)
-    for vb in tl.static_range(V // BV):
-        offv = vb * BV + tl.arange(0, BV)
-        v_off = ((b * T + rows[:, None]) * HV + hv) * V + offv[None, :]
-        b_do = tl.load(do + v_off, mask=mrow[:, None], other=0.0).to(tl.float32)
-        b_u = tl.load(U_new + v_off, mask=mrow[:, None], other=0.0).to(tl.float32)
-        b_du = tl.load(dU + v_off, mask=mrow[:, None], other=0.0)
-        b_v = tl.load(v + v_off, mask=mrow[:, None], other=0.0).to(tl.float32)
+    for vb in range(V // BV):
+        c0 = vb * BV
+        b_do = tl.load(
+            _tile(do + v_base, T, VS, V, r0, c0, BT, BV), boundary_check=(0,), padding_option="zero"
+        )
+        b_u = tl.load(
+            _tile(U_new + v_base, T, VS, V, r0, c0, BT, BV), boundary_check=(0,), padding_option="zero"
+        )
+        b_du = tl.load(
+            _tile(dU + v_base, T, VS, V, r0, c0, BT, BV), boundary_check=(0,), padding_option="zero"
+        )
+        b_v = tl.load(_tile(v + v_base, T, VS, V, r0, c0, BT, BV), boundary_check=(0,), padding_option="zero")
+        b_do, b_u, b_v = b_do.to(tl.float32), b_u.to(tl.float32), b_v.to(tl.float32)
         M_q += tl.dot(b_do, tl.trans(b_u), input_precision=DOT_PREC)
         dT += tl.dot(b_du, tl.trans(b_v * b_beta[:, None]), input_precision=DOT_PREC)
         b_dvb = tl.dot(tl.trans(b_T), b_du, input_precision=DOT_PREC)  # d(Diag(beta) V)
-        tl.store(dv + v_off, (b_dvb * b_beta[:, None]).to(dv.dtype.element_ty), mask=mrow[:, None])
+        p_dv = _tile(dv + v_base, T, VS, V, r0, c0, BT, BV)
+        tl.store(p_dv, (b_dvb * b_beta[:, None]).to(dv.dtype.element_ty), boundary_check=(0,))
         b_dbeta += tl.sum(b_dvb * b_v, axis=1)
     M_q = tl.where(lower, M_q, 0.0) * scale
 
     # pass 2, key-channel blocks: the rest of dT, and A_kk without beta
     A_raw = tl.zeros([BT, BT], dtype=tl.float32)
-    for kb in tl.static_range(K // BK):
-        offk = kb * BK + tl.arange(0, BK)
-        k_off = ((b * T + rows[:, None]) * HV + hv) * K + offk[None, :]
-        b_k = tl.load(
-            k + ((b * T + rows[:, None]) * H + hk) * K + offk[None, :], mask=mrow[:, None], other=0.0
-        )
+    for kb in range(K // BK):
+        c0 = kb * BK
+        b_k = tl.load(_tile(k + q_base, T, QS, K, r0, c0, BT, BK), boundary_check=(0,), padding_option="zero")
         b_k = b_k.to(tl.float32)
-        b_G = tl.load(G + k_off, mask=mrow[:, None], other=0.0)
+        b_G = tl.load(_tile(G + k_base, T, KS, K, r0, c0, BT, BK), boundary_check=(0,), padding_option="zero")
         G_last = tl.sum(tl.where(loc[:, None] == last, b_G, 0.0), axis=0)
         # padded rows were never stored: in the forward their G equals G_last (g = 0 there)
         b_G = tl.where(mrow[:, None], b_G, G_last[None, :])
         b_dw = tl.zeros([BT, BK], dtype=tl.float32)
-        for vb in tl.static_range(V // BV):
-            offv = vb * BV + tl.arange(0, BV)
-            b_du = tl.load(
-                dU + ((b * T + rows[:, None]) * HV + hv) * V + offv[None, :], mask=mrow[:, None], other=0.0
-            )
-            b_h = tl.load(h_all + state_off + offk[:, None] * V + offv[None, :]).to(tl.float32)
-            b_dw -= tl.dot(b_du, tl.trans(b_h), input_precision=DOT_PREC)
+        for vb in range(V // BV):
+            p_du = _tile(dU + v_base, T, VS, V, r0, vb * BV, BT, BV)
+            p_h = _tile(h_all + s_base, K, V, V, c0, vb * BV, BK, BV)
+            b_du = tl.load(p_du, boundary_check=(0,), padding_option="zero")
+            b_dw -= tl.dot(b_du, tl.trans(tl.load(p_h).to(tl.float32)), input_precision=DOT_PREC)
         dT += tl.dot(b_dw, tl.trans(b_k * tl.exp(b_G) * b_beta[:, None]), input_precision=DOT_PREC)
         for a in tl.static_range(BT // SUB):
             x_k, k_cols, _e_row, _e_col, _in, _upto = _block_products(b_k, b_k, b_G, loc, a, SUB)
@@ -598,13 +635,12 @@ def kda_intra_bwd_kernel(
     b_dbeta += tl.sum(tl.where(strict, dA * A_raw, 0.0), axis=1)
 
     # pass 3, key-channel blocks: dq, dk, dg
-    for kb in tl.static_range(K // BK):
-        offk = kb * BK + tl.arange(0, BK)
-        k_off = ((b * T + rows[:, None]) * HV + hv) * K + offk[None, :]
-        qk_off = ((b * T + rows[:, None]) * H + hk) * K + offk[None, :]
-        b_q = tl.load(q + qk_off, mask=mrow[:, None], other=0.0).to(tl.float32)
-        b_k = tl.load(k + qk_off, mask=mrow[:, None], other=0.0).to(tl.float32)
-        b_G = tl.load(G + k_off, mask=mrow[:, None], other=0.0)
+    for kb in range(K // BK):
+        c0 = kb * BK
+        b_q = tl.load(_tile(q + q_base, T, QS, K, r0, c0, BT, BK), boundary_check=(0,), padding_option="zero")
+        b_k = tl.load(_tile(k + q_base, T, QS, K, r0, c0, BT, BK), boundary_check=(0,), padding_option="zero")
+        b_q, b_k = b_q.to(tl.float32), b_k.to(tl.float32)
+        b_G = tl.load(_tile(G + k_base, T, KS, K, r0, c0, BT, BK), boundary_check=(0,), padding_option="zero")
         G_last = tl.sum(tl.where(loc[:, None] == last, b_G, 0.0), axis=0)
         b_G = tl.where(mrow[:, None], b_G, G_last[None, :])
         b_eG = tl.exp(b_G)
@@ -613,15 +649,20 @@ def kda_intra_bwd_kernel(
         b_dkd = tl.zeros([BT, BK], dtype=tl.float32)
         b_dqg = tl.zeros([BT, BK], dtype=tl.float32)
         b_dgamma = tl.zeros([BK], dtype=tl.float32)
-        for vb in tl.static_range(V // BV):
-            offv = vb * BV + tl.arange(0, BV)
-            v_off = ((b * T + rows[:, None]) * HV + hv) * V + offv[None, :]
-            kv_off = offk[:, None] * V + offv[None, :]
-            b_du = tl.load(dU + v_off, mask=mrow[:, None], other=0.0)
-            b_u = tl.load(U_new + v_off, mask=mrow[:, None], other=0.0).to(tl.float32)
-            b_do = tl.load(do + v_off, mask=mrow[:, None], other=0.0).to(tl.float32)
-            b_h = tl.load(h_all + state_off + kv_off).to(tl.float32)
-            b_ds = tl.load(dh_all + state_off + kv_off).to(tl.float32)
+        for vb in range(V // BV):
+            v0 = vb * BV
+            b_du = tl.load(
+                _tile(dU + v_base, T, VS, V, r0, v0, BT, BV), boundary_check=(0,), padding_option="zero"
+            )
+            b_u = tl.load(
+                _tile(U_new + v_base, T, VS, V, r0, v0, BT, BV), boundary_check=(0,), padding_option="zero"
+            )
+            b_do = tl.load(
+                _tile(do + v_base, T, VS, V, r0, v0, BT, BV), boundary_check=(0,), padding_option="zero"
+            )
+            b_h = tl.load(_tile(h_all + s_base, K, V, V, c0, v0, BK, BV)).to(tl.float32)
+            b_ds = tl.load(_tile(dh_all + s_base, K, V, V, c0, v0, BK, BV)).to(tl.float32)
+            b_u, b_do = b_u.to(tl.float32), b_do.to(tl.float32)
             b_dw -= tl.dot(b_du, tl.trans(b_h), input_precision=DOT_PREC)  # U = U' - W S_n
             b_dkd += tl.dot(b_u, tl.trans(b_ds), input_precision=DOT_PREC)  # S_{n+1} += KD^T U
             b_dqg += tl.dot(b_do, tl.trans(b_h), input_precision=DOT_PREC)  # O += (Q e^G) S_n
@@ -661,7 +702,13 @@ def kda_intra_bwd_kernel(
         # G = cumsum(g): dg_r = sum_{r' >= r} dG_r'
         b_dG += tl.where(loc[:, None] == BT - 1, dG_last[None, :], 0.0)
         b_dg = tl.sum(b_dG, axis=0)[None, :] - tl.cumsum(b_dG, axis=0) + b_dG
-        tl.store(dq + k_off, b_dq.to(dq.dtype.element_ty), mask=mrow[:, None])
-        tl.store(dk + k_off, b_dk.to(dk.dtype.element_ty), mask=mrow[:, None])
-        tl.store(dg + k_off, b_dg.to(dg.dtype.element_ty), mask=mrow[:, None])
+        tl.store(
+            _tile(dq + k_base, T, KS, K, r0, c0, BT, BK), b_dq.to(dq.dtype.element_ty), boundary_check=(0,)
+        )
+        tl.store(
+            _tile(dk + k_base, T, KS, K, r0, c0, BT, BK), b_dk.to(dk.dtype.element_ty), boundary_check=(0,)
+        )
+        tl.store(
+            _tile(dg + k_base, T, KS, K, r0, c0, BT, BK), b_dg.to(dg.dtype.element_ty), boundary_check=(0,)
+        )
     tl.store(dbeta + (b * T + rows) * HV + hv, b_dbeta.to(dbeta.dtype.element_ty), mask=mrow)
