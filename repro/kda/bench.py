@@ -195,9 +195,9 @@ def breakdown(B: int = 8, T: int = 2048, names: tuple[str, ...] = ("ours", "fla_
 TUNING = {  # launch settings of repro.kda.chunk tried one at a time against the defaults
     "INTRA_FWD_WARPS": [4],
     "INTRA_BK": [64, 16],
-    "STATE_WARPS": [4],
     "STATE_FWD_BV": [32],
     "STATE_BWD_BV": [64, 16],
+    "INTRA_BWD_BV": [16],
 }
 
 

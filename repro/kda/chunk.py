@@ -38,11 +38,17 @@ SUB = 16  # rows per sub-block in the intra-chunk matrices
 LOG_SUB, LOG_NB = SUB.bit_length() - 1, (BT // SUB).bit_length() - 1  # 16 = 2^4, 64 / 16 = 2^2
 # launch settings of the parallel kernels (tuned on an H100; see bench.py --breakdown)
 INTRA_FWD_WARPS = 8
+INTRA_BK = 32  # key channels per step of the forward intra-chunk kernel
+# the backward intra-chunk kernel holds six [BT, BT] fp32 matrices: with 16 key channels and 32
+# value channels per step and no software pipelining it fits the H100's 227 KiB of shared memory
 INTRA_BWD_WARPS = 8
-INTRA_BK = 32  # key channels per step of the intra-chunk kernels: small tiles stay out of spills
+INTRA_BWD_BK = 16
+INTRA_BWD_BV = 32
+INTRA_BWD_STAGES = 1
 STATE_FWD_BV = 64
+STATE_FWD_WARPS = 4
 STATE_BWD_BV = 32
-STATE_WARPS = 8  # with 4 warps the [K, BV] state and the [BT, K] tiles spill (ptxas -v)
+STATE_BWD_WARPS = 8  # with 4 warps the [K, BV] state and the [BT, K] tiles spill (ptxas -v)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -114,7 +120,7 @@ def _state_fwd(W, U_prime, KD, gamma, h0, output_final_state, prec):
     kda_state_fwd_kernel[(triton.cdiv(V, BV), B * HV)](
         W, U_prime, KD, gamma, h0c, h_all, U_new, hT, T, NT,
         HV=HV, K=K, V=V, BT=BT, BV=BV, USE_H0=h0 is not None, STORE_FINAL=output_final_state,
-        DOT_PREC=prec, num_warps=STATE_WARPS,
+        DOT_PREC=prec, num_warps=STATE_FWD_WARPS,
     )  # fmt: skip
     return h_all, U_new, hT
 
@@ -256,7 +262,7 @@ def kda_bwd_triton(q, k, v, g, beta, scale, h0, saved, do, dhT):
     kda_state_bwd_fused_kernel[(triton.cdiv(V, BVs), B * HV)](
         q, saved["G"], saved["Aqk"], saved["W"], saved["KD"], saved["gamma"], do, dhT_c, dU, dh_all, dh0,
         scale, T, NT, H=H, HV=HV, K=K, V=V, BT=BT, BV=BVs, USE_DHT=dhT is not None, DOT_PREC=prec,
-        num_warps=STATE_WARPS,
+        num_warps=STATE_BWD_WARPS,
     )  # fmt: skip
     group = HV // H
     # one value head per key head: the kernel writes dq, dk in their final dtype; otherwise fp32
@@ -270,8 +276,8 @@ def kda_bwd_triton(q, k, v, g, beta, scale, h0, saved, do, dhT):
     kda_intra_bwd_kernel[(NT, B * HV)](
         q, k, v, beta, saved["G"], saved["T_ut"], saved["U_new"], saved["h_all"], dh_all, do, dU,
         dq, dk, dv, dg, dbeta, scale, T, NT,
-        H=H, HV=HV, K=K, V=V, BT=BT, SUB=SUB, BK=_block_k(K), BV=_block_v(V), DOT_PREC=prec,
-        num_warps=INTRA_BWD_WARPS,
+        H=H, HV=HV, K=K, V=V, BT=BT, SUB=SUB, BK=min(K, INTRA_BWD_BK), BV=min(V, INTRA_BWD_BV),
+        DOT_PREC=prec, num_warps=INTRA_BWD_WARPS, num_stages=INTRA_BWD_STAGES,
     )  # fmt: skip
     if group > 1:
         dq = dq.view(B, T, H, group, K).sum(3).to(q.dtype)
