@@ -4,11 +4,17 @@ Forward: three Triton launches (kernels.py), no PyTorch math on the hot path. It
 intermediates the backward needs (cumulative decay G, the UT transform T, W, KD, the states
 entering each chunk, the pseudo-values U): no recomputation.
 
-Backward (``BACKWARD = "triton"``, the default): two Triton launches: the reverse state
-recurrence with the readout's gradient folded in (``kda_state_bwd_fused_kernel``, the only
-sequential part) and all intra-chunk gradients (``kda_intra_bwd_kernel``: the readout, the WY
-factors, the UT transform through dA = -T^T dT T^T, the decayed key products, the cumulative sum
-of g).
+Backward (``BACKWARD = "triton"``, the default): three Triton launches: the readout's gradient
+(``kda_out_bwd_kernel``), the reverse state recurrence (``kda_state_bwd_kernel``, the only
+sequential part) and all intra-chunk gradients (``kda_intra_bwd_kernel``: WY factors, the UT
+transform through dA = -T^T dT T^T, the decayed key products, the cumulative sum of g).
+
+``BACKWARD = "fused"`` is its successor in progress: two launches, the readout's gradient folded
+into the reverse recurrence (``kda_state_bwd_fused_kernel``, no atomics) and a channel-blocked
+intra-chunk kernel (``kda_intra_bwd_fused_kernel``). It matches the recurrence on CPU and in fp32
+on an H100 (relative error 5e-7), but in bf16 on the H100 it returned inf gradients for k, v, g,
+beta, h0 and at B=8, T=2048 an illegal memory access: a bug not yet found, so it is not the
+default (see the paper page's "Open problems").
 
 ``BACKWARD = "torch"`` selects the first, slower backward: PyTorch autograd over a recomputation
 of the intra-chunk parts around the Triton state-recurrence backward. The tests check both
@@ -24,8 +30,10 @@ import triton
 from repro.kda.chunk_torch import chunk_matrices
 from repro.kda.kernels import (
     kda_decode_kernel,
+    kda_intra_bwd_fused_kernel,
     kda_intra_bwd_kernel,
     kda_intra_fwd_kernel,
+    kda_out_bwd_kernel,
     kda_out_fwd_kernel,
     kda_state_bwd_fused_kernel,
     kda_state_bwd_kernel,
@@ -37,7 +45,7 @@ BT = 64  # chunk size of the Triton path
 SUB = 16  # rows per sub-block in the intra-chunk matrices
 LOG_SUB, LOG_NB = SUB.bit_length() - 1, (BT // SUB).bit_length() - 1  # 16 = 2^4, 64 / 16 = 2^2
 # launch settings of the parallel kernels (tuned on an H100; see bench.py --breakdown)
-INTRA_FWD_WARPS = 8
+INTRA_FWD_WARPS = 4  # 0.91 ms at B=8, T=2048 on an H100 against 1.72 ms with 8 warps
 INTRA_BK = 32  # key channels per step of the forward intra-chunk kernel
 # the backward intra-chunk kernel holds six [BT, BT] fp32 matrices: with 16 key channels and 32
 # value channels per step and no software pipelining it fits the H100's 227 KiB of shared memory
@@ -246,6 +254,44 @@ class _UTInverse(torch.autograd.Function):
 
 
 def kda_bwd_triton(q, k, v, g, beta, scale, h0, saved, do, dhT):
+    """The backward pass in three Triton launches: readout, reverse state recurrence, intra-chunk."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    NT = triton.cdiv(T, BT)
+    prec = _dot_precision(q.dtype)
+    f32 = dict(device=q.device, dtype=torch.float32)
+    do = do.contiguous()
+    dU_ext = torch.empty(B, T, HV, V, **f32)
+    dh_ext = torch.empty(B, HV, NT, K, V, **f32)
+    BV = _block_v(V)
+    kda_out_bwd_kernel[(NT, triton.cdiv(V, BV), B * HV)](
+        q, saved["G"], saved["Aqk"], do, dU_ext, dh_ext, scale, T, NT,
+        H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, DOT_PREC=prec, num_warps=4,
+    )  # fmt: skip
+    dW, dKD, dU_prime, dgamma, dh0 = _state_bwd(
+        saved["W"], saved["KD"], saved["gamma"], saved["h_all"], saved["U_new"], dU_ext, dh_ext, dhT, prec
+    )
+    dq = torch.empty(B, T, HV, K, **f32)
+    dk = torch.empty(B, T, HV, K, **f32)
+    dg = torch.empty(B, T, HV, K, **f32)
+    dv = torch.empty(B, T, HV, V, **f32)
+    dbeta = torch.empty(B, T, HV, **f32)
+    kda_intra_bwd_kernel[(NT, B * HV)](
+        q, k, v, beta, saved["G"], saved["T_ut"], saved["U_new"], saved["h_all"], do,
+        dW, dU_prime, dKD, dgamma, dq, dk, dv, dg, dbeta, scale, T, NT,
+        H=H, HV=HV, K=K, V=V, BT=BT, SUB=SUB, DOT_PREC=prec, num_warps=8,
+    )  # fmt: skip
+    group = HV // H
+    # value heads that share a key head add their gradients into it
+    dq = dq.view(B, T, H, group, K).sum(3)
+    dk = dk.view(B, T, H, group, K).sum(3)
+    return (
+        dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype),
+        dh0.to(h0.dtype) if h0 is not None else None,
+    )  # fmt: skip
+
+
+def kda_bwd_triton_fused(q, k, v, g, beta, scale, h0, saved, do, dhT):
     """The backward pass in two Triton launches: the reverse state recurrence, then everything
     parallel over chunks."""
     B, T, H, K = q.shape
@@ -273,7 +319,7 @@ def kda_bwd_triton(q, k, v, g, beta, scale, h0, saved, do, dhT):
     dg = torch.empty(B, T, HV, K, device=q.device, dtype=g.dtype)
     dv = torch.empty(B, T, HV, V, device=q.device, dtype=v.dtype)
     dbeta = torch.empty(B, T, HV, device=q.device, dtype=beta.dtype)
-    kda_intra_bwd_kernel[(NT, B * HV)](
+    kda_intra_bwd_fused_kernel[(NT, B * HV)](
         q, k, v, beta, saved["G"], saved["T_ut"], saved["U_new"], saved["h_all"], dh_all, do, dU,
         dq, dk, dv, dg, dbeta, scale, T, NT,
         H=H, HV=HV, K=K, V=V, BT=BT, SUB=SUB, BK=min(K, INTRA_BWD_BK), BV=min(V, INTRA_BWD_BV),
@@ -285,8 +331,9 @@ def kda_bwd_triton(q, k, v, g, beta, scale, h0, saved, do, dhT):
     return dq, dk, dv, dg, dbeta, dh0.to(h0.dtype) if h0 is not None else None
 
 
-# "triton": the backward above. "torch": PyTorch autograd over a recomputation plus the Triton
-# state-recurrence backward (the first version; kept as a second, independent backward).
+# "triton": three launches (kda_bwd_triton). "fused": two launches (kda_bwd_triton_fused; not yet
+# right in bf16 on GPUs, see the module docstring). "torch": PyTorch autograd over a recomputation
+# plus the Triton state-recurrence backward (the first version; a second, independent backward).
 BACKWARD = "triton"
 
 
@@ -306,8 +353,9 @@ class ChunkKDAFunction(torch.autograd.Function):
         saved = dict(zip(ctx.names, rest, strict=True))
         if not ctx.output_final_state:
             dhT = None
-        if BACKWARD == "triton":
-            grads = kda_bwd_triton(q, k, v, g, beta, ctx.scale, h0, saved, do, dhT)
+        if BACKWARD in ("triton", "fused"):
+            bwd = kda_bwd_triton if BACKWARD == "triton" else kda_bwd_triton_fused
+            grads = bwd(q, k, v, g, beta, ctx.scale, h0, saved, do, dhT)
             return *grads[:5], None, grads[5], None
         with torch.enable_grad():
             leaves = [x.detach().requires_grad_(True) for x in (q, k, v, g, beta)]

@@ -460,7 +460,7 @@ def kda_state_bwd_fused_kernel(
     and dS before the update (the gradient at S_{n+1}) is stored per chunk in ``dh_all``. The
     readout's gradients (A_qk^T dO, (Q e^G)^T dO) are computed here, in the loop, rather than
     written to memory by a separate kernel and read back; everything that is a sum over the value
-    channels (dW, dKD, dgamma) is left to the parallel :func:`kda_intra_bwd_kernel`, so this kernel
+    channels (dW, dKD, dgamma) is left to the parallel :func:`kda_intra_bwd_fused_kernel`, so this kernel
     needs no atomics.
     """
     i_v = tl.program_id(0)
@@ -514,7 +514,7 @@ def kda_state_bwd_fused_kernel(
 
 
 @triton.jit(do_not_specialize=["T", "NT"])
-def kda_intra_bwd_kernel(
+def kda_intra_bwd_fused_kernel(
     q,
     k,
     v,
@@ -712,3 +712,189 @@ def kda_intra_bwd_kernel(
             _tile(dg + k_base, T, KS, K, r0, c0, BT, BK), b_dg.to(dg.dtype.element_ty), boundary_check=(0,)
         )
     tl.store(dbeta + (b * T + rows) * HV + hv, b_dbeta.to(dbeta.dtype.element_ty), mask=mrow)
+
+
+@triton.jit(do_not_specialize=["T", "NT"])
+def kda_out_bwd_kernel(
+    q,
+    G,
+    Aqk,
+    do,
+    dU_ext,
+    dh_ext,
+    scale,
+    T,
+    NT,
+    H,
+    HV,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BV: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """Gradients leaving the readout O = scale (Q*exp(G)) S_n + A_qk U towards U and S_n:
+    dU_ext = A_qk^T dO and dh_ext_n = scale (Q*exp(G))^T dO, for one chunk and value block."""
+    i_t = tl.program_id(0)
+    i_v = tl.program_id(1)
+    i_bh = tl.program_id(2)
+    b = i_bh // HV
+    hv = i_bh % HV
+    hk = hv // (HV // H)
+    loc = tl.arange(0, BT)
+    rows = i_t * BT + loc
+    mrow = rows < T
+    offk = tl.arange(0, K)
+    offv = i_v * BV + tl.arange(0, BV)
+    b_q = tl.load(q + ((b * T + rows[:, None]) * H + hk) * K + offk[None, :], mask=mrow[:, None], other=0.0)
+    b_G = tl.load(G + ((b * T + rows[:, None]) * HV + hv) * K + offk[None, :], mask=mrow[:, None], other=0.0)
+    b_qg = b_q.to(tl.float32) * tl.exp(b_G) * scale
+    b_A = tl.load(
+        Aqk + ((b * T + rows[:, None]) * HV + hv) * BT + loc[None, :], mask=mrow[:, None], other=0.0
+    )
+    v_off = ((b * T + rows[:, None]) * HV + hv) * V + offv[None, :]
+    b_do = tl.load(do + v_off, mask=mrow[:, None], other=0.0).to(tl.float32)
+    b_du = tl.dot(tl.trans(b_A.to(tl.float32)), b_do, input_precision=DOT_PREC)
+    tl.store(dU_ext + v_off, b_du, mask=mrow[:, None])
+    b_dh = tl.dot(tl.trans(b_qg), b_do, input_precision=DOT_PREC)
+    tl.store(dh_ext + (i_bh * NT + i_t) * K * V + offk[:, None] * V + offv[None, :], b_dh)
+
+
+@triton.jit(do_not_specialize=["T", "NT"])
+def kda_intra_bwd_kernel(
+    q,
+    k,
+    v,
+    beta,
+    G,
+    T_ut,
+    U_new,
+    h_all,
+    do,
+    dW,
+    dU_prime,
+    dKD,
+    dgamma,
+    dq,
+    dk,
+    dv,
+    dg,
+    dbeta,
+    scale,
+    T,
+    NT,
+    H,
+    HV,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    SUB: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """Everything parallel over chunks in the backward pass, one program per (chunk, b*HV).
+
+    Inputs: the forward's G (fp32), T = (I + A_kk)^{-1} (fp32), U, the chunk's incoming state,
+    dO, and from :func:`kda_state_bwd_kernel` dW, dU', dKD, dgamma. Outputs per value head
+    (the launcher sums dq, dk over the value heads sharing a key head): dq, dk, dv, dg, dbeta.
+    Each line differentiates one line of the forward (kda_intra_fwd_kernel, kda_out_fwd_kernel).
+    """
+    i_t = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    b = i_bh // HV
+    hv = i_bh % HV
+    hk = hv // (HV // H)
+    loc = tl.arange(0, BT)
+    rows = i_t * BT + loc
+    mrow = rows < T
+    offk = tl.arange(0, K)
+    offv = tl.arange(0, V)
+    qk_off = ((b * T + rows[:, None]) * H + hk) * K + offk[None, :]
+    k_off = ((b * T + rows[:, None]) * HV + hv) * K + offk[None, :]
+    v_off = ((b * T + rows[:, None]) * HV + hv) * V + offv[None, :]
+    c_off = ((b * T + rows[:, None]) * HV + hv) * BT + loc[None, :]
+
+    b_q = tl.load(q + qk_off, mask=mrow[:, None], other=0.0).to(tl.float32)
+    b_k = tl.load(k + qk_off, mask=mrow[:, None], other=0.0).to(tl.float32)
+    b_v = tl.load(v + v_off, mask=mrow[:, None], other=0.0).to(tl.float32)
+    b_beta = tl.load(beta + (b * T + rows) * HV + hv, mask=mrow, other=0.0).to(tl.float32)
+    b_G = tl.load(G + k_off, mask=mrow[:, None], other=0.0)
+    last = tl.minimum(T - i_t * BT, BT) - 1  # the chunk's last real token
+    G_last = tl.sum(tl.where(loc[:, None] == last, b_G, 0.0), axis=0)
+    # padded rows were never stored: in the forward their G equals G_last (g = 0 there)
+    b_G = tl.where(mrow[:, None], b_G, G_last[None, :])
+    b_eG = tl.exp(b_G)
+    b_T = tl.load(T_ut + c_off, mask=mrow[:, None], other=0.0)
+    b_u = tl.load(U_new + v_off, mask=mrow[:, None], other=0.0).to(tl.float32)
+    b_do = tl.load(do + v_off, mask=mrow[:, None], other=0.0).to(tl.float32)
+    b_h = tl.load(h_all + (i_bh * NT + i_t) * K * V + offk[:, None] * V + offv[None, :]).to(tl.float32)
+
+    # readout O = scale (Q*e^G) S_n + A_qk U
+    b_dqg = tl.dot(b_do, tl.trans(b_h), input_precision=DOT_PREC) * scale  # d(Q*e^G)
+    b_dq = b_dqg * b_eG
+    b_dG = b_dq * b_q
+    lower = loc[:, None] >= loc[None, :]
+    M_q = tl.where(lower, tl.dot(b_do, tl.trans(b_u), input_precision=DOT_PREC), 0.0) * scale
+
+    # WY factors W = T KB, U' = T VB with KB = beta k e^G, VB = beta v
+    b_dw = tl.load(dW + k_off, mask=mrow[:, None], other=0.0)
+    b_dup = tl.load(dU_prime + v_off, mask=mrow[:, None], other=0.0)
+    b_KB = b_k * b_eG * b_beta[:, None]
+    b_VB = b_v * b_beta[:, None]
+    dT = tl.dot(b_dw, tl.trans(b_KB), input_precision=DOT_PREC) + tl.dot(
+        b_dup, tl.trans(b_VB), input_precision=DOT_PREC
+    )
+    b_dKB = tl.dot(tl.trans(b_T), b_dw, input_precision=DOT_PREC)
+    b_dVB = tl.dot(tl.trans(b_T), b_dup, input_precision=DOT_PREC)
+    b_dv = b_dVB * b_beta[:, None]
+    b_dbeta = tl.sum(b_dVB * b_v, axis=1) + tl.sum(b_dKB * b_k * b_eG, axis=1)
+    b_dk = b_dKB * b_eG * b_beta[:, None]
+    b_dG += b_dKB * b_KB
+    # T = (I + A_kk)^{-1}: dA = -T^T dT T^T, strictly lower
+    b_Tt = tl.trans(b_T)
+    dA = -tl.dot(tl.dot(b_Tt, dT, input_precision=DOT_PREC), b_Tt, input_precision=DOT_PREC)
+    dA = tl.where(loc[:, None] > loc[None, :], dA, 0.0)
+    M_k = dA * b_beta[:, None]
+
+    # KD = k e^(G_last - G) and gamma = e^G_last feed the state recurrence
+    b_dkd = tl.load(dKD + k_off, mask=mrow[:, None], other=0.0)
+    e_tail = tl.exp(G_last[None, :] - b_G)
+    b_dk += b_dkd * e_tail
+    kd_term = b_dkd * b_k * e_tail
+    b_dG -= kd_term
+    dG_last = tl.sum(kd_term, axis=0) + tl.load(dgamma + (i_bh * NT + i_t) * K + offk) * tl.exp(G_last)
+
+    # A[r, i] = sum_c x_rc k_ic e^(G_rc - G_ic), factored per 16-row block as in the forward
+    A_raw = tl.zeros([BT, BT], dtype=tl.float32)
+    for a in tl.static_range(BT // SUB):
+        ref_row = a * SUB + SUB // 2
+        G_ref = tl.sum(tl.where(loc[:, None] == ref_row, b_G, 0.0), axis=0)
+        in_block = (loc >= a * SUB) & (loc < (a + 1) * SUB)
+        upto_block = loc < (a + 1) * SUB
+        e_row = tl.exp(tl.where(in_block[:, None], b_G - G_ref[None, :], 0.0))
+        e_col = tl.exp(tl.where(upto_block[:, None], G_ref[None, :] - b_G, 0.0))
+        x_k = tl.where(in_block[:, None], b_k * e_row, 0.0)
+        x_q = tl.where(in_block[:, None], b_q * e_row, 0.0)
+        y_k = tl.where(upto_block[:, None], b_k * e_col, 0.0)
+        A_raw += tl.dot(x_k, tl.trans(y_k), input_precision=DOT_PREC)
+        Mk_a = tl.where(in_block[:, None], M_k, 0.0)
+        Mq_a = tl.where(in_block[:, None], M_q, 0.0)
+        d_xk = tl.dot(Mk_a, y_k, input_precision=DOT_PREC) * e_row
+        d_xq = tl.dot(Mq_a, y_k, input_precision=DOT_PREC) * e_row
+        d_y = (
+            tl.dot(tl.trans(Mk_a), x_k, input_precision=DOT_PREC)
+            + tl.dot(tl.trans(Mq_a), x_q, input_precision=DOT_PREC)
+        ) * e_col
+        d_y = tl.where(upto_block[:, None], d_y, 0.0)
+        b_dk += d_xk + d_y
+        b_dq += d_xq
+        b_dG += d_xk * b_k + d_xq * b_q - d_y * b_k
+    b_dbeta += tl.sum(tl.where(loc[:, None] > loc[None, :], dA * A_raw, 0.0), axis=1)
+
+    # G = cumsum(g): dg_r = sum_{r' >= r} dG_r'
+    b_dG += tl.where(loc[:, None] == BT - 1, dG_last[None, :], 0.0)
+    b_dg = tl.sum(b_dG, axis=0)[None, :] - tl.cumsum(b_dG, axis=0) + b_dG
+    tl.store(dq + k_off, b_dq, mask=mrow[:, None])
+    tl.store(dk + k_off, b_dk, mask=mrow[:, None])
+    tl.store(dg + k_off, b_dg, mask=mrow[:, None])
+    tl.store(dv + v_off, b_dv, mask=mrow[:, None])
+    tl.store(dbeta + (b * T + rows) * HV + hv, b_dbeta, mask=mrow)

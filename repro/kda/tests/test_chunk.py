@@ -50,11 +50,12 @@ def test_triton_forward_equals_recurrence(case):
 
 
 @pytest.mark.claim(CLAIM, section=SECTION)
-@pytest.mark.parametrize("backward", ["triton", "torch"])
+@pytest.mark.parametrize("backward", ["triton", "fused", "torch"])
 @settings(max_examples=5, deadline=None)
 @given(case=kda_cases(max_T=80, max_B=1), use_final=st.booleans())
 def test_triton_gradients_equal_recurrence(backward, case, use_final):
-    """Both backward paths: all-Triton, and PyTorch autograd around the Triton state backward."""
+    """Every backward path: the two all-Triton ones, and PyTorch autograd around the Triton state
+    backward."""
     import repro.kda.chunk as chunk_module
 
     before, chunk_module.BACKWARD = chunk_module.BACKWARD, backward
