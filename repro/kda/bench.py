@@ -88,7 +88,7 @@ def warm(Ts: list[int]) -> None:
             print(f"warm T={T} {name}: {time.perf_counter() - t0:.1f} s", flush=True)
 
 
-def run(quick: bool, out_dir: Path | None, budget_s: float) -> None:
+def run(quick: bool, out_dir: Path | None, budget_s: float, only: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("repro.kda.bench needs a CUDA GPU")
     start = time.perf_counter()
@@ -106,22 +106,22 @@ def run(quick: bool, out_dir: Path | None, budget_s: float) -> None:
         measure_ceilings=False,
     )
     fns = impls()
+    if only:
+        fns = {name: fn for name, fn in fns.items() if name in only}
     Ts = [4096] if quick else ALL_T
     skipped: list[str] = []
+    failed: list[str] = []
     base_notes = report.notes
     for T in Ts:
         B = max(1, TOKENS // T)
         inputs = make_inputs(B, T)
-        err = float("nan")
-        if "fla_kda" in fns:
-            err = rel_error(fns["ours"](*inputs).float(), fns["fla_kda"](*inputs).float())
+        errs = {}
+        if "fla_kda" in fns and "ours" in fns:
+            errs["ours"] = rel_error(fns["ours"](*inputs).float(), fns["fla_kda"](*inputs).float())
         for name, fn in fns.items():
             if time.perf_counter() - start > budget_s:
                 skipped.append(f"{name}@T={T}")
                 continue
-            ms = time_ms(lambda fn=fn, inputs=inputs: fn(*inputs))
-            report.add(impl=name, B=B, T=T, ms=round(ms, 4), rel_err_vs_fla=err if name == "ours" else None,
-                       **{"pass": "fwd"})  # fmt: skip
             leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
             do = torch.randn_like(inputs[2])
 
@@ -129,13 +129,24 @@ def run(quick: bool, out_dir: Path | None, budget_s: float) -> None:
                 o = fn(*leaves)
                 return torch.autograd.grad(o, leaves, do, allow_unused=True)
 
-            ms_fb = time_ms(fwd_bwd)
-            report.add(impl=name, B=B, T=T, ms=round(ms_fb, 4), **{"pass": "fwd+bwd"})
-            print(f"T={T:6d} B={B:2d} {name:11s} fwd {ms:8.3f} ms  fwd+bwd {ms_fb:8.3f} ms", flush=True)
+            for label, f in (("fwd", lambda fn=fn, x=inputs: fn(*x)), ("fwd+bwd", fwd_bwd)):
+                try:
+                    ms = time_ms(f)
+                except Exception as exc:  # a peer that refuses to run is a result, not a crash
+                    failed.append(
+                        f"{name} {label} at T={T}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                    )
+                    print(f"T={T:6d} {name} {label} failed: {failed[-1]}", flush=True)
+                    continue
+                err = errs.get(name) if label == "fwd" else None
+                report.add(impl=name, B=B, T=T, ms=round(ms, 4), rel_err_vs_fla=err, **{"pass": label})
+                print(f"T={T:6d} B={B:2d} {name:11s} {label:8s} {ms:8.3f} ms", flush=True)
         del inputs
         torch.cuda.empty_cache()
-        report.notes = base_notes + (
-            f" Not measured (time budget of the run): {', '.join(skipped)}." if skipped else ""
+        report.notes = (
+            base_notes
+            + (f" Not measured (time budget of the run): {', '.join(skipped)}." if skipped else "")
+            + (f" Failed: {'; '.join(failed)}." if failed else "")
         )
         report.write(out_dir=out_dir, tag="quick" if quick else "")  # keep what was measured so far
     report.plot(
@@ -234,6 +245,7 @@ def main() -> None:
     ap.add_argument("--breakdown", action="store_true", help="GPU time per kernel, ours and fla, B=8, T=2048")
     ap.add_argument("--warm", action="store_true", help="compile and autotune every shape, time nothing")
     ap.add_argument("--tune", action="store_true", help="time ours with each launch setting changed alone")
+    ap.add_argument("--impls", default="", help="comma-separated subset of ours,fla_kda,fla_gdn,sdpa_flash")
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new measurements after this")
     args = ap.parse_args()
     if args.breakdown:
@@ -248,7 +260,7 @@ def main() -> None:
     elif args.warm:
         warm([4096] if args.quick else ALL_T)
     else:
-        run(args.quick, args.out, args.budget_s)
+        run(args.quick, args.out, args.budget_s, [x for x in args.impls.split(",") if x])
 
 
 if __name__ == "__main__":
