@@ -36,6 +36,12 @@ def _tile(base, R, row_stride, C: tl.constexpr, r0, c0, BR: tl.constexpr, BC: tl
 
 
 @triton.jit
+def _tile_t(base, R, row_stride, C: tl.constexpr, r0, c0, BR: tl.constexpr, BC: tl.constexpr):
+    """The same block as :func:`_tile`, transposed: a ``[BC, BR]`` tile (check dimension 1)."""
+    return tl.make_block_ptr(base, (C, R), (1, row_stride), (c0, r0), (BC, BR), (0, 1))
+
+
+@triton.jit
 def _block_products(b_k, b_x, b_G, loc, a, SUB: tl.constexpr):
     """One 16-row block of ``A[r, i] = sum_c x_rc k_ic exp(G_rc - G_ic)`` as a matmul's operands.
 
@@ -482,33 +488,34 @@ def kda_state_bwd_fused_kernel(
     n = NT - 1
     while n >= 0:
         r0 = n * BT
-        b_q = tl.load(
-            _tile(q + q_base, T, H * K, K, r0, 0, BT, K), boundary_check=(0,), padding_option="zero"
+        # Q, G, A_qk and W enter only transposed: load them so ([K, BT] and [BT, BT] tiles) rather
+        # than transposing in registers
+        b_qt = tl.load(
+            _tile_t(q + q_base, T, H * K, K, r0, 0, BT, K), boundary_check=(1,), padding_option="zero"
         )
-        b_G = tl.load(
-            _tile(G + k_base, T, HV * K, K, r0, 0, BT, K), boundary_check=(0,), padding_option="zero"
+        b_Gt = tl.load(
+            _tile_t(G + k_base, T, HV * K, K, r0, 0, BT, K), boundary_check=(1,), padding_option="zero"
         )
-        b_qg = (b_q.to(tl.float32) * tl.exp(b_G) * scale).to(b_q.dtype)
-        b_A = tl.load(
-            _tile(Aqk + c_base, T, HV * BT, BT, r0, 0, BT, BT), boundary_check=(0,), padding_option="zero"
+        b_qgt = (b_qt.to(tl.float32) * tl.exp(b_Gt) * scale).to(b_qt.dtype)
+        p_At = _tile_t(Aqk + c_base, T, HV * BT, BT, r0, 0, BT, BT)
+        b_At = tl.load(p_At, boundary_check=(1,), padding_option="zero")
+        b_wt = tl.load(
+            _tile_t(W + k_base, T, HV * K, K, r0, 0, BT, K), boundary_check=(1,), padding_option="zero"
         )
         b_kd = tl.load(
             _tile(KD + k_base, T, HV * K, K, r0, 0, BT, K), boundary_check=(0,), padding_option="zero"
         )
-        b_w = tl.load(
-            _tile(W + k_base, T, HV * K, K, r0, 0, BT, K), boundary_check=(0,), padding_option="zero"
-        )
         p_do = _tile(do + v_base, T, HV * V, V, r0, i_v * BV, BT, BV)
-        b_do = tl.load(p_do, boundary_check=(0,), padding_option="zero").to(b_q.dtype)
+        b_do = tl.load(p_do, boundary_check=(0,), padding_option="zero").to(b_qt.dtype)
         b_gamma = tl.load(gamma + (i_bh * NT + n) * K + offk).to(tl.float32)
 
         tl.store(dh_all + (i_bh * NT + n) * K * V + kv_off, dS.to(dh_all.dtype.element_ty))
         # matmuls in the inputs' dtype (bf16 tensor cores for bf16), accumulating in fp32
-        b_du = tl.dot(tl.trans(b_A.to(b_do.dtype)), b_do, input_precision=DOT_PREC)
+        b_du = tl.dot(b_At.to(b_do.dtype), b_do, input_precision=DOT_PREC)
         b_du += tl.dot(b_kd, dS.to(b_kd.dtype), input_precision=DOT_PREC)
         tl.store(_tile(dU + v_base, T, HV * V, V, r0, i_v * BV, BT, BV), b_du, boundary_check=(0,))
-        dS = dS * b_gamma[:, None] - tl.dot(tl.trans(b_w), b_du.to(b_w.dtype), input_precision=DOT_PREC)
-        dS += tl.dot(tl.trans(b_qg), b_do, input_precision=DOT_PREC)
+        dS = dS * b_gamma[:, None] - tl.dot(b_wt, b_du.to(b_wt.dtype), input_precision=DOT_PREC)
+        dS += tl.dot(b_qgt, b_do, input_precision=DOT_PREC)
         n -= 1
     tl.store(dh0 + i_bh * K * V + kv_off, dS)
 
