@@ -551,7 +551,12 @@ NCU_SUMMARY: dict[str, tuple[str, ...]] = {
         "smsp__issue_active.avg.pct_of_peak_sustained_active",
     ),
     "SM throughput %": ("sm__throughput.avg.pct_of_peak_sustained_elapsed",),
-    "DRAM throughput %": ("dram__throughput.avg.pct_of_peak_sustained_elapsed",),
+    "DRAM throughput %": (
+        "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+        "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",  # the name ncu 2025 prints
+    ),
+    # Clocks are not locked under --clock-control none: compare kernels in cycles, not microseconds.
+    "SM cycles active": ("sm__cycles_active.avg",),
 }
 
 
@@ -571,7 +576,8 @@ def ncu_summary(csv_text: str, top_stalls: int = 4) -> list[dict]:
 
     Each dict has ``kernel`` (the name, cut to 60 characters), the NCU_SUMMARY labels (None where the
     report lacks every candidate metric) and ``stalls``: the ``top_stalls`` largest
-    ``smsp__average_warps_issue_stalled_*_per_issue_active.ratio`` values as "reason ratio" strings.
+    ``smsp__average_warps_issue_stalled_*_per_issue_active.ratio`` values as "reason ratio" strings
+    (``selected``, the issuing warp itself, left out).
     Lines that ncu prefixes with ``==`` and the units row are skipped.
     """
     lines = [ln for ln in csv_text.splitlines() if ln.strip() and not ln.startswith("==")]
@@ -595,10 +601,11 @@ def ncu_summary(csv_text: str, top_stalls: int = 4) -> list[dict]:
                 "_per_issue_active.ratio"
             ):
                 v = _number(val)
-                if isinstance(v, float):
-                    reason = name.removeprefix("smsp__average_warps_issue_stalled_").removesuffix(
-                        "_per_issue_active.ratio"
-                    )
+                reason = name.removeprefix("smsp__average_warps_issue_stalled_").removesuffix(
+                    "_per_issue_active.ratio"
+                )
+                # "selected" is the warp that issued (always 1 per issue), not a stall.
+                if isinstance(v, float) and reason != "selected":
                     stalls.append((v, reason))
         item["stalls"] = [f"{reason} {v:.2f}" for v, reason in sorted(stalls, reverse=True)[:top_stalls]]
         out.append(item)

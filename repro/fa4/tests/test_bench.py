@@ -65,11 +65,11 @@ def test_smoke_error_reads_the_smoke_json(tmp_path):
 
 # Three kernels as ncu's raw page prints them with --csv: a header, a units row, one row per kernel.
 NCU_RAW = """==PROF== Connected to process 123
-"ID","Kernel Name","gpu__time_duration.sum","launch__registers_per_thread","sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active","sm__pipe_xu_cycles_active.avg.pct_of_peak_sustained_active","smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio","smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio","smsp__average_warps_issue_stalled_wait_per_issue_active.ratio"
-"","","nsecond","register/thread","%","%","ratio","ratio","ratio"
-"0","_fwd_kernel","2,401,600","255","61.2","20.5","0.90","0.10","0.35"
-"1","cudnn_generated_fort_native_sdpa_sm90_flash_fprop","1,650,000","168","88.0","31.0","0.05","0.02","0.40"
-"2","vectorized_elementwise_kernel","1,200","16","","","0","0","0"
+"ID","Kernel Name","gpu__time_duration.sum","launch__registers_per_thread","sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active","sm__pipe_xu_cycles_active.avg.pct_of_peak_sustained_active","smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio","smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio","smsp__average_warps_issue_stalled_wait_per_issue_active.ratio","smsp__average_warps_issue_stalled_selected_per_issue_active.ratio","gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed"
+"","","nsecond","register/thread","%","%","ratio","ratio","ratio","ratio","%"
+"0","_fwd_kernel","2,401,600","255","61.2","20.5","0.90","0.10","0.35","1","3.58"
+"1","cudnn_generated_fort_native_sdpa_sm90_flash_fprop","1,650,000","168","88.0","31.0","0.05","0.02","0.40","1.00","4.77"
+"2","vectorized_elementwise_kernel","1,200","16","","","0","0","0","1","0"
 """
 
 
@@ -86,7 +86,8 @@ def test_ncu_summary_picks_metrics_units_and_top_stalls():
     assert ours["tensor pipe %"] == 61.2 and cudnn["XU (MUFU, exp2) pipe %"] == 31.0
     assert fill["tensor pipe %"] is None  # empty cells and absent metrics both read as missing
     assert ours["achieved occupancy %"] is None
-    assert ours["stalls"] == ["barrier 0.90", "wait 0.35"]
+    assert ours["DRAM throughput %"] == 3.58  # ncu's newer metric name, the second candidate
+    assert ours["stalls"] == ["barrier 0.90", "wait 0.35"]  # "selected" (1.0) is not a stall
     assert cudnn["stalls"] == ["wait 0.40", "barrier 0.05"]
 
 
