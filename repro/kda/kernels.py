@@ -496,7 +496,7 @@ def kda_state_bwd_fused_kernel(
         b_Gt = tl.load(
             _tile_t(G + k_base, T, HV * K, K, r0, 0, BT, K), boundary_check=(1,), padding_option="zero"
         )
-        b_qgt = (b_qt.to(tl.float32) * tl.exp(b_Gt) * scale).to(b_qt.dtype)
+        b_qgt = b_qt.to(tl.float32) * tl.exp(b_Gt) * scale
         p_At = _tile_t(Aqk + c_base, T, HV * BT, BT, r0, 0, BT, BT)
         b_At = tl.load(p_At, boundary_check=(1,), padding_option="zero")
         b_wt = tl.load(
@@ -506,15 +506,16 @@ def kda_state_bwd_fused_kernel(
             _tile(KD + k_base, T, HV * K, K, r0, 0, BT, K), boundary_check=(0,), padding_option="zero"
         )
         p_do = _tile(do + v_base, T, HV * V, V, r0, i_v * BV, BT, BV)
-        b_do = tl.load(p_do, boundary_check=(0,), padding_option="zero").to(b_qt.dtype)
+        b_do = tl.load(p_do, boundary_check=(0,), padding_option="zero").to(tl.float32)
         b_gamma = tl.load(gamma + (i_bh * NT + n) * K + offk).to(tl.float32)
 
         tl.store(dh_all + (i_bh * NT + n) * K * V + kv_off, dS.to(dh_all.dtype.element_ty))
-        # matmuls in the inputs' dtype (bf16 tensor cores for bf16), accumulating in fp32
-        b_du = tl.dot(b_At.to(b_do.dtype), b_do, input_precision=DOT_PREC)
-        b_du += tl.dot(b_kd, dS.to(b_kd.dtype), input_precision=DOT_PREC)
+        # fp32 operands (tf32 tensor cores for bf16 inputs): with bf16 operands Triton 3.6 built a
+        # kernel that addressed shared memory out of range on an H100 (compute-sanitizer)
+        b_du = tl.dot(b_At.to(tl.float32), b_do, input_precision=DOT_PREC)
+        b_du += tl.dot(b_kd.to(tl.float32), dS, input_precision=DOT_PREC)
         tl.store(_tile(dU + v_base, T, HV * V, V, r0, i_v * BV, BT, BV), b_du, boundary_check=(0,))
-        dS = dS * b_gamma[:, None] - tl.dot(b_wt, b_du.to(b_wt.dtype), input_precision=DOT_PREC)
+        dS = dS * b_gamma[:, None] - tl.dot(b_wt.to(tl.float32), b_du, input_precision=DOT_PREC)
         dS += tl.dot(b_qgt, b_do, input_precision=DOT_PREC)
         n -= 1
     tl.store(dh0 + i_bh * K * V + kv_off, dS)
