@@ -38,7 +38,7 @@ os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
 
 import warnings  # noqa: E402
 from datetime import timedelta  # noqa: E402
-from typing import NamedTuple  # noqa: E402
+from typing import NamedTuple, TypeVar  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -56,6 +56,7 @@ ALGORITHMS: dict[str, tuple[str, ...]] = {
 }
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64)
 REDUCE_OPS = tuple(K.OP_CODES)
+T = TypeVar("T")
 
 # 8 KiB per program per step: 8 warps x 32 threads x 32 bytes, two 16-byte vectors per thread
 STEP_BYTES = 8192
@@ -68,23 +69,42 @@ SPINS_PER_S = 5e6
 # one-shot reads (W-1) n remote bytes against two-shot's 2 (W-1)/W n: equal at W = 2, so with two
 # GPUs one-shot (one barrier) wins at every size; from three GPUs on only small messages
 ONE_SHOT_MAX_BYTES = 256 << 10
-# Thresholds of "auto" from the 2 x H200 sweep (nanoparallel/results/nvidia-h200-cuda-x2.json):
-# all-reduce one_shot_push beat one_shot from 64 MiB (283 vs 274 GB/s busbw, 294 vs 284 at 1 GiB);
-# all-to-all push beat direct from 16 MiB (192 vs 170 GB/s); the copy engine beat the direct
-# kernel for all-gather and broadcast from 256 MiB (257 vs 244 and 370 vs 361 GB/s).
-PUSH_ALL_REDUCE_MIN_BYTES = 32 << 20
+# Thresholds of "auto" from the 2 x H200 run of 2026-11-23 (nanoparallel/results/
+# nvidia-h200-cuda-x2.json, the sweep, and nvidia-h200-cuda-x2-diagnose.json). Small messages keep
+# the kernels that win there (bound by host time, one barrier). Large ones:
+# all-reduce: one_shot_pipelined beat one_shot at 16 MiB (60.8 vs 65.0 us) and everything from there
+# up (64 MiB 1.20x NCCL's busbw, 256 MiB 1.10x, 1 GiB 0.96x at 4 steps, 1.08x at 16 steps);
+# all-to-all: push beat direct at 16 MiB (42.3 vs 46.6 us), push_pipelined everything at 64 MiB
+# (1.05x NCCL), the copy engine everything from 256 MiB (1.06x at 256 MiB and 1 GiB);
+# the copy engine beat the direct kernel for all-gather and broadcast from 256 MiB (254 vs 241 and
+# 370 vs 362 GB/s busbw).
+PIPELINED_ALL_REDUCE_MIN_BYTES = 16 << 20
 PUSH_ALL_TO_ALL_MIN_BYTES = 16 << 20
+PIPELINED_ALL_TO_ALL_MIN_BYTES = 64 << 20
+COPY_ENGINE_ALL_TO_ALL_MIN_BYTES = 256 << 20
 COPY_ENGINE_MIN_BYTES = 256 << 20
-# "auto" as tables of (from this many bytes, algorithm); the last row whose bound the message
-# reaches wins. one_shot_pipelined, push_pipelined and the all-to-all copy_engine are not in them
-# yet: they enter once a sweep has measured them (nanoparallel.cuda.diagnose, .sweep).
-AUTO_ALL_REDUCE_TWO_GPUS = ((0, "one_shot"), (PUSH_ALL_REDUCE_MIN_BYTES, "one_shot_push"))
-AUTO_ALL_TO_ALL = ((0, "direct"), (PUSH_ALL_TO_ALL_MIN_BYTES, "push"))
+# "auto" as tables of (from this many bytes, choice); the last row whose bound the message reaches
+# wins. The all-to-all decides by this rank's input bytes: with uneven splits that straddle a bound,
+# ranks would pick different kernels, so such callers should name the algorithm.
+AUTO_ALL_REDUCE_TWO_GPUS = ((0, "one_shot"), (PIPELINED_ALL_REDUCE_MIN_BYTES, "one_shot_pipelined"))
+AUTO_ALL_TO_ALL = (
+    (0, "direct"),
+    (PUSH_ALL_TO_ALL_MIN_BYTES, "push"),
+    (PIPELINED_ALL_TO_ALL_MIN_BYTES, "push_pipelined"),
+    (COPY_ENGINE_ALL_TO_ALL_MIN_BYTES, "copy_engine"),
+)
 AUTO_COPY_ENGINE = ((0, "direct"), (COPY_ENGINE_MIN_BYTES, "copy_engine"))
-# pipelined variants: barriers (steps) per call, the same on every rank whatever its share
+# pipelined variants: barriers (steps) per call, the same on every rank whatever its share.
+# push_pipelined (all-to-all) always takes PIPELINE_STEPS (4: best at 64 MiB, 131 vs 144 us at 8),
+# since its ranks' sizes may differ; one_shot_pipelined (every rank the same size) takes steps by
+# size: 4 and 8 tied at 64 MiB (208 us), 16 was best from 256 MiB (770 vs 782 us at 8 and 817 at 4;
+# 1 GiB: 3036 vs 3154 and 3394 us). Both counts are covered by nanoparallel.cuda.check.
 PIPELINE_STEPS = 4
+AUTO_ALL_REDUCE_STEPS = ((0, PIPELINE_STEPS), (256 << 20, 16))
 # the all-to-all copy engine cuts every segment into this many pieces, one barrier each, so the
-# drain of piece c (a local copy, on a second stream) overlaps the NVLink copies of piece c + 1
+# drain of piece c (a local copy, on a second stream) overlaps the NVLink copies of piece c + 1.
+# Measured: 4 pieces best at 1 GiB (1535 us against 1665 at 1 and 1679 at 8), within 2% of 1 piece
+# at 256 MiB; each piece costs about 55 us of host time (120 us per call at 1 piece, 290 at 4).
 COPY_ENGINE_PIECES = 4
 # validated split tables kept per backend (a MoE layer cycles through a few; more is a misuse)
 SPLIT_CACHE_ENTRIES = 64
@@ -115,8 +135,9 @@ def _pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
-def pick(table: tuple[tuple[int, str], ...], nbytes: int) -> str:
-    """The algorithm of the last row of an AUTO_* table whose byte bound ``nbytes`` reaches."""
+def pick(table: tuple[tuple[int, T], ...], nbytes: int) -> T:
+    """The choice (an algorithm, a step count) of the last row of an AUTO_* table whose byte
+    bound ``nbytes`` reaches."""
     choice = table[0][1]
     for bound, name in table:
         if nbytes >= bound:
@@ -345,7 +366,9 @@ class CudaPeerBackend:
 
     Knobs a measurement may change between calls (the same value on every rank):
         programs: programs per kernel launch (default and at most ``max_programs``, 2 per SM).
-        pipeline_steps: barriers per call of one_shot_pipelined and push_pipelined.
+        pipeline_steps: barriers per call of one_shot_pipelined and push_pipelined (None, the
+            default: by size from AUTO_ALL_REDUCE_STEPS for the all-reduce, PIPELINE_STEPS for
+            the all-to-all).
         copy_engine_pieces: pieces per segment of the all-to-all copy engine.
         cache_splits: look validated all-to-all splits up in a cache (False: the per-call
             validation and pinned-table copy of before, kept to measure the difference).
@@ -389,7 +412,7 @@ class CudaPeerBackend:
         props = torch.cuda.get_device_properties(self.device)
         self.max_programs = PROGRAMS_PER_SM * props.multi_processor_count
         self.programs = self.max_programs
-        self.pipeline_steps = PIPELINE_STEPS
+        self.pipeline_steps: int | None = None
         self.copy_engine_pieces = COPY_ENGINE_PIECES
         self.cache_splits = True
         self._split_cache = SplitCache(world_size, self.device)
@@ -499,6 +522,14 @@ class CudaPeerBackend:
             raise ValueError(f"{collective}: algorithm {algorithm!r} is not one of {names + ('auto',)}")
         return algorithm
 
+    def _pipeline_steps(self, collective: str, nbytes: int) -> int:
+        """Barriers per call of a pipelined variant: the ``pipeline_steps`` knob when set; else by
+        size for the all-reduce (every rank has the same size) and fixed for the all-to-all (ranks'
+        sizes may differ, and every rank must take the same count)."""
+        if self.pipeline_steps:
+            return self.pipeline_steps
+        return pick(AUTO_ALL_REDUCE_STEPS, nbytes) if collective == "all_reduce" else PIPELINE_STEPS
+
     def _op(self, what: str, op: str, dtype: torch.dtype) -> int:
         if op not in K.OP_CODES:
             raise ValueError(f"{what}: op {op!r} is not one of {REDUCE_OPS}")
@@ -562,7 +593,8 @@ class CudaPeerBackend:
         if algorithm == "one_shot_pipelined":
             S = _round_up(n, 64)
             chunk, grid = self._chunk(n, elem)
-            sub, steps = pipeline_steps(chunk, self.pipeline_steps, STEP_BYTES // elem)
+            steps = self._pipeline_steps("all_reduce", n * elem)
+            sub, steps = pipeline_steps(chunk, steps, STEP_BYTES // elem)
             buf, epoch = self._next(W * S * elem, steps)
             self._launch(K.one_shot_pipelined_all_reduce_kernel, grid, (
                 x, x, buf.view(x.dtype), buf.deltas(x.dtype), *self._sync, n, S, chunk, sub, steps, epoch,
@@ -788,8 +820,9 @@ class CudaPeerBackend:
                     f"but a split has {plan.largest}; use 'direct' or raise staging_bytes"
                 )
             algorithm = "direct"  # a split too large for the per-sender slot
+        steps = self._pipeline_steps(what, input.numel() * elem)
         if algorithm == "push_pipelined":
-            barriers = self.pipeline_steps
+            barriers = steps
         elif algorithm == "copy_engine":
             barriers = self.copy_engine_pieces
         else:
@@ -816,7 +849,7 @@ class CudaPeerBackend:
         grid = min(self.programs, self.max_programs)  # the same on every rank: not from the sizes
         if algorithm == "push_pipelined":
             self._launch(K.all_to_all_pipelined_kernel, grid, (
-                *args, slot, self.pipeline_steps, epoch, self.max_spins, self.rank, W, STEP_BYTES // elem,
+                *args, slot, steps, epoch, self.max_spins, self.rank, W, STEP_BYTES // elem,
             ))  # fmt: skip
         elif algorithm == "push":
             self._launch(K.all_to_all_push_kernel, grid, (

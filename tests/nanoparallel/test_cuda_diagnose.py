@@ -62,3 +62,20 @@ def test_dry_run_writes_a_report(tmp_path, capsys):
     assert doc["package"] == "nanoparallel" and doc["columns"] == COLUMNS
     assert len(doc["rows"]) == len(plan(3, 16)) and "DRY RUN" in doc["notes"]
     assert "| nvlink | triton_write |" in capsys.readouterr().out
+
+
+def test_every_plot_selects_a_line_of_several_points():
+    """A plot whose filter matches no rows (a wrong column value, a grid that is not the plan's)
+    draws an empty figure on the site; each must find at least one series with two x values."""
+    from nanoparallel.cuda.diagnose import plots
+
+    sm = 132
+    rows = plan(2, sm)
+    for p in plots(2 * sm):
+        chosen = [
+            r for r in rows if all(r.get(k) == v for k, v in p["where"].items()) and r[p["x"]] is not None
+        ]
+        xs_per_series = {}
+        for r in chosen:
+            xs_per_series.setdefault((r.get(p.get("facet")), r[p["series"]]), set()).add(r[p["x"]])
+        assert max((len(xs) for xs in xs_per_series.values()), default=0) >= 2, p["title"]

@@ -12,9 +12,13 @@ import torch
 
 from nanoparallel.cuda import (
     ALGORITHMS,
+    AUTO_ALL_REDUCE_STEPS,
+    COPY_ENGINE_ALL_TO_ALL_MIN_BYTES,
     COPY_ENGINE_MIN_BYTES,
     ONE_SHOT_MAX_BYTES,
-    PUSH_ALL_REDUCE_MIN_BYTES,
+    PIPELINE_STEPS,
+    PIPELINED_ALL_REDUCE_MIN_BYTES,
+    PIPELINED_ALL_TO_ALL_MIN_BYTES,
     PUSH_ALL_TO_ALL_MIN_BYTES,
     CudaPeerBackend,
     SplitCache,
@@ -28,15 +32,25 @@ from nanoparallel.cuda import (
 def backend(world_size: int) -> CudaPeerBackend:
     be = object.__new__(CudaPeerBackend)
     be.world_size = world_size
+    be.pipeline_steps = None
     return be
 
 
 @pytest.mark.parametrize(
-    "nbytes", [0, 8, 64 << 10, PUSH_ALL_REDUCE_MIN_BYTES - 1, PUSH_ALL_REDUCE_MIN_BYTES, 1 << 30]
+    "nbytes,expected",
+    [
+        (0, "one_shot"),
+        (8, "one_shot"),
+        (64 << 10, "one_shot"),  # small messages: one barrier, bound by host time
+        (4 << 20, "one_shot"),
+        (PIPELINED_ALL_REDUCE_MIN_BYTES - 1, "one_shot"),
+        (PIPELINED_ALL_REDUCE_MIN_BYTES, "one_shot_pipelined"),
+        (64 << 20, "one_shot_pipelined"),  # 1.20x NCCL's busbw on 2 x H200
+        (1 << 30, "one_shot_pipelined"),  # 0.96x at 4 steps, 1.08x at 16
+    ],
 )
-def test_auto_all_reduce_two_gpus(nbytes):
-    got = backend(2)._algorithm("all_reduce", "auto", nbytes)
-    assert got == ("one_shot_push" if nbytes >= PUSH_ALL_REDUCE_MIN_BYTES else "one_shot")
+def test_auto_all_reduce_two_gpus(nbytes, expected):
+    assert backend(2)._algorithm("all_reduce", "auto", nbytes) == expected
 
 
 @pytest.mark.parametrize("world", [3, 4, 8])
@@ -51,9 +65,25 @@ def test_auto_other_collectives():
     for coll in ("all_gather", "broadcast"):
         assert be._algorithm(coll, "auto", COPY_ENGINE_MIN_BYTES - 1) == "direct"
         assert be._algorithm(coll, "auto", COPY_ENGINE_MIN_BYTES) == "copy_engine"
-    assert be._algorithm("all_to_all", "auto", PUSH_ALL_TO_ALL_MIN_BYTES - 1) == "direct"
-    assert be._algorithm("all_to_all", "auto", PUSH_ALL_TO_ALL_MIN_BYTES) == "push"
     assert be._algorithm("reduce_scatter", "auto", 1 << 30) == "direct"
+
+
+@pytest.mark.parametrize(
+    "nbytes,expected",
+    [
+        (8, "direct"),
+        (64 << 10, "direct"),
+        (PUSH_ALL_TO_ALL_MIN_BYTES - 1, "direct"),
+        (PUSH_ALL_TO_ALL_MIN_BYTES, "push"),
+        (PIPELINED_ALL_TO_ALL_MIN_BYTES - 1, "push"),
+        (PIPELINED_ALL_TO_ALL_MIN_BYTES, "push_pipelined"),  # 1.05x NCCL at 64 MiB
+        (COPY_ENGINE_ALL_TO_ALL_MIN_BYTES - 1, "push_pipelined"),
+        (COPY_ENGINE_ALL_TO_ALL_MIN_BYTES, "copy_engine"),  # 1.06x at 256 MiB and 1 GiB
+        (1 << 30, "copy_engine"),
+    ],
+)
+def test_auto_all_to_all(nbytes, expected):
+    assert backend(2)._algorithm("all_to_all", "auto", nbytes) == expected
 
 
 def test_every_auto_choice_is_a_listed_algorithm():
@@ -71,10 +101,22 @@ def test_unknown_algorithm_names_the_choices():
 def test_auto_tables_pick_the_last_bound_reached():
     table = ((0, "a"), (100, "b"), (1000, "c"))
     assert [pick(table, n) for n in (0, 99, 100, 999, 1000, 1 << 40)] == ["a", "a", "b", "b", "c", "c"]
-    # the new variants stay out of auto until a sweep has measured them
-    for n in (8, 64 << 20, 1 << 30):
-        assert backend(2)._algorithm("all_to_all", "auto", n) in ("direct", "push")
-        assert backend(2)._algorithm("all_reduce", "auto", n) in ("one_shot", "one_shot_push")
+    assert [pick(((0, 4), (10, 16)), n) for n in (9, 10)] == [4, 16]  # any kind of choice
+
+
+def test_pipeline_steps_by_size_for_all_reduce_only():
+    be = backend(2)
+    # all-reduce: 4 steps up to 256 MiB (4 and 8 tied at 64 MiB), 16 from there (best at 256 MiB, 1 GiB)
+    assert be._pipeline_steps("all_reduce", 64 << 20) == PIPELINE_STEPS == 4
+    assert be._pipeline_steps("all_reduce", (256 << 20) - 1) == 4
+    assert be._pipeline_steps("all_reduce", 256 << 20) == 16
+    assert be._pipeline_steps("all_reduce", 1 << 30) == 16
+    assert AUTO_ALL_REDUCE_STEPS[0] == (0, PIPELINE_STEPS)
+    # all-to-all: one count whatever the size, since ranks of an uneven all-to-all differ in size
+    # and must all cut their calls into the same number of barriers
+    assert {be._pipeline_steps("all_to_all", n) for n in (8, 64 << 20, 1 << 30)} == {PIPELINE_STEPS}
+    be.pipeline_steps = 3  # a measurement's knob wins over the table, for both
+    assert be._pipeline_steps("all_reduce", 1 << 30) == be._pipeline_steps("all_to_all", 8) == 3
 
 
 @pytest.mark.parametrize("chunk,steps", [(16, 4), (64, 3), (1000, 4), (2048, 1), (4096, 8), (100, 100)])
