@@ -11,10 +11,10 @@ transform through dA = -T^T dT T^T, the decayed key products, the cumulative sum
 
 ``BACKWARD = "fused"`` is its successor in progress: two launches, the readout's gradient folded
 into the reverse recurrence (``kda_state_bwd_fused_kernel``, no atomics) and a channel-blocked
-intra-chunk kernel (``kda_intra_bwd_fused_kernel``). It matches the recurrence on CPU and in fp32
-on an H100 (relative error 5e-7), but in bf16 on the H100 it returned inf gradients for k, v, g,
-beta, h0 and at B=8, T=2048 an illegal memory access: a bug not yet found, so it is not the
-default (see the paper page's "Open problems").
+intra-chunk kernel (``kda_intra_bwd_fused_kernel``). It matches the recurrence on CPU and on an
+H100 (fp32 5e-7, bf16 2-4e-3 relative) but is not faster yet (11.15 against 10.72 ms forward +
+backward at B=8, T=2048, H=16, K=V=128), so it is not the default (the paper page's benchmark
+section says why).
 
 ``BACKWARD = "torch"`` selects the first, slower backward: PyTorch autograd over a recomputation
 of the intra-chunk parts around the Triton state-recurrence backward. The tests check both
@@ -331,8 +331,8 @@ def kda_bwd_triton_fused(q, k, v, g, beta, scale, h0, saved, do, dhT):
     return dq, dk, dv, dg, dbeta, dh0.to(h0.dtype) if h0 is not None else None
 
 
-# "triton": three launches (kda_bwd_triton). "fused": two launches (kda_bwd_triton_fused; not yet
-# right in bf16 on GPUs, see the module docstring). "torch": PyTorch autograd over a recomputation
+# "triton": three launches (kda_bwd_triton). "fused": two launches (kda_bwd_triton_fused; right,
+# not yet faster: see the module docstring). "torch": PyTorch autograd over a recomputation
 # plus the Triton state-recurrence backward (the first version; a second, independent backward).
 BACKWARD = "triton"
 
