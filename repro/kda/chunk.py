@@ -47,6 +47,8 @@ LOG_SUB, LOG_NB = SUB.bit_length() - 1, (BT // SUB).bit_length() - 1  # 16 = 2^4
 # launch settings of the parallel kernels (tuned on an H100; see bench.py --breakdown)
 INTRA_FWD_WARPS = 4  # 0.91 ms at B=8, T=2048 on an H100 against 1.72 ms with 8 warps
 INTRA_BK = 32  # key channels per step of the forward intra-chunk kernel
+# A_kk, A_qk by column strips (kda_intra_fwd_kernel's STRIPS) rather than masked row blocks
+INTRA_FWD_STRIPS = False
 # the backward intra-chunk kernel holds six [BT, BT] fp32 matrices: with 16 key channels and 32
 # value channels per step and no software pipelining it fits the H100's 227 KiB of shared memory
 INTRA_BWD_WARPS = 8
@@ -103,7 +105,7 @@ def kda_fwd_triton(
     kda_intra_fwd_kernel[(NT, B * HV)](
         q, k, v, g, beta, G, W, U_prime, Aqk, KD, gamma, T_ut, scale, T, NT,
         H=H, HV=HV, K=K, V=V, BT=BT, SUB=SUB, LOG_SUB=LOG_SUB, LOG_NB=LOG_NB, BK=_block_k(K),
-        BV=_block_v(V), DOT_PREC=prec, num_warps=INTRA_FWD_WARPS,
+        BV=_block_v(V), DOT_PREC=prec, STRIPS=INTRA_FWD_STRIPS and BT == 4 * SUB, num_warps=INTRA_FWD_WARPS,
     )  # fmt: skip
     h_all, U_new, hT = _state_fwd(W, U_prime, KD, gamma, initial_state, output_final_state, prec)
     o = torch.empty_like(v)

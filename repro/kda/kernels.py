@@ -64,6 +64,44 @@ def _block_products(b_k, b_x, b_G, loc, a, SUB: tl.constexpr):
 
 
 @triton.jit
+def _column_strip(
+    b_k, b_q, b_G, k_ptr, G_ptr, k_stride, g_stride, r0, T, offk, loc,
+    c: tl.constexpr, SUB: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    """Columns ``c*SUB .. c*SUB+SUB`` of ``A_kk`` and ``A_qk`` (before masks and scales), for the
+    chunk's channel block in ``b_k, b_q, b_G`` (``[BT, BK]``), as two ``[BT, SUB]`` matmuls.
+
+    ``exp(G_r - G_i)`` is factored around the middle row of column block c: rows from the block on
+    get ``x * exp(G - G_ref)`` (at most ``e^{8|g|}``: the rows above the reference), the block's
+    16 keys ``k * exp(G_ref - G)`` (at most ``e^{7|g|}``); rows above the block are zero, and what
+    the two factors give above the diagonal is masked away afterwards. The block's rows of G and
+    k are read back from memory (G was stored by this program: the caller puts a barrier first);
+    rows past T read row T-1, which is what the padded rows' G equals."""
+    rows_c = r0 + c * SUB + tl.arange(0, SUB)
+    G_c = tl.load(G_ptr + tl.minimum(rows_c, T - 1)[:, None] * g_stride + offk[None, :])
+    k_c = tl.load(k_ptr + rows_c[:, None] * k_stride + offk[None, :], mask=(rows_c < T)[:, None], other=0.0)
+    G_ref = tl.load(G_ptr + tl.minimum(r0 + c * SUB + SUB // 2, T - 1) * g_stride + offk)
+    after = loc >= c * SUB
+    e_row = tl.exp(tl.where(after[:, None], b_G - G_ref[None, :], 0.0))
+    y = k_c.to(tl.float32) * tl.exp(G_ref[None, :] - G_c)
+    x_k = tl.where(after[:, None], b_k * e_row, 0.0)
+    x_q = tl.where(after[:, None], b_q * e_row, 0.0)
+    return (
+        tl.dot(x_k, tl.trans(y), input_precision=DOT_PREC),
+        tl.dot(x_q, tl.trans(y), input_precision=DOT_PREC),
+    )
+
+
+@triton.jit
+def _cat4(s0, s1, s2, s3, BT: tl.constexpr, SUB: tl.constexpr):
+    """Four ``[BT, SUB]`` column strips side by side: ``[BT, 4 SUB]``, strip c in columns
+    ``c*SUB .. c*SUB+SUB`` (join them into ``[BT, SUB, 2, 2]``, index ``[r, j, p, q]`` = strip
+    ``2q + p``, then reorder to ``[r, q, p, j]`` and flatten)."""
+    x = tl.join(tl.join(s0, s1), tl.join(s2, s3))
+    return tl.reshape(tl.permute(x, (0, 3, 2, 1)), (BT, 4 * SUB))
+
+
+@triton.jit
 def _unit_lower_inverse(
     A_kk,
     loc,
@@ -127,6 +165,7 @@ def kda_intra_fwd_kernel(
     BV: tl.constexpr,
     DOT_PREC: tl.constexpr,
     SKIP: tl.constexpr = 0,
+    STRIPS: tl.constexpr = False,
 ):
     """One program per (chunk, batch x value head), all chunks in parallel.
 
@@ -136,7 +175,9 @@ def kda_intra_fwd_kernel(
     transform ``T = (I + A_kk)^{-1}`` (:func:`_unit_lower_inverse`); pass 2 the WY factors
     ``W = T Diag(beta)(K*exp(G))`` per channel block and ``U' = T Diag(beta) V`` per value block.
     ``SKIP`` (bits 1, 2, 4: the products for A, the inverse, pass 2) leaves parts out, for timing
-    the parts in bench.py's profile only: the results are then wrong."""
+    the parts in bench.py's profile only: the results are then wrong. ``STRIPS`` computes A by
+    column blocks (:func:`_column_strip`, ``[BT, 16]`` products: a quarter of the tensor-core work
+    of the row-block form and one exponential per key instead of one per row block)."""
     i_t = tl.program_id(0)
     i_bh = tl.program_id(1)
     b = i_bh // HV
@@ -156,6 +197,15 @@ def kda_intra_fwd_kernel(
 
     A_kk = tl.zeros([BT, BT], dtype=tl.float32)
     A_qk = tl.zeros([BT, BT], dtype=tl.float32)
+    if STRIPS:  # BT = 4 SUB (checked by the launcher): four column strips of each matrix
+        S0k = tl.zeros([BT, SUB], dtype=tl.float32)
+        S1k = tl.zeros([BT, SUB], dtype=tl.float32)
+        S2k = tl.zeros([BT, SUB], dtype=tl.float32)
+        S3k = tl.zeros([BT, SUB], dtype=tl.float32)
+        S0q = tl.zeros([BT, SUB], dtype=tl.float32)
+        S1q = tl.zeros([BT, SUB], dtype=tl.float32)
+        S2q = tl.zeros([BT, SUB], dtype=tl.float32)
+        S3q = tl.zeros([BT, SUB], dtype=tl.float32)
     for kb in range(K // BK):
         p_k = tl.make_block_ptr(k + qk_base, (T, K), (H * K, 1), (r0, kb * BK), (BT, BK), (1, 0))
         p_q = tl.make_block_ptr(q + qk_base, (T, K), (H * K, 1), (r0, kb * BK), (BT, BK), (1, 0))
@@ -172,12 +222,40 @@ def kda_intra_fwd_kernel(
         tl.store(gamma_out + (i_bh * NT + i_t) * K + kb * BK + tl.arange(0, BK), tl.exp(G_last))
         b_kd = b_k * tl.exp(G_last[None, :] - b_G)  # decay from token i to the end of the chunk
         tl.store(p_kd, b_kd.to(KD_out.dtype.element_ty), boundary_check=(0,))
-        for a in tl.static_range(BT // SUB):
-            if SKIP & 1 == 0:
-                x_k, k_cols, e_row, _e_col, in_block, _upto = _block_products(b_k, b_k, b_G, loc, a, SUB)
-                x_q = tl.where(in_block[:, None], b_q * e_row, 0.0)
-                A_kk += tl.dot(x_k, tl.trans(k_cols), input_precision=DOT_PREC)
-                A_qk += tl.dot(x_q, tl.trans(k_cols), input_precision=DOT_PREC)
+        if STRIPS:
+            tl.debug_barrier()  # the G rows stored above are read back by other threads
+            offk = kb * BK + tl.arange(0, BK)
+            k_ptr, G_ptr = k + qk_base, G_out + gk_base
+            d_kk, d_qk = _column_strip(
+                b_k, b_q, b_G, k_ptr, G_ptr, H * K, HV * K, r0, T, offk, loc, 0, SUB, DOT_PREC
+            )
+            S0k += d_kk
+            S0q += d_qk
+            d_kk, d_qk = _column_strip(
+                b_k, b_q, b_G, k_ptr, G_ptr, H * K, HV * K, r0, T, offk, loc, 1, SUB, DOT_PREC
+            )
+            S1k += d_kk
+            S1q += d_qk
+            d_kk, d_qk = _column_strip(
+                b_k, b_q, b_G, k_ptr, G_ptr, H * K, HV * K, r0, T, offk, loc, 2, SUB, DOT_PREC
+            )
+            S2k += d_kk
+            S2q += d_qk
+            d_kk, d_qk = _column_strip(
+                b_k, b_q, b_G, k_ptr, G_ptr, H * K, HV * K, r0, T, offk, loc, 3, SUB, DOT_PREC
+            )
+            S3k += d_kk
+            S3q += d_qk
+        else:
+            for a in tl.static_range(BT // SUB):
+                if SKIP & 1 == 0:
+                    x_k, k_cols, e_row, _e_col, in_block, _upto = _block_products(b_k, b_k, b_G, loc, a, SUB)
+                    x_q = tl.where(in_block[:, None], b_q * e_row, 0.0)
+                    A_kk += tl.dot(x_k, tl.trans(k_cols), input_precision=DOT_PREC)
+                    A_qk += tl.dot(x_q, tl.trans(k_cols), input_precision=DOT_PREC)
+    if STRIPS:
+        A_kk = _cat4(S0k, S1k, S2k, S3k, BT, SUB)
+        A_qk = _cat4(S0q, S1q, S2q, S3q, BT, SUB)
     A_kk = tl.where(loc[:, None] > loc[None, :], A_kk, 0.0) * b_beta[:, None]
     A_qk = tl.where(loc[:, None] >= loc[None, :], A_qk, 0.0) * scale
     p_A = tl.make_block_ptr(Aqk_out + c_base, (T, BT), (HV * BT, 1), (r0, 0), (BT, BT), (1, 0))

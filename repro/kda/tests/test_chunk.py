@@ -37,9 +37,21 @@ def test_torch_chunk_equals_recurrence(case, chunk_size):
 
 
 @pytest.mark.claim(CLAIM, section=SECTION)
+@pytest.mark.parametrize("strips", [False, True])
 @settings(max_examples=8, deadline=None)
-@given(case=kda_cases(max_T=64))
-def test_triton_forward_equals_recurrence(case):
+@given(case=kda_cases(max_T=80))
+def test_triton_forward_equals_recurrence(strips, case):
+    """Both ways of forming A in the forward kernel (row blocks, column strips)."""
+    import repro.kda.chunk as chunk_module
+
+    before, chunk_module.INTRA_FWD_STRIPS = chunk_module.INTRA_FWD_STRIPS, strips
+    try:
+        _check_forward(case)
+    finally:
+        chunk_module.INTRA_FWD_STRIPS = before
+
+
+def _check_forward(case):
     q, k, v, g, beta, h0 = case.tensors(torch.float64)
     o_ref, s_ref = recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
     args = [None if x is None else x.to(DEVICE, torch.float32) for x in (q, k, v, g, beta, h0)]
