@@ -50,7 +50,7 @@ from nanoparallel.errors import CommAbortedError, CommTimeoutError, MismatchErro
 ALGORITHMS: dict[str, tuple[str, ...]] = {
     "all_reduce": ("one_shot", "one_shot_push", "one_shot_pipelined", "two_shot", "ring"),
     "all_gather": ("direct", "copy_engine"),
-    "reduce_scatter": ("direct", "ring"),
+    "reduce_scatter": ("direct", "ring", "pipelined"),
     "broadcast": ("direct", "copy_engine"),
     "all_to_all": ("direct", "push", "push_pipelined", "copy_engine"),
 }
@@ -94,6 +94,12 @@ AUTO_ALL_TO_ALL = (
     (COPY_ENGINE_ALL_TO_ALL_MIN_BYTES, "copy_engine"),
 )
 AUTO_COPY_ENGINE = ((0, "direct"), (COPY_ENGINE_MIN_BYTES, "copy_engine"))
+# reduce-scatter: direct everywhere (0.89-0.90x NCCL's busbw at 1 GiB on 2 x H200, 1.01x at 256 MiB).
+# The pipelined kernel is NOT MEASURED yet: this bound is only the candidate to try (where the
+# pipelined all-reduce started to pay); add (PIPELINED_REDUCE_SCATTER_MIN_BYTES, "pipelined") to
+# AUTO_REDUCE_SCATTER once a sweep (--collectives reduce_scatter) shows where it wins.
+PIPELINED_REDUCE_SCATTER_MIN_BYTES = 64 << 20
+AUTO_REDUCE_SCATTER = ((0, "direct"),)
 # pipelined variants: barriers (steps) per call, the same on every rank whatever its share.
 # push_pipelined (all-to-all) always takes PIPELINE_STEPS (4: best at 64 MiB, 131 vs 144 us at 8),
 # since its ranks' sizes may differ; one_shot_pipelined (every rank the same size) takes steps by
@@ -101,6 +107,9 @@ AUTO_COPY_ENGINE = ((0, "direct"), (COPY_ENGINE_MIN_BYTES, "copy_engine"))
 # 1 GiB: 3036 vs 3154 and 3394 us). Both counts are covered by nanoparallel.cuda.check.
 PIPELINE_STEPS = 4
 AUTO_ALL_REDUCE_STEPS = ((0, PIPELINE_STEPS), (256 << 20, 16))
+# the pipelined reduce-scatter (every rank the same size, so steps may go by size): unmeasured, the
+# all-reduce's table keyed by the per-rank input bytes until a sweep says otherwise
+AUTO_REDUCE_SCATTER_STEPS = AUTO_ALL_REDUCE_STEPS
 # the all-to-all copy engine cuts every segment into this many pieces, one barrier each, so the
 # drain of piece c (a local copy, on a second stream) overlaps the NVLink copies of piece c + 1.
 # Measured: 4 pieces best at 1 GiB (1535 us against 1665 at 1 and 1679 at 8), within 2% of 1 piece
@@ -366,9 +375,9 @@ class CudaPeerBackend:
 
     Knobs a measurement may change between calls (the same value on every rank):
         programs: programs per kernel launch (default and at most ``max_programs``, 2 per SM).
-        pipeline_steps: barriers per call of one_shot_pipelined and push_pipelined (None, the
-            default: by size from AUTO_ALL_REDUCE_STEPS for the all-reduce, PIPELINE_STEPS for
-            the all-to-all).
+        pipeline_steps: barriers per call of one_shot_pipelined, the pipelined reduce-scatter and
+            push_pipelined (None, the default: by size from AUTO_ALL_REDUCE_STEPS and
+            AUTO_REDUCE_SCATTER_STEPS, PIPELINE_STEPS for the all-to-all).
         copy_engine_pieces: pieces per segment of the all-to-all copy engine.
         cache_splits: look validated all-to-all splits up in a cache (False: the per-call
             validation and pinned-table copy of before, kept to measure the difference).
@@ -517,6 +526,8 @@ class CudaPeerBackend:
                 return pick(AUTO_COPY_ENGINE, nbytes)
             if collective == "all_to_all":
                 return pick(AUTO_ALL_TO_ALL, nbytes)
+            if collective == "reduce_scatter":
+                return pick(AUTO_REDUCE_SCATTER, nbytes)
             return names[0]
         if algorithm not in names:
             raise ValueError(f"{collective}: algorithm {algorithm!r} is not one of {names + ('auto',)}")
@@ -524,11 +535,15 @@ class CudaPeerBackend:
 
     def _pipeline_steps(self, collective: str, nbytes: int) -> int:
         """Barriers per call of a pipelined variant: the ``pipeline_steps`` knob when set; else by
-        size for the all-reduce (every rank has the same size) and fixed for the all-to-all (ranks'
-        sizes may differ, and every rank must take the same count)."""
+        size for the all-reduce and the reduce-scatter (every rank has the same size) and fixed for
+        the all-to-all (ranks' sizes may differ, and every rank must take the same count)."""
         if self.pipeline_steps:
             return self.pipeline_steps
-        return pick(AUTO_ALL_REDUCE_STEPS, nbytes) if collective == "all_reduce" else PIPELINE_STEPS
+        if collective == "all_reduce":
+            return pick(AUTO_ALL_REDUCE_STEPS, nbytes)
+        if collective == "reduce_scatter":
+            return pick(AUTO_REDUCE_SCATTER_STEPS, nbytes)
+        return PIPELINE_STEPS
 
     def _op(self, what: str, op: str, dtype: torch.dtype) -> int:
         if op not in K.OP_CODES:
@@ -645,6 +660,16 @@ class CudaPeerBackend:
             output.view(-1).copy_(input.view(-1))
             return output
         piece = max(self.staging_cap // elem // W // 1024 * 1024, 1024)
+        if algorithm == "pipelined":
+            steps = self._pipeline_steps(what, input.numel() * elem)
+            inp, out = input.view(W, m), output.view(-1)
+            for start in range(0, m, piece):
+                k = min(piece, m - start)
+                src = inp[:, start : start + k]
+                src = src if src.is_contiguous() else src.contiguous()  # [W, k]: slice stride k
+                self._reduce_scatter_pipelined(src, out[start : start + k], k, code, steps)
+            self._after(what)
+            return output
         kernel = K.two_shot_all_reduce_kernel if algorithm == "direct" else K.ring_all_reduce_kernel
         barriers = 1 if algorithm == "direct" else ring_barriers(W, False)
         if m <= piece:  # the common case: hand the tensors over as they are (host time matters)
@@ -671,6 +696,20 @@ class CudaPeerBackend:
             ))  # fmt: skip
         self._after(what)
         return output
+
+    def _reduce_scatter_pipelined(
+        self, src: torch.Tensor, dst: torch.Tensor, k: int, code: int, steps: int
+    ) -> None:
+        """One piece: src [W*k] (slice p at p*k), dst [k]; W slots of S >= k elements staged."""
+        W, elem = self.world_size, src.element_size()
+        S = _round_up(k, 64)  # slot stride, 256-byte aligned
+        chunk, grid = self._chunk(k, elem)
+        sub, steps = pipeline_steps(chunk, steps, STEP_BYTES // elem)
+        buf, epoch = self._next(W * S * elem, steps)
+        self._launch(K.reduce_scatter_pipelined_kernel, grid, (
+            src, dst, buf.view(src.dtype), buf.deltas(src.dtype), *self._sync, k, S, chunk, sub, steps, epoch,
+            self.max_spins, code, self.rank, W, STEP_BYTES // elem,
+        ))  # fmt: skip
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, algorithm: str = "auto") -> torch.Tensor:
         """output[p*m:(p+1)*m] <- input of rank p. input: [m], output: [W*m]."""

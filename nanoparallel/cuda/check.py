@@ -8,7 +8,8 @@ collectives.
 
 ``python -m nanoparallel.cuda.check --world-size 2`` runs it on every GPU of the group (exit 1 on
 any failure); after the collectives it turns the backend's knobs (pipeline steps, copy-engine
-pieces, programs, uncached splits) at sizes where they change the partition.
+pieces, programs, uncached splits) at sizes where they change the partition: the pipelined
+all-reduce, reduce-scatter and all-to-all at 1, 3 and 16 steps.
 
 Tolerances (relative Frobenius error against float64): float32 1e-6 per reduction step;
 bf16 1e-2 and fp16 2e-3 per step (one rounding of a float32 sum); integers exact. The ring rounds
@@ -176,6 +177,14 @@ def _check_knobs(backend, seed: int, report) -> int:
                         f"all_reduce {algo} sum n={n} {knobs}",
                         _close(t, reduce_ref(xs, "sum"), torch.float32, 1),
                     )
+                # reduce-scatter: m = n per rank, so 65537 leaves the last program and step short
+                zs = [draw(W * n, torch.float32, seed + 200 + r) for r in range(W)]
+                out = poison(n, torch.float32, dev)
+                backend.reduce_scatter(out, zs[rank].to(dev), op="sum", algorithm="pipelined")
+                report(
+                    f"reduce_scatter pipelined sum m={n} {knobs}",
+                    _close(out, reduce_ref(zs, "sum")[rank * n : (rank + 1) * n], torch.float32, 1),
+                )
                 g = torch.Generator().manual_seed(seed)
                 counts = torch.randint(0, n + 1, (W, W), generator=g).tolist()
                 ys = [draw(sum(counts[s]), torch.float32, seed + 100 + s) for s in range(W)]

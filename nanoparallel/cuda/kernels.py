@@ -464,6 +464,50 @@ def one_shot_pipelined_all_reduce_kernel(
 
 
 @triton.jit
+def _push_slices(inp, buf, D, S, m, lo, hi, RANK: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr):
+    """Slice p of inp, elements [lo, hi), into slot RANK of peer p's buffer, for every peer p:
+    each peer gets only the slice it owns (reduce-scatter), my own slice is never staged."""
+    for start in range(lo, hi, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < hi
+        for p in tl.static_range(W):
+            if p != RANK:
+                x = tl.load(inp + p * m + offs, mask=mask)
+                tl.store(buf + D[p] + RANK * S + offs, x, mask=mask)
+
+
+@triton.jit(do_not_specialize=["epoch", "max_spins", "steps"])
+def reduce_scatter_pipelined_kernel(
+    inp, out, buf, D, flags, F, err, m, S, chunk, sub, steps, epoch, max_spins,
+    OP: tl.constexpr, RANK: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Reduce-scatter by writing, in ``steps`` steps of ``sub`` elements per program, one barrier each.
+
+    inp: [W*m], slice p = [p*m, (p+1)*m) is what rank p ends with; out: [m]; buf: W slots of S
+    elements (S >= m; slot RANK unused: my own term is read from my slice of inp). The direct kernel
+    (two_shot with GATHER=False) copies all W slices into its buffer, meets once, then reads; here
+    program b pushes step c + 1 of slice p to peer p before it reduces step c from its slots
+    (released by the barrier of step c), as one_shot_pipelined does for the all-reduce, so the
+    NVLink stores of one step overlap the local reduction of the previous one. Same remote bytes,
+    (W-1) m per rank, and the same rank-order reduction as the direct kernel (the same bits).
+    ``steps`` is the same on every program and rank (barriers epoch+1 .. epoch+steps).
+    """
+    lo = tl.program_id(0) * chunk
+    hi = tl.minimum(lo + chunk, m)
+    f_lo, f_hi = _step(lo, hi, sub, 0)
+    _push_slices(inp, buf, D, S, m, f_lo, f_hi, RANK, W, BLOCK)
+    _barrier(flags, F, err, epoch + 1, max_spins, RANK, W)
+    for c in range(steps):
+        if c + 1 < steps:
+            n_lo, n_hi = _step(lo, hi, sub, c + 1)
+            _push_slices(inp, buf, D, S, m, n_lo, n_hi, RANK, W, BLOCK)
+        s_lo, s_hi = _step(lo, hi, sub, c)
+        _reduce_slots(inp + RANK * m, out, buf, S, s_lo, s_hi, OP, RANK, W, BLOCK)
+        if c + 1 < steps:
+            _barrier(flags, F, err, epoch + 2 + c, max_spins, RANK, W)
+
+
+@triton.jit
 def _a2a_step(count, limit, nprog, sub_of, c):
     """Step c of this program's share of a segment: the share as in ``_share``, cut into steps of
     ``cdiv(share, sub_of)`` elements rounded up to 16. Sender and receiver both derive it from the

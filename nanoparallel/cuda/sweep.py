@@ -3,6 +3,13 @@
     python -m nanoparallel.cuda.sweep --world-size 2 --min-bytes 16 --step 4 --tag cuda-x2 [--out DIR]
 
 (16 B x 4^k up to 1 GiB, plus 8 B: the sizes include 64 KiB and 64 MiB, where issue #6 sets targets.)
+One collective at the large sizes only (``--extra-bytes`` with no value drops the 8 B row)::
+
+    python -m nanoparallel.cuda.sweep --world-size 2 --min-bytes 67108864 --step 4 --extra-bytes \
+        --collectives reduce_scatter --tag cuda-x2-rs --quick-check --max-iters 50 --out DIR
+
+``--pipeline-steps K`` fixes the steps of every pipelined variant (the backend's knob) for the timed
+part; without it each takes its size-based default.
 
 One process per GPU. Every rank first runs :func:`nanoparallel.cuda.check.check_all` (every
 collective, algorithm, dtype and awkward size against a float64 reference), then times, for each
@@ -128,6 +135,7 @@ def _rank_body(rank: int, world: int, port: int, args, results) -> None:
     else:
         cases, failures = check_all(be, seed=args.seed)
     check_s = time.perf_counter() - t0
+    be.pipeline_steps = args.pipeline_steps  # after the check, which turns and restores the knob
 
     def timed(fn, nbytes: int) -> tuple[float, float]:
         """(device time per call, host time per call), microseconds, slowest rank."""
@@ -190,15 +198,20 @@ def _rank_body(rank: int, world: int, port: int, args, results) -> None:
                     flush=True,
                 )
         if rank == 0 and rows:
-            _report(rows, world, cases, failures, partial=True).write(tag=args.tag, out_dir=args.out)
+            _report(rows, world, cases, failures, partial=True, steps=args.pipeline_steps).write(
+                tag=args.tag, out_dir=args.out
+            )
     be.barrier()
     be.close()
     dist.destroy_process_group()
     results.put((rank, cases, failures, check_s, rows))
 
 
-def _report(rows: list[dict], world: int, cases: int, failures: list[str], partial: bool):
-    """The Report of the rows so far (``partial``: written after each collective, no ceilings)."""
+def _report(
+    rows: list[dict], world: int, cases: int, failures: list[str], partial: bool, steps: int | None = None
+):
+    """The Report of the rows so far (``partial``: written after each collective, no ceilings;
+    ``steps``: the --pipeline-steps the timed calls ran with, None for the size-based defaults)."""
     from nanoparallel.cuda import ALGORITHMS
     from paperclub.bench import Report
 
@@ -217,7 +230,13 @@ def _report(rows: list[dict], world: int, cases: int, failures: list[str], parti
             + f" ({'no failures' if not failures else '; '.join(failures[:5])}); algorithms {dict(ALGORITHMS)}. "
             "Time per call: CUDA events around back-to-back calls issued from Python, slowest rank. "
             "busbw = algbw x 2(n-1)/n (all_reduce), (n-1)/n (all_gather, reduce_scatter, all_to_all), "
-            "1 (broadcast), as in nccl-tests. NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1."
+            "1 (broadcast), as in nccl-tests. NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1. "
+            + (
+                f"Pipelined variants timed at {steps} steps."
+                if steps
+                else "Pipelined variants timed at their default steps (AUTO_ALL_REDUCE_STEPS, "
+                "AUTO_REDUCE_SCATTER_STEPS, PIPELINE_STEPS)."
+            )
         ),
     )
     for r in rows:
@@ -252,6 +271,9 @@ def main(argv=None) -> None:
     p.add_argument("--extra-bytes", type=int, nargs="*", default=[8], help="sizes measured besides the steps")
     p.add_argument("--collectives", nargs="+", default=list(COLLECTIVES), choices=COLLECTIVES)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--pipeline-steps", type=int, default=None, help="steps of every pipelined variant (default: by size)"
+    )
     p.add_argument("--max-iters", type=int, default=100, help="timed calls per measurement at small sizes")
     p.add_argument("--skip-check", action="store_true", help="skip the correctness check (not for results)")
     p.add_argument(
@@ -290,7 +312,7 @@ def main(argv=None) -> None:
     failures = [f for o in out for f in o[2]]
     rows = out[0][4]
 
-    report = _report(rows, world, cases, failures, partial=False)
+    report = _report(rows, world, cases, failures, partial=False, steps=args.pipeline_steps)
     report.write(tag=args.tag, out_dir=args.out)
     if failures:
         print(f"\n{len(failures)} correctness failures:\n" + "\n".join(failures[:40]))

@@ -324,6 +324,70 @@ def test_one_shot_pipelined_all_reduce(peers, n, dtype, op, steps, seed):
         assert (bufs[r][r * S : r * S + n] == 7).all(), f"rank {r} wrote its own slot"
 
 
+@SETTINGS
+@given(
+    m=sizes,
+    dtype=all_dtypes,
+    op=st.sampled_from(["sum", "max", "min", "avg"]),
+    steps=st.integers(1, 5),
+    seed=st.integers(0, 10**6),
+)
+# 4 programs x 64 elements in 4 steps of 16; the last program has 8 (one short step, three empty)
+@example(m=200, dtype=torch.float32, op="sum", steps=4, seed=1)
+# 4 programs x 32 in 2 steps of 16, the last program 1 element; integer floor mean
+@example(m=97, dtype=torch.int32, op="avg", steps=5, seed=2)
+# 3 programs x 48 in 3 steps of 16, the last program 34 (its third step short); bf16 widened sums
+@example(m=130, dtype=torch.bfloat16, op="sum", steps=3, seed=3)
+@pytest.mark.claim("nanoparallel/p2p-kernels", section="Intra-node data transfer: P2P transport")
+def test_reduce_scatter_pipelined(peers, m, dtype, op, steps, seed):
+    inputs = draw_inputs(W * m, dtype, seed)
+    S = -(-m // 64) * 64
+    xs = peers.shared(lambda r: inputs[r].clone())
+    outs = peers.shared(lambda r: torch.full((m,), 7, dtype=dtype))
+    bufs = peers.shared(lambda r: torch.full((W * S,), 7, dtype=dtype))
+    chunk, grid = split_work(m, MAX_PROGRAMS, BLOCK)
+    sub, steps = pipeline_steps(chunk, steps, BLOCK)
+    per_rank = [
+        dict(inp=xs[r], out=outs[r], m=m, S=S, chunk=chunk, sub=sub, steps=steps, OP=K.OP_CODES[op], RANK=r,
+             W=W, BLOCK=BLOCK)
+        for r in range(W)
+    ]  # fmt: skip
+    peers.run("reduce_scatter_pipelined_kernel", grid, per_rank, {"buf": (bufs, "D")}, barriers=steps)
+    ref = reference(inputs, op)
+    for r in range(W):
+        check(
+            outs[r],
+            ref[r * m : (r + 1) * m],
+            dtype,
+            f"reduce-scatter pipelined ({steps} steps) {op} rank {r}",
+        )
+        assert torch.equal(xs[r], inputs[r]), "reduce-scatter modified its input"
+        assert (bufs[r][r * S : r * S + m] == 7).all(), f"rank {r} wrote its own slot"
+        for q in range(W):
+            if q != r:  # slot q of rank r holds rank q's slice r: what was pushed, where
+                assert torch.equal(bufs[r][q * S : q * S + m], inputs[q][r * m : (r + 1) * m]), (
+                    f"slot {q} of rank {r} does not hold rank {q}'s slice {r}"
+                )
+    # the same rank-order reduction as the direct kernel: the same bits
+    direct = peers.shared(lambda r: torch.full((m,), 7, dtype=dtype))
+    dbufs = peers.shared(lambda r: torch.full((W * m,), 7, dtype=dtype))
+    launch_two_shot(peers, xs, direct, dbufs, W * m, m, op, ring=False, gather=False)
+    for r in range(W):
+        assert torch.equal(outs[r], direct[r]), (
+            f"rank {r}: pipelined and direct reduce-scatter differ in bits"
+        )
+
+
+def test_reduce_scatter_pipelined_steps_partition():
+    # the host's step split covers each program's range exactly, in whole blocks, for any step count
+    for m in (1, 15, 97, 200, 4099, 65537):
+        for steps in (1, 2, 3, 4, 16):
+            chunk, grid = split_work(m, MAX_PROGRAMS, BLOCK)
+            sub, got = pipeline_steps(chunk, steps, BLOCK)
+            assert sub % BLOCK == 0 and 1 <= got <= steps
+            assert got * sub >= chunk and (got - 1) * sub < chunk, (m, steps, sub, got)
+
+
 def a2a_case(peers, counts, dtype, seed, slot):
     """Shared inputs, poisoned outputs and buffers, split tables, and the expected outputs."""
     inputs = [draw_inputs(max(sum(counts[s]), 1), dtype, seed + s)[s][: sum(counts[s])] for s in range(W)]

@@ -13,12 +13,14 @@ import torch
 from nanoparallel.cuda import (
     ALGORITHMS,
     AUTO_ALL_REDUCE_STEPS,
+    AUTO_REDUCE_SCATTER,
     COPY_ENGINE_ALL_TO_ALL_MIN_BYTES,
     COPY_ENGINE_MIN_BYTES,
     ONE_SHOT_MAX_BYTES,
     PIPELINE_STEPS,
     PIPELINED_ALL_REDUCE_MIN_BYTES,
     PIPELINED_ALL_TO_ALL_MIN_BYTES,
+    PIPELINED_REDUCE_SCATTER_MIN_BYTES,
     PUSH_ALL_TO_ALL_MIN_BYTES,
     CudaPeerBackend,
     SplitCache,
@@ -66,6 +68,19 @@ def test_auto_other_collectives():
         assert be._algorithm(coll, "auto", COPY_ENGINE_MIN_BYTES - 1) == "direct"
         assert be._algorithm(coll, "auto", COPY_ENGINE_MIN_BYTES) == "copy_engine"
     assert be._algorithm("reduce_scatter", "auto", 1 << 30) == "direct"
+
+
+def test_auto_reduce_scatter_waits_for_a_measurement():
+    # the pipelined reduce-scatter is registered but unmeasured: auto must not pick it yet
+    be = backend(2)
+    assert "pipelined" in ALGORITHMS["reduce_scatter"]
+    assert all(name != "pipelined" for _, name in AUTO_REDUCE_SCATTER)
+    for nbytes in (8, PIPELINED_REDUCE_SCATTER_MIN_BYTES, 1 << 30):
+        assert be._algorithm("reduce_scatter", "auto", nbytes) == "direct"
+    assert be._algorithm("reduce_scatter", "pipelined", 1 << 30) == "pipelined"
+    assert be._pipeline_steps("reduce_scatter", 64 << 20) == PIPELINE_STEPS
+    be.pipeline_steps = 3
+    assert be._pipeline_steps("reduce_scatter", 1 << 30) == 3
 
 
 @pytest.mark.parametrize(
