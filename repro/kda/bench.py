@@ -204,7 +204,7 @@ def breakdown(B: int = 8, T: int = 2048, names: tuple[str, ...] = ("ours", "fla_
 
 
 TUNING = {  # launch settings of repro.kda.chunk tried one at a time against the defaults
-    "INTRA_FWD_STRIPS": [True],
+    "INTRA_FWD_STRIPS": [False],
     "INTRA_FWD_WARPS": [8],
     "INTRA_BK": [64, 16],
     "STATE_FWD_BV": [32],
