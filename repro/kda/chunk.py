@@ -56,6 +56,8 @@ INTRA_BWD_WARPS = 8
 INTRA_BWD_BK = 16
 INTRA_BWD_BV = 32
 INTRA_BWD_STAGES = 1
+# the fused backward's A products by column strips too (not yet timed on a GPU)
+INTRA_BWD_STRIPS = False
 STATE_FWD_BV = 64
 STATE_FWD_WARPS = 4
 STATE_BWD_BV = 32
@@ -326,7 +328,8 @@ def kda_bwd_triton_fused(q, k, v, g, beta, scale, h0, saved, do, dhT):
         q, k, v, beta, saved["G"], saved["T_ut"], saved["U_new"], saved["h_all"], dh_all, do, dU,
         dq, dk, dv, dg, dbeta, scale, T, NT,
         H=H, HV=HV, K=K, V=V, BT=BT, SUB=SUB, BK=min(K, INTRA_BWD_BK), BV=min(V, INTRA_BWD_BV),
-        DOT_PREC=prec, num_warps=INTRA_BWD_WARPS, num_stages=INTRA_BWD_STAGES,
+        DOT_PREC=prec, STRIPS=INTRA_BWD_STRIPS and BT == 4 * SUB, num_warps=INTRA_BWD_WARPS,
+        num_stages=INTRA_BWD_STAGES,
     )  # fmt: skip
     if group > 1:
         dq = dq.view(B, T, H, group, K).sum(3).to(q.dtype)

@@ -64,32 +64,84 @@ def _block_products(b_k, b_x, b_G, loc, a, SUB: tl.constexpr):
 
 
 @triton.jit
-def _column_strip(
-    b_k, b_q, b_G, k_ptr, G_ptr, k_stride, g_stride, r0, T, offk, loc,
-    c: tl.constexpr, SUB: tl.constexpr, DOT_PREC: tl.constexpr,
-):  # fmt: skip
-    """Columns ``c*SUB .. c*SUB+SUB`` of ``A_kk`` and ``A_qk`` (before masks and scales), for the
-    chunk's channel block in ``b_k, b_q, b_G`` (``[BT, BK]``), as two ``[BT, SUB]`` matmuls.
+def _strip_factors(
+    b_G, k_ptr, G_ptr, k_stride, g_stride, r0, T, offk, loc, c: tl.constexpr, SUB: tl.constexpr
+):
+    """The two factors of ``exp(G_r - G_i)`` for the keys ``i`` of column block c.
 
     ``exp(G_r - G_i)`` is factored around the middle row of column block c: rows from the block on
-    get ``x * exp(G - G_ref)`` (at most ``e^{8|g|}``: the rows above the reference), the block's
-    16 keys ``k * exp(G_ref - G)`` (at most ``e^{7|g|}``); rows above the block are zero, and what
-    the two factors give above the diagonal is masked away afterwards. The block's rows of G and
-    k are read back from memory (G was stored by this program: the caller puts a barrier first);
-    rows past T read row T-1, which is what the padded rows' G equals."""
+    get ``exp(G - G_ref)`` (at most ``e^{8|g|}``: the rows above the reference), the block's 16
+    keys ``exp(G_ref - G)`` (at most ``e^{7|g|}``); rows above the block get 1 and are masked by
+    the caller (``after``), and what the two factors give above the diagonal is masked away after
+    the matmul. The block's rows of G and k are read from memory; rows past T read row T-1, which
+    is what the padded rows' G equals. Returns ``after [BT]``, ``e_row [BT, BK]``, the block's keys
+    ``k_c [SUB, BK]`` (fp32, zero past T) and ``e_col [SUB, BK]``."""
     rows_c = r0 + c * SUB + tl.arange(0, SUB)
     G_c = tl.load(G_ptr + tl.minimum(rows_c, T - 1)[:, None] * g_stride + offk[None, :])
     k_c = tl.load(k_ptr + rows_c[:, None] * k_stride + offk[None, :], mask=(rows_c < T)[:, None], other=0.0)
     G_ref = tl.load(G_ptr + tl.minimum(r0 + c * SUB + SUB // 2, T - 1) * g_stride + offk)
     after = loc >= c * SUB
     e_row = tl.exp(tl.where(after[:, None], b_G - G_ref[None, :], 0.0))
-    y = k_c.to(tl.float32) * tl.exp(G_ref[None, :] - G_c)
+    return after, e_row, k_c.to(tl.float32), tl.exp(G_ref[None, :] - G_c)
+
+
+@triton.jit
+def _column_strip(
+    b_k, b_q, b_G, k_ptr, G_ptr, k_stride, g_stride, r0, T, offk, loc,
+    c: tl.constexpr, SUB: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    """Columns ``c*SUB .. c*SUB+SUB`` of ``A_kk`` and ``A_qk`` (before masks and scales), for the
+    chunk's channel block in ``b_k, b_q, b_G`` (``[BT, BK]``), as two ``[BT, SUB]`` matmuls with
+    the factors of :func:`_strip_factors` (in the forward, G was stored by this program: the
+    caller puts a barrier first)."""
+    after, e_row, k_c, e_col = _strip_factors(b_G, k_ptr, G_ptr, k_stride, g_stride, r0, T, offk, loc, c, SUB)
+    y = k_c * e_col
     x_k = tl.where(after[:, None], b_k * e_row, 0.0)
     x_q = tl.where(after[:, None], b_q * e_row, 0.0)
     return (
         tl.dot(x_k, tl.trans(y), input_precision=DOT_PREC),
         tl.dot(x_q, tl.trans(y), input_precision=DOT_PREC),
     )
+
+
+@triton.jit
+def _strip_grads(
+    b_k, b_q, b_G, k_ptr, G_ptr, k_stride, g_stride, r0, T, offk, loc, Mk_c, Mq_c,
+    c: tl.constexpr, SUB: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    """Backward of :func:`_column_strip` given the gradients ``Mk_c, Mq_c [BT, SUB]`` of its two
+    strips: ``(x = k e_row, y = k_c e_col)`` so ``dk_r += (M y) e_row``, ``dG_r += (M y) e_row k_r``
+    for the rows, and ``dk_i += (M^T x) e_col``, ``dG_i -= (M^T x) e_col k_i`` for the block's keys
+    (``G_ref`` cancels in the product, so it gets no gradient). Returns the rows' parts for dk, dq
+    (``[BT, BK]``) and the block's parts for dk and dG (``[SUB, BK]``)."""
+    after, e_row, k_c, e_col = _strip_factors(b_G, k_ptr, G_ptr, k_stride, g_stride, r0, T, offk, loc, c, SUB)
+    y = k_c * e_col
+    x_k = tl.where(after[:, None], b_k * e_row, 0.0)
+    x_q = tl.where(after[:, None], b_q * e_row, 0.0)
+    gx_k = tl.dot(Mk_c, y, input_precision=DOT_PREC) * e_row
+    gx_q = tl.dot(Mq_c, y, input_precision=DOT_PREC) * e_row
+    g_y = tl.dot(tl.trans(Mk_c), x_k, input_precision=DOT_PREC) + tl.dot(
+        tl.trans(Mq_c), x_q, input_precision=DOT_PREC
+    )
+    dk_c = g_y * e_col
+    return gx_k, gx_q, dk_c, -dk_c * k_c
+
+
+@triton.jit
+def _split4(M, BT: tl.constexpr, SUB: tl.constexpr):
+    """The inverse of :func:`_cat4`: the four ``[BT, SUB]`` column strips of ``M [BT, 4 SUB]``."""
+    x = tl.permute(tl.reshape(M, (BT, 2, 2, SUB)), (0, 3, 2, 1))  # [r, j, p, q]: column 16(2q+p)+j
+    lo, hi = tl.split(x)  # q = 0, 1
+    s0, s1 = tl.split(lo)
+    s2, s3 = tl.split(hi)
+    return s0, s1, s2, s3
+
+
+@triton.jit
+def _rows4(a0, a1, a2, a3, SUB: tl.constexpr, BK: tl.constexpr):
+    """Four ``[SUB, BK]`` row blocks stacked: ``[4 SUB, BK]``, block c in rows ``c*SUB ..``."""
+    x = tl.join(tl.join(a0, a1), tl.join(a2, a3))  # [j, col, p, q] = block 2q + p
+    return tl.reshape(tl.permute(x, (3, 2, 0, 1)), (4 * SUB, BK))
 
 
 @triton.jit
@@ -631,6 +683,7 @@ def kda_intra_bwd_fused_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    STRIPS: tl.constexpr = False,
 ):
     """Everything parallel over chunks in the backward pass, one program per (chunk, b*HV).
 
@@ -711,9 +764,25 @@ def kda_intra_bwd_fused_kernel(
             b_du = tl.load(p_du, boundary_check=(0,), padding_option="zero")
             b_dw -= tl.dot(b_du, tl.trans(tl.load(p_h).to(tl.float32)), input_precision=DOT_PREC)
         dT += tl.dot(b_dw, tl.trans(b_k * tl.exp(b_G) * b_beta[:, None]), input_precision=DOT_PREC)
-        for a in tl.static_range(BT // SUB):
-            x_k, k_cols, _e_row, _e_col, _in, _upto = _block_products(b_k, b_k, b_G, loc, a, SUB)
-            A_raw += tl.dot(x_k, tl.trans(k_cols), input_precision=DOT_PREC)
+        if STRIPS:
+            offk = c0 + tl.arange(0, BK)
+            a0, _q = _column_strip(
+                b_k, b_k, b_G, k + q_base, G + k_base, QS, KS, r0, T, offk, loc, 0, SUB, DOT_PREC
+            )
+            a1, _q = _column_strip(
+                b_k, b_k, b_G, k + q_base, G + k_base, QS, KS, r0, T, offk, loc, 1, SUB, DOT_PREC
+            )
+            a2, _q = _column_strip(
+                b_k, b_k, b_G, k + q_base, G + k_base, QS, KS, r0, T, offk, loc, 2, SUB, DOT_PREC
+            )
+            a3, _q = _column_strip(
+                b_k, b_k, b_G, k + q_base, G + k_base, QS, KS, r0, T, offk, loc, 3, SUB, DOT_PREC
+            )
+            A_raw += _cat4(a0, a1, a2, a3, BT, SUB)
+        else:
+            for a in tl.static_range(BT // SUB):
+                x_k, k_cols, _e_row, _e_col, _in, _upto = _block_products(b_k, b_k, b_G, loc, a, SUB)
+                A_raw += tl.dot(x_k, tl.trans(k_cols), input_precision=DOT_PREC)
     # T = (I + A_kk)^{-1}: dA = -T^T dT T^T, strictly lower; A_kk = Diag(beta) A_raw
     b_Tt = tl.trans(b_T)
     dA = -tl.dot(tl.dot(b_Tt, dT, input_precision=DOT_PREC), b_Tt, input_precision=DOT_PREC)
@@ -723,6 +792,9 @@ def kda_intra_bwd_fused_kernel(
     b_dbeta += tl.sum(tl.where(strict, dA * A_raw, 0.0), axis=1)
 
     # pass 3, key-channel blocks: dq, dk, dg
+    if STRIPS:
+        Mk0, Mk1, Mk2, Mk3 = _split4(M_k, BT, SUB)
+        Mq0, Mq1, Mq2, Mq3 = _split4(M_q, BT, SUB)
     for kb in range(K // BK):
         c0 = kb * BK
         b_q = tl.load(_tile(q + q_base, T, QS, K, r0, c0, BT, BK), boundary_check=(0,), padding_option="zero")
@@ -771,22 +843,53 @@ def kda_intra_bwd_fused_kernel(
         kd_term = b_dkd * b_k * e_tail
         b_dG -= kd_term
         dG_last = tl.sum(kd_term, axis=0) + b_dgamma * tl.exp(G_last)
-        # A[r, i] = sum_c x_rc k_ic e^(G_rc - G_ic), per 16-row block as in the forward
-        for a in tl.static_range(BT // SUB):
-            x_k, k_cols, e_row, e_col, in_block, upto = _block_products(b_k, b_k, b_G, loc, a, SUB)
-            x_q = tl.where(in_block[:, None], b_q * e_row, 0.0)
-            Mk_a = tl.where(in_block[:, None], M_k, 0.0)
-            Mq_a = tl.where(in_block[:, None], M_q, 0.0)
-            d_xk = tl.dot(Mk_a, k_cols, input_precision=DOT_PREC) * e_row
-            d_xq = tl.dot(Mq_a, k_cols, input_precision=DOT_PREC) * e_row
-            d_y = (
-                tl.dot(tl.trans(Mk_a), x_k, input_precision=DOT_PREC)
-                + tl.dot(tl.trans(Mq_a), x_q, input_precision=DOT_PREC)
-            ) * e_col
-            d_y = tl.where(upto[:, None], d_y, 0.0)
-            b_dk += d_xk + d_y
-            b_dq += d_xq
-            b_dG += d_xk * b_k + d_xq * b_q - d_y * b_k
+        # A[r, i] = sum_c x_rc k_ic e^(G_rc - G_ic): by column strips, or per 16-row block as in
+        # the first forward
+        if STRIPS:
+            offk = c0 + tl.arange(0, BK)
+            kp, Gp = k + q_base, G + k_base
+            gk, gq, dkc0, dGc0 = _strip_grads(
+                b_k, b_q, b_G, kp, Gp, QS, KS, r0, T, offk, loc, Mk0, Mq0, 0, SUB, DOT_PREC
+            )
+            b_dk += gk
+            b_dq += gq
+            b_dG += gk * b_k + gq * b_q
+            gk, gq, dkc1, dGc1 = _strip_grads(
+                b_k, b_q, b_G, kp, Gp, QS, KS, r0, T, offk, loc, Mk1, Mq1, 1, SUB, DOT_PREC
+            )
+            b_dk += gk
+            b_dq += gq
+            b_dG += gk * b_k + gq * b_q
+            gk, gq, dkc2, dGc2 = _strip_grads(
+                b_k, b_q, b_G, kp, Gp, QS, KS, r0, T, offk, loc, Mk2, Mq2, 2, SUB, DOT_PREC
+            )
+            b_dk += gk
+            b_dq += gq
+            b_dG += gk * b_k + gq * b_q
+            gk, gq, dkc3, dGc3 = _strip_grads(
+                b_k, b_q, b_G, kp, Gp, QS, KS, r0, T, offk, loc, Mk3, Mq3, 3, SUB, DOT_PREC
+            )
+            b_dk += gk
+            b_dq += gq
+            b_dG += gk * b_k + gq * b_q
+            b_dk += _rows4(dkc0, dkc1, dkc2, dkc3, SUB, BK)
+            b_dG += _rows4(dGc0, dGc1, dGc2, dGc3, SUB, BK)
+        else:
+            for a in tl.static_range(BT // SUB):
+                x_k, k_cols, e_row, e_col, in_block, upto = _block_products(b_k, b_k, b_G, loc, a, SUB)
+                x_q = tl.where(in_block[:, None], b_q * e_row, 0.0)
+                Mk_a = tl.where(in_block[:, None], M_k, 0.0)
+                Mq_a = tl.where(in_block[:, None], M_q, 0.0)
+                d_xk = tl.dot(Mk_a, k_cols, input_precision=DOT_PREC) * e_row
+                d_xq = tl.dot(Mq_a, k_cols, input_precision=DOT_PREC) * e_row
+                d_y = (
+                    tl.dot(tl.trans(Mk_a), x_k, input_precision=DOT_PREC)
+                    + tl.dot(tl.trans(Mq_a), x_q, input_precision=DOT_PREC)
+                ) * e_col
+                d_y = tl.where(upto[:, None], d_y, 0.0)
+                b_dk += d_xk + d_y
+                b_dq += d_xq
+                b_dG += d_xk * b_k + d_xq * b_q - d_y * b_k
         # G = cumsum(g): dg_r = sum_{r' >= r} dG_r'
         b_dG += tl.where(loc[:, None] == BT - 1, dG_last[None, :], 0.0)
         b_dg = tl.sum(b_dG, axis=0)[None, :] - tl.cumsum(b_dG, axis=0) + b_dG

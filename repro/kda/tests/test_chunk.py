@@ -62,19 +62,21 @@ def _check_forward(case):
 
 
 @pytest.mark.claim(CLAIM, section=SECTION)
-@pytest.mark.parametrize("backward", ["triton", "fused", "torch"])
+@pytest.mark.parametrize("backward", ["triton", "fused", "fused-strips", "torch"])
 @settings(max_examples=5, deadline=None)
 @given(case=kda_cases(max_T=80, max_B=1), use_final=st.booleans())
 def test_triton_gradients_equal_recurrence(backward, case, use_final):
-    """Every backward path: the two all-Triton ones, and PyTorch autograd around the Triton state
-    backward."""
+    """Every backward path: the all-Triton ones (the fused one with both forms of the A products),
+    and PyTorch autograd around the Triton state backward."""
     import repro.kda.chunk as chunk_module
 
-    before, chunk_module.BACKWARD = chunk_module.BACKWARD, backward
+    saved = chunk_module.BACKWARD, chunk_module.INTRA_BWD_STRIPS
+    chunk_module.BACKWARD = backward.removesuffix("-strips")
+    chunk_module.INTRA_BWD_STRIPS = backward.endswith("-strips")
     try:
         _check_gradients(case, use_final)
     finally:
-        chunk_module.BACKWARD = before
+        chunk_module.BACKWARD, chunk_module.INTRA_BWD_STRIPS = saved
 
 
 def _check_gradients(case, use_final):
