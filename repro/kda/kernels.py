@@ -64,6 +64,24 @@ def _block_products(b_k, b_x, b_G, loc, a, SUB: tl.constexpr):
 
 
 @triton.jit
+def _row_block_grads(b_q, x_k, k_cols, e_row, e_col, in_block, upto, M_k, M_q, DOT_PREC: tl.constexpr):
+    """Backward of one row block of :func:`_block_products`, given the gradients ``M_k, M_q`` of
+    ``A_kk, A_qk`` (before beta and scale): the parts of dk (rows: ``d_xk``; columns: ``d_y``), of
+    dq (``d_xq``) and, through ``G``, of dG = ``d_xk k + d_xq q - d_y k`` (``G_ref`` cancels in
+    the product, so it gets no gradient)."""
+    x_q = tl.where(in_block[:, None], b_q * e_row, 0.0)
+    Mk_a = tl.where(in_block[:, None], M_k, 0.0)
+    Mq_a = tl.where(in_block[:, None], M_q, 0.0)
+    d_xk = tl.dot(Mk_a, k_cols, input_precision=DOT_PREC) * e_row
+    d_xq = tl.dot(Mq_a, k_cols, input_precision=DOT_PREC) * e_row
+    d_y = (
+        tl.dot(tl.trans(Mk_a), x_k, input_precision=DOT_PREC)
+        + tl.dot(tl.trans(Mq_a), x_q, input_precision=DOT_PREC)
+    ) * e_col
+    return d_xk, d_xq, tl.where(upto[:, None], d_y, 0.0)
+
+
+@triton.jit
 def _strip_factors(
     b_G, k_ptr, G_ptr, k_stride, g_stride, r0, T, offk, loc, c: tl.constexpr, SUB: tl.constexpr
 ):
@@ -877,16 +895,9 @@ def kda_intra_bwd_fused_kernel(
         else:
             for a in tl.static_range(BT // SUB):
                 x_k, k_cols, e_row, e_col, in_block, upto = _block_products(b_k, b_k, b_G, loc, a, SUB)
-                x_q = tl.where(in_block[:, None], b_q * e_row, 0.0)
-                Mk_a = tl.where(in_block[:, None], M_k, 0.0)
-                Mq_a = tl.where(in_block[:, None], M_q, 0.0)
-                d_xk = tl.dot(Mk_a, k_cols, input_precision=DOT_PREC) * e_row
-                d_xq = tl.dot(Mq_a, k_cols, input_precision=DOT_PREC) * e_row
-                d_y = (
-                    tl.dot(tl.trans(Mk_a), x_k, input_precision=DOT_PREC)
-                    + tl.dot(tl.trans(Mq_a), x_q, input_precision=DOT_PREC)
-                ) * e_col
-                d_y = tl.where(upto[:, None], d_y, 0.0)
+                d_xk, d_xq, d_y = _row_block_grads(
+                    b_q, x_k, k_cols, e_row, e_col, in_block, upto, M_k, M_q, DOT_PREC
+                )
                 b_dk += d_xk + d_y
                 b_dq += d_xq
                 b_dG += d_xk * b_k + d_xq * b_q - d_y * b_k
@@ -1057,25 +1068,9 @@ def kda_intra_bwd_kernel(
     # A[r, i] = sum_c x_rc k_ic e^(G_rc - G_ic), factored per 16-row block as in the forward
     A_raw = tl.zeros([BT, BT], dtype=tl.float32)
     for a in tl.static_range(BT // SUB):
-        ref_row = a * SUB + SUB // 2
-        G_ref = tl.sum(tl.where(loc[:, None] == ref_row, b_G, 0.0), axis=0)
-        in_block = (loc >= a * SUB) & (loc < (a + 1) * SUB)
-        upto_block = loc < (a + 1) * SUB
-        e_row = tl.exp(tl.where(in_block[:, None], b_G - G_ref[None, :], 0.0))
-        e_col = tl.exp(tl.where(upto_block[:, None], G_ref[None, :] - b_G, 0.0))
-        x_k = tl.where(in_block[:, None], b_k * e_row, 0.0)
-        x_q = tl.where(in_block[:, None], b_q * e_row, 0.0)
-        y_k = tl.where(upto_block[:, None], b_k * e_col, 0.0)
-        A_raw += tl.dot(x_k, tl.trans(y_k), input_precision=DOT_PREC)
-        Mk_a = tl.where(in_block[:, None], M_k, 0.0)
-        Mq_a = tl.where(in_block[:, None], M_q, 0.0)
-        d_xk = tl.dot(Mk_a, y_k, input_precision=DOT_PREC) * e_row
-        d_xq = tl.dot(Mq_a, y_k, input_precision=DOT_PREC) * e_row
-        d_y = (
-            tl.dot(tl.trans(Mk_a), x_k, input_precision=DOT_PREC)
-            + tl.dot(tl.trans(Mq_a), x_q, input_precision=DOT_PREC)
-        ) * e_col
-        d_y = tl.where(upto_block[:, None], d_y, 0.0)
+        x_k, k_cols, e_row, e_col, in_block, upto = _block_products(b_k, b_k, b_G, loc, a, SUB)
+        A_raw += tl.dot(x_k, tl.trans(k_cols), input_precision=DOT_PREC)
+        d_xk, d_xq, d_y = _row_block_grads(b_q, x_k, k_cols, e_row, e_col, in_block, upto, M_k, M_q, DOT_PREC)
         b_dk += d_xk + d_y
         b_dq += d_xq
         b_dG += d_xk * b_k + d_xq * b_q - d_y * b_k
