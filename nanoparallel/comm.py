@@ -213,6 +213,20 @@ class Communicator:
     def algorithms(self) -> dict[str, tuple[str, ...]]:
         return self.backend.ALGORITHMS if self.backend is not None else algs.ALGORITHMS
 
+    def _sharded(self, what: str, output: torch.Tensor, input: torch.Tensor, whole: str) -> None:
+        """One dtype, and the tensor named ``whole`` world_size times the other's elements."""
+        if input.dtype != output.dtype:
+            raise ValueError(
+                f"nanoparallel {what}: input dtype {input.dtype} differs from output dtype {output.dtype}"
+            )
+        big, small = (input, output) if whole == "input" else (output, input)
+        part = "output" if whole == "input" else "input"
+        if big.numel() != self.world_size * small.numel():
+            raise ValueError(
+                f"nanoparallel {what}: {whole} has {big.numel()} elements, expected world_size * "
+                f"{part}.numel() = {self.world_size} * {small.numel()}"
+            )
+
     def _tensor(self, t, name: str, what: str) -> torch.Tensor:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"nanoparallel {what}: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -368,15 +382,7 @@ class Communicator:
             self._tensor(output, "output", what)
             self._tensor(input, "input", what)
             self._op(op, what)
-            if input.dtype != output.dtype:
-                raise ValueError(
-                    f"nanoparallel reduce_scatter: input dtype {input.dtype} differs from output dtype {output.dtype}"
-                )
-            if input.numel() != self.world_size * output.numel():
-                raise ValueError(
-                    f"nanoparallel reduce_scatter: input has {input.numel()} elements, expected world_size * "
-                    f"output.numel() = {self.world_size} * {output.numel()}"
-                )
+            self._sharded(what, output, input, "input")
             state["alg"] = self._algorithm(what, algorithm, input.numel() * input.element_size())
 
         def run():
@@ -403,15 +409,7 @@ class Communicator:
         def validate():
             self._tensor(output, "output", what)
             self._tensor(input, "input", what)
-            if input.dtype != output.dtype:
-                raise ValueError(
-                    f"nanoparallel all_gather: input dtype {input.dtype} differs from output dtype {output.dtype}"
-                )
-            if output.numel() != self.world_size * input.numel():
-                raise ValueError(
-                    f"nanoparallel all_gather: output has {output.numel()} elements, expected world_size * "
-                    f"input.numel() = {self.world_size} * {input.numel()}"
-                )
+            self._sharded(what, output, input, "output")
             state["alg"] = self._algorithm(what, algorithm, output.numel() * output.element_size())
 
         def run():

@@ -501,6 +501,20 @@ class CudaPeerBackend:
         return buf, epoch
 
     # -- checks ------------------------------------------------------------------------------------
+    def _check_sharded(self, what: str, output: torch.Tensor, input: torch.Tensor, whole: str) -> None:
+        """Both tensors valid, one dtype, and the one named ``whole`` world_size times the other."""
+        self._check_tensor(what, "output", output)
+        self._check_tensor(what, "input", input)
+        if input.dtype != output.dtype:
+            raise TypeError(f"{what}: input is {input.dtype} but output is {output.dtype}")
+        big, small = (input, output) if whole == "input" else (output, input)
+        part, m, W = ("output" if whole == "input" else "input"), small.numel(), self.world_size
+        if big.numel() != W * m:
+            raise ValueError(
+                f"{what}: {whole} has {big.numel()} elements, expected world_size * {part}.numel() = "
+                f"{W} * {m} = {W * m}"
+            )
+
     def _check_tensor(self, what: str, name: str, t: torch.Tensor) -> None:
         if self.closed:
             raise CommAbortedError(f"nanoparallel rank {self.rank}: {what}: backend is {self.closed}")
@@ -640,16 +654,8 @@ class CudaPeerBackend:
     ) -> torch.Tensor:
         """output <- slice ``rank`` of op over ranks of input. input: [W*m], output: [m]."""
         what = "reduce_scatter"
-        self._check_tensor(what, "output", output)
-        self._check_tensor(what, "input", input)
+        self._check_sharded(what, output, input, "input")
         W = self.world_size
-        if input.dtype != output.dtype:
-            raise TypeError(f"{what}: input is {input.dtype} but output is {output.dtype}")
-        if input.numel() != W * output.numel():
-            raise ValueError(
-                f"{what}: input has {input.numel()} elements, expected world_size * output.numel() = "
-                f"{W} * {output.numel()} = {W * output.numel()}"
-            )
         code = self._op(what, op, input.dtype)
         elem = input.element_size()
         algorithm = self._algorithm(what, algorithm, input.numel() * elem)
@@ -714,16 +720,8 @@ class CudaPeerBackend:
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, algorithm: str = "auto") -> torch.Tensor:
         """output[p*m:(p+1)*m] <- input of rank p. input: [m], output: [W*m]."""
         what = "all_gather"
-        self._check_tensor(what, "output", output)
-        self._check_tensor(what, "input", input)
+        self._check_sharded(what, output, input, "output")
         W = self.world_size
-        if input.dtype != output.dtype:
-            raise TypeError(f"{what}: input is {input.dtype} but output is {output.dtype}")
-        if output.numel() != W * input.numel():
-            raise ValueError(
-                f"{what}: output has {output.numel()} elements, expected world_size * input.numel() = "
-                f"{W} * {input.numel()} = {W * input.numel()}"
-            )
         elem = input.element_size()
         algorithm = self._algorithm(what, algorithm, output.numel() * elem)
         m = input.numel()

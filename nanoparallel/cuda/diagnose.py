@@ -177,22 +177,9 @@ def _rank_body(rank: int, world: int, port: int, args) -> list[dict]:
     block = STEP_BYTES // 4
 
     def timed(fn, nbytes: int, iters: int | None = None) -> tuple[float, float]:
-        iters = iters or _iters(nbytes)
-        for _ in range(3):
-            fn()
-        dist.barrier()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        h0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        host = (time.perf_counter() - h0) / iters
-        end.record()
-        torch.cuda.synchronize()
-        t = torch.tensor([start.elapsed_time(end) / iters * 1e3, host * 1e6], device=dev)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t[0]), float(t[1])
+        from nanoparallel.cuda.sweep import time_calls
+
+        return time_calls(fn, iters or _iters(nbytes), dev)
 
     def host_only(fn, reps: int = 2000) -> float:
         fn()

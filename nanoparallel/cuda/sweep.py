@@ -72,6 +72,28 @@ def _iters(nbytes: int, max_iters: int = 100) -> int:
     return int(min(max_iters, max(10, 5e8 // max(nbytes, 1))))
 
 
+def time_calls(fn, iters: int, dev) -> tuple[float, float]:
+    """(device time per call, host time per call) in microseconds, the slowest rank's: three
+    warm-up calls, all ranks meet, then CUDA events around ``iters`` back-to-back calls."""
+    import torch.distributed as dist
+
+    for _ in range(3):
+        fn()
+    dist.barrier()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    h0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    host = (time.perf_counter() - h0) / iters
+    end.record()
+    torch.cuda.synchronize()
+    t = torch.tensor([start.elapsed_time(end) / iters * 1e3, host * 1e6], device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t[0].item()), float(t[1].item())
+
+
 def _impls(coll: str, x: torch.Tensor, be, world: int) -> dict:
     """NCCL's call and each of our algorithms for one collective on the message ``x`` ([count])."""
     import torch.distributed as dist
@@ -138,23 +160,7 @@ def _rank_body(rank: int, world: int, port: int, args, results) -> None:
     be.pipeline_steps = args.pipeline_steps  # after the check, which turns and restores the knob
 
     def timed(fn, nbytes: int) -> tuple[float, float]:
-        """(device time per call, host time per call), microseconds, slowest rank."""
-        iters = _iters(nbytes, args.max_iters)
-        for _ in range(3):
-            fn()
-        dist.barrier()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        h0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        host = (time.perf_counter() - h0) / iters
-        end.record()
-        torch.cuda.synchronize()
-        t = torch.tensor([start.elapsed_time(end) / iters * 1e3, host * 1e6], device=dev)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t[0].item()), float(t[1].item())
+        return time_calls(fn, _iters(nbytes, args.max_iters), dev)
 
     rows = []
     nccl_ms: dict = {}
