@@ -64,6 +64,23 @@ def _block_products(b_k, b_x, b_G, loc, a, SUB: tl.constexpr):
 
 
 @triton.jit
+def _decay_tail_grads(b_k, b_G, G_last, b_dkd, b_dgamma):
+    """Gradients through ``KD = k exp(G_last - G)`` and ``gamma = exp(G_last)`` (what the state
+    recurrence reads): the parts of dk and dG for each row, and the gradient reaching G_last."""
+    e_tail = tl.exp(G_last[None, :] - b_G)
+    kd_term = b_dkd * b_k * e_tail
+    return b_dkd * e_tail, -kd_term, tl.sum(kd_term, axis=0) + b_dgamma * tl.exp(G_last)
+
+
+@triton.jit
+def _g_grad(b_dG, dG_last, loc, BT: tl.constexpr):
+    """``G = cumsum(g)``: ``dg_r = sum_{r' >= r} dG_r'``, with G_last's gradient put on the last
+    row (padded rows have g = 0, so their G is G_last and the last row stands for them all)."""
+    b_dG += tl.where(loc[:, None] == BT - 1, dG_last[None, :], 0.0)
+    return tl.sum(b_dG, axis=0)[None, :] - tl.cumsum(b_dG, axis=0) + b_dG
+
+
+@triton.jit
 def _row_block_grads(b_q, x_k, k_cols, e_row, e_col, in_block, upto, M_k, M_q, DOT_PREC: tl.constexpr):
     """Backward of one row block of :func:`_block_products`, given the gradients ``M_k, M_q`` of
     ``A_kk, A_qk`` (before beta and scale): the parts of dk (rows: ``d_xk``; columns: ``d_y``), of
@@ -856,11 +873,9 @@ def kda_intra_bwd_fused_kernel(
         b_dG += b_dkb * b_kg * b_beta[:, None]
         b_dbeta += tl.sum(b_dkb * b_kg, axis=1)
         # KD = k e^(G_last - G) and gamma = e^G_last feed the state recurrence
-        e_tail = tl.exp(G_last[None, :] - b_G)
-        b_dk += b_dkd * e_tail
-        kd_term = b_dkd * b_k * e_tail
-        b_dG -= kd_term
-        dG_last = tl.sum(kd_term, axis=0) + b_dgamma * tl.exp(G_last)
+        dk_tail, dG_tail, dG_last = _decay_tail_grads(b_k, b_G, G_last, b_dkd, b_dgamma)
+        b_dk += dk_tail
+        b_dG += dG_tail
         # A[r, i] = sum_c x_rc k_ic e^(G_rc - G_ic): by column strips, or per 16-row block as in
         # the first forward
         if STRIPS:
@@ -902,8 +917,7 @@ def kda_intra_bwd_fused_kernel(
                 b_dq += d_xq
                 b_dG += d_xk * b_k + d_xq * b_q - d_y * b_k
         # G = cumsum(g): dg_r = sum_{r' >= r} dG_r'
-        b_dG += tl.where(loc[:, None] == BT - 1, dG_last[None, :], 0.0)
-        b_dg = tl.sum(b_dG, axis=0)[None, :] - tl.cumsum(b_dG, axis=0) + b_dG
+        b_dg = _g_grad(b_dG, dG_last, loc, BT)
         tl.store(
             _tile(dq + k_base, T, KS, K, r0, c0, BT, BK), b_dq.to(dq.dtype.element_ty), boundary_check=(0,)
         )
@@ -1059,11 +1073,10 @@ def kda_intra_bwd_kernel(
 
     # KD = k e^(G_last - G) and gamma = e^G_last feed the state recurrence
     b_dkd = tl.load(dKD + k_off, mask=mrow[:, None], other=0.0)
-    e_tail = tl.exp(G_last[None, :] - b_G)
-    b_dk += b_dkd * e_tail
-    kd_term = b_dkd * b_k * e_tail
-    b_dG -= kd_term
-    dG_last = tl.sum(kd_term, axis=0) + tl.load(dgamma + (i_bh * NT + i_t) * K + offk) * tl.exp(G_last)
+    b_dgamma = tl.load(dgamma + (i_bh * NT + i_t) * K + offk)
+    dk_tail, dG_tail, dG_last = _decay_tail_grads(b_k, b_G, G_last, b_dkd, b_dgamma)
+    b_dk += dk_tail
+    b_dG += dG_tail
 
     # A[r, i] = sum_c x_rc k_ic e^(G_rc - G_ic), factored per 16-row block as in the forward
     A_raw = tl.zeros([BT, BT], dtype=tl.float32)
@@ -1077,8 +1090,7 @@ def kda_intra_bwd_kernel(
     b_dbeta += tl.sum(tl.where(loc[:, None] > loc[None, :], dA * A_raw, 0.0), axis=1)
 
     # G = cumsum(g): dg_r = sum_{r' >= r} dG_r'
-    b_dG += tl.where(loc[:, None] == BT - 1, dG_last[None, :], 0.0)
-    b_dg = tl.sum(b_dG, axis=0)[None, :] - tl.cumsum(b_dG, axis=0) + b_dG
+    b_dg = _g_grad(b_dG, dG_last, loc, BT)
     tl.store(dq + k_off, b_dq, mask=mrow[:, None])
     tl.store(dk + k_off, b_dk, mask=mrow[:, None])
     tl.store(dg + k_off, b_dg, mask=mrow[:, None])
