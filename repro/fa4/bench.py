@@ -225,6 +225,19 @@ def sweep(out_dir: Path | None) -> None:
     s = 8192
     b = TOKENS // s
     q, k, v = make_inputs(b, s)
+
+    def trial(row: dict, run, causal: bool) -> None:
+        """Time one launch setting; a setting that fails to compile or run is a row with its error."""
+        try:
+            ms = run()
+            tflops = flops(b, s, causal, row["kernel"]) / (ms * 1e-3) / 1e12
+            report.add(**row, ms=ms, tflops=tflops, note="")
+        except Exception as exc:
+            report.add(
+                **row, ms=float("nan"), tflops=float("nan"), note=f"{type(exc).__name__}: {str(exc)[:120]}"
+            )
+        print(report.rows[-1], flush=True)
+
     for causal in (False, True):
         for pp, cfgs in ((False, fwd_cfgs), (True, pp_cfgs)):
             for bm, bn, nw, ns in cfgs:
@@ -239,17 +252,7 @@ def sweep(out_dir: Path | None) -> None:
                     num_stages=ns,
                     pingpong=pp,
                 )
-                try:
-                    ms = timed(ours(q, k, v, causal, sw), "fwd")
-                    report.add(**row, ms=ms, tflops=flops(b, s, causal, "fwd") / (ms * 1e-3) / 1e12, note="")
-                except Exception as exc:
-                    report.add(
-                        **row,
-                        ms=float("nan"),
-                        tflops=float("nan"),
-                        note=f"{type(exc).__name__}: {str(exc)[:120]}",
-                    )
-                print(report.rows[-1], flush=True)
+                trial(row, lambda sw=sw, causal=causal: timed(ours(q, k, v, causal, sw), "fwd"), causal)
         bwd_cfgs = [
             (64, 128, 8, 2),
             (64, 128, 8, 3),
@@ -270,17 +273,11 @@ def sweep(out_dir: Path | None) -> None:
                 num_stages=ns,
                 pingpong=False,
             )
-            try:
-                ms = timed(ours(q, k, v, causal, sw), "fwd+bwd", (q, k, v))
-                report.add(**row, ms=ms, tflops=flops(b, s, causal, "fwd+bwd") / (ms * 1e-3) / 1e12, note="")
-            except Exception as exc:
-                report.add(
-                    **row,
-                    ms=float("nan"),
-                    tflops=float("nan"),
-                    note=f"{type(exc).__name__}: {str(exc)[:120]}",
-                )
-            print(report.rows[-1], flush=True)
+            trial(
+                row,
+                lambda sw=sw, causal=causal: timed(ours(q, k, v, causal, sw), "fwd+bwd", (q, k, v)),
+                causal,
+            )
     report.write(tag="autotune", out_dir=out_dir)
 
 
