@@ -94,12 +94,12 @@ AUTO_ALL_TO_ALL = (
     (COPY_ENGINE_ALL_TO_ALL_MIN_BYTES, "copy_engine"),
 )
 AUTO_COPY_ENGINE = ((0, "direct"), (COPY_ENGINE_MIN_BYTES, "copy_engine"))
-# reduce-scatter: direct everywhere (0.89-0.90x NCCL's busbw at 1 GiB on 2 x H200, 1.01x at 256 MiB).
-# The pipelined kernel is NOT MEASURED yet: this bound is only the candidate to try (where the
-# pipelined all-reduce started to pay); add (PIPELINED_REDUCE_SCATTER_MIN_BYTES, "pipelined") to
-# AUTO_REDUCE_SCATTER once a sweep (--collectives reduce_scatter) shows where it wins.
+# reduce-scatter: direct up to 64 MiB, pipelined from there. Measured on 2 x H200
+# (nanoparallel/results/nvidia-h200-cuda-x2-rs.json): pipelined 1.20/1.37/1.26x NCCL's busbw at
+# 64 MiB/256 MiB/1 GiB where direct gave 1.06/0.99/0.89; at 8 B it is the slower one (27.3 vs 16.7 us).
+# Sizes between 64 KiB and 64 MiB were not swept for it, so the bound is the smallest measured win.
 PIPELINED_REDUCE_SCATTER_MIN_BYTES = 64 << 20
-AUTO_REDUCE_SCATTER = ((0, "direct"),)
+AUTO_REDUCE_SCATTER = ((0, "direct"), (PIPELINED_REDUCE_SCATTER_MIN_BYTES, "pipelined"))
 # pipelined variants: barriers (steps) per call, the same on every rank whatever its share.
 # push_pipelined (all-to-all) always takes PIPELINE_STEPS (4: best at 64 MiB, 131 vs 144 us at 8),
 # since its ranks' sizes may differ; one_shot_pipelined (every rank the same size) takes steps by
@@ -107,8 +107,9 @@ AUTO_REDUCE_SCATTER = ((0, "direct"),)
 # 1 GiB: 3036 vs 3154 and 3394 us). Both counts are covered by nanoparallel.cuda.check.
 PIPELINE_STEPS = 4
 AUTO_ALL_REDUCE_STEPS = ((0, PIPELINE_STEPS), (256 << 20, 16))
-# the pipelined reduce-scatter (every rank the same size, so steps may go by size): unmeasured, the
-# all-reduce's table keyed by the per-rank input bytes until a sweep says otherwise
+# the pipelined reduce-scatter (every rank the same size, so steps may go by size): the all-reduce's
+# table keyed by the per-rank input bytes; 16 steps everywhere instead (nvidia-h200-cuda-x2-rs16.json)
+# was within 1% of it at 64 MiB-1 GiB (136.1 vs 135.8, 404.8 vs 411.8, 1548.5 vs 1542.4 us)
 AUTO_REDUCE_SCATTER_STEPS = AUTO_ALL_REDUCE_STEPS
 # the all-to-all copy engine cuts every segment into this many pieces, one barrier each, so the
 # drain of piece c (a local copy, on a second stream) overlaps the NVLink copies of piece c + 1.
