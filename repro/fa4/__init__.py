@@ -41,6 +41,12 @@ class Switches:
     warp_specialize: Triton's automatic warp specialisation of the key loop.
     persistent: one program per SM looping over tiles (heaviest causal tiles first).
     tma: load K and V tiles with the TMA copy engine (tensor descriptors) instead of pointer loads.
+    gluon: run the forward as the warp-specialised Gluon kernel (``repro.fa4.gluon_fwd``: a TMA load
+        warp filling a K/V ring guarded by mbarriers, two consumer warpgroups on their own 64-row
+        query tiles with asynchronous wgmma, FA3's schedule); Hopper (sm_90) only. The backward stays
+        the Triton one. lazy_rescale / rescale_threshold apply (row by row there); soft_exp, pingpong,
+        persistent and warp_specialize do not exist in it (an error), the forward launch shape
+        (block_m, block_n, num_warps, num_stages) is ignored. Not yet measured.
     block_m, block_n, num_warps, num_stages: launch shape; None picks the tuned default.
 
     Measured on one H100 (results/nvidia-h100-80gb-hbm3.json, forward, S = 4k-16k): tma=True is
@@ -56,6 +62,7 @@ class Switches:
     warp_specialize: bool = False
     persistent: bool = False
     tma: bool = False
+    gluon: bool = False
     block_m: int | None = None
     block_n: int | None = None
     num_warps: int | None = None
@@ -147,9 +154,35 @@ def _interpreting() -> bool:
 _SM_COUNT: dict[int, int] = {}
 
 
+def _forward_gluon(q, k, v, causal: bool, scale: float, sw: Switches, count: bool):
+    from repro.fa4.gluon_fwd import gluon_attention_forward
+
+    other = [n for n in ("soft_exp", "pingpong", "persistent", "warp_specialize") if getattr(sw, n)]
+    if other:
+        raise ValueError(
+            f"attention: gluon=True has its own forward schedule; it cannot combine with {other}"
+        )
+    if count:
+        raise ValueError(
+            "attention: forward_with_counts counts the Triton kernel's rescales; not with gluon=True"
+        )
+    o, lse = gluon_attention_forward(
+        q,
+        k,
+        v,
+        causal=causal,
+        scale=scale,
+        lazy_rescale=sw.lazy_rescale,
+        rescale_threshold=sw.rescale_threshold,
+    )
+    return o, lse, torch.zeros(2, device=q.device, dtype=torch.int32)
+
+
 def _forward(q, k, v, causal: bool, scale: float, sw: Switches, count: bool = False):
     from repro.fa4.kernels import _fwd_kernel
 
+    if sw.gluon:
+        return _forward_gluon(q, k, v, causal, scale, sw, count)
     b, s_q, h, d = q.shape
     s_k, h_kv = k.shape[1], k.shape[2]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()

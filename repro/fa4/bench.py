@@ -11,8 +11,9 @@ Modes:
   --quick     two sequence lengths only (smoke test)
   --fa4-smoke flash-attn-4 (``flash_attn.cute``) on one small shape against the float64 reference;
               exit status 3 when it does not import, compile or run -> <device>-fa4-smoke.json
-  --peer      flash-attn-4 beside cuDNN and our best configuration (TMA on), same shapes, forward
-              and forward + backward -> <device>-peer.json (``--no-fa4``: cuDNN and ours only)
+  --peer      flash-attn-4 beside cuDNN, our best configuration (TMA on) and ours with the Gluon
+              forward (fa4-gluon), same shapes, forward and forward + backward -> <device>-peer.json
+              (``--no-fa4``: cuDNN and ours only)
   --ncu-target  one forward each of ours, cuDNN and flash-attn-4 at S = 8k inside
               cudaProfilerStart/Stop, for ``ncu --profile-from-start off`` (gpu_run_peer.sh)
   --out DIR   where to write the JSON (default repro/fa4/results/)
@@ -99,7 +100,9 @@ def fn_same_inputs(name: str, qt, kt, vt, causal: bool):
     """Our variant ``name`` on the SDPA-layout inputs (made [B, S, H, D]), to compare outputs."""
     from repro.fa4 import attention
 
-    sw = {"fa4-triton": {}, "fa4-triton-tma": {"tma": True}}.get(name, ABLATIONS.get(name, {}))
+    sw = {"fa4-triton": {}, "fa4-triton-tma": {"tma": True}, "fa4-gluon": OURS_GLUON}.get(
+        name, ABLATIONS.get(name, {})
+    )
     q, k, v = (t.detach().transpose(1, 2).contiguous() for t in (qt, kt, vt))
     return attention(q, k, v, causal=causal, **sw)
 
@@ -118,7 +121,8 @@ def full(out_dir: Path | None, seqlens, ablate_passes=("fwd",)) -> None:
         packages=["triton", "torch"],
         notes=(
             "TFLOP/s: 4 B H S^2 D forward (halved when causal), x3.5 for forward+backward. group=compare: "
-            "our default kernel and the SDPA backends; group=ablation: one switch of our kernel changed. "
+            "our default kernel, TMA on, the warp-specialised Gluon forward (fa4-gluon) and the SDPA backends; "
+            "group=ablation: one switch of our kernel changed. "
             "flash-attn-4 is not in this table: `--fa4-smoke` and `--peer` (gpu_run_peer.sh) measure it in a "
             "separate call, because its CuTe-DSL runtime wheel (92 MB) is carried in two halves."
         ),
@@ -131,6 +135,8 @@ def full(out_dir: Path | None, seqlens, ablate_passes=("fwd",)) -> None:
             for passes in ("fwd", "fwd+bwd"):
                 impls = [("compare", "fa4-triton", ours(q, k, v, causal, {}), (q, k, v))]
                 impls += [("compare", "fa4-triton-tma", ours(q, k, v, causal, {"tma": True}), (q, k, v))]
+                # the warp-specialised Gluon forward (its backward is the Triton one)
+                impls += [("compare", "fa4-gluon", ours(q, k, v, causal, OURS_GLUON), (q, k, v))]
                 impls += [
                     ("compare", f"sdpa-{be}", sdpa(qt, kt, vt, causal, be), (qt, kt, vt))
                     for be in ("cudnn", "flash2")
@@ -297,6 +303,8 @@ FA4_DISTRIBUTIONS = [
 ]
 #: Our fastest forward in results/nvidia-h100-80gb-hbm3.json (S = 4k-16k): TMA on, default launch shape.
 OURS_BEST = {"tma": True}
+#: The warp-specialised Gluon forward (repro.fa4.gluon_fwd; sm_90 only), Triton backward. Not yet measured.
+OURS_GLUON = {"gluon": True}
 #: (B, S, H, D) of the smoke test: small enough for a float64 reference with gradients.
 SMOKE_SHAPE = (2, 512, HEADS, HEAD_DIM)
 PEER_COLUMNS = ["group", "impl", "causal", "S", "B", "pass", "ms", "tflops", "note"]
@@ -430,7 +438,8 @@ def peer(out_dir: Path | None, seqlens, use_fa4: bool = True) -> None:
         measure_ceilings=False,
         notes=(
             "TFLOP/s as in the main result file (4 B H S^2 D forward, halved when causal, x3.5 for forward+backward). "
-            "All three timed in one process, in the order fa4-cute, sdpa-cudnn, fa4-triton-tma; rel.err is against "
+            "All timed in one process, in the order fa4-cute, sdpa-cudnn, fa4-triton-tma, fa4-gluon (ours with "
+            "the warp-specialised Gluon forward, Triton backward); rel.err is against "
             "cuDNN's output on the same inputs."
         ),
     )
@@ -454,6 +463,7 @@ def peer(out_dir: Path | None, seqlens, use_fa4: bool = True) -> None:
                     )
                 impls.append(("sdpa-cudnn", sdpa(qt, kt, vt, causal, "cudnn"), (qt, kt, vt), None))
                 impls.append(("fa4-triton-tma", ours(q, k, v, causal, OURS_BEST), (q, k, v), ours(*same, causal, OURS_BEST)))  # fmt: skip
+                impls.append(("fa4-gluon", ours(q, k, v, causal, OURS_GLUON), (q, k, v), ours(*same, causal, OURS_GLUON)))  # fmt: skip
                 for name, f, inputs, f_same in impls:
                     row = dict(group="peer", impl=name, causal=causal, S=s, B=b, **{"pass": passes})
                     if name == "fa4-cute" and (passes, causal) in failed:
@@ -491,7 +501,7 @@ def peer(out_dir: Path | None, seqlens, use_fa4: bool = True) -> None:
 
 
 def ncu_target(use_fa4: bool = True, s: int = 8192, causal: bool = False) -> None:
-    """One forward each of ours (OURS_BEST), cuDNN and flash-attn-4 between cudaProfilerStart/Stop.
+    """One forward each of ours (OURS_BEST and OURS_GLUON), cuDNN and flash-attn-4 between cudaProfilerStart/Stop.
 
     Three untimed calls first compile and warm each; run under ``ncu --profile-from-start off`` so
     that only the measured calls (and their small helper kernels, e.g. a fill) are profiled.
@@ -501,6 +511,7 @@ def ncu_target(use_fa4: bool = True, s: int = 8192, causal: bool = False) -> Non
     qt, kt, vt = (t.detach() for t in make_inputs(b, s, layout="bhsd"))
     runs = [
         ("fa4-triton-tma", ours(q, k, v, causal, OURS_BEST)),
+        ("fa4-gluon", ours(q, k, v, causal, OURS_GLUON)),
         ("sdpa-cudnn", sdpa(qt, kt, vt, causal, "cudnn")),
     ]
     if use_fa4:

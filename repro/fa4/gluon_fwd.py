@@ -1,0 +1,680 @@
+"""A warp-specialised FlashAttention forward for Hopper (sm_90a) in Gluon, FA3's schedule.
+
+Triton's ``tl`` cannot give warps roles; Gluon (``triton.experimental.gluon``, Triton 3.6) can. One
+program (CTA) owns ``NUM_CONSUMERS`` query tiles of ``BLOCK_M`` rows of one head and runs:
+
+* a load partition (1 warp): TMA copies of the Q tiles once, then K and V tiles into a ring of
+  ``NUM_STAGES`` shared-memory buffers; each buffer has a "ready" mbarrier (expect-tx: it completes
+  when the bytes have landed) and an "empty" mbarrier that every consumer arrives on once it is
+  done with the buffer (count = NUM_CONSUMERS);
+* consumer warpgroups (4 warps each; the default partition is consumer 0, a worker partition is
+  consumer 1): S = Q K^T by asynchronous ``warpgroup_mma`` into registers, online softmax in base 2
+  (scale * log2 e folded into one FMA), P cast to the input dtype and fed from registers as the A
+  operand of O += P V. Each consumer overlaps its own work as FA3's "intra-warpgroup overlap" does:
+  S_{j+1} = Q K_{j+1}^T and O += P_j V_j are both in flight while the softmax of S_{j+1} runs, and
+  O is rescaled after the P V product lands. The two consumers share every K/V load and run
+  independently, so one's softmax overlaps the other's matmuls (FA3's ping-pong, left to the warp
+  schedulers rather than forced with named barriers).
+
+Causal masks are bottom-right aligned (row i sees keys j <= i + S_K - S_Q, S_Q <= S_K). Key tiles
+that no row of a consumer sees are skipped by that consumer (it still releases their buffers);
+only key tiles that cross the diagonal or the end of the keys are masked.
+
+Layout: q, k, v, o are [B, S, H, D]; TMA descriptors view q as [B * S_Q, H * D] and k, v as
+[B * S_K, H_KV * D]. Rows past a batch's end read the next batch (or zeros past the tensor): key
+columns past S_K are masked to -inf, query rows past S_Q are never stored. The output is stored
+from registers with a row mask. LSE is [B, H, S_Q] float32 in base 2 (m + log2 l, m in units of
+scores * scale * log2 e), exactly what ``repro.fa4.kernels``' backward reads.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:  # Gluon ships with Triton >= 3.5; without it only the launcher's error message is left.
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    HAS_GLUON = True
+    GLUON_ERROR = ""
+except Exception as exc:  # pragma: no cover - depends on the installed Triton
+    HAS_GLUON = False
+    GLUON_ERROR = f"{type(exc).__name__}: {exc}"
+
+__all__ = [
+    "GLUON_DTYPES",
+    "GLUON_HEAD_DIMS",
+    "HAS_GLUON",
+    "compile_for_sm90",
+    "compile_report",
+    "gluon_attention_forward",
+    "launch_config",
+]
+
+GLUON_HEAD_DIMS = (64, 128)
+GLUON_DTYPES = (torch.bfloat16, torch.float16)
+#: D -> (BLOCK_M rows per consumer warpgroup, BLOCK_N keys per tile, NUM_STAGES K/V buffers).
+#: 64 rows per warpgroup keeps S (64 x 128 fp32), the next P and O (64 x D fp32) in registers, as
+#: FA3 does (its 128-row tile is two warpgroups of 64). Shared memory at D = 128: Q 2 x 16 KiB +
+#: 2 stages x (K + V) 64 KiB = 160 KiB; at D = 64: 16 KiB + 3 x 32 KiB = 112 KiB.
+GLUON_DEFAULTS = {64: (64, 128, 3), 128: (64, 128, 2)}
+NUM_CONSUMERS = 2
+#: Registers per thread asked for (setmaxnreg) by the load warp and by the worker consumer.
+LOAD_REGS = 24
+CONSUMER_REGS = 240
+
+
+def launch_config(d: int) -> dict:
+    bm, bn, ns = GLUON_DEFAULTS[d]
+    return dict(BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=ns, NUM_CONSUMERS=NUM_CONSUMERS)
+
+
+if HAS_GLUON:
+
+    @gluon.jit
+    def _load_partition(
+        q_desc,
+        k_desc,
+        v_desc,
+        q_smem,
+        k_smem,
+        v_smem,
+        q_ready,
+        k_ready,
+        v_ready,
+        k_empty,
+        v_empty,
+        q_row0,
+        q_col,
+        kv_row0,
+        kv_col,
+        n_blocks,
+        BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        NUM_STAGES: gl.constexpr,
+        NUM_CONSUMERS: gl.constexpr,
+    ):
+        """One warp: the Q tiles once, then K_j, V_j for every key tile of this program."""
+        for c in gl.static_range(NUM_CONSUMERS):
+            mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(
+                q_desc, [q_row0 + c * BLOCK_M, q_col], q_ready.index(c), q_smem.index(c)
+            )
+        for j in range(n_blocks):
+            s = j % NUM_STAGES
+            # The n-th reuse of a buffer waits for the n-th completion of its empty barrier; the
+            # first use waits on parity 1 of a fresh barrier, which passes at once.
+            ph = ((j // NUM_STAGES) & 1) ^ 1
+            row = kv_row0 + j * BLOCK_N
+            mbarrier.wait(k_empty.index(s), ph)
+            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_ready.index(s), k_smem.index(s))
+            mbarrier.wait(v_empty.index(s), ph)
+            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_ready.index(s), v_smem.index(s))
+
+    @gluon.jit
+    def _mask_scores(s, start_n, row0, S_K, diag, s_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):  # fmt: skip
+        cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        ok = gl.expand_dims(cols < S_K, 0)
+        if CAUSAL:
+            rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+            ok = ok & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + diag, 1))
+        return gl.where(ok, s, float("-inf"))
+
+    @gluon.jit
+    def _turn_begin(turn, k, n_first, CONSUMER: gl.constexpr, PINGPONG_SYNC: gl.constexpr):
+        """Wait until it is this consumer's k-th turn to issue its matmuls (FA3's warp-scheduler
+        barrier, with mbarriers): turns alternate 0, 1, 0, 1, ... while both consumers still have
+        turns; consumer 0 has n_first + 1 turns, consumer 1 at least as many."""
+        if PINGPONG_SYNC:
+            if CONSUMER == 0:
+                # the (k-1)-th arrival of consumer 1; consumer 1 always has a (k-1)-th turn
+                mbarrier.wait(turn.index(0), (k - 1) & 1, pred=k >= 1)
+            else:
+                # the k-th arrival of consumer 0, while it still has turns
+                mbarrier.wait(turn.index(1), k & 1, pred=k < n_first + 1)
+
+    @gluon.jit
+    def _turn_end(turn, k, n_first, CONSUMER: gl.constexpr, PINGPONG_SYNC: gl.constexpr):
+        """Hand the tensor cores to the other consumer after issuing this turn's matmuls."""
+        if PINGPONG_SYNC:
+            if CONSUMER == 0:
+                mbarrier.arrive(turn.index(1), count=1)
+            else:
+                # only arrivals that consumer 0 will wait for (its turns k + 1 <= n_first)
+                mbarrier.arrive(turn.index(0), count=1, pred=k + 1 < n_first + 1)
+
+    @gluon.jit
+    def _consume(
+        q_smem,
+        k_smem,
+        v_smem,
+        q_ready,
+        k_ready,
+        v_ready,
+        k_empty,
+        v_empty,
+        O,
+        LSE,
+        lse_base,
+        o_row0,
+        o_col,
+        stride_os,
+        row0,
+        S_Q,
+        S_K,
+        n_blocks,
+        turn,
+        n_first,
+        qk_scale,
+        CONSUMER: gl.constexpr,
+        D: gl.constexpr,
+        BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        NUM_STAGES: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        LAZY_RESCALE: gl.constexpr,
+        RESCALE_TAU: gl.constexpr,
+        PINGPONG_SYNC: gl.constexpr,
+    ):
+        """One warpgroup: query rows [row0, row0 + BLOCK_M) of this program's head."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+        )
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16]
+        )
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        dtype: gl.constexpr = q_smem.dtype
+
+        # Key range of this warpgroup: causal rows see keys < row + diag + 1.
+        diag = S_K - S_Q
+        if CAUSAL:
+            hi = gl.minimum(row0 + BLOCK_M + diag, S_K)
+            # first key tile that some row of this tile must mask
+            mask_from = gl.maximum(gl.minimum(row0 + diag + 1, S_K) // BLOCK_N, 0) * BLOCK_N
+            mask_from = gl.minimum(mask_from, (S_K // BLOCK_N) * BLOCK_N)
+        else:
+            hi = S_K
+            mask_from = (S_K // BLOCK_N) * BLOCK_N
+        my_blocks = gl.cdiv(hi, BLOCK_N)
+
+        q_tile = q_smem.index(CONSUMER)
+        mbarrier.wait(q_ready.index(CONSUMER), 0)
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+
+        # Prologue: tile 0's scores and probabilities.
+        _turn_begin(turn, 0, n_first, CONSUMER, PINGPONG_SYNC)
+        mbarrier.wait(k_ready.index(0), 0)
+        s_tok = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        _turn_end(turn, 0, n_first, CONSUMER, PINGPONG_SYNC)
+        s = warpgroup_mma_wait(0, deps=(s_tok,))
+        mbarrier.arrive(k_empty.index(0), count=1)
+        if mask_from == 0:
+            s = _mask_scores(s, 0, row0, S_K, diag, s_layout, BLOCK_M, BLOCK_N, CAUSAL)
+        m_i = gl.max(s, axis=1) * qk_scale
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_i, 1))
+        l_i = gl.sum(p, axis=1)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
+
+        for j in range(1, my_blocks):
+            s_idx = j % NUM_STAGES
+            ph = (j // NUM_STAGES) & 1
+            prev = (j - 1) % NUM_STAGES
+            prev_ph = ((j - 1) // NUM_STAGES) & 1
+            # S_j = Q K_j^T and O += P_{j-1} V_{j-1}, both asynchronous, in that order.
+            _turn_begin(turn, j, n_first, CONSUMER, PINGPONG_SYNC)
+            mbarrier.wait(k_ready.index(s_idx), ph)
+            s_tok = warpgroup_mma(
+                q_tile, k_smem.index(s_idx).permute((1, 0)), s_zero, use_acc=False, is_async=True
+            )
+            mbarrier.wait(v_ready.index(prev), prev_ph)
+            o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+            _turn_end(turn, j, n_first, CONSUMER, PINGPONG_SYNC)
+            s = warpgroup_mma_wait(1, deps=(s_tok,))  # S_j has landed; P V may still run
+            mbarrier.arrive(k_empty.index(s_idx), count=1)
+            if j * BLOCK_N >= mask_from:
+                s = _mask_scores(s, j * BLOCK_N, row0, S_K, diag, s_layout, BLOCK_M, BLOCK_N, CAUSAL)
+            m_cand = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+            if LAZY_RESCALE:
+                # FA4: keep the stale max unless it grew by more than tau (log2 units), row by row;
+                # P <= 2^tau then, and O / l is exact because O and l share the stale max.
+                m_new = gl.where(m_cand - m_i > RESCALE_TAU, m_cand, m_i)
+            else:
+                m_new = m_cand
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            p_next = gl.convert_layout(p.to(dtype), p_layout)
+            # P_{j-1} (a register operand of the P V product in flight) stays alive until it lands.
+            acc, _ = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+            mbarrier.arrive(v_empty.index(prev), count=1)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            m_i = m_new
+            p_op = p_next
+
+        last = my_blocks - 1
+        _turn_begin(turn, my_blocks, n_first, CONSUMER, PINGPONG_SYNC)
+        mbarrier.wait(v_ready.index(last % NUM_STAGES), (last // NUM_STAGES) & 1)
+        o_tok = warpgroup_mma(p_op, v_smem.index(last % NUM_STAGES), acc, is_async=True)
+        _turn_end(turn, my_blocks, n_first, CONSUMER, PINGPONG_SYNC)
+        acc, _ = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+        mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
+
+        # Key tiles the other consumer still needs: release them once loaded (waiting for "ready"
+        # first keeps the arrivals in the phase they belong to).
+        for j in range(my_blocks, n_blocks):
+            s_idx = j % NUM_STAGES
+            ph = (j // NUM_STAGES) & 1
+            mbarrier.wait(k_ready.index(s_idx), ph)
+            mbarrier.arrive(k_empty.index(s_idx), count=1)
+            mbarrier.wait(v_ready.index(s_idx), ph)
+            mbarrier.arrive(v_empty.index(s_idx), count=1)
+
+        # Epilogue: O / l and the base-2 log-sum-exp, rows past S_Q left alone.
+        l_o = gl.convert_layout(l_i, row_o)
+        out = (acc / gl.expand_dims(l_o, 1)).to(dtype)
+        rows_o = row0 + gl.arange(0, BLOCK_M, layout=row_o)
+        cols_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+        offs = (
+            (o_row0 + gl.expand_dims(rows_o, 1)).to(gl.int64) * stride_os + o_col + gl.expand_dims(cols_o, 0)
+        )
+        gl.store(O + offs, out, mask=gl.expand_dims(rows_o < S_Q, 1))
+        rows_s = row0 + gl.arange(0, BLOCK_M, layout=row_s)
+        gl.store(LSE + lse_base + rows_s, m_i + gl.log2(l_i), mask=rows_s < S_Q)
+
+    @gluon.jit
+    def _consumer_worker(
+        q_smem,
+        k_smem,
+        v_smem,
+        q_ready,
+        k_ready,
+        v_ready,
+        k_empty,
+        v_empty,
+        O,
+        LSE,
+        lse_base,
+        o_row0,
+        o_col,
+        stride_os,
+        row0,
+        S_Q,
+        S_K,
+        n_blocks,
+        turn,
+        n_first,
+        qk_scale,
+        D: gl.constexpr,
+        BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        NUM_STAGES: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        LAZY_RESCALE: gl.constexpr,
+        RESCALE_TAU: gl.constexpr,
+        PINGPONG_SYNC: gl.constexpr,
+    ):
+        _consume(
+            q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, O, LSE, lse_base,
+            o_row0, o_col, stride_os, row0 + BLOCK_M, S_Q, S_K, n_blocks, turn, n_first,
+            qk_scale, 1, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, LAZY_RESCALE, RESCALE_TAU, PINGPONG_SYNC,
+        )  # fmt: skip
+
+    @gluon.jit
+    def _consumer_default(
+        q_smem,
+        k_smem,
+        v_smem,
+        q_ready,
+        k_ready,
+        v_ready,
+        k_empty,
+        v_empty,
+        O,
+        LSE,
+        lse_base,
+        o_row0,
+        o_col,
+        stride_os,
+        row0,
+        S_Q,
+        S_K,
+        n_blocks,
+        turn,
+        n_first,
+        qk_scale,
+        D: gl.constexpr,
+        BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        NUM_STAGES: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        LAZY_RESCALE: gl.constexpr,
+        RESCALE_TAU: gl.constexpr,
+        PINGPONG_SYNC: gl.constexpr,
+    ):
+        _consume(
+            q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, O, LSE, lse_base,
+            o_row0, o_col, stride_os, row0, S_Q, S_K, n_blocks, turn, n_first,
+            qk_scale, 0, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, LAZY_RESCALE, RESCALE_TAU, PINGPONG_SYNC,
+        )  # fmt: skip
+
+    @gluon.jit
+    def _gluon_fwd_kernel(
+        q_desc,
+        k_desc,
+        v_desc,
+        O,
+        LSE,
+        H,
+        GROUP,
+        S_Q,
+        S_K,
+        qk_scale,
+        N_M_BLOCKS,
+        D: gl.constexpr,
+        BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        NUM_STAGES: gl.constexpr,
+        NUM_CONSUMERS: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        LAZY_RESCALE: gl.constexpr,
+        RESCALE_TAU: gl.constexpr,
+        PINGPONG_SYNC: gl.constexpr,
+        LOAD_REGS: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr,
+    ):
+        m_block = N_M_BLOCKS - 1 - gl.program_id(0)  # heaviest causal tiles launch first
+        bh = gl.program_id(1)
+        off_b = bh // H
+        off_h = bh % H
+        off_hk = off_h // GROUP
+        row0 = m_block * (NUM_CONSUMERS * BLOCK_M)
+        if CAUSAL:
+            hi = gl.minimum(row0 + NUM_CONSUMERS * BLOCK_M + S_K - S_Q, S_K)
+        else:
+            hi = S_K
+        n_blocks = gl.cdiv(hi, BLOCK_N)
+        if CAUSAL:  # key tiles of consumer 0 (the first BLOCK_M rows), for the ping-pong turn count
+            n_first = gl.cdiv(gl.minimum(row0 + BLOCK_M + S_K - S_Q, S_K), BLOCK_N)
+        else:
+            n_first = n_blocks
+
+        dtype: gl.constexpr = q_desc.dtype
+        q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BLOCK_M, D], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, D], v_desc.layout)
+        bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+        q_ready = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], bar_layout)
+        k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+        v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+        k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+        v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+        for c in gl.static_range(NUM_CONSUMERS):
+            mbarrier.init(q_ready.index(c), count=1)
+        mbarrier.init(turn.index(0), count=1)
+        mbarrier.init(turn.index(1), count=1)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=NUM_CONSUMERS)
+            mbarrier.init(v_empty.index(i), count=NUM_CONSUMERS)
+        fence_async_shared()  # the initialised barriers are visible to the TMA engine (async proxy)
+
+        q_row0 = off_b * S_Q + row0
+        kv_row0 = off_b * S_K
+        o_row0 = off_b * S_Q
+        stride_os = H * D
+        lse_base = bh * S_Q
+        # The argument tuples are written out in the call: a tuple bound to a name first turns its
+        # constexpr entries into tensors (Triton 3.6), and the partitions need them as constexprs.
+        if NUM_CONSUMERS == 2:
+            gl.warp_specialize(
+                [
+                    (_consumer_default, (
+                        q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, O, LSE, lse_base,
+                        o_row0, off_h * D, stride_os, row0, S_Q, S_K, n_blocks, turn, n_first, qk_scale,
+                        D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, LAZY_RESCALE, RESCALE_TAU, PINGPONG_SYNC,
+                    )),
+                    (_load_partition, (
+                        q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty,
+                        v_empty, q_row0, off_h * D, kv_row0, off_hk * D, n_blocks,
+                        BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
+                    )),
+                    (_consumer_worker, (
+                        q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, O, LSE, lse_base,
+                        o_row0, off_h * D, stride_os, row0, S_Q, S_K, n_blocks, turn, n_first, qk_scale,
+                        D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, LAZY_RESCALE, RESCALE_TAU, PINGPONG_SYNC,
+                    )),
+                ],
+                [1, 4],
+                [LOAD_REGS, CONSUMER_REGS],
+            )  # fmt: skip
+        else:
+            gl.warp_specialize(
+                [
+                    (_consumer_default, (
+                        q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, O, LSE, lse_base,
+                        o_row0, off_h * D, stride_os, row0, S_Q, S_K, n_blocks, turn, n_first, qk_scale,
+                        D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, LAZY_RESCALE, RESCALE_TAU, PINGPONG_SYNC,
+                    )),
+                    (_load_partition, (
+                        q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty,
+                        v_empty, q_row0, off_h * D, kv_row0, off_hk * D, n_blocks,
+                        BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
+                    )),
+                ],
+                [1],
+                [LOAD_REGS],
+            )  # fmt: skip
+
+
+def _gl_dtype(dtype: torch.dtype):
+    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+
+
+def gluon_attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    scale: float | None = None,
+    lazy_rescale: bool = False,
+    rescale_threshold: float = 8.0,
+    num_consumers: int = NUM_CONSUMERS,
+    pingpong_sync: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention forward by the Gluon kernel: returns (o [B, S_q, H, D], lse [B, H, S_q] float32, base 2).
+
+    q: [B, S_q, H, D]; k, v: [B, S_k, H_kv, D], H_kv dividing H, D in {64, 128}, bf16 or fp16, on
+    an sm_90 (Hopper) GPU; causal needs S_q <= S_k (bottom-right aligned). ``lse`` is
+    m + log2(l) with m in units of scores * scale * log2(e), as ``repro.fa4``'s backward expects.
+    """
+    if not HAS_GLUON:
+        raise RuntimeError(f"gluon forward: this Triton has no Gluon ({GLUON_ERROR})")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"gluon forward: {name} must be [B, S, H, D], got shape {tuple(t.shape)}")
+        if t.device.type != "cuda":
+            raise RuntimeError(f"gluon forward: needs CUDA tensors, {name} is on {t.device}")
+        if t.dtype not in GLUON_DTYPES:
+            raise TypeError(f"gluon forward: {name} has dtype {t.dtype}, expected bfloat16 or float16")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"gluon forward: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    major, minor = torch.cuda.get_device_capability(q.device)
+    if (major, minor) != (9, 0):
+        raise RuntimeError(
+            f"gluon forward: written for Hopper (sm_90a: wgmma, TMA, setmaxnreg); this GPU is sm_{major}{minor}"
+        )
+    b, s_q, h, d = q.shape
+    s_k, h_kv = k.shape[1], k.shape[2]
+    if d not in GLUON_HEAD_DIMS:
+        raise ValueError(
+            f"gluon forward: head dim D = {d} is not supported, expected one of {GLUON_HEAD_DIMS}"
+        )
+    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"gluon forward: k, v must be [B={b}, S_k, H_kv, D={d}], got {tuple(k.shape)}")
+    if h_kv == 0 or h % h_kv:
+        raise ValueError(f"gluon forward: KV heads H_kv = {h_kv} must divide query heads H = {h}")
+    if causal and s_q > s_k:
+        raise ValueError(f"gluon forward: causal needs S_q <= S_k, got S_q = {s_q}, S_k = {s_k}")
+    if num_consumers not in (1, 2):
+        raise ValueError(f"gluon forward: num_consumers must be 1 or 2, got {num_consumers}")
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    o = torch.empty_like(q)
+    lse = torch.empty(b, h, s_q, device=q.device, dtype=torch.float32)
+    cfg = launch_config(d)
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    gdt = _gl_dtype(q.dtype)
+    q_layout = gl.NVMMASharedLayout.get_default_for([bm, d], gdt)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([bn, d], gdt)
+    q2 = q.view(b * s_q, h * d)
+    q_desc = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [bm, d], q_layout)
+    k_desc, v_desc = (
+        TensorDescriptor(t2, list(t2.shape), list(t2.stride()), [bn, d], kv_layout)
+        for t2 in (k.view(b * s_k, h_kv * d), v.view(b * s_k, h_kv * d))
+    )
+    n_m = -(-s_q // (num_consumers * bm))
+    _gluon_fwd_kernel[(n_m, b * h)](
+        q_desc, k_desc, v_desc, o, lse, h, h // h_kv, s_q, s_k, scale / math.log(2.0), n_m,
+        D=d, BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=cfg["NUM_STAGES"], NUM_CONSUMERS=num_consumers,
+        CAUSAL=bool(causal), LAZY_RESCALE=bool(lazy_rescale), RESCALE_TAU=float(rescale_threshold),
+        PINGPONG_SYNC=bool(pingpong_sync) and num_consumers == 2, LOAD_REGS=LOAD_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=4,
+    )  # fmt: skip
+    return o, lse
+
+
+def compile_for_sm90(
+    d: int,
+    causal: bool,
+    dtype: str = "bf16",
+    lazy_rescale: bool = False,
+    num_consumers: int = NUM_CONSUMERS,
+    pingpong_sync: bool = True,
+):
+    """Compile the kernel offline for sm_90a (no GPU needed); returns triton's CompiledKernel.
+
+    ``compiled.metadata.shared`` is the shared memory in bytes, ``compiled.asm["ptx"]`` the PTX.
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    cfg = launch_config(d)
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
+    q_layout = gl.NVMMASharedLayout.get_default_for([bm, d], gdt)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([bn, d], gdt)
+    constexprs = dict(
+        D=d, BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=cfg["NUM_STAGES"], NUM_CONSUMERS=num_consumers,
+        CAUSAL=bool(causal), LAZY_RESCALE=bool(lazy_rescale), RESCALE_TAU=8.0,
+        PINGPONG_SYNC=bool(pingpong_sync) and num_consumers == 2,
+        LOAD_REGS=LOAD_REGS, CONSUMER_REGS=CONSUMER_REGS,
+    )  # fmt: skip
+    signature = {
+        "q_desc": f"tensordesc<{dtype}[{bm}, {d}],{q_layout!r}>",
+        "k_desc": f"tensordesc<{dtype}[{bn}, {d}],{kv_layout!r}>",
+        "v_desc": f"tensordesc<{dtype}[{bn}, {d}],{kv_layout!r}>",
+        "O": f"*{dtype}",
+        "LSE": "*fp32",
+        "H": "i32",
+        "GROUP": "i32",
+        "S_Q": "i32",
+        "S_K": "i32",
+        "qk_scale": "fp32",
+        "N_M_BLOCKS": "i32",
+        **{name: "constexpr" for name in constexprs},
+    }
+    src = GluonASTSource(_gluon_fwd_kernel, signature, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=4))
+
+
+def ptxas_usage(ptx: str) -> dict:
+    """Registers and spill bytes of the kernel in ``ptx``, from Triton's bundled ``ptxas -v`` for sm_90a
+    (empty if this Triton has no bundled ptxas). Registers are the launch allocation: the partitions
+    then move them with setmaxnreg (load warp LOAD_REGS, consumers the rest)."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        return {}
+    with tempfile.TemporaryDirectory() as tmp:
+        f = Path(tmp) / "k.ptx"
+        f.write_text(ptx)
+        r = subprocess.run(
+            [str(ptxas), "-v", "--gpu-name", "sm_90a", str(f), "-o", str(Path(tmp) / "k.cubin")],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    if r.returncode != 0:
+        return {"ptxas_error": (r.stdout + r.stderr)[-2000:]}
+    text = r.stdout + r.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    return {
+        "registers": int(regs.group(1)) if regs else None,
+        "spill_stores": int(spills.group(1)) if spills else None,
+        "spill_loads": int(spills.group(2)) if spills else None,
+    }
+
+
+def compile_report(cases) -> list[dict]:
+    """Offline sm_90a compile of each (d, causal, dtype, num_consumers): shared memory (bytes), warps,
+    ptxas registers / spills, setmaxnreg values, or the compiler's error."""
+    import re
+
+    rows = []
+    for d, causal, dtype, consumers in cases:
+        row = dict(d=d, causal=causal, dtype=dtype, consumers=consumers)
+        try:
+            c = compile_for_sm90(d, causal, dtype=dtype, num_consumers=consumers)
+            ptx = c.asm["ptx"]
+            row.update(
+                shared=c.metadata.shared,
+                num_warps=c.metadata.num_warps,
+                target_ok=".target sm_90a" in ptx,
+                has_wgmma="wgmma.mma_async" in ptx,
+                has_tma="cp.async.bulk.tensor" in ptx,
+                setmaxnreg=sorted(
+                    {int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}
+                ),
+                **ptxas_usage(ptx),
+            )
+        except Exception as exc:  # report it: the caller decides
+            row["error"] = f"{type(exc).__name__}: {exc}"[-3000:]
+        rows.append(row)
+    return rows
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    # python -m repro.fa4.gluon_fwd [JSON list of [d, causal, dtype, consumers]]: offline compile report.
+    default = [[d, c, "bf16", 2] for d in GLUON_HEAD_DIMS for c in (False, True)]
+    cases = json.loads(sys.argv[1]) if len(sys.argv) > 1 else default
+    print(json.dumps(compile_report(cases)))

@@ -1,0 +1,156 @@
+"""The warp-specialised Gluon forward (``repro.fa4.gluon_fwd``).
+
+Gluon kernels do not run under TRITON_INTERPRET, so the CPU check is an offline compile for sm_90a
+(Triton's compiler and the bundled ptxas need no GPU): every variant must compile, fit the H100's
+227 KiB of shared memory per block and not spill. The tests marked ``gpu`` run it on an H100
+against the float64 reference: output, log-sum-exp and the gradients through the Triton backward.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from paperclub.testing import assert_rel_close
+from repro.fa4 import attention
+from repro.fa4.gluon_fwd import HAS_GLUON, gluon_attention_forward
+from repro.fa4.reference import attention_exact, causal_mask
+
+needs_gluon = pytest.mark.skipif(not HAS_GLUON, reason="this Triton has no Gluon (triton.experimental.gluon)")
+H100_SMEM_PER_BLOCK = 227 * 1024
+
+
+COMPILE_CASES = [(d, causal, "bf16", 2) for d in (64, 128) for causal in (False, True)]
+COMPILE_CASES += [(128, False, "fp16", 2), (128, True, "bf16", 1)]
+
+
+@pytest.fixture(scope="module")
+def compile_rows(tmp_path_factory) -> dict:
+    """All COMPILE_CASES compiled in one subprocess: the pytest plugin sets TRITON_INTERPRET=1, under
+    which Triton's library functions are interpreter objects that Gluon cannot compile. A fresh
+    cache directory makes it a real compile rather than a cache hit."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton-cache"))
+    r = subprocess.run(
+        [sys.executable, "-m", "repro.fa4.gluon_fwd", json.dumps(COMPILE_CASES)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+        cwd=Path(__file__).resolve().parents[3],
+    )
+    assert r.returncode == 0, f"offline compile driver failed:\n{r.stderr[-4000:]}"
+    rows = json.loads(r.stdout.strip().splitlines()[-1])
+    return {(x["d"], x["causal"], x["dtype"], x["consumers"]): x for x in rows}
+
+
+@needs_gluon
+@pytest.mark.parametrize(
+    "d, causal, dtype, consumers",
+    COMPILE_CASES,
+    ids=[f"d{d}-causal{int(c)}-{t}-consumers{n}" for d, c, t, n in COMPILE_CASES],
+)
+def test_gluon_forward_compiles_for_sm90(compile_rows, d, causal, dtype, consumers):
+    row = compile_rows[(d, causal, dtype, consumers)]
+    print(row)
+    assert "error" not in row, row["error"]
+    assert row["target_ok"] and row["has_wgmma"] and row["has_tma"], row
+    assert 24 in row["setmaxnreg"], row  # the load warp gives its registers away
+    assert 0 < row["shared"] <= H100_SMEM_PER_BLOCK, f"shared memory {row['shared']} B > 227 KiB"
+    if "ptxas_error" in row:
+        pytest.fail(f"ptxas: {row['ptxas_error']}")
+    if "spill_stores" in row:  # absent only when this Triton bundles no ptxas
+        assert row["spill_stores"] == 0 and row["spill_loads"] == 0, row
+
+
+def test_gluon_switch_errors():
+    q = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
+    if os.environ.get("TRITON_INTERPRET", "0") == "1" or torch.cuda.is_available():
+        qd = q.to("cuda" if torch.cuda.is_available() else "cpu")
+        with pytest.raises(ValueError, match="cannot combine"):
+            attention(qd, qd, qd, gluon=True, soft_exp=2)
+    if HAS_GLUON:
+        with pytest.raises(RuntimeError, match="CUDA"):
+            gluon_attention_forward(q, q, q)  # CPU tensors
+        if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+            with pytest.raises(ValueError, match="head dim"):
+                gluon_attention_forward(*(torch.zeros(1, 8, 2, 32, device="cuda", dtype=torch.bfloat16),) * 3)
+
+
+# --------------------------------------------------------------------------------------------
+# H100: against the float64 reference.
+# --------------------------------------------------------------------------------------------
+
+
+def _lse_exact(q, k, causal):
+    """[B, H, S_q] base-2 log-sum-exp of the scaled logits, float64 (what the backward reads)."""
+    d, h = q.shape[-1], q.shape[2]
+    k64 = k.detach().double().repeat_interleave(h // k.shape[2], dim=2)
+    s = torch.einsum("bihd,bjhd->bhij", q.detach().double(), k64) / math.sqrt(d)
+    if causal:
+        s = s.masked_fill(~causal_mask(q.shape[1], k.shape[1], q.device), float("-inf"))
+    return torch.logsumexp(s, dim=-1) / math.log(2.0)
+
+
+# (B, S_q, S_k, H, H_kv, D): ragged S, GQA, S_q < S_k, both head dims.
+GPU_SHAPES = [
+    (2, 1000, 1000, 4, 2, 128),
+    (1, 2048, 2048, 8, 8, 128),
+    (2, 77, 77, 4, 4, 128),
+    (1, 300, 700, 4, 1, 128),
+    (2, 1000, 1000, 4, 2, 64),
+    (1, 513, 1025, 6, 3, 64),
+]
+GPU_CASES = [
+    (shape, causal, lazy) for shape in GPU_SHAPES for causal in (False, True) for lazy in (True, False)
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "shape, causal, lazy",
+    GPU_CASES,
+    ids=[f"{'x'.join(map(str, s))}-causal{int(c)}-lazy{int(z)}" for s, c, z in GPU_CASES],
+)
+def test_gpu_gluon_matches_reference(shape, causal, lazy):
+    b, s_q, s_k, h, h_kv, d = shape
+    g = torch.Generator().manual_seed(s_q * 31 + s_k)
+    mk = lambda *sh: torch.randn(*sh, generator=g).to("cuda", torch.bfloat16).requires_grad_()
+    q, k, v = mk(b, s_q, h, d), mk(b, s_k, h_kv, d), mk(b, s_k, h_kv, d)
+    o, lse = gluon_attention_forward(q.detach(), k.detach(), v.detach(), causal=causal, lazy_rescale=lazy)
+    ref = attention_exact(q, k, v, causal=causal)
+    assert_rel_close(o, ref, 1.5e-2, "output")
+    torch.testing.assert_close(lse.double(), _lse_exact(q, k, causal), atol=2e-2, rtol=1e-3)
+    # Through the public API: the Gluon forward's O and LSE feed the Triton backward.
+    out = attention(q, k, v, causal=causal, gluon=True, lazy_rescale=lazy)
+    assert_rel_close(out, ref, 1.5e-2, "output (attention, gluon=True)")
+    do = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.device, out.dtype)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), do.double())
+    for name, g_, r in zip("qkv", grads, ref_grads, strict=True):
+        assert_rel_close(g_, r, 3e-2, f"d{name}")
+
+
+GPU_VARIANTS = [(1, False), (2, False), (2, True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "consumers, sync", GPU_VARIANTS, ids=[f"consumers{c}-sync{int(s)}" for c, s in GPU_VARIANTS]
+)
+def test_gpu_gluon_variants_fp16(consumers, sync):
+    """fp16, one consumer warpgroup, and two with and without the ping-pong turn barriers."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 1000, 4, 128, generator=g).to("cuda", torch.float16)
+    k, v = (torch.randn(2, 1100, 2, 128, generator=g).to("cuda", torch.float16) for _ in range(2))
+    for causal in (False, True):
+        o, lse = gluon_attention_forward(q, k, v, causal=causal, num_consumers=consumers, pingpong_sync=sync)
+        assert_rel_close(o, attention_exact(q, k, v, causal=causal), 1.5e-2, "output")
+        torch.testing.assert_close(lse.double(), _lse_exact(q, k, causal), atol=2e-2, rtol=1e-3)
