@@ -6,7 +6,7 @@ Shapes: H = 16 heads, K = V = 128, bf16, B x T = 16384 tokens for T = 2k .. 32k;
 B = 1 (65536 tokens: B cannot go below 1). Each row is the median time of one call
 (``paperclub.bench.time_ms``, CUDA events through triton's do_bench):
 
-* ``ours``: ``repro.kda.chunk_kda`` (Triton forward and backward, three launches each; see chunk.py);
+* ``ours``: ``repro.kda.chunk_kda`` (Triton forward, three launches; backward as chunk.BACKWARD selects);
 * ``fla_kda``: ``fla.ops.kda.chunk_kda`` (flash-linear-attention 0.6.0, default arguments);
 * ``fla_gdn``: ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` (scalar gate per head);
 * ``sdpa_flash``: ``torch.nn.functional.scaled_dot_product_attention`` causal, flash backend.
@@ -91,6 +91,9 @@ def warm(Ts: list[int]) -> None:
 def run(quick: bool, out_dir: Path | None, budget_s: float, only: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("repro.kda.bench needs a CUDA GPU")
+    from repro.kda import chunk as ck
+
+    backward = ck.BACKWARD  # after --set: the notes say which backward the rows timed
     start = time.perf_counter()
     report = Report(
         package="kda",
@@ -100,7 +103,7 @@ def run(quick: bool, out_dir: Path | None, budget_s: float, only: list[str] | No
         packages=["flash-linear-attention", "fla-core"],
         notes=(
             "B*T = 16384 tokens except T = 65536 (B = 1, 65536 tokens). ours: Triton forward (3 launches) and "
-            "Triton backward (3 launches). rel_err_vs_fla: our forward output against fla's chunk_kda on the "
+            f"Triton backward (chunk.BACKWARD = {backward!r}). rel_err_vs_fla: our forward output against fla's chunk_kda on the "
             "same bf16 inputs."
         ),
         measure_ceilings=False,
@@ -203,25 +206,39 @@ def breakdown(B: int = 8, T: int = 2048, names: tuple[str, ...] = ("ours", "fla_
     return out
 
 
-TUNING = {  # launch settings of repro.kda.chunk tried one at a time against the defaults
-    "INTRA_FWD_STRIPS": [False],
-    "INTRA_FWD_WARPS": [8],
-    "INTRA_BK": [64, 16],
-    "STATE_FWD_BV": [32],
-    "STATE_BWD_BV": [64, 16],
-    "INTRA_BWD_BV": [16],
-}
+TUNING = [  # launch settings of repro.kda.chunk, each change (one or more names) tried against the defaults
+    {"INTRA_FWD_STRIPS": False},
+    {"INTRA_FWD_WARPS": 8},
+    {"INTRA_BK": 64},
+    {"INTRA_BK": 16},
+    {"STATE_FWD_BV": 32},
+    {"STATE_FWD_BV": 64},
+    {"STATE_BWD_BV": 32},
+    {"STATE_BWD_BV": 16},
+    {"INTRA_BWD_BV": 16},
+    {"BACKWARD": "fused"},
+    {"BACKWARD": "fused", "INTRA_BWD_STRIPS": True},
+    {"BACKWARD": "fused", "INTRA_BWD_STRIPS": True, "INTRA_BWD_WARPS": 4},
+    {"BACKWARD": "fused", "INTRA_BWD_STRIPS": True, "INTRA_BWD_BK": 32},
+    {"BACKWARD": "fused", "INTRA_BWD_STRIPS": True, "INTRA_BWD_BV": 64},
+    # the split backward: its defaults, then kernel B with 4 warps (two programs per SM by registers,
+    # more spills), 32-channel key blocks, and kernel A with 32-channel value blocks at 8 warps
+    {"BACKWARD": "split"},
+    {"BACKWARD": "split", "SPLIT_B_WARPS": 4},
+    {"BACKWARD": "split", "SPLIT_BKB": 32},
+    {"BACKWARD": "split", "SPLIT_A_BV": 32, "SPLIT_A_WARPS": 8},
+]
 
 
 def tune(B: int = 8, T: int = 2048) -> list[dict]:
-    """Time ours (fwd, fwd+bwd) with the defaults and with each setting of TUNING changed alone."""
+    """Time ours (fwd, fwd+bwd) with the defaults and with each change of TUNING applied alone."""
     from repro.kda import chunk as ck
 
     inputs = make_inputs(B, T)
     leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
     do = torch.randn_like(inputs[2])
-    defaults = {name: getattr(ck, name) for name in TUNING}
-    trials = [{}] + [{name: value} for name, values in TUNING.items() for value in values]
+    defaults = {name: getattr(ck, name) for change in TUNING for name in change}
+    trials = [{}] + TUNING
     rows = []
     for change in trials:
         for name, value in {**defaults, **change}.items():
@@ -239,6 +256,25 @@ def tune(B: int = 8, T: int = 2048) -> list[dict]:
     return rows
 
 
+def apply_settings(pairs: list[str]) -> None:
+    """Set module constants of repro.kda.chunk from ``NAME=VALUE`` strings (value parsed as a Python
+    literal, else kept as a string); an unknown name is an error, not a silent no-op."""
+    import ast
+
+    from repro.kda import chunk as ck
+
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        if not sep or not name.isupper() or not hasattr(ck, name):
+            raise SystemExit(f"--set {pair!r}: expected NAME=VALUE with NAME a setting of repro.kda.chunk")
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            value = text
+        setattr(ck, name, value)
+        print(f"setting {name} = {value!r}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one shape, a smoke test")
@@ -248,7 +284,15 @@ def main() -> None:
     ap.add_argument("--tune", action="store_true", help="time ours with each launch setting changed alone")
     ap.add_argument("--impls", default="", help="comma-separated subset of ours,fla_kda,fla_gdn,sdpa_flash")
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new measurements after this")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="set a launch setting of repro.kda.chunk first (e.g. BACKWARD=fused); repeatable",
+    )
     args = ap.parse_args()
+    apply_settings(args.set)
     if args.breakdown:
         import json
 

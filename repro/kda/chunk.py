@@ -4,17 +4,25 @@ Forward: three Triton launches (kernels.py), no PyTorch math on the hot path. It
 intermediates the backward needs (cumulative decay G, the UT transform T, W, KD, the states
 entering each chunk, the pseudo-values U): no recomputation.
 
-Backward (``BACKWARD = "triton"``, the default): three Triton launches: the readout's gradient
-(``kda_out_bwd_kernel``), the reverse state recurrence (``kda_state_bwd_kernel``, the only
-sequential part) and all intra-chunk gradients (``kda_intra_bwd_kernel``: WY factors, the UT
-transform through dA = -T^T dT T^T, the decayed key products, the cumulative sum of g).
+Backward (``BACKWARD = "fused"``, the default): two launches, the readout's gradient folded into
+the reverse state recurrence (``kda_state_bwd_fused_kernel``, the only sequential part, no
+atomics) and a channel-blocked kernel for all intra-chunk gradients (``kda_intra_bwd_fused_kernel``:
+WY factors, the UT transform through dA = -T^T dT T^T, the decayed key products by column strips,
+the cumulative sum of g). Measured on an H100 (bf16, B=8, T=2048, H=16, K=V=128, forward +
+backward kernel time): 7.69 ms with column strips and 4 warps, against 10.36 ms for the
+three-launch ``"triton"`` backward (flash-linear-attention's chunk_kda: 5.46 ms). It matches the
+recurrence on CPU and on an H100 (fp32 5e-7, bf16 2-4e-3 relative).
 
-``BACKWARD = "fused"`` is its successor in progress: two launches, the readout's gradient folded
-into the reverse recurrence (``kda_state_bwd_fused_kernel``, no atomics) and a channel-blocked
-intra-chunk kernel (``kda_intra_bwd_fused_kernel``). It matches the recurrence on CPU and on an
-H100 (fp32 5e-7, bf16 2-4e-3 relative) but is not faster yet (11.15 against 10.72 ms forward +
-backward at B=8, T=2048, H=16, K=V=128), so it is not the default (the paper page's benchmark
-section says why).
+``BACKWARD = "triton"``: the first all-Triton backward, three launches: the readout's gradient
+(``kda_out_bwd_kernel``), the reverse state recurrence (``kda_state_bwd_kernel``) and all
+intra-chunk gradients in one kernel holding whole ``[BT, K]`` tiles (``kda_intra_bwd_kernel``).
+
+``BACKWARD = "split"`` (not yet timed on a GPU): the fused state kernel, then the intra-chunk work
+in two kernels with more, smaller programs: the fused kernel is latency-bound (one 4-warp program
+per chunk and head walking three passes in sequence; its FLOPs would take ~0.15 ms, its bytes
+~0.5 ms of its 5.7 ms), so ``kda_intra_bwd_split_mat_kernel`` computes the chunk's ``[BT, BT]``
+gradients (M_q, dA) and ``kda_intra_bwd_split_dqk_kernel`` the per-channel gradients, one program
+per block of key channels, reading those matrices back from memory.
 
 ``BACKWARD = "torch"`` selects the first, slower backward: PyTorch autograd over a recomputation
 of the intra-chunk parts around the Triton state-recurrence backward. The tests check both
@@ -32,6 +40,8 @@ from repro.kda.kernels import (
     kda_decode_kernel,
     kda_intra_bwd_fused_kernel,
     kda_intra_bwd_kernel,
+    kda_intra_bwd_split_dqk_kernel,
+    kda_intra_bwd_split_mat_kernel,
     kda_intra_fwd_kernel,
     kda_out_bwd_kernel,
     kda_out_fwd_kernel,
@@ -51,17 +61,58 @@ INTRA_BK = 32  # key channels per step of the forward intra-chunk kernel
 # H100 at B=8, T=2048 the forward took 1.135 ms against 1.297 ms (4 warps; 8 warps: 1.68, 2.07)
 INTRA_FWD_STRIPS = True
 # the backward intra-chunk kernel holds six [BT, BT] fp32 matrices: with 16 key channels and 32
-# value channels per step and no software pipelining it fits the H100's 227 KiB of shared memory
-INTRA_BWD_WARPS = 8
+# value channels per step and no software pipelining it fits the H100's 227 KiB of shared memory.
+# With column strips and 4 warps the fused backward took 7.69 ms forward + backward at B=8, T=2048
+# on an H100 (intra-chunk kernel 5.71 ms), the best of bench.py --tune's settings
+INTRA_BWD_WARPS = 4
 INTRA_BWD_BK = 16
 INTRA_BWD_BV = 32
 INTRA_BWD_STAGES = 1
-# the fused backward's A products by column strips too (not yet timed on a GPU)
-INTRA_BWD_STRIPS = False
-STATE_FWD_BV = 64
-STATE_FWD_WARPS = 4
-STATE_BWD_BV = 32
+# the fused backward's A products by column strips (_strip_grads), as in the forward
+INTRA_BWD_STRIPS = True
+# the split backward (BACKWARD = "split"; not yet timed on a GPU). Kernel A (the [BT, BT] gradients
+# per chunk) steps through SPLIT_A_BK key and SPLIT_A_BV value channels; kernel B runs one program
+# per SPLIT_BKB key channels of a chunk (K / SPLIT_BKB programs per chunk and head). Compiled
+# offline for sm_90a (Triton 3.6, bf16 inputs, K = V = 128; shared memory from the compiled
+# metadata, registers and spills from the bundled ptxas -v):
+#   A, BK 16, BV 16, 4 warps: 48 KiB, 255 registers, no spills (BK 16, BV 32: 60 KiB, 344 bytes
+#     of spill stores at 4 warps, none at 8; BK 32, BV 32, 4 warps: 532 bytes)
+#   B, BKB 16, BV 32, 8 warps: 24 KiB, 255 registers, 160 bytes of spill stores (4 warps: 1256;
+#     BKB 32: 32 KiB, 560 bytes at 8 warps, 3204 at 4). Most of it is stacking the four strips'
+#     [16, BKB] key parts into rows (_rows4): without that step B spills nothing at BKB 16, 8
+#     warps. The fused kernel at its measured best (BK 16, BV 32, strips, 4 warps) spills 1776.
+# Shared memory leaves room for 2+ programs per SM for both; registers (65536 per SM) allow two
+# 4-warp programs of 255 registers, one 8-warp program
+SPLIT_A_BK = 16
+SPLIT_A_BV = 16
+SPLIT_A_WARPS = 4
+SPLIT_BKB = 16
+SPLIT_B_BV = 32
+SPLIT_B_WARPS = 8
+# The two state recurrences run chunks in sequence, one program per (value block, b*HV): with few
+# sequences and heads (B=1, HV=16 at T=64k) the value blocks are the only parallelism, so the
+# block shrinks (down to STATE_MIN_BV) until there are STATE_MIN_PROGRAMS programs. Measured on an
+# H100 (bf16, K=V=128, HV=16): forward at 1 x 64k 6.35 / 5.61 / 5.37 ms with BV 64 / 32 / 16 (8
+# warps), at 8 x 2k 1.116 / 1.161 / 1.233 ms; backward (fused) at 1 x 64k BV 16 0.8 ms faster than
+# 32, at 8 x 2k 0.6 ms slower. None = by this rule; an int fixes the block.
+STATE_MIN_PROGRAMS = 128
+STATE_MIN_BV = 16
+STATE_FWD_BV = None
+# 8 warps: with 4 the forward spills (255 registers, ptxas -v for sm_90) and took 7.35 against 6.35
+# ms at 1 x 64k; BV = 32 with 4 warps read out of bounds on an H100 (Triton 3.6), 8 warps did not
+STATE_FWD_WARPS = 8
+STATE_BWD_BV = None
 STATE_BWD_WARPS = 8  # with 4 warps the [K, BV] state and the [BT, K] tiles spill (ptxas -v)
+
+
+def _state_block_v(V: int, heads: int, fixed: int | None, largest: int) -> int:
+    """Value channels per program of a state recurrence (see STATE_MIN_PROGRAMS)."""
+    if fixed is not None:
+        return min(V, fixed)
+    bv = min(V, largest)
+    while bv > STATE_MIN_BV and triton.cdiv(V, bv) * heads < STATE_MIN_PROGRAMS:
+        bv //= 2
+    return bv
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -128,7 +179,7 @@ def _state_fwd(W, U_prime, KD, gamma, h0, output_final_state, prec):
     h_all = torch.empty(B, HV, NT, K, V, device=W.device, dtype=_state_dtype(W.dtype))
     U_new = torch.empty_like(U_prime)
     hT = torch.empty(B, HV, K, V, device=W.device, dtype=torch.float32) if output_final_state else None
-    BV = min(V, STATE_FWD_BV)
+    BV = _state_block_v(V, B * HV, STATE_FWD_BV, 64)
     h0c = h0.float().contiguous() if h0 is not None else None
     kda_state_fwd_kernel[(triton.cdiv(V, BV), B * HV)](
         W, U_prime, KD, gamma, h0c, h_all, U_new, hT, T, NT,
@@ -296,6 +347,26 @@ def kda_bwd_triton(q, k, v, g, beta, scale, h0, saved, do, dhT):
     )  # fmt: skip
 
 
+def _state_bwd_fused(q, saved, do, dhT, scale, prec):
+    """The reverse state recurrence with the readout's gradient folded in: dU (= dU'), the
+    gradient reaching each chunk's outgoing state, dh0."""
+    B, T, H, K = q.shape
+    HV, NT = saved["W"].shape[2], saved["gamma"].shape[2]
+    V = saved["U_new"].shape[-1]
+    f32 = dict(device=q.device, dtype=torch.float32)
+    dU = torch.empty(B, T, HV, V, **f32)
+    dh_all = torch.empty_like(saved["h_all"])
+    dh0 = torch.empty(B, HV, K, V, **f32)
+    dhT_c = dhT.float().contiguous() if dhT is not None else None
+    BVs = _state_block_v(V, B * HV, STATE_BWD_BV, 32)
+    kda_state_bwd_fused_kernel[(triton.cdiv(V, BVs), B * HV)](
+        q, saved["G"], saved["Aqk"], saved["W"], saved["KD"], saved["gamma"], do, dhT_c, dU, dh_all, dh0,
+        scale, T, NT, H=H, HV=HV, K=K, V=V, BT=BT, BV=BVs, USE_DHT=dhT is not None, DOT_PREC=prec,
+        num_warps=STATE_BWD_WARPS,
+    )  # fmt: skip
+    return dU, dh_all, dh0
+
+
 def kda_bwd_triton_fused(q, k, v, g, beta, scale, h0, saved, do, dhT):
     """The backward pass in two Triton launches: the reverse state recurrence, then everything
     parallel over chunks."""
@@ -303,18 +374,8 @@ def kda_bwd_triton_fused(q, k, v, g, beta, scale, h0, saved, do, dhT):
     HV, V = v.shape[2], v.shape[3]
     NT = triton.cdiv(T, BT)
     prec = _dot_precision(q.dtype)
-    f32 = dict(device=q.device, dtype=torch.float32)
     do = do.contiguous()
-    dU = torch.empty(B, T, HV, V, **f32)
-    dh_all = torch.empty_like(saved["h_all"])
-    dh0 = torch.empty(B, HV, K, V, **f32)
-    dhT_c = dhT.float().contiguous() if dhT is not None else None
-    BVs = min(V, STATE_BWD_BV)
-    kda_state_bwd_fused_kernel[(triton.cdiv(V, BVs), B * HV)](
-        q, saved["G"], saved["Aqk"], saved["W"], saved["KD"], saved["gamma"], do, dhT_c, dU, dh_all, dh0,
-        scale, T, NT, H=H, HV=HV, K=K, V=V, BT=BT, BV=BVs, USE_DHT=dhT is not None, DOT_PREC=prec,
-        num_warps=STATE_BWD_WARPS,
-    )  # fmt: skip
+    dU, dh_all, dh0 = _state_bwd_fused(q, saved, do, dhT, scale, prec)
     group = HV // H
     # one value head per key head: the kernel writes dq, dk in their final dtype; otherwise fp32
     # per value head, summed below into the key head they share
@@ -337,10 +398,65 @@ def kda_bwd_triton_fused(q, k, v, g, beta, scale, h0, saved, do, dhT):
     return dq, dk, dv, dg, dbeta, dh0.to(h0.dtype) if h0 is not None else None
 
 
-# "triton": three launches (kda_bwd_triton). "fused": two launches (kda_bwd_triton_fused; right,
-# not yet faster: see the module docstring). "torch": PyTorch autograd over a recomputation
-# plus the Triton state-recurrence backward (the first version; a second, independent backward).
-BACKWARD = "triton"
+def kda_bwd_triton_split(q, k, v, g, beta, scale, h0, saved, do, dhT):
+    """The backward pass in three Triton launches (and one small sum): the reverse state
+    recurrence, the chunks' ``[BT, BT]`` gradients (kernel A), the per-channel gradients by blocks
+    of key channels (kernel B)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    NT = triton.cdiv(T, BT)
+    if BT != 4 * SUB:
+        raise ValueError(
+            f"BACKWARD='split' reads dA and M_q in four column strips: needs BT = 4 * SUB, got {BT}, {SUB}"
+        )
+    prec = _dot_precision(q.dtype)
+    f32 = dict(device=q.device, dtype=torch.float32)
+    do = do.contiguous()
+    dU, dh_all, dh0 = _state_bwd_fused(q, saved, do, dhT, scale, prec)
+    BKB = min(K, SPLIT_BKB)
+    NKB = K // BKB  # K and SPLIT_BKB are powers of two (check_kda_inputs): no remainder
+    # fp32, one contiguous [BT, BT] block per (b, hv, chunk): written by kernel A, read by kernel B
+    M_q = torch.empty(B, HV, NT, BT, BT, **f32)
+    dA = torch.empty(B, HV, NT, BT, BT, **f32)
+    # dbeta is a sum over value channels (kernel A) and over key channels (each program of kernel
+    # B): each writes its own slot and they are summed below, rather than added atomically, so the
+    # result does not depend on the order the programs run in (deterministic), and the extra
+    # buffer is small ((1 + K/BKB) x B x T x HV fp32: 9 MiB at B=8, T=2048, HV=16, K=128, BKB=16)
+    dbeta_parts = torch.empty(1 + NKB, B, T, HV, **f32)
+    group = HV // H
+    qk_dtype = q.dtype if group == 1 else torch.float32
+    dq = torch.empty(B, T, HV, K, device=q.device, dtype=qk_dtype)
+    dk = torch.empty(B, T, HV, K, device=q.device, dtype=qk_dtype)
+    dg = torch.empty(B, T, HV, K, device=q.device, dtype=g.dtype)
+    dv = torch.empty(B, T, HV, V, device=q.device, dtype=v.dtype)
+    kda_intra_bwd_split_mat_kernel[(NT, B * HV)](
+        k, v, beta, saved["G"], saved["T_ut"], saved["U_new"], saved["h_all"], do, dU,
+        dv, M_q, dA, dbeta_parts, scale, T, NT,
+        H=H, HV=HV, K=K, V=V, BT=BT, BK=min(K, SPLIT_A_BK), BV=min(V, SPLIT_A_BV), DOT_PREC=prec,
+        num_warps=SPLIT_A_WARPS, num_stages=1,
+    )  # fmt: skip
+    # the key block is the fastest grid axis: a chunk's NKB programs run side by side and read its
+    # tiles of dU, U, dO, T, M_q, dA from L2 rather than memory
+    kda_intra_bwd_split_dqk_kernel[(NKB, NT, B * HV)](
+        q, k, beta, saved["G"], saved["T_ut"], saved["U_new"], saved["h_all"], dh_all, do, dU,
+        M_q, dA, dq, dk, dg, dbeta_parts, scale, T, NT,
+        H=H, HV=HV, K=K, V=V, BT=BT, SUB=SUB, BK=BKB, BV=min(V, SPLIT_B_BV), DOT_PREC=prec,
+        num_warps=SPLIT_B_WARPS, num_stages=1,
+    )  # fmt: skip
+    dbeta = dbeta_parts.sum(0).to(beta.dtype)
+    if group > 1:
+        dq = dq.view(B, T, H, group, K).sum(3).to(q.dtype)
+        dk = dk.view(B, T, H, group, K).sum(3).to(k.dtype)
+    return dq, dk, dv, dg, dbeta, dh0.to(h0.dtype) if h0 is not None else None
+
+
+# "fused": two launches (kda_bwd_triton_fused), the fastest measured (module docstring).
+# "triton": three launches (kda_bwd_triton), the first all-Triton backward. "split": the fused
+# state kernel then two intra-chunk kernels with more, smaller programs (kda_bwd_triton_split; not
+# yet timed on a GPU). "torch": PyTorch autograd over a recomputation plus the Triton
+# state-recurrence backward (the first version; a second, independent backward).
+BACKWARD = "fused"
+_TRITON_BACKWARDS = {"triton": kda_bwd_triton, "fused": kda_bwd_triton_fused, "split": kda_bwd_triton_split}
 
 
 class ChunkKDAFunction(torch.autograd.Function):
@@ -359,10 +475,13 @@ class ChunkKDAFunction(torch.autograd.Function):
         saved = dict(zip(ctx.names, rest, strict=True))
         if not ctx.output_final_state:
             dhT = None
-        if BACKWARD in ("triton", "fused"):
-            bwd = kda_bwd_triton if BACKWARD == "triton" else kda_bwd_triton_fused
-            grads = bwd(q, k, v, g, beta, ctx.scale, h0, saved, do, dhT)
+        if BACKWARD in _TRITON_BACKWARDS:
+            grads = _TRITON_BACKWARDS[BACKWARD](q, k, v, g, beta, ctx.scale, h0, saved, do, dhT)
             return *grads[:5], None, grads[5], None
+        if BACKWARD != "torch":
+            raise ValueError(
+                f"chunk.BACKWARD = {BACKWARD!r}: expected one of {[*_TRITON_BACKWARDS, 'torch']}"
+            )
         with torch.enable_grad():
             leaves = [x.detach().requires_grad_(True) for x in (q, k, v, g, beta)]
             h0_leaf = h0.detach().float().requires_grad_(True) if h0 is not None else None

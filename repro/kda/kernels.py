@@ -414,25 +414,39 @@ def kda_state_fwd_kernel(
     h = tl.zeros([K, BV], dtype=tl.float32)
     if USE_H0:
         h += tl.load(h0 + i_bh * K * V + kv_off).to(tl.float32)
-    # a while loop, not range(NT): Triton 3.6's CPU interpreter cannot range over a runtime int
+    b_w = tl.load(_tile(W + k_base, T, HV * K, K, 0, 0, BT, K), boundary_check=(0,), padding_option="zero")
+    b_kd = tl.load(_tile(KD + k_base, T, HV * K, K, 0, 0, BT, K), boundary_check=(0,), padding_option="zero")
+    p_up = _tile(U_prime + v_base, T, HV * V, V, 0, i_v * BV, BT, BV)
+    b_up = tl.load(p_up, boundary_check=(0,), padding_option="zero")
+    b_gamma = tl.load(gamma + i_bh * NT * K + offk)
+    # a while loop, not range(NT): Triton 3.6's CPU interpreter cannot range over a runtime int;
+    # so Triton does not pipeline it, and the loads of chunk n + 1 are issued by hand before the
+    # dependent matmuls of chunk n (they do not depend on the state): at B=1, T=64k on an H100 the
+    # loop is the critical path (1024 chunks in sequence, 32 programs)
     n = 0
     while n < NT:
         p_h = tl.make_block_ptr(
             h_all + (i_bh * NT + n) * K * V, (K, V), (V, 1), (0, i_v * BV), (K, BV), (1, 0)
         )
         tl.store(p_h, h.to(h_all.dtype.element_ty))
-        p_w = tl.make_block_ptr(W + k_base, (T, K), (HV * K, 1), (n * BT, 0), (BT, K), (1, 0))
-        p_kd = tl.make_block_ptr(KD + k_base, (T, K), (HV * K, 1), (n * BT, 0), (BT, K), (1, 0))
-        p_up = tl.make_block_ptr(U_prime + v_base, (T, V), (HV * V, 1), (n * BT, i_v * BV), (BT, BV), (1, 0))
-        p_un = tl.make_block_ptr(U_new + v_base, (T, V), (HV * V, 1), (n * BT, i_v * BV), (BT, BV), (1, 0))
-        b_w = tl.load(p_w, boundary_check=(0,), padding_option="zero")
-        b_kd = tl.load(p_kd, boundary_check=(0,), padding_option="zero")
-        b_up = tl.load(p_up, boundary_check=(0,), padding_option="zero").to(tl.float32)
+        # chunk n + 1's tiles (zero past the end: boundary_check); gamma's row n + 1 only if it exists.
+        # Block pointers are made afresh each step: Triton 3.6 cannot carry them through a while loop
+        r1 = (n + 1) * BT
+        p_w = _tile(W + k_base, T, HV * K, K, r1, 0, BT, K)
+        p_kd = _tile(KD + k_base, T, HV * K, K, r1, 0, BT, K)
+        p_up = _tile(U_prime + v_base, T, HV * V, V, r1, i_v * BV, BT, BV)
+        nxt_w = tl.load(p_w, boundary_check=(0,), padding_option="zero")
+        nxt_kd = tl.load(p_kd, boundary_check=(0,), padding_option="zero")
+        nxt_up = tl.load(p_up, boundary_check=(0,), padding_option="zero")
+        nxt_gamma = tl.load(gamma + (i_bh * NT + n + 1) * K + offk, mask=(offk < K) & (n + 1 < NT), other=1.0)
         # the matmul runs in the inputs' dtype (bf16 tensor cores for bf16), accumulating in fp32
-        b_u = b_up - tl.dot(b_w, h.to(b_w.dtype), input_precision=DOT_PREC)
+        b_u = b_up.to(tl.float32) - tl.dot(b_w, h.to(b_w.dtype), input_precision=DOT_PREC)
+        p_un = tl.make_block_ptr(U_new + v_base, (T, V), (HV * V, 1), (n * BT, i_v * BV), (BT, BV), (1, 0))
         tl.store(p_un, b_u.to(U_new.dtype.element_ty), boundary_check=(0,))
-        b_gamma = tl.load(gamma + (i_bh * NT + n) * K + offk).to(tl.float32)
-        h = h * b_gamma[:, None] + tl.dot(tl.trans(b_kd), b_u.to(b_kd.dtype), input_precision=DOT_PREC)
+        h = h * b_gamma.to(tl.float32)[:, None] + tl.dot(
+            tl.trans(b_kd), b_u.to(b_kd.dtype), input_precision=DOT_PREC
+        )
+        b_w, b_kd, b_up, b_gamma = nxt_w, nxt_kd, nxt_up, nxt_gamma
         n += 1
     if STORE_FINAL:
         tl.store(hT + i_bh * K * V + kv_off, h)
@@ -1096,3 +1110,302 @@ def kda_intra_bwd_kernel(
     tl.store(dg + k_off, b_dg, mask=mrow[:, None])
     tl.store(dv + v_off, b_dv, mask=mrow[:, None])
     tl.store(dbeta + (b * T + rows) * HV + hv, b_dbeta, mask=mrow)
+
+
+@triton.jit(do_not_specialize=["T", "NT"])
+def kda_intra_bwd_split_mat_kernel(
+    k,
+    v,
+    beta,
+    G,
+    T_ut,
+    U_new,
+    h_all,
+    do,
+    dU,
+    dv,
+    M_q,
+    dA,
+    dbeta_parts,
+    scale,
+    T,
+    NT,
+    H,
+    HV,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """First kernel of the split backward (``chunk.BACKWARD = "split"``): the chunk's ``[BT, BT]``
+    gradients, one program per (chunk, b*HV), two passes of :func:`kda_intra_bwd_fused_kernel`.
+
+    * value blocks: ``M_q = tril(dO U^T) scale`` (stored at once, so it is not held during the
+      second pass), the value part of ``dT``, ``dv`` and the value part of dbeta;
+    * key blocks: ``dW = -dU S_n^T`` and the rest of ``dT = dW (beta k e^G)^T``; then
+      ``dA = -T^T dT T^T`` (strictly lower), stored.
+
+    ``M_q`` and ``dA`` are ``[B, HV, NT, BT, BT]`` fp32 (one contiguous 16 KiB block per program);
+    the dbeta part goes to ``dbeta_parts[0]`` (``[1 + K/BKB, B, T, HV]``, the key blocks of
+    :func:`kda_intra_bwd_split_dqk_kernel` fill the rest). ``A_kk`` is not formed here: its part of
+    dbeta, ``sum_i dA_ri A_ri``, is a sum over key channels too, so each key block of the second
+    kernel adds its share from the strips it computes anyway; this kernel then holds only
+    ``T`` and ``dT`` (and ``M_q`` in the first pass).
+    """
+    i_t = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    b = i_bh // HV
+    hv = i_bh % HV
+    hk = hv // (HV // H)
+    loc = tl.arange(0, BT)
+    rows = i_t * BT + loc
+    mrow = rows < T
+    r0 = i_t * BT
+    s_base = (i_bh * NT + i_t) * K * V  # [B, HV, NT, K, V]
+    m_base = (i_bh * NT + i_t) * BT * BT  # [B, HV, NT, BT, BT]
+    q_base = (b * T * H + hk) * K
+    k_base = (b * T * HV + hv) * K
+    v_base = (b * T * HV + hv) * V
+    QS, KS, VS = H * K, HV * K, HV * V  # row strides
+
+    b_beta = tl.load(beta + (b * T + rows) * HV + hv, mask=mrow, other=0.0).to(tl.float32)
+    p_T = _tile(T_ut + (b * T * HV + hv) * BT, T, HV * BT, BT, r0, 0, BT, BT)
+    b_T = tl.load(p_T, boundary_check=(0,), padding_option="zero")
+
+    # pass 1, value blocks
+    b_Mq = tl.zeros([BT, BT], dtype=tl.float32)
+    dT = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dbeta = tl.zeros([BT], dtype=tl.float32)
+    for vb in range(V // BV):
+        c0 = vb * BV
+        b_do = tl.load(
+            _tile(do + v_base, T, VS, V, r0, c0, BT, BV), boundary_check=(0,), padding_option="zero"
+        )
+        b_u = tl.load(
+            _tile(U_new + v_base, T, VS, V, r0, c0, BT, BV), boundary_check=(0,), padding_option="zero"
+        )
+        b_du = tl.load(
+            _tile(dU + v_base, T, VS, V, r0, c0, BT, BV), boundary_check=(0,), padding_option="zero"
+        )
+        b_v = tl.load(_tile(v + v_base, T, VS, V, r0, c0, BT, BV), boundary_check=(0,), padding_option="zero")
+        b_do, b_u, b_v = b_do.to(tl.float32), b_u.to(tl.float32), b_v.to(tl.float32)
+        b_Mq += tl.dot(b_do, tl.trans(b_u), input_precision=DOT_PREC)
+        dT += tl.dot(b_du, tl.trans(b_v * b_beta[:, None]), input_precision=DOT_PREC)
+        b_dvb = tl.dot(tl.trans(b_T), b_du, input_precision=DOT_PREC)  # d(Diag(beta) V)
+        p_dv = _tile(dv + v_base, T, VS, V, r0, c0, BT, BV)
+        tl.store(p_dv, (b_dvb * b_beta[:, None]).to(dv.dtype.element_ty), boundary_check=(0,))
+        b_dbeta += tl.sum(b_dvb * b_v, axis=1)
+    b_Mq = tl.where(loc[:, None] >= loc[None, :], b_Mq, 0.0) * scale
+    tl.store(_tile(M_q + m_base, BT, BT, BT, 0, 0, BT, BT), b_Mq)
+
+    # pass 2, key blocks: the rest of dT. Padded rows have k = 0 and beta = 0, so their G (loaded
+    # as 0 here, not G_last) never reaches dT
+    for kb in range(K // BK):
+        c0 = kb * BK
+        b_k = tl.load(_tile(k + q_base, T, QS, K, r0, c0, BT, BK), boundary_check=(0,), padding_option="zero")
+        b_G = tl.load(_tile(G + k_base, T, KS, K, r0, c0, BT, BK), boundary_check=(0,), padding_option="zero")
+        b_dw = tl.zeros([BT, BK], dtype=tl.float32)
+        for vb in range(V // BV):
+            p_du = _tile(dU + v_base, T, VS, V, r0, vb * BV, BT, BV)
+            p_h = _tile(h_all + s_base, K, V, V, c0, vb * BV, BK, BV)
+            b_du = tl.load(p_du, boundary_check=(0,), padding_option="zero")
+            b_dw -= tl.dot(b_du, tl.trans(tl.load(p_h).to(tl.float32)), input_precision=DOT_PREC)
+        b_kb = b_k.to(tl.float32) * tl.exp(b_G) * b_beta[:, None]
+        dT += tl.dot(b_dw, tl.trans(b_kb), input_precision=DOT_PREC)
+    # T = (I + A_kk)^{-1}: dA = -T^T dT T^T, strictly lower
+    b_Tt = tl.trans(b_T)
+    b_dA = -tl.dot(tl.dot(b_Tt, dT, input_precision=DOT_PREC), b_Tt, input_precision=DOT_PREC)
+    b_dA = tl.where(loc[:, None] > loc[None, :], b_dA, 0.0)
+    tl.store(_tile(dA + m_base, BT, BT, BT, 0, 0, BT, BT), b_dA)
+    tl.store(dbeta_parts + (b * T + rows) * HV + hv, b_dbeta, mask=mrow)
+
+
+@triton.jit
+def _strip_grads_dbeta(
+    b_k, b_q, b_G, k_ptr, G_ptr, k_stride, g_stride, r0, T, offk, loc, b_beta, dA_c, Mq_c,
+    c: tl.constexpr, SUB: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    """:func:`_strip_grads` for the split backward, given ``dA``'s strip (``M_k = Diag(beta) dA``)
+    rather than ``M_k``'s: also returns this channel block's part of
+    ``dbeta_r += sum_i dA_ri A_raw,ri`` over the strip's columns, with ``A_raw``'s strip formed
+    from the same factors (one more ``[BT, BK] x [BK, SUB]`` product; its upper triangle can
+    overflow and is masked out of the sum)."""
+    after, e_row, k_c, e_col = _strip_factors(b_G, k_ptr, G_ptr, k_stride, g_stride, r0, T, offk, loc, c, SUB)
+    y = k_c * e_col
+    x_k = tl.where(after[:, None], b_k * e_row, 0.0)
+    x_q = tl.where(after[:, None], b_q * e_row, 0.0)
+    Mk_c = dA_c * b_beta[:, None]
+    gx_k = tl.dot(Mk_c, y, input_precision=DOT_PREC) * e_row
+    gx_q = tl.dot(Mq_c, y, input_precision=DOT_PREC) * e_row
+    g_y = tl.dot(tl.trans(Mk_c), x_k, input_precision=DOT_PREC) + tl.dot(
+        tl.trans(Mq_c), x_q, input_precision=DOT_PREC
+    )
+    dk_c = g_y * e_col
+    a_c = tl.dot(x_k, tl.trans(y), input_precision=DOT_PREC)
+    strict = loc[:, None] > (c * SUB + tl.arange(0, SUB))[None, :]
+    return gx_k, gx_q, dk_c, -dk_c * k_c, tl.sum(tl.where(strict, dA_c * a_c, 0.0), axis=1)
+
+
+@triton.jit(do_not_specialize=["T", "NT"])
+def kda_intra_bwd_split_dqk_kernel(
+    q,
+    k,
+    beta,
+    G,
+    T_ut,
+    U_new,
+    h_all,
+    dh_all,
+    do,
+    dU,
+    M_q,
+    dA,
+    dq,
+    dk,
+    dg,
+    dbeta_parts,
+    scale,
+    T,
+    NT,
+    H,
+    HV,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    SUB: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """Second kernel of the split backward: the third pass of :func:`kda_intra_bwd_fused_kernel`
+    for one block of BK key channels, one program per (key block, chunk, b*HV).
+
+    Reads ``M_q`` and ``dA`` from :func:`kda_intra_bwd_split_mat_kernel` by 16-column strips
+    (never a whole ``[BT, BT]`` matrix in registers) and ``T`` transposed; computes dq, dk, dg for
+    its channels (all of them depend on the chunk only through those matrices: the cumulative sum
+    of g runs over rows, not channels) and its part of dbeta (``sum_c dKB kg`` and the strips'
+    ``dA * A_raw``), stored in ``dbeta_parts[1 + key block]``. Program 0 is the key block, so the
+    programs of one chunk run together and share its tiles of dU, U, dO, T, M_q, dA in L2.
+    Needs ``BT = 4 SUB`` (checked by the launcher).
+    """
+    i_kb = tl.program_id(0)
+    i_t = tl.program_id(1)
+    i_bh = tl.program_id(2)
+    b = i_bh // HV
+    hv = i_bh % HV
+    hk = hv // (HV // H)
+    loc = tl.arange(0, BT)
+    rows = i_t * BT + loc
+    mrow = rows < T
+    r0 = i_t * BT
+    c0 = i_kb * BK
+    last = tl.minimum(T - r0, BT) - 1  # the chunk's last real token
+    s_base = (i_bh * NT + i_t) * K * V  # [B, HV, NT, K, V]
+    m_base = (i_bh * NT + i_t) * BT * BT  # [B, HV, NT, BT, BT]
+    q_base = (b * T * H + hk) * K
+    k_base = (b * T * HV + hv) * K
+    v_base = (b * T * HV + hv) * V
+    QS, KS, VS = H * K, HV * K, HV * V  # row strides
+
+    b_beta = tl.load(beta + (b * T + rows) * HV + hv, mask=mrow, other=0.0).to(tl.float32)
+    b_q = tl.load(_tile(q + q_base, T, QS, K, r0, c0, BT, BK), boundary_check=(0,), padding_option="zero")
+    b_k = tl.load(_tile(k + q_base, T, QS, K, r0, c0, BT, BK), boundary_check=(0,), padding_option="zero")
+    b_q, b_k = b_q.to(tl.float32), b_k.to(tl.float32)
+    b_G = tl.load(_tile(G + k_base, T, KS, K, r0, c0, BT, BK), boundary_check=(0,), padding_option="zero")
+    G_last = tl.sum(tl.where(loc[:, None] == last, b_G, 0.0), axis=0)
+    # padded rows were never stored: in the forward their G equals G_last (g = 0 there)
+    b_G = tl.where(mrow[:, None], b_G, G_last[None, :])
+    b_eG = tl.exp(b_G)
+
+    b_dw = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dkd = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dqg = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dgamma = tl.zeros([BK], dtype=tl.float32)
+    for vb in range(V // BV):
+        v0 = vb * BV
+        b_du = tl.load(
+            _tile(dU + v_base, T, VS, V, r0, v0, BT, BV), boundary_check=(0,), padding_option="zero"
+        )
+        b_u = tl.load(
+            _tile(U_new + v_base, T, VS, V, r0, v0, BT, BV), boundary_check=(0,), padding_option="zero"
+        )
+        b_do = tl.load(
+            _tile(do + v_base, T, VS, V, r0, v0, BT, BV), boundary_check=(0,), padding_option="zero"
+        )
+        b_h = tl.load(_tile(h_all + s_base, K, V, V, c0, v0, BK, BV)).to(tl.float32)
+        b_ds = tl.load(_tile(dh_all + s_base, K, V, V, c0, v0, BK, BV)).to(tl.float32)
+        b_u, b_do = b_u.to(tl.float32), b_do.to(tl.float32)
+        b_dw -= tl.dot(b_du, tl.trans(b_h), input_precision=DOT_PREC)  # U = U' - W S_n
+        b_dkd += tl.dot(b_u, tl.trans(b_ds), input_precision=DOT_PREC)  # S_{n+1} += KD^T U
+        b_dqg += tl.dot(b_do, tl.trans(b_h), input_precision=DOT_PREC)  # O += (Q e^G) S_n
+        b_dgamma += tl.sum(b_ds * b_h, axis=1)  # S_{n+1} += Diag(gamma) S_n
+
+    # readout O = scale (Q*e^G) S_n + A_qk U
+    b_dq = b_dqg * scale * b_eG
+    b_dG = b_dq * b_q
+    # WY factor W = T KB with KB = beta k e^G; T^T loaded transposed rather than transposed here
+    p_Tt = _tile_t(T_ut + (b * T * HV + hv) * BT, T, HV * BT, BT, r0, 0, BT, BT)
+    b_Tt = tl.load(p_Tt, boundary_check=(1,), padding_option="zero")
+    b_kg = b_k * b_eG
+    b_dkb = tl.dot(b_Tt, b_dw, input_precision=DOT_PREC)
+    b_dk = b_dkb * b_eG * b_beta[:, None]
+    b_dG += b_dkb * b_kg * b_beta[:, None]
+    b_dbeta = tl.sum(b_dkb * b_kg, axis=1)
+    # KD = k e^(G_last - G) and gamma = e^G_last feed the state recurrence
+    dk_tail, dG_tail, dG_last = _decay_tail_grads(b_k, b_G, G_last, b_dkd, b_dgamma)
+    b_dk += dk_tail
+    b_dG += dG_tail
+
+    # A[r, i] = sum_c x_rc k_ic e^(G_rc - G_ic) by column strips; the strips of dA and M_q are read
+    # from memory where they are used (never a whole [BT, BT] matrix in registers)
+    offk = c0 + tl.arange(0, BK)
+    kp, Gp = k + q_base, G + k_base
+    gk, gq, dkc0, dGc0, db = _strip_grads_dbeta(
+        b_k, b_q, b_G, kp, Gp, QS, KS, r0, T, offk, loc, b_beta,
+        tl.load(_tile(dA + m_base, BT, BT, BT, 0, 0, BT, SUB)),
+        tl.load(_tile(M_q + m_base, BT, BT, BT, 0, 0, BT, SUB)), 0, SUB, DOT_PREC,
+    )  # fmt: skip
+    b_dk += gk
+    b_dq += gq
+    b_dG += gk * b_k + gq * b_q
+    b_dbeta += db
+    gk, gq, dkc1, dGc1, db = _strip_grads_dbeta(
+        b_k, b_q, b_G, kp, Gp, QS, KS, r0, T, offk, loc, b_beta,
+        tl.load(_tile(dA + m_base, BT, BT, BT, 0, SUB, BT, SUB)),
+        tl.load(_tile(M_q + m_base, BT, BT, BT, 0, SUB, BT, SUB)), 1, SUB, DOT_PREC,
+    )  # fmt: skip
+    b_dk += gk
+    b_dq += gq
+    b_dG += gk * b_k + gq * b_q
+    b_dbeta += db
+    gk, gq, dkc2, dGc2, db = _strip_grads_dbeta(
+        b_k, b_q, b_G, kp, Gp, QS, KS, r0, T, offk, loc, b_beta,
+        tl.load(_tile(dA + m_base, BT, BT, BT, 0, 2 * SUB, BT, SUB)),
+        tl.load(_tile(M_q + m_base, BT, BT, BT, 0, 2 * SUB, BT, SUB)), 2, SUB, DOT_PREC,
+    )  # fmt: skip
+    b_dk += gk
+    b_dq += gq
+    b_dG += gk * b_k + gq * b_q
+    b_dbeta += db
+    gk, gq, dkc3, dGc3, db = _strip_grads_dbeta(
+        b_k, b_q, b_G, kp, Gp, QS, KS, r0, T, offk, loc, b_beta,
+        tl.load(_tile(dA + m_base, BT, BT, BT, 0, 3 * SUB, BT, SUB)),
+        tl.load(_tile(M_q + m_base, BT, BT, BT, 0, 3 * SUB, BT, SUB)), 3, SUB, DOT_PREC,
+    )  # fmt: skip
+    b_dk += gk
+    b_dq += gq
+    b_dG += gk * b_k + gq * b_q
+    b_dbeta += db
+    # the block's keys' parts, stacked into their rows
+    b_dk += _rows4(dkc0, dkc1, dkc2, dkc3, SUB, BK)
+    b_dG += _rows4(dGc0, dGc1, dGc2, dGc3, SUB, BK)
+    # G = cumsum(g): dg_r = sum_{r' >= r} dG_r'
+    b_dg = _g_grad(b_dG, dG_last, loc, BT)
+    tl.store(_tile(dq + k_base, T, KS, K, r0, c0, BT, BK), b_dq.to(dq.dtype.element_ty), boundary_check=(0,))
+    tl.store(_tile(dk + k_base, T, KS, K, r0, c0, BT, BK), b_dk.to(dk.dtype.element_ty), boundary_check=(0,))
+    tl.store(_tile(dg + k_base, T, KS, K, r0, c0, BT, BK), b_dg.to(dg.dtype.element_ty), boundary_check=(0,))
+    # dbeta_parts is [1 + K/BK, B, T, HV]: a slot holds B*T*HV = num_programs(2) * T values
+    slot = (1 + i_kb) * tl.num_programs(2) * T
+    tl.store(dbeta_parts + slot + (b * T + rows) * HV + hv, b_dbeta, mask=mrow)

@@ -9,6 +9,8 @@ the exp of cumulative gates (g's gradient sums many such terms, so it loses a li
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -61,22 +63,44 @@ def _check_forward(case):
     assert_rel_close(s.cpu(), s_ref, 1e-4, "final state")
 
 
+# the settings of repro.kda.chunk that select each backward path. "split" (16 key channels per
+# block) launches two key blocks at K = 32, so kernel B's dbeta parts are summed across blocks;
+# "split-bk32" runs both split kernels with 32-channel blocks (one block at K <= 32)
+BACKWARDS = {
+    "triton": {"BACKWARD": "triton"},
+    "fused": {"BACKWARD": "fused", "INTRA_BWD_STRIPS": False},
+    "fused-strips": {"BACKWARD": "fused", "INTRA_BWD_STRIPS": True},
+    "split": {"BACKWARD": "split"},
+    "split-bk32": {"BACKWARD": "split", "SPLIT_BKB": 32, "SPLIT_A_BK": 32, "SPLIT_A_BV": 32},
+    "torch": {"BACKWARD": "torch"},
+}
+
+
+@contextlib.contextmanager
+def _backward(name):
+    """Select a backward path of repro.kda.chunk for the block, restoring the settings after."""
+    import repro.kda.chunk as chunk_module
+
+    saved = {key: getattr(chunk_module, key) for key in BACKWARDS[name]}
+    for key, value in BACKWARDS[name].items():
+        setattr(chunk_module, key, value)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            setattr(chunk_module, key, value)
+
+
 @pytest.mark.claim(CLAIM, section=SECTION)
-@pytest.mark.parametrize("backward", ["triton", "fused", "fused-strips", "torch"])
+@pytest.mark.parametrize("backward", list(BACKWARDS))
 @settings(max_examples=5, deadline=None)
 @given(case=kda_cases(max_T=80, max_B=1), use_final=st.booleans())
 def test_triton_gradients_equal_recurrence(backward, case, use_final):
-    """Every backward path: the all-Triton ones (the fused one with both forms of the A products),
-    and PyTorch autograd around the Triton state backward."""
-    import repro.kda.chunk as chunk_module
-
-    saved = chunk_module.BACKWARD, chunk_module.INTRA_BWD_STRIPS
-    chunk_module.BACKWARD = backward.removesuffix("-strips")
-    chunk_module.INTRA_BWD_STRIPS = backward.endswith("-strips")
-    try:
+    """Every backward path: the all-Triton ones (the fused one with both forms of the A products,
+    the split one with one and two key blocks), and PyTorch autograd around the Triton state
+    backward."""
+    with _backward(backward):
         _check_gradients(case, use_final)
-    finally:
-        chunk_module.BACKWARD, chunk_module.INTRA_BWD_STRIPS = saved
 
 
 def _check_gradients(case, use_final):
@@ -125,11 +149,11 @@ def test_triton_bf16_on_gpu(T):
 
 @pytest.mark.gpu
 @pytest.mark.claim(CLAIM, section=SECTION)
-@pytest.mark.parametrize("backward", ["triton", "fused"])
+@pytest.mark.parametrize("backward", ["triton", "fused", "fused-strips", "split"])
 def test_triton_bf16_gradients_on_gpu(backward):
-    """Both Triton backwards in bf16 at K = V = 128 (tf32 dots), against the fp64 recurrence on the
-    GPU, T not a multiple of the chunk: 2e-2 (bf16; measured 2e-3 to 4e-3 on an H100)."""
-    import repro.kda.chunk as chunk_module
+    """Every Triton backward in bf16 at K = V = 128 (tf32 dots; "split" with eight key blocks),
+    against the fp64 recurrence on the GPU, T not a multiple of the chunk: 2e-2 (bf16; measured
+    2e-3 to 4e-3 on an H100 for "triton" and "fused")."""
     from repro.kda.tests.strategies import make_case
 
     case = make_case(seed=3, B=2, T=200, H=2, group=1, K=128, V=128, g_max=2.0, with_h0=True)
@@ -139,16 +163,13 @@ def test_triton_bf16_gradients_on_gpu(backward):
         for i, x in enumerate(case.tensors(torch.float64))
     ]
     o_ref, s_ref = recurrent_kda(*ref[:5], initial_state=ref[5], output_final_state=True)
-    before, chunk_module.BACKWARD = chunk_module.BACKWARD, backward
-    try:
+    with _backward(backward):
         o, s = chunk_kda(*low[:5], initial_state=low[5], output_final_state=True)
         gen = torch.Generator(device="cuda").manual_seed(0)
         do = torch.randn(o_ref.shape, generator=gen, device="cuda", dtype=torch.float64)
         ds = torch.randn(s_ref.shape, generator=gen, device="cuda", dtype=torch.float64)
         torch.autograd.backward([o_ref, s_ref], [do, ds])
         torch.autograd.backward([o, s], [do.to(o.dtype), ds.float()])
-    finally:
-        chunk_module.BACKWARD = before
     for name, a, b in zip(["q", "k", "v", "g", "beta", "initial_state"], ref, low, strict=True):
         assert b.grad is not None, f"no gradient reached {name}"
         assert_rel_close(b.grad.double(), a.grad, 2e-2, f"d{name} (bf16, {backward} backward)")
