@@ -14,9 +14,10 @@ Forward, three launches (the same split as the derivation in chunk_torch.py):
 Backward, three launches: :func:`kda_out_bwd_kernel` (gradient of the readout towards U and
 the states), :func:`kda_state_bwd_kernel` (the state recurrence in reverse, the sequential part)
 and :func:`kda_intra_bwd_kernel` (all intra-chunk gradients, parallel over chunks).
-:func:`kda_decode_kernel` is the one-token step for inference. The two-launch backward in
-progress (``chunk.BACKWARD = "fused"``) is :func:`kda_state_bwd_fused_kernel` then
-:func:`kda_intra_bwd_fused_kernel`.
+:func:`kda_decode_kernel` is the one-token step for inference. The default two-launch backward
+(``chunk.BACKWARD = "fused"``) is :func:`kda_state_bwd_fused_kernel` then
+:func:`kda_intra_bwd_fused_kernel`; the split one (``"split"``) replaces the latter by
+:func:`kda_intra_bwd_split_mat_kernel` and :func:`kda_intra_bwd_split_dqk_kernel`.
 
 Block sizes: ``BT`` (chunk) is 64, the largest whose ``[BT, BT]`` fp32 matrices and
 ``[BT, K]`` tiles fit in registers next to a ``[K, BV]`` state tile for K = 128; the
