@@ -8,6 +8,8 @@ convention. Every switch of the kernel is ablated one at a time against the defa
 Modes:
   (default)   the full comparison and ablation; writes results/<device>.json and <device>-rescale.json
   --sweep     launch-shape sweep (block sizes, warps, pipelining depth) -> <device>-autotune.json
+  --gluon-sweep  the Gluon forward's launch settings (GLUON_SWEEP) beside cuDNN at S = 4k, 8k, 16k,
+              causal and not, forward only -> <device>-gluon-sweep.json
   --quick     two sequence lengths only (smoke test)
   --fa4-smoke flash-attn-4 (``flash_attn.cute``) on one small shape against the float64 reference;
               exit status 3 when it does not import, compile or run -> <device>-fa4-smoke.json
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import functools
 import io
 import json
 import os
@@ -206,6 +209,24 @@ def rescale(out_dir: Path | None, seqlens) -> None:
     report.write(tag="rescale", out_dir=out_dir)
 
 
+def trial_row(report: Report, row: dict, run, flop: float, extra=None) -> dict:
+    """Time one launch setting and add its row; a setting that fails to compile or run is a row with its error.
+
+    ``run()`` returns the median ms, or (ms, note); ``extra(ms)`` gives more columns for the row.
+    Prints and returns the row.
+    """
+    try:
+        res = run()
+        ms, note = res if isinstance(res, tuple) else (res, "")
+        report.add(**row, ms=ms, tflops=flop / (ms * 1e-3) / 1e12, note=note, **(extra(ms) if extra else {}))
+    except Exception as exc:
+        report.add(
+            **row, ms=float("nan"), tflops=float("nan"), note=f"{type(exc).__name__}: {str(exc)[:120]}"
+        )
+    print(report.rows[-1], flush=True)
+    return report.rows[-1]
+
+
 def sweep(out_dir: Path | None) -> None:
     """Launch shapes for forward and backward; the best become FWD_DEFAULTS / BWD_DEFAULTS."""
     columns = [
@@ -233,16 +254,7 @@ def sweep(out_dir: Path | None) -> None:
     q, k, v = make_inputs(b, s)
 
     def trial(row: dict, run, causal: bool) -> None:
-        """Time one launch setting; a setting that fails to compile or run is a row with its error."""
-        try:
-            ms = run()
-            tflops = flops(b, s, causal, row["kernel"]) / (ms * 1e-3) / 1e12
-            report.add(**row, ms=ms, tflops=tflops, note="")
-        except Exception as exc:
-            report.add(
-                **row, ms=float("nan"), tflops=float("nan"), note=f"{type(exc).__name__}: {str(exc)[:120]}"
-            )
-        print(report.rows[-1], flush=True)
+        trial_row(report, row, run, flops(b, s, causal, row["kernel"]))
 
     for causal in (False, True):
         for pp, cfgs in ((False, fwd_cfgs), (True, pp_cfgs)):
@@ -285,6 +297,159 @@ def sweep(out_dir: Path | None) -> None:
                 causal,
             )
     report.write(tag="autotune", out_dir=out_dir)
+
+
+#: Launch settings of the Gluon forward timed by --gluon-sweep (keyword arguments of
+#: ``gluon_attention_forward``; the base is the launcher's defaults, lazy rescaling off). ``"all"``:
+#: at every S of GLUON_SWEEP_SEQLENS, causal and not; ``"8k"``: at S = 8192 only.
+GLUON_SWEEP: list[tuple[str, str, dict]] = [
+    ("all", "base", {}),
+    ("all", "lazy", {"lazy_rescale": True}),
+    ("all", "no-sync", {"pingpong_sync": False}),
+    ("all", "stages-3", {"num_stages": 3}),
+    ("all", "store-tma", {"store_tma": True}),
+    ("8k", "lazy+no-sync", {"lazy_rescale": True, "pingpong_sync": False}),
+    ("8k", "consumers-1", {"num_consumers": 1}),
+    ("8k", "block-n-64+stages-4", {"block_n": 64, "num_stages": 4}),
+    ("8k", "consumer-regs-232", {"consumer_regs": 232}),
+]
+GLUON_SWEEP_SEQLENS = (4096, 8192, 16384)
+GLUON_SWEEP_COLUMNS = [
+    "impl",
+    "config",
+    "causal",
+    "S",
+    "B",
+    "lazy_rescale",
+    "pingpong_sync",
+    "num_consumers",
+    "block_n",
+    "num_stages",
+    "store_tma",
+    "load_regs",
+    "consumer_regs",
+    "ms",
+    "tflops",
+    "vs_cudnn",
+    "note",
+]
+
+
+def gluon_sweep_plan(seqlens=GLUON_SWEEP_SEQLENS) -> list[tuple[int, bool, str, dict]]:
+    """(S, causal, config name, launcher kwargs) of every Gluon setting the sweep times, in order."""
+    return [
+        (s, causal, name, kw)
+        for s in seqlens
+        for causal in (False, True)
+        for where, name, kw in GLUON_SWEEP
+        if where == "all" or s == 8192
+    ]
+
+
+def gluon_sweep_settings(kw: dict) -> dict:
+    """The row's launch columns: ``kw`` over the launcher's defaults (None block_n/num_stages: D=128's)."""
+    from repro.fa4.gluon_fwd import CONSUMER_REGS, LOAD_REGS, launch_config
+
+    cfg = launch_config(HEAD_DIM, kw.get("block_n"), kw.get("num_stages"))
+    return dict(
+        lazy_rescale=kw.get("lazy_rescale", False),
+        pingpong_sync=kw.get("pingpong_sync", True) and kw.get("num_consumers", 2) == 2,
+        num_consumers=kw.get("num_consumers", 2),
+        block_n=cfg["BLOCK_N"],
+        num_stages=cfg["NUM_STAGES"],
+        store_tma=kw.get("store_tma", False),
+        load_regs=kw.get("load_regs", LOAD_REGS),
+        consumer_regs=kw.get("consumer_regs", CONSUMER_REGS),
+    )
+
+
+def _timed_fwd(fn):
+    return lambda: timed(fn, "fwd")
+
+
+def _vs(cudnn_ms: float, ms: float) -> dict:
+    return dict(vs_cudnn=cudnn_ms / ms)
+
+
+def _checked_gluon_fwd(q, k, v, causal: bool, kw: dict, ref: torch.Tensor):
+    """A run() for trial_row: the Gluon forward with launcher kwargs ``kw`` once against ``ref``, then timed."""
+    from repro.fa4.gluon_fwd import gluon_attention_forward
+
+    def fn():
+        return gluon_attention_forward(q, k, v, causal=causal, **kw)[0]
+
+    def run():
+        with torch.no_grad():
+            err = rel_err(fn(), ref)
+        return timed(fn, "fwd"), f"rel.err vs cuDNN {err:.1e}" + ("" if err < 2e-2 else " WRONG")
+
+    return run
+
+
+def gluon_sweep(out_dir: Path | None, seqlens=GLUON_SWEEP_SEQLENS) -> None:
+    """cuDNN once per shape and the Gluon forward over GLUON_SWEEP, forward only (D=128, 16 heads, bf16).
+
+    Each Gluon setting is checked once against cuDNN's output on the same inputs (note "WRONG" past
+    2e-2 relative L2 error) and then timed; one that fails to compile or run is a row with its error.
+    """
+    report = Report(
+        package="fa4",
+        title="Gluon forward launch-setting sweep vs cuDNN (SDPA), D=128, 16 heads, B*S=16k, bf16, forward",
+        peer=f"torch {torch.__version__} SDPA, cuDNN {torch.backends.cudnn.version()}",
+        columns=GLUON_SWEEP_COLUMNS,
+        packages=["triton", "torch"],
+        measure_ceilings=False,
+        notes=(
+            "TFLOP/s: 4 B H S^2 D (halved when causal). vs_cudnn: cuDNN's ms / this row's ms at the same shape "
+            "(> 1 is faster than cuDNN). Each Gluon row calls repro.fa4.gluon_fwd.gluon_attention_forward "
+            "directly with the row's settings; base = the launcher's defaults (block_n 128, 2 stages, two "
+            "consumer warpgroups with ping-pong turn barriers, register stores, lazy rescaling off)."
+        ),
+    )
+    plan = gluon_sweep_plan(seqlens)
+    for s in seqlens:
+        b = max(1, TOKENS // s)
+        q, k, v = (t.detach() for t in make_inputs(b, s))
+        qt, kt, vt = (t.detach() for t in make_inputs(b, s, layout="bhsd"))
+        for causal in (False, True):
+            flop = flops(b, s, causal, "fwd")
+            with torch.no_grad():  # cuDNN on our inputs: the yardstick for each setting's output
+                ref = sdpa(*(t.transpose(1, 2).contiguous() for t in (q, k, v)), causal, "cudnn")()
+                ref = ref.transpose(1, 2)
+            base = dict(causal=causal, S=s, B=b)
+            cudnn = trial_row(
+                report,
+                dict(impl="sdpa-cudnn", config="cudnn", **base),
+                _timed_fwd(sdpa(qt, kt, vt, causal, "cudnn")),
+                flop,
+                extra=lambda ms: dict(vs_cudnn=1.0),
+            )
+            for _, _, name, kw in (p for p in plan if p[0] == s and p[1] == causal):
+                trial_row(
+                    report,
+                    dict(impl="fa4-gluon", config=name, **base, **gluon_sweep_settings(kw)),
+                    _checked_gluon_fwd(q, k, v, causal, kw, ref),
+                    flop,
+                    extra=functools.partial(_vs, cudnn["ms"]),
+                )
+            torch.cuda.empty_cache()
+        _quiet_write(report, "gluon-sweep", out_dir)
+    for causal in (False, True):
+        report.plot(title=f"Gluon forward TFLOP/s by setting, causal={causal}", x="S", y="tflops",
+                    series="config", where={"causal": causal}, logx=True)  # fmt: skip
+    report.write(tag="gluon-sweep", out_dir=out_dir)
+    best = {}
+    for r in report.rows:
+        if r["impl"] == "fa4-gluon" and r["vs_cudnn"] is not None and r["vs_cudnn"] == r["vs_cudnn"]:
+            key = (r["S"], r["causal"])
+            if "WRONG" not in (r["note"] or "") and (
+                key not in best or r["vs_cudnn"] > best[key]["vs_cudnn"]
+            ):
+                best[key] = r
+    for (s, causal), r in sorted(best.items()):
+        print(
+            f"best S={s} causal={causal}: {r['config']} {r['tflops']:.0f} TFLOP/s, {r['vs_cudnn']:.3f}x cuDNN"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -642,6 +807,7 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--gluon-sweep", action="store_true")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--fa4-smoke", action="store_true")
     parser.add_argument("--peer", action="store_true")
@@ -659,6 +825,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.sweep:
             sweep(out)
+        elif args.gluon_sweep:
+            gluon_sweep(out)
         elif args.fa4_smoke:
             if not fa4_smoke(out):
                 raise SystemExit(3)

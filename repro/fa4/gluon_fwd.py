@@ -23,8 +23,10 @@ only key tiles that cross the diagonal or the end of the keys are masked.
 Layout: q, k, v, o are [B, S, H, D]; TMA descriptors view q as [B * S_Q, H * D] and k, v as
 [B * S_K, H_KV * D]. Rows past a batch's end read the next batch (or zeros past the tensor): key
 columns past S_K are masked to -inf, query rows past S_Q are never stored. The output is stored
-from registers with a row mask. LSE is [B, H, S_Q] float32 in base 2 (m + log2 l, m in units of
-scores * scale * log2 e), exactly what ``repro.fa4.kernels``' backward reads.
+from registers with a row mask, or (``store_tma=True``) through the Q tile's shared memory by a TMA
+store where the tile is full (rows past S_Q would be the next batch's), masked otherwise. LSE is
+[B, H, S_Q] float32 in base 2 (m + log2 l, m in units of scores * scale * log2 e), exactly what
+``repro.fa4.kernels``' backward reads.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ __all__ = [
     "GLUON_DTYPES",
     "GLUON_HEAD_DIMS",
     "HAS_GLUON",
+    "KNOBS",
     "compile_for_sm90",
     "compile_report",
     "gluon_attention_forward",
@@ -65,7 +68,8 @@ GLUON_DTYPES = (torch.bfloat16, torch.float16)
 #: D -> (BLOCK_M rows per consumer warpgroup, BLOCK_N keys per tile, NUM_STAGES K/V buffers).
 #: 64 rows per warpgroup keeps S (64 x 128 fp32), the next P and O (64 x D fp32) in registers, as
 #: FA3 does (its 128-row tile is two warpgroups of 64). Shared memory at D = 128: Q 2 x 16 KiB +
-#: 2 stages x (K + V) 64 KiB = 160 KiB; at D = 64: 16 KiB + 3 x 32 KiB = 112 KiB.
+#: 2 stages x (K + V) 64 KiB = 160 KiB (3 stages: 224 KiB, just inside 227 KiB); at D = 64:
+#: 16 KiB + 3 x 32 KiB = 112 KiB.
 GLUON_DEFAULTS = {64: (64, 128, 3), 128: (64, 128, 2)}
 NUM_CONSUMERS = 2
 #: Registers per thread asked for (setmaxnreg) by the load warp and by the worker consumer.
@@ -73,9 +77,58 @@ LOAD_REGS = 24
 CONSUMER_REGS = 240
 
 
-def launch_config(d: int) -> dict:
+#: Launch knobs (keyword arguments of the launcher, constexprs of the kernel), each with its reason:
+#: block_n: keys per K/V tile (64 halves the S registers and the stage size, so more stages fit;
+#:   128 is FA3's choice at D = 128; ``gl.arange`` needs a power of 2, so no 176, and 256 at
+#:   D = 128 needs 288 KiB of shared memory and spills);
+#: num_stages: depth of the K/V ring (3 at D = 128 hides more TMA latency: Q 32 KiB + 3 x 64 KiB
+#:   = 224 KiB, inside the 227 KiB per block);
+#: store_tma: O through shared memory (the Q tile) and a TMA store, as FA3 does, for full tiles only;
+#: load_regs / consumer_regs: setmaxnreg of the load warp and the worker consumer (the default
+#:   consumer gets what the launch allocation leaves).
+KNOBS = ("block_n", "num_stages", "store_tma", "load_regs", "consumer_regs")
+
+
+def launch_config(d: int, block_n: int | None = None, num_stages: int | None = None) -> dict:
     bm, bn, ns = GLUON_DEFAULTS[d]
+    bn = bn if block_n is None else int(block_n)
+    ns = ns if num_stages is None else int(num_stages)
+    if bn not in (64, 128):
+        # 256 compiles but needs 288 KiB of shared memory at D = 128 and spills ~1 KiB; 176 is no power of 2
+        raise ValueError(f"gluon forward: block_n must be 64 or 128, got {bn}")
+    if ns < 1:
+        raise ValueError(f"gluon forward: num_stages must be >= 1, got {ns}")
     return dict(BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=ns, NUM_CONSUMERS=NUM_CONSUMERS)
+
+
+def _constexprs(
+    d: int,
+    causal: bool,
+    lazy_rescale: bool,
+    rescale_threshold: float,
+    num_consumers: int,
+    pingpong_sync: bool,
+    block_n: int | None,
+    num_stages: int | None,
+    store_tma: bool,
+    load_regs: int,
+    consumer_regs: int,
+) -> dict:
+    """The kernel's constexpr arguments, shared by the launcher and the offline compile."""
+    if num_consumers not in (1, 2):
+        raise ValueError(f"gluon forward: num_consumers must be 1 or 2, got {num_consumers}")
+    for name, r in (("load_regs", load_regs), ("consumer_regs", consumer_regs)):
+        if not (24 <= r <= 256 and r % 8 == 0):
+            raise ValueError(
+                f"gluon forward: {name} must be a multiple of 8 in [24, 256] (setmaxnreg), got {r}"
+            )
+    cfg = launch_config(d, block_n, num_stages)
+    return dict(
+        D=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], NUM_STAGES=cfg["NUM_STAGES"],
+        NUM_CONSUMERS=num_consumers, CAUSAL=bool(causal), LAZY_RESCALE=bool(lazy_rescale),
+        RESCALE_TAU=float(rescale_threshold), PINGPONG_SYNC=bool(pingpong_sync) and num_consumers == 2,
+        LOAD_REGS=int(load_regs), CONSUMER_REGS=int(consumer_regs), STORE_TMA=bool(store_tma),
+    )  # fmt: skip
 
 
 if HAS_GLUON:
@@ -156,6 +209,17 @@ if HAS_GLUON:
                 mbarrier.arrive(turn.index(0), count=1, pred=k + 1 < n_first + 1)
 
     @gluon.jit
+    def _store_rows(O, out, o_row0, o_col, stride_os, row0, S_Q, o_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+                    D: gl.constexpr):  # fmt: skip
+        """Masked register store of a [BLOCK_M, D] output tile, rows past S_Q left alone."""
+        rows_o = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+        cols_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+        offs = (
+            (o_row0 + gl.expand_dims(rows_o, 1)).to(gl.int64) * stride_os + o_col + gl.expand_dims(cols_o, 0)
+        )
+        gl.store(O + offs, out, mask=gl.expand_dims(rows_o < S_Q, 1))
+
+    @gluon.jit
     def _consume(
         q_smem,
         k_smem,
@@ -166,6 +230,7 @@ if HAS_GLUON:
         k_empty,
         v_empty,
         O,
+        o_desc,
         LSE,
         lse_base,
         o_row0,
@@ -187,6 +252,7 @@ if HAS_GLUON:
         LAZY_RESCALE: gl.constexpr,
         RESCALE_TAU: gl.constexpr,
         PINGPONG_SYNC: gl.constexpr,
+        STORE_TMA: gl.constexpr,
     ):
         """One warpgroup: query rows [row0, row0 + BLOCK_M) of this program's head."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -288,12 +354,19 @@ if HAS_GLUON:
         # Epilogue: O / l and the base-2 log-sum-exp, rows past S_Q left alone.
         l_o = gl.convert_layout(l_i, row_o)
         out = (acc / gl.expand_dims(l_o, 1)).to(dtype)
-        rows_o = row0 + gl.arange(0, BLOCK_M, layout=row_o)
-        cols_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-        offs = (
-            (o_row0 + gl.expand_dims(rows_o, 1)).to(gl.int64) * stride_os + o_col + gl.expand_dims(cols_o, 0)
-        )
-        gl.store(O + offs, out, mask=gl.expand_dims(rows_o < S_Q, 1))
+        if STORE_TMA:
+            # FA3's epilogue: O through shared memory (the Q tile, no longer read) and one TMA store.
+            # The descriptor spans all batches, so only a full tile may use it: a partial tile's rows
+            # past S_Q are the next batch's first rows. Partial tiles take the masked store.
+            if row0 + BLOCK_M <= S_Q:
+                q_tile.store(out)
+                fence_async_shared()
+                tma.async_copy_shared_to_global(o_desc, [o_row0 + row0, o_col], q_tile)
+                tma.store_wait(0)
+            else:
+                _store_rows(O, out, o_row0, o_col, stride_os, row0, S_Q, o_layout, BLOCK_M, D)
+        else:
+            _store_rows(O, out, o_row0, o_col, stride_os, row0, S_Q, o_layout, BLOCK_M, D)
         rows_s = row0 + gl.arange(0, BLOCK_M, layout=row_s)
         gl.store(LSE + lse_base + rows_s, m_i + gl.log2(l_i), mask=rows_s < S_Q)
 
@@ -308,6 +381,7 @@ if HAS_GLUON:
         k_empty,
         v_empty,
         O,
+        o_desc,
         LSE,
         lse_base,
         o_row0,
@@ -328,11 +402,13 @@ if HAS_GLUON:
         LAZY_RESCALE: gl.constexpr,
         RESCALE_TAU: gl.constexpr,
         PINGPONG_SYNC: gl.constexpr,
+        STORE_TMA: gl.constexpr,
     ):
         _consume(
-            q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, O, LSE, lse_base,
+            q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, O, o_desc, LSE, lse_base,
             o_row0, o_col, stride_os, row0 + BLOCK_M, S_Q, S_K, n_blocks, turn, n_first,
             qk_scale, 1, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, LAZY_RESCALE, RESCALE_TAU, PINGPONG_SYNC,
+            STORE_TMA,
         )  # fmt: skip
 
     @gluon.jit
@@ -346,6 +422,7 @@ if HAS_GLUON:
         k_empty,
         v_empty,
         O,
+        o_desc,
         LSE,
         lse_base,
         o_row0,
@@ -366,11 +443,13 @@ if HAS_GLUON:
         LAZY_RESCALE: gl.constexpr,
         RESCALE_TAU: gl.constexpr,
         PINGPONG_SYNC: gl.constexpr,
+        STORE_TMA: gl.constexpr,
     ):
         _consume(
-            q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, O, LSE, lse_base,
+            q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, O, o_desc, LSE, lse_base,
             o_row0, o_col, stride_os, row0, S_Q, S_K, n_blocks, turn, n_first,
             qk_scale, 0, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, LAZY_RESCALE, RESCALE_TAU, PINGPONG_SYNC,
+            STORE_TMA,
         )  # fmt: skip
 
     @gluon.jit
@@ -379,6 +458,7 @@ if HAS_GLUON:
         k_desc,
         v_desc,
         O,
+        o_desc,
         LSE,
         H,
         GROUP,
@@ -397,6 +477,7 @@ if HAS_GLUON:
         PINGPONG_SYNC: gl.constexpr,
         LOAD_REGS: gl.constexpr,
         CONSUMER_REGS: gl.constexpr,
+        STORE_TMA: gl.constexpr,
     ):
         m_block = N_M_BLOCKS - 1 - gl.program_id(0)  # heaviest causal tiles launch first
         bh = gl.program_id(1)
@@ -447,9 +528,9 @@ if HAS_GLUON:
             gl.warp_specialize(
                 [
                     (_consumer_default, (
-                        q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, O, LSE, lse_base,
-                        o_row0, off_h * D, stride_os, row0, S_Q, S_K, n_blocks, turn, n_first, qk_scale,
-                        D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, LAZY_RESCALE, RESCALE_TAU, PINGPONG_SYNC,
+                        q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, O, o_desc, LSE,
+                        lse_base, o_row0, off_h * D, stride_os, row0, S_Q, S_K, n_blocks, turn, n_first, qk_scale,
+                        D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, LAZY_RESCALE, RESCALE_TAU, PINGPONG_SYNC, STORE_TMA,
                     )),
                     (_load_partition, (
                         q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty,
@@ -457,9 +538,9 @@ if HAS_GLUON:
                         BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
                     )),
                     (_consumer_worker, (
-                        q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, O, LSE, lse_base,
-                        o_row0, off_h * D, stride_os, row0, S_Q, S_K, n_blocks, turn, n_first, qk_scale,
-                        D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, LAZY_RESCALE, RESCALE_TAU, PINGPONG_SYNC,
+                        q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, O, o_desc, LSE,
+                        lse_base, o_row0, off_h * D, stride_os, row0, S_Q, S_K, n_blocks, turn, n_first, qk_scale,
+                        D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, LAZY_RESCALE, RESCALE_TAU, PINGPONG_SYNC, STORE_TMA,
                     )),
                 ],
                 [1, 4],
@@ -469,9 +550,9 @@ if HAS_GLUON:
             gl.warp_specialize(
                 [
                     (_consumer_default, (
-                        q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, O, LSE, lse_base,
-                        o_row0, off_h * D, stride_os, row0, S_Q, S_K, n_blocks, turn, n_first, qk_scale,
-                        D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, LAZY_RESCALE, RESCALE_TAU, PINGPONG_SYNC,
+                        q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, O, o_desc, LSE,
+                        lse_base, o_row0, off_h * D, stride_os, row0, S_Q, S_K, n_blocks, turn, n_first, qk_scale,
+                        D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, LAZY_RESCALE, RESCALE_TAU, PINGPONG_SYNC, STORE_TMA,
                     )),
                     (_load_partition, (
                         q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty,
@@ -498,12 +579,18 @@ def gluon_attention_forward(
     rescale_threshold: float = 8.0,
     num_consumers: int = NUM_CONSUMERS,
     pingpong_sync: bool = True,
+    block_n: int | None = None,
+    num_stages: int | None = None,
+    store_tma: bool = False,
+    load_regs: int = LOAD_REGS,
+    consumer_regs: int = CONSUMER_REGS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward by the Gluon kernel: returns (o [B, S_q, H, D], lse [B, H, S_q] float32, base 2).
 
     q: [B, S_q, H, D]; k, v: [B, S_k, H_kv, D], H_kv dividing H, D in {64, 128}, bf16 or fp16, on
     an sm_90 (Hopper) GPU; causal needs S_q <= S_k (bottom-right aligned). ``lse`` is
     m + log2(l) with m in units of scores * scale * log2(e), as ``repro.fa4``'s backward expects.
+    block_n, num_stages (None: GLUON_DEFAULTS), store_tma, load_regs, consumer_regs: see KNOBS.
     """
     if not HAS_GLUON:
         raise RuntimeError(f"gluon forward: this Triton has no Gluon ({GLUON_ERROR})")
@@ -533,31 +620,32 @@ def gluon_attention_forward(
         raise ValueError(f"gluon forward: KV heads H_kv = {h_kv} must divide query heads H = {h}")
     if causal and s_q > s_k:
         raise ValueError(f"gluon forward: causal needs S_q <= S_k, got S_q = {s_q}, S_k = {s_k}")
-    if num_consumers not in (1, 2):
-        raise ValueError(f"gluon forward: num_consumers must be 1 or 2, got {num_consumers}")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    cx = _constexprs(
+        d, causal, lazy_rescale, rescale_threshold, num_consumers, pingpong_sync,
+        block_n, num_stages, store_tma, load_regs, consumer_regs,
+    )  # fmt: skip
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     o = torch.empty_like(q)
     lse = torch.empty(b, h, s_q, device=q.device, dtype=torch.float32)
-    cfg = launch_config(d)
-    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    bm, bn = cx["BLOCK_M"], cx["BLOCK_N"]
     gdt = _gl_dtype(q.dtype)
     q_layout = gl.NVMMASharedLayout.get_default_for([bm, d], gdt)
     kv_layout = gl.NVMMASharedLayout.get_default_for([bn, d], gdt)
-    q2 = q.view(b * s_q, h * d)
-    q_desc = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [bm, d], q_layout)
+    q2, o2 = q.view(b * s_q, h * d), o.view(b * s_q, h * d)
+    q_desc, o_desc = (
+        TensorDescriptor(t2, list(t2.shape), list(t2.stride()), [bm, d], q_layout) for t2 in (q2, o2)
+    )
     k_desc, v_desc = (
         TensorDescriptor(t2, list(t2.shape), list(t2.stride()), [bn, d], kv_layout)
         for t2 in (k.view(b * s_k, h_kv * d), v.view(b * s_k, h_kv * d))
     )
     n_m = -(-s_q // (num_consumers * bm))
     _gluon_fwd_kernel[(n_m, b * h)](
-        q_desc, k_desc, v_desc, o, lse, h, h // h_kv, s_q, s_k, scale / math.log(2.0), n_m,
-        D=d, BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=cfg["NUM_STAGES"], NUM_CONSUMERS=num_consumers,
-        CAUSAL=bool(causal), LAZY_RESCALE=bool(lazy_rescale), RESCALE_TAU=float(rescale_threshold),
-        PINGPONG_SYNC=bool(pingpong_sync) and num_consumers == 2, LOAD_REGS=LOAD_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=4,
+        q_desc, k_desc, v_desc, o, o_desc, lse, h, h // h_kv, s_q, s_k, scale / math.log(2.0), n_m,
+        **cx, num_warps=4,
     )  # fmt: skip
     return o, lse
 
@@ -569,31 +657,34 @@ def compile_for_sm90(
     lazy_rescale: bool = False,
     num_consumers: int = NUM_CONSUMERS,
     pingpong_sync: bool = True,
+    **knobs,
 ):
     """Compile the kernel offline for sm_90a (no GPU needed); returns triton's CompiledKernel.
 
+    ``knobs``: the launcher's block_n, num_stages, store_tma, load_regs, consumer_regs (see KNOBS).
     ``compiled.metadata.shared`` is the shared memory in bytes, ``compiled.asm["ptx"]`` the PTX.
     """
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    cfg = launch_config(d)
-    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    unknown = set(knobs) - set(KNOBS)
+    if unknown:
+        raise TypeError(f"compile_for_sm90: unknown knobs {sorted(unknown)}, expected some of {KNOBS}")
+    kw = dict(
+        block_n=None, num_stages=None, store_tma=False, load_regs=LOAD_REGS, consumer_regs=CONSUMER_REGS
+    )
+    constexprs = _constexprs(d, causal, lazy_rescale, 8.0, num_consumers, pingpong_sync, **{**kw, **knobs})
+    bm, bn = constexprs["BLOCK_M"], constexprs["BLOCK_N"]
     gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
     q_layout = gl.NVMMASharedLayout.get_default_for([bm, d], gdt)
     kv_layout = gl.NVMMASharedLayout.get_default_for([bn, d], gdt)
-    constexprs = dict(
-        D=d, BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=cfg["NUM_STAGES"], NUM_CONSUMERS=num_consumers,
-        CAUSAL=bool(causal), LAZY_RESCALE=bool(lazy_rescale), RESCALE_TAU=8.0,
-        PINGPONG_SYNC=bool(pingpong_sync) and num_consumers == 2,
-        LOAD_REGS=LOAD_REGS, CONSUMER_REGS=CONSUMER_REGS,
-    )  # fmt: skip
     signature = {
         "q_desc": f"tensordesc<{dtype}[{bm}, {d}],{q_layout!r}>",
         "k_desc": f"tensordesc<{dtype}[{bn}, {d}],{kv_layout!r}>",
         "v_desc": f"tensordesc<{dtype}[{bn}, {d}],{kv_layout!r}>",
         "O": f"*{dtype}",
+        "o_desc": f"tensordesc<{dtype}[{bm}, {d}],{q_layout!r}>",
         "LSE": "*fp32",
         "H": "i32",
         "GROUP": "i32",
@@ -643,15 +734,18 @@ def ptxas_usage(ptx: str) -> dict:
 
 
 def compile_report(cases) -> list[dict]:
-    """Offline sm_90a compile of each (d, causal, dtype, num_consumers): shared memory (bytes), warps,
-    ptxas registers / spills, setmaxnreg values, or the compiler's error."""
+    """Offline sm_90a compile of each (d, causal, dtype, num_consumers[, knobs dict]): shared memory
+    (bytes), warps, ptxas registers / spills, setmaxnreg values, whether O leaves by a TMA store, or
+    the compiler's error."""
     import re
 
     rows = []
-    for d, causal, dtype, consumers in cases:
-        row = dict(d=d, causal=causal, dtype=dtype, consumers=consumers)
+    for case in cases:
+        d, causal, dtype, consumers = case[:4]
+        knobs = dict(case[4]) if len(case) > 4 else {}
+        row = dict(d=d, causal=causal, dtype=dtype, consumers=consumers, knobs=knobs)
         try:
-            c = compile_for_sm90(d, causal, dtype=dtype, num_consumers=consumers)
+            c = compile_for_sm90(d, causal, dtype=dtype, num_consumers=consumers, **knobs)
             ptx = c.asm["ptx"]
             row.update(
                 shared=c.metadata.shared,
@@ -659,6 +753,7 @@ def compile_report(cases) -> list[dict]:
                 target_ok=".target sm_90a" in ptx,
                 has_wgmma="wgmma.mma_async" in ptx,
                 has_tma="cp.async.bulk.tensor" in ptx,
+                has_tma_store="cp.async.bulk.tensor.2d.global.shared" in ptx,
                 setmaxnreg=sorted(
                     {int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}
                 ),
@@ -674,7 +769,7 @@ if __name__ == "__main__":
     import json
     import sys
 
-    # python -m repro.fa4.gluon_fwd [JSON list of [d, causal, dtype, consumers]]: offline compile report.
+    # python -m repro.fa4.gluon_fwd [JSON list of [d, causal, dtype, consumers(, knobs)]]: offline compile report.
     default = [[d, c, "bf16", 2] for d in GLUON_HEAD_DIMS for c in (False, True)]
     cases = json.loads(sys.argv[1]) if len(sys.argv) > 1 else default
     print(json.dumps(compile_report(cases)))

@@ -126,3 +126,29 @@ def test_gpu_flash_attn_4_matches_reference():
         ref_grads = torch.autograd.grad(ref, (q, k, v), do.double())
         for name, a, r in zip("qkv", grads, ref_grads, strict=True):
             assert bench.rel_err(a, r) < 3e-2, f"d{name}"
+
+
+def test_gluon_sweep_plan_is_small_and_valid():
+    from repro.fa4.gluon_fwd import KNOBS, _constexprs
+
+    plan = bench.gluon_sweep_plan()
+    shapes = {(s, c) for s, c, _, _ in plan}
+    assert len(shapes) == 6 and len(plan) + len(shapes) <= 44  # + one cuDNN row per shape
+    assert any(kw.get("num_consumers") == 1 for *_, kw in plan)
+    for *_, kw in plan:  # every setting is one the launcher accepts, and its row names every knob it sets
+        st = bench.gluon_sweep_settings(kw)
+        assert set(kw) <= set(st)
+        cx = _constexprs(128, False, st["lazy_rescale"], 8.0, st["num_consumers"], st["pingpong_sync"],
+                         **{k: st[k] for k in KNOBS})  # fmt: skip
+        assert (cx["BLOCK_N"], cx["NUM_STAGES"]) == (st["block_n"], st["num_stages"])
+
+
+def test_trial_row_records_errors():
+    report = bench.Report(
+        package="fa4", title="t", columns=["x", "ms", "tflops", "note"], measure_ceilings=False
+    )
+    bench.trial_row(report, {"x": 1}, lambda: 2.0, 4e9)
+    bench.trial_row(report, {"x": 2}, lambda: (1.0, "ok"), 4e9)
+    bench.trial_row(report, {"x": 3}, lambda: 1 / 0, 4e9)
+    assert report.rows[0]["tflops"] == pytest.approx(2.0) and report.rows[1]["note"] == "ok"
+    assert math.isnan(report.rows[2]["ms"]) and report.rows[2]["note"].startswith("ZeroDivisionError")

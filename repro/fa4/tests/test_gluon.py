@@ -29,6 +29,26 @@ H100_SMEM_PER_BLOCK = 227 * 1024
 
 COMPILE_CASES = [(d, causal, "bf16", 2) for d in (64, 128) for causal in (False, True)]
 COMPILE_CASES += [(128, False, "fp16", 2), (128, True, "bf16", 1)]
+# The launcher's knobs (gluon_fwd.KNOBS); 3 stages at D = 128 is the tightest fit (224 KiB + barriers).
+COMPILE_CASES += [
+    (128, False, "bf16", 2, {"store_tma": True}),
+    (128, True, "bf16", 2, {"store_tma": True}),
+    (128, True, "bf16", 1, {"store_tma": True}),
+    (64, True, "bf16", 2, {"store_tma": True}),
+    (128, True, "bf16", 2, {"num_stages": 3}),
+    (128, True, "bf16", 2, {"block_n": 64, "num_stages": 4}),
+    (128, True, "bf16", 2, {"load_regs": 32, "consumer_regs": 232}),
+]
+
+
+def _key(d, causal, dtype, consumers, knobs=None):
+    return (d, causal, dtype, consumers, json.dumps(knobs or {}, sort_keys=True))
+
+
+def _case_id(case):
+    d, c, t, n = case[:4]
+    knobs = "".join(f"-{k}{int(v)}" for k, v in (case[4] if len(case) > 4 else {}).items())
+    return f"d{d}-causal{int(c)}-{t}-consumers{n}{knobs}"
 
 
 @pytest.fixture(scope="module")
@@ -48,26 +68,44 @@ def compile_rows(tmp_path_factory) -> dict:
     )
     assert r.returncode == 0, f"offline compile driver failed:\n{r.stderr[-4000:]}"
     rows = json.loads(r.stdout.strip().splitlines()[-1])
-    return {(x["d"], x["causal"], x["dtype"], x["consumers"]): x for x in rows}
+    return {_key(x["d"], x["causal"], x["dtype"], x["consumers"], x["knobs"]): x for x in rows}
 
 
 @needs_gluon
-@pytest.mark.parametrize(
-    "d, causal, dtype, consumers",
-    COMPILE_CASES,
-    ids=[f"d{d}-causal{int(c)}-{t}-consumers{n}" for d, c, t, n in COMPILE_CASES],
-)
-def test_gluon_forward_compiles_for_sm90(compile_rows, d, causal, dtype, consumers):
-    row = compile_rows[(d, causal, dtype, consumers)]
+@pytest.mark.parametrize("case", COMPILE_CASES, ids=[_case_id(c) for c in COMPILE_CASES])
+def test_gluon_forward_compiles_for_sm90(compile_rows, case):
+    knobs = case[4] if len(case) > 4 else {}
+    row = compile_rows[_key(*case)]
     print(row)
     assert "error" not in row, row["error"]
     assert row["target_ok"] and row["has_wgmma"] and row["has_tma"], row
-    assert 24 in row["setmaxnreg"], row  # the load warp gives its registers away
+    assert knobs.get("load_regs", 24) in row["setmaxnreg"], row  # the load warp gives its registers away
+    assert row["has_tma_store"] == knobs.get("store_tma", False), row
     assert 0 < row["shared"] <= H100_SMEM_PER_BLOCK, f"shared memory {row['shared']} B > 227 KiB"
     if "ptxas_error" in row:
         pytest.fail(f"ptxas: {row['ptxas_error']}")
     if "spill_stores" in row:  # absent only when this Triton bundles no ptxas
         assert row["spill_stores"] == 0 and row["spill_loads"] == 0, row
+
+
+def test_gluon_knob_errors():
+    from repro.fa4.gluon_fwd import _constexprs
+
+    base = dict(block_n=None, num_stages=None, store_tma=False, load_regs=24, consumer_regs=240)
+    args = (128, False, False, 8.0, 2, True)
+    assert _constexprs(*args, **base)["BLOCK_N"] == 128
+    assert _constexprs(*args, **{**base, "block_n": 64, "num_stages": 4})["NUM_STAGES"] == 4
+    for bad in (
+        {"block_n": 176},
+        {"block_n": 256},
+        {"num_stages": 0},
+        {"consumer_regs": 236},
+        {"load_regs": 16},
+    ):
+        with pytest.raises(ValueError):
+            _constexprs(*args, **{**base, **bad})
+    with pytest.raises(ValueError, match="num_consumers"):
+        _constexprs(128, False, False, 8.0, 3, True, **base)
 
 
 def test_gluon_switch_errors():
@@ -153,4 +191,35 @@ def test_gpu_gluon_variants_fp16(consumers, sync):
     for causal in (False, True):
         o, lse = gluon_attention_forward(q, k, v, causal=causal, num_consumers=consumers, pingpong_sync=sync)
         assert_rel_close(o, attention_exact(q, k, v, causal=causal), 1.5e-2, "output")
+        torch.testing.assert_close(lse.double(), _lse_exact(q, k, causal), atol=2e-2, rtol=1e-3)
+
+
+# Every knob value of gluon_fwd.KNOBS that differs from the default, on ragged multi-batch shapes: a
+# TMA store that ignored the row bound would overwrite the next batch's first rows.
+GPU_KNOBS = [
+    ((2, 1000, 1000, 4, 2, 128), {"block_n": 64, "num_stages": 4}),
+    ((2, 1000, 1000, 4, 2, 128), {"num_stages": 3, "lazy_rescale": True}),
+    ((3, 700, 700, 4, 2, 128), {"store_tma": True}),
+    ((2, 333, 500, 4, 4, 128), {"store_tma": True, "num_consumers": 1}),
+    ((2, 1000, 1000, 4, 2, 64), {"store_tma": True}),
+    ((2, 1000, 1000, 4, 2, 128), {"load_regs": 32, "consumer_regs": 232}),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "shape, knobs",
+    GPU_KNOBS,
+    ids=["x".join(map(str, s)) + "".join(f"-{k}{int(v)}" for k, v in kw.items()) for s, kw in GPU_KNOBS],
+)
+def test_gpu_gluon_knobs(shape, knobs):
+    b, s_q, s_k, h, h_kv, d = shape
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(b, s_q, h, d, generator=g).to("cuda", torch.bfloat16)
+    k, v = (torch.randn(b, s_k, h_kv, d, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+    for causal in (False, True):
+        o, lse = gluon_attention_forward(q, k, v, causal=causal, **knobs)
+        assert_rel_close(
+            o, attention_exact(q, k, v, causal=causal), 1.5e-2, f"output {knobs} causal={causal}"
+        )
         torch.testing.assert_close(lse.double(), _lse_exact(q, k, causal), atol=2e-2, rtol=1e-3)
