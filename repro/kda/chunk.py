@@ -17,7 +17,8 @@ recurrence on CPU and on an H100 (fp32 5e-7, bf16 2-4e-3 relative).
 (``kda_out_bwd_kernel``), the reverse state recurrence (``kda_state_bwd_kernel``) and all
 intra-chunk gradients in one kernel holding whole ``[BT, K]`` tiles (``kda_intra_bwd_kernel``).
 
-``BACKWARD = "split"`` (not yet timed on a GPU): the fused state kernel, then the intra-chunk work
+``BACKWARD = "split"`` (H100, B=8, T=2048: 9.01 ms forward + backward at its defaults, 6.71 with
+``SPLIT_B_WARPS = 4``, 6.64 with ``SPLIT_BKB = 32``): the fused state kernel, then the intra-chunk work
 in two kernels with more, smaller programs: the fused kernel is latency-bound (one 4-warp program
 per chunk and head walking three passes in sequence; its FLOPs would take ~0.15 ms, its bytes
 ~0.5 ms of its 5.7 ms), so ``kda_intra_bwd_split_mat_kernel`` computes the chunk's ``[BT, BT]``
@@ -70,7 +71,7 @@ INTRA_BWD_BV = 32
 INTRA_BWD_STAGES = 1
 # the fused backward's A products by column strips (_strip_grads), as in the forward
 INTRA_BWD_STRIPS = True
-# the split backward (BACKWARD = "split"; not yet timed on a GPU). Kernel A (the [BT, BT] gradients
+# the split backward (BACKWARD = "split"; timings in the module docstring). Kernel A (the [BT, BT] gradients
 # per chunk) steps through SPLIT_A_BK key and SPLIT_A_BV value channels; kernel B runs one program
 # per SPLIT_BKB key channels of a chunk (K / SPLIT_BKB programs per chunk and head). Compiled
 # offline for sm_90a (Triton 3.6, bf16 inputs, K = V = 128; shared memory from the compiled
@@ -89,6 +90,21 @@ SPLIT_A_WARPS = 4
 SPLIT_BKB = 16
 SPLIT_B_BV = 32
 SPLIT_B_WARPS = 8
+# bf16/fp16 inputs: kernels A and B take the products of input-precision data with native 16-bit
+# operands (fp32 accumulation) rather than fp32 ones in tf32: A's dO U^T, dU V^T, dU S_n^T and B's
+# dU S_n^T, U dS^T, dO S_n^T (U, dO, S_n and dS are stored in the inputs' dtype, dU in fp32 is cast).
+# Twice the tensor-core rate for those products; it does not relieve the registers (offline,
+# sm_90a, bf16: kernel B's spill stores 160 -> 192 bytes at BKB 16, 8 warps, 3204 -> 3776 at BKB
+# 32, 4 warps, 560 -> 544 at BKB 32, 8 warps; kernel A still none at BK 16, BV 16, 4 warps; shared
+# memory the same or 4 KiB less). Everything with T, dA, M_k, M_q or exp(G) stays fp32/tf32, and
+# fp32 inputs are unaffected. Not yet timed on a GPU; the state kernels keep fp32 operands (bf16
+# ones there built a kernel that read shared memory out of range)
+SPLIT_BF16_DOTS = False
+# kernel B: put each strip's parts for its 16 keys into their rows at once, by a product with a 0/1
+# matrix (tf32x3 for tf32, exact for fp32), rather than stacking all four at the end (_rows4).
+# Offline (sm_90a, bf16, BV 32) spill stores 3204 -> 2432 bytes at BKB 32, 4 warps; 1256 -> 984 at
+# BKB 16, 4 warps; 160 -> 84 at BKB 16, 8 warps; but 560 -> 912 at BKB 32, 8 warps. Not yet timed
+SPLIT_B_ROWS_BY_DOT = False
 # The two state recurrences run chunks in sequence, one program per (value block, b*HV): with few
 # sequences and heads (B=1, HV=16 at T=64k) the value blocks are the only parallelism, so the
 # block shrinks (down to STATE_MIN_BV) until there are STATE_MIN_PROGRAMS programs. Measured on an
@@ -410,6 +426,7 @@ def kda_bwd_triton_split(q, k, v, g, beta, scale, h0, saved, do, dhT):
             f"BACKWARD='split' reads dA and M_q in four column strips: needs BT = 4 * SUB, got {BT}, {SUB}"
         )
     prec = _dot_precision(q.dtype)
+    low = SPLIT_BF16_DOTS and q.dtype != torch.float32  # never for fp32 inputs
     f32 = dict(device=q.device, dtype=torch.float32)
     do = do.contiguous()
     dU, dh_all, dh0 = _state_bwd_fused(q, saved, do, dhT, scale, prec)
@@ -433,7 +450,7 @@ def kda_bwd_triton_split(q, k, v, g, beta, scale, h0, saved, do, dhT):
         k, v, beta, saved["G"], saved["T_ut"], saved["U_new"], saved["h_all"], do, dU,
         dv, M_q, dA, dbeta_parts, scale, T, NT,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=min(K, SPLIT_A_BK), BV=min(V, SPLIT_A_BV), DOT_PREC=prec,
-        num_warps=SPLIT_A_WARPS, num_stages=1,
+        LOW_DOTS=low, num_warps=SPLIT_A_WARPS, num_stages=1,
     )  # fmt: skip
     # the key block is the fastest grid axis: a chunk's NKB programs run side by side and read its
     # tiles of dU, U, dO, T, M_q, dA from L2 rather than memory
@@ -441,7 +458,7 @@ def kda_bwd_triton_split(q, k, v, g, beta, scale, h0, saved, do, dhT):
         q, k, beta, saved["G"], saved["T_ut"], saved["U_new"], saved["h_all"], dh_all, do, dU,
         M_q, dA, dq, dk, dg, dbeta_parts, scale, T, NT,
         H=H, HV=HV, K=K, V=V, BT=BT, SUB=SUB, BK=BKB, BV=min(V, SPLIT_B_BV), DOT_PREC=prec,
-        num_warps=SPLIT_B_WARPS, num_stages=1,
+        LOW_DOTS=low, ROWS_BY_DOT=SPLIT_B_ROWS_BY_DOT, num_warps=SPLIT_B_WARPS, num_stages=1,
     )  # fmt: skip
     dbeta = dbeta_parts.sum(0).to(beta.dtype)
     if group > 1:
@@ -452,8 +469,8 @@ def kda_bwd_triton_split(q, k, v, g, beta, scale, h0, saved, do, dhT):
 
 # "fused": two launches (kda_bwd_triton_fused), the fastest measured (module docstring).
 # "triton": three launches (kda_bwd_triton), the first all-Triton backward. "split": the fused
-# state kernel then two intra-chunk kernels with more, smaller programs (kda_bwd_triton_split; not
-# yet timed on a GPU). "torch": PyTorch autograd over a recomputation plus the Triton
+# state kernel then two intra-chunk kernels with more, smaller programs (kda_bwd_triton_split;
+# timed in the module docstring). "torch": PyTorch autograd over a recomputation plus the Triton
 # state-recurrence backward (the first version; a second, independent backward).
 BACKWARD = "fused"
 _TRITON_BACKWARDS = {"triton": kda_bwd_triton, "fused": kda_bwd_triton_fused, "split": kda_bwd_triton_split}

@@ -181,6 +181,20 @@ def _rows4(a0, a1, a2, a3, SUB: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
+def _place_rows(a, loc, c: tl.constexpr, SUB: tl.constexpr, DOT_PREC: tl.constexpr):
+    """A ``[SUB, BK]`` row block put into rows ``c*SUB ..`` of a ``[BT, BK]`` zero tile, as a
+    product with a 0/1 matrix (:func:`_rows4` for one block at a time, so the four blocks need
+    not be held together). Each output is one input times 1: exact with ``"ieee"`` (fp32 inputs),
+    and within fp32 rounding with ``"tf32x3"`` (split into tf32 parts) for tf32."""
+    P = tl.where(loc[:, None] == c * SUB + tl.arange(0, SUB)[None, :], 1.0, 0.0)
+    if DOT_PREC == "ieee":
+        out = tl.dot(P, a, input_precision="ieee")
+    else:
+        out = tl.dot(P, a, input_precision="tf32x3")
+    return out
+
+
+@triton.jit
 def _cat4(s0, s1, s2, s3, BT: tl.constexpr, SUB: tl.constexpr):
     """Four ``[BT, SUB]`` column strips side by side: ``[BT, 4 SUB]``, strip c in columns
     ``c*SUB .. c*SUB+SUB`` (join them into ``[BT, SUB, 2, 2]``, index ``[r, j, p, q]`` = strip
@@ -1139,6 +1153,7 @@ def kda_intra_bwd_split_mat_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    LOW_DOTS: tl.constexpr = False,
 ):
     """First kernel of the split backward (``chunk.BACKWARD = "split"``): the chunk's ``[BT, BT]``
     gradients, one program per (chunk, b*HV), two passes of :func:`kda_intra_bwd_fused_kernel`.
@@ -1154,6 +1169,11 @@ def kda_intra_bwd_split_mat_kernel(
     dbeta, ``sum_i dA_ri A_ri``, is a sum over key channels too, so each key block of the second
     kernel adds its share from the strips it computes anyway; this kernel then holds only
     ``T`` and ``dT`` (and ``M_q`` in the first pass).
+
+    ``LOW_DOTS`` (bf16/fp16 inputs only; ``chunk.SPLIT_BF16_DOTS``): the three products of
+    input-precision data, ``dO U^T``, ``dU V^T`` (beta applied to the product's columns after)
+    and ``dU S_n^T``, take operands in the states' dtype (``h_all``'s: the inputs'), dU (fp32)
+    cast, accumulating in fp32; the products with ``T`` or ``e^G`` stay fp32 (``DOT_PREC``).
     """
     i_t = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -1191,9 +1211,15 @@ def kda_intra_bwd_split_mat_kernel(
             _tile(dU + v_base, T, VS, V, r0, c0, BT, BV), boundary_check=(0,), padding_option="zero"
         )
         b_v = tl.load(_tile(v + v_base, T, VS, V, r0, c0, BT, BV), boundary_check=(0,), padding_option="zero")
-        b_do, b_u, b_v = b_do.to(tl.float32), b_u.to(tl.float32), b_v.to(tl.float32)
-        b_Mq += tl.dot(b_do, tl.trans(b_u), input_precision=DOT_PREC)
-        dT += tl.dot(b_du, tl.trans(b_v * b_beta[:, None]), input_precision=DOT_PREC)
+        if LOW_DOTS:
+            lt = h_all.dtype.element_ty
+            b_Mq += tl.dot(b_do.to(lt), tl.trans(b_u.to(lt)))
+            dT += tl.dot(b_du.to(lt), tl.trans(b_v.to(lt))) * b_beta[None, :]
+            b_v = b_v.to(tl.float32)
+        else:
+            b_do, b_u, b_v = b_do.to(tl.float32), b_u.to(tl.float32), b_v.to(tl.float32)
+            b_Mq += tl.dot(b_do, tl.trans(b_u), input_precision=DOT_PREC)
+            dT += tl.dot(b_du, tl.trans(b_v * b_beta[:, None]), input_precision=DOT_PREC)
         b_dvb = tl.dot(tl.trans(b_T), b_du, input_precision=DOT_PREC)  # d(Diag(beta) V)
         p_dv = _tile(dv + v_base, T, VS, V, r0, c0, BT, BV)
         tl.store(p_dv, (b_dvb * b_beta[:, None]).to(dv.dtype.element_ty), boundary_check=(0,))
@@ -1212,7 +1238,10 @@ def kda_intra_bwd_split_mat_kernel(
             p_du = _tile(dU + v_base, T, VS, V, r0, vb * BV, BT, BV)
             p_h = _tile(h_all + s_base, K, V, V, c0, vb * BV, BK, BV)
             b_du = tl.load(p_du, boundary_check=(0,), padding_option="zero")
-            b_dw -= tl.dot(b_du, tl.trans(tl.load(p_h).to(tl.float32)), input_precision=DOT_PREC)
+            if LOW_DOTS:
+                b_dw -= tl.dot(b_du.to(h_all.dtype.element_ty), tl.trans(tl.load(p_h)))
+            else:
+                b_dw -= tl.dot(b_du, tl.trans(tl.load(p_h).to(tl.float32)), input_precision=DOT_PREC)
         b_kb = b_k.to(tl.float32) * tl.exp(b_G) * b_beta[:, None]
         dT += tl.dot(b_dw, tl.trans(b_kb), input_precision=DOT_PREC)
     # T = (I + A_kk)^{-1}: dA = -T^T dT T^T, strictly lower
@@ -1279,6 +1308,8 @@ def kda_intra_bwd_split_dqk_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    LOW_DOTS: tl.constexpr = False,
+    ROWS_BY_DOT: tl.constexpr = False,
 ):
     """Second kernel of the split backward: the third pass of :func:`kda_intra_bwd_fused_kernel`
     for one block of BK key channels, one program per (key block, chunk, b*HV).
@@ -1290,6 +1321,13 @@ def kda_intra_bwd_split_dqk_kernel(
     ``dA * A_raw``), stored in ``dbeta_parts[1 + key block]``. Program 0 is the key block, so the
     programs of one chunk run together and share its tiles of dU, U, dO, T, M_q, dA in L2.
     Needs ``BT = 4 SUB`` (checked by the launcher).
+
+    ``LOW_DOTS`` (bf16/fp16 inputs only; ``chunk.SPLIT_BF16_DOTS``): the value-block products
+    ``dU S_n^T``, ``U dS^T`` and ``dO S_n^T`` take operands in the states' dtype (``h_all``'s and
+    ``dh_all``'s: the inputs'), dU (fp32) cast, accumulating in fp32; ``dgamma`` stays an fp32
+    sum, and the products with ``T``, ``dA``, ``M_q`` or ``e^G`` stay fp32 (``DOT_PREC``).
+    ``ROWS_BY_DOT`` (``chunk.SPLIT_B_ROWS_BY_DOT``): each strip's parts for its 16 keys go into
+    their rows at once by :func:`_place_rows` rather than all four at the end by :func:`_rows4`.
     """
     i_kb = tl.program_id(0)
     i_t = tl.program_id(1)
@@ -1335,13 +1373,21 @@ def kda_intra_bwd_split_dqk_kernel(
         b_do = tl.load(
             _tile(do + v_base, T, VS, V, r0, v0, BT, BV), boundary_check=(0,), padding_option="zero"
         )
-        b_h = tl.load(_tile(h_all + s_base, K, V, V, c0, v0, BK, BV)).to(tl.float32)
-        b_ds = tl.load(_tile(dh_all + s_base, K, V, V, c0, v0, BK, BV)).to(tl.float32)
-        b_u, b_do = b_u.to(tl.float32), b_do.to(tl.float32)
-        b_dw -= tl.dot(b_du, tl.trans(b_h), input_precision=DOT_PREC)  # U = U' - W S_n
-        b_dkd += tl.dot(b_u, tl.trans(b_ds), input_precision=DOT_PREC)  # S_{n+1} += KD^T U
-        b_dqg += tl.dot(b_do, tl.trans(b_h), input_precision=DOT_PREC)  # O += (Q e^G) S_n
-        b_dgamma += tl.sum(b_ds * b_h, axis=1)  # S_{n+1} += Diag(gamma) S_n
+        b_h = tl.load(_tile(h_all + s_base, K, V, V, c0, v0, BK, BV))
+        b_ds = tl.load(_tile(dh_all + s_base, K, V, V, c0, v0, BK, BV))
+        if LOW_DOTS:
+            lt = h_all.dtype.element_ty
+            b_h, b_ds = b_h.to(lt), b_ds.to(lt)
+            b_dw -= tl.dot(b_du.to(lt), tl.trans(b_h))  # U = U' - W S_n
+            b_dkd += tl.dot(b_u.to(lt), tl.trans(b_ds))  # S_{n+1} += KD^T U
+            b_dqg += tl.dot(b_do.to(lt), tl.trans(b_h))  # O += (Q e^G) S_n
+        else:
+            b_h, b_ds = b_h.to(tl.float32), b_ds.to(tl.float32)
+            b_u, b_do = b_u.to(tl.float32), b_do.to(tl.float32)
+            b_dw -= tl.dot(b_du, tl.trans(b_h), input_precision=DOT_PREC)  # U = U' - W S_n
+            b_dkd += tl.dot(b_u, tl.trans(b_ds), input_precision=DOT_PREC)  # S_{n+1} += KD^T U
+            b_dqg += tl.dot(b_do, tl.trans(b_h), input_precision=DOT_PREC)  # O += (Q e^G) S_n
+        b_dgamma += tl.sum(b_ds.to(tl.float32) * b_h.to(tl.float32), axis=1)  # S_{n+1} += Diag(gamma) S_n
 
     # readout O = scale (Q*e^G) S_n + A_qk U
     b_dq = b_dqg * scale * b_eG
@@ -1372,6 +1418,9 @@ def kda_intra_bwd_split_dqk_kernel(
     b_dq += gq
     b_dG += gk * b_k + gq * b_q
     b_dbeta += db
+    if ROWS_BY_DOT:
+        b_dk += _place_rows(dkc0, loc, 0, SUB, DOT_PREC)
+        b_dG += _place_rows(dGc0, loc, 0, SUB, DOT_PREC)
     gk, gq, dkc1, dGc1, db = _strip_grads_dbeta(
         b_k, b_q, b_G, kp, Gp, QS, KS, r0, T, offk, loc, b_beta,
         tl.load(_tile(dA + m_base, BT, BT, BT, 0, SUB, BT, SUB)),
@@ -1381,6 +1430,9 @@ def kda_intra_bwd_split_dqk_kernel(
     b_dq += gq
     b_dG += gk * b_k + gq * b_q
     b_dbeta += db
+    if ROWS_BY_DOT:
+        b_dk += _place_rows(dkc1, loc, 1, SUB, DOT_PREC)
+        b_dG += _place_rows(dGc1, loc, 1, SUB, DOT_PREC)
     gk, gq, dkc2, dGc2, db = _strip_grads_dbeta(
         b_k, b_q, b_G, kp, Gp, QS, KS, r0, T, offk, loc, b_beta,
         tl.load(_tile(dA + m_base, BT, BT, BT, 0, 2 * SUB, BT, SUB)),
@@ -1390,6 +1442,9 @@ def kda_intra_bwd_split_dqk_kernel(
     b_dq += gq
     b_dG += gk * b_k + gq * b_q
     b_dbeta += db
+    if ROWS_BY_DOT:
+        b_dk += _place_rows(dkc2, loc, 2, SUB, DOT_PREC)
+        b_dG += _place_rows(dGc2, loc, 2, SUB, DOT_PREC)
     gk, gq, dkc3, dGc3, db = _strip_grads_dbeta(
         b_k, b_q, b_G, kp, Gp, QS, KS, r0, T, offk, loc, b_beta,
         tl.load(_tile(dA + m_base, BT, BT, BT, 0, 3 * SUB, BT, SUB)),
@@ -1399,9 +1454,12 @@ def kda_intra_bwd_split_dqk_kernel(
     b_dq += gq
     b_dG += gk * b_k + gq * b_q
     b_dbeta += db
-    # the block's keys' parts, stacked into their rows
-    b_dk += _rows4(dkc0, dkc1, dkc2, dkc3, SUB, BK)
-    b_dG += _rows4(dGc0, dGc1, dGc2, dGc3, SUB, BK)
+    if ROWS_BY_DOT:
+        b_dk += _place_rows(dkc3, loc, 3, SUB, DOT_PREC)
+        b_dG += _place_rows(dGc3, loc, 3, SUB, DOT_PREC)
+    if not ROWS_BY_DOT:  # the block's keys' parts, stacked into their rows
+        b_dk += _rows4(dkc0, dkc1, dkc2, dkc3, SUB, BK)
+        b_dG += _rows4(dGc0, dGc1, dGc2, dGc3, SUB, BK)
     # G = cumsum(g): dg_r = sum_{r' >= r} dG_r'
     b_dg = _g_grad(b_dG, dG_last, loc, BT)
     tl.store(_tile(dq + k_base, T, KS, K, r0, c0, BT, BK), b_dq.to(dq.dtype.element_ty), boundary_check=(0,))

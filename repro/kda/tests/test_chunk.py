@@ -65,24 +65,30 @@ def _check_forward(case):
 
 # the settings of repro.kda.chunk that select each backward path. "split" (16 key channels per
 # block) launches two key blocks at K = 32, so kernel B's dbeta parts are summed across blocks;
-# "split-bk32" runs both split kernels with 32-channel blocks (one block at K <= 32)
+# "split-bk32" runs both split kernels with 32-channel blocks (one block at K <= 32).
+# "split-bf16dots" with fp32 inputs checks that SPLIT_BF16_DOTS leaves them alone (the 16-bit
+# dots themselves: test_split_low_dots_fp16 and the GPU bf16 test)
 BACKWARDS = {
     "triton": {"BACKWARD": "triton"},
     "fused": {"BACKWARD": "fused", "INTRA_BWD_STRIPS": False},
     "fused-strips": {"BACKWARD": "fused", "INTRA_BWD_STRIPS": True},
     "split": {"BACKWARD": "split"},
     "split-bk32": {"BACKWARD": "split", "SPLIT_BKB": 32, "SPLIT_A_BK": 32, "SPLIT_A_BV": 32},
+    "split-bf16dots": {"BACKWARD": "split", "SPLIT_BF16_DOTS": True},
+    "split-rowsdot": {"BACKWARD": "split", "SPLIT_B_ROWS_BY_DOT": True},
     "torch": {"BACKWARD": "torch"},
 }
 
 
 @contextlib.contextmanager
 def _backward(name):
-    """Select a backward path of repro.kda.chunk for the block, restoring the settings after."""
+    """Select a backward path of repro.kda.chunk for the block (a name of BACKWARDS or a dict of
+    settings), restoring the settings after."""
     import repro.kda.chunk as chunk_module
 
-    saved = {key: getattr(chunk_module, key) for key in BACKWARDS[name]}
-    for key, value in BACKWARDS[name].items():
+    changes = BACKWARDS[name] if isinstance(name, str) else name
+    saved = {key: getattr(chunk_module, key) for key in changes}
+    for key, value in changes.items():
         setattr(chunk_module, key, value)
     try:
         yield
@@ -130,6 +136,41 @@ def _check_gradients(case, use_final):
         assert_rel_close(b.grad.cpu(), a.grad, 1e-4, f"d{name}")
 
 
+@pytest.mark.claim(CLAIM, section=SECTION)
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"BACKWARD": "split", "SPLIT_BF16_DOTS": True},
+        {"BACKWARD": "split", "SPLIT_BF16_DOTS": True, "SPLIT_BKB": 32, "SPLIT_B_ROWS_BY_DOT": True},
+    ],
+    ids=["bkb16", "bkb32-rowsdot"],
+)
+def test_split_low_dots_fp16(changes):
+    """The split backward's 16-bit dots (SPLIT_BF16_DOTS) with fp16 inputs, K = V = 32, T = 80 (a
+    padded tail chunk), against the fp64 recurrence: 5e-3 (fp16 rounding, 11 bits: measured 5e-4
+    on CPU). fp16 rather than bf16 because Triton 3.6's interpreter gets bf16 dots wrong (a 16x16
+    product off by 1e10, the forward's too); the GPU bf16 test runs the same path in bf16."""
+    from repro.kda.tests.strategies import make_case
+
+    case = make_case(seed=5, B=1, T=80, H=2, group=1, K=32, V=32, g_max=2.0, with_h0=True)
+    ref = [x.clone().requires_grad_(True) for x in case.tensors(torch.float64)]
+    low = [
+        x.to(DEVICE, torch.float16 if i < 3 else torch.float32).requires_grad_(True)
+        for i, x in enumerate(case.tensors(torch.float64))
+    ]
+    o_ref, s_ref = recurrent_kda(*ref[:5], initial_state=ref[5], output_final_state=True)
+    gen = torch.Generator().manual_seed(0)
+    do = torch.randn(o_ref.shape, generator=gen, dtype=torch.float64)
+    ds = torch.randn(s_ref.shape, generator=gen, dtype=torch.float64)
+    torch.autograd.backward([o_ref, s_ref], [do, ds])
+    with _backward(changes):
+        o, s = chunk_kda(*low[:5], initial_state=low[5], output_final_state=True)
+        torch.autograd.backward([o, s], [do.to(DEVICE, o.dtype), ds.to(DEVICE, torch.float32)])
+    for name, a, b in zip(["q", "k", "v", "g", "beta", "initial_state"], ref, low, strict=True):
+        assert b.grad is not None, f"no gradient reached {name}"
+        assert_rel_close(b.grad.double().cpu(), a.grad, 5e-3, f"d{name} (fp16, {changes})")
+
+
 @pytest.mark.gpu
 @pytest.mark.claim(CLAIM, section=SECTION)
 @pytest.mark.parametrize("T", [64, 1000, 4096])
@@ -149,9 +190,12 @@ def test_triton_bf16_on_gpu(T):
 
 @pytest.mark.gpu
 @pytest.mark.claim(CLAIM, section=SECTION)
-@pytest.mark.parametrize("backward", ["triton", "fused", "fused-strips", "split"])
+@pytest.mark.parametrize(
+    "backward", ["triton", "fused", "fused-strips", "split", "split-bf16dots", "split-rowsdot"]
+)
 def test_triton_bf16_gradients_on_gpu(backward):
-    """Every Triton backward in bf16 at K = V = 128 (tf32 dots; "split" with eight key blocks),
+    """Every Triton backward in bf16 at K = V = 128 (tf32 dots; "split" with eight key blocks;
+    "split-bf16dots" with bf16 operands for the products of bf16 data in the split kernels),
     against the fp64 recurrence on the GPU, T not a multiple of the chunk: 2e-2 (bf16; measured
     2e-3 to 4e-3 on an H100 for "triton" and "fused")."""
     from repro.kda.tests.strategies import make_case
