@@ -46,7 +46,8 @@ class Switches:
         query tiles with asynchronous wgmma, FA3's schedule); Hopper (sm_90) only. The backward stays
         the Triton one. lazy_rescale / rescale_threshold apply (row by row there); soft_exp, pingpong,
         persistent and warp_specialize do not exist in it (an error), the forward launch shape
-        (block_m, block_n, num_warps, num_stages) is ignored. Not yet measured.
+        (block_m, block_n, num_warps, num_stages) is ignored; it launches with GLUON_LAUNCH. Measured
+        on an H100 (results/*-gluon-combos.json, *-peer.json): 0.98-1.14x cuDNN's forward at S = 4k-16k.
     block_m, block_n, num_warps, num_stages: launch shape; None picks the tuned default.
 
     Measured on one H100 (results/nvidia-h100-80gb-hbm3.json, forward, S = 4k-16k): tma=True is
@@ -154,6 +155,15 @@ def _interpreting() -> bool:
 _SM_COUNT: dict[int, int] = {}
 
 
+#: Launch knobs of the Gluon forward behind ``gluon=True``, from the interleaved sweep on an H100
+#: (results/nvidia-h100-80gb-hbm3-gluon-combos.json, median of 5 rounds, forward vs cuDNN at
+#: S = 4k / 8k / 16k): no turn barriers between the two consumers (the warp schedulers interleave
+#: them well enough) and the output stored through shared memory by TMA: with lazy rescaling (the
+#: Switches default) 0.98 / 1.01 / 1.04 non-causal and 1.02 / 1.06 / 1.13 causal, against the
+#: launcher's defaults 0.96 / 0.99 / 1.00 and 0.99 / 1.05 / 1.12.
+GLUON_LAUNCH = {"pingpong_sync": False, "store_tma": True}
+
+
 def _forward_gluon(q, k, v, causal: bool, scale: float, sw: Switches, count: bool):
     from repro.fa4.gluon_fwd import gluon_attention_forward
 
@@ -174,6 +184,7 @@ def _forward_gluon(q, k, v, causal: bool, scale: float, sw: Switches, count: boo
         scale=scale,
         lazy_rescale=sw.lazy_rescale,
         rescale_threshold=sw.rescale_threshold,
+        **GLUON_LAUNCH,
     )
     return o, lse, torch.zeros(2, device=q.device, dtype=torch.int32)
 

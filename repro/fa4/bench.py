@@ -10,6 +10,7 @@ Modes:
   --sweep     launch-shape sweep (block sizes, warps, pipelining depth) -> <device>-autotune.json
   --gluon-sweep  the Gluon forward's launch settings (GLUON_SWEEP) beside cuDNN at S = 4k, 8k, 16k,
               causal and not, forward only -> <device>-gluon-sweep.json
+  --gluon-combos  the same for GLUON_COMBOS (the first sweep's winners combined) -> <device>-gluon-combos.json
   --quick     two sequence lengths only (smoke test)
   --fa4-smoke flash-attn-4 (``flash_attn.cute``) on one small shape against the float64 reference;
               exit status 3 when it does not import, compile or run -> <device>-fa4-smoke.json
@@ -30,6 +31,7 @@ import functools
 import io
 import json
 import os
+import statistics
 import sys
 import traceback
 from pathlib import Path
@@ -313,6 +315,23 @@ GLUON_SWEEP: list[tuple[str, str, dict]] = [
     ("8k", "block-n-64+stages-4", {"block_n": 64, "num_stages": 4}),
     ("8k", "consumer-regs-232", {"consumer_regs": 232}),
 ]
+#: The second sweep (--gluon-combos): the knobs that won alone in the first one
+#: (results/*-gluon-sweep.json: lazy rescaling, no turn barriers, TMA store, 232 registers for the
+#: second consumer, each 1-7% at some shape), alone and combined, at every S, in interleaved rounds.
+_LAZY, _NOSYNC = {"lazy_rescale": True}, {"pingpong_sync": False}
+_TMA, _R232 = {"store_tma": True}, {"consumer_regs": 232}
+GLUON_COMBOS: list[tuple[str, str, dict]] = [
+    ("all", "base", {}),
+    ("all", "lazy", _LAZY),
+    ("all", "no-sync", _NOSYNC),
+    ("all", "store-tma", _TMA),
+    ("all", "lazy+no-sync", {**_LAZY, **_NOSYNC}),
+    ("all", "lazy+tma", {**_LAZY, **_TMA}),
+    ("all", "no-sync+tma", {**_NOSYNC, **_TMA}),
+    ("all", "lazy+no-sync+tma", {**_LAZY, **_NOSYNC, **_TMA}),
+    ("all", "lazy+no-sync+tma+r232", {**_LAZY, **_NOSYNC, **_TMA, **_R232}),
+    ("all", "no-sync+tma+r232", {**_NOSYNC, **_TMA, **_R232}),
+]
 GLUON_SWEEP_SEQLENS = (4096, 8192, 16384)
 GLUON_SWEEP_COLUMNS = [
     "impl",
@@ -335,13 +354,13 @@ GLUON_SWEEP_COLUMNS = [
 ]
 
 
-def gluon_sweep_plan(seqlens=GLUON_SWEEP_SEQLENS) -> list[tuple[int, bool, str, dict]]:
+def gluon_sweep_plan(seqlens=GLUON_SWEEP_SEQLENS, sweep=None) -> list[tuple[int, bool, str, dict]]:
     """(S, causal, config name, launcher kwargs) of every Gluon setting the sweep times, in order."""
     return [
         (s, causal, name, kw)
         for s in seqlens
         for causal in (False, True)
-        for where, name, kw in GLUON_SWEEP
+        for where, name, kw in (GLUON_SWEEP if sweep is None else sweep)
         if where == "all" or s == 8192
     ]
 
@@ -363,34 +382,46 @@ def gluon_sweep_settings(kw: dict) -> dict:
     )
 
 
-def _timed_fwd(fn):
-    return lambda: timed(fn, "fwd")
+def _raise(exc: BaseException):
+    raise exc
 
 
 def _vs(cudnn_ms: float, ms: float) -> dict:
     return dict(vs_cudnn=cudnn_ms / ms)
 
 
-def _checked_gluon_fwd(q, k, v, causal: bool, kw: dict, ref: torch.Tensor):
-    """A run() for trial_row: the Gluon forward with launcher kwargs ``kw`` once against ``ref``, then timed."""
+def _gluon_fwd(q, k, v, causal: bool, kw: dict):
     from repro.fa4.gluon_fwd import gluon_attention_forward
 
-    def fn():
-        return gluon_attention_forward(q, k, v, causal=causal, **kw)[0]
-
-    def run():
-        with torch.no_grad():
-            err = rel_err(fn(), ref)
-        return timed(fn, "fwd"), f"rel.err vs cuDNN {err:.1e}" + ("" if err < 2e-2 else " WRONG")
-
-    return run
+    return lambda: gluon_attention_forward(q, k, v, causal=causal, **kw)[0]
 
 
-def gluon_sweep(out_dir: Path | None, seqlens=GLUON_SWEEP_SEQLENS) -> None:
-    """cuDNN once per shape and the Gluon forward over GLUON_SWEEP, forward only (D=128, 16 heads, bf16).
+#: Rounds of the Gluon sweeps: every candidate of a shape (cuDNN included) is timed once per round,
+#: in turn, and its row gives the median over rounds. Back-to-back single timings of the same
+#: setting moved by up to 8% between two runs on one H100 (clocks, temperature); interleaving
+#: makes that drift hit every candidate alike.
+GLUON_SWEEP_ROUNDS = 5
+
+
+def _interleaved_ms(timers: list, rounds: int) -> list[list[float]]:
+    """ms of each timer (a call that times one candidate once), in turn (A B C A B C ...) ``rounds`` times."""
+    times: list[list[float]] = [[] for _ in timers]
+    for _ in range(rounds):
+        for i, timer in enumerate(timers):
+            times[i].append(timer())
+    return times
+
+
+def gluon_sweep(
+    out_dir: Path | None, seqlens=GLUON_SWEEP_SEQLENS, sweep=None, tag: str = "gluon-sweep"
+) -> None:
+    """cuDNN once per shape and the Gluon forward over ``sweep`` (GLUON_SWEEP by default), forward only
+    (D=128, 16 heads, bf16), written as ``<device>-<tag>.json``.
 
     Each Gluon setting is checked once against cuDNN's output on the same inputs (note "WRONG" past
-    2e-2 relative L2 error) and then timed; one that fails to compile or run is a row with its error.
+    2e-2 relative L2 error); one that fails to compile or run is a row with its error. The others and
+    cuDNN are timed in GLUON_SWEEP_ROUNDS interleaved rounds; each row is the median (the note gives
+    the range).
     """
     report = Report(
         package="fa4",
@@ -406,7 +437,7 @@ def gluon_sweep(out_dir: Path | None, seqlens=GLUON_SWEEP_SEQLENS) -> None:
             "consumer warpgroups with ping-pong turn barriers, register stores, lazy rescaling off)."
         ),
     )
-    plan = gluon_sweep_plan(seqlens)
+    plan = gluon_sweep_plan(seqlens, sweep)
     for s in seqlens:
         b = max(1, TOKENS // s)
         q, k, v = (t.detach() for t in make_inputs(b, s))
@@ -417,27 +448,33 @@ def gluon_sweep(out_dir: Path | None, seqlens=GLUON_SWEEP_SEQLENS) -> None:
                 ref = sdpa(*(t.transpose(1, 2).contiguous() for t in (q, k, v)), causal, "cudnn")()
                 ref = ref.transpose(1, 2)
             base = dict(causal=causal, S=s, B=b)
-            cudnn = trial_row(
-                report,
-                dict(impl="sdpa-cudnn", config="cudnn", **base),
-                _timed_fwd(sdpa(qt, kt, vt, causal, "cudnn")),
-                flop,
-                extra=lambda ms: dict(vs_cudnn=1.0),
-            )
+            rows = [dict(impl="sdpa-cudnn", config="cudnn", **base)]
+            fns, notes = [sdpa(qt, kt, vt, causal, "cudnn")], [""]
             for _, _, name, kw in (p for p in plan if p[0] == s and p[1] == causal):
-                trial_row(
-                    report,
-                    dict(impl="fa4-gluon", config=name, **base, **gluon_sweep_settings(kw)),
-                    _checked_gluon_fwd(q, k, v, causal, kw, ref),
-                    flop,
-                    extra=functools.partial(_vs, cudnn["ms"]),
-                )
+                row = dict(impl="fa4-gluon", config=name, **base, **gluon_sweep_settings(kw))
+                fn = _gluon_fwd(q, k, v, causal, kw)
+                try:  # compile and check once; a setting that fails is a row with its error, not timed
+                    with torch.no_grad():
+                        err = rel_err(fn(), ref)
+                except Exception as exc:
+                    trial_row(report, row, functools.partial(_raise, exc), flop)
+                    continue
+                rows.append(row)
+                fns.append(fn)
+                notes.append(f"rel.err vs cuDNN {err:.1e}" + ("" if err < 2e-2 else " WRONG"))
+            times = _interleaved_ms([functools.partial(timed, f, "fwd") for f in fns], GLUON_SWEEP_ROUNDS)
+            cudnn_ms = statistics.median(times[0])
+            for row, ts, note in zip(rows, times, notes, strict=True):
+                ms = statistics.median(ts)
+                spread = f"{len(ts)} rounds, {min(ts):.3f}-{max(ts):.3f} ms"
+                trial_row(report, row, lambda ms=ms, n=note, sp=spread: (ms, f"{n}; {sp}" if n else sp), flop,
+                          extra=functools.partial(_vs, cudnn_ms))  # fmt: skip
             torch.cuda.empty_cache()
-        _quiet_write(report, "gluon-sweep", out_dir)
+        _quiet_write(report, tag, out_dir)
     for causal in (False, True):
         report.plot(title=f"Gluon forward TFLOP/s by setting, causal={causal}", x="S", y="tflops",
                     series="config", where={"causal": causal}, logx=True)  # fmt: skip
-    report.write(tag="gluon-sweep", out_dir=out_dir)
+    report.write(tag=tag, out_dir=out_dir)
     best = {}
     for r in report.rows:
         if r["impl"] == "fa4-gluon" and r["vs_cudnn"] is not None and r["vs_cudnn"] == r["vs_cudnn"]:
@@ -468,7 +505,8 @@ FA4_DISTRIBUTIONS = [
 ]
 #: Our fastest forward in results/nvidia-h100-80gb-hbm3.json (S = 4k-16k): TMA on, default launch shape.
 OURS_BEST = {"tma": True}
-#: The warp-specialised Gluon forward (repro.fa4.gluon_fwd; sm_90 only), Triton backward. Not yet measured.
+#: The warp-specialised Gluon forward (repro.fa4.gluon_fwd; sm_90 only, launched with
+#: repro.fa4.GLUON_LAUNCH), Triton backward.
 OURS_GLUON = {"gluon": True}
 #: (B, S, H, D) of the smoke test: small enough for a float64 reference with gradients.
 SMOKE_SHAPE = (2, 512, HEADS, HEAD_DIM)
@@ -588,6 +626,10 @@ def _smoke_error(out_dir: Path | None) -> str:
     return "no smoke-test result found"
 
 
+#: Rounds of --peer: each shape's candidates are timed in turn this many times (see GLUON_SWEEP_ROUNDS).
+PEER_ROUNDS = 3
+
+
 def peer(out_dir: Path | None, seqlens, use_fa4: bool = True) -> None:
     """flash-attn-4, cuDNN (SDPA) and ours (OURS_BEST) at the shapes of :func:`full`, one process.
 
@@ -603,9 +645,9 @@ def peer(out_dir: Path | None, seqlens, use_fa4: bool = True) -> None:
         measure_ceilings=False,
         notes=(
             "TFLOP/s as in the main result file (4 B H S^2 D forward, halved when causal, x3.5 for forward+backward). "
-            "All timed in one process, in the order fa4-cute, sdpa-cudnn, fa4-triton-tma, fa4-gluon (ours with "
-            "the warp-specialised Gluon forward, Triton backward); rel.err is against "
-            "cuDNN's output on the same inputs."
+            "All timed in one process: for each shape and pass, fa4-cute, sdpa-cudnn, fa4-triton-tma and "
+            "fa4-gluon (ours with the warp-specialised Gluon forward, Triton backward) in turn, PEER_ROUNDS rounds, "
+            "each row the median (the note gives the range); rel.err is against cuDNN's output on the same inputs."
         ),
     )
     fn, info = load_flash_attn_4() if use_fa4 else (None, f"not run (--no-fa4): {_smoke_error(out_dir)}")
@@ -629,21 +671,20 @@ def peer(out_dir: Path | None, seqlens, use_fa4: bool = True) -> None:
                 impls.append(("sdpa-cudnn", sdpa(qt, kt, vt, causal, "cudnn"), (qt, kt, vt), None))
                 impls.append(("fa4-triton-tma", ours(q, k, v, causal, OURS_BEST), (q, k, v), ours(*same, causal, OURS_BEST)))  # fmt: skip
                 impls.append(("fa4-gluon", ours(q, k, v, causal, OURS_GLUON), (q, k, v), ours(*same, causal, OURS_GLUON)))  # fmt: skip
+                timers, rows, notes = [], [], []
                 for name, f, inputs, f_same in impls:
                     row = dict(group="peer", impl=name, causal=causal, S=s, B=b, **{"pass": passes})
                     if name == "fa4-cute" and (passes, causal) in failed:
                         _row_error(report, **row, note=f"not retried: {failed[(passes, causal)][:120]}")
                         continue
-                    try:
+                    try:  # compile (and check the output) once; a failure is a row, the rest go on
                         note = ""
                         if passes == "fwd" and f_same is not None:
                             with torch.no_grad():
                                 err = rel_err(f_same(), ref)
                             note = f"rel.err vs cuDNN {err:.1e}" + ("" if err < 2e-2 else " WRONG")
-                        ms = timed(f, passes, inputs)
-                        report.add(
-                            **row, ms=ms, tflops=flops(b, s, causal, passes) / (ms * 1e-3) / 1e12, note=note
-                        )
+                        timer = functools.partial(timed, f, passes, inputs)
+                        timer()
                     except Exception as exc:  # record and go on
                         msg = error_text(exc)
                         print(f"[{name} S={s} causal={causal} {passes}] failed: {msg}", file=sys.stderr)
@@ -655,7 +696,16 @@ def peer(out_dir: Path | None, seqlens, use_fa4: bool = True) -> None:
                                 )
                             failed[(passes, causal)] = msg
                         _row_error(report, **row, note=msg)
-                    torch.cuda.empty_cache()
+                        continue
+                    timers.append(timer)
+                    rows.append(row)
+                    notes.append(note)
+                for row, ts, note in zip(rows, _interleaved_ms(timers, PEER_ROUNDS), notes, strict=True):
+                    ms = statistics.median(ts)
+                    spread = f"median of {len(ts)} rounds, {min(ts):.3f}-{max(ts):.3f} ms"
+                    report.add(**row, ms=ms, tflops=flops(b, s, causal, passes) / (ms * 1e-3) / 1e12,
+                               note=f"{note}; {spread}" if note else spread)  # fmt: skip
+                torch.cuda.empty_cache()
             print(f"done causal={causal} S={s}", flush=True)
             _quiet_write(report, "peer", out_dir)
     for causal in (False, True):
@@ -808,6 +858,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--gluon-sweep", action="store_true")
+    parser.add_argument("--gluon-combos", action="store_true")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--fa4-smoke", action="store_true")
     parser.add_argument("--peer", action="store_true")
@@ -827,6 +878,8 @@ def main(argv: list[str] | None = None) -> None:
             sweep(out)
         elif args.gluon_sweep:
             gluon_sweep(out)
+        elif args.gluon_combos:
+            gluon_sweep(out, sweep=GLUON_COMBOS, tag="gluon-combos")
         elif args.fa4_smoke:
             if not fa4_smoke(out):
                 raise SystemExit(3)

@@ -65,7 +65,7 @@ nofa4=()
 if [ "$smoke" -ne 0 ] && [ "$smoke" -ne 124 ]; then nofa4=(--no-fa4); fi
 
 step "benchmark rows: flash-attn-4, cuDNN, ours (TMA on), S = 1k..16k, causal and not ${nofa4[*]}"
-timeout "$(cap 240 110)" python3 -m repro.fa4.bench --peer "${nofa4[@]}" --out "$OUT"
+timeout "$(cap 330 60)" python3 -m repro.fa4.bench --peer "${nofa4[@]}" --out "$OUT"
 echo "peer bench exit status: $?"
 
 step "Nsight Compute: one forward each at S = 8k, non-causal"

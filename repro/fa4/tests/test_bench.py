@@ -128,13 +128,15 @@ def test_gpu_flash_attn_4_matches_reference():
             assert bench.rel_err(a, r) < 3e-2, f"d{name}"
 
 
-def test_gluon_sweep_plan_is_small_and_valid():
+@pytest.mark.parametrize("sweep", ["GLUON_SWEEP", "GLUON_COMBOS"])
+def test_gluon_sweep_plan_is_small_and_valid(sweep):
     from repro.fa4.gluon_fwd import KNOBS, _constexprs
 
-    plan = bench.gluon_sweep_plan()
+    plan = bench.gluon_sweep_plan(sweep=getattr(bench, sweep))
     shapes = {(s, c) for s, c, _, _ in plan}
-    assert len(shapes) == 6 and len(plan) + len(shapes) <= 44  # + one cuDNN row per shape
-    assert any(kw.get("num_consumers") == 1 for *_, kw in plan)
+    assert len(shapes) == 6 and len(plan) + len(shapes) <= 66  # + one cuDNN row per shape
+    if sweep == "GLUON_SWEEP":
+        assert any(kw.get("num_consumers") == 1 for *_, kw in plan)
     for *_, kw in plan:  # every setting is one the launcher accepts, and its row names every knob it sets
         st = bench.gluon_sweep_settings(kw)
         assert set(kw) <= set(st)
