@@ -4,26 +4,24 @@ Forward: three Triton launches (kernels.py), no PyTorch math on the hot path. It
 intermediates the backward needs (cumulative decay G, the UT transform T, W, KD, the states
 entering each chunk, the pseudo-values U): no recomputation.
 
-Backward (``BACKWARD = "fused"``, the default): two launches, the readout's gradient folded into
-the reverse state recurrence (``kda_state_bwd_fused_kernel``, the only sequential part, no
-atomics) and a channel-blocked kernel for all intra-chunk gradients (``kda_intra_bwd_fused_kernel``:
-WY factors, the UT transform through dA = -T^T dT T^T, the decayed key products by column strips,
-the cumulative sum of g). Measured on an H100 (bf16, B=8, T=2048, H=16, K=V=128, forward +
-backward kernel time): 7.69 ms with column strips and 4 warps, against 10.36 ms for the
-three-launch ``"triton"`` backward (flash-linear-attention's chunk_kda: 5.46 ms). It matches the
-recurrence on CPU and on an H100 (fp32 5e-7, bf16 2-4e-3 relative).
+Backward (``BACKWARD = "split"``, the default): the reverse state recurrence with the readout's
+gradient folded in (``kda_state_bwd_fused_kernel``, the only sequential part, no atomics), then the
+intra-chunk gradients in two kernels with many small programs: ``kda_intra_bwd_split_mat_kernel``
+computes each chunk's ``[BT, BT]`` gradients (M_q for A_qk, dA = -T^T dT T^T for the UT transform)
+plus dv, and ``kda_intra_bwd_split_dqk_kernel`` the per-channel gradients dq, dk, dg, one program per
+block of SPLIT_BKB key channels, reading those matrices back from memory. Measured on an H100
+(bf16, B=8, T=2048, H=16, K=V=128, forward + backward, median of 3 interleaved rounds): 5.57 ms
+with SPLIT_BKB = 32 and 4 warps for kernel B (flash-linear-attention's chunk_kda: 5.46 ms).
+
+``BACKWARD = "fused"``: the same state kernel and all intra-chunk gradients in one program per
+chunk and head (``kda_intra_bwd_fused_kernel``, channel blocks, A products by column strips):
+7.64 ms (6.71 with INTRA_BWD_BK = 32). One program walks three passes of small products in
+sequence: latency-bound (its FLOPs would take ~0.15 ms, its bytes ~0.5 ms of its 5.7 ms).
 
 ``BACKWARD = "triton"``: the first all-Triton backward, three launches: the readout's gradient
-(``kda_out_bwd_kernel``), the reverse state recurrence (``kda_state_bwd_kernel``) and all
-intra-chunk gradients in one kernel holding whole ``[BT, K]`` tiles (``kda_intra_bwd_kernel``).
-
-``BACKWARD = "split"`` (H100, B=8, T=2048: 9.01 ms forward + backward at its defaults, 6.71 with
-``SPLIT_B_WARPS = 4``, 6.64 with ``SPLIT_BKB = 32``): the fused state kernel, then the intra-chunk work
-in two kernels with more, smaller programs: the fused kernel is latency-bound (one 4-warp program
-per chunk and head walking three passes in sequence; its FLOPs would take ~0.15 ms, its bytes
-~0.5 ms of its 5.7 ms), so ``kda_intra_bwd_split_mat_kernel`` computes the chunk's ``[BT, BT]``
-gradients (M_q, dA) and ``kda_intra_bwd_split_dqk_kernel`` the per-channel gradients, one program
-per block of key channels, reading those matrices back from memory.
+(``kda_out_bwd_kernel``), the reverse state recurrence (``kda_state_bwd_kernel``, atomics) and all
+intra-chunk gradients in one kernel holding whole ``[BT, K]`` tiles (``kda_intra_bwd_kernel``):
+10.36 ms.
 
 ``BACKWARD = "torch"`` selects the first, slower backward: PyTorch autograd over a recomputation
 of the intra-chunk parts around the Triton state-recurrence backward. The tests check both
@@ -87,9 +85,13 @@ INTRA_BWD_STRIPS = True
 SPLIT_A_BK = 16
 SPLIT_A_BV = 16
 SPLIT_A_WARPS = 4
-SPLIT_BKB = 16
+# kernel B measured on an H100 (B=8, T=2048, fwd+bwd, median of 3 interleaved rounds, bench.py
+# --tune): BKB 32 / 4 warps 5.57 ms; 32 / 8: 6.55; 16 / 4: 6.71; 16 / 8: 9.01; 64 / 8: 6.44.
+# Two programs of 4 warps fit per SM (registers), one of 8; at BKB 32 and 4 warps it spills more
+# (offline) yet is the fastest
+SPLIT_BKB = 32
 SPLIT_B_BV = 32
-SPLIT_B_WARPS = 8
+SPLIT_B_WARPS = 4
 # bf16/fp16 inputs: kernels A and B take the products of input-precision data with native 16-bit
 # operands (fp32 accumulation) rather than fp32 ones in tf32: A's dO U^T, dU V^T, dU S_n^T and B's
 # dU S_n^T, U dS^T, dO S_n^T (U, dO, S_n and dS are stored in the inputs' dtype, dU in fp32 is cast).
@@ -97,14 +99,11 @@ SPLIT_B_WARPS = 8
 # sm_90a, bf16: kernel B's spill stores 160 -> 192 bytes at BKB 16, 8 warps, 3204 -> 3776 at BKB
 # 32, 4 warps, 560 -> 544 at BKB 32, 8 warps; kernel A still none at BK 16, BV 16, 4 warps; shared
 # memory the same or 4 KiB less). Everything with T, dA, M_k, M_q or exp(G) stays fp32/tf32, and
-# fp32 inputs are unaffected. Not yet timed on a GPU; the state kernels keep fp32 operands (bf16
-# ones there built a kernel that read shared memory out of range)
+# fp32 inputs are unaffected. Timed on an H100 (B=8, T=2048): no faster (5.72 against 5.57 ms at BKB
+# 32, 4 warps; 6.67 against 6.55 at BKB 32, 8 warps): the kernels are bound by latency, not by
+# tensor-core rate. Kept as a switch, off. The state kernels keep fp32 operands (bf16 ones there
+# built a kernel that read shared memory out of range)
 SPLIT_BF16_DOTS = False
-# kernel B: put each strip's parts for its 16 keys into their rows at once, by a product with a 0/1
-# matrix (tf32x3 for tf32, exact for fp32), rather than stacking all four at the end (_rows4).
-# Offline (sm_90a, bf16, BV 32) spill stores 3204 -> 2432 bytes at BKB 32, 4 warps; 1256 -> 984 at
-# BKB 16, 4 warps; 160 -> 84 at BKB 16, 8 warps; but 560 -> 912 at BKB 32, 8 warps. Not yet timed
-SPLIT_B_ROWS_BY_DOT = False
 # The two state recurrences run chunks in sequence, one program per (value block, b*HV): with few
 # sequences and heads (B=1, HV=16 at T=64k) the value blocks are the only parallelism, so the
 # block shrinks (down to STATE_MIN_BV) until there are STATE_MIN_PROGRAMS programs. Measured on an
@@ -458,7 +457,7 @@ def kda_bwd_triton_split(q, k, v, g, beta, scale, h0, saved, do, dhT):
         q, k, beta, saved["G"], saved["T_ut"], saved["U_new"], saved["h_all"], dh_all, do, dU,
         M_q, dA, dq, dk, dg, dbeta_parts, scale, T, NT,
         H=H, HV=HV, K=K, V=V, BT=BT, SUB=SUB, BK=BKB, BV=min(V, SPLIT_B_BV), DOT_PREC=prec,
-        LOW_DOTS=low, ROWS_BY_DOT=SPLIT_B_ROWS_BY_DOT, num_warps=SPLIT_B_WARPS, num_stages=1,
+        LOW_DOTS=low, num_warps=SPLIT_B_WARPS, num_stages=1,
     )  # fmt: skip
     dbeta = dbeta_parts.sum(0).to(beta.dtype)
     if group > 1:
@@ -467,12 +466,12 @@ def kda_bwd_triton_split(q, k, v, g, beta, scale, h0, saved, do, dhT):
     return dq, dk, dv, dg, dbeta, dh0.to(h0.dtype) if h0 is not None else None
 
 
-# "fused": two launches (kda_bwd_triton_fused), the fastest measured (module docstring).
-# "triton": three launches (kda_bwd_triton), the first all-Triton backward. "split": the fused
-# state kernel then two intra-chunk kernels with more, smaller programs (kda_bwd_triton_split;
-# timed in the module docstring). "torch": PyTorch autograd over a recomputation plus the Triton
-# state-recurrence backward (the first version; a second, independent backward).
-BACKWARD = "fused"
+# "split": the fused state kernel then two intra-chunk kernels with more, smaller programs
+# (kda_bwd_triton_split), the fastest measured (module docstring). "fused": two launches
+# (kda_bwd_triton_fused). "triton": three launches (kda_bwd_triton), the first all-Triton backward.
+# "torch": PyTorch autograd over a recomputation plus the Triton state-recurrence backward (the
+# first version; a second, independent backward).
+BACKWARD = "split"
 _TRITON_BACKWARDS = {"triton": kda_bwd_triton, "fused": kda_bwd_triton_fused, "split": kda_bwd_triton_split}
 
 

@@ -64,7 +64,8 @@ def _check_forward(case):
 
 
 # the settings of repro.kda.chunk that select each backward path. "split" (16 key channels per
-# block) launches two key blocks at K = 32, so kernel B's dbeta parts are summed across blocks;
+# block, not the default 32) launches two key blocks at K = 32, so kernel B's dbeta parts are summed
+# across blocks;
 # "split-bk32" runs both split kernels with 32-channel blocks (one block at K <= 32).
 # "split-bf16dots" with fp32 inputs checks that SPLIT_BF16_DOTS leaves them alone (the 16-bit
 # dots themselves: test_split_low_dots_fp16 and the GPU bf16 test)
@@ -72,10 +73,9 @@ BACKWARDS = {
     "triton": {"BACKWARD": "triton"},
     "fused": {"BACKWARD": "fused", "INTRA_BWD_STRIPS": False},
     "fused-strips": {"BACKWARD": "fused", "INTRA_BWD_STRIPS": True},
-    "split": {"BACKWARD": "split"},
+    "split": {"BACKWARD": "split", "SPLIT_BKB": 16},
     "split-bk32": {"BACKWARD": "split", "SPLIT_BKB": 32, "SPLIT_A_BK": 32, "SPLIT_A_BV": 32},
     "split-bf16dots": {"BACKWARD": "split", "SPLIT_BF16_DOTS": True},
-    "split-rowsdot": {"BACKWARD": "split", "SPLIT_B_ROWS_BY_DOT": True},
     "torch": {"BACKWARD": "torch"},
 }
 
@@ -140,10 +140,10 @@ def _check_gradients(case, use_final):
 @pytest.mark.parametrize(
     "changes",
     [
-        {"BACKWARD": "split", "SPLIT_BF16_DOTS": True},
-        {"BACKWARD": "split", "SPLIT_BF16_DOTS": True, "SPLIT_BKB": 32, "SPLIT_B_ROWS_BY_DOT": True},
+        {"BACKWARD": "split", "SPLIT_BF16_DOTS": True, "SPLIT_BKB": 16},
+        {"BACKWARD": "split", "SPLIT_BF16_DOTS": True, "SPLIT_BKB": 32},
     ],
-    ids=["bkb16", "bkb32-rowsdot"],
+    ids=["bkb16", "bkb32"],
 )
 def test_split_low_dots_fp16(changes):
     """The split backward's 16-bit dots (SPLIT_BF16_DOTS) with fp16 inputs, K = V = 32, T = 80 (a
@@ -191,7 +191,7 @@ def test_triton_bf16_on_gpu(T):
 @pytest.mark.gpu
 @pytest.mark.claim(CLAIM, section=SECTION)
 @pytest.mark.parametrize(
-    "backward", ["triton", "fused", "fused-strips", "split", "split-bf16dots", "split-rowsdot"]
+    "backward", ["triton", "fused", "fused-strips", "split", "split-bk32", "split-bf16dots"]
 )
 def test_triton_bf16_gradients_on_gpu(backward):
     """Every Triton backward in bf16 at K = V = 128 (tf32 dots; "split" with eight key blocks;
