@@ -3,8 +3,9 @@
 ``python -m repro.kda.bench [--quick] [--out DIR]``
 
 Shapes: H = 16 heads, K = V = 128, bf16, B x T = 16384 tokens for T = 2k .. 32k; at T = 64k
-B = 1 (65536 tokens: B cannot go below 1). Each row is the median time of one call
-(``paperclub.bench.time_ms``, CUDA events through triton's do_bench):
+B = 1 (65536 tokens: B cannot go below 1). Each row is the median over ROUNDS rounds, in each of
+which every implementation and pass at that T is timed once in turn (``paperclub.bench.time_ms``,
+CUDA events through triton's do_bench, itself a median):
 
 * ``ours``: ``repro.kda.chunk_kda`` (Triton forward, three launches; backward as chunk.BACKWARD selects);
 * ``fla_kda``: ``fla.ops.kda.chunk_kda`` (flash-linear-attention 0.6.0, default arguments);
@@ -18,6 +19,7 @@ inputs; both run in bf16, so about 1e-2 is agreement.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from pathlib import Path
 
@@ -88,6 +90,11 @@ def warm(Ts: list[int]) -> None:
             print(f"warm T={T} {name}: {time.perf_counter() - t0:.1f} s", flush=True)
 
 
+#: Rounds of the main benchmark: at each T every implementation and pass is timed once per round,
+#: in turn; a row is the median (clock and temperature drift moved single timings by 5-8%).
+ROUNDS = 3
+
+
 def run(quick: bool, out_dir: Path | None, budget_s: float, only: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("repro.kda.bench needs a CUDA GPU")
@@ -104,7 +111,8 @@ def run(quick: bool, out_dir: Path | None, budget_s: float, only: list[str] | No
         notes=(
             "B*T = 16384 tokens except T = 65536 (B = 1, 65536 tokens). ours: Triton forward (3 launches) and "
             f"Triton backward (chunk.BACKWARD = {backward!r}). rel_err_vs_fla: our forward output against fla's chunk_kda on the "
-            "same bf16 inputs."
+            f"same bf16 inputs. Each row: median of {ROUNDS} rounds in which every implementation and pass "
+            "at that T is timed in turn."
         ),
         measure_ceilings=False,
     )
@@ -121,6 +129,7 @@ def run(quick: bool, out_dir: Path | None, budget_s: float, only: list[str] | No
         errs = {}
         if "fla_kda" in fns and "ours" in fns:
             errs["ours"] = rel_error(fns["ours"](*inputs).float(), fns["fla_kda"](*inputs).float())
+        timers = []  # (name, label, timer): each compiled (and autotuned) once, then timed in rounds
         for name, fn in fns.items():
             if time.perf_counter() - start > budget_s:
                 skipped.append(f"{name}@T={T}")
@@ -134,16 +143,26 @@ def run(quick: bool, out_dir: Path | None, budget_s: float, only: list[str] | No
 
             for label, f in (("fwd", lambda fn=fn, x=inputs: fn(*x)), ("fwd+bwd", fwd_bwd)):
                 try:
-                    ms = time_ms(f)
+                    time_ms(f, warmup=1, rep=1)
                 except Exception as exc:  # a peer that refuses to run is a result, not a crash
                     failed.append(
                         f"{name} {label} at T={T}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
                     )
                     print(f"T={T:6d} {name} {label} failed: {failed[-1]}", flush=True)
                     continue
-                err = errs.get(name) if label == "fwd" else None
-                report.add(impl=name, B=B, T=T, ms=round(ms, 4), rel_err_vs_fla=err, **{"pass": label})
-                print(f"T={T:6d} B={B:2d} {name:11s} {label:8s} {ms:8.3f} ms", flush=True)
+                timers.append((name, label, f))
+        times: list[list[float]] = [[] for _ in timers]
+        for _ in range(ROUNDS):  # in turn, so that clock drift hits every implementation alike
+            for i, (_, _, f) in enumerate(timers):
+                times[i].append(time_ms(f))
+        for (name, label, _), ts in zip(timers, times, strict=True):
+            ms = statistics.median(ts)
+            err = errs.get(name) if label == "fwd" else None
+            report.add(impl=name, B=B, T=T, ms=round(ms, 4), rel_err_vs_fla=err, **{"pass": label})
+            print(
+                f"T={T:6d} B={B:2d} {name:11s} {label:8s} {ms:8.3f} ms ({min(ts):.3f}-{max(ts):.3f})",
+                flush=True,
+            )
         del inputs
         torch.cuda.empty_cache()
         report.notes = (
