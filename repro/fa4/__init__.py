@@ -47,7 +47,8 @@ class Switches:
         the Triton one. lazy_rescale / rescale_threshold apply (row by row there); soft_exp, pingpong,
         persistent and warp_specialize do not exist in it (an error), the forward launch shape
         (block_m, block_n, num_warps, num_stages) is ignored; it launches with GLUON_LAUNCH. Measured
-        on an H100 (results/*-gluon-combos.json, *-peer.json): 0.98-1.14x cuDNN's forward at S = 4k-16k.
+        on an H100 (results/*-gluon-combos.json, *-peer.json): 0.98-1.13x cuDNN's forward at S = 4k-16k
+        (1.30-1.50x the Triton kernel with tma=True); lazy_rescale costs nothing there (within 0.6%).
     block_m, block_n, num_warps, num_stages: launch shape; None picks the tuned default.
 
     Measured on one H100 (results/nvidia-h100-80gb-hbm3.json, forward, S = 4k-16k): tma=True is

@@ -13,8 +13,11 @@ program (CTA) owns ``NUM_CONSUMERS`` query tiles of ``BLOCK_M`` rows of one head
   operand of O += P V. Each consumer overlaps its own work as FA3's "intra-warpgroup overlap" does:
   S_{j+1} = Q K_{j+1}^T and O += P_j V_j are both in flight while the softmax of S_{j+1} runs, and
   O is rescaled after the P V product lands. The two consumers share every K/V load and run
-  independently, so one's softmax overlaps the other's matmuls (FA3's ping-pong, left to the warp
-  schedulers rather than forced with named barriers).
+  independently, so one's softmax overlaps the other's matmuls (FA3's ping-pong). ``pingpong_sync``
+  (the launcher's default) also forces the alternation, as FA3's named barriers do, with two "turn"
+  mbarriers; ``attention(..., gluon=True)`` launches without them (``repro.fa4.GLUON_LAUNCH``): on
+  an H100 dropping them changed the forward by -1.3% to +2.3% (results/*-gluon-combos.json), the
+  warp schedulers interleaving the two consumers well enough on their own.
 
 Causal masks are bottom-right aligned (row i sees keys j <= i + S_K - S_Q, S_Q <= S_K). Key tiles
 that no row of a consumer sees are skipped by that consumer (it still releases their buffers);
