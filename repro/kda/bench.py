@@ -227,9 +227,8 @@ def breakdown(B: int = 8, T: int = 2048, names: tuple[str, ...] = ("ours", "fla_
 
 TUNING = [  # launch settings of repro.kda.chunk, each change (one or more names) tried against the defaults
     # settled on an H100 (B=8, T=2048, chunk.py's comments) and left out: the forward's strips,
-    # warps and key block, the state kernels' value blocks, the fused backward's strips and warps,
-    # the split backward's key block, warps and 16-bit dots. The other backwards at their best:
-    {"BACKWARD": "fused", "INTRA_BWD_BK": 32},
+    # warps and key block, the state kernels' value blocks, the split backward's key block, warps
+    # and 16-bit dots. The other Triton backward:
     {"BACKWARD": "triton"},
     # the split backward around its defaults (BKB 32, 4 warps for kernel B)
     {"SPLIT_BKB": 64, "SPLIT_B_WARPS": 8},
@@ -326,7 +325,7 @@ def main() -> None:
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="set a launch setting of repro.kda.chunk first (e.g. BACKWARD=fused); repeatable",
+        help="set a launch setting of repro.kda.chunk first (e.g. BACKWARD=triton); repeatable",
     )
     args = ap.parse_args()
     apply_settings(args.set)

@@ -13,15 +13,12 @@ block of SPLIT_BKB key channels, reading those matrices back from memory. Measur
 (bf16, B=8, T=2048, H=16, K=V=128, forward + backward, median of 3 interleaved rounds): 5.57 ms
 with SPLIT_BKB = 32 and 4 warps for kernel B (flash-linear-attention's chunk_kda: 5.46 ms).
 
-``BACKWARD = "fused"``: the same state kernel and all intra-chunk gradients in one program per
-chunk and head (``kda_intra_bwd_fused_kernel``, channel blocks, A products by column strips):
-7.64 ms (6.71 with INTRA_BWD_BK = 32). One program walks three passes of small products in
-sequence: latency-bound (its FLOPs would take ~0.15 ms, its bytes ~0.5 ms of its 5.7 ms).
-
 ``BACKWARD = "triton"``: the first all-Triton backward, three launches: the readout's gradient
 (``kda_out_bwd_kernel``), the reverse state recurrence (``kda_state_bwd_kernel``, atomics) and all
 intra-chunk gradients in one kernel holding whole ``[BT, K]`` tiles (``kda_intra_bwd_kernel``):
-10.36 ms.
+10.36 ms. A fused backward came between "triton" and "split" (the same state kernel, then all
+intra-chunk gradients in one program per chunk and head: 7.64 ms) and was removed once "split"
+replaced it.
 
 ``BACKWARD = "torch"`` selects the first, slower backward: PyTorch autograd over a recomputation
 of the intra-chunk parts around the Triton state-recurrence backward. The tests check both
@@ -37,7 +34,6 @@ import triton
 from repro.kda.chunk_torch import chunk_matrices
 from repro.kda.kernels import (
     kda_decode_kernel,
-    kda_intra_bwd_fused_kernel,
     kda_intra_bwd_kernel,
     kda_intra_bwd_split_dqk_kernel,
     kda_intra_bwd_split_mat_kernel,
@@ -59,16 +55,6 @@ INTRA_BK = 32  # key channels per step of the forward intra-chunk kernel
 # A_kk, A_qk by column strips (kda_intra_fwd_kernel's STRIPS) rather than masked row blocks: on an
 # H100 at B=8, T=2048 the forward took 1.135 ms against 1.297 ms (4 warps; 8 warps: 1.68, 2.07)
 INTRA_FWD_STRIPS = True
-# the backward intra-chunk kernel holds six [BT, BT] fp32 matrices: with 16 key channels and 32
-# value channels per step and no software pipelining it fits the H100's 227 KiB of shared memory.
-# With column strips and 4 warps the fused backward took 7.69 ms forward + backward at B=8, T=2048
-# on an H100 (intra-chunk kernel 5.71 ms), the best of bench.py --tune's settings
-INTRA_BWD_WARPS = 4
-INTRA_BWD_BK = 16
-INTRA_BWD_BV = 32
-INTRA_BWD_STAGES = 1
-# the fused backward's A products by column strips (_strip_grads), as in the forward
-INTRA_BWD_STRIPS = True
 # the split backward (BACKWARD = "split"; timings in the module docstring). Kernel A (the [BT, BT] gradients
 # per chunk) steps through SPLIT_A_BK key and SPLIT_A_BV value channels; kernel B runs one program
 # per SPLIT_BKB key channels of a chunk (K / SPLIT_BKB programs per chunk and head). Compiled
@@ -79,7 +65,7 @@ INTRA_BWD_STRIPS = True
 #   B, BKB 16, BV 32, 8 warps: 24 KiB, 255 registers, 160 bytes of spill stores (4 warps: 1256;
 #     BKB 32: 32 KiB, 560 bytes at 8 warps, 3204 at 4). Most of it is stacking the four strips'
 #     [16, BKB] key parts into rows (_rows4): without that step B spills nothing at BKB 16, 8
-#     warps. The fused kernel at its measured best (BK 16, BV 32, strips, 4 warps) spills 1776.
+#     warps. (The removed fused backward's single intra-chunk kernel, BK 16, BV 32, 4 warps, spilled 1776.)
 # Shared memory leaves room for 2+ programs per SM for both; registers (65536 per SM) allow two
 # 4-warp programs of 255 registers, one 8-warp program
 SPLIT_A_BK = 16
@@ -108,7 +94,7 @@ SPLIT_BF16_DOTS = False
 # sequences and heads (B=1, HV=16 at T=64k) the value blocks are the only parallelism, so the
 # block shrinks (down to STATE_MIN_BV) until there are STATE_MIN_PROGRAMS programs. Measured on an
 # H100 (bf16, K=V=128, HV=16): forward at 1 x 64k 6.35 / 5.61 / 5.37 ms with BV 64 / 32 / 16 (8
-# warps), at 8 x 2k 1.116 / 1.161 / 1.233 ms; backward (fused) at 1 x 64k BV 16 0.8 ms faster than
+# warps), at 8 x 2k 1.116 / 1.161 / 1.233 ms; backward (fused state kernel) at 1 x 64k BV 16 0.8 ms faster than
 # 32, at 8 x 2k 0.6 ms slower. None = by this rule; an int fixes the block.
 STATE_MIN_PROGRAMS = 128
 STATE_MIN_BV = 16
@@ -382,37 +368,6 @@ def _state_bwd_fused(q, saved, do, dhT, scale, prec):
     return dU, dh_all, dh0
 
 
-def kda_bwd_triton_fused(q, k, v, g, beta, scale, h0, saved, do, dhT):
-    """The backward pass in two Triton launches: the reverse state recurrence, then everything
-    parallel over chunks."""
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    NT = triton.cdiv(T, BT)
-    prec = _dot_precision(q.dtype)
-    do = do.contiguous()
-    dU, dh_all, dh0 = _state_bwd_fused(q, saved, do, dhT, scale, prec)
-    group = HV // H
-    # one value head per key head: the kernel writes dq, dk in their final dtype; otherwise fp32
-    # per value head, summed below into the key head they share
-    qk_dtype = q.dtype if group == 1 else torch.float32
-    dq = torch.empty(B, T, HV, K, device=q.device, dtype=qk_dtype)
-    dk = torch.empty(B, T, HV, K, device=q.device, dtype=qk_dtype)
-    dg = torch.empty(B, T, HV, K, device=q.device, dtype=g.dtype)
-    dv = torch.empty(B, T, HV, V, device=q.device, dtype=v.dtype)
-    dbeta = torch.empty(B, T, HV, device=q.device, dtype=beta.dtype)
-    kda_intra_bwd_fused_kernel[(NT, B * HV)](
-        q, k, v, beta, saved["G"], saved["T_ut"], saved["U_new"], saved["h_all"], dh_all, do, dU,
-        dq, dk, dv, dg, dbeta, scale, T, NT,
-        H=H, HV=HV, K=K, V=V, BT=BT, SUB=SUB, BK=min(K, INTRA_BWD_BK), BV=min(V, INTRA_BWD_BV),
-        DOT_PREC=prec, STRIPS=INTRA_BWD_STRIPS and BT == 4 * SUB, num_warps=INTRA_BWD_WARPS,
-        num_stages=INTRA_BWD_STAGES,
-    )  # fmt: skip
-    if group > 1:
-        dq = dq.view(B, T, H, group, K).sum(3).to(q.dtype)
-        dk = dk.view(B, T, H, group, K).sum(3).to(k.dtype)
-    return dq, dk, dv, dg, dbeta, dh0.to(h0.dtype) if h0 is not None else None
-
-
 def kda_bwd_triton_split(q, k, v, g, beta, scale, h0, saved, do, dhT):
     """The backward pass in three Triton launches (and one small sum): the reverse state
     recurrence, the chunks' ``[BT, BT]`` gradients (kernel A), the per-channel gradients by blocks
@@ -467,12 +422,12 @@ def kda_bwd_triton_split(q, k, v, g, beta, scale, h0, saved, do, dhT):
 
 
 # "split": the fused state kernel then two intra-chunk kernels with more, smaller programs
-# (kda_bwd_triton_split), the fastest measured (module docstring). "fused": two launches
-# (kda_bwd_triton_fused). "triton": three launches (kda_bwd_triton), the first all-Triton backward.
+# (kda_bwd_triton_split), the fastest measured (module docstring). "triton": three launches
+# (kda_bwd_triton), the first all-Triton backward.
 # "torch": PyTorch autograd over a recomputation plus the Triton state-recurrence backward (the
 # first version; a second, independent backward).
 BACKWARD = "split"
-_TRITON_BACKWARDS = {"triton": kda_bwd_triton, "fused": kda_bwd_triton_fused, "split": kda_bwd_triton_split}
+_TRITON_BACKWARDS = {"triton": kda_bwd_triton, "split": kda_bwd_triton_split}
 
 
 class ChunkKDAFunction(torch.autograd.Function):

@@ -11,13 +11,14 @@ Forward, three launches (the same split as the derivation in chunk_torch.py):
   chunk's incoming state and the pseudo-values U.
 * :func:`kda_out_fwd_kernel`, all chunks in parallel: ``O = scale (Q*exp(G)) S + A_qk U``.
 
-Backward, three launches: :func:`kda_out_bwd_kernel` (gradient of the readout towards U and
-the states), :func:`kda_state_bwd_kernel` (the state recurrence in reverse, the sequential part)
-and :func:`kda_intra_bwd_kernel` (all intra-chunk gradients, parallel over chunks).
-:func:`kda_decode_kernel` is the one-token step for inference. The default two-launch backward
-(``chunk.BACKWARD = "fused"``) is :func:`kda_state_bwd_fused_kernel` then
-:func:`kda_intra_bwd_fused_kernel`; the split one (``"split"``) replaces the latter by
-:func:`kda_intra_bwd_split_mat_kernel` and :func:`kda_intra_bwd_split_dqk_kernel`.
+Backward (``chunk.BACKWARD = "split"``, the default), three launches:
+:func:`kda_state_bwd_fused_kernel` (the state recurrence in reverse with the readout's gradient
+folded in, the sequential part), then :func:`kda_intra_bwd_split_mat_kernel` (each chunk's
+``[BT, BT]`` gradients) and :func:`kda_intra_bwd_split_dqk_kernel` (the per-channel gradients).
+The first all-Triton backward (``"triton"``), three launches: :func:`kda_out_bwd_kernel`
+(gradient of the readout towards U and the states), :func:`kda_state_bwd_kernel` (the state
+recurrence in reverse) and :func:`kda_intra_bwd_kernel` (all intra-chunk gradients, parallel over
+chunks). :func:`kda_decode_kernel` is the one-token step for inference.
 
 Block sizes: ``BT`` (chunk) is 64, the largest whose ``[BT, BT]`` fp32 matrices and
 ``[BT, K]`` tiles fit in registers next to a ``[K, BV]`` state tile for K = 128; the
@@ -42,6 +43,20 @@ def _tile(base, R, row_stride, C: tl.constexpr, r0, c0, BR: tl.constexpr, BC: tl
 def _tile_t(base, R, row_stride, C: tl.constexpr, r0, c0, BR: tl.constexpr, BC: tl.constexpr):
     """The same block as :func:`_tile`, transposed: a ``[BC, BR]`` tile (check dimension 1)."""
     return tl.make_block_ptr(base, (C, R), (1, row_stride), (c0, r0), (BC, BR), (0, 1))
+
+
+@triton.jit
+def _load_rows(base, R, row_stride, C: tl.constexpr, r0, c0, BR: tl.constexpr, BC: tl.constexpr):
+    """Load the :func:`_tile` block, rows past R as zeros."""
+    return tl.load(_tile(base, R, row_stride, C, r0, c0, BR, BC), boundary_check=(0,), padding_option="zero")
+
+
+@triton.jit
+def _load_rows_t(base, R, row_stride, C: tl.constexpr, r0, c0, BR: tl.constexpr, BC: tl.constexpr):
+    """Load the :func:`_tile_t` block (``[BC, BR]``), rows of the matrix past R as zero columns."""
+    return tl.load(
+        _tile_t(base, R, row_stride, C, r0, c0, BR, BC), boundary_check=(1,), padding_option="zero"
+    )
 
 
 @triton.jit
@@ -122,55 +137,36 @@ def _strip_factors(
 
 
 @triton.jit
+def _strip_operands(
+    b_k, b_q, b_G, k_ptr, G_ptr, k_stride, g_stride, r0, T, offk, loc, c: tl.constexpr, SUB: tl.constexpr
+):
+    """The operands of column strip c of ``A_kk`` and ``A_qk``, from the factors of
+    :func:`_strip_factors`: ``e_row``, the block's keys ``k_c`` and ``e_col``, then
+    ``y = k_c e_col`` ``[SUB, BK]`` and the rows ``x_k = k e_row``, ``x_q = q e_row`` ``[BT, BK]``
+    (zero above the block)."""
+    after, e_row, k_c, e_col = _strip_factors(b_G, k_ptr, G_ptr, k_stride, g_stride, r0, T, offk, loc, c, SUB)
+    y = k_c * e_col
+    x_k = tl.where(after[:, None], b_k * e_row, 0.0)
+    x_q = tl.where(after[:, None], b_q * e_row, 0.0)
+    return e_row, k_c, e_col, y, x_k, x_q
+
+
+@triton.jit
 def _column_strip(
     b_k, b_q, b_G, k_ptr, G_ptr, k_stride, g_stride, r0, T, offk, loc,
     c: tl.constexpr, SUB: tl.constexpr, DOT_PREC: tl.constexpr,
 ):  # fmt: skip
     """Columns ``c*SUB .. c*SUB+SUB`` of ``A_kk`` and ``A_qk`` (before masks and scales), for the
     chunk's channel block in ``b_k, b_q, b_G`` (``[BT, BK]``), as two ``[BT, SUB]`` matmuls with
-    the factors of :func:`_strip_factors` (in the forward, G was stored by this program: the
+    the operands of :func:`_strip_operands` (in the forward, G was stored by this program: the
     caller puts a barrier first)."""
-    after, e_row, k_c, e_col = _strip_factors(b_G, k_ptr, G_ptr, k_stride, g_stride, r0, T, offk, loc, c, SUB)
-    y = k_c * e_col
-    x_k = tl.where(after[:, None], b_k * e_row, 0.0)
-    x_q = tl.where(after[:, None], b_q * e_row, 0.0)
+    _e_row, _k_c, _e_col, y, x_k, x_q = _strip_operands(
+        b_k, b_q, b_G, k_ptr, G_ptr, k_stride, g_stride, r0, T, offk, loc, c, SUB
+    )
     return (
         tl.dot(x_k, tl.trans(y), input_precision=DOT_PREC),
         tl.dot(x_q, tl.trans(y), input_precision=DOT_PREC),
     )
-
-
-@triton.jit
-def _strip_grads(
-    b_k, b_q, b_G, k_ptr, G_ptr, k_stride, g_stride, r0, T, offk, loc, Mk_c, Mq_c,
-    c: tl.constexpr, SUB: tl.constexpr, DOT_PREC: tl.constexpr,
-):  # fmt: skip
-    """Backward of :func:`_column_strip` given the gradients ``Mk_c, Mq_c [BT, SUB]`` of its two
-    strips: ``(x = k e_row, y = k_c e_col)`` so ``dk_r += (M y) e_row``, ``dG_r += (M y) e_row k_r``
-    for the rows, and ``dk_i += (M^T x) e_col``, ``dG_i -= (M^T x) e_col k_i`` for the block's keys
-    (``G_ref`` cancels in the product, so it gets no gradient). Returns the rows' parts for dk, dq
-    (``[BT, BK]``) and the block's parts for dk and dG (``[SUB, BK]``)."""
-    after, e_row, k_c, e_col = _strip_factors(b_G, k_ptr, G_ptr, k_stride, g_stride, r0, T, offk, loc, c, SUB)
-    y = k_c * e_col
-    x_k = tl.where(after[:, None], b_k * e_row, 0.0)
-    x_q = tl.where(after[:, None], b_q * e_row, 0.0)
-    gx_k = tl.dot(Mk_c, y, input_precision=DOT_PREC) * e_row
-    gx_q = tl.dot(Mq_c, y, input_precision=DOT_PREC) * e_row
-    g_y = tl.dot(tl.trans(Mk_c), x_k, input_precision=DOT_PREC) + tl.dot(
-        tl.trans(Mq_c), x_q, input_precision=DOT_PREC
-    )
-    dk_c = g_y * e_col
-    return gx_k, gx_q, dk_c, -dk_c * k_c
-
-
-@triton.jit
-def _split4(M, BT: tl.constexpr, SUB: tl.constexpr):
-    """The inverse of :func:`_cat4`: the four ``[BT, SUB]`` column strips of ``M [BT, 4 SUB]``."""
-    x = tl.permute(tl.reshape(M, (BT, 2, 2, SUB)), (0, 3, 2, 1))  # [r, j, p, q]: column 16(2q+p)+j
-    lo, hi = tl.split(x)  # q = 0, 1
-    s0, s1 = tl.split(lo)
-    s2, s3 = tl.split(hi)
-    return s0, s1, s2, s3
 
 
 @triton.jit
@@ -415,8 +411,8 @@ def kda_state_fwd_kernel(
     h = tl.zeros([K, BV], dtype=tl.float32)
     if USE_H0:
         h += tl.load(h0 + i_bh * K * V + kv_off).to(tl.float32)
-    b_w = tl.load(_tile(W + k_base, T, HV * K, K, 0, 0, BT, K), boundary_check=(0,), padding_option="zero")
-    b_kd = tl.load(_tile(KD + k_base, T, HV * K, K, 0, 0, BT, K), boundary_check=(0,), padding_option="zero")
+    b_w = _load_rows(W + k_base, T, HV * K, K, 0, 0, BT, K)
+    b_kd = _load_rows(KD + k_base, T, HV * K, K, 0, 0, BT, K)
     p_up = _tile(U_prime + v_base, T, HV * V, V, 0, i_v * BV, BT, BV)
     b_up = tl.load(p_up, boundary_check=(0,), padding_option="zero")
     b_gamma = tl.load(gamma + i_bh * NT * K + offk)
@@ -648,8 +644,8 @@ def kda_state_bwd_fused_kernel(
     and dS before the update (the gradient at S_{n+1}) is stored per chunk in ``dh_all``. The
     readout's gradients (A_qk^T dO, (Q e^G)^T dO) are computed here, in the loop, rather than
     written to memory by a separate kernel and read back; everything that is a sum over the value
-    channels (dW, dKD, dgamma) is left to the parallel :func:`kda_intra_bwd_fused_kernel`, so this kernel
-    needs no atomics.
+    channels (dW, dKD, dgamma) is left to the parallel :func:`kda_intra_bwd_split_dqk_kernel`, so this
+    kernel needs no atomics.
     """
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -672,21 +668,13 @@ def kda_state_bwd_fused_kernel(
         r0 = n * BT
         # Q, G, A_qk and W enter only transposed: load them so ([K, BT] and [BT, BT] tiles) rather
         # than transposing in registers
-        b_qt = tl.load(
-            _tile_t(q + q_base, T, H * K, K, r0, 0, BT, K), boundary_check=(1,), padding_option="zero"
-        )
-        b_Gt = tl.load(
-            _tile_t(G + k_base, T, HV * K, K, r0, 0, BT, K), boundary_check=(1,), padding_option="zero"
-        )
+        b_qt = _load_rows_t(q + q_base, T, H * K, K, r0, 0, BT, K)
+        b_Gt = _load_rows_t(G + k_base, T, HV * K, K, r0, 0, BT, K)
         b_qgt = b_qt.to(tl.float32) * tl.exp(b_Gt) * scale
         p_At = _tile_t(Aqk + c_base, T, HV * BT, BT, r0, 0, BT, BT)
         b_At = tl.load(p_At, boundary_check=(1,), padding_option="zero")
-        b_wt = tl.load(
-            _tile_t(W + k_base, T, HV * K, K, r0, 0, BT, K), boundary_check=(1,), padding_option="zero"
-        )
-        b_kd = tl.load(
-            _tile(KD + k_base, T, HV * K, K, r0, 0, BT, K), boundary_check=(0,), padding_option="zero"
-        )
+        b_wt = _load_rows_t(W + k_base, T, HV * K, K, r0, 0, BT, K)
+        b_kd = _load_rows(KD + k_base, T, HV * K, K, r0, 0, BT, K)
         p_do = _tile(do + v_base, T, HV * V, V, r0, i_v * BV, BT, BV)
         b_do = tl.load(p_do, boundary_check=(0,), padding_option="zero").to(tl.float32)
         b_gamma = tl.load(gamma + (i_bh * NT + n) * K + offk).to(tl.float32)
@@ -701,248 +689,6 @@ def kda_state_bwd_fused_kernel(
         dS += tl.dot(b_qgt, b_do, input_precision=DOT_PREC)
         n -= 1
     tl.store(dh0 + i_bh * K * V + kv_off, dS)
-
-
-@triton.jit(do_not_specialize=["T", "NT"])
-def kda_intra_bwd_fused_kernel(
-    q,
-    k,
-    v,
-    beta,
-    G,
-    T_ut,
-    U_new,
-    h_all,
-    dh_all,
-    do,
-    dU,
-    dq,
-    dk,
-    dv,
-    dg,
-    dbeta,
-    scale,
-    T,
-    NT,
-    H,
-    HV,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    BT: tl.constexpr,
-    SUB: tl.constexpr,
-    BK: tl.constexpr,
-    BV: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-    STRIPS: tl.constexpr = False,
-):
-    """Everything parallel over chunks in the backward pass, one program per (chunk, b*HV).
-
-    Inputs: the forward's G (fp32), T = (I + A_kk)^{-1} (fp32), U, the chunk's incoming state S_n
-    (``h_all``), dO, and from :func:`kda_state_bwd_fused_kernel` dU (= dU') and dS_{n+1}
-    (``dh_all``). Outputs per value head (the launcher sums dq, dk over the value heads sharing a
-    key head): dq, dk, dv, dg, dbeta. Three passes, each over small tiles:
-
-    * over value blocks: ``M_q = tril(dO U^T) scale`` (gradient of A_qk), the value part of
-      ``dT``, and ``dv``, ``dbeta`` from ``U' = T Diag(beta) V``;
-    * over key-channel blocks: ``dW = -dU S_n^T`` and the key part of ``dT = dW (beta k e^G)^T``,
-      and ``A_kk`` again (for dbeta); then ``dA = -T^T dT T^T`` (strictly lower);
-    * over key-channel blocks again: dq, dk, dG from the readout, the WY factors, ``KD`` and
-      ``gamma``, and the decayed key products (per 16-row block, as in the forward); ``dg`` is the
-      reverse cumulative sum of dG. dW is recomputed here rather than stored (a small matmul).
-    """
-    i_t = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    b = i_bh // HV
-    hv = i_bh % HV
-    hk = hv // (HV // H)
-    loc = tl.arange(0, BT)
-    rows = i_t * BT + loc
-    mrow = rows < T
-    r0 = i_t * BT
-    last = tl.minimum(T - r0, BT) - 1  # the chunk's last real token
-    lower = loc[:, None] >= loc[None, :]
-    strict = loc[:, None] > loc[None, :]
-    s_base = (i_bh * NT + i_t) * K * V  # [B, HV, NT, K, V]
-    q_base = (b * T * H + hk) * K
-    k_base = (b * T * HV + hv) * K
-    v_base = (b * T * HV + hv) * V
-    QS, KS, VS = H * K, HV * K, HV * V  # row strides
-
-    b_beta = tl.load(beta + (b * T + rows) * HV + hv, mask=mrow, other=0.0).to(tl.float32)
-    p_T = _tile(T_ut + (b * T * HV + hv) * BT, T, HV * BT, BT, r0, 0, BT, BT)
-    b_T = tl.load(p_T, boundary_check=(0,), padding_option="zero")
-
-    # pass 1, value blocks
-    M_q = tl.zeros([BT, BT], dtype=tl.float32)
-    dT = tl.zeros([BT, BT], dtype=tl.float32)
-    b_dbeta = tl.zeros([BT], dtype=tl.float32)
-    for vb in range(V // BV):
-        c0 = vb * BV
-        b_do = tl.load(
-            _tile(do + v_base, T, VS, V, r0, c0, BT, BV), boundary_check=(0,), padding_option="zero"
-        )
-        b_u = tl.load(
-            _tile(U_new + v_base, T, VS, V, r0, c0, BT, BV), boundary_check=(0,), padding_option="zero"
-        )
-        b_du = tl.load(
-            _tile(dU + v_base, T, VS, V, r0, c0, BT, BV), boundary_check=(0,), padding_option="zero"
-        )
-        b_v = tl.load(_tile(v + v_base, T, VS, V, r0, c0, BT, BV), boundary_check=(0,), padding_option="zero")
-        b_do, b_u, b_v = b_do.to(tl.float32), b_u.to(tl.float32), b_v.to(tl.float32)
-        M_q += tl.dot(b_do, tl.trans(b_u), input_precision=DOT_PREC)
-        dT += tl.dot(b_du, tl.trans(b_v * b_beta[:, None]), input_precision=DOT_PREC)
-        b_dvb = tl.dot(tl.trans(b_T), b_du, input_precision=DOT_PREC)  # d(Diag(beta) V)
-        p_dv = _tile(dv + v_base, T, VS, V, r0, c0, BT, BV)
-        tl.store(p_dv, (b_dvb * b_beta[:, None]).to(dv.dtype.element_ty), boundary_check=(0,))
-        b_dbeta += tl.sum(b_dvb * b_v, axis=1)
-    M_q = tl.where(lower, M_q, 0.0) * scale
-
-    # pass 2, key-channel blocks: the rest of dT, and A_kk without beta
-    A_raw = tl.zeros([BT, BT], dtype=tl.float32)
-    for kb in range(K // BK):
-        c0 = kb * BK
-        b_k = tl.load(_tile(k + q_base, T, QS, K, r0, c0, BT, BK), boundary_check=(0,), padding_option="zero")
-        b_k = b_k.to(tl.float32)
-        b_G = tl.load(_tile(G + k_base, T, KS, K, r0, c0, BT, BK), boundary_check=(0,), padding_option="zero")
-        G_last = tl.sum(tl.where(loc[:, None] == last, b_G, 0.0), axis=0)
-        # padded rows were never stored: in the forward their G equals G_last (g = 0 there)
-        b_G = tl.where(mrow[:, None], b_G, G_last[None, :])
-        b_dw = tl.zeros([BT, BK], dtype=tl.float32)
-        for vb in range(V // BV):
-            p_du = _tile(dU + v_base, T, VS, V, r0, vb * BV, BT, BV)
-            p_h = _tile(h_all + s_base, K, V, V, c0, vb * BV, BK, BV)
-            b_du = tl.load(p_du, boundary_check=(0,), padding_option="zero")
-            b_dw -= tl.dot(b_du, tl.trans(tl.load(p_h).to(tl.float32)), input_precision=DOT_PREC)
-        dT += tl.dot(b_dw, tl.trans(b_k * tl.exp(b_G) * b_beta[:, None]), input_precision=DOT_PREC)
-        if STRIPS:
-            offk = c0 + tl.arange(0, BK)
-            a0, _q = _column_strip(
-                b_k, b_k, b_G, k + q_base, G + k_base, QS, KS, r0, T, offk, loc, 0, SUB, DOT_PREC
-            )
-            a1, _q = _column_strip(
-                b_k, b_k, b_G, k + q_base, G + k_base, QS, KS, r0, T, offk, loc, 1, SUB, DOT_PREC
-            )
-            a2, _q = _column_strip(
-                b_k, b_k, b_G, k + q_base, G + k_base, QS, KS, r0, T, offk, loc, 2, SUB, DOT_PREC
-            )
-            a3, _q = _column_strip(
-                b_k, b_k, b_G, k + q_base, G + k_base, QS, KS, r0, T, offk, loc, 3, SUB, DOT_PREC
-            )
-            A_raw += _cat4(a0, a1, a2, a3, BT, SUB)
-        else:
-            for a in tl.static_range(BT // SUB):
-                x_k, k_cols, _e_row, _e_col, _in, _upto = _block_products(b_k, b_k, b_G, loc, a, SUB)
-                A_raw += tl.dot(x_k, tl.trans(k_cols), input_precision=DOT_PREC)
-    # T = (I + A_kk)^{-1}: dA = -T^T dT T^T, strictly lower; A_kk = Diag(beta) A_raw
-    b_Tt = tl.trans(b_T)
-    dA = -tl.dot(tl.dot(b_Tt, dT, input_precision=DOT_PREC), b_Tt, input_precision=DOT_PREC)
-    dA = tl.where(strict, dA, 0.0)
-    M_k = dA * b_beta[:, None]
-    # A_raw's upper triangle can overflow (it is never used): mask before the product reaches it
-    b_dbeta += tl.sum(tl.where(strict, dA * A_raw, 0.0), axis=1)
-
-    # pass 3, key-channel blocks: dq, dk, dg
-    if STRIPS:
-        Mk0, Mk1, Mk2, Mk3 = _split4(M_k, BT, SUB)
-        Mq0, Mq1, Mq2, Mq3 = _split4(M_q, BT, SUB)
-    for kb in range(K // BK):
-        c0 = kb * BK
-        b_q = tl.load(_tile(q + q_base, T, QS, K, r0, c0, BT, BK), boundary_check=(0,), padding_option="zero")
-        b_k = tl.load(_tile(k + q_base, T, QS, K, r0, c0, BT, BK), boundary_check=(0,), padding_option="zero")
-        b_q, b_k = b_q.to(tl.float32), b_k.to(tl.float32)
-        b_G = tl.load(_tile(G + k_base, T, KS, K, r0, c0, BT, BK), boundary_check=(0,), padding_option="zero")
-        G_last = tl.sum(tl.where(loc[:, None] == last, b_G, 0.0), axis=0)
-        b_G = tl.where(mrow[:, None], b_G, G_last[None, :])
-        b_eG = tl.exp(b_G)
-
-        b_dw = tl.zeros([BT, BK], dtype=tl.float32)
-        b_dkd = tl.zeros([BT, BK], dtype=tl.float32)
-        b_dqg = tl.zeros([BT, BK], dtype=tl.float32)
-        b_dgamma = tl.zeros([BK], dtype=tl.float32)
-        for vb in range(V // BV):
-            v0 = vb * BV
-            b_du = tl.load(
-                _tile(dU + v_base, T, VS, V, r0, v0, BT, BV), boundary_check=(0,), padding_option="zero"
-            )
-            b_u = tl.load(
-                _tile(U_new + v_base, T, VS, V, r0, v0, BT, BV), boundary_check=(0,), padding_option="zero"
-            )
-            b_do = tl.load(
-                _tile(do + v_base, T, VS, V, r0, v0, BT, BV), boundary_check=(0,), padding_option="zero"
-            )
-            b_h = tl.load(_tile(h_all + s_base, K, V, V, c0, v0, BK, BV)).to(tl.float32)
-            b_ds = tl.load(_tile(dh_all + s_base, K, V, V, c0, v0, BK, BV)).to(tl.float32)
-            b_u, b_do = b_u.to(tl.float32), b_do.to(tl.float32)
-            b_dw -= tl.dot(b_du, tl.trans(b_h), input_precision=DOT_PREC)  # U = U' - W S_n
-            b_dkd += tl.dot(b_u, tl.trans(b_ds), input_precision=DOT_PREC)  # S_{n+1} += KD^T U
-            b_dqg += tl.dot(b_do, tl.trans(b_h), input_precision=DOT_PREC)  # O += (Q e^G) S_n
-            b_dgamma += tl.sum(b_ds * b_h, axis=1)  # S_{n+1} += Diag(gamma) S_n
-
-        # readout O = scale (Q*e^G) S_n + A_qk U
-        b_dq = b_dqg * scale * b_eG
-        b_dG = b_dq * b_q
-        # WY factor W = T KB with KB = beta k e^G
-        b_kg = b_k * b_eG
-        b_dkb = tl.dot(b_Tt, b_dw, input_precision=DOT_PREC)
-        b_dk = b_dkb * b_eG * b_beta[:, None]
-        b_dG += b_dkb * b_kg * b_beta[:, None]
-        b_dbeta += tl.sum(b_dkb * b_kg, axis=1)
-        # KD = k e^(G_last - G) and gamma = e^G_last feed the state recurrence
-        dk_tail, dG_tail, dG_last = _decay_tail_grads(b_k, b_G, G_last, b_dkd, b_dgamma)
-        b_dk += dk_tail
-        b_dG += dG_tail
-        # A[r, i] = sum_c x_rc k_ic e^(G_rc - G_ic): by column strips, or per 16-row block as in
-        # the first forward
-        if STRIPS:
-            offk = c0 + tl.arange(0, BK)
-            kp, Gp = k + q_base, G + k_base
-            gk, gq, dkc0, dGc0 = _strip_grads(
-                b_k, b_q, b_G, kp, Gp, QS, KS, r0, T, offk, loc, Mk0, Mq0, 0, SUB, DOT_PREC
-            )
-            b_dk += gk
-            b_dq += gq
-            b_dG += gk * b_k + gq * b_q
-            gk, gq, dkc1, dGc1 = _strip_grads(
-                b_k, b_q, b_G, kp, Gp, QS, KS, r0, T, offk, loc, Mk1, Mq1, 1, SUB, DOT_PREC
-            )
-            b_dk += gk
-            b_dq += gq
-            b_dG += gk * b_k + gq * b_q
-            gk, gq, dkc2, dGc2 = _strip_grads(
-                b_k, b_q, b_G, kp, Gp, QS, KS, r0, T, offk, loc, Mk2, Mq2, 2, SUB, DOT_PREC
-            )
-            b_dk += gk
-            b_dq += gq
-            b_dG += gk * b_k + gq * b_q
-            gk, gq, dkc3, dGc3 = _strip_grads(
-                b_k, b_q, b_G, kp, Gp, QS, KS, r0, T, offk, loc, Mk3, Mq3, 3, SUB, DOT_PREC
-            )
-            b_dk += gk
-            b_dq += gq
-            b_dG += gk * b_k + gq * b_q
-            b_dk += _rows4(dkc0, dkc1, dkc2, dkc3, SUB, BK)
-            b_dG += _rows4(dGc0, dGc1, dGc2, dGc3, SUB, BK)
-        else:
-            for a in tl.static_range(BT // SUB):
-                x_k, k_cols, e_row, e_col, in_block, upto = _block_products(b_k, b_k, b_G, loc, a, SUB)
-                d_xk, d_xq, d_y = _row_block_grads(
-                    b_q, x_k, k_cols, e_row, e_col, in_block, upto, M_k, M_q, DOT_PREC
-                )
-                b_dk += d_xk + d_y
-                b_dq += d_xq
-                b_dG += d_xk * b_k + d_xq * b_q - d_y * b_k
-        # G = cumsum(g): dg_r = sum_{r' >= r} dG_r'
-        b_dg = _g_grad(b_dG, dG_last, loc, BT)
-        tl.store(
-            _tile(dq + k_base, T, KS, K, r0, c0, BT, BK), b_dq.to(dq.dtype.element_ty), boundary_check=(0,)
-        )
-        tl.store(
-            _tile(dk + k_base, T, KS, K, r0, c0, BT, BK), b_dk.to(dk.dtype.element_ty), boundary_check=(0,)
-        )
-        tl.store(
-            _tile(dg + k_base, T, KS, K, r0, c0, BT, BK), b_dg.to(dg.dtype.element_ty), boundary_check=(0,)
-        )
-    tl.store(dbeta + (b * T + rows) * HV + hv, b_dbeta.to(dbeta.dtype.element_ty), mask=mrow)
 
 
 @triton.jit(do_not_specialize=["T", "NT"])
@@ -1142,7 +888,7 @@ def kda_intra_bwd_split_mat_kernel(
     LOW_DOTS: tl.constexpr = False,
 ):
     """First kernel of the split backward (``chunk.BACKWARD = "split"``): the chunk's ``[BT, BT]``
-    gradients, one program per (chunk, b*HV), two passes of :func:`kda_intra_bwd_fused_kernel`.
+    gradients, one program per (chunk, b*HV), in two passes over small tiles.
 
     * value blocks: ``M_q = tril(dO U^T) scale`` (stored at once, so it is not held during the
       second pass), the value part of ``dT``, ``dv`` and the value part of dbeta;
@@ -1187,16 +933,10 @@ def kda_intra_bwd_split_mat_kernel(
     b_dbeta = tl.zeros([BT], dtype=tl.float32)
     for vb in range(V // BV):
         c0 = vb * BV
-        b_do = tl.load(
-            _tile(do + v_base, T, VS, V, r0, c0, BT, BV), boundary_check=(0,), padding_option="zero"
-        )
-        b_u = tl.load(
-            _tile(U_new + v_base, T, VS, V, r0, c0, BT, BV), boundary_check=(0,), padding_option="zero"
-        )
-        b_du = tl.load(
-            _tile(dU + v_base, T, VS, V, r0, c0, BT, BV), boundary_check=(0,), padding_option="zero"
-        )
-        b_v = tl.load(_tile(v + v_base, T, VS, V, r0, c0, BT, BV), boundary_check=(0,), padding_option="zero")
+        b_do = _load_rows(do + v_base, T, VS, V, r0, c0, BT, BV)
+        b_u = _load_rows(U_new + v_base, T, VS, V, r0, c0, BT, BV)
+        b_du = _load_rows(dU + v_base, T, VS, V, r0, c0, BT, BV)
+        b_v = _load_rows(v + v_base, T, VS, V, r0, c0, BT, BV)
         if LOW_DOTS:
             lt = h_all.dtype.element_ty
             b_Mq += tl.dot(b_do.to(lt), tl.trans(b_u.to(lt)))
@@ -1217,8 +957,8 @@ def kda_intra_bwd_split_mat_kernel(
     # as 0 here, not G_last) never reaches dT
     for kb in range(K // BK):
         c0 = kb * BK
-        b_k = tl.load(_tile(k + q_base, T, QS, K, r0, c0, BT, BK), boundary_check=(0,), padding_option="zero")
-        b_G = tl.load(_tile(G + k_base, T, KS, K, r0, c0, BT, BK), boundary_check=(0,), padding_option="zero")
+        b_k = _load_rows(k + q_base, T, QS, K, r0, c0, BT, BK)
+        b_G = _load_rows(G + k_base, T, KS, K, r0, c0, BT, BK)
         b_dw = tl.zeros([BT, BK], dtype=tl.float32)
         for vb in range(V // BV):
             p_du = _tile(dU + v_base, T, VS, V, r0, vb * BV, BT, BV)
@@ -1239,19 +979,25 @@ def kda_intra_bwd_split_mat_kernel(
 
 
 @triton.jit
-def _strip_grads_dbeta(
-    b_k, b_q, b_G, k_ptr, G_ptr, k_stride, g_stride, r0, T, offk, loc, b_beta, dA_c, Mq_c,
-    c: tl.constexpr, SUB: tl.constexpr, DOT_PREC: tl.constexpr,
+def _add_strip_grads(
+    b_dk, b_dq, b_dG, b_dbeta, b_k, b_q, b_G, b_beta, k_ptr, G_ptr, k_stride, g_stride, r0, T, offk, loc,
+    dA_ptr, Mq_ptr, c: tl.constexpr, BT: tl.constexpr, SUB: tl.constexpr, DOT_PREC: tl.constexpr,
 ):  # fmt: skip
-    """:func:`_strip_grads` for the split backward, given ``dA``'s strip (``M_k = Diag(beta) dA``)
-    rather than ``M_k``'s: also returns this channel block's part of
-    ``dbeta_r += sum_i dA_ri A_raw,ri`` over the strip's columns, with ``A_raw``'s strip formed
-    from the same factors (one more ``[BT, BK] x [BK, SUB]`` product; its upper triangle can
-    overflow and is masked out of the sum)."""
-    after, e_row, k_c, e_col = _strip_factors(b_G, k_ptr, G_ptr, k_stride, g_stride, r0, T, offk, loc, c, SUB)
-    y = k_c * e_col
-    x_k = tl.where(after[:, None], b_k * e_row, 0.0)
-    x_q = tl.where(after[:, None], b_q * e_row, 0.0)
+    """Backward of :func:`_column_strip` for column strip c, given the chunk's ``[BT, BT]`` blocks
+    of dA and of the gradient M_q of ``A_qk`` (``dA_ptr``, ``Mq_ptr``; ``M_k = Diag(beta) dA``), of
+    which it reads strip c ``[BT, SUB]``: ``(x = k e_row, y = k_c e_col)`` so ``dk_r += (M y) e_row``,
+    ``dG_r += (M y) e_row k_r`` for the rows, and ``dk_i += (M^T x) e_col``, ``dG_i -= (M^T x) e_col
+    k_i`` for the block's keys (``G_ref`` cancels in the product, so it gets no gradient). Adds the
+    rows' parts to ``b_dk, b_dq, b_dG`` (``[BT, BK]``) and this channel block's part of
+    ``dbeta_r += sum_i dA_ri A_raw,ri`` over the strip's columns to ``b_dbeta``, with ``A_raw``'s
+    strip formed from the same factors (one more ``[BT, BK] x [BK, SUB]`` product; its upper
+    triangle can overflow and is masked out of the sum). Returns the four sums, then the block's
+    keys' parts for dk and dG (``[SUB, BK]``, for :func:`_rows4`)."""
+    dA_c = tl.load(_tile(dA_ptr, BT, BT, BT, 0, c * SUB, BT, SUB))
+    Mq_c = tl.load(_tile(Mq_ptr, BT, BT, BT, 0, c * SUB, BT, SUB))
+    e_row, k_c, e_col, y, x_k, x_q = _strip_operands(
+        b_k, b_q, b_G, k_ptr, G_ptr, k_stride, g_stride, r0, T, offk, loc, c, SUB
+    )
     Mk_c = dA_c * b_beta[:, None]
     gx_k = tl.dot(Mk_c, y, input_precision=DOT_PREC) * e_row
     gx_q = tl.dot(Mq_c, y, input_precision=DOT_PREC) * e_row
@@ -1261,7 +1007,8 @@ def _strip_grads_dbeta(
     dk_c = g_y * e_col
     a_c = tl.dot(x_k, tl.trans(y), input_precision=DOT_PREC)
     strict = loc[:, None] > (c * SUB + tl.arange(0, SUB))[None, :]
-    return gx_k, gx_q, dk_c, -dk_c * k_c, tl.sum(tl.where(strict, dA_c * a_c, 0.0), axis=1)
+    b_dbeta += tl.sum(tl.where(strict, dA_c * a_c, 0.0), axis=1)
+    return b_dk + gx_k, b_dq + gx_q, b_dG + (gx_k * b_k + gx_q * b_q), b_dbeta, dk_c, -dk_c * k_c
 
 
 @triton.jit(do_not_specialize=["T", "NT"])
@@ -1296,8 +1043,10 @@ def kda_intra_bwd_split_dqk_kernel(
     DOT_PREC: tl.constexpr,
     LOW_DOTS: tl.constexpr = False,
 ):
-    """Second kernel of the split backward: the third pass of :func:`kda_intra_bwd_fused_kernel`
-    for one block of BK key channels, one program per (key block, chunk, b*HV).
+    """Second kernel of the split backward: dq, dk, dg for one block of BK key channels, one
+    program per (key block, chunk, b*HV), from the readout, the WY factors, ``KD`` and ``gamma``,
+    and the decayed key products (by column strips); ``dg`` is the reverse cumulative sum of dG.
+    ``dW = -dU S_n^T`` is recomputed here rather than stored (a small matmul).
 
     Reads ``M_q`` and ``dA`` from :func:`kda_intra_bwd_split_mat_kernel` by 16-column strips
     (never a whole ``[BT, BT]`` matrix in registers) and ``T`` transposed; computes dq, dk, dg for
@@ -1332,10 +1081,10 @@ def kda_intra_bwd_split_dqk_kernel(
     QS, KS, VS = H * K, HV * K, HV * V  # row strides
 
     b_beta = tl.load(beta + (b * T + rows) * HV + hv, mask=mrow, other=0.0).to(tl.float32)
-    b_q = tl.load(_tile(q + q_base, T, QS, K, r0, c0, BT, BK), boundary_check=(0,), padding_option="zero")
-    b_k = tl.load(_tile(k + q_base, T, QS, K, r0, c0, BT, BK), boundary_check=(0,), padding_option="zero")
+    b_q = _load_rows(q + q_base, T, QS, K, r0, c0, BT, BK)
+    b_k = _load_rows(k + q_base, T, QS, K, r0, c0, BT, BK)
     b_q, b_k = b_q.to(tl.float32), b_k.to(tl.float32)
-    b_G = tl.load(_tile(G + k_base, T, KS, K, r0, c0, BT, BK), boundary_check=(0,), padding_option="zero")
+    b_G = _load_rows(G + k_base, T, KS, K, r0, c0, BT, BK)
     G_last = tl.sum(tl.where(loc[:, None] == last, b_G, 0.0), axis=0)
     # padded rows were never stored: in the forward their G equals G_last (g = 0 there)
     b_G = tl.where(mrow[:, None], b_G, G_last[None, :])
@@ -1347,15 +1096,9 @@ def kda_intra_bwd_split_dqk_kernel(
     b_dgamma = tl.zeros([BK], dtype=tl.float32)
     for vb in range(V // BV):
         v0 = vb * BV
-        b_du = tl.load(
-            _tile(dU + v_base, T, VS, V, r0, v0, BT, BV), boundary_check=(0,), padding_option="zero"
-        )
-        b_u = tl.load(
-            _tile(U_new + v_base, T, VS, V, r0, v0, BT, BV), boundary_check=(0,), padding_option="zero"
-        )
-        b_do = tl.load(
-            _tile(do + v_base, T, VS, V, r0, v0, BT, BV), boundary_check=(0,), padding_option="zero"
-        )
+        b_du = _load_rows(dU + v_base, T, VS, V, r0, v0, BT, BV)
+        b_u = _load_rows(U_new + v_base, T, VS, V, r0, v0, BT, BV)
+        b_do = _load_rows(do + v_base, T, VS, V, r0, v0, BT, BV)
         b_h = tl.load(_tile(h_all + s_base, K, V, V, c0, v0, BK, BV))
         b_ds = tl.load(_tile(dh_all + s_base, K, V, V, c0, v0, BK, BV))
         if LOW_DOTS:
@@ -1392,42 +1135,23 @@ def kda_intra_bwd_split_dqk_kernel(
     # from memory where they are used (never a whole [BT, BT] matrix in registers)
     offk = c0 + tl.arange(0, BK)
     kp, Gp = k + q_base, G + k_base
-    gk, gq, dkc0, dGc0, db = _strip_grads_dbeta(
-        b_k, b_q, b_G, kp, Gp, QS, KS, r0, T, offk, loc, b_beta,
-        tl.load(_tile(dA + m_base, BT, BT, BT, 0, 0, BT, SUB)),
-        tl.load(_tile(M_q + m_base, BT, BT, BT, 0, 0, BT, SUB)), 0, SUB, DOT_PREC,
+    dAp, Mqp = dA + m_base, M_q + m_base
+    b_dk, b_dq, b_dG, b_dbeta, dkc0, dGc0 = _add_strip_grads(
+        b_dk, b_dq, b_dG, b_dbeta, b_k, b_q, b_G, b_beta, kp, Gp, QS, KS, r0, T, offk, loc, dAp, Mqp,
+        0, BT, SUB, DOT_PREC,
     )  # fmt: skip
-    b_dk += gk
-    b_dq += gq
-    b_dG += gk * b_k + gq * b_q
-    b_dbeta += db
-    gk, gq, dkc1, dGc1, db = _strip_grads_dbeta(
-        b_k, b_q, b_G, kp, Gp, QS, KS, r0, T, offk, loc, b_beta,
-        tl.load(_tile(dA + m_base, BT, BT, BT, 0, SUB, BT, SUB)),
-        tl.load(_tile(M_q + m_base, BT, BT, BT, 0, SUB, BT, SUB)), 1, SUB, DOT_PREC,
+    b_dk, b_dq, b_dG, b_dbeta, dkc1, dGc1 = _add_strip_grads(
+        b_dk, b_dq, b_dG, b_dbeta, b_k, b_q, b_G, b_beta, kp, Gp, QS, KS, r0, T, offk, loc, dAp, Mqp,
+        1, BT, SUB, DOT_PREC,
     )  # fmt: skip
-    b_dk += gk
-    b_dq += gq
-    b_dG += gk * b_k + gq * b_q
-    b_dbeta += db
-    gk, gq, dkc2, dGc2, db = _strip_grads_dbeta(
-        b_k, b_q, b_G, kp, Gp, QS, KS, r0, T, offk, loc, b_beta,
-        tl.load(_tile(dA + m_base, BT, BT, BT, 0, 2 * SUB, BT, SUB)),
-        tl.load(_tile(M_q + m_base, BT, BT, BT, 0, 2 * SUB, BT, SUB)), 2, SUB, DOT_PREC,
+    b_dk, b_dq, b_dG, b_dbeta, dkc2, dGc2 = _add_strip_grads(
+        b_dk, b_dq, b_dG, b_dbeta, b_k, b_q, b_G, b_beta, kp, Gp, QS, KS, r0, T, offk, loc, dAp, Mqp,
+        2, BT, SUB, DOT_PREC,
     )  # fmt: skip
-    b_dk += gk
-    b_dq += gq
-    b_dG += gk * b_k + gq * b_q
-    b_dbeta += db
-    gk, gq, dkc3, dGc3, db = _strip_grads_dbeta(
-        b_k, b_q, b_G, kp, Gp, QS, KS, r0, T, offk, loc, b_beta,
-        tl.load(_tile(dA + m_base, BT, BT, BT, 0, 3 * SUB, BT, SUB)),
-        tl.load(_tile(M_q + m_base, BT, BT, BT, 0, 3 * SUB, BT, SUB)), 3, SUB, DOT_PREC,
+    b_dk, b_dq, b_dG, b_dbeta, dkc3, dGc3 = _add_strip_grads(
+        b_dk, b_dq, b_dG, b_dbeta, b_k, b_q, b_G, b_beta, kp, Gp, QS, KS, r0, T, offk, loc, dAp, Mqp,
+        3, BT, SUB, DOT_PREC,
     )  # fmt: skip
-    b_dk += gk
-    b_dq += gq
-    b_dG += gk * b_k + gq * b_q
-    b_dbeta += db
     # the block's keys' parts, stacked into their rows (a 0/1 product per strip instead,
     # SPLIT_B_ROWS_BY_DOT, spilled less but was slower on an H100, 6.57 against 5.57 ms, and wrong
     # in bf16 there: removed)

@@ -71,8 +71,6 @@ def _check_forward(case):
 # dots themselves: test_split_low_dots_fp16 and the GPU bf16 test)
 BACKWARDS = {
     "triton": {"BACKWARD": "triton"},
-    "fused": {"BACKWARD": "fused", "INTRA_BWD_STRIPS": False},
-    "fused-strips": {"BACKWARD": "fused", "INTRA_BWD_STRIPS": True},
     "split": {"BACKWARD": "split", "SPLIT_BKB": 16},
     "split-bk32": {"BACKWARD": "split", "SPLIT_BKB": 32, "SPLIT_A_BK": 32, "SPLIT_A_BV": 32},
     "split-bf16dots": {"BACKWARD": "split", "SPLIT_BF16_DOTS": True},
@@ -102,9 +100,8 @@ def _backward(name):
 @settings(max_examples=5, deadline=None)
 @given(case=kda_cases(max_T=80, max_B=1), use_final=st.booleans())
 def test_triton_gradients_equal_recurrence(backward, case, use_final):
-    """Every backward path: the all-Triton ones (the fused one with both forms of the A products,
-    the split one with one and two key blocks), and PyTorch autograd around the Triton state
-    backward."""
+    """Every backward path: the all-Triton ones (the split one with one and two key blocks), and
+    PyTorch autograd around the Triton state backward."""
     with _backward(backward):
         _check_gradients(case, use_final)
 
@@ -190,14 +187,12 @@ def test_triton_bf16_on_gpu(T):
 
 @pytest.mark.gpu
 @pytest.mark.claim(CLAIM, section=SECTION)
-@pytest.mark.parametrize(
-    "backward", ["triton", "fused", "fused-strips", "split", "split-bk32", "split-bf16dots"]
-)
+@pytest.mark.parametrize("backward", ["triton", "split", "split-bk32", "split-bf16dots"])
 def test_triton_bf16_gradients_on_gpu(backward):
     """Every Triton backward in bf16 at K = V = 128 (tf32 dots; "split" with eight key blocks;
     "split-bf16dots" with bf16 operands for the products of bf16 data in the split kernels),
     against the fp64 recurrence on the GPU, T not a multiple of the chunk: 2e-2 (bf16; measured
-    2e-3 to 4e-3 on an H100 for "triton" and "fused")."""
+    2e-3 to 4e-3 on an H100 for "triton" and for the fused backward since removed)."""
     from repro.kda.tests.strategies import make_case
 
     case = make_case(seed=3, B=2, T=200, H=2, group=1, K=128, V=128, g_max=2.0, with_h0=True)

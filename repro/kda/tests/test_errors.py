@@ -60,3 +60,14 @@ def test_decode_step_rejects_many_tokens_and_bad_state():
 def test_chunk_size_is_checked():
     with pytest.raises(ValueError, match=r"chunk_size"):
         chunk_kda_torch(**_inputs(), chunk_size=24)
+
+
+def test_unknown_backward_lists_the_valid_ones(monkeypatch):
+    """An unknown chunk.BACKWARD (here "fused", a backward since removed) names the valid ones."""
+    import repro.kda.chunk as chunk_module
+
+    monkeypatch.setattr(chunk_module, "BACKWARD", "fused")
+    d = {name: x.requires_grad_(True) for name, x in _inputs().items()}
+    o, _ = chunk_kda(**d)
+    with pytest.raises(ValueError, match=r"'fused'.*\['triton', 'split', 'torch'\]"):
+        o.sum().backward()
