@@ -258,20 +258,18 @@ def sweep(out_dir: Path | None) -> None:
     def trial(row: dict, run, causal: bool) -> None:
         trial_row(report, row, run, flops(b, s, causal, row["kernel"]))
 
+    def cfg_row(kernel: str, causal: bool, cfg: tuple, pingpong: bool) -> dict:
+        bm, bn, nw, ns = cfg
+        return dict(
+            kernel=kernel, causal=causal, S=s, block_m=bm, block_n=bn, num_warps=nw, num_stages=ns,
+            pingpong=pingpong,
+        )  # fmt: skip
+
     for causal in (False, True):
         for pp, cfgs in ((False, fwd_cfgs), (True, pp_cfgs)):
             for bm, bn, nw, ns in cfgs:
                 sw = dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns, pingpong=pp)
-                row = dict(
-                    kernel="fwd",
-                    causal=causal,
-                    S=s,
-                    block_m=bm,
-                    block_n=bn,
-                    num_warps=nw,
-                    num_stages=ns,
-                    pingpong=pp,
-                )
+                row = cfg_row("fwd", causal, (bm, bn, nw, ns), pp)
                 trial(row, lambda sw=sw, causal=causal: timed(ours(q, k, v, causal, sw), "fwd"), causal)
         bwd_cfgs = [
             (64, 128, 8, 2),
@@ -283,16 +281,7 @@ def sweep(out_dir: Path | None) -> None:
         ]
         for bm, bn, nw, ns in bwd_cfgs:
             sw = dict(bwd_block_m=bm, bwd_block_n=bn, bwd_num_warps=nw, bwd_num_stages=ns)
-            row = dict(
-                kernel="fwd+bwd",
-                causal=causal,
-                S=s,
-                block_m=bm,
-                block_n=bn,
-                num_warps=nw,
-                num_stages=ns,
-                pingpong=False,
-            )
+            row = cfg_row("fwd+bwd", causal, (bm, bn, nw, ns), False)
             trial(
                 row,
                 lambda sw=sw, causal=causal: timed(ours(q, k, v, causal, sw), "fwd+bwd", (q, k, v)),

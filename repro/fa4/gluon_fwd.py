@@ -257,7 +257,10 @@ if HAS_GLUON:
         PINGPONG_SYNC: gl.constexpr,
         STORE_TMA: gl.constexpr,
     ):
-        """One warpgroup: query rows [row0, row0 + BLOCK_M) of this program's head."""
+        """Consumer warpgroup CONSUMER (0: the default partition, 1: the worker): query rows
+        [row0 + CONSUMER * BLOCK_M, + BLOCK_M) of this program's head."""
+        if CONSUMER == 1:
+            row0 = row0 + BLOCK_M
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
         )
@@ -374,88 +377,6 @@ if HAS_GLUON:
         gl.store(LSE + lse_base + rows_s, m_i + gl.log2(l_i), mask=rows_s < S_Q)
 
     @gluon.jit
-    def _consumer_worker(
-        q_smem,
-        k_smem,
-        v_smem,
-        q_ready,
-        k_ready,
-        v_ready,
-        k_empty,
-        v_empty,
-        O,
-        o_desc,
-        LSE,
-        lse_base,
-        o_row0,
-        o_col,
-        stride_os,
-        row0,
-        S_Q,
-        S_K,
-        n_blocks,
-        turn,
-        n_first,
-        qk_scale,
-        D: gl.constexpr,
-        BLOCK_M: gl.constexpr,
-        BLOCK_N: gl.constexpr,
-        NUM_STAGES: gl.constexpr,
-        CAUSAL: gl.constexpr,
-        LAZY_RESCALE: gl.constexpr,
-        RESCALE_TAU: gl.constexpr,
-        PINGPONG_SYNC: gl.constexpr,
-        STORE_TMA: gl.constexpr,
-    ):
-        _consume(
-            q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, O, o_desc, LSE, lse_base,
-            o_row0, o_col, stride_os, row0 + BLOCK_M, S_Q, S_K, n_blocks, turn, n_first,
-            qk_scale, 1, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, LAZY_RESCALE, RESCALE_TAU, PINGPONG_SYNC,
-            STORE_TMA,
-        )  # fmt: skip
-
-    @gluon.jit
-    def _consumer_default(
-        q_smem,
-        k_smem,
-        v_smem,
-        q_ready,
-        k_ready,
-        v_ready,
-        k_empty,
-        v_empty,
-        O,
-        o_desc,
-        LSE,
-        lse_base,
-        o_row0,
-        o_col,
-        stride_os,
-        row0,
-        S_Q,
-        S_K,
-        n_blocks,
-        turn,
-        n_first,
-        qk_scale,
-        D: gl.constexpr,
-        BLOCK_M: gl.constexpr,
-        BLOCK_N: gl.constexpr,
-        NUM_STAGES: gl.constexpr,
-        CAUSAL: gl.constexpr,
-        LAZY_RESCALE: gl.constexpr,
-        RESCALE_TAU: gl.constexpr,
-        PINGPONG_SYNC: gl.constexpr,
-        STORE_TMA: gl.constexpr,
-    ):
-        _consume(
-            q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, O, o_desc, LSE, lse_base,
-            o_row0, o_col, stride_os, row0, S_Q, S_K, n_blocks, turn, n_first,
-            qk_scale, 0, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, LAZY_RESCALE, RESCALE_TAU, PINGPONG_SYNC,
-            STORE_TMA,
-        )  # fmt: skip
-
-    @gluon.jit
     def _gluon_fwd_kernel(
         q_desc,
         k_desc,
@@ -530,9 +451,9 @@ if HAS_GLUON:
         if NUM_CONSUMERS == 2:
             gl.warp_specialize(
                 [
-                    (_consumer_default, (
+                    (_consume, (
                         q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, O, o_desc, LSE,
-                        lse_base, o_row0, off_h * D, stride_os, row0, S_Q, S_K, n_blocks, turn, n_first, qk_scale,
+                        lse_base, o_row0, off_h * D, stride_os, row0, S_Q, S_K, n_blocks, turn, n_first, qk_scale, 0,
                         D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, LAZY_RESCALE, RESCALE_TAU, PINGPONG_SYNC, STORE_TMA,
                     )),
                     (_load_partition, (
@@ -540,9 +461,9 @@ if HAS_GLUON:
                         v_empty, q_row0, off_h * D, kv_row0, off_hk * D, n_blocks,
                         BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
                     )),
-                    (_consumer_worker, (
+                    (_consume, (
                         q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, O, o_desc, LSE,
-                        lse_base, o_row0, off_h * D, stride_os, row0, S_Q, S_K, n_blocks, turn, n_first, qk_scale,
+                        lse_base, o_row0, off_h * D, stride_os, row0, S_Q, S_K, n_blocks, turn, n_first, qk_scale, 1,
                         D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, LAZY_RESCALE, RESCALE_TAU, PINGPONG_SYNC, STORE_TMA,
                     )),
                 ],
@@ -552,9 +473,9 @@ if HAS_GLUON:
         else:
             gl.warp_specialize(
                 [
-                    (_consumer_default, (
+                    (_consume, (
                         q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, O, o_desc, LSE,
-                        lse_base, o_row0, off_h * D, stride_os, row0, S_Q, S_K, n_blocks, turn, n_first, qk_scale,
+                        lse_base, o_row0, off_h * D, stride_os, row0, S_Q, S_K, n_blocks, turn, n_first, qk_scale, 0,
                         D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, LAZY_RESCALE, RESCALE_TAU, PINGPONG_SYNC, STORE_TMA,
                     )),
                     (_load_partition, (

@@ -116,6 +116,37 @@ def _softmax_step(
 
 
 @triton.jit
+def _attend_block(
+    q, k, v, cols, offs_m, S_K, diag, qk_scale, m_i, l_i, acc, n_resc,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    LAZY_RESCALE: tl.constexpr, RESCALE_TAU: tl.constexpr, SOFT_EXP: tl.constexpr,
+):  # fmt: skip
+    """One query tile against one key block: S = Q K^T (MASKED: keys past S_K and, causal, past the
+    diagonal to -inf), then the online-softmax step."""
+    if MASKED:
+        ok = cols[None, :] < S_K
+        if CAUSAL:
+            ok = ok & (cols[None, :] <= offs_m[:, None] + diag)
+        s = tl.where(ok, tl.dot(q, tl.trans(k)), float("-inf"))
+    else:
+        s = tl.dot(q, tl.trans(k))
+    return _softmax_step(
+        s, qk_scale, m_i, l_i, acc, v, n_resc, BLOCK_M, BLOCK_N, LAZY_RESCALE, RESCALE_TAU, SOFT_EXP
+    )
+
+
+@triton.jit
+def _store_tile(o_base, lse_base, offs_m, offs_d, stride_os, acc, l_i, m_i, S_Q):
+    """O / l and the base-2 log-sum-exp of one query tile, rows past S_Q left alone."""
+    tl.store(
+        o_base + offs_m[:, None] * stride_os + offs_d[None, :],
+        (acc / l_i[:, None]).to(o_base.dtype.element_ty),
+        mask=offs_m[:, None] < S_Q,
+    )
+    tl.store(lse_base + offs_m, m_i + tl.math.log2(l_i), mask=offs_m < S_Q)
+
+
+@triton.jit
 def _fwd_tile(
     Q,
     K,
@@ -206,26 +237,15 @@ def _fwd_tile(
         else:
             k = tl.load(k_base + cols[:, None] * stride_ks + offs_d[None, :])
             v = tl.load(v_base + cols[:, None] * stride_vs + offs_d[None, :])
-        s_a = tl.dot(q_a, tl.trans(k))
-        m_a, l_a, acc_a, n_resc_a = _softmax_step(
-            s_a, qk_scale, m_a, l_a, acc_a, v, n_resc_a, BLOCK_M, BLOCK_N, LAZY_RESCALE, RESCALE_TAU, SOFT_EXP
-        )
+        m_a, l_a, acc_a, n_resc_a = _attend_block(
+            q_a, k, v, cols, offs_ma, S_K, diag, qk_scale, m_a, l_a, acc_a, n_resc_a,
+            BLOCK_M, BLOCK_N, False, CAUSAL, LAZY_RESCALE, RESCALE_TAU, SOFT_EXP,
+        )  # fmt: skip
         if PINGPONG:
-            s_b = tl.dot(q_b, tl.trans(k))
-            m_b, l_b, acc_b, n_resc_b = _softmax_step(
-                s_b,
-                qk_scale,
-                m_b,
-                l_b,
-                acc_b,
-                v,
-                n_resc_b,
-                BLOCK_M,
-                BLOCK_N,
-                LAZY_RESCALE,
-                RESCALE_TAU,
-                SOFT_EXP,
-            )
+            m_b, l_b, acc_b, n_resc_b = _attend_block(
+                q_b, k, v, cols, offs_mb, S_K, diag, qk_scale, m_b, l_b, acc_b, n_resc_b,
+                BLOCK_M, BLOCK_N, False, CAUSAL, LAZY_RESCALE, RESCALE_TAU, SOFT_EXP,
+            )  # fmt: skip
     # Phase 2: the diagonal band (causal) and the ragged last block: masked.
     for start_n in tl.range(full_end, hi, BLOCK_N):
         cols = start_n + offs_n
@@ -238,49 +258,22 @@ def _fwd_tile(
         else:
             k = tl.load(k_base + cols[:, None] * stride_ks + offs_d[None, :], mask=kv_ok, other=0.0)
             v = tl.load(v_base + cols[:, None] * stride_vs + offs_d[None, :], mask=kv_ok, other=0.0)
-        ok_a = cols[None, :] < S_K
-        if CAUSAL:
-            ok_a = ok_a & (cols[None, :] <= offs_ma[:, None] + diag)
-        s_a = tl.where(ok_a, tl.dot(q_a, tl.trans(k)), float("-inf"))
-        m_a, l_a, acc_a, n_resc_a = _softmax_step(
-            s_a, qk_scale, m_a, l_a, acc_a, v, n_resc_a, BLOCK_M, BLOCK_N, LAZY_RESCALE, RESCALE_TAU, SOFT_EXP
-        )
+        m_a, l_a, acc_a, n_resc_a = _attend_block(
+            q_a, k, v, cols, offs_ma, S_K, diag, qk_scale, m_a, l_a, acc_a, n_resc_a,
+            BLOCK_M, BLOCK_N, True, CAUSAL, LAZY_RESCALE, RESCALE_TAU, SOFT_EXP,
+        )  # fmt: skip
         if PINGPONG:
-            ok_b = cols[None, :] < S_K
-            if CAUSAL:
-                ok_b = ok_b & (cols[None, :] <= offs_mb[:, None] + diag)
-            s_b = tl.where(ok_b, tl.dot(q_b, tl.trans(k)), float("-inf"))
-            m_b, l_b, acc_b, n_resc_b = _softmax_step(
-                s_b,
-                qk_scale,
-                m_b,
-                l_b,
-                acc_b,
-                v,
-                n_resc_b,
-                BLOCK_M,
-                BLOCK_N,
-                LAZY_RESCALE,
-                RESCALE_TAU,
-                SOFT_EXP,
-            )
+            m_b, l_b, acc_b, n_resc_b = _attend_block(
+                q_b, k, v, cols, offs_mb, S_K, diag, qk_scale, m_b, l_b, acc_b, n_resc_b,
+                BLOCK_M, BLOCK_N, True, CAUSAL, LAZY_RESCALE, RESCALE_TAU, SOFT_EXP,
+            )  # fmt: skip
     # Epilogue: one shared shift for O and l, so the stale max cancels exactly.
     lse_base = LSE + (off_b * H + off_h) * S_Q
-    tl.store(
-        o_base + offs_ma[:, None] * stride_os + offs_d[None, :],
-        (acc_a / l_a[:, None]).to(O.dtype.element_ty),
-        mask=offs_ma[:, None] < S_Q,
-    )
-    tl.store(lse_base + offs_ma, m_a + tl.math.log2(l_a), mask=offs_ma < S_Q)
+    _store_tile(o_base, lse_base, offs_ma, offs_d, stride_os, acc_a, l_a, m_a, S_Q)
     n_steps = tl.cdiv(hi, BLOCK_N)
     n_resc = n_resc_a
     if PINGPONG:
-        tl.store(
-            o_base + offs_mb[:, None] * stride_os + offs_d[None, :],
-            (acc_b / l_b[:, None]).to(O.dtype.element_ty),
-            mask=offs_mb[:, None] < S_Q,
-        )
-        tl.store(lse_base + offs_mb, m_b + tl.math.log2(l_b), mask=offs_mb < S_Q)
+        _store_tile(o_base, lse_base, offs_mb, offs_d, stride_os, acc_b, l_b, m_b, S_Q)
         n_resc += n_resc_b
         n_steps = 2 * n_steps
     if COUNT:
