@@ -11,7 +11,8 @@ computes each chunk's ``[BT, BT]`` gradients (M_q for A_qk, dA = -T^T dT T^T for
 plus dv, and ``kda_intra_bwd_split_dqk_kernel`` the per-channel gradients dq, dk, dg, one program per
 block of SPLIT_BKB key channels, reading those matrices back from memory. Measured on an H100
 (bf16, B=8, T=2048, H=16, K=V=128, forward + backward, median of 3 interleaved rounds): 5.57 ms
-with SPLIT_BKB = 32 and 4 warps for kernel B (flash-linear-attention's chunk_kda: 5.46 ms).
+with SPLIT_BKB = 32 and 4 warps for kernel B, 5.49 ms with kernel A at 32 x 32 channels and 8 warps
+(flash-linear-attention's chunk_kda: 5.46 ms).
 
 ``BACKWARD = "triton"``: the first all-Triton backward, three launches: the readout's gradient
 (``kda_out_bwd_kernel``), the reverse state recurrence (``kda_state_bwd_kernel``, atomics) and all
@@ -55,6 +56,10 @@ INTRA_BK = 32  # key channels per step of the forward intra-chunk kernel
 # A_kk, A_qk by column strips (kda_intra_fwd_kernel's STRIPS) rather than masked row blocks: on an
 # H100 at B=8, T=2048 the forward took 1.135 ms against 1.297 ms (4 warps; 8 warps: 1.68, 2.07)
 INTRA_FWD_STRIPS = True
+INTRA_FWD_STAGES = 3  # software-pipelining depth of the key/value-block loops (Triton's default)
+# the readout kernel (one program per chunk, value block and head): value channels and warps
+OUT_FWD_BV = 64
+OUT_FWD_WARPS = 4
 # the split backward (BACKWARD = "split"; timings in the module docstring). Kernel A (the [BT, BT] gradients
 # per chunk) steps through SPLIT_A_BK key and SPLIT_A_BV value channels; kernel B runs one program
 # per SPLIT_BKB key channels of a chunk (K / SPLIT_BKB programs per chunk and head). Compiled
@@ -68,9 +73,11 @@ INTRA_FWD_STRIPS = True
 #     warps. (The removed fused backward's single intra-chunk kernel, BK 16, BV 32, 4 warps, spilled 1776.)
 # Shared memory leaves room for 2+ programs per SM for both; registers (65536 per SM) allow two
 # 4-warp programs of 255 registers, one 8-warp program
-SPLIT_A_BK = 16
-SPLIT_A_BV = 16
-SPLIT_A_WARPS = 4
+# kernel A measured on an H100 (B=8, T=2048, fwd+bwd, median of 3 interleaved rounds): BK 32, BV
+# 32, 8 warps 5.49 ms; BK 16, BV 16, 4 warps 5.64; BK 16, BV 32, 8 warps 5.68
+SPLIT_A_BK = 32
+SPLIT_A_BV = 32
+SPLIT_A_WARPS = 8
 # kernel B measured on an H100 (B=8, T=2048, fwd+bwd, median of 3 interleaved rounds, bench.py
 # --tune): BKB 32 / 4 warps 5.57 ms; 32 / 8: 6.55; 16 / 4: 6.71; 16 / 8: 9.01; 64 / 8: 6.44.
 # Two programs of 4 warps fit per SM (registers), one of 8; at BKB 32 and 4 warps it spills more
@@ -161,13 +168,14 @@ def kda_fwd_triton(
         q, k, v, g, beta, G, W, U_prime, Aqk, KD, gamma, T_ut, scale, T, NT,
         H=H, HV=HV, K=K, V=V, BT=BT, SUB=SUB, LOG_SUB=LOG_SUB, LOG_NB=LOG_NB, BK=_block_k(K),
         BV=_block_v(V), DOT_PREC=prec, STRIPS=INTRA_FWD_STRIPS and BT == 4 * SUB, num_warps=INTRA_FWD_WARPS,
+        num_stages=INTRA_FWD_STAGES,
     )  # fmt: skip
     h_all, U_new, hT = _state_fwd(W, U_prime, KD, gamma, initial_state, output_final_state, prec)
     o = torch.empty_like(v)
-    BV = _block_v(V)
+    BV = min(V, OUT_FWD_BV)
     kda_out_fwd_kernel[(NT, triton.cdiv(V, BV), B * HV)](
         q, G, h_all, Aqk, U_new, o, scale, T, NT,
-        H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, DOT_PREC=prec, num_warps=4,
+        H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, DOT_PREC=prec, num_warps=OUT_FWD_WARPS,
     )  # fmt: skip
     saved = dict(G=G, W=W, KD=KD, gamma=gamma, Aqk=Aqk, T_ut=T_ut, h_all=h_all, U_new=U_new)
     return o, hT, saved
