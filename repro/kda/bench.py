@@ -1,6 +1,6 @@
 """Benchmark: our chunkwise KDA against flash-linear-attention and causal flash attention.
 
-``python -m repro.kda.bench [--quick] [--out DIR]``
+``python -m repro.kda.bench [--quick] [--seqlens 2048,4096] [--out DIR]``
 
 Shapes: H = 16 heads, K = V = 128, bf16, B x T = 16384 tokens for T = 2k .. 32k; at T = 64k
 B = 1 (65536 tokens: B cannot go below 1). Each row is the median over ROUNDS rounds, in each of
@@ -95,7 +95,15 @@ def warm(Ts: list[int]) -> None:
 ROUNDS = 3
 
 
-def run(quick: bool, out_dir: Path | None, budget_s: float, only: list[str] | None = None) -> None:
+def run(
+    quick: bool,
+    out_dir: Path | None,
+    budget_s: float,
+    only: list[str] | None = None,
+    seqlens: list[int] | None = None,
+) -> None:
+    """The main benchmark at every T of ALL_T (``quick``: T = 4096 only; ``seqlens``: those T,
+    written under the tag ``seqlens-<T>-<T>...`` so the full results file is left alone)."""
     if not torch.cuda.is_available():
         raise SystemExit("repro.kda.bench needs a CUDA GPU")
     from repro.kda import chunk as ck
@@ -119,7 +127,8 @@ def run(quick: bool, out_dir: Path | None, budget_s: float, only: list[str] | No
     fns = impls()
     if only:
         fns = {name: fn for name, fn in fns.items() if name in only}
-    Ts = [4096] if quick else ALL_T
+    Ts = [4096] if quick else (seqlens or ALL_T)
+    tag = "quick" if quick else ("seqlens-" + "-".join(map(str, seqlens)) if seqlens else "")
     skipped: list[str] = []
     failed: list[str] = []
     base_notes = report.notes
@@ -170,14 +179,14 @@ def run(quick: bool, out_dir: Path | None, budget_s: float, only: list[str] | No
             + (f" Not measured (time budget of the run): {', '.join(skipped)}." if skipped else "")
             + (f" Failed: {'; '.join(failed)}." if failed else "")
         )
-        report.write(out_dir=out_dir, tag="quick" if quick else "")  # keep what was measured so far
+        report.write(out_dir=out_dir, tag=tag)  # keep what was measured so far
     report.plot(
         title="forward time", x="T", y="ms", series="impl", where={"pass": "fwd"}, logx=True, logy=True
     )
     report.plot(title="forward + backward time", x="T", y="ms", series="impl", where={"pass": "fwd+bwd"},
                 logx=True, logy=True)  # fmt: skip
     report.measure_ceilings = not quick and time.perf_counter() - start < budget_s
-    report.write(out_dir=out_dir, tag="quick" if quick else "")
+    report.write(out_dir=out_dir, tag=tag)
 
 
 def breakdown(B: int = 8, T: int = 2048, names: tuple[str, ...] = ("ours", "fla_kda")) -> dict:
@@ -226,6 +235,13 @@ def breakdown(B: int = 8, T: int = 2048, names: tuple[str, ...] = ("ours", "fla_
 
 
 TUNING = [  # launch settings of repro.kda.chunk, each change (one or more names) tried against the defaults
+    # the split forward (INTRA_FWD_SPLIT: the WY factors in a launch of their own, kda_wy_fwd_kernel),
+    # not yet timed on a GPU: its defaults (64-channel blocks, 8 warps), 4 warps, smaller and larger
+    # blocks (offline registers for each in chunk.py's comments)
+    {"INTRA_FWD_SPLIT": True},
+    {"INTRA_FWD_SPLIT": True, "WY_FWD_WARPS": 4},
+    {"INTRA_FWD_SPLIT": True, "WY_FWD_BK": 32, "WY_FWD_BV": 32},
+    {"INTRA_FWD_SPLIT": True, "WY_FWD_BK": 128, "WY_FWD_BV": 128},
     # settled on an H100 (B=8, T=2048, chunk.py's comments) and left out: the forward's strips,
     # warps and key block, the state kernels' value blocks, the split backward's key block, warps
     # and 16-bit dots. The other Triton backward:
@@ -329,6 +345,12 @@ def main() -> None:
     ap.add_argument("--warm", action="store_true", help="compile and autotune every shape, time nothing")
     ap.add_argument("--tune", action="store_true", help="time ours with each launch setting changed alone")
     ap.add_argument("--impls", default="", help="comma-separated subset of ours,fla_kda,fla_gdn,sdpa_flash")
+    ap.add_argument(
+        "--seqlens",
+        default="",
+        help="comma-separated T values of the main benchmark (e.g. 2048,4096; B = 16384 // T), written "
+        "as <device>-seqlens-2048-4096.json",
+    )
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new measurements after this")
     ap.add_argument(
         "--set",
@@ -339,6 +361,9 @@ def main() -> None:
     )
     args = ap.parse_args()
     apply_settings(args.set)
+    seqlens = [int(x) for x in args.seqlens.split(",") if x]
+    if any(T < 1 for T in seqlens):
+        raise SystemExit(f"--seqlens {args.seqlens!r}: expected positive integers")
     if args.breakdown:
         import json
 
@@ -349,9 +374,9 @@ def main() -> None:
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "breakdown.json").write_text(json.dumps(result, indent=1))
     elif args.warm:
-        warm([4096] if args.quick else ALL_T)
+        warm([4096] if args.quick else (seqlens or ALL_T))
     else:
-        run(args.quick, args.out, args.budget_s, [x for x in args.impls.split(",") if x])
+        run(args.quick, args.out, args.budget_s, [x for x in args.impls.split(",") if x], seqlens or None)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Chunkwise KDA on Triton: launchers, the autograd Function, the decode step.
 
-Forward: three Triton launches (kernels.py), no PyTorch math on the hot path. It saves the
+Forward: three Triton launches (kernels.py; four with ``INTRA_FWD_SPLIT``, which computes the WY
+factors in a launch of their own), no PyTorch math on the hot path. It saves the
 intermediates the backward needs (cumulative decay G, the UT transform T, W, KD, the states
 entering each chunk, the pseudo-values U): no recomputation.
 
@@ -44,6 +45,7 @@ from repro.kda.kernels import (
     kda_state_bwd_fused_kernel,
     kda_state_bwd_kernel,
     kda_state_fwd_kernel,
+    kda_wy_fwd_kernel,
 )
 from repro.kda.validate import check_kda_inputs
 
@@ -57,6 +59,25 @@ INTRA_BK = 32  # key channels per step of the forward intra-chunk kernel
 # H100 at B=8, T=2048 the forward took 1.135 ms against 1.297 ms (4 warps; 8 warps: 1.68, 2.07)
 INTRA_FWD_STRIPS = True
 INTRA_FWD_STAGES = 3  # software-pipelining depth of the key/value-block loops (Triton's default)
+# The forward's intra-chunk work as two launches: kda_intra_fwd_kernel without its second pass (G,
+# gamma, KD, A_qk and T only; WY=False), then kda_wy_fwd_kernel, one program per chunk, head and
+# block of WY_FWD_BK key or WY_FWD_BV value channels, computing W or U' from the stored T and G.
+# The fused kernel runs one latency-bound program per (chunk, head) at ~255 registers, its second
+# pass (~0.32 ms of the kernel, an older 8-warp measurement) in sequence after the first; split,
+# that pass runs as many small programs. Not yet timed on a GPU: off.
+INTRA_FWD_SPLIT = False
+# Compiled offline for sm_90a (Triton 3.6, bf16, K = V = 128; shared memory from the compiled
+# metadata, registers and spills from the bundled ptxas -v): kda_intra_fwd_kernel at 4 warps with
+# its second pass 255 registers, 1884 bytes of spill stores; without it (WY=False) still 255
+# registers, 640 bytes (at 8 warps: 156 bytes with it; none and 248 registers without): no fewer
+# registers, so no more programs per SM, only less spilling. kda_wy_fwd_kernel: BK = BV = 64 at 8 warps 110 registers (4 warps: 254), 32 KiB shared;
+# 32 at 8 warps 48 registers (4 warps: 116), 24 KiB; 128 at 8 warps 228 (4 warps: 255, 328 bytes
+# of spill stores), 48 KiB; no spills otherwise.
+# 64-channel blocks: four programs per chunk and head at K = V = 128 (16384 at B=8, T=2048, HV=16),
+# each chunk's 16 KiB fp32 T read four times (from L2: the block is the fastest grid axis)
+WY_FWD_BK = 64
+WY_FWD_BV = 64
+WY_FWD_WARPS = 8  # 110 registers (4 warps: 254): two programs per SM either way, twice the warps
 # the readout kernel (one program per chunk, value block and head): value channels and warps
 OUT_FWD_BV = 64
 OUT_FWD_WARPS = 4
@@ -151,12 +172,32 @@ def kda_fwd_triton(
     initial_state: torch.Tensor | None,
     output_final_state: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The three forward launches; tensors as in :func:`repro.kda.chunk_kda`, contiguous."""
+    """The three forward launches (four with INTRA_FWD_SPLIT); tensors as in
+    :func:`repro.kda.chunk_kda`, contiguous."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    NT = triton.cdiv(T, BT)
+    prec = _dot_precision(q.dtype)
+    G, W, KD, U_prime, Aqk, gamma, T_ut = _intra_fwd(q, k, v, g, beta, scale, prec)
+    h_all, U_new, hT = _state_fwd(W, U_prime, KD, gamma, initial_state, output_final_state, prec)
+    o = torch.empty_like(v)
+    BV = min(V, OUT_FWD_BV)
+    kda_out_fwd_kernel[(NT, triton.cdiv(V, BV), B * HV)](
+        q, G, h_all, Aqk, U_new, o, scale, T, NT,
+        H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, DOT_PREC=prec, num_warps=OUT_FWD_WARPS,
+    )  # fmt: skip
+    saved = dict(G=G, W=W, KD=KD, gamma=gamma, Aqk=Aqk, T_ut=T_ut, h_all=h_all, U_new=U_new)
+    return o, hT, saved
+
+
+def _intra_fwd(q, k, v, g, beta, scale, prec):
+    """The intra-chunk launches of the forward: ``kda_intra_fwd_kernel`` alone (with the WY
+    factors), or with INTRA_FWD_SPLIT that kernel without them followed by ``kda_wy_fwd_kernel``.
+    Returns G, W, KD, U', A_qk, gamma, T."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     NT = triton.cdiv(T, BT)
     dev, dt = q.device, q.dtype
-    prec = _dot_precision(dt)
     G = torch.empty(B, T, HV, K, device=dev, dtype=torch.float32)
     W = torch.empty(B, T, HV, K, device=dev, dtype=dt)
     KD = torch.empty(B, T, HV, K, device=dev, dtype=dt)
@@ -167,18 +208,18 @@ def kda_fwd_triton(
     kda_intra_fwd_kernel[(NT, B * HV)](
         q, k, v, g, beta, G, W, U_prime, Aqk, KD, gamma, T_ut, scale, T, NT,
         H=H, HV=HV, K=K, V=V, BT=BT, SUB=SUB, LOG_SUB=LOG_SUB, LOG_NB=LOG_NB, BK=_block_k(K),
-        BV=_block_v(V), DOT_PREC=prec, STRIPS=INTRA_FWD_STRIPS and BT == 4 * SUB, num_warps=INTRA_FWD_WARPS,
-        num_stages=INTRA_FWD_STAGES,
+        BV=_block_v(V), DOT_PREC=prec, STRIPS=INTRA_FWD_STRIPS and BT == 4 * SUB, WY=not INTRA_FWD_SPLIT,
+        num_warps=INTRA_FWD_WARPS, num_stages=INTRA_FWD_STAGES,
     )  # fmt: skip
-    h_all, U_new, hT = _state_fwd(W, U_prime, KD, gamma, initial_state, output_final_state, prec)
-    o = torch.empty_like(v)
-    BV = min(V, OUT_FWD_BV)
-    kda_out_fwd_kernel[(NT, triton.cdiv(V, BV), B * HV)](
-        q, G, h_all, Aqk, U_new, o, scale, T, NT,
-        H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, DOT_PREC=prec, num_warps=OUT_FWD_WARPS,
-    )  # fmt: skip
-    saved = dict(G=G, W=W, KD=KD, gamma=gamma, Aqk=Aqk, T_ut=T_ut, h_all=h_all, U_new=U_new)
-    return o, hT, saved
+    if INTRA_FWD_SPLIT:
+        BK, BV = min(K, WY_FWD_BK), min(V, WY_FWD_BV)
+        # the channel block is the fastest grid axis: a chunk's programs run side by side and
+        # read its T from L2 rather than memory
+        kda_wy_fwd_kernel[(K // BK + V // BV, NT, B * HV)](
+            k, v, beta, G, T_ut, W, U_prime, T,
+            H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, DOT_PREC=prec, num_warps=WY_FWD_WARPS,
+        )  # fmt: skip
+    return G, W, KD, U_prime, Aqk, gamma, T_ut
 
 
 def _state_fwd(W, U_prime, KD, gamma, h0, output_final_state, prec):

@@ -6,6 +6,8 @@ Forward, three launches (the same split as the derivation in chunk_torch.py):
   parallel: cumulative log-decay ``G``, the matrices ``A_kk`` and ``A_qk``, the UT transform
   ``T = (I + A_kk)^{-1}`` and the WY factors ``W = T Diag(beta)(K*exp(G))``,
   ``U' = T Diag(beta) V``.
+  With ``chunk.INTRA_FWD_SPLIT`` the WY factors are a second launch, :func:`kda_wy_fwd_kernel`
+  (one program per chunk, channel block and head).
 * :func:`kda_state_fwd_kernel`, one program per (value block, batch x value head), walking the
   chunks in order: ``U = U' - W S``, ``S <- Diag(exp(G_C)) S + (K*exp(G_C - G))^T U``; stores each
   chunk's incoming state and the pseudo-values U.
@@ -250,6 +252,7 @@ def kda_intra_fwd_kernel(
     DOT_PREC: tl.constexpr,
     SKIP: tl.constexpr = 0,
     STRIPS: tl.constexpr = False,
+    WY: tl.constexpr = True,
 ):
     """One program per (chunk, batch x value head), all chunks in parallel.
 
@@ -258,7 +261,9 @@ def kda_intra_fwd_kernel(
     of channels adds its part: the ``[BT, BK]`` tiles stay small, so nothing spills). Then the UT
     transform ``T = (I + A_kk)^{-1}`` (:func:`_unit_lower_inverse`); pass 2 the WY factors
     ``W = T Diag(beta)(K*exp(G))`` per channel block and ``U' = T Diag(beta) V`` per value block.
-    ``SKIP`` (bits 1, 2, 4: the products for A, the inverse, pass 2) leaves parts out, for timing
+    ``WY = False`` leaves pass 2 out (W_out and U_out untouched): :func:`kda_wy_fwd_kernel` computes
+    W and U' from the stored G and T in a second launch (chunk.INTRA_FWD_SPLIT).
+    ``SKIP`` (bits 1, 2: the products for A, the inverse) leaves parts out, for timing
     the parts in bench.py's profile only: the results are then wrong. ``STRIPS`` computes A by
     column blocks (:func:`_column_strip`, ``[BT, 16]`` products: a quarter of the tensor-core work
     of the row-block form and one exponential per key instead of one per row block)."""
@@ -351,7 +356,7 @@ def kda_intra_fwd_kernel(
         T_ut = A_kk
     p_T = tl.make_block_ptr(T_out + c_base, (T, BT), (HV * BT, 1), (r0, 0), (BT, BT), (1, 0))
     tl.store(p_T, T_ut, boundary_check=(0,))
-    if SKIP & 4:
+    if not WY:
         return
 
     for kb in range(K // BK):
@@ -368,6 +373,61 @@ def kda_intra_fwd_kernel(
         p_u = tl.make_block_ptr(U_out + v_base, (T, V), (HV * V, 1), (r0, vb * BV), (BT, BV), (1, 0))
         b_v = tl.load(p_v, boundary_check=(0,), padding_option="zero").to(tl.float32)
         b_U = tl.dot(T_ut, b_v * b_beta[:, None], input_precision=DOT_PREC)
+        tl.store(p_u, b_U.to(U_out.dtype.element_ty), boundary_check=(0,))
+
+
+@triton.jit(do_not_specialize=["T"])
+def kda_wy_fwd_kernel(
+    k,
+    v,
+    beta,
+    G,
+    T_ut,
+    W_out,
+    U_out,
+    T,
+    H,
+    HV,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """The WY factors as a launch of their own (chunk.INTRA_FWD_SPLIT), after
+    :func:`kda_intra_fwd_kernel` with ``WY = False``: one program per (channel block, chunk,
+    batch x value head). Block ``j < K/BK`` is ``W = T Diag(beta)(K*exp(G))`` for key channels
+    ``j*BK .. j*BK+BK``, block ``K/BK + i`` is ``U' = T Diag(beta) V`` for value channels
+    ``i*BV .. i*BV+BV``. Reads the chunk's UT transform T ``[BT, BT]`` and G (both fp32, stored by
+    the first kernel): the same operands and products as that kernel's pass 2."""
+    i_blk = tl.program_id(0)  # the fastest axis: a chunk's programs share its T through L2
+    i_t = tl.program_id(1)
+    i_bh = tl.program_id(2)
+    b = i_bh // HV
+    hv = i_bh % HV
+    hk = hv // (HV // H)
+    loc = tl.arange(0, BT)
+    rows = i_t * BT + loc
+    r0 = i_t * BT
+    # padded rows: beta = 0, k = v = 0 (and T's rows zero): nothing written past T
+    b_beta = tl.load(beta + (b * T + rows) * HV + hv, mask=rows < T, other=0.0).to(tl.float32)
+    b_T = _load_rows(T_ut + (b * T * HV + hv) * BT, T, HV * BT, BT, r0, 0, BT, BT)
+    if i_blk < K // BK:
+        gk_base = (b * T * HV + hv) * K
+        c0 = i_blk * BK
+        b_k = _load_rows(k + (b * T * H + hk) * K, T, H * K, K, r0, c0, BT, BK).to(tl.float32)
+        b_G = _load_rows(G + gk_base, T, HV * K, K, r0, c0, BT, BK)
+        b_kb = b_k * tl.exp(b_G) * b_beta[:, None]
+        b_W = tl.dot(b_T, b_kb, input_precision=DOT_PREC)
+        p_w = _tile(W_out + gk_base, T, HV * K, K, r0, c0, BT, BK)
+        tl.store(p_w, b_W.to(W_out.dtype.element_ty), boundary_check=(0,))
+    else:
+        v_base = (b * T * HV + hv) * V
+        c0 = (i_blk - K // BK) * BV
+        b_v = _load_rows(v + v_base, T, HV * V, V, r0, c0, BT, BV).to(tl.float32)
+        b_U = tl.dot(b_T, b_v * b_beta[:, None], input_precision=DOT_PREC)
+        p_u = _tile(U_out + v_base, T, HV * V, V, r0, c0, BT, BV)
         tl.store(p_u, b_U.to(U_out.dtype.element_ty), boundary_check=(0,))
 
 

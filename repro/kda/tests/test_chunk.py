@@ -38,19 +38,45 @@ def test_torch_chunk_equals_recurrence(case, chunk_size):
     assert_rel_close(s, s_ref, 1e-10, "final state")
 
 
+# the settings of repro.kda.chunk that select each way of running the forward's intra-chunk work:
+# A by row blocks or by column strips in the fused kernel, and the split forward (column strips,
+# then the WY factors in kda_wy_fwd_kernel; 16-channel blocks, so that K = 32 has two key and two
+# value blocks)
+FORWARDS = {
+    "rows": {"INTRA_FWD_STRIPS": False},
+    "strips": {"INTRA_FWD_STRIPS": True},
+    "split": {"INTRA_FWD_SPLIT": True, "WY_FWD_BK": 16, "WY_FWD_BV": 16},
+}
+
+
 @pytest.mark.claim(CLAIM, section=SECTION)
-@pytest.mark.parametrize("strips", [False, True])
+@pytest.mark.parametrize("forward", list(FORWARDS))
 @settings(max_examples=8, deadline=None)
 @given(case=kda_cases(max_T=80))
-def test_triton_forward_equals_recurrence(strips, case):
-    """Both ways of forming A in the forward kernel (row blocks, column strips)."""
-    import repro.kda.chunk as chunk_module
-
-    before, chunk_module.INTRA_FWD_STRIPS = chunk_module.INTRA_FWD_STRIPS, strips
-    try:
+def test_triton_forward_equals_recurrence(forward, case):
+    """Every forward: A by row blocks or column strips, and the split forward (two launches)."""
+    with _settings(FORWARDS[forward]):
         _check_forward(case)
-    finally:
-        chunk_module.INTRA_FWD_STRIPS = before
+
+
+def test_split_forward_matches_fused():
+    """INTRA_FWD_SPLIT computes the same G, T, W, U' as the fused kernel (fp32, K = V = 32, T = 80:
+    a padded tail chunk; W and U' in 16-channel blocks, two of each): the same operands and
+    products in another launch, so they agree to float rounding (1e-6)."""
+    from repro.kda.chunk import _dot_precision, _intra_fwd
+    from repro.kda.tests.strategies import make_case
+
+    case = make_case(seed=7, B=2, T=80, H=2, group=2, K=32, V=32, g_max=2.0, with_h0=False)
+    q, k, v, g, beta, _ = (
+        None if x is None else x.to(DEVICE, torch.float32) for x in case.tensors(torch.float64)
+    )
+    args = (q, k, v, g, beta, q.shape[-1] ** -0.5, _dot_precision(q.dtype))
+    fused = _intra_fwd(*args)
+    with _settings({"INTRA_FWD_SPLIT": True, "WY_FWD_BK": 16, "WY_FWD_BV": 16}):
+        split = _intra_fwd(*args)
+    names = ["G", "W", "KD", "U'", "A_qk", "gamma", "T"]
+    for name, a, b in zip(names, fused, split, strict=True):
+        assert_rel_close(b.cpu(), a.cpu(), 1e-6, f"{name} (split against fused)")
 
 
 def _check_forward(case):
@@ -79,12 +105,10 @@ BACKWARDS = {
 
 
 @contextlib.contextmanager
-def _backward(name):
-    """Select a backward path of repro.kda.chunk for the block (a name of BACKWARDS or a dict of
-    settings), restoring the settings after."""
+def _settings(changes):
+    """Set settings of repro.kda.chunk (a dict) for the block, restoring them after."""
     import repro.kda.chunk as chunk_module
 
-    changes = BACKWARDS[name] if isinstance(name, str) else name
     saved = {key: getattr(chunk_module, key) for key in changes}
     for key, value in changes.items():
         setattr(chunk_module, key, value)
@@ -93,6 +117,12 @@ def _backward(name):
     finally:
         for key, value in saved.items():
             setattr(chunk_module, key, value)
+
+
+def _backward(name):
+    """Select a backward path of repro.kda.chunk for the block (a name of BACKWARDS or a dict of
+    settings), restoring the settings after."""
+    return _settings(BACKWARDS[name] if isinstance(name, str) else name)
 
 
 @pytest.mark.claim(CLAIM, section=SECTION)
@@ -170,17 +200,20 @@ def test_split_low_dots_fp16(changes):
 
 @pytest.mark.gpu
 @pytest.mark.claim(CLAIM, section=SECTION)
+@pytest.mark.parametrize("forward", ["fused", "split"])
 @pytest.mark.parametrize("T", [64, 1000, 4096])
-def test_triton_bf16_on_gpu(T):
+def test_triton_bf16_on_gpu(T, forward):
     """bf16 at a model-sized head (K = V = 128, tf32 intra-chunk dots) against the fp32 recurrence
-    run on the GPU: 2e-2, the usual bf16 budget (8 mantissa bits, errors growing ~sqrt(T/64))."""
+    run on the GPU: 2e-2, the usual bf16 budget (8 mantissa bits, errors growing ~sqrt(T/64)).
+    "split": INTRA_FWD_SPLIT with its default launch settings."""
     from repro.kda.tests.strategies import make_case
 
     case = make_case(seed=T, B=1, T=T, H=2, group=2, K=128, V=128, g_max=2.0, with_h0=True)
     q, k, v, g, beta, h0 = (x.to("cuda", torch.float32) for x in case.tensors(torch.float64))
     o_ref, s_ref = recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
     bf = [x.to(torch.bfloat16) for x in (q, k, v)]
-    o, s = chunk_kda(*bf, g, beta, initial_state=h0, output_final_state=True)
+    with _settings({"INTRA_FWD_SPLIT": forward == "split"}):
+        o, s = chunk_kda(*bf, g, beta, initial_state=h0, output_final_state=True)
     assert_rel_close(o.float(), o_ref.float(), 2e-2, "o (bf16)")
     assert_rel_close(s, s_ref, 2e-2, "final state (bf16)")
 
