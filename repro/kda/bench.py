@@ -108,7 +108,8 @@ def run(
         raise SystemExit("repro.kda.bench needs a CUDA GPU")
     from repro.kda import chunk as ck
 
-    backward = ck.BACKWARD  # after --set: the notes say which backward the rows timed
+    backward = ck.BACKWARD  # after --set: the notes say which backward and forward the rows timed
+    forward = "4 launches, INTRA_FWD_SPLIT" if ck.INTRA_FWD_SPLIT else "3 launches"
     start = time.perf_counter()
     report = Report(
         package="kda",
@@ -117,7 +118,8 @@ def run(
         columns=["impl", "B", "T", "pass", "ms", "rel_err_vs_fla"],
         packages=["flash-linear-attention", "fla-core"],
         notes=(
-            "B*T = 16384 tokens except T = 65536 (B = 1, 65536 tokens). ours: Triton forward (3 launches) and "
+            "B*T = 16384 tokens except T = 65536 (B = 1, 65536 tokens). "
+            f"ours: Triton forward ({forward}) and "
             f"Triton backward (chunk.BACKWARD = {backward!r}). rel_err_vs_fla: our forward output against fla's chunk_kda on the "
             f"same bf16 inputs. Each row: median of {ROUNDS} rounds in which every implementation and pass "
             "at that T is timed in turn."
@@ -235,13 +237,12 @@ def breakdown(B: int = 8, T: int = 2048, names: tuple[str, ...] = ("ours", "fla_
 
 
 TUNING = [  # launch settings of repro.kda.chunk, each change (one or more names) tried against the defaults
-    # the split forward (INTRA_FWD_SPLIT: the WY factors in a launch of their own, kda_wy_fwd_kernel),
-    # not yet timed on a GPU: its defaults (64-channel blocks, 8 warps), 4 warps, smaller and larger
-    # blocks (offline registers for each in chunk.py's comments)
-    {"INTRA_FWD_SPLIT": True},
-    {"INTRA_FWD_SPLIT": True, "WY_FWD_WARPS": 4},
-    {"INTRA_FWD_SPLIT": True, "WY_FWD_BK": 32, "WY_FWD_BV": 32},
-    {"INTRA_FWD_SPLIT": True, "WY_FWD_BK": 128, "WY_FWD_BV": 128},
+    # the forward's intra-chunk work fused in one kernel (the default until the split one measured
+    # 1.085 against 1.131 ms at B=8, T=2048 on an H100), and the split one's launch settings
+    {"INTRA_FWD_SPLIT": False},
+    {"WY_FWD_WARPS": 4},
+    {"WY_FWD_BK": 32, "WY_FWD_BV": 32},
+    {"WY_FWD_BK": 128, "WY_FWD_BV": 128},
     # settled on an H100 (B=8, T=2048, chunk.py's comments) and left out: the forward's strips,
     # warps and key block, the state kernels' value blocks, the split backward's key block, warps
     # and 16-bit dots. The other Triton backward:

@@ -43,8 +43,8 @@ def test_torch_chunk_equals_recurrence(case, chunk_size):
 # then the WY factors in kda_wy_fwd_kernel; 16-channel blocks, so that K = 32 has two key and two
 # value blocks)
 FORWARDS = {
-    "rows": {"INTRA_FWD_STRIPS": False},
-    "strips": {"INTRA_FWD_STRIPS": True},
+    "rows": {"INTRA_FWD_STRIPS": False, "INTRA_FWD_SPLIT": False},
+    "strips": {"INTRA_FWD_STRIPS": True, "INTRA_FWD_SPLIT": False},
     "split": {"INTRA_FWD_SPLIT": True, "WY_FWD_BK": 16, "WY_FWD_BV": 16},
 }
 
@@ -71,7 +71,8 @@ def test_split_forward_matches_fused():
         None if x is None else x.to(DEVICE, torch.float32) for x in case.tensors(torch.float64)
     )
     args = (q, k, v, g, beta, q.shape[-1] ** -0.5, _dot_precision(q.dtype))
-    fused = _intra_fwd(*args)
+    with _settings({"INTRA_FWD_SPLIT": False}):
+        fused = _intra_fwd(*args)
     with _settings({"INTRA_FWD_SPLIT": True, "WY_FWD_BK": 16, "WY_FWD_BV": 16}):
         split = _intra_fwd(*args)
     names = ["G", "W", "KD", "U'", "A_qk", "gamma", "T"]
