@@ -155,19 +155,20 @@ def _strip_operands(
 
 @triton.jit
 def _column_strip(
-    b_k, b_q, b_G, k_ptr, G_ptr, k_stride, g_stride, r0, T, offk, loc,
+    S_k, S_q, b_k, b_q, b_G, k_ptr, G_ptr, k_stride, g_stride, r0, T, offk, loc,
     c: tl.constexpr, SUB: tl.constexpr, DOT_PREC: tl.constexpr,
 ):  # fmt: skip
-    """Columns ``c*SUB .. c*SUB+SUB`` of ``A_kk`` and ``A_qk`` (before masks and scales), for the
-    chunk's channel block in ``b_k, b_q, b_G`` (``[BT, BK]``), as two ``[BT, SUB]`` matmuls with
-    the operands of :func:`_strip_operands` (in the forward, G was stored by this program: the
-    caller puts a barrier first)."""
+    """Adds this channel block's part of columns ``c*SUB .. c*SUB+SUB`` of ``A_kk`` and ``A_qk``
+    (before masks and scales) to the strips ``S_k``, ``S_q`` (``[BT, SUB]``) and returns them: two
+    ``[BT, SUB]`` matmuls for the block in ``b_k, b_q, b_G`` (``[BT, BK]``) with the operands of
+    :func:`_strip_operands` (in the forward, G was stored by this program: the caller puts a
+    barrier first)."""
     _e_row, _k_c, _e_col, y, x_k, x_q = _strip_operands(
         b_k, b_q, b_G, k_ptr, G_ptr, k_stride, g_stride, r0, T, offk, loc, c, SUB
     )
     return (
-        tl.dot(x_k, tl.trans(y), input_precision=DOT_PREC),
-        tl.dot(x_q, tl.trans(y), input_precision=DOT_PREC),
+        S_k + tl.dot(x_k, tl.trans(y), input_precision=DOT_PREC),
+        S_q + tl.dot(x_q, tl.trans(y), input_precision=DOT_PREC),
     )
 
 
@@ -315,26 +316,11 @@ def kda_intra_fwd_kernel(
             tl.debug_barrier()  # the G rows stored above are read back by other threads
             offk = kb * BK + tl.arange(0, BK)
             k_ptr, G_ptr = k + qk_base, G_out + gk_base
-            d_kk, d_qk = _column_strip(
-                b_k, b_q, b_G, k_ptr, G_ptr, H * K, HV * K, r0, T, offk, loc, 0, SUB, DOT_PREC
-            )
-            S0k += d_kk
-            S0q += d_qk
-            d_kk, d_qk = _column_strip(
-                b_k, b_q, b_G, k_ptr, G_ptr, H * K, HV * K, r0, T, offk, loc, 1, SUB, DOT_PREC
-            )
-            S1k += d_kk
-            S1q += d_qk
-            d_kk, d_qk = _column_strip(
-                b_k, b_q, b_G, k_ptr, G_ptr, H * K, HV * K, r0, T, offk, loc, 2, SUB, DOT_PREC
-            )
-            S2k += d_kk
-            S2q += d_qk
-            d_kk, d_qk = _column_strip(
-                b_k, b_q, b_G, k_ptr, G_ptr, H * K, HV * K, r0, T, offk, loc, 3, SUB, DOT_PREC
-            )
-            S3k += d_kk
-            S3q += d_qk
+            args = (b_k, b_q, b_G, k_ptr, G_ptr, H * K, HV * K, r0, T, offk, loc)
+            S0k, S0q = _column_strip(S0k, S0q, *args, 0, SUB, DOT_PREC)
+            S1k, S1q = _column_strip(S1k, S1q, *args, 1, SUB, DOT_PREC)
+            S2k, S2q = _column_strip(S2k, S2q, *args, 2, SUB, DOT_PREC)
+            S3k, S3q = _column_strip(S3k, S3q, *args, 3, SUB, DOT_PREC)
         else:
             for a in tl.static_range(BT // SUB):
                 if SKIP & 1 == 0:
