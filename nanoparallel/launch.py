@@ -28,6 +28,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def spawn_ranks(world: int, target, args, timeout_s: float, crashed=lambda message: None) -> list:
+    """Run ``target(rank, world, port, args, results)`` once in each of ``world`` fresh spawned
+    processes (for jobs that own their devices, unlike :class:`World`'s reusable workers) and return
+    the one message each puts on ``results``, in arrival order. ``port`` is free for a store or a
+    process group. ``crashed(message)`` gives the error text of a rank that failed, else None: the
+    others would wait for it forever, so the run stops at once with that text (SystemExit), as it
+    does when no message comes within ``timeout_s``. Every process is joined, and killed if it does
+    not end."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, world, port, args, results)) for r in range(world)]
+    for pr in procs:
+        pr.start()
+    out: list = []
+    try:
+        while len(out) < world:
+            try:
+                message = results.get(timeout=timeout_s)
+            except queue.Empty:
+                raise SystemExit(
+                    f"spawn_ranks: {world - len(out)} of {world} ranks sent nothing in {timeout_s} s"
+                ) from None
+            error = crashed(message)
+            if error:
+                raise SystemExit(error)
+            out.append(message)
+    finally:
+        for pr in procs:
+            pr.join(timeout=30 if len(out) == world else 1)
+            if pr.is_alive():
+                pr.kill()
+    return out
+
+
 class TaskError(RuntimeError):
     """A task raised on a worker; ``kind`` is the exception's class name."""
 

@@ -216,3 +216,12 @@ def out_of_place(ctx: dict, key: str, count: int, seed: int) -> tuple[torch.Tens
     y = torch.empty_like(x)
     ret = comm.all_reduce(x, out=y)
     return y, x, bool(torch.equal(x, keep)) and ret is y
+
+
+def spawn_echo(rank: int, world: int, port: int, args, results) -> None:
+    """A target for :func:`nanoparallel.launch.spawn_ranks`: reports (rank, world, args); rank
+    ``args["crash"]`` (if given) reports a crash instead, the way the GPU jobs' ranks do."""
+    if rank == args.get("crash"):
+        results.put((rank, None, f"rank {rank} crashed on purpose"))
+        return
+    results.put((rank, world, None))

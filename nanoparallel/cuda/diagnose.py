@@ -351,33 +351,13 @@ def main(argv=None) -> None:
         rows = [dict(r) for r in args.plan]
         report(rows, world, dry_run=True).write(tag=tag + "-dry-run", out_dir=args.out)
         return
-    if world < 2 or world > torch.cuda.device_count():
-        raise SystemExit(
-            f"--world-size must be between 2 and the {torch.cuda.device_count()} GPUs here, got {world}"
-        )
-    import torch.multiprocessing as mp
+    from nanoparallel.cuda.sweep import check_world_size
+    from nanoparallel.launch import spawn_ranks
 
-    from nanoparallel.cuda.sweep import _free_port
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
+    check_world_size(world)
     t0 = time.perf_counter()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, args, results)) for r in range(world)]
-    for pr in procs:
-        pr.start()
-    out = {}
-    try:
-        while len(out) < world:
-            rank, rows, error = results.get(timeout=900)
-            if error:
-                raise SystemExit(error)
-            out[rank] = rows
-    finally:
-        for pr in procs:
-            pr.join(timeout=30 if len(out) == world else 1)
-            if pr.is_alive():
-                pr.kill()
+    # each rank sends (rank, rows, error text or None)
+    out = {rank: rows for rank, rows, _ in spawn_ranks(world, _rank_main, args, 900, lambda m: m[2])}
     rows = finish(out[0], world)
     report(rows, world, dry_run=False).write(tag=tag, out_dir=args.out)
     print(f"diagnose took {time.perf_counter() - t0:.0f} s")

@@ -326,6 +326,27 @@ def all_to_all_kernel(
         out_off += expect
 
 
+@triton.jit
+def _push_segment(dst, inp, in_off, count, lo, hi, BLOCK: tl.constexpr):
+    """Elements lo .. hi of the segment that starts at ``in_off`` of ``inp`` to the same places of
+    ``dst`` (the segment's start), 16-byte accesses when offset and length allow (see _a16)."""
+    if (in_off % 16 == 0) & (count % 16 == 0):
+        a_off = _a16(in_off)
+        _copy(dst - a_off, inp, a_off + _a16(lo), a_off + _a16(hi), BLOCK)
+    else:
+        _copy(dst - in_off, inp, in_off + lo, in_off + hi, BLOCK)
+
+
+@triton.jit
+def _drain_segment(out, src, out_off, count, expect, lo, hi, BLOCK: tl.constexpr):
+    """Elements lo .. hi of a received segment (at ``src``) to ``out`` from ``out_off``, 16-byte
+    accesses when the offset and both lengths allow (see _a16)."""
+    if (out_off % 16 == 0) & (count % 16 == 0) & (expect % 16 == 0):
+        _copy(out + _a16(out_off), src, _a16(lo), _a16(hi), BLOCK)
+    else:
+        _copy(out + out_off, src, lo, hi, BLOCK)
+
+
 @triton.jit(do_not_specialize=["epoch", "max_spins"])
 def all_to_all_push_kernel(
     inp, out, buf, D, meta, M, flags, F, err, slot, epoch, max_spins,
@@ -344,11 +365,7 @@ def all_to_all_push_kernel(
         count = tl.load(meta + d)
         lo, hi = _share(count, count, nprog)
         dst = buf + D[d] + RANK * slot
-        if (in_off % 16 == 0) & (count % 16 == 0):
-            a_off = _a16(in_off)
-            _copy(dst - a_off, inp, a_off + _a16(lo), a_off + _a16(hi), BLOCK)
-        else:
-            _copy(dst - in_off, inp, in_off + lo, in_off + hi, BLOCK)
+        _push_segment(dst, inp, in_off, count, lo, hi, BLOCK)
         in_off += count
     _barrier(flags, F, err, epoch + 1, max_spins, RANK, W)
     out_off = 0
@@ -359,10 +376,7 @@ def all_to_all_push_kernel(
             tl.atomic_or(err, 2)
         lo, hi = _share(count, tl.minimum(count, expect), nprog)
         src = buf + p * slot
-        if (out_off % 16 == 0) & (count % 16 == 0) & (expect % 16 == 0):
-            _copy(out + _a16(out_off), src, _a16(lo), _a16(hi), BLOCK)
-        else:
-            _copy(out + out_off, src, lo, hi, BLOCK)
+        _drain_segment(out, src, out_off, count, expect, lo, hi, BLOCK)
         out_off += expect
 
 
@@ -529,11 +543,7 @@ def _a2a_push(inp, buf, D, meta, slot, nprog, steps, c, RANK: tl.constexpr, W: t
         if d != RANK:
             lo, hi = _a2a_step(count, count, nprog, steps, c)
             dst = buf + D[d] + RANK * slot
-            if (in_off % 16 == 0) & (count % 16 == 0):
-                a_off = _a16(in_off)
-                _copy(dst - a_off, inp, a_off + _a16(lo), a_off + _a16(hi), BLOCK)
-            else:
-                _copy(dst - in_off, inp, in_off + lo, in_off + hi, BLOCK)
+            _push_segment(dst, inp, in_off, count, lo, hi, BLOCK)
         in_off += count
 
 
@@ -550,10 +560,7 @@ def _a2a_drain(out, buf, meta, M, err, slot, nprog, steps, c, RANK: tl.constexpr
                 tl.atomic_or(err, 2)
             lo, hi = _a2a_step(count, tl.minimum(count, expect), nprog, steps, c)
             src = buf + p * slot
-            if (out_off % 16 == 0) & (count % 16 == 0) & (expect % 16 == 0):
-                _copy(out + _a16(out_off), src, _a16(lo), _a16(hi), BLOCK)
-            else:
-                _copy(out + out_off, src, lo, hi, BLOCK)
+            _drain_segment(out, src, out_off, count, expect, lo, hi, BLOCK)
         out_off += expect
 
 

@@ -40,12 +40,12 @@ os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
 os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
 
 import datetime  # noqa: E402
-import socket  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+
+from nanoparallel.launch import spawn_ranks  # noqa: E402
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 
@@ -262,10 +262,11 @@ def _report(
     return report
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def check_world_size(world: int) -> None:
+    if world < 2 or world > torch.cuda.device_count():
+        raise SystemExit(
+            f"--world-size must be between 2 and the {torch.cuda.device_count()} GPUs here, got {world}"
+        )
 
 
 def main(argv=None) -> None:
@@ -291,28 +292,9 @@ def main(argv=None) -> None:
     )
     args = p.parse_args(argv)
     world = args.world_size
-    if world < 2 or world > torch.cuda.device_count():
-        raise SystemExit(
-            f"--world-size must be between 2 and the {torch.cuda.device_count()} GPUs here, got {world}"
-        )
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, args, results)) for r in range(world)]
-    for pr in procs:
-        pr.start()
-    out = []
-    try:
-        while len(out) < world:
-            got = results.get(timeout=1800)
-            if got[1] == -1:  # a rank crashed: the others would wait for it forever
-                raise SystemExit(got[2][0])
-            out.append(got)
-    finally:
-        for pr in procs:
-            pr.join(timeout=30 if len(out) == world else 1)
-            if pr.is_alive():
-                pr.kill()
+    check_world_size(world)
+    # a crashed rank reports -1 checks and its traceback
+    out = spawn_ranks(world, _rank_main, args, 1800, lambda got: got[2][0] if got[1] == -1 else None)
     out.sort(key=lambda r: r[0])
     cases = sum(o[1] for o in out)
     failures = [f for o in out for f in o[2]]

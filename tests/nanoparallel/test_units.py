@@ -242,3 +242,16 @@ def test_calibration_is_cached_and_used(worlds, tmp_path):
         assert got[0][k] > 0
     loaded = cost_model.load("shm-simple", path)
     assert loaded is not None and loaded.alpha == got[0]["alpha"]
+
+
+@pytest.mark.timeout(120)
+def test_spawn_ranks_collects_every_rank_and_stops_at_a_crash():
+    """spawn_ranks (the GPU sweep's and diagnosis's launcher): one message per rank; a rank that
+    reports a crash ends the run with its text instead of leaving the others waiting."""
+    from nanoparallel.launch import spawn_ranks
+    from nanoparallel.testing import spawn_echo
+
+    out = spawn_ranks(2, spawn_echo, {}, 60, crashed=lambda m: m[2])
+    assert sorted(out) == [(0, 2, None), (1, 2, None)]
+    with pytest.raises(SystemExit, match="rank 1 crashed on purpose"):
+        spawn_ranks(2, spawn_echo, {"crash": 1}, 60, crashed=lambda m: m[2])
