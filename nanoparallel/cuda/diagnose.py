@@ -34,7 +34,6 @@ os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
 os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
 
 import argparse  # noqa: E402
-import datetime  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -155,18 +154,11 @@ def _rank_main(rank: int, world: int, port: int, args, results) -> None:
 def _rank_body(rank: int, world: int, port: int, args) -> list[dict]:
     import torch.distributed as dist
 
-    from nanoparallel.cuda import STEP_BYTES, CudaPeerBackend, check_splits
+    from nanoparallel.cuda import STEP_BYTES, check_splits
     from nanoparallel.cuda import kernels as K
+    from nanoparallel.cuda.sweep import join_world
 
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
-    store = dist.TCPStore(
-        "127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=300)
-    )
-    dist.init_process_group(
-        "nccl", store=dist.PrefixStore("nccl", store), rank=rank, world_size=world, device_id=dev
-    )
-    be = CudaPeerBackend(rank, world, store, dev, timeout_s=60)
+    be, dev = join_world(rank, world, port)
     nxt, prv = (rank + 1) % world, (rank - 1) % world
     largest = max(args.sizes)
     be._grow(largest)  # collective: every rank grows alike, before anything is timed

@@ -132,11 +132,12 @@ def _rank_main(rank: int, world: int, port: int, args, results) -> None:
         raise
 
 
-def _rank_body(rank: int, world: int, port: int, args, results) -> None:
+def join_world(rank: int, world: int, port: int):
+    """In a rank process of a GPU job: this rank's device, NCCL's process group (the peer being
+    timed) and our backend, both on one TCPStore hosted by rank 0. Returns (backend, device)."""
     import torch.distributed as dist
 
     from nanoparallel.cuda import CudaPeerBackend
-    from nanoparallel.cuda.check import check_all
 
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
@@ -147,6 +148,15 @@ def _rank_body(rank: int, world: int, port: int, args, results) -> None:
         "nccl", store=dist.PrefixStore("nccl", store), rank=rank, world_size=world, device_id=dev
     )
     be = CudaPeerBackend(rank, world, store, dev, timeout_s=60)
+    return be, dev
+
+
+def _rank_body(rank: int, world: int, port: int, args, results) -> None:
+    import torch.distributed as dist
+
+    from nanoparallel.cuda.check import check_all
+
+    be, dev = join_world(rank, world, port)
     t0 = time.perf_counter()
     if args.skip_check:
         cases, failures = 0, []
