@@ -236,6 +236,21 @@ def breakdown(B: int = 8, T: int = 2048, names: tuple[str, ...] = ("ours", "fla_
     return out
 
 
+def profile_target(B: int = 8, T: int = 2048) -> None:
+    """One forward + backward of ours inside cudaProfilerStart/Stop (after a warm-up that compiles
+    everything), so that ``ncu --profile-from-start off`` sees each kernel once."""
+    from repro.kda import chunk_kda
+
+    leaves = [x.requires_grad_(True) for x in make_inputs(B, T)]
+    do = torch.randn_like(leaves[2])
+    for profiled in (False, True):
+        if profiled:
+            torch.cuda.profiler.start()
+        torch.autograd.grad(chunk_kda(*leaves)[0], leaves, do)
+        torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
 TUNING = [  # launch settings of repro.kda.chunk, each change (one or more names) tried against the defaults
     # the forward's intra-chunk work fused in one kernel (the default until the split one measured
     # 1.085 against 1.131 ms at B=8, T=2048 on an H100), and the split one's launch settings
@@ -272,17 +287,18 @@ TUNING = [  # launch settings of repro.kda.chunk, each change (one or more names
 TUNE_ROUNDS = 3
 
 
-def tune(B: int = 8, T: int = 2048, rounds: int = TUNE_ROUNDS) -> list[dict]:
-    """Time ours (fwd, fwd+bwd) with the defaults and with each change of TUNING applied alone,
-    in ``rounds`` interleaved rounds (medians; the row also keeps the range)."""
-    import statistics
-
+def tune(
+    B: int = 8, T: int = 2048, rounds: int = TUNE_ROUNDS, changes: list[dict] | None = None
+) -> list[dict]:
+    """Time ours (fwd, fwd+bwd) with the defaults and with each change (default: TUNING) applied
+    alone, in ``rounds`` interleaved rounds (medians; the row also keeps the range)."""
     from repro.kda import chunk as ck
 
+    changes = TUNING if changes is None else changes
     inputs = make_inputs(B, T)
     leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
     do = torch.randn_like(inputs[2])
-    defaults = {name: getattr(ck, name) for change in TUNING for name in change}
+    defaults = {name: getattr(ck, name) for change in changes for name in change}
 
     def use(change: dict) -> None:
         for name, value in {**defaults, **change}.items():
@@ -295,7 +311,7 @@ def tune(B: int = 8, T: int = 2048, rounds: int = TUNE_ROUNDS) -> list[dict]:
         return time_ms(lambda: torch.autograd.grad(ck.chunk_kda(*leaves)[0], leaves, do))
 
     trials = []
-    for change in [{}] + TUNING:  # compile each setting once; one that fails is reported, not timed
+    for change in [{}] + changes:  # compile each setting once; one that fails is reported, not timed
         use(change)
         try:
             fwd_bwd()
@@ -312,28 +328,38 @@ def tune(B: int = 8, T: int = 2048, rounds: int = TUNE_ROUNDS) -> list[dict]:
     rows = []
     for change, f_ms, fb_ms in trials:
         fwd_med, fb_med = statistics.median(f_ms), statistics.median(fb_ms)
-        rows.append({"change": change, "fwd_ms": round(fwd_med, 4), "fwd_bwd_ms": round(fb_med, 4),
+        rows.append({"B": B, "T": T, "change": change, "fwd_ms": round(fwd_med, 4),
+                     "fwd_range": [round(min(f_ms), 4), round(max(f_ms), 4)], "fwd_bwd_ms": round(fb_med, 4),
                      "fwd_bwd_range": [round(min(fb_ms), 4), round(max(fb_ms), 4)]})  # fmt: skip
-        print(f"{str(change or 'defaults'):32s} fwd {fwd_med:7.3f} ms  fwd+bwd {fb_med:7.3f} ms "
-              f"({min(fb_ms):.3f}-{max(fb_ms):.3f})", flush=True)  # fmt: skip
+        print(f"B={B} T={T} {str(change or 'defaults'):32s} fwd {fwd_med:7.3f} ms ({min(f_ms):.3f}-{max(f_ms):.3f})"
+              f"  fwd+bwd {fb_med:7.3f} ms ({min(fb_ms):.3f}-{max(fb_ms):.3f})", flush=True)  # fmt: skip
     return rows
 
 
-def apply_settings(pairs: list[str]) -> None:
-    """Set module constants of repro.kda.chunk from ``NAME=VALUE`` strings (value parsed as a Python
+def parse_settings(pairs: list[str], flag: str = "--set") -> dict:
+    """``NAME=VALUE`` strings as a dict of settings of repro.kda.chunk (value parsed as a Python
     literal, else kept as a string); an unknown name is an error, not a silent no-op."""
     import ast
 
     from repro.kda import chunk as ck
 
+    settings = {}
     for pair in pairs:
         name, sep, text = pair.partition("=")
         if not sep or not name.isupper() or not hasattr(ck, name):
-            raise SystemExit(f"--set {pair!r}: expected NAME=VALUE with NAME a setting of repro.kda.chunk")
+            raise SystemExit(f"{flag} {pair!r}: expected NAME=VALUE with NAME a setting of repro.kda.chunk")
         try:
-            value = ast.literal_eval(text)
+            settings[name] = ast.literal_eval(text)
         except (ValueError, SyntaxError):
-            value = text
+            settings[name] = text
+    return settings
+
+
+def apply_settings(pairs: list[str]) -> None:
+    """Set settings of repro.kda.chunk from ``NAME=VALUE`` strings (see :func:`parse_settings`)."""
+    from repro.kda import chunk as ck
+
+    for name, value in parse_settings(pairs).items():
         setattr(ck, name, value)
         print(f"setting {name} = {value!r}", flush=True)
 
@@ -344,7 +370,26 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="folder for the JSON (default repro/kda/results)")
     ap.add_argument("--breakdown", action="store_true", help="GPU time per kernel, ours and fla, B=8, T=2048")
     ap.add_argument("--warm", action="store_true", help="compile and autotune every shape, time nothing")
-    ap.add_argument("--tune", action="store_true", help="time ours with each launch setting changed alone")
+    ap.add_argument(
+        "--profile-target",
+        action="store_true",
+        help="for Nsight Compute (--profile-from-start off): one forward + backward of ours at B=8, T=2048 "
+        "between cudaProfilerStart and Stop, after a warm-up",
+    )
+    ap.add_argument(
+        "--tune",
+        action="store_true",
+        help="time ours with each launch setting of TUNING (or of --try) changed alone, at B=8, T=2048 "
+        "or at each T of --seqlens",
+    )
+    ap.add_argument(
+        "--try",
+        dest="tries",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE[,NAME=VALUE]",
+        help="with --tune: one change to time instead of TUNING's (repeatable)",
+    )
     ap.add_argument("--impls", default="", help="comma-separated subset of ours,fla_kda,fla_gdn,sdpa_flash")
     ap.add_argument(
         "--seqlens",
@@ -365,15 +410,24 @@ def main() -> None:
     seqlens = [int(x) for x in args.seqlens.split(",") if x]
     if any(T < 1 for T in seqlens):
         raise SystemExit(f"--seqlens {args.seqlens!r}: expected positive integers")
-    if args.breakdown:
+    if args.breakdown or args.tune:
         import json
 
-        result = breakdown(names=("ours",) if args.tune else ("ours", "fla_kda"))
+        names = tuple(x for x in args.impls.split(",") if x) or (
+            ("ours",) if args.tune else ("ours", "fla_kda")
+        )
+        result = breakdown(names=names) if args.breakdown else {}
         if args.tune:
-            result["tune"] = tune()
+            changes = [parse_settings(t.split(","), "--try") for t in args.tries] or None
+            result["tune"] = [
+                row for T in (seqlens or [2048]) for row in tune(max(1, TOKENS // T), T, changes=changes)
+            ]
         if args.out is not None:
             args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / "breakdown.json").write_text(json.dumps(result, indent=1))
+            name = "breakdown.json" if args.breakdown else "tune.json"
+            (args.out / name).write_text(json.dumps(result, indent=1))
+    elif args.profile_target:
+        profile_target()
     elif args.warm:
         warm([4096] if args.quick else (seqlens or ALL_T))
     else:

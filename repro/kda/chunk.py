@@ -30,6 +30,8 @@ against the recurrence, so each is a check on the other.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -70,6 +72,15 @@ INTRA_FWD_STAGES = 3  # software-pipelining depth of the key/value-block loops (
 # 0.175) against 1.131 ms fused (intra 0.770); in the benchmark, forward 1.089 ms and forward +
 # backward 5.51 ms against flash-linear-attention's 1.067 and 5.46 (same process)
 INTRA_FWD_SPLIT = True
+# exp as one ex2.approx.ftz in the forward intra-chunk kernel (kernels._exp): inline PTX, so only
+# on a GPU; under TRITON_INTERPRET (the CPU tests) the kernel keeps tl.exp
+INTRA_FWD_FAST_EXP = True
+# The intra-chunk kernel, which has q, k and G in registers, also stores the readout's left factor
+# scale Q*exp(G) (INTRA_FWD_QG) and, in the split forward, the WY kernel's right factor
+# Diag(beta) K*exp(G) (INTRA_FWD_KB), both in the inputs' dtype: those two kernels then read 16-bit
+# tiles instead of Q or K plus the fp32 G (the readout reads them once per value block)
+INTRA_FWD_QG = True
+INTRA_FWD_KB = True
 # Compiled offline for sm_90a (Triton 3.6, bf16, K = V = 128; shared memory from the compiled
 # metadata, registers and spills from the bundled ptxas -v): kda_intra_fwd_kernel at 4 warps with
 # its second pass 255 registers, 1884 bytes of spill stores; without it (WY=False) still 255
@@ -83,7 +94,9 @@ WY_FWD_BK = 64
 WY_FWD_BV = 64
 WY_FWD_WARPS = 8  # 110 registers (4 warps: 254): two programs per SM either way, twice the warps
 # the readout kernel (one program per chunk, value block and head): value channels and warps
-OUT_FWD_BV = 64
+# (with QG read from memory, 128 channels read it once: 0.978 against 0.987 ms forward at B=8,
+# T=2048 on an H100; with 8 warps 1.001)
+OUT_FWD_BV = 128
 OUT_FWD_WARPS = 4
 # the split backward (BACKWARD = "split"; timings in the module docstring). Kernel A (the [BT, BT] gradients
 # per chunk) steps through SPLIT_A_BK key and SPLIT_A_BV value channels; kernel B runs one program
@@ -122,6 +135,8 @@ SPLIT_B_WARPS = 4
 # tensor-core rate. Kept as a switch, off. The state kernels keep fp32 operands (bf16 ones there
 # built a kernel that read shared memory out of range)
 SPLIT_BF16_DOTS = False
+# kernel B's exponentials as one ex2.approx.ftz each (kernels._exp; GPU only, as INTRA_FWD_FAST_EXP)
+SPLIT_FAST_EXP = True
 # The two state recurrences run chunks in sequence, one program per (value block, b*HV): with few
 # sequences and heads (B=1, HV=16 at T=64k) the value blocks are the only parallelism, so the
 # block shrinks (down to STATE_MIN_BV) until there are STATE_MIN_PROGRAMS programs. Measured on an
@@ -146,6 +161,11 @@ def _state_block_v(V: int, heads: int, fixed: int | None, largest: int) -> int:
     while bv > STATE_MIN_BV and triton.cdiv(V, bv) * heads < STATE_MIN_PROGRAMS:
         bv //= 2
     return bv
+
+
+def _interpreting() -> bool:
+    """Triton's CPU interpreter (TRITON_INTERPRET=1): no inline PTX there."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -182,13 +202,13 @@ def kda_fwd_triton(
     HV, V = v.shape[2], v.shape[3]
     NT = triton.cdiv(T, BT)
     prec = _dot_precision(q.dtype)
-    G, W, KD, U_prime, Aqk, gamma, T_ut = _intra_fwd(q, k, v, g, beta, scale, prec)
+    G, W, KD, U_prime, Aqk, gamma, T_ut, QG = _intra_fwd(q, k, v, g, beta, scale, prec)
     h_all, U_new, hT = _state_fwd(W, U_prime, KD, gamma, initial_state, output_final_state, prec)
     o = torch.empty_like(v)
     BV = min(V, OUT_FWD_BV)
     kda_out_fwd_kernel[(NT, triton.cdiv(V, BV), B * HV)](
-        q, G, h_all, Aqk, U_new, o, scale, T, NT,
-        H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, DOT_PREC=prec, num_warps=OUT_FWD_WARPS,
+        q, G, QG, h_all, Aqk, U_new, o, scale, T, NT,
+        H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, DOT_PREC=prec, USE_QG=QG is not None, num_warps=OUT_FWD_WARPS,
     )  # fmt: skip
     saved = dict(G=G, W=W, KD=KD, gamma=gamma, Aqk=Aqk, T_ut=T_ut, h_all=h_all, U_new=U_new)
     return o, hT, saved
@@ -197,7 +217,7 @@ def kda_fwd_triton(
 def _intra_fwd(q, k, v, g, beta, scale, prec):
     """The intra-chunk launches of the forward: ``kda_intra_fwd_kernel`` alone (with the WY
     factors), or with INTRA_FWD_SPLIT that kernel without them followed by ``kda_wy_fwd_kernel``.
-    Returns G, W, KD, U', A_qk, gamma, T."""
+    Returns G, W, KD, U', A_qk, gamma, T and QG (``scale Q*exp(G)`` with INTRA_FWD_QG, else None)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     NT = triton.cdiv(T, BT)
@@ -209,10 +229,13 @@ def _intra_fwd(q, k, v, g, beta, scale, prec):
     Aqk = torch.empty(B, T, HV, BT, device=dev, dtype=dt)
     gamma = torch.empty(B, HV, NT, K, device=dev, dtype=torch.float32)
     T_ut = torch.empty(B, T, HV, BT, device=dev, dtype=torch.float32)
+    QG = torch.empty(B, T, HV, K, device=dev, dtype=dt) if INTRA_FWD_QG else None
+    KB = torch.empty(B, T, HV, K, device=dev, dtype=dt) if INTRA_FWD_KB and INTRA_FWD_SPLIT else None
     kda_intra_fwd_kernel[(NT, B * HV)](
-        q, k, v, g, beta, G, W, U_prime, Aqk, KD, gamma, T_ut, scale, T, NT,
+        q, k, v, g, beta, G, W, U_prime, Aqk, KD, gamma, T_ut, QG, KB, scale, T, NT,
         H=H, HV=HV, K=K, V=V, BT=BT, SUB=SUB, LOG_SUB=LOG_SUB, LOG_NB=LOG_NB, BK=_block_k(K),
         BV=_block_v(V), DOT_PREC=prec, STRIPS=INTRA_FWD_STRIPS and BT == 4 * SUB, WY=not INTRA_FWD_SPLIT,
+        STORE_QG=QG is not None, STORE_KB=KB is not None, FAST_EXP=INTRA_FWD_FAST_EXP and not _interpreting(),
         num_warps=INTRA_FWD_WARPS, num_stages=INTRA_FWD_STAGES,
     )  # fmt: skip
     if INTRA_FWD_SPLIT:
@@ -220,10 +243,11 @@ def _intra_fwd(q, k, v, g, beta, scale, prec):
         # the channel block is the fastest grid axis: a chunk's programs run side by side and
         # read its T from L2 rather than memory
         kda_wy_fwd_kernel[(K // BK + V // BV, NT, B * HV)](
-            k, v, beta, G, T_ut, W, U_prime, T,
-            H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, DOT_PREC=prec, num_warps=WY_FWD_WARPS,
+            k, v, beta, G, KB, T_ut, W, U_prime, T,
+            H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, DOT_PREC=prec, USE_KB=KB is not None,
+            num_warps=WY_FWD_WARPS,
         )  # fmt: skip
-    return G, W, KD, U_prime, Aqk, gamma, T_ut
+    return G, W, KD, U_prime, Aqk, gamma, T_ut, QG
 
 
 def _state_fwd(W, U_prime, KD, gamma, h0, output_final_state, prec):
@@ -465,7 +489,7 @@ def kda_bwd_triton_split(q, k, v, g, beta, scale, h0, saved, do, dhT):
         q, k, beta, saved["G"], saved["T_ut"], saved["U_new"], saved["h_all"], dh_all, do, dU,
         M_q, dA, dq, dk, dg, dbeta_parts, scale, T, NT,
         H=H, HV=HV, K=K, V=V, BT=BT, SUB=SUB, BK=BKB, BV=min(V, SPLIT_B_BV), DOT_PREC=prec,
-        LOW_DOTS=low, num_warps=SPLIT_B_WARPS, num_stages=1,
+        LOW_DOTS=low, FAST_EXP=SPLIT_FAST_EXP and not _interpreting(), num_warps=SPLIT_B_WARPS, num_stages=1,
     )  # fmt: skip
     dbeta = dbeta_parts.sum(0).to(beta.dtype)
     if group > 1:

@@ -62,6 +62,25 @@ def _load_rows_t(base, R, row_stride, C: tl.constexpr, r0, c0, BR: tl.constexpr,
 
 
 @triton.jit
+def _exp(x, FAST: tl.constexpr):
+    """``exp(x)``; ``FAST`` (GPU only: inline PTX, which Triton's CPU interpreter cannot run) as one
+    ``ex2.approx.ftz`` of ``x log2(e)``: results below 2^-126 flush to zero instead of going through
+    the denormal fix-up that tl.exp adds around each ex2 (a compare and two multiplies, 14% of the
+    forward intra-chunk kernel's instructions on an H100)."""
+    if FAST:
+        return tl.inline_asm_elementwise(
+            "ex2.approx.ftz.f32 $0, $1;",
+            "=r,r",
+            [x * 1.4426950408889634],
+            dtype=tl.float32,
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
 def _block_products(b_k, b_x, b_G, loc, a, SUB: tl.constexpr):
     """One 16-row block of ``A[r, i] = sum_c x_rc k_ic exp(G_rc - G_ic)`` as a matmul's operands.
 
@@ -82,10 +101,10 @@ def _block_products(b_k, b_x, b_G, loc, a, SUB: tl.constexpr):
 
 
 @triton.jit
-def _decay_tail_grads(b_k, b_G, G_last, b_dkd, b_dgamma):
+def _decay_tail_grads(b_k, b_G, G_last, b_dkd, b_dgamma, FAST_EXP: tl.constexpr = False):
     """Gradients through ``KD = k exp(G_last - G)`` and ``gamma = exp(G_last)`` (what the state
     recurrence reads): the parts of dk and dG for each row, and the gradient reaching G_last."""
-    e_tail = tl.exp(G_last[None, :] - b_G)
+    e_tail = _exp(G_last[None, :] - b_G, FAST_EXP)
     kd_term = b_dkd * b_k * e_tail
     return b_dkd * e_tail, -kd_term, tl.sum(kd_term, axis=0) + b_dgamma * tl.exp(G_last)
 
@@ -118,8 +137,9 @@ def _row_block_grads(b_q, x_k, k_cols, e_row, e_col, in_block, upto, M_k, M_q, D
 
 @triton.jit
 def _strip_factors(
-    b_G, k_ptr, G_ptr, k_stride, g_stride, r0, T, offk, loc, c: tl.constexpr, SUB: tl.constexpr
-):
+    b_G, k_ptr, G_ptr, k_stride, g_stride, r0, T, offk, loc, c: tl.constexpr, SUB: tl.constexpr,
+    FAST_EXP: tl.constexpr = False,
+):  # fmt: skip
     """The two factors of ``exp(G_r - G_i)`` for the keys ``i`` of column block c.
 
     ``exp(G_r - G_i)`` is factored around the middle row of column block c: rows from the block on
@@ -134,19 +154,22 @@ def _strip_factors(
     k_c = tl.load(k_ptr + rows_c[:, None] * k_stride + offk[None, :], mask=(rows_c < T)[:, None], other=0.0)
     G_ref = tl.load(G_ptr + tl.minimum(r0 + c * SUB + SUB // 2, T - 1) * g_stride + offk)
     after = loc >= c * SUB
-    e_row = tl.exp(tl.where(after[:, None], b_G - G_ref[None, :], 0.0))
-    return after, e_row, k_c.to(tl.float32), tl.exp(G_ref[None, :] - G_c)
+    e_row = _exp(tl.where(after[:, None], b_G - G_ref[None, :], 0.0), FAST_EXP)
+    return after, e_row, k_c.to(tl.float32), _exp(G_ref[None, :] - G_c, FAST_EXP)
 
 
 @triton.jit
 def _strip_operands(
-    b_k, b_q, b_G, k_ptr, G_ptr, k_stride, g_stride, r0, T, offk, loc, c: tl.constexpr, SUB: tl.constexpr
-):
+    b_k, b_q, b_G, k_ptr, G_ptr, k_stride, g_stride, r0, T, offk, loc, c: tl.constexpr, SUB: tl.constexpr,
+    FAST_EXP: tl.constexpr = False,
+):  # fmt: skip
     """The operands of column strip c of ``A_kk`` and ``A_qk``, from the factors of
     :func:`_strip_factors`: ``e_row``, the block's keys ``k_c`` and ``e_col``, then
     ``y = k_c e_col`` ``[SUB, BK]`` and the rows ``x_k = k e_row``, ``x_q = q e_row`` ``[BT, BK]``
-    (zero above the block)."""
-    after, e_row, k_c, e_col = _strip_factors(b_G, k_ptr, G_ptr, k_stride, g_stride, r0, T, offk, loc, c, SUB)
+    (zero above the block). ``FAST_EXP``: exponentials by :func:`_exp`'s ftz path."""
+    after, e_row, k_c, e_col = _strip_factors(
+        b_G, k_ptr, G_ptr, k_stride, g_stride, r0, T, offk, loc, c, SUB, FAST_EXP
+    )
     y = k_c * e_col
     x_k = tl.where(after[:, None], b_k * e_row, 0.0)
     x_q = tl.where(after[:, None], b_q * e_row, 0.0)
@@ -156,7 +179,7 @@ def _strip_operands(
 @triton.jit
 def _column_strip(
     S_k, S_q, b_k, b_q, b_G, k_ptr, G_ptr, k_stride, g_stride, r0, T, offk, loc,
-    c: tl.constexpr, SUB: tl.constexpr, DOT_PREC: tl.constexpr,
+    c: tl.constexpr, SUB: tl.constexpr, DOT_PREC: tl.constexpr, FAST_EXP: tl.constexpr,
 ):  # fmt: skip
     """Adds this channel block's part of columns ``c*SUB .. c*SUB+SUB`` of ``A_kk`` and ``A_qk``
     (before masks and scales) to the strips ``S_k``, ``S_q`` (``[BT, SUB]``) and returns them: two
@@ -164,7 +187,7 @@ def _column_strip(
     :func:`_strip_operands` (in the forward, G was stored by this program: the caller puts a
     barrier first)."""
     _e_row, _k_c, _e_col, y, x_k, x_q = _strip_operands(
-        b_k, b_q, b_G, k_ptr, G_ptr, k_stride, g_stride, r0, T, offk, loc, c, SUB
+        b_k, b_q, b_G, k_ptr, G_ptr, k_stride, g_stride, r0, T, offk, loc, c, SUB, FAST_EXP
     )
     return (
         S_k + tl.dot(x_k, tl.trans(y), input_precision=DOT_PREC),
@@ -237,6 +260,8 @@ def kda_intra_fwd_kernel(
     KD_out,
     gamma_out,
     T_out,
+    QG_out,
+    KB_out,
     scale,
     T,
     NT,
@@ -254,6 +279,9 @@ def kda_intra_fwd_kernel(
     SKIP: tl.constexpr = 0,
     STRIPS: tl.constexpr = False,
     WY: tl.constexpr = True,
+    FAST_EXP: tl.constexpr = False,
+    STORE_QG: tl.constexpr = False,
+    STORE_KB: tl.constexpr = False,
 ):
     """One program per (chunk, batch x value head), all chunks in parallel.
 
@@ -264,6 +292,10 @@ def kda_intra_fwd_kernel(
     ``W = T Diag(beta)(K*exp(G))`` per channel block and ``U' = T Diag(beta) V`` per value block.
     ``WY = False`` leaves pass 2 out (W_out and U_out untouched): :func:`kda_wy_fwd_kernel` computes
     W and U' from the stored G and T in a second launch (chunk.INTRA_FWD_SPLIT).
+    ``FAST_EXP`` (GPU only): the exponentials of KD, QG, KB and the strips by :func:`_exp`'s ftz path.
+    ``STORE_QG`` / ``STORE_KB`` also store the readout's left factor ``QG = scale Q*exp(G)`` and
+    the WY kernel's right factor ``KB = Diag(beta)(K*exp(G))`` (``[B, T, HV, K]``, the inputs'
+    dtype), so that those kernels read them instead of Q or K and the fp32 G.
     ``SKIP`` (bits 1, 2: the products for A, the inverse) leaves parts out, for timing
     the parts in bench.py's profile only: the results are then wrong. ``STRIPS`` computes A by
     column blocks (:func:`_column_strip`, ``[BT, 16]`` products: a quarter of the tensor-core work
@@ -310,17 +342,25 @@ def kda_intra_fwd_kernel(
         # padded rows have g = 0, so the last row of the cumsum is G at the chunk's last real token
         G_last = tl.sum(tl.where(loc[:, None] == BT - 1, b_G, 0.0), axis=0)
         tl.store(gamma_out + (i_bh * NT + i_t) * K + kb * BK + tl.arange(0, BK), tl.exp(G_last))
-        b_kd = b_k * tl.exp(G_last[None, :] - b_G)  # decay from token i to the end of the chunk
+        b_kd = b_k * _exp(G_last[None, :] - b_G, FAST_EXP)  # decay from token i to the end of the chunk
         tl.store(p_kd, b_kd.to(KD_out.dtype.element_ty), boundary_check=(0,))
+        if STORE_QG or STORE_KB:
+            e_G = _exp(b_G, FAST_EXP)
+            if STORE_QG:
+                p_qg = _tile(QG_out + gk_base, T, HV * K, K, r0, kb * BK, BT, BK)
+                tl.store(p_qg, (b_q * e_G * scale).to(QG_out.dtype.element_ty), boundary_check=(0,))
+            if STORE_KB:
+                p_kb = _tile(KB_out + gk_base, T, HV * K, K, r0, kb * BK, BT, BK)
+                tl.store(p_kb, (b_k * e_G * b_beta[:, None]).to(KB_out.dtype.element_ty), boundary_check=(0,))
         if STRIPS:
             tl.debug_barrier()  # the G rows stored above are read back by other threads
             offk = kb * BK + tl.arange(0, BK)
             k_ptr, G_ptr = k + qk_base, G_out + gk_base
             args = (b_k, b_q, b_G, k_ptr, G_ptr, H * K, HV * K, r0, T, offk, loc)
-            S0k, S0q = _column_strip(S0k, S0q, *args, 0, SUB, DOT_PREC)
-            S1k, S1q = _column_strip(S1k, S1q, *args, 1, SUB, DOT_PREC)
-            S2k, S2q = _column_strip(S2k, S2q, *args, 2, SUB, DOT_PREC)
-            S3k, S3q = _column_strip(S3k, S3q, *args, 3, SUB, DOT_PREC)
+            S0k, S0q = _column_strip(S0k, S0q, *args, 0, SUB, DOT_PREC, FAST_EXP)
+            S1k, S1q = _column_strip(S1k, S1q, *args, 1, SUB, DOT_PREC, FAST_EXP)
+            S2k, S2q = _column_strip(S2k, S2q, *args, 2, SUB, DOT_PREC, FAST_EXP)
+            S3k, S3q = _column_strip(S3k, S3q, *args, 3, SUB, DOT_PREC, FAST_EXP)
         else:
             for a in tl.static_range(BT // SUB):
                 if SKIP & 1 == 0:
@@ -368,6 +408,7 @@ def kda_wy_fwd_kernel(
     v,
     beta,
     G,
+    KB,
     T_ut,
     W_out,
     U_out,
@@ -380,13 +421,16 @@ def kda_wy_fwd_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    USE_KB: tl.constexpr = False,
 ):
     """The WY factors as a launch of their own (chunk.INTRA_FWD_SPLIT), after
     :func:`kda_intra_fwd_kernel` with ``WY = False``: one program per (channel block, chunk,
     batch x value head). Block ``j < K/BK`` is ``W = T Diag(beta)(K*exp(G))`` for key channels
     ``j*BK .. j*BK+BK``, block ``K/BK + i`` is ``U' = T Diag(beta) V`` for value channels
     ``i*BV .. i*BV+BV``. Reads the chunk's UT transform T ``[BT, BT]`` and G (both fp32, stored by
-    the first kernel): the same operands and products as that kernel's pass 2."""
+    the first kernel): the same operands and products as that kernel's pass 2. ``USE_KB``: the
+    right factor ``Diag(beta)(K*exp(G))`` is read from KB (``[B, T, HV, K]``, the inputs' dtype,
+    stored by the first kernel) instead of from k, G and beta."""
     i_blk = tl.program_id(0)  # the fastest axis: a chunk's programs share its T through L2
     i_t = tl.program_id(1)
     i_bh = tl.program_id(2)
@@ -402,9 +446,12 @@ def kda_wy_fwd_kernel(
     if i_blk < K // BK:
         gk_base = (b * T * HV + hv) * K
         c0 = i_blk * BK
-        b_k = _load_rows(k + (b * T * H + hk) * K, T, H * K, K, r0, c0, BT, BK).to(tl.float32)
-        b_G = _load_rows(G + gk_base, T, HV * K, K, r0, c0, BT, BK)
-        b_kb = b_k * tl.exp(b_G) * b_beta[:, None]
+        if USE_KB:
+            b_kb = _load_rows(KB + gk_base, T, HV * K, K, r0, c0, BT, BK).to(tl.float32)
+        else:
+            b_k = _load_rows(k + (b * T * H + hk) * K, T, H * K, K, r0, c0, BT, BK).to(tl.float32)
+            b_G = _load_rows(G + gk_base, T, HV * K, K, r0, c0, BT, BK)
+            b_kb = b_k * tl.exp(b_G) * b_beta[:, None]
         b_W = tl.dot(b_T, b_kb, input_precision=DOT_PREC)
         p_w = _tile(W_out + gk_base, T, HV * K, K, r0, c0, BT, BK)
         tl.store(p_w, b_W.to(W_out.dtype.element_ty), boundary_check=(0,))
@@ -484,7 +531,7 @@ def kda_state_fwd_kernel(
         nxt_gamma = tl.load(gamma + (i_bh * NT + n + 1) * K + offk, mask=(offk < K) & (n + 1 < NT), other=1.0)
         # the matmul runs in the inputs' dtype (bf16 tensor cores for bf16), accumulating in fp32
         b_u = b_up.to(tl.float32) - tl.dot(b_w, h.to(b_w.dtype), input_precision=DOT_PREC)
-        p_un = tl.make_block_ptr(U_new + v_base, (T, V), (HV * V, 1), (n * BT, i_v * BV), (BT, BV), (1, 0))
+        p_un = _tile(U_new + v_base, T, HV * V, V, n * BT, i_v * BV, BT, BV)
         tl.store(p_un, b_u.to(U_new.dtype.element_ty), boundary_check=(0,))
         h = h * b_gamma.to(tl.float32)[:, None] + tl.dot(
             tl.trans(b_kd), b_u.to(b_kd.dtype), input_precision=DOT_PREC
@@ -499,6 +546,7 @@ def kda_state_fwd_kernel(
 def kda_out_fwd_kernel(
     q,
     G,
+    QG,
     h_all,
     Aqk,
     U_new,
@@ -513,8 +561,11 @@ def kda_out_fwd_kernel(
     BT: tl.constexpr,
     BV: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    USE_QG: tl.constexpr = False,
 ):
-    """O = scale (Q * exp(G)) S_n + A_qk U for one chunk and one value block."""
+    """O = scale (Q * exp(G)) S_n + A_qk U for one chunk and one value block. ``USE_QG``: the left
+    factor ``scale Q*exp(G)`` is read from QG (``[B, T, HV, K]``, the inputs' dtype, stored by the
+    intra-chunk kernel: half the bytes of Q and the fp32 G, read once per value block)."""
     i_t = tl.program_id(0)
     i_v = tl.program_id(1)
     i_bh = tl.program_id(2)
@@ -530,9 +581,12 @@ def kda_out_fwd_kernel(
     p_u = tl.make_block_ptr(U_new + v_base, (T, V), (HV * V, 1), (r0, i_v * BV), (BT, BV), (1, 0))
     p_o = tl.make_block_ptr(o + v_base, (T, V), (HV * V, 1), (r0, i_v * BV), (BT, BV), (1, 0))
 
-    b_q = tl.load(p_q, boundary_check=(0,), padding_option="zero")
-    b_G = tl.load(p_G, boundary_check=(0,), padding_option="zero")
-    b_qg = (b_q.to(tl.float32) * tl.exp(b_G) * scale).to(q.dtype.element_ty)
+    if USE_QG:
+        b_qg = _load_rows(QG + (b * T * HV + hv) * K, T, HV * K, K, r0, 0, BT, K)
+    else:
+        b_q = tl.load(p_q, boundary_check=(0,), padding_option="zero")
+        b_G = tl.load(p_G, boundary_check=(0,), padding_option="zero")
+        b_qg = (b_q.to(tl.float32) * tl.exp(b_G) * scale).to(q.dtype.element_ty)
     b_h = tl.load(p_h)
     b_o = tl.dot(b_qg, b_h.to(b_qg.dtype), input_precision=DOT_PREC)
     b_A = tl.load(p_A, boundary_check=(0,), padding_option="zero")
@@ -1028,6 +1082,7 @@ def kda_intra_bwd_split_mat_kernel(
 def _add_strip_grads(
     b_dk, b_dq, b_dG, b_dbeta, b_k, b_q, b_G, b_beta, k_ptr, G_ptr, k_stride, g_stride, r0, T, offk, loc,
     dA_ptr, Mq_ptr, c: tl.constexpr, BT: tl.constexpr, SUB: tl.constexpr, DOT_PREC: tl.constexpr,
+    FAST_EXP: tl.constexpr,
 ):  # fmt: skip
     """Backward of :func:`_column_strip` for column strip c, given the chunk's ``[BT, BT]`` blocks
     of dA and of the gradient M_q of ``A_qk`` (``dA_ptr``, ``Mq_ptr``; ``M_k = Diag(beta) dA``), of
@@ -1042,7 +1097,7 @@ def _add_strip_grads(
     dA_c = tl.load(_tile(dA_ptr, BT, BT, BT, 0, c * SUB, BT, SUB))
     Mq_c = tl.load(_tile(Mq_ptr, BT, BT, BT, 0, c * SUB, BT, SUB))
     e_row, k_c, e_col, y, x_k, x_q = _strip_operands(
-        b_k, b_q, b_G, k_ptr, G_ptr, k_stride, g_stride, r0, T, offk, loc, c, SUB
+        b_k, b_q, b_G, k_ptr, G_ptr, k_stride, g_stride, r0, T, offk, loc, c, SUB, FAST_EXP
     )
     Mk_c = dA_c * b_beta[:, None]
     gx_k = tl.dot(Mk_c, y, input_precision=DOT_PREC) * e_row
@@ -1088,6 +1143,7 @@ def kda_intra_bwd_split_dqk_kernel(
     BV: tl.constexpr,
     DOT_PREC: tl.constexpr,
     LOW_DOTS: tl.constexpr = False,
+    FAST_EXP: tl.constexpr = False,
 ):
     """Second kernel of the split backward: dq, dk, dg for one block of BK key channels, one
     program per (key block, chunk, b*HV), from the readout, the WY factors, ``KD`` and ``gamma``,
@@ -1102,6 +1158,7 @@ def kda_intra_bwd_split_dqk_kernel(
     programs of one chunk run together and share its tiles of dU, U, dO, T, M_q, dA in L2.
     Needs ``BT = 4 SUB`` (checked by the launcher).
 
+    ``FAST_EXP`` (GPU only; ``chunk.SPLIT_FAST_EXP``): the exponentials by :func:`_exp`'s ftz path.
     ``LOW_DOTS`` (bf16/fp16 inputs only; ``chunk.SPLIT_BF16_DOTS``): the value-block products
     ``dU S_n^T``, ``U dS^T`` and ``dO S_n^T`` take operands in the states' dtype (``h_all``'s and
     ``dh_all``'s: the inputs'), dU (fp32) cast, accumulating in fp32; ``dgamma`` stays an fp32
@@ -1134,7 +1191,7 @@ def kda_intra_bwd_split_dqk_kernel(
     G_last = tl.sum(tl.where(loc[:, None] == last, b_G, 0.0), axis=0)
     # padded rows were never stored: in the forward their G equals G_last (g = 0 there)
     b_G = tl.where(mrow[:, None], b_G, G_last[None, :])
-    b_eG = tl.exp(b_G)
+    b_eG = _exp(b_G, FAST_EXP)
 
     b_dw = tl.zeros([BT, BK], dtype=tl.float32)
     b_dkd = tl.zeros([BT, BK], dtype=tl.float32)
@@ -1173,7 +1230,7 @@ def kda_intra_bwd_split_dqk_kernel(
     b_dG += b_dkb * b_kg * b_beta[:, None]
     b_dbeta = tl.sum(b_dkb * b_kg, axis=1)
     # KD = k e^(G_last - G) and gamma = e^G_last feed the state recurrence
-    dk_tail, dG_tail, dG_last = _decay_tail_grads(b_k, b_G, G_last, b_dkd, b_dgamma)
+    dk_tail, dG_tail, dG_last = _decay_tail_grads(b_k, b_G, G_last, b_dkd, b_dgamma, FAST_EXP)
     b_dk += dk_tail
     b_dG += dG_tail
 
@@ -1184,19 +1241,19 @@ def kda_intra_bwd_split_dqk_kernel(
     dAp, Mqp = dA + m_base, M_q + m_base
     b_dk, b_dq, b_dG, b_dbeta, dkc0, dGc0 = _add_strip_grads(
         b_dk, b_dq, b_dG, b_dbeta, b_k, b_q, b_G, b_beta, kp, Gp, QS, KS, r0, T, offk, loc, dAp, Mqp,
-        0, BT, SUB, DOT_PREC,
+        0, BT, SUB, DOT_PREC, FAST_EXP,
     )  # fmt: skip
     b_dk, b_dq, b_dG, b_dbeta, dkc1, dGc1 = _add_strip_grads(
         b_dk, b_dq, b_dG, b_dbeta, b_k, b_q, b_G, b_beta, kp, Gp, QS, KS, r0, T, offk, loc, dAp, Mqp,
-        1, BT, SUB, DOT_PREC,
+        1, BT, SUB, DOT_PREC, FAST_EXP,
     )  # fmt: skip
     b_dk, b_dq, b_dG, b_dbeta, dkc2, dGc2 = _add_strip_grads(
         b_dk, b_dq, b_dG, b_dbeta, b_k, b_q, b_G, b_beta, kp, Gp, QS, KS, r0, T, offk, loc, dAp, Mqp,
-        2, BT, SUB, DOT_PREC,
+        2, BT, SUB, DOT_PREC, FAST_EXP,
     )  # fmt: skip
     b_dk, b_dq, b_dG, b_dbeta, dkc3, dGc3 = _add_strip_grads(
         b_dk, b_dq, b_dG, b_dbeta, b_k, b_q, b_G, b_beta, kp, Gp, QS, KS, r0, T, offk, loc, dAp, Mqp,
-        3, BT, SUB, DOT_PREC,
+        3, BT, SUB, DOT_PREC, FAST_EXP,
     )  # fmt: skip
     # the block's keys' parts, stacked into their rows (a 0/1 product per strip instead,
     # SPLIT_B_ROWS_BY_DOT, spilled less but was slower on an H100, 6.57 against 5.57 ms, and wrong

@@ -41,11 +41,26 @@ def test_torch_chunk_equals_recurrence(case, chunk_size):
 # the settings of repro.kda.chunk that select each way of running the forward's intra-chunk work:
 # A by row blocks or by column strips in the fused kernel, and the split forward (column strips,
 # then the WY factors in kda_wy_fwd_kernel; 16-channel blocks, so that K = 32 has two key and two
-# value blocks)
+# value blocks); "-qg", "-qg-kb": the readout (and the WY kernel) reading the factors the first
+# kernel stores (INTRA_FWD_QG, INTRA_FWD_KB) instead of recomputing them
 FORWARDS = {
-    "rows": {"INTRA_FWD_STRIPS": False, "INTRA_FWD_SPLIT": False},
-    "strips": {"INTRA_FWD_STRIPS": True, "INTRA_FWD_SPLIT": False},
-    "split": {"INTRA_FWD_SPLIT": True, "WY_FWD_BK": 16, "WY_FWD_BV": 16},
+    "rows": {"INTRA_FWD_STRIPS": False, "INTRA_FWD_SPLIT": False, "INTRA_FWD_QG": False},
+    "strips": {"INTRA_FWD_STRIPS": True, "INTRA_FWD_SPLIT": False, "INTRA_FWD_QG": False},
+    "strips-qg": {"INTRA_FWD_STRIPS": True, "INTRA_FWD_SPLIT": False, "INTRA_FWD_QG": True},
+    "split": {
+        "INTRA_FWD_SPLIT": True,
+        "WY_FWD_BK": 16,
+        "WY_FWD_BV": 16,
+        "INTRA_FWD_QG": False,
+        "INTRA_FWD_KB": False,
+    },
+    "split-qg-kb": {
+        "INTRA_FWD_SPLIT": True,
+        "WY_FWD_BK": 16,
+        "WY_FWD_BV": 16,
+        "INTRA_FWD_QG": True,
+        "INTRA_FWD_KB": True,
+    },
 }
 
 
@@ -71,12 +86,12 @@ def test_split_forward_matches_fused():
         None if x is None else x.to(DEVICE, torch.float32) for x in case.tensors(torch.float64)
     )
     args = (q, k, v, g, beta, q.shape[-1] ** -0.5, _dot_precision(q.dtype))
-    with _settings({"INTRA_FWD_SPLIT": False}):
+    with _settings({"INTRA_FWD_SPLIT": False, "INTRA_FWD_QG": False}):
         fused = _intra_fwd(*args)
-    with _settings({"INTRA_FWD_SPLIT": True, "WY_FWD_BK": 16, "WY_FWD_BV": 16}):
+    with _settings({"INTRA_FWD_SPLIT": True, "WY_FWD_BK": 16, "WY_FWD_BV": 16, "INTRA_FWD_QG": False}):
         split = _intra_fwd(*args)
     names = ["G", "W", "KD", "U'", "A_qk", "gamma", "T"]
-    for name, a, b in zip(names, fused, split, strict=True):
+    for name, a, b in zip(names, fused[:7], split[:7], strict=True):
         assert_rel_close(b.cpu(), a.cpu(), 1e-6, f"{name} (split against fused)")
 
 
@@ -199,33 +214,48 @@ def test_split_low_dots_fp16(changes):
         assert_rel_close(b.grad.double().cpu(), a.grad, 5e-3, f"d{name} (fp16, {changes})")
 
 
+# the GPU forwards: the defaults (split, exponentials by ex2.approx.ftz, the stored QG and KB
+# factors), the fused intra-chunk kernel, and the split forward recomputing QG and KB with tl.exp
+GPU_FORWARDS = {
+    "split": {},
+    "fused": {"INTRA_FWD_SPLIT": False},
+    "split-recompute": {"INTRA_FWD_FAST_EXP": False, "INTRA_FWD_QG": False, "INTRA_FWD_KB": False},
+}
+
+
 @pytest.mark.gpu
 @pytest.mark.claim(CLAIM, section=SECTION)
-@pytest.mark.parametrize("forward", ["fused", "split"])
+@pytest.mark.parametrize("forward", list(GPU_FORWARDS))
 @pytest.mark.parametrize("T", [64, 1000, 4096])
 def test_triton_bf16_on_gpu(T, forward):
     """bf16 at a model-sized head (K = V = 128, tf32 intra-chunk dots) against the fp32 recurrence
-    run on the GPU: 2e-2, the usual bf16 budget (8 mantissa bits, errors growing ~sqrt(T/64)).
-    "split": INTRA_FWD_SPLIT with its default launch settings."""
+    run on the GPU: 2e-2, the usual bf16 budget (8 mantissa bits, errors growing ~sqrt(T/64)),
+    for each forward of GPU_FORWARDS."""
     from repro.kda.tests.strategies import make_case
 
     case = make_case(seed=T, B=1, T=T, H=2, group=2, K=128, V=128, g_max=2.0, with_h0=True)
     q, k, v, g, beta, h0 = (x.to("cuda", torch.float32) for x in case.tensors(torch.float64))
     o_ref, s_ref = recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
     bf = [x.to(torch.bfloat16) for x in (q, k, v)]
-    with _settings({"INTRA_FWD_SPLIT": forward == "split"}):
+    changes = GPU_FORWARDS[forward]
+    with _settings(changes):
         o, s = chunk_kda(*bf, g, beta, initial_state=h0, output_final_state=True)
     assert_rel_close(o.float(), o_ref.float(), 2e-2, "o (bf16)")
     assert_rel_close(s, s_ref, 2e-2, "final state (bf16)")
 
 
+# GPU-only variants of the backward: the split one with tl.exp in kernel B (on the GPU the
+# default takes ex2.approx.ftz, inline PTX, which the CPU interpreter cannot run)
+GPU_BACKWARDS = {"split-tl-exp": {"BACKWARD": "split", "SPLIT_FAST_EXP": False}}
+
+
 @pytest.mark.gpu
 @pytest.mark.claim(CLAIM, section=SECTION)
-@pytest.mark.parametrize("backward", ["triton", "split", "split-bk32", "split-bf16dots"])
+@pytest.mark.parametrize("backward", ["triton", "split", "split-bk32", "split-bf16dots", "split-tl-exp"])
 def test_triton_bf16_gradients_on_gpu(backward):
     """Every Triton backward in bf16 at K = V = 128 (tf32 dots; "split" with eight key blocks;
-    "split-bf16dots" with bf16 operands for the products of bf16 data in the split kernels),
-    against the fp64 recurrence on the GPU, T not a multiple of the chunk: 2e-2 (bf16; measured
+    "split-bf16dots" with bf16 operands for the products of bf16 data in the split kernels;
+    "split" with kernel B's exponentials by ex2.approx.ftz, "split-tl-exp" by tl.exp), against the fp64 recurrence on the GPU, T not a multiple of the chunk: 2e-2 (bf16; measured
     2e-3 to 4e-3 on an H100 for "triton" and for the fused backward since removed)."""
     from repro.kda.tests.strategies import make_case
 
@@ -236,7 +266,7 @@ def test_triton_bf16_gradients_on_gpu(backward):
         for i, x in enumerate(case.tensors(torch.float64))
     ]
     o_ref, s_ref = recurrent_kda(*ref[:5], initial_state=ref[5], output_final_state=True)
-    with _backward(backward):
+    with _backward(GPU_BACKWARDS.get(backward, backward)):
         o, s = chunk_kda(*low[:5], initial_state=low[5], output_final_state=True)
         gen = torch.Generator(device="cuda").manual_seed(0)
         do = torch.randn(o_ref.shape, generator=gen, device="cuda", dtype=torch.float64)
