@@ -110,6 +110,15 @@ def run(
 
     backward = ck.BACKWARD  # after --set: the notes say which backward and forward the rows timed
     forward = "4 launches, INTRA_FWD_SPLIT" if ck.INTRA_FWD_SPLIT else "3 launches"
+    names = (
+        "INTRA_FWD_FAST_EXP",
+        "INTRA_FWD_QG",
+        "INTRA_FWD_KB",
+        "OUT_FWD_BV",
+        "SPLIT_FAST_EXP",
+        "SPLIT_B_STAGES",
+    )
+    settings = ", ".join(f"{name}={getattr(ck, name)!r}" for name in names)
     start = time.perf_counter()
     report = Report(
         package="kda",
@@ -120,7 +129,7 @@ def run(
         notes=(
             "B*T = 16384 tokens except T = 65536 (B = 1, 65536 tokens). "
             f"ours: Triton forward ({forward}) and "
-            f"Triton backward (chunk.BACKWARD = {backward!r}). rel_err_vs_fla: our forward output against fla's chunk_kda on the "
+            f"Triton backward (chunk.BACKWARD = {backward!r}); settings {settings}. rel_err_vs_fla: our forward output against fla's chunk_kda on the "
             f"same bf16 inputs. Each row: median of {ROUNDS} rounds in which every implementation and pass "
             "at that T is timed in turn."
         ),

@@ -123,6 +123,10 @@ SPLIT_A_WARPS = 8
 SPLIT_BKB = 32
 SPLIT_B_BV = 32
 SPLIT_B_WARPS = 4
+# software-pipelining depth of the value-block loops of kernels A and B (1: none; the removed
+# fused backward's loops asked for more shared memory than an H100 has when pipelined)
+SPLIT_A_STAGES = 1
+SPLIT_B_STAGES = 3
 # bf16/fp16 inputs: kernels A and B take the products of input-precision data with native 16-bit
 # operands (fp32 accumulation) rather than fp32 ones in tf32: A's dO U^T, dU V^T, dU S_n^T and B's
 # dU S_n^T, U dS^T, dO S_n^T (U, dO, S_n and dS are stored in the inputs' dtype, dU in fp32 is cast).
@@ -481,7 +485,7 @@ def kda_bwd_triton_split(q, k, v, g, beta, scale, h0, saved, do, dhT):
         k, v, beta, saved["G"], saved["T_ut"], saved["U_new"], saved["h_all"], do, dU,
         dv, M_q, dA, dbeta_parts, scale, T, NT,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=min(K, SPLIT_A_BK), BV=min(V, SPLIT_A_BV), DOT_PREC=prec,
-        LOW_DOTS=low, num_warps=SPLIT_A_WARPS, num_stages=1,
+        LOW_DOTS=low, num_warps=SPLIT_A_WARPS, num_stages=SPLIT_A_STAGES,
     )  # fmt: skip
     # the key block is the fastest grid axis: a chunk's NKB programs run side by side and read its
     # tiles of dU, U, dO, T, M_q, dA from L2 rather than memory
@@ -489,7 +493,8 @@ def kda_bwd_triton_split(q, k, v, g, beta, scale, h0, saved, do, dhT):
         q, k, beta, saved["G"], saved["T_ut"], saved["U_new"], saved["h_all"], dh_all, do, dU,
         M_q, dA, dq, dk, dg, dbeta_parts, scale, T, NT,
         H=H, HV=HV, K=K, V=V, BT=BT, SUB=SUB, BK=BKB, BV=min(V, SPLIT_B_BV), DOT_PREC=prec,
-        LOW_DOTS=low, FAST_EXP=SPLIT_FAST_EXP and not _interpreting(), num_warps=SPLIT_B_WARPS, num_stages=1,
+        LOW_DOTS=low, FAST_EXP=SPLIT_FAST_EXP and not _interpreting(), num_warps=SPLIT_B_WARPS,
+        num_stages=SPLIT_B_STAGES,
     )  # fmt: skip
     dbeta = dbeta_parts.sum(0).to(beta.dtype)
     if group > 1:

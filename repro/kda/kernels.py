@@ -746,6 +746,12 @@ def kda_state_bwd_fused_kernel(
     written to memory by a separate kernel and read back; everything that is a sum over the value
     channels (dW, dKD, dgamma) is left to the parallel :func:`kda_intra_bwd_split_dqk_kernel`, so this
     kernel needs no atomics.
+
+    Tried on an H100 and left out: reading the forward's stored ``scale Q*exp(G)`` (bf16) instead
+    of forming it from Q and G gave non-finite gradients at BV = 16 under Triton 3.6 (cause not
+    found; the same tile pattern as W's, which is fine); loading chunk n - 1's tiles before chunk
+    n's products, as the forward state kernel does, was slower (5.02 against 4.91 ms forward +
+    backward at B=8, T=2048) and read shared memory out of range at BV = 16.
     """
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -759,6 +765,7 @@ def kda_state_bwd_fused_kernel(
     k_base = (b * T * HV + hv) * K
     v_base = (b * T * HV + hv) * V
     c_base = (b * T * HV + hv) * BT
+    bases = (q_base, k_base, v_base, c_base)
 
     dS = tl.zeros([K, BV], dtype=tl.float32)
     if USE_DHT:
@@ -766,18 +773,9 @@ def kda_state_bwd_fused_kernel(
     n = NT - 1
     while n >= 0:
         r0 = n * BT
-        # Q, G, A_qk and W enter only transposed: load them so ([K, BT] and [BT, BT] tiles) rather
-        # than transposing in registers
-        b_qt = _load_rows_t(q + q_base, T, H * K, K, r0, 0, BT, K)
-        b_Gt = _load_rows_t(G + k_base, T, HV * K, K, r0, 0, BT, K)
-        b_qgt = b_qt.to(tl.float32) * tl.exp(b_Gt) * scale
-        p_At = _tile_t(Aqk + c_base, T, HV * BT, BT, r0, 0, BT, BT)
-        b_At = tl.load(p_At, boundary_check=(1,), padding_option="zero")
-        b_wt = _load_rows_t(W + k_base, T, HV * K, K, r0, 0, BT, K)
-        b_kd = _load_rows(KD + k_base, T, HV * K, K, r0, 0, BT, K)
-        p_do = _tile(do + v_base, T, HV * V, V, r0, i_v * BV, BT, BV)
-        b_do = tl.load(p_do, boundary_check=(0,), padding_option="zero").to(tl.float32)
-        b_gamma = tl.load(gamma + (i_bh * NT + n) * K + offk).to(tl.float32)
+        b_qgt, b_At, b_wt, b_kd, b_do, b_gamma = _state_bwd_tiles(
+            q, G, Aqk, W, KD, gamma, do, scale, T, NT, H, HV, i_bh, i_v, n, *bases, K, V, BT, BV
+        )
 
         tl.store(dh_all + (i_bh * NT + n) * K * V + kv_off, dS.to(dh_all.dtype.element_ty))
         # fp32 operands (tf32 tensor cores for bf16 inputs): with bf16 operands Triton 3.6 built a
@@ -786,9 +784,35 @@ def kda_state_bwd_fused_kernel(
         b_du += tl.dot(b_kd.to(tl.float32), dS, input_precision=DOT_PREC)
         tl.store(_tile(dU + v_base, T, HV * V, V, r0, i_v * BV, BT, BV), b_du, boundary_check=(0,))
         dS = dS * b_gamma[:, None] - tl.dot(b_wt.to(tl.float32), b_du, input_precision=DOT_PREC)
-        dS += tl.dot(b_qgt, b_do, input_precision=DOT_PREC)
+        dS += tl.dot(b_qgt.to(tl.float32), b_do, input_precision=DOT_PREC)
         n -= 1
     tl.store(dh0 + i_bh * K * V + kv_off, dS)
+
+
+@triton.jit
+def _state_bwd_tiles(
+    q, G, Aqk, W, KD, gamma, do, scale, T, NT, H, HV, i_bh, i_v, n, q_base, k_base, v_base, c_base,
+    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+):  # fmt: skip
+    """Chunk n's tiles for :func:`kda_state_bwd_fused_kernel`: ``(scale Q*exp(G))^T``, ``A_qk^T``,
+    ``W^T`` (loaded transposed, ``[K, BT]`` and ``[BT, BT]``, rather than transposed in registers),
+    KD, dO (fp32) and gamma (fp32)."""
+    r0 = n * BT
+    b_qt = _load_rows_t(q + q_base, T, H * K, K, r0, 0, BT, K)
+    b_Gt = _load_rows_t(G + k_base, T, HV * K, K, r0, 0, BT, K)
+    b_qgt = b_qt.to(tl.float32) * tl.exp(b_Gt) * scale
+    b_At = tl.load(
+        _tile_t(Aqk + c_base, T, HV * BT, BT, r0, 0, BT, BT), boundary_check=(1,), padding_option="zero"
+    )
+    b_wt = _load_rows_t(W + k_base, T, HV * K, K, r0, 0, BT, K)
+    b_kd = _load_rows(KD + k_base, T, HV * K, K, r0, 0, BT, K)
+    p_do = _tile(do + v_base, T, HV * V, V, r0, i_v * BV, BT, BV)
+    b_do = tl.load(p_do, boundary_check=(0,), padding_option="zero").to(tl.float32)
+    offk = tl.arange(0, K)
+    b_gamma = tl.load(gamma + (i_bh * NT + n) * K + offk, mask=(offk < K) & (n >= 0), other=1.0).to(
+        tl.float32
+    )
+    return b_qgt, b_At, b_wt, b_kd, b_do, b_gamma
 
 
 @triton.jit(do_not_specialize=["T", "NT"])

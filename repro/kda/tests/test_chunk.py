@@ -246,12 +246,18 @@ def test_triton_bf16_on_gpu(T, forward):
 
 # GPU-only variants of the backward: the split one with tl.exp in kernel B (on the GPU the
 # default takes ex2.approx.ftz, inline PTX, which the CPU interpreter cannot run)
-GPU_BACKWARDS = {"split-tl-exp": {"BACKWARD": "split", "SPLIT_FAST_EXP": False}}
+GPU_BACKWARDS = {
+    "split-tl-exp": {"BACKWARD": "split", "SPLIT_FAST_EXP": False},
+    "split-stages1": {"BACKWARD": "split", "SPLIT_B_STAGES": 1},
+}
 
 
 @pytest.mark.gpu
 @pytest.mark.claim(CLAIM, section=SECTION)
-@pytest.mark.parametrize("backward", ["triton", "split", "split-bk32", "split-bf16dots", "split-tl-exp"])
+@pytest.mark.parametrize(
+    "backward",
+    ["triton", "split", "split-bk32", "split-bf16dots", "split-tl-exp", "split-stages1"],
+)
 def test_triton_bf16_gradients_on_gpu(backward):
     """Every Triton backward in bf16 at K = V = 128 (tf32 dots; "split" with eight key blocks;
     "split-bf16dots" with bf16 operands for the products of bf16 data in the split kernels;
