@@ -345,6 +345,42 @@ def tune(
     return rows
 
 
+TUNE_COLUMNS = [
+    "run",
+    "B",
+    "T",
+    "change",
+    "fwd_ms",
+    "fwd_min",
+    "fwd_max",
+    "fwd_bwd_ms",
+    "fwd_bwd_min",
+    "fwd_bwd_max",
+]
+
+
+def tune_report(rows: list[dict], base: list[str], run: str = "") -> Report:
+    """The rows of :func:`tune` as a results file (``<device>-tune.json``): one row per change
+    (``change`` "defaults" or the settings as NAME=VALUE, over the defaults plus ``base``, the
+    --set arguments), median and range of the interleaved rounds."""
+    report = Report(
+        package="kda",
+        title="KDA launch settings, one change at a time (ours, bf16, H=16, K=V=128)",
+        columns=TUNE_COLUMNS,
+        notes=f"bench.py --tune: each change against the defaults{' with ' + ', '.join(base) if base else ''}, "
+        f"every setting timed once per round in {TUNE_ROUNDS} interleaved rounds; ms is the median, min/max the range.",
+        measure_ceilings=False,
+    )
+    for r in rows:
+        change = ", ".join(f"{k}={v!r}" for k, v in r["change"].items()) or "defaults"
+        report.add(
+            run=run, B=r["B"], T=r["T"], change=change, fwd_ms=r["fwd_ms"], fwd_min=r["fwd_range"][0],
+            fwd_max=r["fwd_range"][1], fwd_bwd_ms=r["fwd_bwd_ms"], fwd_bwd_min=r["fwd_bwd_range"][0],
+            fwd_bwd_max=r["fwd_bwd_range"][1],
+        )  # fmt: skip
+    return report
+
+
 def parse_settings(pairs: list[str], flag: str = "--set") -> dict:
     """``NAME=VALUE`` strings as a dict of settings of repro.kda.chunk (value parsed as a Python
     literal, else kept as a string); an unknown name is an error, not a silent no-op."""
@@ -435,6 +471,8 @@ def main() -> None:
             args.out.mkdir(parents=True, exist_ok=True)
             name = "breakdown.json" if args.breakdown else "tune.json"
             (args.out / name).write_text(json.dumps(result, indent=1))
+        if args.tune:
+            tune_report(result["tune"], args.set).write(out_dir=args.out, tag="tune")
     elif args.profile_target:
         profile_target()
     elif args.warm:
