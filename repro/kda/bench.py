@@ -7,7 +7,7 @@ B = 1 (65536 tokens: B cannot go below 1). Each row is the median over ROUNDS ro
 which every implementation and pass at that T is timed once in turn (``paperclub.bench.time_ms``,
 CUDA events through triton's do_bench, itself a median):
 
-* ``ours``: ``repro.kda.chunk_kda`` (Triton forward, three launches; backward as chunk.BACKWARD selects);
+* ``ours``: ``repro.kda.chunk_kda`` (Triton forward, four launches; backward as chunk.BACKWARD selects);
 * ``fla_kda``: ``fla.ops.kda.chunk_kda`` (flash-linear-attention 0.6.0, default arguments);
 * ``fla_gdn``: ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` (scalar gate per head);
 * ``sdpa_flash``: ``torch.nn.functional.scaled_dot_product_attention`` causal, flash backend.
@@ -261,32 +261,26 @@ def profile_target(B: int = 8, T: int = 2048) -> None:
 
 
 TUNING = [  # launch settings of repro.kda.chunk, each change (one or more names) tried against the defaults
-    # the forward's intra-chunk work fused in one kernel (the default until the split one measured
-    # 1.085 against 1.131 ms at B=8, T=2048 on an H100), and the split one's launch settings
+    # the forward: the fused intra-chunk kernel, the split one's WY launch, and each of the last
+    # round's changes undone (H100, B=8, T=2048, results/nvidia-h100-80gb-hbm3-tuning.json)
     {"INTRA_FWD_SPLIT": False},
     {"WY_FWD_WARPS": 4},
     {"WY_FWD_BK": 32, "WY_FWD_BV": 32},
-    {"WY_FWD_BK": 128, "WY_FWD_BV": 128},
-    # settled on an H100 (B=8, T=2048, chunk.py's comments) and left out: the forward's strips,
-    # warps and key block, the state kernels' value blocks, the split backward's key block, warps
-    # and 16-bit dots. The other Triton backward:
-    {"BACKWARD": "triton"},
-    # the forward at B=8, T=2048 (where it is 5% slower than fla's): readout and pipelining; none
-    # of these moved it by more than 1% on an H100 (OUT_FWD_BV 128 with 8 warps: 1.109 against 1.111)
-    {"OUT_FWD_BV": 128},
-    {"OUT_FWD_WARPS": 8},
-    {"OUT_FWD_BV": 128, "OUT_FWD_WARPS": 8},
-    {"OUT_FWD_BV": 32},
-    {"INTRA_FWD_STAGES": 2},
+    {"INTRA_FWD_FAST_EXP": False},
+    {"INTRA_FWD_QG": False},
+    {"INTRA_FWD_KB": False},
+    {"OUT_FWD_BV": 64},
     {"INTRA_FWD_STAGES": 1},
-    {"STATE_FWD_BV": 128},
-    {"STATE_FWD_BV": 128, "STATE_FWD_WARPS": 16},
-    # the split backward around its defaults (BKB 32, 4 warps for kernel B)
-    {"SPLIT_BKB": 64, "SPLIT_B_WARPS": 8},
+    # settled on an H100 (chunk.py's comments) and left out: the forward's strips, warps and key
+    # block, the state kernels' value blocks, the split backward's key block, warps and 16-bit
+    # dots. The other Triton backward:
+    {"BACKWARD": "triton"},
+    # the split backward around its defaults (BKB 32, 4 warps, 3 stages for kernel B)
+    {"SPLIT_FAST_EXP": False},
+    {"SPLIT_B_STAGES": 1},
+    {"SPLIT_B_STAGES": 4},
     {"SPLIT_B_BV": 64},
-    {"SPLIT_B_BV": 16},
     {"SPLIT_A_BK": 16, "SPLIT_A_BV": 16, "SPLIT_A_WARPS": 4},
-    {"SPLIT_A_BK": 64, "SPLIT_A_BV": 32, "SPLIT_A_WARPS": 8},
 ]
 
 

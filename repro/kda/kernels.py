@@ -7,7 +7,8 @@ Forward, three launches (the same split as the derivation in chunk_torch.py):
   ``T = (I + A_kk)^{-1}`` and the WY factors ``W = T Diag(beta)(K*exp(G))``,
   ``U' = T Diag(beta) V``.
   With ``chunk.INTRA_FWD_SPLIT`` the WY factors are a second launch, :func:`kda_wy_fwd_kernel`
-  (one program per chunk, channel block and head).
+  (one program per chunk, channel block and head); the first kernel can also store the factors
+  ``scale Q*exp(G)`` and ``Diag(beta) K*exp(G)`` that the readout and WY kernels then read.
 * :func:`kda_state_fwd_kernel`, one program per (value block, batch x value head), walking the
   chunks in order: ``U = U' - W S``, ``S <- Diag(exp(G_C)) S + (K*exp(G_C - G))^T U``; stores each
   chunk's incoming state and the pseudo-values U.
