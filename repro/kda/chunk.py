@@ -149,7 +149,9 @@ SPLIT_FAST_EXP = True
 # block shrinks (down to STATE_MIN_BV) until there are STATE_MIN_PROGRAMS programs. Measured on an
 # H100 (bf16, K=V=128, HV=16): forward at 1 x 64k 6.35 / 5.61 / 5.37 ms with BV 64 / 32 / 16 (8
 # warps), at 8 x 2k 1.116 / 1.161 / 1.233 ms; backward (fused state kernel) at 1 x 64k BV 16 0.8 ms faster than
-# 32, at 8 x 2k 0.6 ms slower. None = by this rule; an int fixes the block.
+# 32, at 8 x 2k 0.6 ms slower; starting the backward's rule from 64 rather than 32 (BV 64 at
+# 8 x 2k, 256 programs) took forward + backward there from 5.01 to 4.74 ms. None = by this rule;
+# an int fixes the block.
 STATE_MIN_PROGRAMS = 128
 STATE_MIN_BV = 16
 STATE_FWD_BV = None
@@ -157,6 +159,7 @@ STATE_FWD_BV = None
 # ms at 1 x 64k; BV = 32 with 4 warps read out of bounds on an H100 (Triton 3.6), 8 warps did not
 STATE_FWD_WARPS = 8
 STATE_BWD_BV = None
+STATE_BWD_LARGEST_BV = 64  # where the split backward's state kernel's rule starts (was 32)
 STATE_BWD_WARPS = 8  # with 4 warps the [K, BV] state and the [BT, K] tiles spill (ptxas -v)
 
 
@@ -443,7 +446,7 @@ def _state_bwd_fused(q, saved, do, dhT, scale, prec):
     dh_all = torch.empty_like(saved["h_all"])
     dh0 = torch.empty(B, HV, K, V, **f32)
     dhT_c = dhT.float().contiguous() if dhT is not None else None
-    BVs = _state_block_v(V, B * HV, STATE_BWD_BV, 32)
+    BVs = _state_block_v(V, B * HV, STATE_BWD_BV, STATE_BWD_LARGEST_BV)
     kda_state_bwd_fused_kernel[(triton.cdiv(V, BVs), B * HV)](
         q, saved["G"], saved["Aqk"], saved["W"], saved["KD"], saved["gamma"], do, dhT_c, dU, dh_all, dh0,
         scale, T, NT, H=H, HV=HV, K=K, V=V, BT=BT, BV=BVs, USE_DHT=dhT is not None, DOT_PREC=prec,
