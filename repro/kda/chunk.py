@@ -16,8 +16,8 @@ computes each chunk's ``[BT, BT]`` gradients (M_q for A_qk, dA = -T^T dT T^T for
 plus dv, and ``kda_intra_bwd_split_dqk_kernel`` the per-channel gradients dq, dk, dg, one program per
 block of SPLIT_BKB key channels, reading those matrices back from memory. Measured on an H100
 (bf16, B=8, T=2048, H=16, K=V=128, median of 3 interleaved rounds, one process with fla 0.6.0):
-forward 0.994 ms and forward + backward 5.125 ms against flash-linear-attention's chunk_kda at
-1.068 and 5.458 ms (results/nvidia-h100-80gb-hbm3.json: every T from 2k to 64k).
+forward 0.991 ms and forward + backward 4.799 ms against flash-linear-attention's chunk_kda at
+1.068 and 5.457 ms (results/nvidia-h100-80gb-hbm3.json: every T from 2k to 64k).
 
 ``BACKWARD = "triton"``: the first all-Triton backward, three launches: the readout's gradient
 (``kda_out_bwd_kernel``), the reverse state recurrence (``kda_state_bwd_kernel``, atomics) and all
