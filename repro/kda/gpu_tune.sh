@@ -3,7 +3,7 @@
 # defaults, interleaved rounds), the kernel-time breakdown, then Nsight Compute on one forward +
 # backward (full set; by default the forward's kernels) with the per-instruction SASS view of the
 # intra-chunk kernel.
-#   bash repro/kda/gpu_tune.sh --seqlens 2048,4096 --try READOUT_IN_STATE=False ...
+#   bash repro/kda/gpu_tune.sh --seqlens 2048,4096 --try SPLIT_B_STAGES=1 --try INTRA_FWD_QG=False,INTRA_FWD_KB=False
 # Writes under $OUT: gpu_tests.log, tune.log, tune.json, breakdown.log, ncu.log, ncu-details.csv,
 # ncu-source-<kernel>.csv. BUDGET (s) caps the whole call; NCU=0 leaves Nsight Compute out;
 # PROFILE_SET="NAME=VALUE ..." profiles (and breaks down) with those settings instead of the defaults;
