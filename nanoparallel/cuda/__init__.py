@@ -621,15 +621,8 @@ class CudaPeerBackend:
             ))  # fmt: skip
             return
         if algorithm == "one_shot_pipelined":
-            S = _round_up(n, 64)
-            chunk, grid = self._chunk(n, elem)
             steps = self._pipeline_steps("all_reduce", n * elem)
-            sub, steps = pipeline_steps(chunk, steps, STEP_BYTES // elem)
-            buf, epoch = self._next(W * S * elem, steps)
-            self._launch(K.one_shot_pipelined_all_reduce_kernel, grid, (
-                x, x, buf.view(x.dtype), buf.deltas(x.dtype), *self._sync, n, S, chunk, sub, steps, epoch,
-                self.max_spins, code, self.rank, W, STEP_BYTES // elem,
-            ))  # fmt: skip
+            self._launch_pipelined(K.one_shot_pipelined_all_reduce_kernel, x, x, n, code, steps)
             return
         if algorithm == "one_shot_push":
             S = _round_up(n, 64)  # slot stride, 256-byte aligned
@@ -674,7 +667,10 @@ class CudaPeerBackend:
                 k = min(piece, m - start)
                 src = inp[:, start : start + k]
                 src = src if src.is_contiguous() else src.contiguous()  # [W, k]: slice stride k
-                self._reduce_scatter_pipelined(src, out[start : start + k], k, code, steps)
+                # src [W*k] (slice p at p*k), dst [k]
+                self._launch_pipelined(
+                    K.reduce_scatter_pipelined_kernel, src, out[start : start + k], k, code, steps
+                )
             self._after(what)
             return output
         kernel = K.two_shot_all_reduce_kernel if algorithm == "direct" else K.ring_all_reduce_kernel
@@ -704,17 +700,19 @@ class CudaPeerBackend:
         self._after(what)
         return output
 
-    def _reduce_scatter_pipelined(
-        self, src: torch.Tensor, dst: torch.Tensor, k: int, code: int, steps: int
+    def _launch_pipelined(
+        self, kernel, src: torch.Tensor, dst: torch.Tensor, n: int, code: int, steps: int
     ) -> None:
-        """One piece: src [W*k] (slice p at p*k), dst [k]; W slots of S >= k elements staged."""
+        """One launch of a pipelined kernel (the one-shot all-reduce, the reduce-scatter), which
+        take the same arguments: n elements per rank's slot, W slots of S >= n elements staged,
+        each program's chunk in ``steps`` barriers (fewer when the chunk is short)."""
         W, elem = self.world_size, src.element_size()
-        S = _round_up(k, 64)  # slot stride, 256-byte aligned
-        chunk, grid = self._chunk(k, elem)
+        S = _round_up(n, 64)  # slot stride, 256-byte aligned
+        chunk, grid = self._chunk(n, elem)
         sub, steps = pipeline_steps(chunk, steps, STEP_BYTES // elem)
         buf, epoch = self._next(W * S * elem, steps)
-        self._launch(K.reduce_scatter_pipelined_kernel, grid, (
-            src, dst, buf.view(src.dtype), buf.deltas(src.dtype), *self._sync, k, S, chunk, sub, steps, epoch,
+        self._launch(kernel, grid, (
+            src, dst, buf.view(src.dtype), buf.deltas(src.dtype), *self._sync, n, S, chunk, sub, steps, epoch,
             self.max_spins, code, self.rank, W, STEP_BYTES // elem,
         ))  # fmt: skip
 

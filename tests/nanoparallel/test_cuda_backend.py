@@ -8,22 +8,13 @@ GPU sweep runs the very same ones in its job.
 from __future__ import annotations
 
 import os
-import queue
-import socket
 import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 N_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 needs_two_gpus = pytest.mark.skipif(N_GPUS < 2, reason=f"needs >= 2 CUDA GPUs on one host, found {N_GPUS}")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, job: str, results) -> None:
@@ -88,23 +79,14 @@ def _worker(rank: int, world: int, port: int, job: str, results) -> None:
 
 
 def _spawn(job: str, world: int) -> list[tuple]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, job, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    out = []
+    """One process per GPU running ``job`` (nanoparallel.launch.spawn_ranks; a crashed rank reports
+    its traceback as a failure instead of stopping the run); the reports in rank order."""
+    from nanoparallel.launch import spawn_ranks
+
     try:
-        for _ in range(world):
-            out.append(results.get(timeout=540))
-    except queue.Empty:
-        pytest.fail(f"{job}: a rank did not report within 540 s")
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
+        out = spawn_ranks(world, _worker, job, timeout_s=540)
+    except SystemExit as exc:
+        pytest.fail(f"{job}: {exc}")
     return sorted(out, key=lambda r: r[0])
 
 

@@ -292,6 +292,23 @@ def test_all_to_all_push_uneven(peers, counts, dtype, seed):
         )
 
 
+def launch_pipelined(peers, kernel: str, xs, outs, size: str, n: int, dtype, op: str, steps: int):
+    """Run a pipelined kernel (the one-shot all-reduce, the reduce-scatter: the same arguments, as in
+    CudaPeerBackend._launch_pipelined) with ``n`` elements per slot, passed as ``size``; the W
+    staging slots of S >= n elements start as 7s. Returns the slots, S and the steps taken."""
+    S = -(-n // 64) * 64
+    bufs = peers.shared(lambda r: torch.full((W * S,), 7, dtype=dtype))
+    chunk, grid = split_work(n, MAX_PROGRAMS, BLOCK)
+    sub, steps = pipeline_steps(chunk, steps, BLOCK)
+    per_rank = [
+        dict(inp=xs[r], out=outs[r], **{size: n}, S=S, chunk=chunk, sub=sub, steps=steps, OP=K.OP_CODES[op],
+             RANK=r, W=W, BLOCK=BLOCK)
+        for r in range(W)
+    ]  # fmt: skip
+    peers.run(kernel, grid, per_rank, {"buf": (bufs, "D")}, barriers=steps)
+    return bufs, S, steps
+
+
 @SETTINGS
 @given(
     n=sizes,
@@ -305,17 +322,10 @@ def test_all_to_all_push_uneven(peers, counts, dtype, seed):
 @pytest.mark.claim("nanoparallel/p2p-kernels", section="Intra-node data transfer: P2P transport")
 def test_one_shot_pipelined_all_reduce(peers, n, dtype, op, steps, seed):
     inputs = draw_inputs(n, dtype, seed)
-    S = -(-n // 64) * 64
     xs = peers.shared(lambda r: inputs[r].clone())
-    bufs = peers.shared(lambda r: torch.full((W * S,), 7, dtype=dtype))
-    chunk, grid = split_work(n, MAX_PROGRAMS, BLOCK)
-    sub, steps = pipeline_steps(chunk, steps, BLOCK)
-    per_rank = [
-        dict(inp=xs[r], out=xs[r], n=n, S=S, chunk=chunk, sub=sub, steps=steps, OP=K.OP_CODES[op], RANK=r,
-             W=W, BLOCK=BLOCK)
-        for r in range(W)
-    ]  # fmt: skip
-    peers.run("one_shot_pipelined_all_reduce_kernel", grid, per_rank, {"buf": (bufs, "D")}, barriers=steps)
+    bufs, S, steps = launch_pipelined(
+        peers, "one_shot_pipelined_all_reduce_kernel", xs, xs, "n", n, dtype, op, steps
+    )
     ref = reference(inputs, op)
     for r in range(W):
         check(xs[r], ref, dtype, f"one-shot pipelined ({steps} steps) {op} rank {r}")
@@ -341,18 +351,11 @@ def test_one_shot_pipelined_all_reduce(peers, n, dtype, op, steps, seed):
 @pytest.mark.claim("nanoparallel/p2p-kernels", section="Intra-node data transfer: P2P transport")
 def test_reduce_scatter_pipelined(peers, m, dtype, op, steps, seed):
     inputs = draw_inputs(W * m, dtype, seed)
-    S = -(-m // 64) * 64
     xs = peers.shared(lambda r: inputs[r].clone())
     outs = peers.shared(lambda r: torch.full((m,), 7, dtype=dtype))
-    bufs = peers.shared(lambda r: torch.full((W * S,), 7, dtype=dtype))
-    chunk, grid = split_work(m, MAX_PROGRAMS, BLOCK)
-    sub, steps = pipeline_steps(chunk, steps, BLOCK)
-    per_rank = [
-        dict(inp=xs[r], out=outs[r], m=m, S=S, chunk=chunk, sub=sub, steps=steps, OP=K.OP_CODES[op], RANK=r,
-             W=W, BLOCK=BLOCK)
-        for r in range(W)
-    ]  # fmt: skip
-    peers.run("reduce_scatter_pipelined_kernel", grid, per_rank, {"buf": (bufs, "D")}, barriers=steps)
+    bufs, S, steps = launch_pipelined(
+        peers, "reduce_scatter_pipelined_kernel", xs, outs, "m", m, dtype, op, steps
+    )
     ref = reference(inputs, op)
     for r in range(W):
         check(
