@@ -82,6 +82,19 @@ def _exp(x, FAST: tl.constexpr):
 
 
 @triton.jit
+def _head_bases(i_bh, T, H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr):
+    """For the program axis ``i_bh = b * HV + hv``: ``b``, ``hv`` and where row 0 of the program's
+    heads starts in each layout: ``q_base`` in q and k (``[B, T, H, K]``, key head
+    ``hv // (HV / H)``: more value heads than key heads), ``k_base`` in ``[B, T, HV, K]`` (g, G, W,
+    KD, QG, KB), ``v_base`` in ``[B, T, HV, V]`` and ``c_base`` in ``[B, T, HV, BT]`` (A_qk, T)."""
+    b = i_bh // HV
+    hv = i_bh % HV
+    hk = hv // (HV // H)
+    row = b * T * HV + hv
+    return b, hv, (b * T * H + hk) * K, row * K, row * V, row * BT
+
+
+@triton.jit
 def _block_products(b_k, b_x, b_G, loc, a, SUB: tl.constexpr):
     """One 16-row block of ``A[r, i] = sum_c x_rc k_ic exp(G_rc - G_ic)`` as a matmul's operands.
 
@@ -303,9 +316,7 @@ def kda_intra_fwd_kernel(
     of the row-block form and one exponential per key instead of one per row block)."""
     i_t = tl.program_id(0)
     i_bh = tl.program_id(1)
-    b = i_bh // HV
-    hv = i_bh % HV
-    hk = hv // (HV // H)  # GQA-like: value head hv reads key head hv // (HV/H)
+    b, hv, qk_base, gk_base, v_base, c_base = _head_bases(i_bh, T, H, HV, K, V, BT)
 
     loc = tl.arange(0, BT)
     rows = i_t * BT + loc
@@ -313,10 +324,6 @@ def kda_intra_fwd_kernel(
     # padded rows get g = 0 (no decay) and beta = 0, k = 0 (no write): they leave the state alone
     b_beta = tl.load(beta + (b * T + rows) * HV + hv, mask=mrow, other=0.0).to(tl.float32)
     r0 = i_t * BT
-    qk_base = (b * T * H + hk) * K  # [B, T, H, K]: row t of head hk starts at qk_base + t H K
-    gk_base = (b * T * HV + hv) * K  # [B, T, HV, K]
-    v_base = (b * T * HV + hv) * V
-    c_base = (b * T * HV + hv) * BT  # [B, T, HV, BT]
 
     A_kk = tl.zeros([BT, BT], dtype=tl.float32)
     A_qk = tl.zeros([BT, BT], dtype=tl.float32)
@@ -435,29 +442,25 @@ def kda_wy_fwd_kernel(
     i_blk = tl.program_id(0)  # the fastest axis: a chunk's programs share its T through L2
     i_t = tl.program_id(1)
     i_bh = tl.program_id(2)
-    b = i_bh // HV
-    hv = i_bh % HV
-    hk = hv // (HV // H)
+    b, hv, q_base, gk_base, v_base, c_base = _head_bases(i_bh, T, H, HV, K, V, BT)
     loc = tl.arange(0, BT)
     rows = i_t * BT + loc
     r0 = i_t * BT
     # padded rows: beta = 0, k = v = 0 (and T's rows zero): nothing written past T
     b_beta = tl.load(beta + (b * T + rows) * HV + hv, mask=rows < T, other=0.0).to(tl.float32)
-    b_T = _load_rows(T_ut + (b * T * HV + hv) * BT, T, HV * BT, BT, r0, 0, BT, BT)
+    b_T = _load_rows(T_ut + c_base, T, HV * BT, BT, r0, 0, BT, BT)
     if i_blk < K // BK:
-        gk_base = (b * T * HV + hv) * K
         c0 = i_blk * BK
         if USE_KB:
             b_kb = _load_rows(KB + gk_base, T, HV * K, K, r0, c0, BT, BK).to(tl.float32)
         else:
-            b_k = _load_rows(k + (b * T * H + hk) * K, T, H * K, K, r0, c0, BT, BK).to(tl.float32)
+            b_k = _load_rows(k + q_base, T, H * K, K, r0, c0, BT, BK).to(tl.float32)
             b_G = _load_rows(G + gk_base, T, HV * K, K, r0, c0, BT, BK)
             b_kb = b_k * tl.exp(b_G) * b_beta[:, None]
         b_W = tl.dot(b_T, b_kb, input_precision=DOT_PREC)
         p_w = _tile(W_out + gk_base, T, HV * K, K, r0, c0, BT, BK)
         tl.store(p_w, b_W.to(W_out.dtype.element_ty), boundary_check=(0,))
     else:
-        v_base = (b * T * HV + hv) * V
         c0 = (i_blk - K // BK) * BV
         b_v = _load_rows(v + v_base, T, HV * V, V, r0, c0, BT, BV).to(tl.float32)
         b_U = tl.dot(b_T, b_v * b_beta[:, None], input_precision=DOT_PREC)
@@ -570,30 +573,22 @@ def kda_out_fwd_kernel(
     i_t = tl.program_id(0)
     i_v = tl.program_id(1)
     i_bh = tl.program_id(2)
-    b = i_bh // HV
-    hv = i_bh % HV
-    hk = hv // (HV // H)
+    b, hv, q_base, k_base, v_base, c_base = _head_bases(i_bh, T, H, HV, K, V, BT)
     r0 = i_t * BT
-    p_q = tl.make_block_ptr(q + (b * T * H + hk) * K, (T, K), (H * K, 1), (r0, 0), (BT, K), (1, 0))
-    p_G = tl.make_block_ptr(G + (b * T * HV + hv) * K, (T, K), (HV * K, 1), (r0, 0), (BT, K), (1, 0))
-    p_h = tl.make_block_ptr(h_all + (i_bh * NT + i_t) * K * V, (K, V), (V, 1), (0, i_v * BV), (K, BV), (1, 0))
-    p_A = tl.make_block_ptr(Aqk + (b * T * HV + hv) * BT, (T, BT), (HV * BT, 1), (r0, 0), (BT, BT), (1, 0))
-    v_base = (b * T * HV + hv) * V
-    p_u = tl.make_block_ptr(U_new + v_base, (T, V), (HV * V, 1), (r0, i_v * BV), (BT, BV), (1, 0))
-    p_o = tl.make_block_ptr(o + v_base, (T, V), (HV * V, 1), (r0, i_v * BV), (BT, BV), (1, 0))
-
     if USE_QG:
-        b_qg = _load_rows(QG + (b * T * HV + hv) * K, T, HV * K, K, r0, 0, BT, K)
+        b_qg = _load_rows(QG + k_base, T, HV * K, K, r0, 0, BT, K)
     else:
-        b_q = tl.load(p_q, boundary_check=(0,), padding_option="zero")
-        b_G = tl.load(p_G, boundary_check=(0,), padding_option="zero")
+        b_q = _load_rows(q + q_base, T, H * K, K, r0, 0, BT, K)
+        b_G = _load_rows(G + k_base, T, HV * K, K, r0, 0, BT, K)
         b_qg = (b_q.to(tl.float32) * tl.exp(b_G) * scale).to(q.dtype.element_ty)
-    b_h = tl.load(p_h)
+    b_h = tl.load(_tile(h_all + (i_bh * NT + i_t) * K * V, K, V, V, 0, i_v * BV, K, BV))
     b_o = tl.dot(b_qg, b_h.to(b_qg.dtype), input_precision=DOT_PREC)
-    b_A = tl.load(p_A, boundary_check=(0,), padding_option="zero")
-    b_u = tl.load(p_u, boundary_check=(0,), padding_option="zero")
+    b_A = _load_rows(Aqk + c_base, T, HV * BT, BT, r0, 0, BT, BT)
+    b_u = _load_rows(U_new + v_base, T, HV * V, V, r0, i_v * BV, BT, BV)
     b_o += tl.dot(b_A.to(b_u.dtype), b_u, input_precision=DOT_PREC)
-    tl.store(p_o, b_o.to(o.dtype.element_ty), boundary_check=(0,))
+    tl.store(
+        _tile(o + v_base, T, HV * V, V, r0, i_v * BV, BT, BV), b_o.to(o.dtype.element_ty), boundary_check=(0,)
+    )
 
 
 @triton.jit(do_not_specialize=["T", "NT"])
@@ -756,16 +751,10 @@ def kda_state_bwd_fused_kernel(
     """
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
-    b = i_bh // HV
-    hv = i_bh % HV
-    hk = hv // (HV // H)
+    _b, _hv, q_base, k_base, v_base, c_base = _head_bases(i_bh, T, H, HV, K, V, BT)
     offk = tl.arange(0, K)
     offv = i_v * BV + tl.arange(0, BV)
     kv_off = offk[:, None] * V + offv[None, :]
-    q_base = (b * T * H + hk) * K
-    k_base = (b * T * HV + hv) * K
-    v_base = (b * T * HV + hv) * V
-    c_base = (b * T * HV + hv) * BT
     bases = (q_base, k_base, v_base, c_base)
 
     dS = tl.zeros([K, BV], dtype=tl.float32)
@@ -1034,22 +1023,17 @@ def kda_intra_bwd_split_mat_kernel(
     """
     i_t = tl.program_id(0)
     i_bh = tl.program_id(1)
-    b = i_bh // HV
-    hv = i_bh % HV
-    hk = hv // (HV // H)
+    b, hv, q_base, k_base, v_base, c_base = _head_bases(i_bh, T, H, HV, K, V, BT)
     loc = tl.arange(0, BT)
     rows = i_t * BT + loc
     mrow = rows < T
     r0 = i_t * BT
     s_base = (i_bh * NT + i_t) * K * V  # [B, HV, NT, K, V]
     m_base = (i_bh * NT + i_t) * BT * BT  # [B, HV, NT, BT, BT]
-    q_base = (b * T * H + hk) * K
-    k_base = (b * T * HV + hv) * K
-    v_base = (b * T * HV + hv) * V
     QS, KS, VS = H * K, HV * K, HV * V  # row strides
 
     b_beta = tl.load(beta + (b * T + rows) * HV + hv, mask=mrow, other=0.0).to(tl.float32)
-    p_T = _tile(T_ut + (b * T * HV + hv) * BT, T, HV * BT, BT, r0, 0, BT, BT)
+    p_T = _tile(T_ut + c_base, T, HV * BT, BT, r0, 0, BT, BT)
     b_T = tl.load(p_T, boundary_check=(0,), padding_option="zero")
 
     # pass 1, value blocks
@@ -1192,9 +1176,7 @@ def kda_intra_bwd_split_dqk_kernel(
     i_kb = tl.program_id(0)
     i_t = tl.program_id(1)
     i_bh = tl.program_id(2)
-    b = i_bh // HV
-    hv = i_bh % HV
-    hk = hv // (HV // H)
+    b, hv, q_base, k_base, v_base, c_base = _head_bases(i_bh, T, H, HV, K, V, BT)
     loc = tl.arange(0, BT)
     rows = i_t * BT + loc
     mrow = rows < T
@@ -1203,9 +1185,6 @@ def kda_intra_bwd_split_dqk_kernel(
     last = tl.minimum(T - r0, BT) - 1  # the chunk's last real token
     s_base = (i_bh * NT + i_t) * K * V  # [B, HV, NT, K, V]
     m_base = (i_bh * NT + i_t) * BT * BT  # [B, HV, NT, BT, BT]
-    q_base = (b * T * H + hk) * K
-    k_base = (b * T * HV + hv) * K
-    v_base = (b * T * HV + hv) * V
     QS, KS, VS = H * K, HV * K, HV * V  # row strides
 
     b_beta = tl.load(beta + (b * T + rows) * HV + hv, mask=mrow, other=0.0).to(tl.float32)
@@ -1247,7 +1226,7 @@ def kda_intra_bwd_split_dqk_kernel(
     b_dq = b_dqg * scale * b_eG
     b_dG = b_dq * b_q
     # WY factor W = T KB with KB = beta k e^G; T^T loaded transposed rather than transposed here
-    p_Tt = _tile_t(T_ut + (b * T * HV + hv) * BT, T, HV * BT, BT, r0, 0, BT, BT)
+    p_Tt = _tile_t(T_ut + c_base, T, HV * BT, BT, r0, 0, BT, BT)
     b_Tt = tl.load(p_Tt, boundary_check=(1,), padding_option="zero")
     b_kg = b_k * b_eG
     b_dkb = tl.dot(b_Tt, b_dw, input_precision=DOT_PREC)
