@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from paperclub.triton_compat import interpreting
 from repro.fa4.reference import RESCALE_THRESHOLD
 
 __all__ = ["Switches", "attention", "attention_any_d", "forward_with_counts"]
@@ -145,12 +146,6 @@ def _resolve(sw: Switches, d: int, interpret: bool) -> Switches:
         bwd_num_warps=sw.bwd_num_warps or bnw,
         bwd_num_stages=sw.bwd_num_stages or bns,
     )
-
-
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -287,14 +282,14 @@ def _run(q, k, v, causal, scale, switches, dims, dtypes):
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"attention: scale must be a positive finite number, got {scale}")
-    if q.device.type != "cuda" and not _interpreting():
+    if q.device.type != "cuda" and not interpreting():
         raise RuntimeError("attention: needs a CUDA device, or TRITON_INTERPRET=1 for the CPU interpreter")
     unknown = set(switches) - set(Switches.__dataclass_fields__)
     if unknown:
         raise TypeError(
             f"attention: unknown switches {sorted(unknown)}; known: {list(Switches.__dataclass_fields__)}"
         )
-    sw = _resolve(Switches(**switches), d, _interpreting())
+    sw = _resolve(Switches(**switches), d, interpreting())
     return _Attention.apply(q, k, v, bool(causal), scale, sw)
 
 
@@ -340,7 +335,7 @@ def forward_with_counts(
     _check(q, k, v, causal, TEST_HEAD_DIMS, (*PUBLIC_DTYPES, torch.float32))
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    sw = _resolve(Switches(**switches), d, _interpreting())
+    sw = _resolve(Switches(**switches), d, interpreting())
     o, _, counts = _forward(q, k, v, causal, scale, sw, count=True)
     c = counts.view(-1, 2).to(torch.int64)
     tiles = 2 if sw.pingpong else 1

@@ -33,12 +33,11 @@ against the recurrence, so each is a check on the other.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 import triton
 
+from paperclub.triton_compat import interpreting
 from repro.kda.chunk_torch import chunk_matrices
 from repro.kda.kernels import (
     kda_decode_kernel,
@@ -173,11 +172,6 @@ def _state_block_v(V: int, heads: int, fixed: int | None, largest: int) -> int:
     return bv
 
 
-def _interpreting() -> bool:
-    """Triton's CPU interpreter (TRITON_INTERPRET=1): no inline PTX there."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs get full-precision dots (the tests compare against fp64 at ~1e-5);
     # bf16/fp16 inputs run the fp32 intra-chunk algebra in tf32, well inside their own error.
@@ -245,7 +239,7 @@ def _intra_fwd(q, k, v, g, beta, scale, prec):
         q, k, v, g, beta, G, W, U_prime, Aqk, KD, gamma, T_ut, QG, KB, scale, T, NT,
         H=H, HV=HV, K=K, V=V, BT=BT, SUB=SUB, LOG_SUB=LOG_SUB, LOG_NB=LOG_NB, BK=_block_k(K),
         BV=_block_v(V), DOT_PREC=prec, STRIPS=INTRA_FWD_STRIPS and BT == 4 * SUB, WY=not INTRA_FWD_SPLIT,
-        STORE_QG=QG is not None, STORE_KB=KB is not None, FAST_EXP=INTRA_FWD_FAST_EXP and not _interpreting(),
+        STORE_QG=QG is not None, STORE_KB=KB is not None, FAST_EXP=INTRA_FWD_FAST_EXP and not interpreting(),
         num_warps=INTRA_FWD_WARPS, num_stages=INTRA_FWD_STAGES,
     )  # fmt: skip
     if INTRA_FWD_SPLIT:
@@ -499,7 +493,7 @@ def kda_bwd_triton_split(q, k, v, g, beta, scale, h0, saved, do, dhT):
         q, k, beta, saved["G"], saved["T_ut"], saved["U_new"], saved["h_all"], dh_all, do, dU,
         M_q, dA, dq, dk, dg, dbeta_parts, scale, T, NT,
         H=H, HV=HV, K=K, V=V, BT=BT, SUB=SUB, BK=BKB, BV=min(V, SPLIT_B_BV), DOT_PREC=prec,
-        LOW_DOTS=low, FAST_EXP=SPLIT_FAST_EXP and not _interpreting(), num_warps=SPLIT_B_WARPS,
+        LOW_DOTS=low, FAST_EXP=SPLIT_FAST_EXP and not interpreting(), num_warps=SPLIT_B_WARPS,
         num_stages=SPLIT_B_STAGES,
     )  # fmt: skip
     dbeta = dbeta_parts.sum(0).to(beta.dtype)
