@@ -131,6 +131,92 @@ def time_ms(fn: Callable[[], object], *, warmup: int = 10, rep: int = 50) -> flo
     return statistics.median(times)
 
 
+@dataclass
+class Candidate:
+    """One thing to time, with the check that its result is right at the shape being timed.
+
+    ``check`` runs once before any timing and raises (``AssertionError`` or any error, with a message)
+    when the candidate's output is wrong there; such a candidate is not timed.
+    """
+
+    fn: Callable[[], object]
+    check: Callable[[], object] | None = None
+
+
+@dataclass
+class Measured:
+    """What :func:`measure` found for one candidate: its check, and median and range over rounds."""
+
+    ok: bool
+    error: str = ""
+    median_ms: float | None = None
+    min_ms: float | None = None
+    max_ms: float | None = None
+    rounds: list[float] = field(default_factory=list)
+
+    def row(self) -> dict:
+        """The columns every benchmark table carries: ``ms``, ``ms_min``, ``ms_max``, ``check``."""
+        return {
+            "ms": self.median_ms,
+            "ms_min": self.min_ms,
+            "ms_max": self.max_ms,
+            "check": "ok" if self.ok else f"failed: {self.error}",
+        }
+
+
+def measure(
+    candidates: dict[str, Candidate | Callable[[], object]],
+    *,
+    rounds: int = 5,
+    warmup: int = 10,
+    rep: int = 30,
+    timer: Callable[..., float] | None = None,
+) -> dict[str, Measured]:
+    """Check every candidate once, then time the ones that passed in interleaved rounds.
+
+    Each round times every candidate once, in turn (``time_ms``: median of ``rep`` calls), so that a
+    drift of the machine (clocks, temperature, a neighbour) reaches every candidate alike; the result
+    keeps the median over rounds and their range. A candidate whose check raised is not timed: its
+    ``error`` holds the message, its times stay ``None``. A candidate that raises while being timed
+    is recorded the same way and dropped from the later rounds.
+    """
+    if rounds < 1:
+        raise ValueError(f"measure: rounds must be >= 1, got {rounds}")
+    timer = timer or time_ms
+    out: dict[str, Measured] = {}
+    live: dict[str, Callable[[], object]] = {}
+    for name, cand in candidates.items():
+        if not isinstance(cand, Candidate):
+            if not callable(cand):
+                raise TypeError(f"measure: candidate '{name}' is neither a Candidate nor callable")
+            cand = Candidate(fn=cand)
+        try:
+            if cand.check is not None:
+                cand.check()
+        except Exception as exc:  # the check's failure is the result for this row
+            out[name] = Measured(ok=False, error=_one_line(exc))
+            continue
+        out[name] = Measured(ok=True)
+        live[name] = cand.fn
+    for _ in range(rounds):
+        for name, fn in list(live.items()):
+            try:
+                out[name].rounds.append(float(timer(fn, warmup=warmup, rep=rep)))
+            except Exception as exc:
+                out[name] = Measured(ok=False, error="while timing: " + _one_line(exc))
+                del live[name]
+    for name in live:
+        m = out[name]
+        m.median_ms = statistics.median(m.rounds)
+        m.min_ms, m.max_ms = min(m.rounds), max(m.rounds)
+    return out
+
+
+def _one_line(exc: BaseException, limit: int = 300) -> str:
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def ceilings() -> dict[str, float]:
     """The machine's measured ceilings: bf16 matmul TFLOP/s and device copy TB/s (CUDA only)."""
     import torch
