@@ -29,7 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from paperclub.triton_compat import fix_interpreter_index
+from paperclub.triton_compat import patch_interpreter
 from repro.fa4.reference import EXP2_MIN_INPUT, EXP2_POLY3
 
 # Polynomial coefficients as compile-time constants (c0 = 1 is pinned in the fit).
@@ -39,7 +39,7 @@ _C3 = tl.constexpr(EXP2_POLY3[3])
 _XMIN = tl.constexpr(EXP2_MIN_INPUT)
 
 
-fix_interpreter_index()  # loops over run-time bounds under the CPU interpreter
+patch_interpreter()  # loops over run-time bounds and bf16 under the CPU interpreter
 
 
 @triton.jit

@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import torch
 
+from paperclub.triton_compat import patch_interpreter
 from repro.kda.chunk import chunk_kda, decode_step
 from repro.kda.chunk_torch import chunk_kda_torch, ut_transform
 from repro.kda.reference import kda_recurrence
+
+patch_interpreter()  # bf16 (and run-time loop bounds) right under the CPU interpreter
 
 __all__ = ["chunk_kda", "chunk_kda_torch", "decode_step", "recurrent_kda", "ut_transform"]
 
