@@ -1,0 +1,429 @@
+"""Triton kernels of the dMoE (gale2022megablocks §5): block-sparse SDD and DSD over a
+:class:`~repro.megablocks.topology.Topology`, DDS through DSD on transposed views, and a grouped
+GEMM over variable-sized groups (the grouped path), each with its autograd Function.
+
+Naming (§4.1, §5.1): the letters give output, left and right operand, S sparse, D dense.
+
+* SDD ``C = mask(A @ B)``: one program per stored block; the COO row index finds the block's row (§5.1.3).
+* DSD ``C = op(S) @ B``, ``op`` the identity or the transpose: one program per (block-row of op(S),
+  column tile of C), looping over that block-row's blocks. The transpose walks the transpose
+  indices (``offsets_t``, ``column_indices_t``, ``block_offsets_t``) and reads each block with
+  swapped strides: no copy of the values (§5.1.4).
+* DDS ``C = A @ op(S)`` is ``(op(S)^T @ A^T)^T``: the DSD kernel on strided views, writing C through
+  its transpose.
+
+Every dense operand is passed with its strides, so ``x.t()`` costs nothing. Accumulation is fp32.
+Kernels run on the GPU and, for tests, in Triton's CPU interpreter (small blocks).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from paperclub.triton_compat import fix_interpreter_index, interpreting
+from repro.megablocks.topology import Topology
+
+fix_interpreter_index()
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _k_step(block: int) -> int:
+    # inner-product step: 64 keeps two bf16 128 x 64 tiles per stage in shared memory on the GPU;
+    # the interpreter takes the smallest step that tl.dot accepts to keep tests cheap
+    return 16 if interpreting() else min(block, 64)
+
+
+def _launch_opts() -> dict:
+    return {} if interpreting() else {"num_warps": 8, "num_stages": 3}
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    # fp32 operands: exact fp32 products (IEEE) rather than tf32, so fp32 matches the reference
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _sdd_kernel(
+    A, B, C, row_indices, column_indices, K,
+    stride_am, stride_ak, stride_bk, stride_bn,
+    BLOCK: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """C[p] = A[rows of block-row r] @ B[:, cols of block-col c] for the stored block p = (r, c)."""
+    p = tl.program_id(0).to(tl.int64)
+    r = tl.load(row_indices + p).to(tl.int64)
+    c = tl.load(column_indices + p).to(tl.int64)
+    rm = r * BLOCK + tl.arange(0, BLOCK)
+    rn = c * BLOCK + tl.arange(0, BLOCK)
+    rk = tl.arange(0, BK)
+    a_ptrs = A + rm[:, None] * stride_am + rk[None, :] * stride_ak
+    b_ptrs = B + rk[:, None] * stride_bk + rn[None, :] * stride_bn
+    acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        in_k = (k0 + rk) < K
+        a = tl.load(a_ptrs, mask=in_k[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=in_k[:, None], other=0.0)
+        acc = _dot(a, b, acc, IEEE)
+        a_ptrs += BK * stride_ak
+        b_ptrs += BK * stride_bk
+    i = tl.arange(0, BLOCK)
+    tl.store(C + p * BLOCK * BLOCK + i[:, None] * BLOCK + i[None, :], acc.to(C.dtype.element_ty))
+
+
+@triton.jit
+def _dsd_kernel(
+    S, B, C, offsets, indices, block_offsets, N,
+    stride_bk, stride_bn, stride_cm, stride_cn,
+    TRANS: tl.constexpr, BLOCK: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """C[block-row r, column tile n] = sum over the blocks (r, kb) of op(S): op(S)[r, kb] @ B[kb, n].
+
+    TRANS = 0: op(S) = S, blocks of block-row r are data[offsets[r]:offsets[r+1]], kb = column index.
+    TRANS = 1: op(S) = S^T, block-row r of S^T is block-column r of S: the transpose indices list
+    its blocks (block_offsets -> data, indices = their block-rows in S = kb); each block is read
+    with swapped strides.
+    """
+    r = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1)
+    start = tl.load(offsets + r)
+    end = tl.load(offsets + r + 1)
+    rm = tl.arange(0, BLOCK)
+    rn = n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    in_n = rn < N
+    if TRANS:  # op(S)[m, k] = data[blk, k, m]
+        s_off = rm[:, None] + rk[None, :] * BLOCK
+        SUB_STEP: tl.constexpr = BK * BLOCK
+    else:  # op(S)[m, k] = data[blk, m, k]
+        s_off = rm[:, None] * BLOCK + rk[None, :]
+        SUB_STEP: tl.constexpr = BK
+    acc = tl.zeros((BLOCK, BN), dtype=tl.float32)
+    SUB: tl.constexpr = BLOCK // BK
+    # one flat loop over (block, sub-step) so that the compiler pipelines the loads across blocks
+    for t in range(start * SUB, end * SUB):
+        i = t // SUB
+        sub = t % SUB
+        if TRANS:
+            blk = tl.load(block_offsets + i).to(tl.int64)
+        else:
+            blk = i.to(tl.int64)
+        kb = tl.load(indices + i).to(tl.int64)
+        s = tl.load(S + blk * BLOCK * BLOCK + sub * SUB_STEP + s_off)
+        krow = kb * BLOCK + sub * BK + rk
+        b = tl.load(B + krow[:, None] * stride_bk + rn[None, :] * stride_bn, mask=in_n[None, :], other=0.0)
+        acc = _dot(s, b, acc, IEEE)
+    rows = r * BLOCK + rm
+    c_ptrs = C + rows[:, None] * stride_cm + rn[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=in_n[None, :])
+
+
+def _check_dense(name: str, x: torch.Tensor, dim: int = 2) -> None:
+    if x.dim() != dim:
+        raise ValueError(f"{name} must be {dim}-D, got shape {tuple(x.shape)}")
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"{name} has dtype {x.dtype}: expected one of {_DTYPES}")
+
+
+def _sdd(a: torch.Tensor, b: torch.Tensor, topo: Topology) -> torch.Tensor:
+    M, N = topo.shape
+    if a.shape[0] != M or b.shape[1] != N or a.shape[1] != b.shape[0]:
+        raise ValueError(
+            f"sdd: a {tuple(a.shape)} @ b {tuple(b.shape)} does not give the topology's shape {topo.shape}"
+        )
+    bs = topo.block_size
+    out = torch.empty(topo.nnz, bs, bs, device=a.device, dtype=a.dtype)
+    if topo.nnz == 0:
+        return out
+    _sdd_kernel[(topo.nnz,)](
+        a, b, out, topo.row_indices, topo.column_indices, a.shape[1],
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        BLOCK=bs, BK=_k_step(bs), IEEE=a.dtype == torch.float32, **_launch_opts(),
+    )  # fmt: skip
+    return out
+
+
+def _dsd_into(data: torch.Tensor, topo: Topology, b: torch.Tensor, out: torch.Tensor, trans: bool) -> None:
+    """out [rows of op(S), N] = op(S) @ b, out possibly a strided (transposed) view."""
+    bs = topo.block_size
+    offsets, indices = (
+        (topo.offsets_t, topo.column_indices_t) if trans else (topo.offsets, topo.column_indices)
+    )
+    block_rows = offsets.numel() - 1
+    N = b.shape[1]
+    if block_rows == 0 or N == 0:
+        return
+    BN = bs if interpreting() else 128
+    _dsd_kernel[(block_rows, triton.cdiv(N, BN))](
+        data, b, out, offsets, indices, topo.block_offsets_t, N,
+        b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+        TRANS=trans, BLOCK=bs, BN=BN, BK=_k_step(bs), IEEE=data.dtype == torch.float32, **_launch_opts(),
+    )  # fmt: skip
+
+
+def _dsd(data: torch.Tensor, b: torch.Tensor, topo: Topology, trans: bool) -> torch.Tensor:
+    M, K = topo.shape[::-1] if trans else topo.shape
+    if b.shape[0] != K:
+        raise ValueError(
+            f"dsd: the sparse operand{'^T' if trans else ''} has {K} columns but b has {b.shape[0]} rows"
+        )
+    out = torch.empty(M, b.shape[1], device=b.device, dtype=b.dtype)
+    _dsd_into(data, topo, b, out, trans)
+    return out
+
+
+def _dds(a: torch.Tensor, data: torch.Tensor, topo: Topology, trans: bool) -> torch.Tensor:
+    K, N = topo.shape[::-1] if trans else topo.shape
+    if a.shape[1] != K:
+        raise ValueError(
+            f"dds: a has {a.shape[1]} columns but the sparse operand{'^T' if trans else ''} has {K} rows"
+        )
+    out = torch.empty(a.shape[0], N, device=a.device, dtype=a.dtype)
+    # A @ op(S) = (op(S)^T @ A^T)^T: the DSD kernel with the other orientation, writing out^T
+    _dsd_into(data, topo, a.t(), out.t(), not trans)
+    return out
+
+
+class _SDD(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, topo):
+        ctx.topo = topo
+        ctx.save_for_backward(a, b)
+        return _sdd(a, b, topo)
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        topo = ctx.topo
+        g = g.contiguous()
+        da = _dsd(g, b.t(), topo, False) if ctx.needs_input_grad[0] else None  # G @ B^T
+        db = _dds(a.t(), g, topo, False) if ctx.needs_input_grad[1] else None  # A^T @ G
+        return da, db, None
+
+
+class _DSD(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, data, b, topo, trans):
+        ctx.topo, ctx.trans = topo, trans
+        ctx.save_for_backward(data, b)
+        return _dsd(data, b, topo, trans)
+
+    @staticmethod
+    def backward(ctx, g):
+        data, b = ctx.saved_tensors
+        topo, trans = ctx.topo, ctx.trans
+        dd = db = None
+        if ctx.needs_input_grad[0]:  # mask(G B^T), or for op = transpose mask(B G^T)
+            dd = _sdd(b, g.t(), topo) if trans else _sdd(g, b.t(), topo)
+        if ctx.needs_input_grad[1]:  # op(S)^T @ G
+            db = _dsd(data, g, topo, not trans)
+        return dd, db, None, None
+
+
+class _DDS(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, data, topo, trans):
+        ctx.topo, ctx.trans = topo, trans
+        ctx.save_for_backward(a, data)
+        return _dds(a, data, topo, trans)
+
+    @staticmethod
+    def backward(ctx, g):
+        a, data = ctx.saved_tensors
+        topo, trans = ctx.topo, ctx.trans
+        da = dd = None
+        if ctx.needs_input_grad[0]:  # G @ op(S)^T
+            da = _dds(g, data, topo, not trans)
+        if ctx.needs_input_grad[1]:  # mask(A^T G), or for op = transpose mask(G^T A)
+            dd = _sdd(g.t(), a, topo) if trans else _sdd(a.t(), g, topo)
+        return da, dd, None, None
+
+
+def _check_data(data: torch.Tensor, topo: Topology) -> None:
+    bs = topo.block_size
+    if data.shape != (topo.nnz, bs, bs) or not data.is_contiguous():
+        raise ValueError(
+            f"sparse data must be contiguous of shape (nnz, b, b) = {(topo.nnz, bs, bs)}, got {tuple(data.shape)}"
+        )
+
+
+def sdd(a: torch.Tensor, b: torch.Tensor, topo: Topology) -> torch.Tensor:
+    """Sparse = dense @ dense, restricted to ``topo``: ``a [M, K] @ b [K, N]`` -> blocks ``[nnz, b, b]``.
+
+    ``(M, N)`` must be ``topo.shape``. Differentiable in ``a`` and ``b``.
+    """
+    _check_dense("a", a)
+    _check_dense("b", b)
+    return _SDD.apply(a, b, topo)
+
+
+def dsd(data: torch.Tensor, b: torch.Tensor, topo: Topology, *, transpose: bool = False) -> torch.Tensor:
+    """Dense = sparse @ dense: ``S [M, K] @ b [K, N]`` -> ``[M, N]``, ``S`` given by ``data [nnz, b, b]``
+    on ``topo``; ``transpose=True`` computes ``S^T @ b`` through the transpose indices."""
+    _check_data(data, topo)
+    _check_dense("b", b)
+    return _DSD.apply(data, b, topo, transpose)
+
+
+def dds(a: torch.Tensor, data: torch.Tensor, topo: Topology, *, transpose: bool = False) -> torch.Tensor:
+    """Dense = dense @ sparse: ``a [M, K] @ S [K, N]`` -> ``[M, N]`` (``transpose=True``: ``a @ S^T``)."""
+    _check_dense("a", a)
+    _check_data(data, topo)
+    return _DDS.apply(a, data, topo, transpose)
+
+
+# ---------------------------------------------------------------------------------------------
+# Grouped GEMM over variable-sized groups: rows [starts[g], ends[g]) of X times W[g]. No padding:
+# a row tile never crosses a group boundary, the schedule lists (group, first row) per tile.
+
+
+@triton.jit
+def _gmm_kernel(
+    X, W, Y, tile_group, tile_row, ends, N, K,
+    stride_xm, stride_xk, stride_wg, stride_wk, stride_wn, stride_ym, stride_yn,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """Y[rows of tile, n-tile] = X[rows of tile] @ W[g] for the tile's group g."""
+    t = tl.program_id(0)
+    n = tl.program_id(1)
+    g = tl.load(tile_group + t).to(tl.int64)
+    row0 = tl.load(tile_row + t).to(tl.int64)
+    end = tl.load(ends + g).to(tl.int64)
+    rm = row0 + tl.arange(0, BM)
+    rn = n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    in_m = rm < end
+    in_n = rn < N
+    x_ptrs = X + rm[:, None] * stride_xm + rk[None, :] * stride_xk
+    w_ptrs = W + g * stride_wg + rk[:, None] * stride_wk + rn[None, :] * stride_wn
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        in_k = (k0 + rk) < K
+        x = tl.load(x_ptrs, mask=in_m[:, None] & in_k[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=in_k[:, None] & in_n[None, :], other=0.0)
+        acc = _dot(x, w, acc, IEEE)
+        x_ptrs += BK * stride_xk
+        w_ptrs += BK * stride_wk
+    y_ptrs = Y + rm[:, None] * stride_ym + rn[None, :] * stride_yn
+    tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=in_m[:, None] & in_n[None, :])
+
+
+@triton.jit
+def _gmm_wgrad_kernel(
+    X, G, DW, starts, ends, K, N,
+    stride_xm, stride_xk, stride_gm, stride_gn, stride_dg, stride_dk, stride_dn,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """DW[g, k-tile, n-tile] = X[rows of g]^T @ G[rows of g]: a reduction over the group's rows."""
+    g = tl.program_id(0).to(tl.int64)
+    kt = tl.program_id(1)
+    n = tl.program_id(2)
+    start = tl.load(starts + g).to(tl.int64)
+    end = tl.load(ends + g).to(tl.int64)
+    rk = kt * BK + tl.arange(0, BK)
+    rn = n * BN + tl.arange(0, BN)
+    rm = tl.arange(0, BM)
+    in_k = rk < K
+    in_n = rn < N
+    acc = tl.zeros((BK, BN), dtype=tl.float32)
+    for m0 in range(start, end, BM):
+        rows = m0 + rm
+        in_m = rows < end
+        xt = tl.load(
+            X + rows[None, :] * stride_xm + rk[:, None] * stride_xk,
+            mask=in_k[:, None] & in_m[None, :],
+            other=0.0,
+        )
+        gg = tl.load(
+            G + rows[:, None] * stride_gm + rn[None, :] * stride_gn,
+            mask=in_m[:, None] & in_n[None, :],
+            other=0.0,
+        )
+        acc = _dot(xt, gg, acc, IEEE)
+    d_ptrs = DW + g * stride_dg + rk[:, None] * stride_dk + rn[None, :] * stride_dn
+    tl.store(d_ptrs, acc.to(DW.dtype.element_ty), mask=in_k[:, None] & in_n[None, :])
+
+
+def _gmm_tiles(counts: torch.Tensor, total_rows: int):
+    """Tile schedule: tile_group, tile_row [tiles], starts/ends [G]; host sync only for the count."""
+    BM = 16 if interpreting() else 128
+    ends = torch.cumsum(counts, 0)
+    starts = ends - counts
+    tiles = (counts + BM - 1) // BM
+    tile_ends = torch.cumsum(tiles, 0)
+    n_tiles = int(tile_ends[-1]) if counts.numel() else 0
+    t = torch.arange(n_tiles, device=counts.device)
+    tile_group = torch.searchsorted(tile_ends, t, right=True)
+    tile_row = starts[tile_group] + (t - (tile_ends - tiles)[tile_group]) * BM
+    i32 = torch.int32
+    return BM, tile_group.to(i32), tile_row.to(i32), starts.to(i32), ends.to(i32)
+
+
+def _gmm(x: torch.Tensor, w: torch.Tensor, sched) -> torch.Tensor:
+    BM, tile_group, tile_row, _, ends = sched
+    K, N = w.shape[1], w.shape[2]
+    y = torch.empty(x.shape[0], N, device=x.device, dtype=x.dtype)
+    if tile_group.numel() == 0 or N == 0:
+        return y
+    BN = 16 if interpreting() else 128
+    _gmm_kernel[(tile_group.numel(), triton.cdiv(N, BN))](
+        x, w, y, tile_group, tile_row, ends, N, K,
+        x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), y.stride(0), y.stride(1),
+        BM=BM, BN=BN, BK=_k_step(128), IEEE=x.dtype == torch.float32, **_launch_opts(),
+    )  # fmt: skip
+    return y
+
+
+def _gmm_wgrad(x: torch.Tensor, g: torch.Tensor, sched, num_groups: int) -> torch.Tensor:
+    BM, _, _, starts, ends = sched
+    K, N = x.shape[1], g.shape[1]
+    dw = torch.empty(num_groups, K, N, device=x.device, dtype=x.dtype)
+    BN = 16 if interpreting() else 128
+    BK = 16 if interpreting() else 128
+    _gmm_wgrad_kernel[(num_groups, triton.cdiv(K, BK), triton.cdiv(N, BN))](
+        x, g, dw, starts, ends, K, N,
+        x.stride(0), x.stride(1), g.stride(0), g.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
+        BM=16 if interpreting() else 64, BN=BN, BK=BK, IEEE=x.dtype == torch.float32, **_launch_opts(),
+    )  # fmt: skip
+    return dw
+
+
+class _GMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, sched):
+        ctx.sched = sched
+        ctx.save_for_backward(x, w)
+        return _gmm(x, w, sched)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        g = g.contiguous()
+        dx = _gmm(g, w.transpose(1, 2), ctx.sched) if ctx.needs_input_grad[0] else None
+        dw = _gmm_wgrad(x, g, ctx.sched, w.shape[0]) if ctx.needs_input_grad[1] else None
+        return dx, dw, None
+
+
+def grouped_schedule(counts: torch.Tensor, total_rows: int):
+    """The tile schedule of :func:`gmm` for groups of ``counts [G]`` rows (sum = ``total_rows``)."""
+    return _gmm_tiles(counts, total_rows)
+
+
+def gmm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, schedule=None) -> torch.Tensor:
+    """Grouped matmul: ``x [M, K]`` with rows grouped consecutively by ``counts [G]`` (sum M), times
+    ``w [G, K, N]`` (any strides) -> ``[M, N]``; row block g uses ``w[g]``. Differentiable in x and w.
+    """
+    _check_dense("x", x)
+    _check_dense("w", w, dim=3)
+    if w.shape[1] != x.shape[1]:
+        raise ValueError(
+            f"gmm: x has {x.shape[1]} columns but w is {tuple(w.shape)} (expected [G, {x.shape[1]}, N])"
+        )
+    if counts.numel() != w.shape[0]:
+        raise ValueError(f"gmm: counts has {counts.numel()} groups but w has {w.shape[0]}")
+    sched = schedule if schedule is not None else _gmm_tiles(counts, x.shape[0])
+    return _GMM.apply(x, w, sched)
