@@ -52,7 +52,7 @@ from repro.kda.kernels import (
     kda_state_fwd_kernel,
     kda_wy_fwd_kernel,
 )
-from repro.kda.validate import check_kda_inputs
+from repro.kda.validate import TRITON_K, check_cu_seqlens, check_kda_inputs
 
 BT = 64  # chunk size of the Triton path
 SUB = 16  # rows per sub-block in the intra-chunk matrices
@@ -160,6 +160,20 @@ STATE_FWD_WARPS = 8
 STATE_BWD_BV = None
 STATE_BWD_LARGEST_BV = 64  # where the split backward's state kernel's rule starts (was 32)
 STATE_BWD_WARPS = 8  # with 4 warps the [K, BV] state and the [BT, K] tiles spill (ptxas -v)
+# ... except at value block 16, which takes 4 warps: Triton 3.6 compiles the fused state backward
+# wrongly at BV = 16 with 8 warps on an H100 (its tf32 products of [64 or 128, BT] tiles by [BT, 16]
+# ones, spread over two warpgroups). Found with fla's mild-gate case (B=2, T=1500, H=4, K=V=128,
+# fp16, g = logsigmoid(x) / 10): dU 0.16 and dh0 0.93 relative error against the same recurrence
+# in fp64 (repro/kda/diagnose_bwd.py), and compute-sanitizer reports "Invalid __shared__ read of
+# size 512 bytes" at the (Q e^G)^T dO product (B=1, H=1: an illegal address). The same kernel at 4
+# warps, at BV >= 32, or with ieee products is right (5.7e-4) and clean. Mild gates show it because
+# the wrong dS is carried from chunk to chunk; strong decay forgets it within a chunk or two.
+STATE_BWD_WARPS_BV16 = 4
+
+
+def _state_bwd_warps(bv: int) -> int:
+    """Warps of the fused state backward for value block ``bv`` (see STATE_BWD_WARPS_BV16)."""
+    return STATE_BWD_WARPS_BV16 if bv <= 16 else STATE_BWD_WARPS
 
 
 def _state_block_v(V: int, heads: int, fixed: int | None, largest: int) -> int:
@@ -444,7 +458,7 @@ def _state_bwd_fused(q, saved, do, dhT, scale, prec):
     kda_state_bwd_fused_kernel[(triton.cdiv(V, BVs), B * HV)](
         q, saved["G"], saved["Aqk"], saved["W"], saved["KD"], saved["gamma"], do, dhT_c, dU, dh_all, dh0,
         scale, T, NT, H=H, HV=HV, K=K, V=V, BT=BT, BV=BVs, USE_DHT=dhT is not None, DOT_PREC=prec,
-        num_warps=STATE_BWD_WARPS,
+        num_warps=_state_bwd_warps(BVs),
     )  # fmt: skip
     return dU, dh_all, dh0
 
@@ -559,6 +573,7 @@ def chunk_kda(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunkwise-parallel KDA with Triton kernels (forward fused, backward see module docstring).
 
@@ -566,12 +581,59 @@ def chunk_kda(
     log-decay (``alpha = exp(g)``, exact for ``-10 <= g <= 0``); beta ``[B, T, HV]`` in [0, 1];
     initial_state ``[B, HV, K, V]``; scale defaults to ``K ** -0.5``. Any T.
     Returns o ``[B, T, HV, V]`` (v's dtype) and the final state ``[B, HV, K, V]`` (fp32) or None.
-    K and V must be one of 16, 32, 64, 128; dtypes float32, bfloat16 or float16.
+    dtypes float32, bfloat16 or float16. K and V up to 128: the kernels are written for 16, 32,
+    64 and 128, and other sizes (fla's tests use 60 and 100) are zero-padded up to the next one
+    (padded key channels have k = q = 0 and g = 0, so they never touch the state; padded value
+    channels are sliced off), at the cost of the padded size's time.
+
+    ``cu_seqlens`` (int ``[N + 1]``, offsets ``0 = c_0 < c_1 < ... < c_N = T``): N sequences of
+    different lengths packed along T with B = 1, as flash-linear-attention takes them; each
+    sequence starts from its own initial state (``[N, HV, K, V]``) and has its own final state.
+    They run as a padded batch ``[N, max length]`` whose padding tokens have k = v = g = beta = 0,
+    which leave the state exactly as it is: the time of N x max length tokens.
     """
-    check_kda_inputs(q, k, v, g, beta, initial_state, "chunk_kda", triton=True)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    B, T = q.shape[:2] if q.dim() == 4 else (None, None)
+    check_kda_inputs(
+        q, k, v, g, beta, initial_state if cu_seqlens is None else None, "chunk_kda", triton=True,
+        pad_heads=True,
+    )  # fmt: skip
+    K, HV, V = q.shape[3], v.shape[2], v.shape[3]
+    scale = K**-0.5 if scale is None else float(scale)
+    mask = None
+    if cu_seqlens is not None:
+        lengths = check_cu_seqlens(cu_seqlens, T, B, initial_state, HV, K, V, "chunk_kda")
+        # token j of sequence i goes to row i, column j; row-major order of the mask is the packed order
+        steps = torch.arange(max(lengths), device=q.device)
+        mask = steps[None, :] < torch.tensor(lengths, device=q.device)[:, None]
+        q, k, v, g, beta = (_pack(x, mask) for x in (q, k, v, g, beta))
+    Kp, Vp = _kernel_dim(K), _kernel_dim(V)
+    if Kp != K:
+        q, k, g = (F.pad(x, (0, Kp - K)) for x in (q, k, g))
+    if Vp != V:
+        v = F.pad(v, (0, Vp - V))
+    if initial_state is not None and (Kp, Vp) != (K, V):
+        initial_state = F.pad(initial_state, (0, Vp - V, 0, Kp - K))
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    return ChunkKDAFunction.apply(q, k, v, g, beta, scale, initial_state, output_final_state)
+    o, hT = ChunkKDAFunction.apply(q, k, v, g, beta, scale, initial_state, output_final_state)
+    if Vp != V:
+        o = o[..., :V]
+    if hT is not None and (Kp, Vp) != (K, V):
+        hT = hT[:, :, :K, :V]
+    if mask is not None:
+        o = o[mask].unsqueeze(0)
+    return o, hT
+
+
+def _kernel_dim(d: int) -> int:
+    """The smallest head size the kernels are written for that holds ``d`` channels."""
+    return next(s for s in TRITON_K if s >= d)
+
+
+def _pack(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[1, T, ...]`` packed sequences -> ``[N, max length, ...]``, zeros after each sequence's end."""
+    out = x.new_zeros(*mask.shape, *x.shape[2:])
+    out[mask] = x[0]
+    return out
 
 
 def decode_step(

@@ -38,6 +38,7 @@ def check_kda_inputs(
     fn: str,
     *,
     triton: bool,
+    pad_heads: bool = False,
 ) -> KDADims:
     """Check shapes, head grouping, dtypes and devices; return the dimensions.
 
@@ -85,7 +86,15 @@ def check_kda_inputs(
         devices.add(initial_state.device)
     if len(devices) > 1:
         raise ValueError(f"{fn}: all tensors must be on one device, got {sorted(map(str, devices))}")
-    if triton:
+    if triton and pad_heads:
+        # chunk_kda zero-pads other head sizes up to the next kernel size (see chunk.chunk_kda)
+        for name, d, arg in (("key", K, "q.shape[-1]"), ("value", V, "v.shape[-1]")):
+            if d > max(TRITON_K):
+                raise ValueError(
+                    f"{fn}: {name} head dim {d} ({arg}) is larger than the Triton kernels take "
+                    f"(at most {max(TRITON_K)}; flash-linear-attention also takes 256)"
+                )
+    elif triton:
         if K not in TRITON_K:
             raise ValueError(
                 f"{fn}: key head dim K={K} is not supported by the Triton kernels; supported: {TRITON_K}"
@@ -95,3 +104,35 @@ def check_kda_inputs(
                 f"{fn}: value head dim V={V} is not supported by the Triton kernels; supported: {TRITON_V}"
             )
     return KDADims(B=B, T=T, H=H, K=K, HV=HV, V=V)
+
+
+def check_cu_seqlens(
+    cu_seqlens: torch.Tensor, T: int, B: int, initial_state, HV: int, K: int, V: int, fn: str
+):
+    """Packed variable-length batches (flash-linear-attention's ``cu_seqlens``): B must be 1, the
+    offsets ``[0, ..., T]`` strictly increasing integers, one initial state per sequence. Returns
+    the sequence lengths as a Python list."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1:
+        raise ValueError(f"{fn}: cu_seqlens must be a 1-D integer tensor of offsets [0, ..., T]")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{fn}: cu_seqlens must hold int32 or int64 offsets, got {cu_seqlens.dtype}")
+    if B != 1:
+        raise ValueError(
+            f"{fn}: with cu_seqlens the sequences are packed along T: q must have B=1, got B={B}"
+        )
+    offs = cu_seqlens.tolist()
+    if len(offs) < 2 or offs[0] != 0 or offs[-1] != T:
+        raise ValueError(f"{fn}: cu_seqlens must start at 0 and end at T={T}, got {offs[:3]}...{offs[-2:]}")
+    lengths = [b - a for a, b in zip(offs[:-1], offs[1:], strict=True)]
+    bad = [i for i, n in enumerate(lengths) if n <= 0]
+    if bad:
+        raise ValueError(
+            f"{fn}: cu_seqlens must be strictly increasing; sequence {bad[0]} has length {lengths[bad[0]]}"
+        )
+    N = len(lengths)
+    if initial_state is not None and tuple(initial_state.shape) != (N, HV, K, V):
+        raise ValueError(
+            f"{fn}: with cu_seqlens, initial_state holds one state per sequence: shape [N, HV, K, V] = "
+            f"{(N, HV, K, V)}, got {tuple(initial_state.shape)}"
+        )
+    return lengths

@@ -40,9 +40,11 @@ def test_bad_inputs_are_named(fn, change, match):
 
 
 def test_triton_head_dims_are_listed():
+    # chunk_kda zero-pads K = 24 to 32 (test_varlen.py checks the values); decode_step does not pad
+    d = _inputs(K=24, T=1)
     with pytest.raises(ValueError, match=r"K=24 is not supported.*\(16, 32, 64, 128\)"):
-        chunk_kda(**_inputs(K=24))
-    with pytest.raises(ValueError, match=r"V=256 is not supported"):
+        decode_step(**d, state=torch.zeros(1, 4, 24, 16))
+    with pytest.raises(ValueError, match=r"value head dim 256 \(v.shape\[-1\]\) is larger"):
         chunk_kda(**_inputs(V=256))
     with pytest.raises(ValueError, match=r"float64"):
         chunk_kda(**_inputs(dtype=torch.float64))

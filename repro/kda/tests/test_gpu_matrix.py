@@ -1,0 +1,150 @@
+"""The GPU test matrix of chunk_kda's default path, in the spirit of flash-linear-attention's
+``tests/ops/test_kda.py::test_chunk``: its cases, its way of drawing inputs (q, k, v uniform, q and k
+L2-normalised, ``g = logsigmoid(x) / gate_logit_normalizer``, gates zeroed with probability
+``mask_p``, h0 and dht random) and its tolerances on its error measure, RMS(diff) / RMS(ref), which
+is :func:`paperclub.testing.rel_error` (the Frobenius ratio is the RMS ratio).
+
+fla's tolerances (its fp16 inputs): 0.005 for o and the final state, 0.008 for dq, dk, dv, dh0, 0.02
+for dg and dbeta. Our reference is the recurrence in fp64 (fla's runs in the inputs' precision),
+computed on the CPU so that the GPU work under compute-sanitizer stays small. bf16 keeps 3 fewer
+mantissa bits than fp16 (2^-8 against 2^-11 unit roundoff): its tolerances are fla's times 4, still
+well under what a wrong kernel gives (the split backward before the fix: dk 0.10, dh0 2.0 in bf16).
+fp32 inputs take fla's fp16 tolerances divided by 50 (fp32 products at ieee precision; measured
+below 1e-6 on an H100).
+
+Cases cover what users pass: fp16, bf16 and fp32; K = V in {64, 128} and fla's 60 and 100 (padded
+inside chunk_kda); mild (normaliser 10), strong (1), very strong (0.1), mixed (mask_p 0.5) gates; T a
+multiple of 64 and not; B = 1 and H = 1; with and without h0 and dht; and the state value blocks of
+the fused state backward (16, 32, 64, 128) in the mild case, which the wrong compile hid in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from paperclub.testing import rel_error
+from repro.kda import chunk as C
+from repro.kda import chunk_kda, recurrent_kda
+
+CLAIM = "kda/chunk-equals-recurrent"
+SECTION = "§3.1"
+
+FLA_TOL = {"o": 5e-3, "hT": 5e-3, "dq": 8e-3, "dk": 8e-3, "dv": 8e-3, "dh0": 8e-3, "dg": 2e-2, "dbeta": 2e-2}
+SCALE_TOL = {torch.float16: 1.0, torch.bfloat16: 4.0, torch.float32: 1 / 50}
+
+
+def fla_inputs(B, T, H, D, gate_norm, mask_p, dtype, h0=True, dht=True, seed=42):
+    """Inputs as fla's test_chunk draws them, in fp64 on the CPU (cast to ``dtype`` for the kernel)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.rand(B, T, H, D, generator=gen, dtype=torch.float64), p=2, dim=-1)
+    k = F.normalize(torch.rand(B, T, H, D, generator=gen, dtype=torch.float64), p=2, dim=-1)
+    v = torch.rand(B, T, H, D, generator=gen, dtype=torch.float64)
+    g = F.logsigmoid(torch.randn(B, T, H, D, generator=gen, dtype=torch.float64)) / gate_norm
+    g = g * (torch.rand(g.shape, generator=gen, dtype=torch.float64) > mask_p)
+    beta = torch.randn(B, T, H, generator=gen, dtype=torch.float64).sigmoid()
+    x = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
+    # the kernel's inputs are rounded to dtype; the reference takes the same rounded values
+    x = {n: t.to(dtype).double() if n in ("q", "k", "v", "beta") else t for n, t in x.items()}
+    x["h0"] = torch.randn(B, H, D, D, generator=gen, dtype=torch.float64) if h0 else None
+    do = torch.randn(B, T, H, D, generator=gen, dtype=torch.float64).to(dtype).double()
+    dhT = torch.randn(B, H, D, D, generator=gen, dtype=torch.float64) if dht else None
+    return x, do, dhT
+
+
+def errors(x, do, dhT, dtype, scale):
+    """Errors of chunk_kda (on the GPU, in ``dtype``) against the fp64 recurrence (on the CPU)."""
+    names = [n for n in ("q", "k", "v", "g", "beta", "h0") if x[n] is not None]
+    ref = {n: x[n].clone().requires_grad_(True) for n in names}
+    gpu = {
+        n: x[n].to("cuda", dtype if n in ("q", "k", "v", "beta") else torch.float32).requires_grad_(True)
+        for n in names
+    }
+    results = {}
+    for side, t, dev in (("ref", ref, "cpu"), ("ours", gpu, "cuda")):
+        fn = recurrent_kda if side == "ref" else chunk_kda
+        o, hT = fn(t["q"], t["k"], t["v"], t["g"], t["beta"], scale, t.get("h0"), True)
+        outs, grads = [o], [do.to(dev, o.dtype)]
+        if dhT is not None:
+            outs.append(hT)
+            grads.append(dhT.to(dev, hT.dtype))
+        torch.autograd.backward(outs, grads)
+        results[side] = {"o": o, "hT": hT, **{"d" + n: t[n].grad for n in names}}
+    torch.cuda.synchronize()
+    return {n: rel_error(results["ours"][n].double().cpu(), results["ref"][n]) for n in results["ref"]}
+
+
+def check(case, dtype, **settings):
+    x, do, dhT = fla_inputs(*case["shape"], case["gate_norm"], case["mask_p"], dtype, case["h0"], case["dht"])
+    with _settings(settings):
+        errs = errors(x, do, dhT, dtype, case["scale"])
+    over = {
+        n: (f"{e:.2e}", FLA_TOL[n] * SCALE_TOL[dtype])
+        for n, e in errs.items()
+        if not e <= FLA_TOL[n] * SCALE_TOL[dtype]
+    }
+    assert not over, f"errors over tolerance (name: error, tolerance): {over}; all: {errs}"
+
+
+@contextlib.contextmanager
+def _settings(changes):
+    old = {n: getattr(C, n) for n in changes}
+    try:
+        for n, v in changes.items():
+            setattr(C, n, v)
+        yield
+    finally:
+        for n, v in old.items():
+            setattr(C, n, v)
+
+
+def case(B, T, H, D, scale, gate_norm, mask_p=0.0, h0=True, dht=True):
+    return {
+        "shape": (B, T, H, D),
+        "scale": scale,
+        "gate_norm": gate_norm,
+        "mask_p": mask_p,
+        "h0": h0,
+        "dht": dht,
+    }
+
+
+# fla's test_chunk cases (B, T, H, D, scale, gate_logit_normalizer, mask_p), the one with fla's own
+# gate (use_gate_in_kernel) run with the plain logsigmoid gate, plus ours for B = H = 1, no states,
+# T on and off the chunk size
+CASES = {
+    "fla-B1-T63-D64": case(1, 63, 1, 64, 1.0, 1.0),
+    "fla-B2-T500-D60": case(2, 500, 3, 60, 1.0, 1.0),
+    "fla-B2-T1000-D64-masked": case(2, 1000, 3, 64, 0.1, 1.0, mask_p=0.5),
+    "fla-B3-T1024-D100-very-strong": case(3, 1024, 4, 100, 1.0, 0.1),
+    "fla-B4-T1024-D128": case(4, 1024, 4, 128, 0.1, 1.0),
+    "fla-B2-T1500-D128-mild": case(2, 1500, 4, 128, 0.1, 10.0),
+    "fla-B4-T2048-D64": case(4, 2048, 8, 64, 0.1, 1.0),
+    "B1-H1-T300-D128-mild": case(1, 300, 1, 128, 0.1, 10.0),
+    "B1-H1-T64-D128-no-states": case(1, 64, 1, 128, 0.1, 10.0, h0=False, dht=False),
+    "B2-T200-D128-mixed-no-h0": case(2, 200, 2, 128, 0.1, 10.0, mask_p=0.3, h0=False),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.claim(CLAIM, section=SECTION)
+@pytest.mark.parametrize(
+    "dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"]
+)
+@pytest.mark.parametrize("name", list(CASES))
+def test_default_path_on_gpu(name, dtype):
+    """The default forward and backward (every switch as shipped) on fla's cases and ours."""
+    check(CASES[name], dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.claim(CLAIM, section=SECTION)
+@pytest.mark.parametrize("bv", [16, 32, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_state_value_blocks_on_gpu(bv, dtype):
+    """The fused state backward at every value block its rule can pick, in the mild-gate case where a
+    wrong dS carried across chunks shows (fla's B=2, T=1500, H=4, D=128, normaliser 10)."""
+    check(CASES["fla-B2-T1500-D128-mild"], dtype, STATE_BWD_BV=bv)
