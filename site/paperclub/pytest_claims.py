@@ -9,6 +9,9 @@ Loaded for every run through ``addopts = -p paperclub.pytest_claims`` in pyproje
   when an outcome changes, so re-running green tests leaves the tree clean. A skip does not
   replace a pass or failure recorded on a machine that could run the test (a GPU test on a CPU). Set
   ``PAPERCLUB_RECORD_CLAIMS=0`` to record nothing.
+* Where a test ran is part of its outcome: a run on a machine with a CUDA GPU records into
+  ``results/claims-gpu.json`` (same format, the GPU named in ``platform``), a run without one into
+  ``results/claims.json``; the site shows both. The GPU job (``paperclub.gpu``) brings the GPU record back.
 * Triton kernels run under its CPU interpreter when no NVIDIA GPU is present
   (``TRITON_INTERPRET=1`` is set before anything imports triton).
 """
@@ -133,6 +136,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         if not mine:
             continue
         path = results_path(pdir)
+        if _on_gpu():
+            path = path.with_name(GPU_RESULTS_NAME)
         old = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {"tests": {}}
         tests = {nid: t for nid, t in old.get("tests", {}).items() if (root / nid.split("::")[0]).exists()}
         changed = len(tests) != len(old.get("tests", {}))
@@ -155,6 +160,18 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             path.write_text(
                 json.dumps({"tests": dict(sorted(tests.items()))}, indent=1) + "\n", encoding="utf-8"
             )
+
+
+GPU_RESULTS_NAME = "claims-gpu.json"
+
+
+def _on_gpu() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # pragma: no cover - torch missing
+        return False
 
 
 def _relative_nodeid(nodeid: str, rootpath: Path, root: Path) -> str:

@@ -1,0 +1,428 @@
+"""The GPU job, one for every reproduction: peers, GPU tests, the same under compute-sanitizer, benchmark.
+
+On the GPU machine, from the repository root::
+
+    python -m paperclub.gpu repro/kda repro/nsa --budget-s 560 --out "$OUT"
+    python -m paperclub.gpu repro/fa4 --bench-args "fa4=--sweep" --skip-sanitizer
+
+For each package, in order, each step under a timeout cut from what is left of the budget:
+
+1. **peers**: the wheels named in ``<package>/peers.txt`` (one ``name==version`` a line, ``#``
+   comments) are installed from ``.whl/`` (carried with the call: the machine has no network) into a
+   folder of their own that goes on ``PYTHONPATH`` for the steps after; then ``<package>/peers_setup.sh``,
+   if there is one (a peer built from an sdist), runs with ``PEERS_DIR`` and ``WHEELS`` set.
+2. **tests**: ``pytest -m gpu <package>``; the claims plugin records each claim test's outcome, with
+   the device, in ``<package>/results/claims-gpu.json``.
+3. **sanitizer**: the same tests once more under ``compute-sanitizer --tool memcheck``; any error it
+   reports fails the step (and the job).
+4. **bench**: ``python -m repro.<name>.bench --out <results> --budget-s <left>`` (plus ``--bench-args``).
+
+Everything the job wrote (result JSON, the GPU claims record, a log per step, ``gpu-job.json`` with
+each step's exit status and time) is packed into ``$OUT/paperclub-gpu.tar.gz`` (the device tool
+returns at most 8 files) and summarised on stdout. Back on the development machine
+``python -m paperclub.gpu --collect <that file>`` puts the results into the tree (only files under a
+package's ``results/``; logs go to ``build/gpu-logs/``), ready to commit.
+
+``python -m paperclub.gpu --download repro/kda ...`` fetches the wheels of each ``peers.txt`` into
+``.whl/`` for the GPU machine's Python (3.12, x86-64 manylinux).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from paperclub import ROOT
+
+# the GPU machine's Python and platforms, as the device README gives them
+DOWNLOAD_FLAGS = [
+    "--python-version", "3.12", "--implementation", "cp",
+    "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_27_x86_64",
+    "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64",
+]  # fmt: skip
+BUNDLE = "paperclub-gpu.tar.gz"
+
+
+class GpuJobError(ValueError):
+    """A package or manifest the job cannot use; the message names the file and the fix."""
+
+
+@dataclass
+class Step:
+    package: str
+    name: str
+    status: str = "not run"  # ok | failed | timeout | skipped | not run
+    exit_code: int | None = None
+    seconds: float = 0.0
+    detail: str = ""
+    log: str = ""
+
+
+@dataclass
+class Job:
+    packages: list[str]
+    budget_s: float
+    started: float = field(default_factory=time.monotonic)
+    steps: list[Step] = field(default_factory=list)
+
+    def left(self) -> float:
+        return self.budget_s - (time.monotonic() - self.started)
+
+
+def package_path(root: Path, spec: str) -> Path:
+    """``repro/kda``, ``kda`` or ``nanoparallel`` -> the package folder (checked)."""
+    name = spec.strip("/").removeprefix("repro/")
+    path = root / "nanoparallel" if name == "nanoparallel" else root / "repro" / name
+    if not path.is_dir():
+        raise GpuJobError(f"package '{spec}': no folder {path.relative_to(root)}/ in {root}")
+    return path
+
+
+def read_peers(pkg: Path) -> list[tuple[str, str]]:
+    """``(name, version)`` pairs of ``peers.txt``; each line must pin one exact version."""
+    f = pkg / "peers.txt"
+    if not f.exists():
+        return []
+    out = []
+    for i, raw in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        m = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)==([A-Za-z0-9.+!_-]+)", line)
+        if not m:
+            raise GpuJobError(f"{f}:{i}: '{raw.strip()}' is not 'name==version' (one exact version a line)")
+        out.append((m.group(1), m.group(2)))
+    return out
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "_", name).lower()
+
+
+def find_wheel(wheels: Path, name: str, version: str) -> Path | None:
+    for w in sorted(wheels.glob("*.whl")):
+        parts = w.name.split("-")
+        if len(parts) >= 2 and _norm(parts[0]) == _norm(name) and parts[1] == version:
+            return w
+    return None
+
+
+def _run(
+    cmd: list[str] | str, *, timeout: float, log: Path, env: dict, cwd: Path
+) -> tuple[str, int | None, float]:
+    t0 = time.monotonic()
+    with log.open("w", encoding="utf-8") as f:
+        f.write(f"$ {cmd if isinstance(cmd, str) else shlex.join(cmd)}\n")
+        f.flush()
+        try:
+            rc = subprocess.run(
+                cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=max(timeout, 1),
+                shell=isinstance(cmd, str), start_new_session=True,
+            ).returncode  # fmt: skip
+        except subprocess.TimeoutExpired:
+            f.write(f"\n[paperclub.gpu] timed out after {timeout:.0f} s\n")
+            return "timeout", None, time.monotonic() - t0
+    return ("ok" if rc == 0 else "failed"), rc, time.monotonic() - t0
+
+
+def _tail(log: Path, n: int = 3) -> str:
+    lines = [ln for ln in log.read_text(encoding="utf-8", errors="replace").splitlines() if ln.strip()]
+    return " | ".join(lines[-n:])[-400:]
+
+
+def sanitizer_errors(text: str) -> int | None:
+    """The error count of compute-sanitizer's ``ERROR SUMMARY: N errors`` lines (summed), or None."""
+    found = re.findall(r"ERROR SUMMARY: (\d+) error", text)
+    return sum(int(n) for n in found) if found else None
+
+
+def run_job(
+    root: Path, specs: list[str], budget_s: float, out: Path, *, bench_args: dict[str, str],
+    skip: set[str], python: str = sys.executable,
+) -> Job:  # fmt: skip
+    packages = [package_path(root, s) for s in specs]
+    for p in packages:
+        read_peers(p)  # a bad manifest stops the job before any time is spent
+    job = Job([p.name for p in packages], budget_s)
+    stage = out / "bundle"
+    logs = stage / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    base_env = dict(os.environ, PYTHONUNBUFFERED="1")
+    base_env["PYTHONPATH"] = os.pathsep.join(
+        [str(root / "site"), str(root), *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
+    for i, pkg in enumerate(packages):
+        name = pkg.name
+        env = dict(base_env)
+        # this package's share of what is left: the later packages keep theirs
+        share = job.left() / (len(packages) - i)
+        deadline = time.monotonic() + share
+
+        def left(reserve: float = 0.0, _deadline=deadline) -> float:
+            return min(_deadline - time.monotonic(), job.left()) - reserve
+
+        # 1. peers
+        step = Step(name, "peers")
+        peers = read_peers(pkg)
+        site_dir = Path(f"/tmp/paperclub-peers/{name}")
+        shutil.rmtree(site_dir, ignore_errors=True)
+        site_dir.mkdir(parents=True)
+        wheels = root / ".whl"
+        missing = [f"{n}=={v}" for n, v in peers if find_wheel(wheels, n, v) is None]
+        found = [str(find_wheel(wheels, n, v)) for n, v in peers if find_wheel(wheels, n, v) is not None]
+        log = logs / f"{name}-peers.log"
+        if "peers" in skip or (not peers and not (pkg / "peers_setup.sh").exists()):
+            step.status = "skipped" if "peers" in skip else "ok"
+            step.detail = "no peers.txt" if not peers else "skipped"
+            log.write_text(step.detail + "\n")
+        else:
+            status, rc, secs = "ok", 0, 0.0
+            if found:
+                cmd = [python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                       "--target", str(site_dir), *found]  # fmt: skip
+                status, rc, secs = _run(cmd, timeout=min(120, left(60)), log=log, env=env, cwd=root)
+            env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(site_dir)])
+            if (pkg / "peers_setup.sh").exists() and status == "ok":
+                setup_env = dict(env, PEERS_DIR=str(site_dir), WHEELS=str(wheels))
+                status, rc, s2 = _run(
+                    ["bash", str(pkg / "peers_setup.sh")], timeout=min(300, left(60)),
+                    log=logs / f"{name}-peers-setup.log", env=setup_env, cwd=root,
+                )  # fmt: skip
+                secs += s2
+            step.status, step.exit_code, step.seconds = status, rc, secs
+            step.detail = (f"missing wheels: {', '.join(missing)}; " if missing else "") + (
+                f"installed {len(found)} wheel(s)" if found else "no wheels installed"
+            )
+        step.log = str(log.relative_to(stage))
+        job.steps.append(step)
+        _say(step)
+
+        # 2. GPU tests (claims recorded into results/claims-gpu.json by the plugin)
+        test_cmd = [
+            python,
+            "-m",
+            "pytest",
+            "-m",
+            "gpu",
+            str(pkg.relative_to(root)),
+            "-q",
+            "-p",
+            "no:cacheprovider",
+        ]
+        for step_name, cmd, extra_env in (
+            ("tests", test_cmd, {}),
+            ("sanitizer", ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "86", *test_cmd, "-x"],
+             {"PAPERCLUB_RECORD_CLAIMS": "0"}),
+        ):  # fmt: skip
+            step = Step(name, step_name)
+            log = logs / f"{name}-{step_name}.log"
+            bench_reserve = 0.45 * max(left(), 0)  # the benchmark keeps about half of the share
+            if step_name in skip or left(bench_reserve) < 20:
+                step.status = "skipped"
+                step.detail = "skipped" if step_name in skip else "no time left in the budget"
+                log.write_text(step.detail + "\n")
+            elif step_name == "sanitizer" and shutil.which("compute-sanitizer") is None:
+                step.status, step.detail = "failed", "compute-sanitizer is not on PATH"
+                log.write_text(step.detail + "\n")
+            else:
+                step.status, step.exit_code, step.seconds = _run(
+                    cmd, timeout=left(bench_reserve), log=log, env=dict(env, **extra_env), cwd=root
+                )
+                text = log.read_text(encoding="utf-8", errors="replace")
+                if step_name == "sanitizer":
+                    errs = sanitizer_errors(text)
+                    if errs:
+                        step.status = "failed"
+                    step.detail = f"compute-sanitizer errors: {errs if errs is not None else 'no summary'}; "
+                    if step.exit_code == 5:  # pytest: nothing collected (no gpu tests)
+                        step.status = "ok"
+                step.detail += _pytest_summary(text) or _tail(log)
+                if step_name == "tests" and step.exit_code == 5:
+                    step.status, step.detail = "ok", "no gpu-marked tests"
+            step.log = str(log.relative_to(stage))
+            job.steps.append(step)
+            _say(step)
+        claims_gpu = pkg / "results" / "claims-gpu.json"
+        if claims_gpu.exists():
+            dest = stage / claims_gpu.relative_to(root)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(claims_gpu, dest)
+
+        # 4. benchmark
+        step = Step(name, "bench")
+        log = logs / f"{name}-bench.log"
+        results = stage / pkg.relative_to(root) / "results"
+        results.mkdir(parents=True, exist_ok=True)
+        budget = int(left(15))
+        module = "nanoparallel.bench" if name == "nanoparallel" else f"repro.{name}.bench"
+        if "bench" in skip or budget < 30:
+            step.status = "skipped"
+            step.detail = "skipped" if "bench" in skip else f"no time left in the budget ({budget} s)"
+            log.write_text(step.detail + "\n")
+        else:
+            cmd = [python, "-m", module, "--out", str(results), "--budget-s", str(budget - 20),
+                   *shlex.split(bench_args.get(name, ""))]  # fmt: skip
+            step.status, step.exit_code, step.seconds = _run(cmd, timeout=budget, log=log, env=env, cwd=root)
+            step.detail = _tail(log)
+        step.log = str(log.relative_to(stage))
+        job.steps.append(step)
+        _say(step)
+    return job
+
+
+def _pytest_summary(text: str) -> str:
+    lines = [
+        ln.strip("= ") for ln in text.splitlines() if re.search(r"\d+ (passed|failed|error|skipped)", ln)
+    ]
+    return lines[-1] if lines else ""
+
+
+def _say(step: Step) -> None:
+    print(
+        f"[paperclub.gpu] {step.package:12s} {step.name:9s} {step.status:8s} {step.seconds:6.0f} s  {step.detail}",
+        flush=True,
+    )
+
+
+def pack(job: Job, out: Path) -> Path:
+    stage = out / "bundle"
+    meta = {
+        "packages": job.packages,
+        "budget_s": job.budget_s,
+        "seconds": round(time.monotonic() - job.started, 1),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "steps": [asdict(s) for s in job.steps],
+        "environment": _environment(),
+    }
+    (stage / "gpu-job.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+    target = out / BUNDLE
+    with tarfile.open(target, "w:gz") as tar:
+        for f in sorted(stage.rglob("*")):
+            if f.is_file():
+                tar.add(f, arcname=str(f.relative_to(stage)))
+    shutil.copy(stage / "gpu-job.json", out / "gpu-job.json")
+    return target
+
+
+def _environment() -> dict:
+    try:
+        from paperclub.bench import environment
+
+        return environment()
+    except Exception as exc:  # the job's record must not fail on this
+        return {"error": str(exc)}
+
+
+def collect(bundle: Path, root: Path) -> list[Path]:
+    """Put a job's results into the tree: files under a package's ``results/`` (JSON, CSV), and the
+    logs and gpu-job.json into ``build/gpu-logs/``. Returns the files written."""
+    if not bundle.exists():
+        raise GpuJobError(f"--collect: no file {bundle}")
+    written = []
+    pattern = re.compile(r"^(repro/[a-z0-9_]+|nanoparallel)/results/[A-Za-z0-9._-]+\.(json|csv)$")
+    with tarfile.open(bundle, "r:gz") as tar:
+        for m in tar.getmembers():
+            if not m.isfile():
+                continue
+            if pattern.match(m.name):
+                dest = root / m.name
+            elif m.name.startswith("logs/") or m.name == "gpu-job.json":
+                dest = root / "build" / "gpu-logs" / m.name
+            else:
+                print(f"[paperclub.gpu] --collect: left out {m.name} (not a results or log file)")
+                continue
+            if ".." in Path(m.name).parts:
+                raise GpuJobError(f"--collect: unsafe path {m.name} in {bundle}")
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(tar.extractfile(m).read())
+            written.append(dest)
+    return written
+
+
+def download(root: Path, specs: list[str], python: str = sys.executable) -> int:
+    wheels = root / ".whl"
+    wheels.mkdir(exist_ok=True)
+    rc = 0
+    for spec in specs:
+        pkg = package_path(root, spec)
+        for name, version in read_peers(pkg):
+            if find_wheel(wheels, name, version):
+                print(f"{pkg.name}: {name}=={version} already in .whl/")
+                continue
+            cmd = [python, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", *DOWNLOAD_FLAGS,
+                   "-d", str(wheels), f"{name}=={version}"]  # fmt: skip
+            r = subprocess.run(cmd)
+            print(f"{pkg.name}: {name}=={version}: {'ok' if r.returncode == 0 else 'FAILED'}")
+            rc |= r.returncode
+    return rc
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m paperclub.gpu",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("packages", nargs="*", help="repro/<name> (or nanoparallel), in the order to run")
+    ap.add_argument("--budget-s", type=float, default=540, help="the whole job's time (default 540)")
+    ap.add_argument(
+        "--out", default=os.environ.get("OUT", "/tmp/paperclub-gpu"), help="where the bundle goes ($OUT)"
+    )
+    ap.add_argument("--bench-args", action="append", default=[], metavar="NAME=ARGS",
+                    help="extra arguments for one package's bench, e.g. 'kda=--quick'")  # fmt: skip
+    for s in ("peers", "tests", "sanitizer", "bench"):
+        ap.add_argument(f"--skip-{s}", action="store_true", help=f"leave out the {s} step")
+    ap.add_argument(
+        "--collect", metavar="BUNDLE", help=f"put the results of a returned {BUNDLE} into the tree"
+    )
+    ap.add_argument("--download", action="store_true", help="fetch the packages' peer wheels into .whl/")
+    ap.add_argument("--root", default=None, help="repository root (default: the one this package is in)")
+    args = ap.parse_args(argv)
+    root = Path(args.root).resolve() if args.root else ROOT
+    try:
+        if args.collect:
+            for f in collect(Path(args.collect), root):
+                print(f"wrote {f.relative_to(root)}")
+            return 0
+        if not args.packages:
+            ap.error("name at least one package, e.g. repro/kda")
+        if args.download:
+            return download(root, args.packages)
+        bench_args = {}
+        for item in args.bench_args:
+            name, sep, rest = item.partition("=")
+            if not sep:
+                raise GpuJobError(f"--bench-args '{item}': expected NAME=ARGS, e.g. kda=--quick")
+            bench_args[name.removeprefix("repro/")] = rest
+        skip = {s for s in ("peers", "tests", "sanitizer", "bench") if getattr(args, f"skip_{s}")}
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        job = run_job(root, args.packages, args.budget_s, out, bench_args=bench_args, skip=skip)
+    except GpuJobError as exc:
+        print(f"paperclub.gpu: {exc}", file=sys.stderr)
+        return 2
+    target = pack(job, out)
+    print(
+        f"\n[paperclub.gpu] {len(job.steps)} steps in {time.monotonic() - job.started:.0f} s; wrote {target}"
+    )
+    buf = io.StringIO()
+    for s in job.steps:
+        buf.write(f"{s.package:12s} {s.name:9s} {s.status:8s} {s.seconds:6.0f} s  {s.detail}\n")
+    print(buf.getvalue())
+    failed = [s for s in job.steps if s.status in ("failed", "timeout")]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

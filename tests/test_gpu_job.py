@@ -1,0 +1,122 @@
+"""The shared GPU job (paperclub.gpu) run end to end on a toy repository, with a stand-in
+compute-sanitizer: steps in order, budget, bundle, collect; and its manifest errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from paperclub import ROOT
+from paperclub.gpu import GpuJobError, read_peers, sanitizer_errors
+
+BENCH = """
+import argparse, json, pathlib
+ap = argparse.ArgumentParser()
+ap.add_argument("--out"); ap.add_argument("--budget-s", type=float); ap.add_argument("--quick", action="store_true")
+a = ap.parse_args()
+pathlib.Path(a.out, "cpu-test.json").write_text(json.dumps({"schema": 1, "budget": a.budget_s, "quick": a.quick}))
+print("bench wrote", a.out)
+"""
+
+TESTS = """
+import pytest
+
+@pytest.mark.gpu
+def test_on_gpu():
+    assert 1 + 1 == 2
+"""
+
+
+def toy_repo(tmp_path: Path, sanitizer_errors_reported: int) -> tuple[Path, dict]:
+    root = tmp_path / "repo"
+    pkg = root / "repro" / "toy"
+    (pkg / "tests").mkdir(parents=True)
+    (root / "repro" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "tests" / "__init__.py").write_text("")
+    (pkg / "tests" / "test_toy.py").write_text(TESTS)
+    (pkg / "bench.py").write_text(BENCH)
+    (pkg / "peers.txt").write_text("# the peer\ntoypeer==1.0\n")
+    (root / "pyproject.toml").write_text(
+        '[tool.pytest.ini_options]\naddopts = "-p paperclub.pytest_claims"\n'
+    )
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "compute-sanitizer"
+    # a stand-in: runs the command after the sanitizer's own options, then prints the summary line
+    fake.write_text(
+        '#!/usr/bin/env bash\nwhile [[ $1 == --* ]]; do shift 2; done\n"$@"\nrc=$?\n'
+        f"echo '========= ERROR SUMMARY: {sanitizer_errors_reported} errors'\nexit $rc\n"
+    )
+    fake.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", PYTHONPATH=str(ROOT / "site"))
+    return root, env
+
+
+def run_gpu_job(root: Path, env: dict, out: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "paperclub.gpu", "repro/toy", "--root", str(root), "--out", str(out), *args],
+        cwd=root, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
+def test_job_runs_every_step_and_collects(tmp_path):
+    root, env = toy_repo(tmp_path, 0)
+    out = tmp_path / "out"
+    r = run_gpu_job(root, env, out, "--budget-s", "200", "--bench-args", "toy=--quick")
+    assert r.returncode == 0, r.stdout + r.stderr
+    meta = json.loads((out / "gpu-job.json").read_text())
+    steps = [(s["name"], s["status"]) for s in meta["steps"]]
+    assert steps == [("peers", "ok"), ("tests", "ok"), ("sanitizer", "ok"), ("bench", "ok")], meta["steps"]
+    assert "missing wheels: toypeer==1.0" in meta["steps"][0]["detail"]
+    assert "compute-sanitizer errors: 0" in meta["steps"][2]["detail"]
+    with tarfile.open(out / "paperclub-gpu.tar.gz") as tar:
+        names = tar.getnames()
+    assert "repro/toy/results/cpu-test.json" in names and "logs/toy-bench.log" in names
+    # back on the development machine: results into the tree, logs into build/
+    clone = tmp_path / "clone"
+    (clone / "repro" / "toy").mkdir(parents=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "paperclub.gpu", "--root", str(clone), "--collect", str(out / "paperclub-gpu.tar.gz")],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    doc = json.loads((clone / "repro/toy/results/cpu-test.json").read_text())
+    assert doc["quick"] is True and 0 < doc["budget"] < 200
+    assert (clone / "build/gpu-logs/gpu-job.json").exists()
+
+
+def test_sanitizer_errors_fail_the_job(tmp_path):
+    root, env = toy_repo(tmp_path, 3)
+    out = tmp_path / "out"
+    r = run_gpu_job(root, env, out, "--budget-s", "200", "--skip-bench")
+    assert r.returncode == 1, r.stdout + r.stderr
+    meta = json.loads((out / "gpu-job.json").read_text())
+    san = next(s for s in meta["steps"] if s["name"] == "sanitizer")
+    assert san["status"] == "failed" and "compute-sanitizer errors: 3" in san["detail"]
+
+
+def test_manifest_and_package_errors(tmp_path):
+    pkg = tmp_path / "p"
+    pkg.mkdir()
+    (pkg / "peers.txt").write_text("fla-core>=0.6\n")
+    with pytest.raises(GpuJobError, match=r"peers.txt:1: 'fla-core>=0.6' is not 'name==version'"):
+        read_peers(pkg)
+    root, env = toy_repo(tmp_path, 0)
+    r = subprocess.run(
+        [sys.executable, "-m", "paperclub.gpu", "repro/nothere", "--root", str(root), "--out", str(tmp_path / "o")],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 2 and "no folder repro/nothere/" in r.stderr
+
+
+def test_sanitizer_summary_parsing():
+    assert sanitizer_errors("========= ERROR SUMMARY: 0 errors\n") == 0
+    assert sanitizer_errors("x\n========= ERROR SUMMARY: 17 errors\n========= ERROR SUMMARY: 1 error\n") == 18
+    assert sanitizer_errors("no summary here") is None
