@@ -1,0 +1,210 @@
+"""Local attention backends: one block of attention that also returns its log-sum-exp (LSE).
+
+Ring attention (fang2024usp §2) merges the blocks of a row exactly through their LSE, and its
+backward recomputes each block's probabilities from the row's *final* output and LSE. So a backend
+must offer
+
+    forward(q, k, v, causal, scale)  -> (o, lse, aux)
+    backward(do, q, k, v, o, lse, causal, scale, aux) -> (dq, dk, dv)
+
+with q [B, S_q, H, D], k/v [B, S_k, H_kv, D], lse [B, H, S_q] in natural log, float32 (float64 for
+float64 inputs), and ``backward`` using the o and lse it is given, not those of its own forward.
+
+* ``"math"``: explicit matmuls (:mod:`repro.usp.reference`); any dtype, any device.
+* ``"sdpa"`` (default): PyTorch's fused flash attention through the ATen ops that expose the LSE:
+  ``_scaled_dot_product_flash_attention`` on CUDA (fp16/bf16; fp32 falls back to ``"math"``
+  because the flash kernel has no fp32), ``_scaled_dot_product_flash_attention_for_cpu`` on CPU.
+* ``"sdpa_cudnn"``: ``_scaled_dot_product_cudnn_attention`` (CUDA, fp16/bf16).
+* ``"fa4"``: the group's Triton kernel, :mod:`repro.fa4`. Its forward stores the LSE (in log2
+  units: converted here) and its backward takes o and LSE as inputs, so it serves the ring as is.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from repro.usp import reference
+
+__all__ = ["BACKENDS", "LocalAttention", "get_backend"]
+
+LN2 = math.log(2.0)
+
+
+class LocalAttention:
+    """Interface; see the module docstring."""
+
+    name = "abstract"
+
+    def forward(self, q, k, v, causal: bool, scale: float):
+        raise NotImplementedError
+
+    def backward(self, do, q, k, v, o, lse, causal: bool, scale: float, aux):
+        raise NotImplementedError
+
+
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+class MathAttention(LocalAttention):
+    name = "math"
+
+    def forward(self, q, k, v, causal, scale):
+        o, lse = reference.attention_lse(q, k, v, causal, scale)
+        return o, lse, None
+
+    def backward(self, do, q, k, v, o, lse, causal, scale, aux):
+        return reference.attention_lse_backward(do, q, k, v, o, lse, causal, scale)
+
+
+def _expand(k: torch.Tensor, h: int) -> torch.Tensor:
+    return k if k.shape[2] == h else k.repeat_interleave(h // k.shape[2], dim=2)
+
+
+def _fold(dk: torch.Tensor, h_kv: int) -> torch.Tensor:
+    b, s, h, d = dk.shape
+    return dk if h == h_kv else dk.view(b, s, h_kv, h // h_kv, d).sum(3)
+
+
+def _bhsd(t: torch.Tensor) -> torch.Tensor:
+    """[B, S, H, D] -> the [B, H, S, D] view the SDPA ops take (no copy)."""
+    return t.transpose(1, 2)
+
+
+class SdpaAttention(LocalAttention):
+    """PyTorch's fused kernels through the ATen ops that return the LSE (GQA by expanding K/V)."""
+
+    name = "sdpa"
+
+    def _fallback(self, q) -> bool:
+        return q.device.type == "cuda" and q.dtype not in (torch.float16, torch.bfloat16)
+
+    def forward(self, q, k, v, causal, scale):
+        if self._fallback(q):
+            return MathAttention().forward(q, k, v, causal, scale)
+        h = q.shape[2]
+        qt, kt, vt = _bhsd(q), _bhsd(_expand(k, h)), _bhsd(_expand(v, h))
+        if q.device.type == "cuda":
+            out = torch.ops.aten._scaled_dot_product_flash_attention(
+                qt, kt, vt, 0.0, causal, False, scale=scale
+            )
+            o, lse = out[0], out[1]
+            aux = (out[2], out[3], out[6], out[7])  # cum_seq_q/k, rng state: unused without dropout
+        else:
+            o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                qt, kt, vt, 0.0, causal, scale=scale
+            )
+            aux = None
+        return o.transpose(1, 2), lse.to(_lse_dtype(q.dtype)), aux
+
+    def backward(self, do, q, k, v, o, lse, causal, scale, aux):
+        if self._fallback(q):
+            return MathAttention().backward(do, q, k, v, o, lse, causal, scale, None)
+        h, h_kv = q.shape[2], k.shape[2]
+        qt, kt, vt = _bhsd(q), _bhsd(_expand(k, h)), _bhsd(_expand(v, h))
+        dot, ot = _bhsd(do.to(q.dtype)), _bhsd(o.to(q.dtype))
+        if q.device.type == "cuda":
+            cum_q, cum_k, seed, offset = aux
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                dot, qt, kt, vt, ot, lse.float().contiguous(), cum_q, cum_k,
+                q.shape[1], k.shape[1], 0.0, causal, seed, offset, scale=scale,
+            )  # fmt: skip
+        else:
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dot, qt, kt, vt, ot, lse.contiguous(), 0.0, causal, scale=scale
+            )
+        dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+        return dq, _fold(dk, h_kv), _fold(dv, h_kv)
+
+
+class CudnnAttention(SdpaAttention):
+    """cuDNN's fused attention (CUDA, fp16/bf16); the LSE comes back as [B, H, S_q, 1] there."""
+
+    name = "sdpa_cudnn"
+
+    def forward(self, q, k, v, causal, scale):
+        if q.device.type != "cuda" or self._fallback(q):
+            raise RuntimeError(
+                f"local attention 'sdpa_cudnn' needs CUDA fp16/bf16 tensors, got {q.device} {q.dtype}"
+            )
+        h = q.shape[2]
+        qt, kt, vt = _bhsd(q), _bhsd(_expand(k, h)), _bhsd(_expand(v, h))
+        out = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            qt, kt, vt, None, True, 0.0, causal, False, scale=scale
+        )
+        o, lse = out[0], out[1]
+        aux = (out[2], out[3], out[6], out[7], lse.dim())
+        return o.transpose(1, 2), lse.reshape(lse.shape[:3]).float(), aux
+
+    def backward(self, do, q, k, v, o, lse, causal, scale, aux):
+        cum_q, cum_k, seed, offset, lse_dim = aux
+        h, h_kv = q.shape[2], k.shape[2]
+        qt, kt, vt = _bhsd(q), _bhsd(_expand(k, h)), _bhsd(_expand(v, h))
+        dot, ot = _bhsd(do.to(q.dtype).contiguous()), _bhsd(o.to(q.dtype).contiguous())
+        lse = lse.float().contiguous()
+        if lse_dim == 4:
+            lse = lse[..., None]
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dot, qt, kt, vt, ot, lse, seed, offset, None, cum_q, cum_k,
+            q.shape[1], k.shape[1], 0.0, causal, scale=scale,
+        )  # fmt: skip
+        dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+        return dq, _fold(dk, h_kv), _fold(dv, h_kv)
+
+
+class Fa4Attention(LocalAttention):
+    """repro.fa4's Triton forward and backward (its internal entry points, default switches).
+
+    Limits are fa4's: D in {64, 128} (16, 32 too under the interpreter), fp16/bf16 (fp32 too under
+    the interpreter), CUDA or TRITON_INTERPRET=1.
+    """
+
+    name = "fa4"
+
+    def _switches(self, q):
+        from paperclub.triton_compat import interpreting
+        from repro.fa4 import TEST_HEAD_DIMS, Switches, _check, _resolve
+
+        interp = interpreting()
+        if q.device.type != "cuda" and not interp:
+            raise RuntimeError("local attention 'fa4' needs CUDA, or TRITON_INTERPRET=1 on CPU")
+        dtypes = (torch.float16, torch.bfloat16) + ((torch.float32,) if interp else ())
+        return _check, TEST_HEAD_DIMS, dtypes, _resolve(Switches(), q.shape[-1], interp)
+
+    def forward(self, q, k, v, causal, scale):
+        from repro.fa4 import _forward
+
+        check, dims, dtypes, sw = self._switches(q)
+        check(q, k, v, causal, dims, dtypes)
+        o, lse2, _ = _forward(q, k, v, causal, scale, sw)
+        return o, lse2 * LN2, None  # the kernel keeps log2(sum 2^(s log2 e)): natural log = log2 * ln 2
+
+    def backward(self, do, q, k, v, o, lse, causal, scale, aux):
+        from repro.fa4 import _backward
+
+        _, _, _, sw = self._switches(q)
+        lse2 = (lse.float() / LN2).contiguous()
+        # fa4's backward indexes dO and dQ with q's strides: every input must be contiguous (the ring
+        # hands in slices of its local sequence, which are not)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        do, o = do.to(q.dtype).contiguous(), o.to(q.dtype).contiguous()
+        return _backward(do, q, k, v, o, lse2, causal, scale, sw)
+
+
+BACKENDS = {
+    "math": MathAttention(),
+    "sdpa": SdpaAttention(),
+    "sdpa_cudnn": CudnnAttention(),
+    "fa4": Fa4Attention(),
+}
+
+
+def get_backend(backend: str | LocalAttention) -> LocalAttention:
+    """A backend by name (``"sdpa"``, ``"math"``, ``"sdpa_cudnn"``, ``"fa4"``) or an instance."""
+    if isinstance(backend, LocalAttention):
+        return backend
+    if backend not in BACKENDS:
+        raise ValueError(f"usp_attention: backend must be one of {sorted(BACKENDS)}, got {backend!r}")
+    return BACKENDS[backend]

@@ -1,0 +1,221 @@
+"""Claims of fang2024usp on spawned CPU process groups (gloo), sequence-parallel groups of 1-4 ranks.
+
+The hypothesis examples are drawn here and evaluated by the session's 4 worker processes (conftest);
+each result is compared with single-device attention in float64 (:mod:`repro.usp.reference`).
+
+Tolerances: float64 shards against the float64 reference agree to rounding (~1e-15 measured), so
+1e-10 leaves room for the LSE merge's exp/log without hiding a wrong block (which gives O(1)
+errors). float32 shards: 2e-5, a few times the float32 rounding of the softmax and matmuls at these sizes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from paperclub.testing import assert_rel_close
+from repro.usp import positions, unshard
+from repro.usp.cost import bytes_per_rank, ring_pairs
+from repro.usp.reference import attention, causal_pairs
+from repro.usp.tests import worker
+from repro.usp.tests.worker import Case
+
+SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+TOL = {"float64": 1e-10, "float32": 2e-5}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@st.composite
+def cases(draw, ulysses=None, ring=None, backends=("math", "sdpa"), dtypes=("float64",), causal=None,
+          layout=None, max_p=4, head_dims=(4, 8)):  # fmt: skip
+    """A USP problem on at most ``max_p`` ranks; fixed degrees where given, drawn otherwise."""
+    if ulysses is None and ring is None:
+        p = draw(st.integers(1, max_p))
+        pu = draw(st.sampled_from(_divisors(p)))
+        pr = p // pu
+    elif ring is None:
+        pu = ulysses if isinstance(ulysses, int) else draw(ulysses)
+        pr = 1
+    else:
+        pr = ring if isinstance(ring, int) else draw(ring)
+        pu = 1
+    p = pu * pr
+    h = pu * draw(st.integers(1, 3))
+    return Case(
+        seed=draw(st.integers(0, 2**16)),
+        B=draw(st.integers(1, 2)),
+        S=2 * p * draw(st.integers(1, 3)),
+        H=h,
+        H_kv=draw(st.sampled_from(_divisors(h))),
+        D=draw(st.sampled_from(head_dims)),
+        ulysses=pu,
+        ring=pr,
+        causal=draw(st.booleans()) if causal is None else causal,
+        layout=draw(st.sampled_from(["zigzag", "contiguous"])) if layout is None else layout,
+        dtype=draw(st.sampled_from(dtypes)),
+        backend=draw(st.sampled_from(backends)),
+    )
+
+
+def reference(case: Case) -> dict[str, torch.Tensor]:
+    """Single-device output and gradients in float64."""
+    q, k, v, do = (t.to(torch.float64) for t in worker.inputs(case))
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    o = attention(q, k, v, causal=case.causal)
+    o.backward(do)
+    return {"o": o.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+def run(world, case: Case, task=worker.run_cases) -> list:
+    """The case's per-rank results (None for ranks outside the SP domain)."""
+    return [r[0] for r in world.run(task, [case], timeout=90)]
+
+
+def check_exact(world, case: Case) -> list[dict]:
+    """Run the case, check replica 0 against the reference and the other replicas against replica 0."""
+    results = [r for r in run(world, case) if r is not None]
+    replicas: dict[int, list] = {}
+    for r in results:
+        replicas.setdefault(r["replica"], []).append(r)
+    rep0 = sorted(replicas.pop(0), key=lambda r: r["sp_rank"])
+    assert [r["sp_rank"] for r in rep0] == list(range(case.P))
+    ref = reference(case)
+    for name, want in ref.items():
+        got = unshard([r[name] for r in rep0], case.layout)
+        assert got.dtype == worker.DTYPES[case.dtype]
+        assert_rel_close(got, want, TOL[case.dtype], f"{name} ({case})")
+    for other in replicas.values():  # data-parallel replicas of the SP group compute the same
+        for a, b in zip(rep0, sorted(other, key=lambda r: r["sp_rank"]), strict=True):
+            assert torch.equal(a["o"], b["o"]) and torch.equal(a["dq"], b["dq"])
+    return rep0
+
+
+@pytest.mark.claim("usp/ulysses-exact", section="SP approaches: DeepSpeed-Ulysses")
+@settings(max_examples=12, **SETTINGS)
+@given(case=cases(ulysses=st.integers(1, 4), dtypes=("float64", "float32")))
+def test_ulysses_equals_single_device(world4, case):
+    check_exact(world4, case)
+
+
+@pytest.mark.claim("usp/ring-exact", section="SP approaches: Ring-Attention")
+@settings(max_examples=16, **SETTINGS)
+@given(case=cases(ring=st.integers(1, 4), dtypes=("float64", "float32")))
+def test_ring_equals_single_device(world4, case):
+    check_exact(world4, case)
+
+
+@pytest.mark.claim("usp/ring-exact", section="SP approaches: Ring-Attention")
+@settings(max_examples=3, **SETTINGS)
+@given(case=cases(ring=st.integers(2, 3), backends=("fa4",), dtypes=("float32",), head_dims=(16,)))
+def test_ring_with_fa4_kernel(world4, case):
+    """repro.fa4's Triton forward/backward as the ring's local attention (Triton interpreter on CPU)."""
+    check_exact(world4, case)
+
+
+@pytest.mark.claim("usp/usp-exact", section="Unified SP: Ulysses-Ring hybrid")
+@settings(max_examples=25, **SETTINGS)
+@given(case=cases(dtypes=("float64", "float32")))
+def test_usp_equals_single_device(world4, case):
+    check_exact(world4, case)
+
+
+@pytest.mark.claim("usp/usp-exact", section="Unified SP: Ulysses-Ring hybrid")
+@settings(max_examples=6, **SETTINGS)
+@given(case=cases(ulysses=2, causal=True), pr=st.just(2), data=st.data())
+def test_usp_2x2_more_ranks_than_heads(world4, case, pr, data):
+    """P = 4 ranks with H = 2 or 4 heads and as few as 1 K/V head: past Ulysses' head limit."""
+    h = data.draw(st.sampled_from([2, 4]))
+    case = Case(**{**case.__dict__, "ring": pr, "H": h, "H_kv": data.draw(st.sampled_from(_divisors(h))),
+                   "S": 8 * data.draw(st.integers(1, 2))})  # fmt: skip
+    check_exact(world4, case)
+
+
+@pytest.mark.claim("usp/reduces-to-ulysses-and-ring", section="Unified SP: Ulysses-Ring hybrid")
+@settings(max_examples=10, **SETTINGS)
+@given(
+    case=st.one_of(cases(ulysses=st.integers(1, 4)), cases(ring=st.integers(2, 4))),
+)
+def test_usp_reduces_to_ulysses_and_ring(world4, case):
+    for res in run(world4, case, worker.run_reductions):
+        if res is None:
+            continue
+        usp, plain = res["usp"], res["plain"]
+        for name in ("o", "dq", "dk", "dv"):
+            assert torch.equal(usp[name], plain[name]), f"{name} differs from plain {case}"
+        assert usp["bytes"] == plain["bytes"]
+        kinds = {key.split("/")[0] for key, n in usp["bytes"].items() if n > 0}
+        if case.ring == 1:
+            assert kinds <= {"ulysses"}, f"P_r = 1 must only all-to-all, sent {usp['bytes']}"
+        else:
+            assert kinds == {"ring"}, f"P_u = 1 must only use the ring, sent {usp['bytes']}"
+
+
+@pytest.mark.claim("usp/zigzag-balanced", section="Unified SP: load balance for causal attention")
+@settings(max_examples=8, **SETTINGS)
+@given(case=cases(causal=True, layout="zigzag"), p=st.integers(2, 4), data=st.data())
+def test_zigzag_balances_causal_work(world4, case, p, data):
+    pu = data.draw(st.sampled_from([d for d in _divisors(p) if d < p]))  # ring degree >= 2
+    base = {**case.__dict__, "ulysses": pu, "ring": p // pu, "H": pu, "H_kv": pu, "S": 2 * p * 2, "B": 1}
+    total = causal_pairs(torch.arange(base["S"]), torch.arange(base["S"]))
+    counts = {}
+    for layout in ("zigzag", "contiguous"):
+        c = Case(**{**base, "layout": layout})
+        per_ring_rank = {}
+        for r in run(world4, c):
+            if r is not None and r["replica"] == 0:
+                per_ring_rank.setdefault(r["sp_rank"] // pu, set()).add(r["pairs"])
+        # every Ulysses rank of a ring rank does that ring rank's work (on its own heads)
+        assert all(len(v) == 1 for v in per_ring_rank.values())
+        counts[layout] = [per_ring_rank[i].pop() for i in range(c.ring)]
+        assert counts[layout] == ring_pairs(layout, True, c.ring, c.S // c.ring)
+        assert sum(counts[layout]) == total, "each unmasked pair must be computed exactly once"
+    assert len(set(counts["zigzag"])) == 1, f"zigzag unbalanced: {counts['zigzag']}"
+    assert counts["contiguous"] == sorted(counts["contiguous"]) and len(set(counts["contiguous"])) == len(
+        counts["contiguous"]
+    ), f"contiguous should grow with the ring rank: {counts['contiguous']}"
+
+
+@pytest.mark.claim("usp/comm-volume", section="Communication and memory analysis")
+@settings(max_examples=12, **SETTINGS)
+@given(case=cases(dtypes=("float64", "float32")))
+def test_bytes_match_the_analysis(world4, case):
+    elem = torch.tensor([], dtype=worker.DTYPES[case.dtype]).element_size()
+    want = bytes_per_rank(
+        B=case.B, S=case.S, H=case.H, H_kv=case.H_kv, D=case.D, ulysses_degree=case.ulysses,
+        ring_degree=case.ring, elem=elem, acc=max(elem, 4),
+    )  # fmt: skip
+    for r in run(world4, case):
+        if r is not None:
+            got = {key: r["bytes"].get(key, 0) for key in want}
+            assert got == want, f"rank {r['sp_rank']} sent {got}, the analysis says {want} ({case})"
+
+
+@pytest.mark.claim("usp/comm-volume", section="Communication and memory analysis")
+@given(p=st.integers(2, 64), s=st.integers(1, 8), h=st.integers(1, 4))
+@settings(max_examples=50, deadline=None)
+def test_ulysses_volume_falls_ring_volume_flat(p, s, h):
+    """The formulas the measured bytes match scale as the paper says: Ulysses ~ 4 S d / P per rank,
+    Ring ~ 2 S d_kv whatever P (here H = H_kv so d = d_kv = H D)."""
+    shape = dict(B=1, S=4 * p * 64 * s, H=2 * p * h, H_kv=2 * p * h, D=8, elem=2, acc=4)
+    uly = [bytes_per_rank(**shape, ulysses_degree=n, ring_degree=1)["ulysses/fwd"] for n in (p, 2 * p)]
+    ring = [bytes_per_rank(**shape, ulysses_degree=1, ring_degree=n)["ring/fwd"] for n in (p, 2 * p)]
+    d_bytes = shape["B"] * shape["S"] * shape["H"] * shape["D"] * shape["elem"]
+    assert uly[0] == 4 * d_bytes * (p - 1) // p**2
+    assert uly[1] < uly[0]
+    assert ring[0] == 2 * d_bytes * (p - 1) // p and d_bytes <= ring[0] <= ring[1] < 2 * d_bytes
+
+
+@given(n=st.integers(1, 6), m=st.integers(1, 4), layout=st.sampled_from(["zigzag", "contiguous"]))
+@settings(max_examples=30, deadline=None)
+def test_shards_partition_the_sequence(n, m, layout):
+    x = torch.arange(2 * n * m)[None, :, None]
+    parts = [positions(x.shape[1], n, r, layout) for r in range(n)]
+    assert sorted(torch.cat(parts).tolist()) == list(range(x.shape[1]))
+    from repro.usp import shard
+
+    assert torch.equal(unshard([shard(x, n, r, layout) for r in range(n)], layout), x)
