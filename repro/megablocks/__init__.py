@@ -9,14 +9,14 @@ Public API:
 * :func:`sdd`, :func:`dsd`, :func:`dds` on a :class:`Topology` (block-sparse products, differentiable);
   :func:`gmm` (grouped matmul); :func:`moe_topology`, :func:`topology_from_mask`, :func:`permute`.
 * References: :func:`route` (top-k softmax router), :func:`moe_reference` (token by token),
-  :func:`moe_dense`, :func:`capacity_moe` (capacity-factor baseline, returns the kept mask).
+  :func:`moe_dense`, :func:`moe_per_expert`, :func:`capacity_moe` (capacity-factor baseline, returns the kept mask).
 """
 
 from __future__ import annotations
 
 from repro.megablocks.kernels import dds, dsd, gmm, sdd
 from repro.megablocks.moe import dMoE, dmoe_grouped, dmoe_sparse
-from repro.megablocks.reference import capacity, capacity_moe, moe_dense, moe_reference, route
+from repro.megablocks.reference import capacity, capacity_moe, moe_dense, moe_per_expert, moe_reference, route
 from repro.megablocks.topology import Permutation, Topology, moe_topology, permute, topology_from_mask
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "dsd",
     "gmm",
     "moe_dense",
+    "moe_per_expert",
     "moe_reference",
     "moe_topology",
     "permute",

@@ -44,8 +44,10 @@ def _launch_opts() -> dict:
 def _dot(a, b, acc, IEEE: tl.constexpr):
     # fp32 operands: exact fp32 products (IEEE) rather than tf32, so fp32 matches the reference
     if IEEE:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
 
 
 @triton.jit
@@ -79,7 +81,8 @@ def _sdd_kernel(
 def _dsd_kernel(
     S, B, C, offsets, indices, block_offsets, N,
     stride_bk, stride_bn, stride_cm, stride_cn,
-    TRANS: tl.constexpr, BLOCK: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+    TRANS: tl.constexpr, S_SM: tl.constexpr, S_SK: tl.constexpr,
+    BLOCK: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     """C[block-row r, column tile n] = sum over the blocks (r, kb) of op(S): op(S)[r, kb] @ B[kb, n].
 
@@ -96,12 +99,8 @@ def _dsd_kernel(
     rn = n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     in_n = rn < N
-    if TRANS:  # op(S)[m, k] = data[blk, k, m]
-        s_off = rm[:, None] + rk[None, :] * BLOCK
-        SUB_STEP: tl.constexpr = BK * BLOCK
-    else:  # op(S)[m, k] = data[blk, m, k]
-        s_off = rm[:, None] * BLOCK + rk[None, :]
-        SUB_STEP: tl.constexpr = BK
+    # op(S)[m, k] = data[blk, m, k] (strides BLOCK, 1) or, for the transpose, data[blk, k, m] (1, BLOCK)
+    s_off = rm[:, None] * S_SM + rk[None, :] * S_SK
     acc = tl.zeros((BLOCK, BN), dtype=tl.float32)
     SUB: tl.constexpr = BLOCK // BK
     # one flat loop over (block, sub-step) so that the compiler pipelines the loads across blocks
@@ -113,7 +112,7 @@ def _dsd_kernel(
         else:
             blk = i.to(tl.int64)
         kb = tl.load(indices + i).to(tl.int64)
-        s = tl.load(S + blk * BLOCK * BLOCK + sub * SUB_STEP + s_off)
+        s = tl.load(S + blk * BLOCK * BLOCK + sub * (BK * S_SK) + s_off)
         krow = kb * BLOCK + sub * BK + rk
         b = tl.load(B + krow[:, None] * stride_bk + rn[None, :] * stride_bn, mask=in_n[None, :], other=0.0)
         acc = _dot(s, b, acc, IEEE)
@@ -161,7 +160,7 @@ def _dsd_into(data: torch.Tensor, topo: Topology, b: torch.Tensor, out: torch.Te
     _dsd_kernel[(block_rows, triton.cdiv(N, BN))](
         data, b, out, offsets, indices, topo.block_offsets_t, N,
         b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-        TRANS=trans, BLOCK=bs, BN=BN, BK=_k_step(bs), IEEE=data.dtype == torch.float32, **_launch_opts(),
+        TRANS=trans, S_SM=1 if trans else bs, S_SK=bs if trans else 1, BLOCK=bs, BN=BN, BK=_k_step(bs), IEEE=data.dtype == torch.float32, **_launch_opts(),
     )  # fmt: skip
 
 
@@ -182,10 +181,12 @@ def _dds(a: torch.Tensor, data: torch.Tensor, topo: Topology, trans: bool) -> to
         raise ValueError(
             f"dds: a has {a.shape[1]} columns but the sparse operand{'^T' if trans else ''} has {K} rows"
         )
-    out = torch.empty(a.shape[0], N, device=a.device, dtype=a.dtype)
-    # A @ op(S) = (op(S)^T @ A^T)^T: the DSD kernel with the other orientation, writing out^T
-    _dsd_into(data, topo, a.t(), out.t(), not trans)
-    return out
+    # A @ op(S) = (op(S)^T @ A^T)^T: the DSD kernel with the other orientation, into a contiguous
+    # out^T (coalesced stores); the result is its transposed view, as the weight gradient of
+    # x @ w.t() wants it (w's gradient is then contiguous)
+    out_t = torch.empty(N, a.shape[0], device=a.device, dtype=a.dtype)
+    _dsd_into(data, topo, a.t(), out_t, not trans)
+    return out_t.t()
 
 
 class _SDD(torch.autograd.Function):
@@ -322,8 +323,8 @@ def _gmm_wgrad_kernel(
     g = tl.program_id(0).to(tl.int64)
     kt = tl.program_id(1)
     n = tl.program_id(2)
-    start = tl.load(starts + g).to(tl.int64)
-    end = tl.load(ends + g).to(tl.int64)
+    start = tl.load(starts + g)
+    end = tl.load(ends + g)
     rk = kt * BK + tl.arange(0, BK)
     rn = n * BN + tl.arange(0, BN)
     rm = tl.arange(0, BM)
@@ -331,7 +332,7 @@ def _gmm_wgrad_kernel(
     in_n = rn < N
     acc = tl.zeros((BK, BN), dtype=tl.float32)
     for m0 in range(start, end, BM):
-        rows = m0 + rm
+        rows = (m0 + rm).to(tl.int64)
         in_m = rows < end
         xt = tl.load(
             X + rows[None, :] * stride_xm + rk[:, None] * stride_xk,

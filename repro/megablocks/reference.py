@@ -87,6 +87,33 @@ def moe_dense(
     return torch.einsum("te,etd->td", gate, y)
 
 
+def moe_per_expert(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor | None,
+    num_experts: int,
+    mlp: str = "mlp",
+) -> torch.Tensor:
+    """The same function as :func:`moe_reference`, one dense matmul per expert over the tokens that
+    chose it (for the benchmark's checks at model sizes, where the token loop is too slow and the
+    all-experts :func:`moe_dense` too large)."""
+    T, d = x.shape
+    ffn = w1.shape[0] // num_experts
+    out = x.new_zeros(T, d)
+    for e in range(num_experts):
+        t, j = (indices == e).nonzero(as_tuple=True)
+        if t.numel() == 0:
+            continue
+        sl = slice(e * ffn, (e + 1) * ffn)
+        h1 = x[t] @ w1[sl].t()
+        h3 = x[t] @ w3[sl].t() if mlp == "glu" else None
+        out = out.index_add(0, t, (activation(h1, h3, mlp) @ w2[sl]) * weights[t, j][:, None])
+    return out
+
+
 def capacity(num_assignments: int, num_experts: int, capacity_factor: float) -> int:
     """Expert capacity of GShard/Switch (§3): ``C = ceil(capacity_factor * T k / E)``."""
     return int(math.ceil(capacity_factor * num_assignments / num_experts))

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paperclub.testing import assert_rel_close
-from repro.megablocks import capacity, capacity_moe, moe_dense, moe_reference
+from repro.megablocks import capacity, capacity_moe, moe_dense, moe_per_expert, moe_reference
 from repro.megablocks.tests.strategies import moe_cases
 
 CLAIM = "megablocks/capacity-drops"
@@ -55,7 +55,7 @@ def test_first_choices_take_priority():
 
 @pytest.mark.claim(CLAIM, section=SECTION)
 def test_reference_loop_equals_dense_reference():
-    """The two references agree (the vectorised one stands in for the loop in GPU tests)."""
+    """The three references agree (the vectorised ones stand in for the loop in GPU tests and the bench)."""
     from repro.megablocks.tests.strategies import make_case
 
     case = make_case(seed=2, T=20, d=16, f=32, E=3, k=2, routing="skewed")
@@ -64,3 +64,4 @@ def test_reference_loop_equals_dense_reference():
         a = moe_reference(x, w, case.indices, w1, w2, w3, 3, mlp)
         b = moe_dense(x, w, case.indices, w1, w2, w3, 3, mlp)
         assert_rel_close(a, b, 1e-12, mlp)
+        assert_rel_close(moe_per_expert(x, w, case.indices, w1, w2, w3, 3, mlp), a, 1e-12, mlp)

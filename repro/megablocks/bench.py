@@ -1,0 +1,315 @@
+"""Benchmark: the dMoE layer's forward + backward against torch._grouped_mm, the capacity-factor MoE
+and the megablocks package, on one GPU.
+
+``python -m repro.megablocks.bench [--quick] [--out DIR] [--budget-s SECONDS]``
+
+Shapes (bf16, SwiGLU experts, as the MoE models of these sizes use):
+
+* ``64e-top8``: 64 experts, top-8, hidden 2048, ffn 1408 (DeepSeek-V2-Lite / Qwen-MoE-like), T = 16384;
+* ``8e-top2``: 8 experts, top-2, hidden 4096, ffn 14336 (Mixtral-like), T = 8192.
+
+Routings, fixed for every candidate (the router's matmul is the same for all and is left out):
+``balanced`` (every expert gets exactly T k / E assignments) and ``skewed`` (each token draws its k
+experts without replacement with probability proportional to 1 / (rank + 1)^SKEW).
+
+Candidates, each timed as forward + backward (gradients of x, the router weights and every expert
+weight, through ``torch.autograd.grad``), in interleaved rounds by ``paperclub.bench.measure`` after
+a correctness check of its output against ``moe_per_expert`` in fp32 at that shape:
+
+* ``ours_sparse``: :func:`repro.megablocks.dmoe_sparse` (SDD, DSD, DDS Triton kernels, block 128);
+* ``ours_grouped``: :func:`repro.megablocks.dmoe_grouped` (our Triton grouped GEMM);
+* ``torch_grouped_mm``: the same permutation and combine around ``torch._grouped_mm`` (the path
+  torchtitan's MoE uses), each group padded to 16 rows for its alignment rule;
+* ``capacity_1.0``, ``capacity_2.0``: the capacity-factor MoE (padded ``bmm``), which drops tokens:
+  its check is against the reference on the kept assignments; ``drop_rate`` says how many it drops;
+* ``megablocks_sparse``: megablocks' dMoE expert computation (``dMoE.experts``) with our routing and
+  weights copied in, where ``peers_setup.sh`` managed to build it (a note says why not otherwise).
+
+``pct_of_matmul`` is ``tflops`` over the measured bf16 matmul ceiling (8192^3, ``paperclub.bench.ceilings``,
+also stored in the JSON). ``tflops`` counts the useful work of the routed assignments for every row (fwd + bwd = 3 x forward;
+forward = 2 T k d f x 3 matmuls for SwiGLU), so a capacity row's padding or drops are not credited.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from paperclub.bench import Candidate, Report, ceilings, measure
+from paperclub.testing import assert_rel_close
+from repro.megablocks.moe import _combine, dmoe_grouped, dmoe_sparse
+from repro.megablocks.reference import activation, capacity_moe, moe_per_expert
+from repro.megablocks.topology import permute
+
+SHAPES = {
+    "64e-top8": dict(E=64, k=8, d=2048, f=1408, T=16384),
+    "8e-top2": dict(E=8, k=2, d=4096, f=14336, T=8192),
+}
+QUICK_TOKENS = {"64e-top8": 4096, "8e-top2": 2048}
+ROUTINGS = ("balanced", "skewed")
+SKEW = 1.2
+MLP = "glu"
+TOL_BF16 = 2e-2  # bf16 outputs vs the fp32 per-expert reference: 8 mantissa bits, fp32 accumulation
+COLUMNS = [
+    "shape", "routing", "impl", "tokens", "max_load", "drop_rate",
+    "ms", "ms_min", "ms_max", "check", "tokens_per_s", "tflops", "pct_of_matmul", "vs_grouped_mm",
+]  # fmt: skip
+
+
+def make_routing(T: int, E: int, k: int, routing: str, device, seed: int = 0):
+    """``weights [T, k]`` (positive, rows summing to one) and distinct ``indices [T, k]``."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    if routing == "balanced":
+        # token t takes experts (t k + j) mod E: every expert exactly T k / E times when E | T k
+        base = (torch.arange(T, device=device)[:, None] * k + torch.arange(k, device=device)) % E
+        indices = base[torch.randperm(T, device=device, generator=gen)]
+    elif routing == "skewed":
+        p = 1.0 / torch.arange(1, E + 1, device=device, dtype=torch.float32) ** SKEW
+        indices = torch.multinomial(p.expand(T, E), k, replacement=False, generator=gen)
+    else:
+        raise ValueError(f"routing={routing!r}: expected one of {ROUTINGS}")
+    weights = torch.softmax(torch.randn(T, k, device=device, generator=gen), -1)
+    return weights, indices
+
+
+def useful_flops(T: int, k: int, d: int, f: int, mlp: str = MLP) -> float:
+    """Forward + backward FLOPs of the routed assignments (backward = 2 x forward)."""
+    return 3 * (3 if mlp == "glu" else 2) * 2.0 * T * k * d * f
+
+
+def grouped_mm_moe(x, weights, indices, w1, w2, w3, num_experts: int, mlp: str = MLP):
+    """dMoE forward through ``torch._grouped_mm`` (differentiable): rows sorted by expert, each
+    group padded to 16 rows, ``offs`` the groups' end rows (int32)."""
+    E, d = num_experts, x.shape[1]
+    f = w1.shape[0] // E
+    with torch.no_grad():
+        perm = permute(indices, E, 16)
+        offs = torch.cumsum(perm.padded_counts, 0).to(torch.int32)
+    xs = x.new_zeros(perm.padded_rows, d).index_put((perm.dest,), x[perm.token])
+    h1 = torch._grouped_mm(xs, w1.view(E, f, d).transpose(1, 2), offs=offs)
+    h3 = torch._grouped_mm(xs, w3.view(E, f, d).transpose(1, 2), offs=offs) if mlp == "glu" else None
+    y = torch._grouped_mm(activation(h1, h3, mlp), w2.view(E, f, d), offs=offs)
+    return _combine(y[perm.dest], perm, weights, x.shape[0])
+
+
+def load_megablocks():
+    """``(megablocks module, '')`` or ``(None, why)``."""
+    try:
+        import megablocks  # noqa: F401
+        import megablocks.layers.dmoe as mb_dmoe
+        from megablocks.layers.arguments import Arguments  # noqa: F401
+        from megablocks.layers.dmoe import dMoE  # noqa: F401
+
+        return mb_dmoe, ""
+    except Exception as exc:  # not installed, or its extension/Triton guard refused
+        why = f"import megablocks failed: {type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+        return None, why + _setup_outcome()
+
+
+def _setup_outcome() -> str:
+    """The last verdict line of peers_setup.sh's log, if it ran (why the build did not happen)."""
+    log = Path(os.environ.get("MEGABLOCKS_SETUP_LOG", "/tmp/megablocks_peer_setup.log"))
+    try:
+        lines = [ln for ln in log.read_text().splitlines() if "FAILED" in ln or "installed" in ln]
+    except OSError:
+        return " (peers_setup.sh left no log)"
+    return f" (peers_setup.sh: {lines[-1].split('] ', 1)[-1]})" if lines else ""
+
+
+def megablocks_experts(mb_dmoe, E, k, d, f, w1, w2, w3, mlp: str = MLP):
+    """megablocks' dMoE with our weights (w1 -> w1, w3 -> v1, w2 -> w2); returns
+    ``fn(x, weights, indices) -> [T, d]`` calling its expert computation with our routing."""
+    import torch.nn.functional as F
+    from megablocks.layers.arguments import Arguments
+
+    args = Arguments(
+        hidden_size=d,
+        ffn_hidden_size=f,
+        moe_num_experts=E,
+        moe_top_k=k,
+        bias=False,
+        return_bias=False,
+        activation_fn=F.silu if mlp == "glu" else (lambda t: F.gelu(t, approximate="tanh")),
+        mlp_type=mlp,
+        mlp_impl="sparse",
+        bf16=w1.dtype == torch.bfloat16,
+        fp16=w1.dtype == torch.float16,
+        device=w1.device,
+        moe_loss_weight=0.0,
+    )
+    layer = mb_dmoe.dMoE(args)
+    mlp_mod = layer.experts.mlp
+    with torch.no_grad():
+        mlp_mod.w1.copy_(w1)
+        mlp_mod.w2.copy_(w2)
+        if mlp == "glu":
+            mlp_mod.v1.copy_(w3)
+    params = [p for p in layer.experts.parameters() if p.requires_grad]
+
+    def fn(x, weights, indices):
+        out = layer.experts(x.view(x.shape[0], 1, d), None, weights, indices)
+        out = out[0] if isinstance(out, tuple) else out
+        return out.view(x.shape[0], d)
+
+    return fn, params
+
+
+def _fwd_bwd(forward, leaves, grad_out):
+    """forward() then the gradients of every leaf (no accumulation into .grad)."""
+
+    def run():
+        y = forward()
+        return torch.autograd.grad(y, leaves, grad_out)
+
+    return run
+
+
+def run_config(
+    shape: str,
+    dims: dict,
+    routing: str,
+    *,
+    device: str = "cuda",
+    dtype=torch.bfloat16,
+    block_size: int = 128,
+    rounds: int = 3,
+    rep: int = 10,
+    timer=None,
+    notes: list | None = None,
+) -> list[dict]:
+    """Every candidate at one shape and routing; returns the Report rows."""
+    notes = notes if notes is not None else []
+    E, k, d, f, T = (dims[c] for c in ("E", "k", "d", "f", "T"))
+    gen = torch.Generator(device=device).manual_seed(1)
+    x = (torch.randn(T, d, device=device, generator=gen)).to(dtype).requires_grad_(True)
+    w1, w2, w3 = (
+        (torch.randn(E * f, d, device=device, generator=gen) / math.sqrt(d)).to(dtype).requires_grad_(True)
+        for _ in range(3)
+    )
+    weights, indices = make_routing(T, E, k, routing, device)
+    weights = weights.to(dtype).requires_grad_(True)
+    leaves = [x, weights, w1, w2, w3]
+    grad_out = torch.randn(T, d, device=device, generator=gen).to(dtype)
+    counts = torch.bincount(indices.reshape(-1), minlength=E)
+    max_load = int(counts.max())
+    with torch.no_grad():  # fp32 reference of the forward at this shape
+        ref = moe_per_expert(
+            *(t.detach().float() for t in (x, weights)), indices, w1.float(), w2.float(), w3.float(), E, MLP
+        )
+
+    def checked(fn, ref_out=ref):
+        return lambda: assert_rel_close(fn(), ref_out, TOL_BF16 if dtype != torch.float32 else 1e-4, "output")
+
+    cands: dict[str, Candidate] = {}
+    extra: dict[str, dict] = {}
+    sparse = lambda: dmoe_sparse(x, weights, indices, w1, w2, w3, E, MLP, block_size)
+    grouped = lambda: dmoe_grouped(x, weights, indices, w1, w2, w3, E, MLP)
+    cands["ours_sparse"] = Candidate(_fwd_bwd(sparse, leaves, grad_out), checked(sparse))
+    cands["ours_grouped"] = Candidate(_fwd_bwd(grouped, leaves, grad_out), checked(grouped))
+    if hasattr(torch, "_grouped_mm"):
+        gmm_fn = lambda: grouped_mm_moe(x, weights, indices, w1, w2, w3, E, MLP)
+        cands["torch_grouped_mm"] = Candidate(_fwd_bwd(gmm_fn, leaves, grad_out), checked(gmm_fn))
+    else:
+        notes.append(f"torch {torch.__version__} has no torch._grouped_mm: that peer did not run.")
+    for cf in (1.0, 2.0):
+        cap = lambda cf=cf: capacity_moe(x, weights, indices, w1, w2, w3, E, cf, MLP)[0]
+        with torch.no_grad():
+            kept = capacity_moe(x, weights, indices, w1, w2, w3, E, cf, MLP)[1]
+            ref_kept = moe_per_expert(
+                x.float(), (weights * kept).float(), indices, w1.float(), w2.float(), w3.float(), E, MLP
+            )
+        name = f"capacity_{cf}"
+        cands[name] = Candidate(_fwd_bwd(cap, leaves, grad_out), checked(cap, ref_kept))
+        extra[name] = {"drop_rate": round(1.0 - float(kept.float().mean()), 4)}
+    mb, why = load_megablocks() if device == "cuda" else (None, "megablocks needs CUDA")
+    if mb is not None:
+        try:
+            mb_fn, mb_params = megablocks_experts(mb, E, k, d, f, w1.detach(), w2.detach(), w3.detach())
+            mbf = lambda: mb_fn(x, weights, indices)
+            cands["megablocks_sparse"] = Candidate(
+                _fwd_bwd(mbf, [x, weights, *mb_params], grad_out), checked(mbf)
+            )
+        except Exception as exc:
+            why = f"megablocks dMoE could not be built: {type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+    if why and why not in notes:
+        notes.append(why)
+    del ref
+    res = measure(cands, rounds=rounds, warmup=3, rep=rep, timer=timer)
+    flops = useful_flops(T, k, d, f)
+    base = res.get("torch_grouped_mm")
+    rows = []
+    for name, m in res.items():
+        row = dict(shape=shape, routing=routing, impl=name, tokens=T, max_load=max_load, drop_rate=0.0)
+        row.update(m.row())
+        row.update(extra.get(name, {}))
+        if m.median_ms:
+            row["tokens_per_s"] = round(T / (m.median_ms * 1e-3))
+            row["tflops"] = round(flops / (m.median_ms * 1e-3) / 1e12, 1)
+            if base is not None and base.median_ms:
+                row["vs_grouped_mm"] = round(m.median_ms / base.median_ms, 3)
+        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> Path | None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="smaller token counts, 64e-top8 only")
+    ap.add_argument("--out", default=None, help="directory for the Report JSON")
+    ap.add_argument("--budget-s", type=float, default=240.0, help="stop starting configurations near this")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("repro.megablocks.bench needs a CUDA GPU", file=sys.stderr)
+        return None
+    start = time.perf_counter()
+    notes: list[str] = []
+    ceil = ceilings()
+    report = Report(
+        package="megablocks",
+        title="dMoE forward + backward (bf16, SwiGLU experts)",
+        peer="torch._grouped_mm; megablocks 0.10.0 where it builds",
+        columns=COLUMNS,
+        packages=["megablocks", "stanford-stk", "triton"],
+    )
+    configs = []
+    for shape, dims in SHAPES.items():
+        if args.quick and shape != "64e-top8":
+            continue
+        dims = dict(dims, T=QUICK_TOKENS[shape]) if args.quick else dims
+        configs += [(shape, dims, r) for r in ROUTINGS]
+    longest = 0.0
+    for shape, dims, routing in configs:
+        elapsed = time.perf_counter() - start
+        if elapsed + 1.2 * longest > args.budget_s - 15:  # leave time for the ceilings and the write
+            notes.append(f"skipped {shape}/{routing}: budget {args.budget_s:.0f} s (elapsed {elapsed:.0f} s)")
+            continue
+        t0 = time.perf_counter()
+        try:
+            for row in run_config(shape, dims, routing, rounds=args.rounds, notes=notes):
+                if row.get("tflops") and ceil.get("matmul_bf16_tflops"):
+                    row["pct_of_matmul"] = round(100 * row["tflops"] / ceil["matmul_bf16_tflops"], 1)
+                report.add(**row)
+        except torch.cuda.OutOfMemoryError as exc:
+            notes.append(f"{shape}/{routing}: out of memory ({' '.join(str(exc).split())[:120]})")
+        torch.cuda.empty_cache()
+        longest = max(longest, time.perf_counter() - t0)
+        print(f"{shape}/{routing} done in {time.perf_counter() - t0:.1f} s", flush=True)
+    report.notes = " ".join(
+        [
+            "Each row: forward + backward of the expert layer for a fixed routing (router excluded), median over "
+            f"{args.rounds} interleaved rounds (range in ms_min/ms_max); tflops counts useful (routed) work.",
+            *dict.fromkeys(notes),
+        ]
+    )
+    report.plot(title="forward + backward TFLOP/s", x="max_load", y="tflops", series="impl", facet="shape")
+    return report.write(out_dir=Path(args.out) if args.out else None)
+
+
+if __name__ == "__main__":
+    main()
