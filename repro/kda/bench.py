@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from paperclub.bench import Report, time_ms
+from paperclub.bench import Candidate, Report, measure, time_ms
 from paperclub.testing import rel_error
 
 H, K, V = 16, 128, 128
@@ -34,20 +34,38 @@ TOKENS = 16384
 ALL_T = [2048, 4096, 8192, 16384, 32768, 65536]
 
 
-def make_inputs(B: int, T: int, device: str = "cuda", dtype=torch.bfloat16, seed: int = 0):
+DEVICE = "cuda"  # tests/test_bench.py runs the benchmark's logic on the CPU
+
+
+def make_inputs(
+    B: int, T: int, device: str | None = None, dtype=torch.bfloat16, seed: int = 0, gate_scale: float = 0.5
+):
+    device = device or DEVICE
     gen = torch.Generator(device=device).manual_seed(seed)
     q = F.normalize(torch.randn(B, T, H, K, device=device, generator=gen), dim=-1).to(dtype)
     k = F.normalize(torch.randn(B, T, H, K, device=device, generator=gen), dim=-1).to(dtype)
     v = torch.randn(B, T, H, V, device=device, generator=gen).to(dtype)
-    # a per-channel log-decay like a trained gate's: mostly mild, some channels fast (>= -10 per token)
-    g = (F.logsigmoid(torch.randn(B, T, H, K, device=device, generator=gen)) * 0.5).float()
+    # g = logsigmoid(x) * gate_scale (see GATES)
+    g = (F.logsigmoid(torch.randn(B, T, H, K, device=device, generator=gen)) * gate_scale).float()
     beta = torch.rand(B, T, H, device=device, generator=gen).float()
     return q, k, v, g, beta
 
 
-def impls():
+def impls(cu_seqlens: torch.Tensor | None = None):
+    """name -> fn(q, k, v, g, beta) -> o. With ``cu_seqlens``: ours and fla's KDA on a packed batch."""
     from repro.kda import chunk_kda as ours
 
+    if cu_seqlens is not None:
+        out = {"ours": lambda q, k, v, g, beta: ours(q, k, v, g, beta, cu_seqlens=cu_seqlens)[0]}
+        try:
+            from fla.ops.kda import chunk_kda as fla_kda
+
+            out["fla_kda"] = lambda q, k, v, g, beta: fla_kda(q, k, v, g, beta, cu_seqlens=cu_seqlens.long())[
+                0
+            ]
+        except ImportError as exc:
+            print(f"flash-linear-attention not importable ({exc}); varlen: ours only")
+        return out
     out = {"ours": lambda q, k, v, g, beta: ours(q, k, v, g, beta)[0]}
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -95,6 +113,37 @@ def warm(Ts: list[int]) -> None:
 ROUNDS = 3
 
 
+GATES = {
+    # a per-channel log-decay like a trained gate's: mostly mild, some channels fast (>= -10 per token)
+    "std": 0.5,
+    # mild: fla's gate_logit_normalizer 10 (decay rates near 1), where a wrong state backward shows
+    "mild": 0.1,
+}
+# gradient check before timing, bf16 against our fp32 path at the same shape (relative error):
+# bf16 rounding gives ~4e-3 (o) to ~1.5e-2 (dg) on an H100; a wrong kernel gives 1e-1 and more
+CHECK_TOL = {"o": 2e-2, "dq": 3e-2, "dk": 3e-2, "dv": 3e-2, "dg": 6e-2, "dbeta": 6e-2}
+
+
+def gradient_check(fn, inputs, reference, names=("q", "k", "v", "g", "beta")):
+    """A ``Candidate.check``: ``fn``'s output and gradients on ``inputs`` (bf16) against our fp32 path
+    on the same values; raises naming every quantity over CHECK_TOL. Returns the worst ratio."""
+
+    def grads(f, xs):
+        leaves = [x.detach().clone().requires_grad_(True) for x in xs]
+        o = f(*leaves)
+        do = torch.randn(o.shape, generator=torch.Generator(o.device).manual_seed(1), device=o.device)
+        gs = torch.autograd.grad(o, leaves, do.to(o.dtype))
+        return {"o": o.detach(), **{f"d{n}": g for n, g in zip(names, gs, strict=True)}}
+
+    ours = grads(fn, inputs)
+    ref = grads(reference, [x.float() for x in inputs])
+    errs = {n: rel_error(ours[n].float(), ref[n].float()) for n in ref}
+    bad = {n: f"{e:.2e}" for n, e in errs.items() if not e <= CHECK_TOL[n]}
+    if bad:
+        raise AssertionError(f"against our fp32 path: {bad} over {CHECK_TOL}")
+    return max(e / CHECK_TOL[n] for n, e in errs.items())
+
+
 def run(
     quick: bool,
     out_dir: Path | None,
@@ -103,8 +152,10 @@ def run(
     seqlens: list[int] | None = None,
 ) -> None:
     """The main benchmark at every T of ALL_T (``quick``: T = 4096 only; ``seqlens``: those T,
-    written under the tag ``seqlens-<T>-<T>...`` so the full results file is left alone)."""
-    if not torch.cuda.is_available():
+    written under the tag ``seqlens-<T>-<T>...`` so the full results file is left alone), in two
+    gate regimes, then one packed variable-length batch. Every candidate's output and gradients are
+    checked at the shape before it is timed (``gradient_check``); one that fails is not timed."""
+    if DEVICE == "cuda" and not torch.cuda.is_available():
         raise SystemExit("repro.kda.bench needs a CUDA GPU")
     from repro.kda import chunk as ck
 
@@ -124,14 +175,18 @@ def run(
         package="kda",
         title="KDA forward and forward+backward, H=16, K=V=128, bf16",
         peer="flash-linear-attention 0.6.0",
-        columns=["impl", "B", "T", "pass", "ms", "rel_err_vs_fla"],
+        columns=["impl", "gates", "B", "T", "pass", "ms", "ms_min", "ms_max", "check", "rel_err_vs_fla"],
         packages=["flash-linear-attention", "fla-core"],
         notes=(
-            "B*T = 16384 tokens except T = 65536 (B = 1, 65536 tokens). "
+            "B*T = 16384 tokens except T = 65536 (B = 1, 65536 tokens). gates: 'std' g = logsigmoid(x) * 0.5, "
+            "'mild' g = logsigmoid(x) / 10 (fla's gate_logit_normalizer 10); 'varlen' rows: one packed batch "
+            "of 16384 tokens in sequences of different lengths (cu_seqlens). "
             f"ours: Triton forward ({forward}) and "
-            f"Triton backward (chunk.BACKWARD = {backward!r}); settings {settings}. rel_err_vs_fla: our forward output against fla's chunk_kda on the "
-            f"same bf16 inputs. Each row: median of {ROUNDS} rounds in which every implementation and pass "
-            "at that T is timed in turn."
+            f"Triton backward (chunk.BACKWARD = {backward!r}); settings {settings}. Before timing, ours and "
+            "fla_kda are checked at the row's shape: output and gradients in bf16 against our fp32 path "
+            f"(relative error under {CHECK_TOL}); 'check' says so. rel_err_vs_fla: our forward output against "
+            f"fla's chunk_kda on the same bf16 inputs. Each row: median (and range) of {ROUNDS} rounds in "
+            "which every implementation and pass at that shape is timed in turn (paperclub.bench.measure)."
         ),
         measure_ceilings=False,
     )
@@ -143,17 +198,32 @@ def run(
     skipped: list[str] = []
     failed: list[str] = []
     base_notes = report.notes
-    for T in Ts:
-        B = max(1, TOKENS // T)
-        inputs = make_inputs(B, T)
+    reference = fp32_path()
+    shapes = [(gates, T) for T in Ts for gates in GATES]
+    if not quick and not seqlens:
+        shapes.append(("varlen", TOKENS))
+    for gates, T in shapes:
+        if time.perf_counter() - start > budget_s:
+            skipped.append(f"{gates}@T={T}")
+            continue
+        if gates == "varlen":
+            B, cu = 1, varlen_offsets(TOKENS)
+            inputs = make_inputs(1, TOKENS, gate_scale=GATES["std"])
+            cands = {n: f for n, f in impls(cu_seqlens=cu).items() if n in fns}
+        else:
+            B, cu = max(1, TOKENS // T), None
+            inputs = make_inputs(B, T, gate_scale=GATES[gates])
+            # the mild regime times ours and fla's KDA only: the other rows do not depend on the gates
+            cands = {n: f for n, f in fns.items() if gates == "std" or n in ("ours", "fla_kda")}
         errs = {}
-        if "fla_kda" in fns and "ours" in fns:
-            errs["ours"] = rel_error(fns["ours"](*inputs).float(), fns["fla_kda"](*inputs).float())
-        timers = []  # (name, label, timer): each compiled (and autotuned) once, then timed in rounds
-        for name, fn in fns.items():
-            if time.perf_counter() - start > budget_s:
-                skipped.append(f"{name}@T={T}")
-                continue
+        if "fla_kda" in cands and "ours" in cands:
+            errs["ours"] = rel_error(cands["ours"](*inputs).float(), cands["fla_kda"](*inputs).float())
+        candidates = {}
+        for name, fn in cands.items():
+            check = None
+            if name in ("ours", "fla_kda"):
+                ref = (lambda *x, cu=cu: reference(*x, cu_seqlens=cu)) if cu is not None else reference
+                check = lambda fn=fn, ref=ref, x=inputs: gradient_check(fn, x, ref)  # noqa: E731
             leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
             do = torch.randn_like(inputs[2])
 
@@ -161,28 +231,36 @@ def run(
                 o = fn(*leaves)
                 return torch.autograd.grad(o, leaves, do, allow_unused=True)
 
-            for label, f in (("fwd", lambda fn=fn, x=inputs: fn(*x)), ("fwd+bwd", fwd_bwd)):
-                try:
-                    time_ms(f, warmup=1, rep=1)
-                except Exception as exc:  # a peer that refuses to run is a result, not a crash
-                    failed.append(
-                        f"{name} {label} at T={T}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-                    )
-                    print(f"T={T:6d} {name} {label} failed: {failed[-1]}", flush=True)
-                    continue
-                timers.append((name, label, f))
-        times: list[list[float]] = [[] for _ in timers]
-        for _ in range(ROUNDS):  # in turn, so that clock drift hits every implementation alike
-            for i, (_, _, f) in enumerate(timers):
-                times[i].append(time_ms(f))
-        for (name, label, _), ts in zip(timers, times, strict=True):
-            ms = statistics.median(ts)
+            candidates[(name, "fwd")] = Candidate(fn=lambda fn=fn, x=inputs: fn(*x), check=check)
+            candidates[(name, "fwd+bwd")] = Candidate(fn=fwd_bwd, check=None)
+        # the check of a name runs once, on its fwd candidate; its fwd+bwd row inherits the verdict
+        res = measure(
+            {f"{n}|{p}": c for (n, p), c in candidates.items() if p == "fwd"}, rounds=1, rep=1, warmup=1
+        )
+        ok = {key.split("|")[0] for key, m in res.items() if m.ok}
+        for key, m in res.items():
+            if not m.ok:
+                failed.append(f"{key.split('|')[0]} at {gates} T={T}: {m.error}")
+                print(f"{gates} T={T:6d} {key} not timed: {m.error}", flush=True)
+        timed = {f"{n}|{p}": Candidate(fn=c.fn) for (n, p), c in candidates.items() if n in ok}
+        res.update(measure(timed, rounds=ROUNDS))
+        for key, m in res.items():
+            name, label = key.split("|")
+            if m.ok and m.median_ms is None:
+                continue
             err = errs.get(name) if label == "fwd" else None
-            report.add(impl=name, B=B, T=T, ms=round(ms, 4), rel_err_vs_fla=err, **{"pass": label})
-            print(
-                f"T={T:6d} B={B:2d} {name:11s} {label:8s} {ms:8.3f} ms ({min(ts):.3f}-{max(ts):.3f})",
-                flush=True,
-            )
+            verdict = "ok" if name in ok else res[f"{name}|fwd"].row()["check"]
+            if name not in ("ours", "fla_kda"):
+                verdict = "not checked (another function)"
+            row = m.row()
+            row["check"] = verdict
+            report.add(impl=name, gates=gates, B=B, T=T, rel_err_vs_fla=err, **row, **{"pass": label})
+            if m.median_ms is not None:
+                print(
+                    f"{gates:6s} T={T:6d} B={B:2d} {name:11s} {label:8s} {m.median_ms:8.3f} ms "
+                    f"({m.min_ms:.3f}-{m.max_ms:.3f})",
+                    flush=True,
+                )
         del inputs
         torch.cuda.empty_cache()
         report.notes = (
@@ -191,13 +269,40 @@ def run(
             + (f" Failed: {'; '.join(failed)}." if failed else "")
         )
         report.write(out_dir=out_dir, tag=tag)  # keep what was measured so far
-    report.plot(
-        title="forward time", x="T", y="ms", series="impl", where={"pass": "fwd"}, logx=True, logy=True
+    report.notes = (
+        base_notes
+        + (f" Not measured (time budget of the run): {', '.join(skipped)}." if skipped else "")
+        + (f" Failed: {'; '.join(failed)}." if failed else "")
     )
-    report.plot(title="forward + backward time", x="T", y="ms", series="impl", where={"pass": "fwd+bwd"},
-                logx=True, logy=True)  # fmt: skip
+    for gates in GATES:
+        report.plot(title=f"forward time, {gates} gates", x="T", y="ms", series="impl",
+                    where={"pass": "fwd", "gates": gates}, logx=True, logy=True)  # fmt: skip
+        report.plot(title=f"forward + backward time, {gates} gates", x="T", y="ms", series="impl",
+                    where={"pass": "fwd+bwd", "gates": gates}, logx=True, logy=True)  # fmt: skip
     report.measure_ceilings = not quick and time.perf_counter() - start < budget_s
     report.write(out_dir=out_dir, tag=tag)
+
+
+def varlen_offsets(total: int, device: str | None = None) -> torch.Tensor:
+    """Offsets of a packed batch of ``total`` tokens in sequences of varied lengths (fixed seed):
+    long and short ones as a pretraining batch of documents has them."""
+    gen = torch.Generator().manual_seed(0)
+    lengths, left = [], total
+    while left > 0:
+        n = min(left, int(torch.randint(64, 4097, (1,), generator=gen)))
+        lengths.append(n)
+        left -= n
+    offsets = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    return torch.tensor(offsets, device=device or DEVICE, dtype=torch.int32)
+
+
+def fp32_path():
+    """Our chunk_kda on fp32 inputs (ieee products): the reference of the gradient check."""
+    from repro.kda import chunk_kda
+
+    return lambda q, k, v, g, beta, cu_seqlens=None: chunk_kda(
+        q.float(), k.float(), v.float(), g.float(), beta.float(), cu_seqlens=cu_seqlens
+    )[0]
 
 
 def breakdown(B: int = 8, T: int = 2048, names: tuple[str, ...] = ("ours", "fla_kda")) -> dict:

@@ -1,0 +1,42 @@
+"""The benchmark's logic on the CPU at toy sizes: every shape is checked before it is timed, a
+failing check keeps its row out of the timings, and the report has both gate regimes and varlen."""
+
+from __future__ import annotations
+
+import json
+
+from repro.kda import bench
+
+
+def test_bench_checks_before_timing(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "H", 1)
+    monkeypatch.setattr(bench, "K", 16)
+    monkeypatch.setattr(bench, "V", 16)
+    monkeypatch.setattr(bench, "TOKENS", 64)
+    monkeypatch.setattr(bench, "ALL_T", [64])
+    monkeypatch.setattr(bench, "ROUNDS", 1)
+    monkeypatch.setattr(
+        bench,
+        "varlen_offsets",
+        lambda total, device=None: __import__("torch").tensor([0, 20, 64], dtype=__import__("torch").int32),
+    )
+    real = bench.impls
+
+    def impls(cu_seqlens=None):
+        out = {n: f for n, f in real(cu_seqlens).items() if n == "ours"}
+        # a candidate whose output is wrong: its check must fail and it must not be timed
+        out["fla_kda"] = lambda q, k, v, g, beta: out["ours"](q, k, v, g, beta) * 1.5
+        return out
+
+    monkeypatch.setattr(bench, "impls", impls)
+    bench.run(quick=False, out_dir=tmp_path, budget_s=1e9)
+    doc = json.loads(next(tmp_path.glob("*.json")).read_text())
+    rows = doc["rows"]
+    shapes = {(r["gates"], r["T"]) for r in rows}
+    assert shapes == {("std", 64), ("mild", 64), ("varlen", 64)}
+    ours = [r for r in rows if r["impl"] == "ours"]
+    assert ours and all(r["check"] == "ok" and r["ms"] is not None for r in ours)
+    wrong = [r for r in rows if r["impl"] == "fla_kda"]
+    assert wrong and all(r["ms"] is None and r["check"].startswith("failed: AssertionError") for r in wrong)
+    assert "fla_kda at std T=64" in doc["notes"]
