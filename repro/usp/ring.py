@@ -25,7 +25,7 @@ from repro.usp import comm
 from repro.usp.local import LocalAttention
 from repro.usp.reference import merge
 
-__all__ = ["ring_attention", "step_plan"]
+__all__ = ["emulated_ring_attention", "ring_attention", "step_plan"]
 
 
 def step_plan(
@@ -52,24 +52,50 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _forward_step(q, k_blk, v_blk, plan, out, lse, backend: LocalAttention, scale: float):
+    """Attend the local queries to one K/V block and merge into (out, lse) in place; returns the
+    backend's aux of the first call (None if the block is fully masked)."""
+    aux0 = None
+    for qs, ks, c in plan:
+        o_b, lse_b, aux = backend.forward(q[:, qs], k_blk[:, ks], v_blk[:, ks], c, scale)
+        aux0 = aux if aux0 is None else aux0
+        o_m, lse_m = merge(out[:, qs], lse[:, :, qs], o_b.to(out.dtype), lse_b.to(lse.dtype))
+        out[:, qs], lse[:, :, qs] = o_m, lse_m
+    return aux0
+
+
+def _backward_step(do, q, k_blk, v_blk, o, lse, plan, dq, dk_blk, dv_blk, backend, scale, aux):
+    """Add one K/V block's contribution to dQ (local) and to the block's dK/dV accumulators, in place."""
+    for qs, ks, c in plan:
+        dq_b, dk_b, dv_b = backend.backward(
+            do[:, qs], q[:, qs], k_blk[:, ks], v_blk[:, ks], o[:, qs], lse[:, :, qs], c, scale, aux
+        )
+        dq[:, qs] += dq_b.to(dq.dtype)
+        dk_blk[:, ks] += dk_b.to(dk_blk.dtype)
+        dv_blk[:, ks] += dv_b.to(dv_blk.dtype)
+
+
+def _start(q):
+    """Empty running output (zeros, accumulator dtype) and LSE (-inf) for queries q [B, L, H, D]."""
+    b, length, h, d = q.shape
+    acc = _acc_dtype(q.dtype)
+    out = torch.zeros(b, length, h, d, dtype=acc, device=q.device)
+    return out, torch.full((b, h, length), float("-inf"), dtype=acc, device=q.device)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, group, layout, backend: LocalAttention):
         n, r = comm.group_size(group), comm.group_rank(group)
-        b, length, h, d = q.shape
-        acc = _acc_dtype(q.dtype)
-        out = torch.zeros(b, length, h, d, dtype=acc, device=q.device)
-        lse = torch.full((b, h, length), float("-inf"), dtype=acc, device=q.device)
+        out, lse = _start(q)
         k_cur, v_cur, aux0 = k, v, None
         for t in range(n):
             s = (r - t) % n
-            # start passing the block on before computing with it (the overlap of §2)
+            # start passing the block on before computing with it: the transfer hides behind the block
             pending = comm.ring_shift([k_cur, v_cur], group, "ring/fwd") if t < n - 1 else None
-            for qs, ks, c in step_plan(layout, causal, n, r, s, length):
-                o_b, lse_b, aux = backend.forward(q[:, qs], k_cur[:, ks], v_cur[:, ks], c, scale)
-                aux0 = aux if aux0 is None else aux0
-                o_m, lse_m = merge(out[:, qs], lse[:, :, qs], o_b.to(acc), lse_b.to(acc))
-                out[:, qs], lse[:, :, qs] = o_m, lse_m
+            plan = step_plan(layout, causal, n, r, s, q.shape[1])
+            aux = _forward_step(q, k_cur, v_cur, plan, out, lse, backend, scale)
+            aux0 = aux if aux0 is None else aux0
             if pending is not None:
                 k_cur, v_cur = pending.wait()
         o = out.to(q.dtype)
@@ -82,9 +108,8 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        group, backend = ctx.group, ctx.backend
+        group = ctx.group
         n, r = comm.group_size(group), comm.group_rank(group)
-        length = q.shape[1]
         acc = _acc_dtype(q.dtype)
         do = do.contiguous()
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -94,14 +119,10 @@ class _RingAttention(torch.autograd.Function):
             kv_pending = comm.ring_shift([k_cur, v_cur], group, "ring/bwd") if t < n - 1 else None
             dk_blk = torch.zeros(k.shape, dtype=acc, device=k.device)
             dv_blk = torch.zeros(v.shape, dtype=acc, device=v.device)
-            for qs, ks, c in step_plan(ctx.layout, ctx.causal, n, r, s, length):
-                dq_b, dk_b, dv_b = backend.backward(
-                    do[:, qs], q[:, qs], k_cur[:, ks], v_cur[:, ks], o[:, qs], lse[:, :, qs],
-                    c, ctx.scale, ctx.aux,
-                )  # fmt: skip
-                dq[:, qs] += dq_b.to(acc)
-                dk_blk[:, ks] += dk_b.to(acc)
-                dv_blk[:, ks] += dv_b.to(acc)
+            plan = step_plan(ctx.layout, ctx.causal, n, r, s, q.shape[1])
+            _backward_step(
+                do, q, k_cur, v_cur, o, lse, plan, dq, dk_blk, dv_blk, ctx.backend, ctx.scale, ctx.aux
+            )
             if dkv_in_flight is not None:  # what the ranks before me added to this block's dK/dV
                 dk_in, dv_in = dkv_in_flight.wait()
                 dk_blk += dk_in
@@ -112,6 +133,76 @@ class _RingAttention(torch.autograd.Function):
                 k_cur, v_cur = kv_pending.wait()
         dk, dv = dkv_in_flight.wait()
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+
+
+class _EmulatedRing(torch.autograd.Function):
+    """All n ranks of a ring in one process, one after the other, without communication: the same
+    steps, plans, merges and block backwards as :class:`_RingAttention`, for measuring on one GPU what
+    splitting the work costs (smaller blocks, LSE merges) and for testing large rings cheaply."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, layout, backend: LocalAttention):
+        n, length = q.shape[0], q.shape[2]
+        outs, lses, aux0 = [], [], None
+        for r in range(n):
+            out, lse = _start(q[r])
+            for t in range(n):
+                s = (r - t) % n
+                plan = step_plan(layout, causal, n, r, s, length)
+                aux = _forward_step(q[r], k[s], v[s], plan, out, lse, backend, scale)
+                aux0 = aux if aux0 is None else aux0
+            outs.append(out.to(q.dtype))
+            lses.append(lse)
+        o, lse = torch.stack(outs), torch.stack(lses)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.scale, ctx.layout, ctx.backend, ctx.aux = causal, scale, layout, backend, aux0
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        n, length = q.shape[0], q.shape[2]
+        acc = _acc_dtype(q.dtype)
+        do = do.contiguous()
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+        for t in range(n):  # the order the accumulators travel: block s gets rank s, s+1, ... in turn
+            for r in range(n):
+                s = (r - t) % n
+                plan = step_plan(ctx.layout, ctx.causal, n, r, s, length)
+                _backward_step(
+                    do[r],
+                    q[r],
+                    k[s],
+                    v[s],
+                    o[r],
+                    lse[r],
+                    plan,
+                    dq[r],
+                    dk[s],
+                    dv[s],
+                    ctx.backend,
+                    ctx.scale,
+                    ctx.aux,
+                )
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def emulated_ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float,
+    layout: str,
+    backend: LocalAttention,
+) -> torch.Tensor:
+    """Ring attention of n ranks emulated in one process. q: [n, B, L, H, D], k/v: [n, B, L, H_kv, D]:
+    rank r's shards (from :func:`repro.usp.shard` with ``layout``) stacked on dim 0. Returns
+    [n, B, L, H, D], rank r's output shard at index r."""
+    return _EmulatedRing.apply(q, k, v, causal, scale, layout, backend)
 
 
 def ring_attention(

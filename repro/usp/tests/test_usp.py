@@ -219,3 +219,26 @@ def test_shards_partition_the_sequence(n, m, layout):
     from repro.usp import shard
 
     assert torch.equal(unshard([shard(x, n, r, layout) for r in range(n)], layout), x)
+
+
+@pytest.mark.claim("usp/ring-exact", section="SP approaches: Ring-Attention")
+@settings(max_examples=15, deadline=None)
+@given(case=cases(ring=st.integers(1, 8), max_p=8))
+def test_emulated_ring_equals_single_device(case):
+    """Rings of up to 8 ranks emulated in one process (the same steps, plans and merges; what the
+    benchmark times on one GPU)."""
+    from repro.usp import shard
+    from repro.usp.local import get_backend
+    from repro.usp.ring import emulated_ring_attention
+
+    full = worker.inputs(case)
+    q, k, v, do = (torch.stack([shard(t, case.ring, r, case.layout) for r in range(case.ring)]) for t in full)
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    o = emulated_ring_attention(
+        q, k, v, causal=case.causal, scale=case.D**-0.5, layout=case.layout, backend=get_backend(case.backend)
+    )
+    o.backward(do)
+    for name, got, want in zip(
+        ("o", "dq", "dk", "dv"), (o.detach(), q.grad, k.grad, v.grad), reference(case).values(), strict=True
+    ):
+        assert_rel_close(unshard(list(got), case.layout), want, TOL[case.dtype], f"{name} ({case})")
