@@ -98,6 +98,11 @@ if interpreting():
         tl.store(CUMSUM + rm[:, None] * N + rn[None, :], tl.cumsum(x, axis=1))
 
     @triton.jit
+    def _exp_kernel(X, Y, N: tl.constexpr):
+        r = tl.arange(0, N)
+        tl.store(Y + r, tl.exp(tl.load(X + r)))
+
+    @triton.jit
     def _atomic_kernel(OUT, IDX, VAL, N: tl.constexpr):
         r = tl.arange(0, N)
         tl.atomic_add(OUT + tl.load(IDX + r), tl.load(VAL + r), mask=r < N - 1)
@@ -247,6 +252,15 @@ def test_bf16_reductions_match_torch():
     torch.testing.assert_close(mn, x.min(1).values, rtol=0, atol=0)
     torch.testing.assert_close(am, x.float().argmax(1).int(), rtol=0, atol=0)
     torch.testing.assert_close(cs, x.float().cumsum(1).bfloat16(), rtol=2**-8, atol=1e-2)
+
+
+@needs_interpreter
+def test_bf16_math_is_refused_as_on_the_gpu():
+    """tl.exp & co. accept fp32 / fp64 only (libdevice's rule): bf16 is an error, in the interpreter as
+    on the GPU, never a silent result; kernels widen first (``x.to(tl.float32)``)."""
+    x = _bf16(16, seed=11)
+    with pytest.raises(Exception, match=r"Expected dtype \['fp32', 'fp64'\] but got bf16"):
+        _exp_kernel[(1,)](x, torch.empty_like(x), 16)
 
 
 @needs_interpreter

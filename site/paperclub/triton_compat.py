@@ -210,7 +210,7 @@ def _fix_interpreter_bf16() -> None:
     def create_atomic_rmw(self, rmwOp, ptr, val, mask, sem, scope):
         # Triton allows only add on bf16. Programs run one at a time in the interpreter, so a
         # read-add-write per lane, in lane order, is atomic; lanes hitting one address all add.
-        if not is_bf16(val):
+        if not is_bf16(val) or rmwOp != interpreter._ir.ATOMIC_OP.FADD:
             return original_rmw(self, rmwOp, ptr, val, mask, sem, scope)
         ptrs, vals, masks = np.broadcast_arrays(ptr.data, val.data, mask.data)
         old = np.zeros(ptrs.shape, dtype=np.uint16)

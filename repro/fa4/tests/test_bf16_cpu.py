@@ -34,13 +34,14 @@ def _sdpa64(q, k, v, causal):
 @pytest.mark.parametrize("heads", [(2, 2), (4, 2)], ids=["mha", "gqa"])
 @pytest.mark.parametrize(
     "switches",
-    [{}, {"lazy_rescale": False, "soft_exp": 2, "pingpong": True}],
-    ids=["default", "fa2-rescale-soft-exp-pingpong"],
+    [{}, {"lazy_rescale": False, "soft_exp": 2, "pingpong": True, "persistent": True, "tma": True}],
+    ids=["default", "other-paths"],
 )
 def test_attention_bf16_forward_and_gradients(causal, heads, switches):
     """attention on bf16 q, k, v (S = 80, D = 64): output and dq, dk, dv within 1e-2 of fp64 SDPA,
-    with FA4's default switches and with the other forward paths (every-block rescale, the
-    polynomial exp2 on half the columns, two query tiles per program)."""
+    with FA4's default switches and with the other forward paths at once (every-block rescale, the
+    polynomial exp2 on half the columns, two query tiles per program, a persistent grid, K/V through
+    tensor descriptors)."""
     h, h_kv = heads
     g = torch.Generator().manual_seed(h + 2 * causal)
     q, k, v = (torch.randn(1, 80, n, 64, generator=g).bfloat16() for n in (h, h_kv, h_kv))
