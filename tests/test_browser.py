@@ -138,3 +138,46 @@ def test_palette_toggles_between_light_and_dark(page, server):
     before = page.get_attribute("body", "data-md-color-scheme")
     page.click("form[data-md-component='palette'] label:visible")
     page.wait_for_function(f"document.body.getAttribute('data-md-color-scheme') !== '{before}'")
+
+
+def test_claims_dashboard_fits_a_1400_pixel_window(page, server, tmp_path):
+    """The claims tables stay inside the page at 1400 px, the statement keeps a readable column, and
+    parametrised cases fold under their test function. A screenshot is left in the test's tmp dir."""
+    page.set_viewport_size({"width": 1400, "height": 900})
+    page.goto(server + "/claims/")
+    page.wait_for_selector(".claims-table .md-typeset__scrollwrap table")  # Material's wrapper is in place
+    first = page.locator("details.claim-test").first
+    first.locator("summary").click()  # one group open: its cases must fit too
+    page.wait_for_function("document.querySelector('details.claim-test').open")
+    measure = """() => ({
+      page: document.documentElement.scrollWidth,
+      content: document.querySelector('.md-content').getBoundingClientRect().right,
+      tables: Array.from(document.querySelectorAll('.md-content table')).map(t => {
+        const wrap = t.closest('.md-typeset__scrollwrap') || t.parentElement;
+        const statement = t.querySelector('tbody td');
+        return {scroll: t.scrollWidth, client: t.clientWidth, wrapScroll: wrap.scrollWidth,
+                wrapClient: wrap.clientWidth, right: t.getBoundingClientRect().right,
+                claims: t.closest('.claims-table') !== null,
+                statement: statement ? statement.getBoundingClientRect().width : 0};
+      })})"""
+    m = page.evaluate(measure)
+    shot = tmp_path / "claims-1400.png"
+    page.screenshot(path=str(shot), full_page=True)
+    print(f"screenshot: {shot}")
+    assert m["page"] <= 1400, f"the page scrolls sideways: {m['page']} px wide"
+    claims_tables = [t for t in m["tables"] if t["claims"]]
+    assert claims_tables, "no claims table on the dashboard"
+    for t in m["tables"]:
+        assert t["scroll"] <= t["client"] + 1 and t["wrapScroll"] <= t["wrapClient"] + 1, t
+        assert t["right"] <= m["content"] + 1, t
+    for t in claims_tables:
+        assert t["statement"] >= 0.3 * t["client"] and t["statement"] >= 280, f"statement squeezed: {t}"
+    # each test function is one entry; its parametrised cases are listed only inside its <details>
+    cases = page.locator("details.claim-test[open] .claim-cases code").count()
+    assert cases >= 2
+    content, _ = load(ROOT)
+    recorded = sum(len(content.record(c).tests) for c in content.claims.values())
+    groups = page.locator(".claims-table .claim-test").count()
+    assert groups == sum(len(content.record(c).groups) for c in content.claims.values())
+    assert groups < recorded, "parametrised cases should be grouped under their test function"
+    assert not page.js_errors, page.js_errors

@@ -33,8 +33,15 @@ def test_broken_fixture_is_rejected_with_a_clear_message(tmp_path, case):
     result = paperclub("--root", str(root), "check")
     assert result.returncode == 1, f"{case}: check should fail\n{result.stdout}{result.stderr}"
     assert "Traceback" not in result.stderr
+    # expect.txt: fragments the messages must hold; a line starting with '!' must NOT appear (a mistake
+    # that only follows from the first one, e.g. a paper listing a session whose session.yaml failed)
     for fragment in (FIXTURES / "broken" / case / "expect.txt").read_text().splitlines():
-        assert fragment in result.stderr, f"{case}: expected {fragment!r} in:\n{result.stderr}"
+        if fragment.startswith("!"):
+            assert fragment[1:] not in result.stderr, (
+                f"{case}: {fragment[1:]!r} follows from another error:\n{result.stderr}"
+            )
+        else:
+            assert fragment in result.stderr, f"{case}: expected {fragment!r} in:\n{result.stderr}"
     # every line names a file of the repository
     for line in result.stderr.splitlines():
         if line.startswith("error: "):
@@ -108,3 +115,30 @@ def test_problem_messages_say_what_to_do(tmp_path):
     _, problems = load(Path(root))
     [p] = [p for p in problems if p.field == "papers"]
     assert "add the BibTeX entry or fix the key" in p.message
+
+
+def test_one_mistake_one_message(tmp_path):
+    """The issue's case: a session.yaml with an impossible date is one mistake, reported once; the paper
+    page that lists the session is not also told that the folder is missing (it is there)."""
+    root = make_repo(tmp_path)
+    path = root / "sessions/2026-01-04-example-session/session.yaml"
+    path.write_text(path.read_text().replace("date: 2026-01-04", "date: 2026-13-45"))
+    _, problems = load(root)
+    assert [str(p) for p in problems] == [
+        "sessions/2026-01-04-example-session/session.yaml: field 'date': '2026-13-45' is not a real date; "
+        "write YYYY-MM-DD, or YYYY-MM when only the month is known"
+    ]
+
+
+def test_a_dangling_reference_is_still_reported(tmp_path):
+    """Suppression is only for what exists and failed: a paper listing a folder that is not there is a mistake."""
+    root = make_repo(tmp_path)
+    path = root / "sessions/2026-01-04-example-session/session.yaml"
+    path.write_text(path.read_text().replace("date: 2026-01-04", "date: 2026-13-45"))
+    paper = root / "papers/doe2026example.md"
+    paper.write_text(
+        paper.read_text().replace("sessions: [2026-01-04-example-session]", "sessions: [2026-01-05-gone]")
+    )
+    _, problems = load(root)
+    assert {p.field for p in problems} == {"date", "sessions"}
+    assert any("'2026-01-05-gone' is not a folder in sessions/" in str(p) for p in problems)

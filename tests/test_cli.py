@@ -1,11 +1,15 @@
-"""`paperclub new-session`: scaffolds a session that passes `check` and appears in the built site."""
+"""The `paperclub` command: it works on the checkout you stand in (found upward, as git does; `--root`
+overrides), and `new-session` scaffolds a session that passes `check` and appears in the built site."""
 
 from __future__ import annotations
 
 import io
 import os
+import re
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -127,3 +131,101 @@ def test_scaffolded_session_appears_in_the_built_site(tmp_path):
     assert "2026-12-06-demystifying-collectives" in index
     assert (out / "slides" / "2026-12-06-demystifying-collectives" / "index.html").exists()
     assert os.path.exists(out / "papers" / "hopper2026study" / "index.html")
+
+
+# ---------------------------------------------------------------- the checkout you stand in
+
+MEGABLOCKS = "sessions/2025-10-19-megablocks/session.yaml"
+
+
+def _installed(*args: str, cwd) -> subprocess.CompletedProcess:
+    """The console script that `pip install -e .` put beside this Python, run as a new user would."""
+    script = Path(sys.executable).with_name("paperclub")
+    assert script.exists(), f"{script} is missing: install the project (pip install -e .)"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([str(script), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def _errors(result: subprocess.CompletedProcess) -> set[str]:
+    return {line for line in result.stderr.splitlines() if line.startswith("error: ")}
+
+
+@pytest.fixture(scope="module")
+def second_clone(tmp_path_factory) -> Path:
+    """A second clone of this repository (its committed state), as a contributor would have."""
+    dest = tmp_path_factory.mktemp("clone") / "reading-group"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(dest)], check=True, timeout=120)
+    assert (dest / MEGABLOCKS).exists()
+    return dest
+
+
+def test_check_validates_the_clone_you_stand_in(second_clone, tmp_path):
+    """The issue's case: the command installed from one clone, run inside a second clone whose megablocks
+    session has `date: 2026-13-45`, reports that date (and only that) and fails, from any folder of it."""
+    pristine = _installed("check", cwd=second_clone)
+    assert "Traceback" not in pristine.stderr
+    broken = tmp_path / "broken"
+    shutil.copytree(second_clone, broken, ignore=shutil.ignore_patterns(".git"))
+    yaml_path = broken / MEGABLOCKS
+    text = yaml_path.read_text()
+    assert re.search(r"^date: 2025-10-19$", text, re.M)
+    yaml_path.write_text(re.sub(r"^date: .*$", "date: 2026-13-45", text, flags=re.M))
+    for cwd in (broken, broken / "sessions" / "2025-10-19-megablocks", broken / "papers"):
+        result = _installed("check", cwd=cwd)
+        assert result.returncode == 1, f"from {cwd}:\n{result.stdout}{result.stderr}"
+        new = _errors(result) - _errors(pristine)
+        assert new == {
+            f"error: {MEGABLOCKS}: field 'date': '2026-13-45' is not a real date; "
+            "write YYYY-MM-DD, or YYYY-MM when only the month is known"
+        }, result.stderr
+        # one mistake, one message: the paper page listing the session is not told the folder is missing
+        assert "is not a folder in sessions/" not in result.stderr
+        assert str(broken) in result.stderr  # says which checkout it validated
+    # --root still names the repository, wherever one stands
+    by_root = _installed("--root", str(broken), "check", cwd=second_clone)
+    assert by_root.returncode == 1 and _errors(by_root) == _errors(_installed("check", cwd=broken))
+    fixture = make_repo(tmp_path / "fixture")
+    assert _installed("--root", str(fixture), "check", cwd=broken).stdout.startswith("ok: 1 sessions")
+
+
+def test_claims_lists_the_clone_you_stand_in(second_clone, tmp_path):
+    """`paperclub claims` reads the claims of the checkout it runs in (a claim only the clone registers shows)."""
+    clone = tmp_path / "claims-clone"
+    shutil.copytree(second_clone, clone, ignore=shutil.ignore_patterns(".git"))
+    toy = clone / "repro" / "toyclone"
+    (toy / "tests").mkdir(parents=True)
+    (toy / "claims.yaml").write_text(
+        "paper: doe2026example\nclaims:\n  - id: toyclone/only-here\n    section: '§1'\n"
+        "    statement: Only the second clone registers this.\n"
+    )
+    result = _installed("claims", "--brief", cwd=clone / "repro")
+    assert result.returncode == 0, result.stderr
+    assert "toyclone/only-here" in result.stdout
+    assert "toyclone/only-here" not in _installed("claims", "--brief", cwd=ROOT).stdout
+
+
+@pytest.mark.parametrize("command", [["check"], ["claims"], ["new-session", "--title", "Nowhere"]])
+def test_outside_any_checkout_says_so(tmp_path, command):
+    nowhere = tmp_path / "not-a-checkout"
+    nowhere.mkdir()
+    result = _installed(*command, cwd=nowhere)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "is not inside a checkout" in result.stderr and "--root" in result.stderr
+    assert "Traceback" not in result.stderr and not result.stdout
+    assert not list(nowhere.iterdir()), "nothing is written outside a checkout"
+
+
+def test_root_that_is_not_a_folder_is_a_clear_error(tmp_path):
+    result = _installed("--root", str(tmp_path / "missing"), "check", cwd=tmp_path)
+    assert result.returncode == 2 and "is not a folder" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_find_root_walks_upward(tmp_path):
+    root = tmp_path / "repo"
+    (root / "sessions" / "2026-01-04-x").mkdir(parents=True)
+    (root / "mkdocs.yml").write_text("site_name: x\n")
+    assert cli.find_root(root / "sessions" / "2026-01-04-x") == root
+    assert cli.find_root(root) == root
+    (tmp_path / "lonely").mkdir()
+    with pytest.raises(cli.NotACheckout):
+        cli.find_root(tmp_path / "lonely")

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+from pathlib import Path
 
 from paperclub import ROOT
+from paperclub.claims import summary
 from paperclub.content import load, split_slides
+from paperclub.sitegen import claims_dashboard
+from tests.conftest import FIXTURES, make_repo, paperclub
 
 CONTENT, _ = load(ROOT)
 
@@ -67,7 +72,7 @@ def test_claims_and_benchmarks_pages_list_every_claim_and_result(built_site):
             continue
         assert f'id="{name}"' in bench_html
         for f in (repro.path / "results").glob("*.json"):
-            if f.name != "claims.json":
+            if f.name not in ("claims.json", "claims-gpu.json"):
                 doc = json.loads(f.read_text())
                 assert doc["device"] in bench_html
 
@@ -116,3 +121,98 @@ def test_no_page_loads_anything_from_the_internet(built_site):
         if re.search(r"@import\s+url\(['\"]?https?:", css.read_text(errors="replace")):
             offenders.append(str(css.relative_to(built_site)))
     assert not offenders, offenders[:10]
+
+
+# ---------------------------------------------------------------- the claims dashboard: CPU and GPU outcomes
+
+
+def gpu_claims_repo(tmp_path: Path) -> Path:
+    """The valid fixture with a reproduction whose claims ran on CPUs only, on a GPU too, or not at all."""
+    root = make_repo(tmp_path)
+    shutil.copytree(FIXTURES / "gpu-claims" / "repro", root / "repro")
+    return root
+
+
+def render(markdown_text: str) -> str:
+    import markdown
+
+    return markdown.markdown(
+        markdown_text, extensions=["tables", "md_in_html", "attr_list", "pymdownx.details"]
+    )
+
+
+def test_claim_records_keep_cpu_and_gpu_apart(tmp_path):
+    content, problems = load(gpu_claims_repo(tmp_path))
+    assert not problems, problems  # claims-gpu.json is a claims record, not a benchmark result
+    exact = content.record(content.claims["toy/exact"])
+    assert (exact.status, exact.cpu, exact.gpu) == ("failed", "passed", "failed")
+    assert exact.gpu_devices == ["NVIDIA H100 80GB HBM3"]
+    groups = {g.name: g for g in exact.groups}
+    assert set(groups) == {"test_exact", "test_exact_on_gpu"}
+    assert len(groups["test_exact"].cases) == 3
+    assert (groups["test_exact"].status("cpu"), groups["test_exact"].status("gpu")) == ("passed", "not run")
+    on_gpu = groups["test_exact_on_gpu"]
+    assert (on_gpu.status("cpu"), on_gpu.status("gpu")) == ("skipped", "failed")
+    assert summary(on_gpu, "gpu") == "failed (1 failed, 1 passed)"
+    cpu_only = content.record(content.claims["toy/cpu-only"])
+    assert (cpu_only.status, cpu_only.cpu, cpu_only.gpu) == ("passed", "passed", "not run")
+    checked = content.record(content.claims["toy/gpu-checked"])
+    assert (checked.status, checked.cpu, checked.gpu) == ("passed", "passed", "passed")
+    assert content.status(content.claims["toy/big-machine"])[0] == "not reproducible"
+
+
+def test_a_missing_gpu_record_reads_as_not_run(tmp_path):
+    root = gpu_claims_repo(tmp_path)
+    (root / "repro/toy/results/claims-gpu.json").unlink()
+    content, problems = load(root)
+    assert not problems, problems
+    for cid in ("toy/exact", "toy/cpu-only", "toy/gpu-checked"):
+        rec = content.record(content.claims[cid])
+        assert rec.gpu == "not run" and rec.cpu == "passed" and rec.status == "passed", cid
+    assert "not run on a GPU" in claims_dashboard(content)
+
+
+def test_dashboard_shows_where_each_claim_was_checked(tmp_path):
+    content, _ = load(gpu_claims_repo(tmp_path))
+    page = render(claims_dashboard(content))
+    rows = {
+        cid: row for row in re.findall(r"<tr>(.*?)</tr>", page, re.S) for cid in content.claims if cid in row
+    }
+    assert set(rows) == set(content.claims), "one table row per claim"
+    cells = {cid: re.findall(r"<td>(.*?)</td>", row, re.S) for cid, row in rows.items()}
+    assert all(len(c) == 4 for c in cells.values()), cells  # claim, CPU, GPU, checked by
+    # checked on CPUs only reads apart from checked on a GPU (which names the device)
+    assert "not run on a GPU" in cells["toy/cpu-only"][2] and "H100" not in cells["toy/cpu-only"][2]
+    assert (
+        "status-passed" in cells["toy/gpu-checked"][2]
+        and "on NVIDIA H100 80GB HBM3" in cells["toy/gpu-checked"][2]
+    )
+    assert "status-failed" in cells["toy/exact"][2] and "status-passed" in cells["toy/exact"][1]
+    # parametrised cases are grouped under their function, with a count and the worst outcome, folded
+    exact = cells["toy/exact"][3]
+    assert exact.count("<details") == 2 and "test_exact</code></a> ×3" in exact
+    summary_gpu = re.search(r"test_exact_on_gpu</code></a> ×2.*?</summary>", exact, re.S).group(0)
+    assert "failed (1 failed, 1 passed)" in summary_gpu
+    assert "<code>bf16</code>" in exact and "<code>fp16</code>" in exact
+    assert "We have no thousand GPUs." in cells["toy/big-machine"][3]
+    # the statement is in the claim's own cell, beside its id and section
+    assert "The toy kernel equals its reference for every shape." in cells["toy/exact"][0]
+    assert (
+        "2 claim(s) have tests that ran on a GPU (NVIDIA H100 80GB HBM3); 1 were checked on CPUs only" in page
+    )
+
+
+def test_paperclub_claims_prints_cpu_and_gpu(tmp_path):
+    root = gpu_claims_repo(tmp_path)
+    out = paperclub("--root", str(root), "claims")
+    assert out.returncode == 0, out.stderr
+    lines = {
+        line.split()[1]: line for line in out.stdout.splitlines() if line.startswith(("passed", "failed"))
+    }
+    assert "passed on NVIDIA H100 80GB HBM3" in lines["toy/gpu-checked"]
+    assert "passed    not run" in lines["toy/cpu-only"]
+    assert "failed on NVIDIA H100 80GB HBM3" in lines["toy/exact"]
+    assert re.search(
+        r"test_exact_on_gpu \(2 cases\)\s+CPU skipped; GPU failed \(1 failed, 1 passed\)", out.stdout
+    )
+    assert re.search(r"test_exact \(3 cases\)\s+CPU passed; GPU not run", out.stdout)

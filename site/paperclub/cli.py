@@ -2,7 +2,12 @@
 
     paperclub check                      validate every session, paper, bib entry and claim
     paperclub new-session [options]      scaffold sessions/<date>-<slug>/ (and a paper page and bib entry)
-    paperclub claims                     list every claim with its status
+    paperclub claims                     list every claim with its status on CPUs and on a GPU
+
+Every subcommand works on the checkout you stand in: like git and mkdocs, it looks for the
+repository root from the current directory upward (the first folder holding both ``mkdocs.yml``
+and a ``sessions/`` folder), whichever clone the ``paperclub`` command was installed from.
+``--root DIR`` names the repository instead. Outside any checkout it says so and exits with status 2.
 
 Errors are printed one per line as ``file: field 'x': what is wrong (what to do)`` and the
 command exits with status 1; no traceback.
@@ -17,36 +22,87 @@ import re
 import sys
 from pathlib import Path
 
-from paperclub import ROOT
 from paperclub.bibliography import format_entry
+
+ROOT_MARKERS = ("mkdocs.yml", "sessions/")
+"""What marks a repository root: the site's config file beside the sessions folder."""
+
+
+class NotACheckout(Exception):
+    """The current directory is not inside a checkout of the repository, and no --root was given."""
+
+
+def is_root(path: Path) -> bool:
+    return (path / "mkdocs.yml").is_file() and (path / "sessions").is_dir()
+
+
+def find_root(start: Path | None = None) -> Path:
+    """The repository root holding ``start`` (default: the current directory), searched upward."""
+    here = Path(start if start is not None else Path.cwd()).resolve()
+    for folder in (here, *here.parents):
+        if is_root(folder):
+            return folder
+    raise NotACheckout(
+        f"error: {here} is not inside a checkout of the reading group's repository "
+        f"(no folder from here upward holds both {' and '.join(ROOT_MARKERS)}); "
+        "cd into your clone, or pass --root DIR"
+    )
+
+
+def resolve_root(arg: str | None) -> Path:
+    """``--root`` when given (it must be a folder), else the checkout around the current directory."""
+    if arg is None:
+        return find_root()
+    root = Path(arg).expanduser().resolve()
+    if not root.is_dir():
+        raise NotACheckout(f"error: --root '{arg}' is not a folder")
+    return root
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     from paperclub.content import load
 
-    content, problems = load(Path(args.root))
+    content, problems = load(args.root)
     if problems:
         for p in problems:
             print(f"error: {p}", file=sys.stderr)
         print(
-            f"\n{len(problems)} problem(s) found; fix them and run 'paperclub check' again.", file=sys.stderr
+            f"\n{len(problems)} problem(s) found in {args.root}; fix them and run 'paperclub check' again.",
+            file=sys.stderr,
         )
         return 1
     n_claims = len(content.claims)
     print(
         f"ok: {len(content.sessions)} sessions, {len(content.papers)} papers, {len(content.bib)} bib entries, "
-        f"{len([r for r in content.repros.values() if not r.planned])} reproductions, {n_claims} claims"
+        f"{len([r for r in content.repros.values() if not r.planned])} reproductions, {n_claims} claims "
+        f"(in {args.root})"
     )
     return 0
 
 
 def cmd_claims(args: argparse.Namespace) -> int:
+    from paperclub.claims import NOT_RUN, summary
     from paperclub.content import load
 
-    content, problems = load(Path(args.root))
+    content, problems = load(args.root)
+    if problems:
+        print(
+            f"note: the content has {len(problems)} problem(s); 'paperclub check' lists them", file=sys.stderr
+        )
+    print(f"{'status':17s} {'claim':45s} {'CPU':9s} GPU")
     for claim in sorted(content.claims.values(), key=lambda c: c.id):
-        status, _ = content.status(claim)
-        print(f"{status:17s} {claim.id:45s} {claim.section}")
+        rec = content.record(claim)
+        if not claim.reproducible:
+            print(f"{rec.status:17s} {claim.id:45s} {claim.section}: {claim.reason}")
+            continue
+        gpu = rec.gpu if rec.gpu == NOT_RUN else f"{rec.gpu} on {', '.join(rec.gpu_devices)}"
+        print(f"{rec.status:17s} {claim.id:45s} {rec.cpu:9s} {gpu}   {claim.section}")
+        if args.brief:
+            continue
+        names = [g.name + (f" ({len(g.cases)} cases)" if len(g.cases) > 1 else "") for g in rec.groups]
+        width = max([43, *map(len, names)])
+        for g, name in zip(rec.groups, names, strict=True):
+            print(f"{'':17s}   {name:{width}s} CPU {summary(g, 'cpu')}; GPU {summary(g, 'gpu')}")
     return 0
 
 
@@ -73,7 +129,7 @@ def _ask(prompt: str, current: str | None, required: bool = True) -> str | None:
 def cmd_new_session(args: argparse.Namespace) -> int:
     from paperclub.content import URL, load
 
-    root = Path(args.root)
+    root = args.root
     title = _ask("title", args.title)
     date = _ask("date (YYYY-MM-DD, or YYYY-MM; empty if not known)", args.date, required=False)
     date_known = args.date_known or (
@@ -186,10 +242,18 @@ def _paper_template(key: str, title: str, session: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="paperclub", description="The reading group's knowledge-base tool.")
-    parser.add_argument("--root", default=str(ROOT), help="repository root (default: this checkout)")
+    parser.add_argument(
+        "--root",
+        help="repository root (default: the checkout holding the current directory, found upward "
+        "as the first folder with mkdocs.yml and sessions/)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("check", help="validate all content").set_defaults(func=cmd_check)
-    sub.add_parser("claims", help="list every claim and its last status").set_defaults(func=cmd_claims)
+    claims = sub.add_parser(
+        "claims", help="list every claim and the last status of its tests on CPUs and on a GPU"
+    )
+    claims.add_argument("--brief", action="store_true", help="one line per claim, without its tests")
+    claims.set_defaults(func=cmd_claims)
     new = sub.add_parser("new-session", help="scaffold a session folder (prompts for what is missing)")
     new.add_argument("--title")
     new.add_argument(
@@ -214,6 +278,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        args.root = resolve_root(args.root)
+    except NotACheckout as exc:
+        print(exc, file=sys.stderr)
+        return 2
     try:
         return args.func(args)
     except KeyboardInterrupt:

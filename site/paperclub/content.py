@@ -19,7 +19,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from paperclub import ROOT
 from paperclub.bibliography import BibEntry, load_bibliography
-from paperclub.claims import ClaimsError, claim_status, load_registry, load_results, package_dirs
+from paperclub.claims import (
+    GPU_RESULTS_NAME,
+    RESULTS_NAME,
+    ClaimRecord,
+    ClaimsError,
+    claim_record,
+    load_registry,
+    load_results,
+    package_dirs,
+)
 
 SLUG = r"[a-z0-9]+(?:-[a-z0-9]+)*"
 FOLDER = re.compile(
@@ -229,11 +238,24 @@ class Content:
     claims: dict = field(default_factory=dict)
     _results: dict = field(default_factory=dict, repr=False)
 
-    def status(self, claim) -> tuple[str, list[dict]]:
-        """A claim's status and its recorded tests (each package's claims.json is read once)."""
+    def record(self, claim) -> ClaimRecord:
+        """Where and how a claim's tests ran: on CPUs (claims.json) and on a GPU (claims-gpu.json).
+
+        Each package's two files are read once; a missing file means its tests did not run there.
+        """
         if claim.package not in self._results:
-            self._results[claim.package] = load_results(self.repros[claim.package].path)
-        return claim_status(claim, self._results[claim.package])
+            path = self.repros[claim.package].path
+            self._results[claim.package] = (
+                load_results(path, RESULTS_NAME),
+                load_results(path, GPU_RESULTS_NAME),
+            )
+        cpu, gpu = self._results[claim.package]
+        return claim_record(claim, cpu, gpu)
+
+    def status(self, claim) -> tuple[str, list[dict]]:
+        """A claim's overall status (CPU and GPU runs together) and its recorded tests."""
+        rec = self.record(claim)
+        return rec.status, rec.tests
 
     def sessions_newest_first(self) -> list[Session]:
         return sorted(self.sessions, key=lambda s: s.sort_key, reverse=True)
@@ -397,15 +419,56 @@ def load_repros(root: Path) -> tuple[dict[str, Repro], list[Problem]]:
     return repros, problems
 
 
+@dataclass
+class _Broken:
+    """What is there but failed to load. A cross-reference to it is not a second mistake: the first
+    message already names what to fix, so checks that follow from it stay quiet (one mistake, one message)."""
+
+    sessions: set[str] = field(default_factory=set)  # session folders whose session.yaml failed
+    papers: set[str] = field(default_factory=set)  # papers/<key>.md files that failed to load
+    bib_keys: set[str] = field(default_factory=set)  # keys written in bib/*.bib whose entry failed
+    bib: bool = False  # bib/ itself is missing
+    planned: bool = False  # repro/planned.yaml could not be read
+
+    def bib_key(self, key: str) -> bool:
+        return self.bib or key in self.bib_keys
+
+
+BIB_KEY_WRITTEN = re.compile(r"@\s*(\w+)\s*[{(]\s*([^,\s{}()]+)\s*,")
+
+
+def _keys_written(bib_dir: Path) -> set[str]:
+    """Every entry key the .bib files spell out, parsed or not (to tell a broken entry from a missing one)."""
+    keys: set[str] = set()
+    for path in sorted(bib_dir.glob("*.bib")) if bib_dir.is_dir() else []:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        for m in BIB_KEY_WRITTEN.finditer(text):
+            if m.group(1).lower() not in ("comment", "string", "preamble"):
+                keys.add(m.group(2))
+    return keys
+
+
 def load(root: Path = ROOT) -> tuple[Content, list[Problem]]:
-    """Read all content under ``root`` and cross-check it; never raises on bad content."""
+    """Read all content under ``root`` and cross-check it; never raises on bad content.
+
+    Each mistake is reported once: a cross-reference to something that exists but failed to load
+    (a session whose session.yaml is invalid, a paper page without front matter, a bib entry that
+    does not parse, an unreadable planned.yaml) is not reported again as a dangling reference.
+    """
     content = Content(root=root)
     problems: list[Problem] = []
+    broken = _Broken()
 
     content.bib, bib_problems = load_bibliography(root / "bib", root)
     problems += [Problem(*p) for p in bib_problems]
+    broken.bib = not (root / "bib").is_dir()
+    broken.bib_keys = _keys_written(root / "bib") - set(content.bib)
     content.repros, rp = load_repros(root)
     problems += rp
+    broken.planned = any(not p.field for p in rp)  # the file itself, not one of its names
 
     sessions_dir = root / "sessions"
     slugs: dict[str, str] = {}
@@ -434,19 +497,21 @@ def load(root: Path = ROOT) -> tuple[Content, list[Problem]]:
         else:
             slugs[m.group("slug")] = folder.name
         if session is None:
+            broken.sessions.add(folder.name)
             continue
         content.sessions.append(session)
-        problems += _check_session(session, m, content, root)
+        problems += _check_session(session, m, content, root, broken)
 
     papers_dir = root / "papers"
     for path in sorted(papers_dir.glob("*.md")) if papers_dir.is_dir() else []:
         paper, probs = load_paper(path, root)
         problems += probs
         if paper is None:
+            broken.papers.add(path.stem)
             continue
         content.papers[paper.key] = paper
         file = rel(path, root)
-        if paper.key not in content.bib:
+        if paper.key not in content.bib and not broken.bib_key(paper.key):
             problems.append(
                 Problem(
                     file,
@@ -456,7 +521,7 @@ def load(root: Path = ROOT) -> tuple[Content, list[Problem]]:
             )
         folders = {s.folder for s in content.sessions}
         for s in paper.meta.sessions:
-            if s not in folders:
+            if s not in folders and s not in broken.sessions:
                 problems.append(
                     Problem(
                         file,
@@ -464,7 +529,7 @@ def load(root: Path = ROOT) -> tuple[Content, list[Problem]]:
                         f"'{s}' is not a folder in sessions/; use the folder name of the session",
                     )
                 )
-        if paper.meta.repro and paper.meta.repro not in content.repros:
+        if paper.meta.repro and paper.meta.repro not in content.repros and not broken.planned:
             problems.append(
                 Problem(
                     file,
@@ -475,7 +540,7 @@ def load(root: Path = ROOT) -> tuple[Content, list[Problem]]:
 
     for s in content.sessions:
         for key in s.meta.papers:
-            if key in content.bib and key not in content.papers:
+            if key in content.bib and key not in content.papers and key not in broken.papers:
                 problems.append(
                     Problem(
                         f"papers/{key}.md",
@@ -488,12 +553,15 @@ def load(root: Path = ROOT) -> tuple[Content, list[Problem]]:
         content.claims = load_registry(root)
     except ClaimsError as exc:
         problems.append(Problem(exc.file, exc.field, exc.message))
-    problems += _check_claims(content, root)
+    problems += _check_claims(content, root, broken)
     problems += _check_results(content, root)
     return content, problems
 
 
-def _check_session(session: Session, m: re.Match | None, content: Content, root: Path) -> list[Problem]:
+def _check_session(
+    session: Session, m: re.Match | None, content: Content, root: Path, broken: _Broken | None = None
+) -> list[Problem]:
+    broken = broken or _Broken()
     meta = session.meta
     file = rel(session.path / "session.yaml", root)
     out: list[Problem] = []
@@ -509,7 +577,7 @@ def _check_session(session: Session, m: re.Match | None, content: Content, root:
                 )
             )
     for key in meta.papers:
-        if key not in content.bib:
+        if key not in content.bib and not broken.bib_key(key):
             out.append(
                 Problem(
                     file, "papers", f"'{key}' is not a key in bib/*.bib; add the BibTeX entry or fix the key"
@@ -525,7 +593,7 @@ def _check_session(session: Session, m: re.Match | None, content: Content, root:
                     f"'{meta.slides}' is neither an https:// URL nor a file in {rel(session.path, root)}/",
                 )
             )
-    if meta.repro and meta.repro not in content.repros:
+    if meta.repro and meta.repro not in content.repros and not broken.planned:
         out.append(
             Problem(
                 file,
@@ -556,7 +624,8 @@ def split_slides(text: str) -> list[str]:
     return [p.strip("\n") for p in parts if p.strip()]
 
 
-def _check_claims(content: Content, root: Path) -> list[Problem]:
+def _check_claims(content: Content, root: Path, broken: _Broken | None = None) -> list[Problem]:
+    broken = broken or _Broken()
     out: list[Problem] = []
     by_pkg: dict[str, list] = {}
     for claim in content.claims.values():
@@ -568,7 +637,7 @@ def _check_claims(content: Content, root: Path) -> list[Problem]:
         sources = "\n".join(p.read_text(encoding="utf-8") for p in _test_files(pkg, repro.path, root))
         file = rel(repro.path / "claims.yaml", root)
         for claim in claims:
-            if claim.paper not in content.bib:
+            if claim.paper not in content.bib and not broken.bib_key(claim.paper):
                 out.append(Problem(file, claim.id, f"paper '{claim.paper}' is not a key in bib/*.bib"))
             if claim.reproducible and f'"{claim.id}"' not in sources and f"'{claim.id}'" not in sources:
                 out.append(
@@ -603,7 +672,7 @@ def _check_results(content: Content, root: Path) -> list[Problem]:
             except json.JSONDecodeError as exc:
                 out.append(Problem(file, "", f"is not valid JSON ({exc.msg} at line {exc.lineno})"))
                 continue
-            if f.name == "claims.json":
+            if f.name in (RESULTS_NAME, GPU_RESULTS_NAME):
                 continue
             missing = [k for k in RESULT_KEYS if k not in doc]
             if missing:

@@ -8,6 +8,7 @@ vendored assets are written as they are.
 from __future__ import annotations
 
 import ast
+import html
 import io
 import posixpath
 import re
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from paperclub.bench import load_results as load_bench_results
 from paperclub.bench import markdown_table
+from paperclub.claims import NOT_RUN, FunctionGroup, summary
 from paperclub.content import Content, Paper, Repro, Session, split_slides
 from paperclub.slides import render_deck
 
@@ -48,7 +50,10 @@ def rel_link(from_uri: str, to_uri: str) -> str:
 
 
 def status_html(status: str) -> str:
-    cls = "status-" + status.replace(" ", "-")
+    """A coloured status; a summary such as 'failed (1 failed, 17 passed)' takes its first word's colour."""
+    word = next((k for k in sorted(STATUS_ICON, key=len, reverse=True) if status.startswith(k)), status)
+    word = NOT_RUN if status.startswith(NOT_RUN) else word
+    cls = "status-" + word.replace(" ", "-")
     return f'<span class="{cls}">{STATUS_ICON.get(status, status)}</span>'
 
 
@@ -342,23 +347,65 @@ def paper_page(content: Content, paper: Paper, site: Site) -> str:
 
 
 def claims_table(content: Content, claims: list, from_uri: str) -> str:
-    rows = ["| Claim | Section | Statement | Status | Checked by |", "|---|---|---|---|---|"]
+    """One row per claim: the claim (id, section, statement), its status on CPUs and on a GPU, and its
+    tests grouped by test function (count and worst status per machine; the cases in a <details>)."""
+    rows = [
+        '<div class="claims-table" markdown="1">',
+        "",
+        "| Claim | CPU | GPU | Checked by |",
+        "|---|---|---|---|",
+    ]
     for c in sorted(claims, key=lambda c: c.id):
-        status, tests = content.status(c)
+        rec = content.record(c)
+        claim = f'`{c.id}` <span class="claim-section">{cell(c.section)}</span><br>{cell(c.statement)}'
         if not c.reproducible:
-            checked = "— " + cell(c.reason)
-        elif tests:
-            checked = "<br>".join(
-                f"[`{cell(t['nodeid'].split('::')[-1])}`]({rel_link(from_uri, 'source/' + t['nodeid'].split('::')[0] + '.md')}) "
-                f"({t['outcome']} since {t.get('since', '?')})"
-                for t in tests
-            )
+            # a soft hyphen lets the narrow column break "reproducible" where a reader expects it
+            cpu = '<span class="status-not-reproducible">not repro&shy;ducible here</span>'
+            gpu, checked = "—", cell(c.reason)
         else:
-            checked = "no recorded run yet"
-        rows.append(
-            f"| `{c.id}` | {cell(c.section)} | {cell(c.statement)} | {status_html(status)} | {checked} |"
-        )
-    return "\n".join(rows)
+            cpu = status_html(rec.cpu) if rec.groups else "—"
+            gpu = gpu_html(rec.gpu, rec.gpu_devices) if rec.groups else "—"
+            checked = "".join(group_html(content, g, from_uri) for g in rec.groups) or "no recorded run yet"
+        rows.append(f"| {claim} | {cpu} | {gpu} | {checked} |")
+    return "\n".join([*rows, "", "</div>"])
+
+
+def gpu_html(status: str, devices: list[str]) -> str:
+    """A GPU outcome with the device it ran on; 'not run on a GPU' reads apart from a CPU-only pass."""
+    if status == NOT_RUN:
+        return '<span class="status-not-run">not run on a GPU</span>'
+    on = f'<br><span class="claim-device">on {cell(", ".join(devices))}</span>' if devices else ""
+    return status_html(status) + on
+
+
+def _case_html(outcome: dict | None, where: str) -> str:
+    """'CPU passed' / 'GPU not run'; the date and platform of the outcome in the hover title."""
+    if outcome is None:
+        return f'{where} <span class="status-not-run">{NOT_RUN}</span>'
+    title = f"{outcome['outcome']} since {outcome.get('since', '?')} on {outcome.get('platform') or '?'}"
+    return f'<span title="{cell(html.escape(title))}">{where} {status_html(outcome["outcome"])}</span>'
+
+
+def group_html(content: Content, group: FunctionGroup, from_uri: str) -> str:
+    """A test function: its name (linked to its source), number of cases, its CPU and GPU outcomes
+    (the worst case's); with several parametrised cases, a <details> that lists each case."""
+    link = f"[`{cell(group.name)}`]({rel_link(from_uri, 'source/' + group.file + '.md')})"
+    if len(group.cases) == 1:
+        case = group.cases[0]
+        params = f" `[{cell(case.params)}]`" if case.params else ""
+        detail = f"{_case_html(case.cpu, 'CPU')} · {_case_html(case.gpu, 'GPU')}"
+        return f'<span class="claim-test">{link}{params}<br>{detail}</span>'
+    statuses = f"CPU {status_html(summary(group, 'cpu'))} · GPU {status_html(summary(group, 'gpu'))}"
+    on_gpu = bool(group.records("gpu"))  # GPU per case only where some case ran on one
+    cases = "<br>".join(
+        f"`{cell(c.params)}` {_case_html(c.cpu, 'CPU')}"
+        + (f" · {_case_html(c.gpu, 'GPU')}" if on_gpu else "")
+        for c in group.cases
+    )
+    return (
+        f'<details class="claim-test"><summary>{link} ×{len(group.cases)}<br>{statuses}</summary>'
+        f'<span class="claim-cases">{cases}</span></details>'
+    )
 
 
 # ---------------------------------------------------------------- reproductions and claims
@@ -454,20 +501,36 @@ def claims_dashboard(content: Content) -> str:
     lines = [
         "# Claims",
         "",
-        "Every claim of every reproduced paper, the section that states it, the property test that checks it and",
-        "that test's last recorded outcome (`results/claims.json`, written by the pytest plugin). Claims we cannot",
-        "check here are listed with the reason: they count as **not reproduced**.",
+        "Every claim of every reproduced paper, the section that states it, the property tests that check it and",
+        "their last recorded outcomes. Where a test ran matters, so each claim has two statements: **CPU** is what",
+        "the runs on CPU machines saw (`results/claims.json`; Triton kernels run there through Triton's",
+        "interpreter, and GPU-only tests are skipped), **GPU** is what a run on a GPU saw",
+        "(`results/claims-gpu.json`, with the device). A claim checked only on CPUs reads *not run on a GPU*.",
+        "Tests parametrised over many cases are grouped under their test function with the number of cases and the",
+        "worst outcome (failed, then skipped, then passed); open a group to see each case. Claims we cannot check",
+        "here are listed with the reason: they count as **not reproduced**.",
         "",
     ]
-    all_status = {}
-    for c in content.claims.values():
-        all_status[c.id] = content.status(c)[0]
-    totals = {k: list(all_status.values()).count(k) for k in STATUS_ICON}
+    records = {c.id: content.record(c) for c in content.claims.values()}
+    statuses = [r.status for r in records.values()]
+    totals = {k: statuses.count(k) for k in STATUS_ICON}
+    on_gpu = {k: sum(r.status == k and r.gpu != NOT_RUN for r in records.values()) for k in STATUS_ICON}
     lines += (
-        ["| Status | Claims |", "|---|---|"]
-        + [f"| {status_html(k)} | {v} |" for k, v in totals.items()]
+        ["| Status | Claims | of which checked on a GPU |", "|---|---|---|"]
+        + [
+            f"| {status_html(k)} | {v} | {on_gpu[k] if k not in ('no test', 'not reproducible') else '—'} |"
+            for k, v in totals.items()
+        ]
         + [""]
     )
+    devices = sorted({d for r in records.values() for d in r.gpu_devices})
+    gpu_claims = sum(r.gpu != NOT_RUN for r in records.values())
+    lines += [
+        f"{gpu_claims} claim(s) have tests that ran on a GPU"
+        + (f" ({cell(', '.join(devices))})" if devices else "")
+        + f"; {sum(r.gpu == NOT_RUN and r.cpu != NOT_RUN for r in records.values())} were checked on CPUs only.",
+        "",
+    ]
     by_paper: dict[str, list] = {}
     for c in content.claims.values():
         by_paper.setdefault(c.paper, []).append(c)
