@@ -178,12 +178,16 @@ def run_config(
     device: str = "cuda",
     dtype=torch.bfloat16,
     block_size: int = 128,
-    rounds: int = 3,
-    rep: int = 10,
+    rounds: int = 5,
+    warmup_ms: int = 25,
+    rep_ms: int = 100,
     timer=None,
     notes: list | None = None,
 ) -> list[dict]:
-    """Every candidate at one shape and routing; returns the Report rows."""
+    """Every candidate at one shape and routing; returns the Report rows.
+
+    Timing: ``rounds`` interleaved rounds; in each, ``time_ms`` (triton's do_bench: ``warmup_ms`` and
+    ``rep_ms`` are milliseconds of calls, the median call is kept) per candidate."""
     notes = notes if notes is not None else []
     E, k, d, f, T = (dims[c] for c in ("E", "k", "d", "f", "T"))
     gen = torch.Generator(device=device).manual_seed(1)
@@ -240,7 +244,7 @@ def run_config(
     if why and why not in notes:
         notes.append(why)
     del ref
-    res = measure(cands, rounds=rounds, warmup=3, rep=rep, timer=timer)
+    res = measure(cands, rounds=rounds, warmup=warmup_ms, rep=rep_ms, timer=timer)
     flops = useful_flops(T, k, d, f)
     base = res.get("torch_grouped_mm")
     rows = []
@@ -262,7 +266,7 @@ def main(argv=None) -> Path | None:
     ap.add_argument("--quick", action="store_true", help="smaller token counts, 64e-top8 only")
     ap.add_argument("--out", default=None, help="directory for the Report JSON")
     ap.add_argument("--budget-s", type=float, default=240.0, help="stop starting configurations near this")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("repro.megablocks.bench needs a CUDA GPU", file=sys.stderr)
