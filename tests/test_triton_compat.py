@@ -59,6 +59,13 @@ if interpreting():
         tl.store(C + rm[:, None] * N + rn[None, :], c)
 
     @triton.jit
+    def _bmm_kernel(A, B, C, Z: tl.constexpr, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr):
+        rz, rm, rk, rn = tl.arange(0, Z), tl.arange(0, M), tl.arange(0, K), tl.arange(0, N)
+        a = tl.load(A + rz[:, None, None] * M * K + rm[None, :, None] * K + rk[None, None, :])
+        b = tl.load(B + rz[:, None, None] * K * N + rk[None, :, None] * N + rn[None, None, :])
+        tl.store(C + rz[:, None, None] * M * N + rm[None, :, None] * N + rn[None, None, :], tl.dot(a, b))
+
+    @triton.jit
     def _elementwise_kernel(X, Y, ADD, MUL, MAX, LT, WHERE, NEG, ABS, SQRT, N: tl.constexpr):
         r = tl.arange(0, N)
         x = tl.load(X + r)
@@ -88,9 +95,18 @@ if interpreting():
         tl.store(FULL + r, tl.full([N], 1.7, tl.bfloat16))
 
     @triton.jit
-    def _reduce_kernel(X, SUM, MAX, MIN, ARGMAX, CUMSUM, M: tl.constexpr, N: tl.constexpr):
+    def _max_combine(a, b):
+        return tl.maximum(a, b)  # bf16 in, fp32 out: the generic reduce must cope
+
+    @triton.jit
+    def _reduce_kernel(
+        X, SUM, MAX, MIN, ARGMAX, CUMSUM, TOTAL, RMAX, CUMMAX, M: tl.constexpr, N: tl.constexpr
+    ):  # fmt: skip
         rm, rn = tl.arange(0, M), tl.arange(0, N)
         x = tl.load(X + rm[:, None] * N + rn[None, :])
+        tl.store(TOTAL, tl.sum(x))
+        tl.store(RMAX + rm, tl.reduce(x, 1, _max_combine))
+        tl.store(CUMMAX + rm[:, None] * N + rn[None, :], tl.associative_scan(x, 1, _max_combine))
         tl.store(SUM + rm, tl.sum(x, axis=1))
         tl.store(MAX + rm, tl.max(x, axis=1))
         tl.store(MIN + rm, tl.min(x, axis=1))
@@ -160,6 +176,15 @@ def test_bf16_dot_matches_fp32_matmul(m, k, n, trans_b, use_acc):
     _dot_kernel[(1,)](a, b, acc, c, m, k, n, trans_b, use_acc, False, "ieee")
     ref = a.float() @ (b.float().T if trans_b else b.float()) + (acc if use_acc else 0)
     assert rel_error(c, ref) < 1e-6
+
+
+@needs_interpreter
+def test_bf16_batched_dot():
+    """A 3-D (batched) bf16 dot, [2, 16, 32] x [2, 32, 16], equals torch's fp32 bmm of the values."""
+    a, b = _bf16(2, 16, 32, seed=12), _bf16(2, 32, 16, seed=13)
+    c = torch.empty(2, 16, 16)
+    _bmm_kernel[(1,)](a, b, c, 2, 16, 32, 16)
+    assert rel_error(c, torch.bmm(a.float(), b.float())) < 1e-6
 
 
 @needs_interpreter
@@ -240,13 +265,18 @@ def test_bf16_casts_match_torch():
 @needs_interpreter
 def test_bf16_reductions_match_torch():
     """tl.sum / tl.cumsum of bf16 add the values (in fp32, rounded once); max / min / argmax order
-    the values, not the bit patterns."""
+    the values, not the bit patterns; tl.reduce / tl.associative_scan with a combine function that
+    widens to fp32 give the bf16 of its result."""
     m, n = 8, 32
     x = _bf16(m, n, seed=9, scale=2.0)
     s, mx, mn = [torch.empty(m, dtype=torch.bfloat16) for _ in range(3)]
     am = torch.empty(m, dtype=torch.int32)
-    cs = torch.empty(m, n, dtype=torch.bfloat16)
-    _reduce_kernel[(1,)](x, s, mx, mn, am, cs, m, n)
+    cs, cummax = torch.empty(m, n, dtype=torch.bfloat16), torch.empty(m, n, dtype=torch.bfloat16)
+    total, rmax = torch.empty(1, dtype=torch.bfloat16), torch.empty(m, dtype=torch.bfloat16)
+    _reduce_kernel[(1,)](x, s, mx, mn, am, cs, total, rmax, cummax, m, n)
+    torch.testing.assert_close(total, x.float().sum().reshape(1).bfloat16(), rtol=2**-8, atol=1e-2)
+    torch.testing.assert_close(rmax, x.max(1).values, rtol=0, atol=0)
+    torch.testing.assert_close(cummax, x.cummax(1).values, rtol=0, atol=0)
     torch.testing.assert_close(s, x.float().sum(1).bfloat16(), rtol=2**-8, atol=1e-2)
     torch.testing.assert_close(mx, x.max(1).values, rtol=0, atol=0)
     torch.testing.assert_close(mn, x.min(1).values, rtol=0, atol=0)

@@ -228,33 +228,42 @@ def _fix_interpreter_bf16() -> None:
     builder_cls.create_atomic_rmw = create_atomic_rmw
 
     # tl.sum / tl.max / tl.min / tl.argmax / tl.cumsum / tl.cumprod take numpy shortcuts on the raw
-    # data; run them on float32 values and encode the float results back (indices stay int32).
+    # data, and tl.reduce / tl.associative_scan with a combine function store its results into an
+    # array of the input's raw type (a combine that widens bf16 to fp32, as tl.maximum does, wrote
+    # fp32 values there as integers). Run them all on float32 values; encode the outputs of bf16
+    # inputs back to bf16 (indices and outputs of other inputs stay as they are).
     def tensor_as(t: Any, data: np.ndarray, dtype: Any) -> Any:
         ty = t.type.with_element_ty(dtype) if t.type.is_block() else dtype
         return tl.core.tensor(handle_cls(data, dtype), ty)
 
+    def back(t: Any) -> Any:
+        if isinstance(t, tl.core.tensor) and t.dtype == tl.float32:
+            return tensor_as(t, float32_to_bf16_bits(t.handle.data), bf16)
+        return t
+
     def reduce_in_float32(original: Callable) -> Callable:
         @functools.wraps(original)
         def patched(self, input, *args, **kwargs):
-            x = input[0] if isinstance(input, tuple) else input
-            if x.dtype != bf16:
+            many = isinstance(input, (tuple, list))
+            items = list(input) if many else [input]
+            was_bf16 = [isinstance(t, tl.core.tensor) and t.dtype == bf16 for t in items]
+            if not any(was_bf16):
                 return original(self, input, *args, **kwargs)
-            out = original(
-                self, tensor_as(x, bf16_bits_to_float32(x.handle.data), tl.float32), *args, **kwargs
-            )
-
-            def back(t):
-                if isinstance(t, tl.core.tensor) and t.dtype == tl.float32:
-                    return tensor_as(t, float32_to_bf16_bits(t.handle.data), bf16)
-                return t
-
-            return type(out)(back(t) for t in out) if isinstance(out, (tuple, list)) else back(out)
+            wide = [
+                tensor_as(t, bf16_bits_to_float32(t.handle.data), tl.float32) if w else t
+                for t, w in zip(items, was_bf16, strict=True)
+            ]
+            out = original(self, type(input)(wide) if many else wide[0], *args, **kwargs)
+            outs = list(out) if isinstance(out, (tuple, list)) else [out]
+            # output i belongs to input i (min_max's extra index output has none)
+            outs = [back(t) if i < len(was_bf16) and was_bf16[i] else t for i, t in enumerate(outs)]
+            return type(out)(outs) if isinstance(out, (tuple, list)) else outs[0]
 
         return patched
 
     for cls, names in (
-        (interpreter.ReduceOps, ("sum", "min_max")),
-        (interpreter.ScanOps, ("cumsum", "cumprod")),
+        (interpreter.ReduceOps, ("sum", "min_max", "generic_reduce")),
+        (interpreter.ScanOps, ("cumsum", "cumprod", "generic_scan")),
     ):
         for name in names:
             setattr(cls, name, reduce_in_float32(getattr(cls, name)))
