@@ -10,9 +10,10 @@ Two quirks of Triton 3.6's interpreter are mended:
 * bfloat16: numpy has no bf16, so the interpreter keeps bf16 tensors as their raw 16-bit patterns
   (uint16) and then computes on those patterns as if they were integers. Loads, stores, copies,
   ``tl.where`` and reshapes are exact, but ``tl.dot`` of two bf16 tiles multiplies the bit patterns
-  (relative error ~1e9), bf16 arithmetic, comparisons, ``tl.sum`` / ``tl.max`` / ``tl.cumsum`` and
-  bf16 atomic adds do the same, ``.to(tl.float32)`` of an int or fp16 -> bf16 path goes wrong, and
-  fp32 -> bf16 truncates where the GPU rounds to nearest even. The fix decodes bf16 operands to
+  (relative error ~1e9); bf16 arithmetic, comparisons, ``tl.sum`` / ``tl.max`` / ``tl.cumsum`` and
+  bf16 atomic adds do the same; int -> bf16 casts store the integer as a bit pattern; fp32 -> bf16
+  truncates where the GPU rounds to nearest even (half the values one ulp off); ``tl.full`` of bf16
+  fails. Math functions (``tl.exp`` ...) refuse bf16 on the GPU too. The fix decodes bf16 operands to
   their float32 values (``bits << 16``), computes in float32 (a dot accumulates in float32, as the
   tensor cores do) and encodes a bf16 result with round-to-nearest-even. Every other dtype takes
   the interpreter's own path unchanged.
