@@ -1,0 +1,524 @@
+"""Triton kernels of Native Sparse Attention (yuan2025nsa §3.4). Launchers and autograd live in ``ops.py``.
+
+Three families:
+
+* ``_strided_*``: attention over keys that sit at positions ``i * STRIDE + OFFSET``, causal, with an
+  optional window. The compressed branch is STRIDE = d, OFFSET = l - 1 (a compressed token is
+  visible once its block's last token is, §3.3.1); the sliding window is STRIDE = 1, OFFSET = 0,
+  WINDOW = w (§3.3.3). FlashAttention-2 tiling: a tile of BM queries of one head per program.
+* ``_scores_kernel``: the block importance of Eqs. 8-10, recomputing p_cmp from the stored
+  log-sum-exp and summing it into selection blocks with one small matmul per tile (Eq. 9 as a
+  [BC, BJ] overlap matrix), over all query heads of a group.
+* ``_slc_*``: the selected branch with the paper's group-centric loading (§3.4, Figure 3): one
+  program per (query position, KV head) loads the G query heads of that group as a [BG, D] tile and
+  streams only the n selected KV blocks; the backward's dK/dV walks the (block, query) pairs sorted
+  by block (a CSR list, as flash-linear-attention's kernel does), in fixed-size chunks so that the
+  always-selected first block does not serialise on one program; a chunk adds its partial sums
+  with atomics when it moves to the next block.
+
+Numerics: logits in base 2 (``scale * log2(e)`` folded in), log-sum-exp stored in natural log,
+fp32 accumulation. A row that sees no key gets o = 0 and lse = -inf.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _key_range(t_first, t_last, NK, STRIDE: tl.constexpr, OFFSET: tl.constexpr, WINDOW: tl.constexpr,
+               BN: tl.constexpr):  # fmt: skip
+    """Key indices [start, end) that queries t_first..t_last may see; start rounded down to BN."""
+    end = tl.where(t_last >= OFFSET, (t_last - OFFSET) // STRIDE + 1, 0)
+    end = tl.minimum(end, NK)
+    start = end * 0
+    if WINDOW > 0:
+        lo = t_first - WINDOW + 1 - OFFSET  # first visible key position is t_first - WINDOW + 1
+        start = tl.where(lo > 0, (lo + STRIDE - 1) // STRIDE, 0)
+        start = (start // BN) * BN
+    return start, end
+
+
+@triton.jit
+def _visible(offs_m, offs_n, NK, STRIDE: tl.constexpr, OFFSET: tl.constexpr, WINDOW: tl.constexpr):
+    kpos = offs_n * STRIDE + OFFSET
+    vis = (kpos[None, :] <= offs_m[:, None]) & (offs_n[None, :] < NK) & (offs_n[None, :] >= 0)
+    if WINDOW > 0:
+        vis = vis & (offs_m[:, None] - kpos[None, :] < WINDOW)
+    return vis
+
+
+@triton.jit
+def _strided_fwd_kernel(
+    Q, K, V, O, LSE,
+    sqb, sqt, sqh, skb, skt, skh,
+    T, NK, HQ, G, scale_log2,
+    STRIDE: tl.constexpr, OFFSET: tl.constexpr, WINDOW: tl.constexpr,
+    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // HQ).to(tl.int64)
+    hq = pid_bh % HQ
+    h = hq // G
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_d = tl.arange(0, D)
+    row_ok = offs_m < T
+    q_ptrs = Q + b * sqb + offs_m[:, None].to(tl.int64) * sqt + hq * sqh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    m_i = tl.full([BM], -1e30, tl.float32)
+    l_i = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, D], tl.float32)
+    t_last = tl.minimum(pid_m * BM + BM, T) - 1
+    start, end = _key_range(pid_m * BM, t_last, NK, STRIDE, OFFSET, WINDOW, BN)
+    for i0 in range(start, end, BN):
+        offs_n = i0 + tl.arange(0, BN)
+        kv_off = b * skb + offs_n[:, None].to(tl.int64) * skt + h * skh + offs_d[None, :]
+        k = tl.load(K + kv_off, mask=offs_n[:, None] < NK, other=0.0)
+        v = tl.load(V + kv_off, mask=offs_n[:, None] < NK, other=0.0)
+        s = _dot(q, tl.trans(k), IEEE) * scale_log2
+        s = tl.where(_visible(offs_m, offs_n, NK, STRIDE, OFFSET, WINDOW), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+        m_i = m_new
+    empty = l_i == 0.0
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    tl.store(O + b * sqb + offs_m[:, None].to(tl.int64) * sqt + hq * sqh + offs_d[None, :],
+             o.to(O.dtype.element_ty), mask=row_ok[:, None])  # fmt: skip
+    tl.store(LSE + (b * T + offs_m) * HQ + hq, lse, mask=row_ok)
+
+
+@triton.jit
+def _strided_bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ,
+    sqb, sqt, sqh, skb, skt, skh,
+    T, NK, HQ, G, scale_log2, scale,
+    STRIDE: tl.constexpr, OFFSET: tl.constexpr, WINDOW: tl.constexpr,
+    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // HQ).to(tl.int64)
+    hq = pid_bh % HQ
+    h = hq // G
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_d = tl.arange(0, D)
+    row_ok = offs_m < T
+    row_off = b * sqb + offs_m[:, None].to(tl.int64) * sqt + hq * sqh + offs_d[None, :]
+    q = tl.load(Q + row_off, mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + row_off, mask=row_ok[:, None], other=0.0)
+    lse = tl.load(LSE + (b * T + offs_m) * HQ + hq, mask=row_ok, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+    delta = tl.load(DELTA + (b * T + offs_m) * HQ + hq, mask=row_ok, other=0.0)
+    dq = tl.zeros([BM, D], tl.float32)
+    t_last = tl.minimum(pid_m * BM + BM, T) - 1
+    start, end = _key_range(pid_m * BM, t_last, NK, STRIDE, OFFSET, WINDOW, BN)
+    for i0 in range(start, end, BN):
+        offs_n = i0 + tl.arange(0, BN)
+        kv_off = b * skb + offs_n[:, None].to(tl.int64) * skt + h * skh + offs_d[None, :]
+        k = tl.load(K + kv_off, mask=offs_n[:, None] < NK, other=0.0)
+        v = tl.load(V + kv_off, mask=offs_n[:, None] < NK, other=0.0)
+        s = _dot(q, tl.trans(k), IEEE) * scale_log2
+        vis = _visible(offs_m, offs_n, NK, STRIDE, OFFSET, WINDOW)
+        p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
+        dp = _dot(do, tl.trans(v), IEEE)
+        ds = p * (dp - delta[:, None])
+        dq += _dot(ds.to(k.dtype), k, IEEE)
+    tl.store(DQ + row_off, (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _strided_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV,
+    sqb, sqt, sqh, skb, skt, skh, sdb, sdt, sdh,
+    T, NK, HQ, G, scale_log2, scale,
+    STRIDE: tl.constexpr, OFFSET: tl.constexpr, WINDOW: tl.constexpr,
+    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    # One program per (key tile, query head); the G heads of a group add into fp32 dK/dV with atomics.
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // HQ).to(tl.int64)
+    hq = pid_bh % HQ
+    h = hq // G
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_d = tl.arange(0, D)
+    col_ok = offs_n < NK
+    kv_off = b * skb + offs_n[:, None].to(tl.int64) * skt + h * skh + offs_d[None, :]
+    k = tl.load(K + kv_off, mask=col_ok[:, None], other=0.0)
+    v = tl.load(V + kv_off, mask=col_ok[:, None], other=0.0)
+    dk = tl.zeros([BN, D], tl.float32)
+    dv = tl.zeros([BN, D], tl.float32)
+    t_start = ((pid_n * BN * STRIDE + OFFSET) // BM) * BM  # first query that can see the tile's first key
+    t_end = T
+    if WINDOW > 0:
+        last = tl.minimum(pid_n * BN + BN, NK) - 1
+        t_end = tl.minimum(T, last * STRIDE + OFFSET + WINDOW)
+    for t0 in range(t_start, t_end, BM):
+        offs_m = t0 + tl.arange(0, BM)
+        row_ok = offs_m < T
+        row_off = b * sqb + offs_m[:, None].to(tl.int64) * sqt + hq * sqh + offs_d[None, :]
+        q = tl.load(Q + row_off, mask=row_ok[:, None], other=0.0)
+        do = tl.load(DO + row_off, mask=row_ok[:, None], other=0.0)
+        lse = tl.load(LSE + (b * T + offs_m) * HQ + hq, mask=row_ok, other=0.0)
+        lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+        delta = tl.load(DELTA + (b * T + offs_m) * HQ + hq, mask=row_ok, other=0.0)
+        s_t = _dot(k, tl.trans(q), IEEE) * scale_log2  # [BN, BM]
+        vis = _visible(offs_m, offs_n, NK, STRIDE, OFFSET, WINDOW) & row_ok[:, None]
+        p_t = tl.where(tl.trans(vis), tl.exp2(s_t - lse2[None, :]), 0.0)
+        dv += _dot(p_t.to(do.dtype), do, IEEE)
+        dp_t = _dot(v, tl.trans(do), IEEE)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += _dot(ds_t.to(q.dtype), q, IEEE)
+    d_off = b * sdb + offs_n[:, None].to(tl.int64) * sdt + h * sdh + offs_d[None, :]
+    tl.atomic_add(DK + d_off, dk * scale, mask=col_ok[:, None])
+    tl.atomic_add(DV + d_off, dv, mask=col_ok[:, None])
+
+
+@triton.jit
+def _overlap(ic, offs_j, R: tl.constexpr, C: tl.constexpr):
+    """Eq. 9's multiplicities: stride pieces of compression block i inside selection block j."""
+    lo = tl.maximum(ic[:, None], offs_j[None, :] * R)
+    hi = tl.minimum(ic[:, None] + C, offs_j[None, :] * R + R)
+    return tl.maximum(hi - lo, 0).to(tl.float32)
+
+
+@triton.jit
+def _scores_kernel(
+    Q, KC, LSE, SCORES,
+    sqb, sqt, sqh, skb, skt, skh,
+    T, NC, NS, H, G, scale_log2,
+    STRIDE: tl.constexpr, BLOCK_LEN: tl.constexpr, SELECT_LEN: tl.constexpr,
+    D: tl.constexpr, BM: tl.constexpr, BJ: tl.constexpr, EDGE: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    # Eqs. 8-10 for BM queries of one group: p_cmp = exp(q k_cmp^T - lse), summed over the group's
+    # heads and mapped to selection blocks [j0, j0 + BJ). Selection block j is stride pieces
+    # j R .. j R + R - 1 (R = l'/d); the compression blocks overlapping it are i = j R - (C - 1) ..
+    # j R + R - 1 (C = l/d): the "main" tile i in [j0 R, j0 R + BJ R) and the "edge" tile of EDGE
+    # (>= C - 1) blocks before it.
+    R: tl.constexpr = SELECT_LEN // STRIDE
+    C: tl.constexpr = BLOCK_LEN // STRIDE
+    BC: tl.constexpr = BJ * R
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    HQ = H * G
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_d = tl.arange(0, D)
+    row_ok = offs_m < T
+    t_last = tl.minimum(pid_m * BM + BM, T) - 1
+    j_end = tl.minimum(t_last // SELECT_LEN + 1, NS)
+    for j0 in range(0, j_end, BJ):
+        offs_j = j0 + tl.arange(0, BJ)
+        ic = j0 * R + tl.arange(0, BC)
+        ie = j0 * R - EDGE + tl.arange(0, EDGE)
+        w_main = _overlap(ic, offs_j, R, C)
+        w_edge = _overlap(ie, offs_j, R, C)
+        kc = tl.load(KC + b * skb + ic[:, None].to(tl.int64) * skt + h * skh + offs_d[None, :],
+                     mask=(ic < NC)[:, None], other=0.0)  # fmt: skip
+        ke = tl.load(KC + b * skb + ie[:, None].to(tl.int64) * skt + h * skh + offs_d[None, :],
+                     mask=((ie >= 0) & (ie < NC))[:, None], other=0.0)  # fmt: skip
+        vis_c = _visible(offs_m, ic, NC, STRIDE, BLOCK_LEN - 1, 0)
+        vis_e = _visible(offs_m, ie, NC, STRIDE, BLOCK_LEN - 1, 0)
+        acc = tl.zeros([BM, BJ], tl.float32)
+        for g in range(G):
+            hq = h * G + g
+            q = tl.load(Q + b * sqb + offs_m[:, None].to(tl.int64) * sqt + hq * sqh + offs_d[None, :],
+                        mask=row_ok[:, None], other=0.0)  # fmt: skip
+            lse = tl.load(LSE + (b * T + offs_m) * HQ + hq, mask=row_ok, other=0.0)
+            lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+            p = tl.where(vis_c, tl.exp2(_dot(q, tl.trans(kc), IEEE) * scale_log2 - lse2[:, None]), 0.0)
+            acc += _dot(p, w_main, IEEE)
+            if C > 1:  # blocks straddling j0's start exist only when compression blocks overlap
+                p = tl.where(vis_e, tl.exp2(_dot(q, tl.trans(ke), IEEE) * scale_log2 - lse2[:, None]), 0.0)
+                acc += _dot(p, w_edge, IEEE)
+        out = SCORES + ((b * T + offs_m[:, None]) * H + h) * NS + offs_j[None, :]
+        tl.store(out, acc, mask=row_ok[:, None] & (offs_j[None, :] < NS))
+
+
+@triton.jit
+def _slc_fwd_kernel(
+    Q, K, V, BI, O, LSE,
+    sqb, sqt, sqh, skb, skt, skh,
+    T, H, G, S, scale_log2,
+    D: tl.constexpr, BS: tl.constexpr, BG: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    # Group-centric (§3.4): rows are the G query heads of one (position t, KV head h); the inner loop
+    # streams the S selected blocks of l' = BS contiguous keys.
+    t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    HQ = H * G
+    offs_g = tl.arange(0, BG)
+    offs_d = tl.arange(0, D)
+    g_ok = offs_g < G
+    hq = h * G + offs_g
+    row_off = b * sqb + t.to(tl.int64) * sqt + hq[:, None] * sqh + offs_d[None, :]
+    q = tl.load(Q + row_off, mask=g_ok[:, None], other=0.0)
+    m_i = tl.full([BG], -1e30, tl.float32)
+    l_i = tl.zeros([BG], tl.float32)
+    acc = tl.zeros([BG, D], tl.float32)
+    bi_base = BI + ((b * T + t) * H + h) * S
+    for si in range(S):
+        idx = tl.load(bi_base + si)
+        kpos = idx * BS + tl.arange(0, BS)
+        valid = (idx >= 0) & (kpos <= t)
+        kv_off = b * skb + kpos[:, None].to(tl.int64) * skt + h * skh + offs_d[None, :]
+        k = tl.load(K + kv_off, mask=valid[:, None], other=0.0)
+        v = tl.load(V + kv_off, mask=valid[:, None], other=0.0)
+        s = _dot(q, tl.trans(k), IEEE) * scale_log2
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+        m_i = m_new
+    empty = l_i == 0.0
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    tl.store(O + row_off, o.to(O.dtype.element_ty), mask=g_ok[:, None])
+    tl.store(LSE + (b * T + t) * HQ + hq, lse, mask=g_ok)
+
+
+@triton.jit
+def _slc_bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, BI, DQ,
+    sqb, sqt, sqh, skb, skt, skh,
+    T, H, G, S, scale_log2, scale,
+    D: tl.constexpr, BS: tl.constexpr, BG: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    HQ = H * G
+    offs_g = tl.arange(0, BG)
+    offs_d = tl.arange(0, D)
+    g_ok = offs_g < G
+    hq = h * G + offs_g
+    row_off = b * sqb + t.to(tl.int64) * sqt + hq[:, None] * sqh + offs_d[None, :]
+    q = tl.load(Q + row_off, mask=g_ok[:, None], other=0.0)
+    do = tl.load(DO + row_off, mask=g_ok[:, None], other=0.0)
+    lse = tl.load(LSE + (b * T + t) * HQ + hq, mask=g_ok, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+    delta = tl.load(DELTA + (b * T + t) * HQ + hq, mask=g_ok, other=0.0)
+    dq = tl.zeros([BG, D], tl.float32)
+    bi_base = BI + ((b * T + t) * H + h) * S
+    for si in range(S):
+        idx = tl.load(bi_base + si)
+        kpos = idx * BS + tl.arange(0, BS)
+        valid = (idx >= 0) & (kpos <= t)
+        kv_off = b * skb + kpos[:, None].to(tl.int64) * skt + h * skh + offs_d[None, :]
+        k = tl.load(K + kv_off, mask=valid[:, None], other=0.0)
+        v = tl.load(V + kv_off, mask=valid[:, None], other=0.0)
+        s = _dot(q, tl.trans(k), IEEE) * scale_log2
+        p = tl.where(valid[None, :] & g_ok[:, None], tl.exp2(s - lse2[:, None]), 0.0)
+        dp = _dot(do, tl.trans(v), IEEE)
+        ds = p * (dp - delta[:, None])
+        dq += _dot(ds.to(k.dtype), k, IEEE)
+    tl.store(DQ + row_off, (dq * scale).to(DQ.dtype.element_ty), mask=g_ok[:, None])
+
+
+@triton.jit
+def _slc_flush(DK, DV, acc_dk, acc_dv, cur, NB, H, T, sdb, sdt, sdh, scale,
+               D: tl.constexpr, BS: tl.constexpr):  # fmt: skip
+    bh = cur // NB
+    idx = cur % NB
+    b = bh // H
+    h = bh % H
+    kpos = idx * BS + tl.arange(0, BS)
+    off = b * sdb + kpos[:, None] * sdt + h * sdh + tl.arange(0, D)[None, :]
+    tl.atomic_add(DK + off, acc_dk * scale, mask=(kpos < T)[:, None])
+    tl.atomic_add(DV + off, acc_dv, mask=(kpos < T)[:, None])
+
+
+@triton.jit
+def _slc_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, KEYS, DK, DV,
+    sqb, sqt, sqh, skb, skt, skh, sdb, sdt, sdh,
+    T, H, G, NB, N, INVALID, scale_log2, scale,
+    D: tl.constexpr, BS: tl.constexpr, BG: tl.constexpr, CHUNK: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    # KEYS: the (block, query) pairs sorted by block, key = ((b H + h) NB + block) T + t, invalid
+    # pairs (no block) sorted last as INVALID = B H NB T. Each program takes CHUNK consecutive pairs,
+    # keeps the current block's K, V and partial dK, dV, and flushes them when the block changes.
+    pid = tl.program_id(0)
+    HQ = H * G
+    offs_g = tl.arange(0, BG)
+    offs_d = tl.arange(0, D)
+    g_ok = offs_g < G
+    cur = pid.to(tl.int64) * 0 - 1
+    acc_dk = tl.zeros([BS, D], tl.float32)
+    acc_dv = tl.zeros([BS, D], tl.float32)
+    k = tl.zeros([BS, D], K.dtype.element_ty)
+    v = tl.zeros([BS, D], V.dtype.element_ty)
+    e_end = tl.minimum(pid * CHUNK + CHUNK, N)
+    for e in range(pid * CHUNK, e_end):
+        key = tl.load(KEYS + e)
+        if key < INVALID:
+            r = key // T
+            t = key % T
+            if r != cur:
+                if cur >= 0:
+                    _slc_flush(DK, DV, acc_dk, acc_dv, cur, NB, H, T, sdb, sdt, sdh, scale, D, BS)
+                acc_dk = tl.zeros([BS, D], tl.float32)
+                acc_dv = tl.zeros([BS, D], tl.float32)
+                bh = r // NB
+                kpos = (r % NB) * BS + tl.arange(0, BS)
+                kv_off = (bh // H) * skb + kpos[:, None] * skt + (bh % H) * skh + offs_d[None, :]
+                k = tl.load(K + kv_off, mask=(kpos < T)[:, None], other=0.0)
+                v = tl.load(V + kv_off, mask=(kpos < T)[:, None], other=0.0)
+                cur = r
+            bh = r // NB
+            b = bh // H
+            h = bh % H
+            kpos = (r % NB) * BS + tl.arange(0, BS)
+            hq = h * G + offs_g
+            row_off = b * sqb + t * sqt + hq[:, None] * sqh + offs_d[None, :]
+            q = tl.load(Q + row_off, mask=g_ok[:, None], other=0.0)
+            do = tl.load(DO + row_off, mask=g_ok[:, None], other=0.0)
+            lse = tl.load(LSE + (b * T + t) * HQ + hq, mask=g_ok, other=0.0)
+            lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+            delta = tl.load(DELTA + (b * T + t) * HQ + hq, mask=g_ok, other=0.0)
+            s = _dot(q, tl.trans(k), IEEE) * scale_log2  # [BG, BS]
+            valid = (kpos <= t)[None, :] & g_ok[:, None]
+            p = tl.where(valid, tl.exp2(s - lse2[:, None]), 0.0)
+            acc_dv += _dot(tl.trans(p).to(do.dtype), do, IEEE)
+            dp = _dot(do, tl.trans(v), IEEE)
+            ds = p * (dp - delta[:, None])
+            acc_dk += _dot(tl.trans(ds).to(q.dtype), q, IEEE)
+    if cur >= 0:
+        _slc_flush(DK, DV, acc_dk, acc_dv, cur, NB, H, T, sdb, sdt, sdh, scale, D, BS)
+
+
+# ----------------------------------------------------------------------------------------------
+# Decoding: one query token at position t (the last of the cache), one program per (batch, KV
+# head) with the group's G query heads as the rows. Each kernel counts the KV tokens it loads.
+
+
+@triton.jit
+def _online_update(q, k, v, valid, m_i, l_i, acc, scale_log2, IEEE: tl.constexpr):
+    s = _dot(q, tl.trans(k), IEEE) * scale_log2
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+    return s, m_new, l_i, acc
+
+
+@triton.jit
+def _decode_cmp_kernel(
+    Q, KC, VC, OC, LSE, LOGITS, COUNTS,
+    sqb, sqh, skb, skt, skh,
+    t, NC, H, G, NCP, scale_log2,
+    STRIDE: tl.constexpr, BLOCK_LEN: tl.constexpr,
+    D: tl.constexpr, BN: tl.constexpr, BG: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    # Compressed branch for the decoded token; also stores its base-2 logits [B, HQ, NCP] so that the
+    # block scores (Eqs. 8-10) need no second pass over the compressed keys.
+    pid = tl.program_id(0)
+    b = (pid // H).to(tl.int64)
+    h = pid % H
+    HQ = H * G
+    offs_g = tl.arange(0, BG)
+    offs_d = tl.arange(0, D)
+    g_ok = offs_g < G
+    hq = h * G + offs_g
+    q = tl.load(Q + b * sqb + hq[:, None] * sqh + offs_d[None, :], mask=g_ok[:, None], other=0.0)
+    n_vis = tl.where(t >= BLOCK_LEN - 1, (t - BLOCK_LEN + 1) // STRIDE + 1, 0)
+    n_vis = tl.minimum(n_vis, NC)
+    m_i = tl.full([BG], -1e30, tl.float32)
+    l_i = tl.zeros([BG], tl.float32)
+    acc = tl.zeros([BG, D], tl.float32)
+    count = n_vis * 0
+    for i0 in range(0, n_vis, BN):
+        offs_n = i0 + tl.arange(0, BN)
+        ok = offs_n < n_vis
+        kv_off = b * skb + offs_n[:, None].to(tl.int64) * skt + h * skh + offs_d[None, :]
+        k = tl.load(KC + kv_off, mask=ok[:, None], other=0.0)
+        v = tl.load(VC + kv_off, mask=ok[:, None], other=0.0)
+        s, m_i, l_i, acc = _online_update(q, k, v, ok, m_i, l_i, acc, scale_log2, IEEE)
+        tl.store(LOGITS + (b * HQ + hq[:, None]) * NCP + offs_n[None, :], s, mask=g_ok[:, None] & ok[None, :])
+        count += tl.sum(ok.to(tl.int32))
+    empty = l_i == 0.0
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    tl.store(OC + (b * HQ + hq[:, None]) * D + offs_d[None, :], o, mask=g_ok[:, None])
+    tl.store(LSE + b * HQ + hq, lse, mask=g_ok)
+    tl.store(COUNTS + (b * H + h) * 3, count)
+
+
+@triton.jit
+def _decode_sparse_kernel(
+    Q, K, V, KW, VW, BI, OC, GATES, O, COUNTS,
+    sqb, sqh, skb, skt, skh, swb, swt, swh,
+    t, H, G, S, WINDOW, scale_log2,
+    D: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, BG: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    # Selected branch (the S chosen blocks of BS tokens) and sliding window (the last WINDOW tokens),
+    # then the gated sum of Eq. 5 with the compressed output OC.
+    pid = tl.program_id(0)
+    b = (pid // H).to(tl.int64)
+    h = pid % H
+    HQ = H * G
+    offs_g = tl.arange(0, BG)
+    offs_d = tl.arange(0, D)
+    g_ok = offs_g < G
+    hq = h * G + offs_g
+    q = tl.load(Q + b * sqb + hq[:, None] * sqh + offs_d[None, :], mask=g_ok[:, None], other=0.0)
+    m_s = tl.full([BG], -1e30, tl.float32)
+    l_s = tl.zeros([BG], tl.float32)
+    acc_s = tl.zeros([BG, D], tl.float32)
+    n_slc = t * 0
+    for si in range(S):
+        idx = tl.load(BI + (b * H + h) * S + si)
+        kpos = idx * BS + tl.arange(0, BS)
+        valid = (idx >= 0) & (kpos <= t)
+        kv_off = b * skb + kpos[:, None].to(tl.int64) * skt + h * skh + offs_d[None, :]
+        k = tl.load(K + kv_off, mask=valid[:, None], other=0.0)
+        v = tl.load(V + kv_off, mask=valid[:, None], other=0.0)
+        _, m_s, l_s, acc_s = _online_update(q, k, v, valid, m_s, l_s, acc_s, scale_log2, IEEE)
+        n_slc += tl.sum(valid.to(tl.int32))
+    m_w = tl.full([BG], -1e30, tl.float32)
+    l_w = tl.zeros([BG], tl.float32)
+    acc_w = tl.zeros([BG, D], tl.float32)
+    n_win = t * 0
+    for i0 in range(tl.maximum(t - WINDOW + 1, 0), t + 1, BN):
+        offs_n = i0 + tl.arange(0, BN)
+        ok = offs_n <= t
+        kv_off = b * swb + offs_n[:, None].to(tl.int64) * swt + h * swh + offs_d[None, :]
+        k = tl.load(KW + kv_off, mask=ok[:, None], other=0.0)
+        v = tl.load(VW + kv_off, mask=ok[:, None], other=0.0)
+        _, m_w, l_w, acc_w = _online_update(q, k, v, ok, m_w, l_w, acc_w, scale_log2, IEEE)
+        n_win += tl.sum(ok.to(tl.int32))
+    o_s = acc_s / tl.where(l_s == 0.0, 1.0, l_s)[:, None]
+    o_w = acc_w / tl.where(l_w == 0.0, 1.0, l_w)[:, None]
+    o_c = tl.load(OC + (b * HQ + hq[:, None]) * D + offs_d[None, :], mask=g_ok[:, None], other=0.0)
+    g_c = tl.load(GATES + (b * HQ + hq) * 3 + 0, mask=g_ok, other=0.0).to(tl.float32)
+    g_s = tl.load(GATES + (b * HQ + hq) * 3 + 1, mask=g_ok, other=0.0).to(tl.float32)
+    g_w = tl.load(GATES + (b * HQ + hq) * 3 + 2, mask=g_ok, other=0.0).to(tl.float32)
+    o = g_c[:, None] * o_c + g_s[:, None] * o_s + g_w[:, None] * o_w
+    tl.store(O + (b * HQ + hq[:, None]) * D + offs_d[None, :], o.to(O.dtype.element_ty), mask=g_ok[:, None])
+    tl.store(COUNTS + (b * H + h) * 3 + 1, n_slc)
+    tl.store(COUNTS + (b * H + h) * 3 + 2, n_win)

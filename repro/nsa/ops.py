@@ -1,0 +1,489 @@
+"""Launchers and autograd for the NSA Triton kernels (``kernels.py``), with the input checks.
+
+Shapes follow flash-linear-attention: q [B, T, HQ, D]; k, v [B, T, H, D] with H dividing HQ.
+Kernels take D in {16, 32, 64, 128}, fp16 / bf16 / fp32, on CUDA or under the Triton CPU interpreter.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from paperclub.triton_compat import fix_interpreter_index, interpreting
+from repro.nsa import kernels as kn
+from repro.nsa import reference as ref
+
+HEAD_DIMS = (16, 32, 64, 128)
+BLOCK_SIZES = (16, 32, 64, 128)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_GROUP = 64
+# dK/dV of the selected branch: (block, query) pairs per program. 256 keeps the always-selected
+# first block (read by every query) spread over T S / 256 programs instead of serialised on one.
+SLC_CHUNK = 256
+
+
+def _interp() -> bool:
+    fix_interpreter_index()
+    return interpreting()
+
+
+def _launch(d: int) -> dict:
+    """Tile sizes: 16 under the interpreter (small tests), 64 x 64 on a GPU (fits D = 128 in registers)."""
+    if _interp():
+        return {"BM": 16, "BN": 16, "num_warps": 4, "num_stages": 1}
+    return {"BM": 64, "BN": 64, "num_warps": 4 if d <= 64 else 8, "num_stages": 2}
+
+
+def _check_tensor(fn: str, name: str, x, ndim: int, shape_hint: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != ndim:
+        raise ValueError(f"{fn}: {name} must be {shape_hint} ({ndim} dims), got shape {tuple(x.shape)}")
+
+
+def check_qkv(fn: str, q, k, v, k_len: int | None = None) -> tuple[int, int, int, int, int]:
+    """Shared checks of q [B, T, HQ, D], k, v [B, Tk, H, D]. Returns (B, T, HQ, H, D)."""
+    _check_tensor(fn, "q", q, 4, "[B, T, HQ, D]")
+    _check_tensor(fn, "k", k, 4, "[B, T, H, D]")
+    _check_tensor(fn, "v", v, 4, "[B, T, H, D]")
+    b, t, hq, d = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"{fn}: k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(
+            f"{fn}: k must be [B={b}, T, H, D={d}] to match q {tuple(q.shape)}, got {tuple(k.shape)}"
+        )
+    if k_len is not None and k.shape[1] != k_len:
+        raise ValueError(f"{fn}: k must have T = {k_len} positions like q, got {k.shape[1]}")
+    h = k.shape[2]
+    if h == 0 or hq % h:
+        raise ValueError(f"{fn}: KV heads H = {h} must divide query heads HQ = {hq}")
+    if hq // h > MAX_GROUP:
+        raise ValueError(f"{fn}: group size HQ / H = {hq // h} is larger than the kernels' {MAX_GROUP}")
+    if d not in HEAD_DIMS:
+        raise ValueError(f"{fn}: head dim D = {d} is not supported, expected one of {HEAD_DIMS}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dtype not in DTYPES:
+            raise TypeError(f"{fn}: {name} has dtype {x.dtype}, expected one of {[str(x) for x in DTYPES]}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"{fn}: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.device.type != "cuda" and not _interp():
+        raise RuntimeError(f"{fn}: needs a CUDA device, or TRITON_INTERPRET=1 for the CPU interpreter")
+    if b == 0 or t == 0:
+        raise ValueError(f"{fn}: empty input, q {tuple(q.shape)}")
+    return b, t, hq, h, d
+
+
+def _scale(scale: float | None, d: int) -> float:
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a positive finite number, got {scale}")
+    return scale
+
+
+def _ieee(x: torch.Tensor) -> bool:
+    return x.dtype == torch.float32
+
+
+# ----------------------------------------------------------------------------------------------
+# Strided causal attention: the compressed branch and the sliding window
+
+
+def _strided_fwd(q, k, v, scale, stride, offset, window):
+    b, t, hq, d = q.shape
+    nk, h = k.shape[1], k.shape[2]
+    o = torch.empty_like(q)
+    lse = torch.empty(b, t, hq, device=q.device, dtype=torch.float32)
+    cfg = _launch(d)
+    kn._strided_fwd_kernel[(triton.cdiv(t, cfg["BM"]), b * hq)](
+        q, k, v, o, lse,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        t, nk, hq, hq // h, scale * kn.LOG2E,
+        STRIDE=stride, OFFSET=offset, WINDOW=window, D=d, IEEE=_ieee(q), **cfg,
+    )  # fmt: skip
+    return o, lse
+
+
+def _strided_bwd(do, q, k, v, o, lse, scale, stride, offset, window):
+    b, t, hq, d = q.shape
+    nk, h = k.shape[1], k.shape[2]
+    do = do.contiguous()
+    delta = (do.float() * o.float()).sum(-1).contiguous()  # [B, T, HQ]: rowsum(dO * O) = rowsum(P * dP)
+    dq = torch.empty_like(q)
+    dk = torch.zeros(b, nk, h, d, device=q.device, dtype=torch.float32)
+    dv = torch.zeros_like(dk)
+    cfg = _launch(d)
+    common = dict(STRIDE=stride, OFFSET=offset, WINDOW=window, D=d, IEEE=_ieee(q), **cfg)
+    kn._strided_bwd_dq_kernel[(triton.cdiv(t, cfg["BM"]), b * hq)](
+        q, k, v, do, lse, delta, dq,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        t, nk, hq, hq // h, scale * kn.LOG2E, scale, **common,
+    )  # fmt: skip
+    if nk > 0:
+        kn._strided_bwd_dkdv_kernel[(triton.cdiv(nk, cfg["BN"]), b * hq)](
+            q, k, v, do, lse, delta, dk, dv,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            dk.stride(0), dk.stride(1), dk.stride(2),
+            t, nk, hq, hq // h, scale * kn.LOG2E, scale, **common,
+        )  # fmt: skip
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _StridedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, scale, stride, offset, window):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        o, lse = _strided_fwd(q, k, v, scale, stride, offset, window)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.args = (scale, stride, offset, window)
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = _strided_bwd(do, q, k, v, o, lse, *ctx.args)
+        return dq, dk, dv, None, None, None, None
+
+
+def compressed_attention(
+    q: torch.Tensor,
+    k_cmp: torch.Tensor,
+    v_cmp: torch.Tensor,
+    block_len: int = 32,
+    stride: int = 16,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compressed branch (§3.3.1) with Triton kernels, forward and backward.
+
+    q [B, T, HQ, D]; k_cmp, v_cmp [B, Nc, H, D] (compressed token i covers positions i d .. i d + l - 1
+    and is visible from position i d + l - 1 on). Returns (o [B, T, HQ, D], lse [B, T, HQ] float32,
+    natural log, -inf where no compressed token is visible yet; lse carries no gradient).
+    """
+    b, t, hq, h, d = check_qkv("compressed_attention", q, k_cmp, v_cmp)
+    if block_len < 1 or stride < 1:
+        raise ValueError(
+            f"compressed_attention: block_len and stride must be >= 1, got {block_len}, {stride}"
+        )
+    return _StridedAttention.apply(q, k_cmp, v_cmp, _scale(scale, d), stride, block_len - 1, 0)
+
+
+def sliding_window_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 512, scale: float | None = None
+) -> torch.Tensor:
+    """Sliding-window branch (§3.3.3): query t attends keys t - w < s <= t. Shapes as the reference."""
+    b, t, hq, h, d = check_qkv("sliding_window_attention", q, k, v, k_len=q.shape[1])
+    if window < 1:
+        raise ValueError(f"sliding_window_attention: window must be >= 1, got {window}")
+    return _StridedAttention.apply(q, k, v, _scale(scale, d), 1, 0, int(window))[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Selection: block scores (Eqs. 8-10) and the selected branch
+
+
+def selection_scores(
+    q: torch.Tensor,
+    k_cmp: torch.Tensor,
+    lse_cmp: torch.Tensor,
+    num_blocks: int,
+    block_len: int = 32,
+    stride: int = 16,
+    select_len: int = 64,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Block importance p_slc' (Eqs. 8-10) with a Triton kernel. Returns [B, T, H, Ns] float32.
+
+    q [B, T, HQ, D]; k_cmp [B, Nc, H, D]; lse_cmp [B, T, HQ] from :func:`compressed_attention`. Needs
+    l'/d a power of two and l/d <= 17 (the kernel's tiles: 16 selection blocks against 16 l'/d
+    compression blocks, plus 16 before them). On a GPU the small matmuls run in tf32 for 16-bit inputs:
+    scores within about 1e-3 relative, enough to rank blocks."""
+    b, t, hq, h, d = check_qkv("selection_scores", q, k_cmp, k_cmp)
+    r, c = select_len // stride, block_len // stride
+    if select_len % stride or block_len % stride:
+        raise ValueError(
+            f"selection_scores: stride d = {stride} must divide block_len {block_len} and select_len {select_len}"
+        )
+    if r & (r - 1) or c - 1 > 16:
+        raise ValueError(
+            f"selection_scores: needs select_len / stride a power of two and block_len / stride <= 17, got "
+            f"{r} and {c}"
+        )
+    if lse_cmp.shape != (b, t, hq):
+        raise ValueError(
+            f"selection_scores: lse_cmp must be [B, T, HQ] = {(b, t, hq)}, got {tuple(lse_cmp.shape)}"
+        )
+    q, k_cmp, lse_cmp = q.contiguous(), k_cmp.contiguous(), lse_cmp.float().contiguous()
+    scores = torch.empty(b, t, h, num_blocks, device=q.device, dtype=torch.float32)
+    bm = 16 if _interp() else 64
+    kn._scores_kernel[(triton.cdiv(t, bm), b * h)](
+        q, k_cmp, lse_cmp, scores,
+        q.stride(0), q.stride(1), q.stride(2), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
+        t, k_cmp.shape[1], num_blocks, h, hq // h, _scale(scale, d) * kn.LOG2E,
+        STRIDE=stride, BLOCK_LEN=block_len, SELECT_LEN=select_len, D=d, BM=bm, BJ=16,
+        EDGE=16, IEEE=_ieee(q), num_warps=4, num_stages=1,
+    )  # fmt: skip
+    return scores
+
+
+def check_block_indices(
+    block_indices: torch.Tensor, b: int, t: int, h: int, block_size: int, tk: int
+) -> None:
+    """Indices must be [B, T, H, S] integers, each -1 (none) or a block that starts at or before the
+    query, not repeated within a row."""
+    fn = "selected_attention"
+    _check_tensor(fn, "block_indices", block_indices, 4, "[B, T, H, S]")
+    if block_indices.shape[:3] != (b, t, h):
+        raise ValueError(
+            f"{fn}: block_indices must be [B, T, H, S] = [{b}, {t}, {h}, S], got {tuple(block_indices.shape)}"
+        )
+    if block_indices.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{fn}: block_indices must be int32 or int64, got {block_indices.dtype}")
+    bi = block_indices.long()
+    nb = -(-tk // block_size)
+    if (bi >= nb).any():
+        raise ValueError(
+            f"{fn}: block_indices out of range: the largest is {bi.max().item()}, blocks are 0..{nb - 1}"
+        )
+    pos = torch.arange(t, device=bi.device)[None, :, None, None]
+    future = (bi >= 0) & (bi * block_size > pos)
+    if future.any():
+        where = future.nonzero()[0].tolist()
+        raise ValueError(
+            f"{fn}: block_indices selects a future block: query t = {where[1]} (batch {where[0]}, head "
+            f"{where[2]}) picks block {bi[tuple(where)].item()}, which starts at {bi[tuple(where)].item() * block_size} > t"
+        )
+    srt = bi.sort(-1).values
+    if ((srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)).any():
+        raise ValueError(f"{fn}: block_indices repeats a block within one query's row")
+
+
+def _slc_fwd(q, k, v, bi, block_size, scale):
+    b, t, hq, d = q.shape
+    h = k.shape[2]
+    g = hq // h
+    o = torch.empty_like(q)
+    lse = torch.empty(b, t, hq, device=q.device, dtype=torch.float32)
+    kn._slc_fwd_kernel[(t, b * h)](
+        q, k, v, bi, o, lse,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        t, h, g, bi.shape[-1], scale * kn.LOG2E,
+        D=d, BS=block_size, BG=max(16, triton.next_power_of_2(g)), IEEE=_ieee(q),
+        num_warps=4 if d <= 64 else 8, num_stages=2 if not _interp() else 1,
+    )  # fmt: skip
+    return o, lse
+
+
+def _slc_bwd(do, q, k, v, o, lse, bi, block_size, scale):
+    b, t, hq, d = q.shape
+    h = k.shape[2]
+    g = hq // h
+    s = bi.shape[-1]
+    bg = max(16, triton.next_power_of_2(g))
+    do = do.contiguous()
+    delta = (do.float() * o.float()).sum(-1).contiguous()
+    dq = torch.empty_like(q)
+    nw = 4 if d <= 64 else 8
+    ns = 2 if not _interp() else 1
+    kn._slc_bwd_dq_kernel[(t, b * h)](
+        q, k, v, do, lse, delta, bi, dq,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        t, h, g, s, scale * kn.LOG2E, scale,
+        D=d, BS=block_size, BG=bg, IEEE=_ieee(q), num_warps=nw, num_stages=ns,
+    )  # fmt: skip
+    # The (block, query) pairs sorted by block: the CSR list of which queries read each block.
+    nb = triton.cdiv(t, block_size)
+    invalid = b * h * nb * t
+    bil = bi.long()
+    bh = (
+        torch.arange(b, device=q.device)[:, None, None, None] * h
+        + torch.arange(h, device=q.device)[None, None, :, None]
+    )
+    pos = torch.arange(t, device=q.device)[None, :, None, None]
+    keys = torch.where(bil >= 0, ((bh * nb + bil) * t + pos), invalid).flatten().sort().values
+    dk = torch.zeros(b, t, h, d, device=q.device, dtype=torch.float32)
+    dv = torch.zeros_like(dk)
+    n = keys.numel()
+    chunk = SLC_CHUNK if not _interp() else 64
+    kn._slc_bwd_dkdv_kernel[(triton.cdiv(n, chunk),)](
+        q, k, v, do, lse, delta, keys, dk, dv,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        dk.stride(0), dk.stride(1), dk.stride(2),
+        t, h, g, nb, n, invalid, scale * kn.LOG2E, scale,
+        D=d, BS=block_size, BG=bg, CHUNK=chunk, IEEE=_ieee(q), num_warps=nw, num_stages=1,
+    )  # fmt: skip
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _SelectedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, bi, block_size, scale):
+        q, k, v, bi = q.contiguous(), k.contiguous(), v.contiguous(), bi.to(torch.int32).contiguous()
+        o, lse = _slc_fwd(q, k, v, bi, block_size, scale)
+        ctx.save_for_backward(q, k, v, o, lse, bi)
+        ctx.args = (block_size, scale)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, bi = ctx.saved_tensors
+        dq, dk, dv = _slc_bwd(do, q, k, v, o, lse, bi, *ctx.args)
+        return dq, dk, dv, None, None, None
+
+
+def selected_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_indices: torch.Tensor,
+    block_size: int = 64,
+    scale: float | None = None,
+    check_indices: bool = True,
+) -> torch.Tensor:
+    """Selected branch (§3.3.2, Eq. 12) with the group-centric Triton kernel, forward and backward.
+
+    q [B, T, HQ, D]; k, v [B, T, H, D]; block_indices [B, T, H, S] int: block j covers keys
+    j l' .. j l' + l' - 1 (l' = ``block_size``); a negative entry means no block; a block must start at
+    or before its query (keys after the query inside its own block are masked) and appear once per
+    row. ``check_indices=False`` skips that validation (it synchronises with the GPU). Returns
+    [B, T, HQ, D].
+    """
+    b, t, hq, h, d = check_qkv("selected_attention", q, k, v, k_len=q.shape[1])
+    if block_size not in BLOCK_SIZES:
+        raise ValueError(
+            f"selected_attention: block_size = {block_size} is not supported, expected one of {BLOCK_SIZES}"
+        )
+    if check_indices:
+        check_block_indices(block_indices, b, t, h, block_size, k.shape[1])
+    return _SelectedAttention.apply(q, k, v, block_indices, block_size, _scale(scale, d))
+
+
+# ----------------------------------------------------------------------------------------------
+# The whole layer's attention and the decode step
+
+
+def nsa_attention(
+    q: torch.Tensor,
+    k_cmp: torch.Tensor,
+    v_cmp: torch.Tensor,
+    k_slc: torch.Tensor,
+    v_slc: torch.Tensor,
+    k_win: torch.Tensor,
+    v_win: torch.Tensor,
+    gates: torch.Tensor,
+    config: ref.NSAConfig | None = None,
+    scale: float | None = None,
+    block_indices: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eq. 5 with the Triton kernels: the same arguments and result as ``reference.nsa_attention``.
+
+    q [B, T, HQ, D]; k_cmp, v_cmp [B, Nc, H, D]; k_slc, v_slc, k_win, v_win [B, T, H, D]; gates
+    [B, T, HQ, 3]. Returns (o [B, T, HQ, D], block_indices [B, T, H, n]). Differentiable in everything
+    but the indices (top-n is not differentiated, §3.3.2).
+    """
+    cfg = config or ref.NSAConfig()
+    cfg.validate()
+    b, t, hq, h, d = check_qkv("nsa_attention", q, k_slc, v_slc, k_len=q.shape[1])
+    check_qkv("nsa_attention (window keys)", q, k_win, v_win, k_len=t)
+    if gates.shape != (b, t, hq, 3):
+        raise ValueError(
+            f"nsa_attention: gates must be [B, T, HQ, 3] = {(b, t, hq, 3)}, got {tuple(gates.shape)}"
+        )
+    o_cmp, lse = compressed_attention(q, k_cmp, v_cmp, cfg.block_len, cfg.stride, scale)
+    if block_indices is None:
+        with torch.no_grad():
+            ns = triton.cdiv(t, cfg.select_len)
+            scores = selection_scores(q, k_cmp, lse, ns, cfg.block_len, cfg.stride, cfg.select_len, scale)
+            block_indices = ref.select_blocks(
+                scores, cfg.n_select, cfg.select_len, cfg.n_initial, cfg.n_local
+            )
+        check = False
+    else:
+        check = True
+    o_slc = selected_attention(q, k_slc, v_slc, block_indices, cfg.select_len, scale, check_indices=check)
+    o_win = sliding_window_attention(q, k_win, v_win, cfg.window, scale)
+    g = gates.to(q.dtype)
+    o = g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win
+    return o, block_indices
+
+
+def nsa_decode(
+    q: torch.Tensor,
+    k_cmp: torch.Tensor,
+    v_cmp: torch.Tensor,
+    k_slc: torch.Tensor,
+    v_slc: torch.Tensor,
+    k_win: torch.Tensor,
+    v_win: torch.Tensor,
+    gates: torch.Tensor,
+    config: ref.NSAConfig | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One decoding step: the token at position t = T - 1 (already appended to the caches) against
+    the three branches, with two Triton kernels that count the KV tokens they load (§5.2).
+
+    q [B, 1, HQ, D]; k_cmp, v_cmp [B, Nc, H, D]; k_slc, v_slc, k_win, v_win [B, T, H, D] (the caches);
+    gates [B, 1, HQ, 3]. Returns (o [B, 1, HQ, D], block_indices [B, 1, H, n], tokens [B, H, 3] int32:
+    compressed, selected and window tokens read per GQA group).
+    """
+    cfg = config or ref.NSAConfig()
+    cfg.validate()
+    if q.dim() != 4 or q.shape[1] != 1:
+        raise ValueError(f"nsa_decode: q must be one token, [B, 1, HQ, D], got {tuple(q.shape)}")
+    b, _, hq, h, d = check_qkv("nsa_decode", q, k_slc, v_slc)
+    check_qkv("nsa_decode (window cache)", q, k_win, v_win, k_len=k_slc.shape[1])
+    check_qkv("nsa_decode (compressed cache)", q, k_cmp, v_cmp)
+    if gates.shape != (b, 1, hq, 3):
+        raise ValueError(
+            f"nsa_decode: gates must be [B, 1, HQ, 3] = {(b, 1, hq, 3)}, got {tuple(gates.shape)}"
+        )
+    if cfg.select_len not in BLOCK_SIZES:
+        raise ValueError(
+            f"nsa_decode: select_len = {cfg.select_len} is not supported, expected one of {BLOCK_SIZES}"
+        )
+    t_cache = k_slc.shape[1]
+    t = t_cache - 1
+    nc = k_cmp.shape[1]
+    if nc < ref.num_compressed(t_cache, cfg.block_len, cfg.stride):
+        raise ValueError(
+            f"nsa_decode: the compressed cache holds {nc} tokens, a cache of {t_cache} needs "
+            f"{ref.num_compressed(t_cache, cfg.block_len, cfg.stride)}"
+        )
+    scale = _scale(scale, d)
+    q, k_cmp, v_cmp = q.contiguous(), k_cmp.contiguous(), v_cmp.contiguous()
+    k_slc, v_slc, k_win, v_win = (x.contiguous() for x in (k_slc, v_slc, k_win, v_win))
+    g = hq // h
+    bg = max(16, triton.next_power_of_2(g))
+    bn = 16 if _interp() else 64
+    ncp = max(nc, 1)
+    o_cmp = torch.empty(b, hq, d, device=q.device, dtype=torch.float32)
+    lse = torch.empty(b, hq, device=q.device, dtype=torch.float32)
+    logits = torch.full((b, hq, ncp), float("-inf"), device=q.device, dtype=torch.float32)
+    counts = torch.zeros(b, h, 3, device=q.device, dtype=torch.int32)
+    nw = 4 if d <= 64 else 8
+    kn._decode_cmp_kernel[(b * h,)](
+        q, k_cmp, v_cmp, o_cmp, lse, logits, counts,
+        q.stride(0), q.stride(2), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
+        t, nc, h, g, ncp, scale * kn.LOG2E,
+        STRIDE=cfg.stride, BLOCK_LEN=cfg.block_len, D=d, BN=bn, BG=bg, IEEE=_ieee(q), num_warps=nw,
+    )  # fmt: skip
+    # Eqs. 8-10 on the stored logits: p_cmp, summed over the group, mapped to selection blocks.
+    lse2 = torch.where(torch.isinf(lse), 0.0, lse * kn.LOG2E)
+    p = torch.exp2(logits - lse2[..., None]).view(b, h, g, ncp).sum(2)[..., :nc]
+    ns = triton.cdiv(t_cache, cfg.select_len)
+    w = ref.block_overlap(nc, ns, cfg.block_len, cfg.stride, cfg.select_len, q.device).float()
+    scores = (p @ w)[:, None]  # [B, 1, H, Ns]
+    pos = torch.tensor([t], device=q.device)
+    bi = ref.select_blocks(scores, cfg.n_select, cfg.select_len, cfg.n_initial, cfg.n_local, q_pos=pos)
+    bi_c = bi.contiguous()
+    o = torch.empty_like(q)
+    kn._decode_sparse_kernel[(b * h,)](
+        q, k_slc, v_slc, k_win, v_win, bi_c, o_cmp, gates.contiguous(), o, counts,
+        q.stride(0), q.stride(2), k_slc.stride(0), k_slc.stride(1), k_slc.stride(2),
+        k_win.stride(0), k_win.stride(1), k_win.stride(2),
+        t, h, g, bi.shape[-1], cfg.window, scale * kn.LOG2E,
+        D=d, BS=cfg.select_len, BN=bn, BG=bg, IEEE=_ieee(q), num_warps=nw,
+    )  # fmt: skip
+    return o, bi, counts

@@ -1,0 +1,95 @@
+"""The decode step: one token against the three branches, and the tokens its kernels count (§5.2)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from paperclub.testing import assert_rel_close
+from repro.nsa import nsa_decode
+from repro.nsa import reference as ref
+from repro.nsa.tests.helpers import DEVICE, FP32_TOL, randn
+
+seeds = st.integers(0, 2**31 - 1)
+SMALL = ref.NSAConfig(block_len=16, stride=8, select_len=16, n_select=3, n_initial=1, n_local=1, window=24)
+
+
+def _caches(gen, b, t, hq, h, d, cfg):
+    q = randn(gen, b, 1, hq, d)
+    k_c, v_c, k_s, v_s, k_w, v_w = (randn(gen, b, t, h, d) for _ in range(6))
+    k_cmp = ref.compress(k_c, ref.mean_pool, cfg.block_len, cfg.stride)
+    v_cmp = ref.compress(v_c, ref.mean_pool, cfg.block_len, cfg.stride)
+    if k_cmp.shape[1] == 0:  # nothing compressed yet: the kernels still need a (never read) buffer
+        k_cmp, v_cmp = randn(gen, b, 1, h, d), randn(gen, b, 1, h, d)
+    gates = torch.rand(b, 1, hq, 3, generator=gen, dtype=torch.float64)
+    return [q, k_cmp, v_cmp, k_s, v_s, k_w, v_w, gates]
+
+
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@settings(max_examples=4, deadline=None)
+@given(seed=seeds, t=st.integers(1, 120), g=st.sampled_from([1, 2, 16]), b=st.integers(1, 2))
+def test_decode_equals_the_reference_at_the_last_position(seed, t, g, b):
+    """The decode kernels' output and selection equal the reference layer's at position t - 1."""
+    gen = torch.Generator().manual_seed(seed)
+    args = _caches(gen, b, t, 2 * g, 2, 16, SMALL)
+    o, idx, counts = nsa_decode(*[x.float().to(DEVICE) for x in args], SMALL)
+    q, k_cmp, v_cmp, k_s, v_s, k_w, v_w, gates = args
+    pos = torch.tensor([t - 1])
+    cfg = SMALL
+    o_c, lse = ref.compressed_attention(q, k_cmp, v_cmp, cfg.block_len, cfg.stride, q_pos=pos)
+    ns = -(-t // cfg.select_len)
+    sc = ref.selection_scores(q, k_cmp, lse, ns, cfg.block_len, cfg.stride, cfg.select_len, q_pos=pos)
+    idx_ref = ref.select_blocks(sc, cfg.n_select, cfg.select_len, cfg.n_initial, cfg.n_local, q_pos=pos)
+    o_s = ref.selected_attention(q, k_s, v_s, idx_ref, cfg.select_len, q_pos=pos)
+    o_w = ref.sliding_window_attention(q, k_w, v_w, cfg.window, q_pos=pos)
+    o_ref = gates[..., 0:1] * o_c + gates[..., 1:2] * o_s + gates[..., 2:3] * o_w
+    assert torch.equal(idx.cpu(), idx_ref)
+    assert_rel_close(o.cpu(), o_ref, FP32_TOL, "decode output")
+    want = ref.tokens_read(t - 1, cfg)
+    assert counts[..., 0].eq(want["cmp"]).all() and counts[..., 1].eq(want["slc"]).all()
+    assert counts[..., 2].eq(want["win"]).all()
+
+
+def _count(t: int, cfg: ref.NSAConfig) -> torch.Tensor:
+    """Tokens read per group for a cache of t tokens (one KV head, one query head, D = 16)."""
+    gen = torch.Generator().manual_seed(t)
+    args = _caches(gen, 1, t, 1, 1, 16, cfg)
+    _, _, counts = nsa_decode(*[x.float().to(DEVICE) for x in args], cfg)
+    return counts[0, 0].cpu()
+
+
+@pytest.mark.claim("nsa/decode-tokens-read", section="§5.2, Table 4")
+@settings(max_examples=6, deadline=None)
+@given(t=st.integers(1, 3000))
+def test_counted_tokens_follow_the_bound(t):
+    """Paper configuration, any cache length t (1-based position of the decoded token): the kernels
+    read floor((t - l) / d) + 1 compressed tokens, min(n, blocks so far) - 1 full selected blocks plus
+    the filled part of the token's own block, min(w, t) window tokens: at most floor((t - l) / d) + 1 + n l' + w."""
+    cfg = ref.NSAConfig()
+    c = _count(t, cfg)
+    n_cmp = (t - cfg.block_len) // cfg.stride + 1 if t >= cfg.block_len else 0
+    assert c[0] == n_cmp
+    own = (t - 1) // cfg.select_len  # the decoded token's block, always selected (local), partly filled
+    assert c[1] == (min(cfg.n_select, own + 1) - 1) * cfg.select_len + (t - own * cfg.select_len)
+    assert c[1] <= cfg.n_select * cfg.select_len
+    assert c[2] == min(t, cfg.window)
+    assert c.sum() <= n_cmp + cfg.n_select * cfg.select_len + cfg.window
+
+
+# Table 4 of the paper: tokens read per decoded token and the expected speedup over full attention.
+TABLE4 = {8192: (2048, 4.0), 16384: (2560, 6.4), 32768: (3584, 9.1), 65536: (5632, 11.6)}
+
+
+@pytest.mark.claim("nsa/decode-tokens-read", section="§5.2, Table 4")
+@pytest.mark.parametrize("t", sorted(TABLE4))
+def test_table4_by_counting(t):
+    """The decode kernels' counters at the paper's lengths: within 1 token of Table 4 (the table
+    rounds floor((t - l) / d) + 1 = t/d - 1 up to t/d), and the same speedup t / tokens to 0.1."""
+    c = _count(t, ref.NSAConfig())
+    total = int(c.sum())
+    paper_tokens, paper_speedup = TABLE4[t]
+    assert total == t // 16 - 1 + 16 * 64 + 512
+    assert abs(total - paper_tokens) <= 1
+    assert round(t / total, 1) == paper_speedup

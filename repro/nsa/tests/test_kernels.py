@@ -1,0 +1,256 @@
+"""The Triton kernels against the float64 reference (CPU interpreter here, the GPU in test_gpu.py).
+
+Tolerance: fp32 kernels against the fp64 reference, FP32_TOL (see helpers.py). Shapes are small
+because the interpreter runs each program in Python: one program per (query, KV head) in the
+selected branch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from paperclub.testing import assert_rel_close
+from repro.nsa import NSA, ops
+from repro.nsa import reference as ref
+from repro.nsa.tests.helpers import DEVICE, FP32_TOL, grads, leaf, randn, random_block_indices
+
+seeds = st.integers(0, 2**31 - 1)
+head_dims = st.sampled_from([16, 32])
+groups = st.sampled_from([1, 2, 3, 16])
+
+
+def _check_grads(name, out, out_ref, ins, ins_ref, gen):
+    do = randn(gen, *out_ref.shape)
+    assert_rel_close(out.cpu(), out_ref, FP32_TOL, f"{name} output")
+    g = grads(out, do.to(out.device, out.dtype), *ins)
+    g_ref = grads(out_ref, do, *ins_ref)
+    for label, a, r in zip("qkv", g, g_ref, strict=True):
+        assert_rel_close(a.cpu(), r, FP32_TOL, f"{name} d{label}")
+
+
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@settings(max_examples=3, deadline=None)
+@given(seed=seeds, t=st.integers(1, 40), g=groups, d=head_dims, s=st.integers(1, 3))
+def test_selected_kernel_equals_reference(seed, t, g, d, s):
+    """Group-centric selected attention, forward and gradients, random valid indices in random order
+    with -1 gaps."""
+    gen = torch.Generator().manual_seed(seed)
+    h, block = 1 + seed % 2, 16
+    q, k, v = randn(gen, 1, t, h * g, d), randn(gen, 1, t, h, d), randn(gen, 1, t, h, d)
+    idx = random_block_indices(gen, 1, t, h, s, block)
+    ins, ins_ref = [leaf(x) for x in (q, k, v)], [x.clone().requires_grad_() for x in (q, k, v)]
+    out = ops.selected_attention(*ins, idx.to(DEVICE), block)
+    out_ref = ref.selected_attention(*ins_ref, idx, block)
+    _check_grads("selected", out, out_ref, ins, ins_ref, gen)
+
+
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@settings(max_examples=3, deadline=None)
+@given(
+    seed=seeds,
+    t=st.integers(1, 48),
+    g=groups,
+    d=head_dims,
+    ld=st.sampled_from([(16, 8), (32, 16), (8, 4), (4, 1)]),
+)
+def test_compressed_kernel_equals_reference(seed, t, g, d, ld):
+    l, stride = ld
+    gen = torch.Generator().manual_seed(seed)
+    nc = max(1, ref.num_compressed(t, l, stride))
+    q, k, v = randn(gen, 1, t, g, d), randn(gen, 1, nc, 1, d), randn(gen, 1, nc, 1, d)
+    ins, ins_ref = [leaf(x) for x in (q, k, v)], [x.clone().requires_grad_() for x in (q, k, v)]
+    out, lse = ops.compressed_attention(*ins, l, stride)
+    out_ref, lse_ref = ref.compressed_attention(*ins_ref, l, stride)
+    seen = ~torch.isinf(lse_ref)
+    assert torch.equal(torch.isinf(lse.cpu()), ~seen)
+    if seen.any():
+        assert_rel_close(lse.cpu()[seen], lse_ref[seen], FP32_TOL, "compressed lse")
+    _check_grads("compressed", out, out_ref, ins, ins_ref, gen)
+
+
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@settings(max_examples=3, deadline=None)
+@given(seed=seeds, t=st.integers(1, 48), g=st.sampled_from([1, 2, 4]), d=head_dims, w=st.integers(1, 40))
+def test_window_kernel_equals_reference(seed, t, g, d, w):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = randn(gen, 1, t, 2 * g, d), randn(gen, 1, t, 2, d), randn(gen, 1, t, 2, d)
+    ins, ins_ref = [leaf(x) for x in (q, k, v)], [x.clone().requires_grad_() for x in (q, k, v)]
+    out = ops.sliding_window_attention(*ins, w)
+    out_ref = ref.sliding_window_attention(*ins_ref, w)
+    _check_grads("window", out, out_ref, ins, ins_ref, gen)
+
+
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@settings(max_examples=3, deadline=None)
+@given(
+    seed=seeds,
+    t=st.integers(1, 80),
+    g=st.sampled_from([1, 3]),
+    cfg=st.sampled_from([(32, 16, 64), (16, 8, 16), (8, 4, 32), (16, 16, 16)]),
+)
+def test_scores_kernel_equals_reference(seed, t, g, cfg):
+    """Eqs. 8-10 in the kernel: p_cmp recomputed from the stored lse, mapped by the overlap matmul."""
+    l, stride, lp = cfg
+    gen = torch.Generator().manual_seed(seed)
+    q, k = randn(gen, 1, t, 2 * g, 16), randn(gen, 1, t, 2, 16)
+    k_cmp = ref.compress(k, ref.mean_pool, l, stride)
+    if k_cmp.shape[1] == 0:
+        k_cmp = randn(gen, 1, 1, 2, 16)
+    _, lse = ref.compressed_attention(q, k_cmp, k_cmp, l, stride)
+    ns = -(-t // lp)
+    sc = ops.selection_scores(
+        q.float().to(DEVICE), k_cmp.float().to(DEVICE), lse.to(DEVICE), ns, l, stride, lp
+    )
+    sc_ref = ref.selection_scores(q, k_cmp, lse, ns, l, stride, lp)
+    assert_rel_close(sc.cpu(), sc_ref, FP32_TOL, "block scores")
+
+
+SMALL = ref.NSAConfig(block_len=16, stride=8, select_len=16, n_select=3, n_initial=1, n_local=1, window=20)
+
+
+def _layer_args(gen, t, hq, h, d, cfg):
+    q = randn(gen, 1, t, hq, d)
+    k_c, v_c, k_s, v_s, k_w, v_w = (randn(gen, 1, t, h, d) for _ in range(6))
+    k_cmp = ref.compress(k_c, ref.mean_pool, cfg.block_len, cfg.stride)
+    v_cmp = ref.compress(v_c, ref.mean_pool, cfg.block_len, cfg.stride)
+    gates = torch.rand(1, t, hq, 3, generator=gen, dtype=torch.float64)
+    return [q, k_cmp, v_cmp, k_s, v_s, k_w, v_w, gates]
+
+
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@settings(max_examples=2, deadline=None)
+@given(seed=seeds, t=st.integers(17, 36), g=st.sampled_from([1, 2]))
+def test_nsa_attention_kernels_equal_reference(seed, t, g):
+    """The whole gated layer (Eq. 5): the kernel path's selection equals the reference's, and its
+    output and the gradients of all seven inputs and the gates match."""
+    gen = torch.Generator().manual_seed(seed)
+    args = _layer_args(gen, t, 2 * g, 2, 16, SMALL)
+    ins = [leaf(x) for x in args]
+    ins_ref = [x.clone().requires_grad_() for x in args]
+    out, idx = ops.nsa_attention(*ins, SMALL)
+    out_ref, idx_ref = ref.nsa_attention(*ins_ref, SMALL)
+    assert torch.equal(idx.cpu(), idx_ref)
+    assert_rel_close(out.cpu(), out_ref, FP32_TOL, "nsa output")
+    do = randn(gen, *out_ref.shape)
+    g_k = torch.autograd.grad(out, ins, do.to(out.device, out.dtype))
+    g_r = torch.autograd.grad(out_ref, ins_ref, do)
+    names = ["q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win", "gates"]
+    for name, a, r in zip(names, g_k, g_r, strict=True):
+        assert_rel_close(a.cpu(), r, FP32_TOL, f"d{name}")
+
+
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+def test_nsa_module_kernels_equal_reference():
+    """The layer with learned compression MLPs and gates: the same parameters through the Triton path
+    and the reference give the same output and parameter gradients."""
+    torch.manual_seed(0)
+    layer = NSA(dim=32, n_heads=4, n_kv_heads=2, head_dim=16, config=SMALL).to(DEVICE)
+    x = torch.randn(1, 33, 32, device=DEVICE)
+    y = layer(x)
+    gy = torch.randn_like(y)
+    g_k = torch.autograd.grad(y, list(layer.parameters()), gy)
+    layer.use_kernels = False
+    y_ref = layer(x)
+    g_r = torch.autograd.grad(y_ref, list(layer.parameters()), gy)
+    assert_rel_close(y, y_ref, 1e-5, "layer output")
+    # Some gradients are zero in exact arithmetic (a bias added to every compressed key shifts all
+    # logits alike, and softmax ignores that): their error is measured against the largest gradient.
+    floor = max(r.norm().item() for r in g_r)
+    for (name, _), a, r in zip(layer.named_parameters(), g_k, g_r, strict=True):
+        err = (a - r).norm().item()
+        assert err <= 1e-4 * max(r.norm().item(), 1e-3 * floor), f"grad {name}: error {err:.2e}"
+
+
+@pytest.mark.claim("nsa/causal", section="§3.2, Eq. 5")
+@settings(max_examples=2, deadline=None)
+@given(seed=seeds, t=st.integers(17, 48), cut=st.floats(0, 1))
+def test_kernel_layer_is_causal(seed, t, cut):
+    """Through the kernels: changing every raw input after position c (then compressing) leaves the
+    outputs and selections at 0..c unchanged, bit for bit."""
+    gen = torch.Generator().manual_seed(seed)
+    c = min(t - 2, int(cut * t))
+    cfg = SMALL
+    q = randn(gen, 1, t, 4, 16)
+    raw = [randn(gen, 1, t, 2, 16) for _ in range(6)]
+    gates = torch.rand(1, t, 4, 3, generator=gen, dtype=torch.float64)
+
+    def run(q, raw, gates):
+        k_cmp = ref.compress(raw[0], ref.mean_pool, cfg.block_len, cfg.stride)
+        v_cmp = ref.compress(raw[1], ref.mean_pool, cfg.block_len, cfg.stride)
+        args = [q, k_cmp, v_cmp, *raw[2:], gates]
+        return ops.nsa_attention(*[x.float().to(DEVICE) for x in args], cfg)
+
+    o1, i1 = run(q, raw, gates)
+    q2, gates2, raw2 = q.clone(), gates.clone(), [x.clone() for x in raw]
+    for x in (q2, *raw2):
+        x[:, c + 1 :] = randn(gen, *x[:, c + 1 :].shape) * 3
+    gates2[:, c + 1 :] = torch.rand(*gates2[:, c + 1 :].shape, generator=gen, dtype=torch.float64)
+    o2, i2 = run(q2, raw2, gates2)
+    assert torch.equal(i1[:, : c + 1], i2[:, : c + 1])
+    assert torch.equal(o1[:, : c + 1], o2[:, : c + 1])
+
+
+@pytest.mark.claim("nsa/group-shared-selection", section="§3.3.2, Eq. 10")
+@settings(max_examples=2, deadline=None)
+@given(seed=seeds, t=st.integers(17, 40), g=st.sampled_from([2, 4]), head=st.integers(0, 3))
+def test_kernel_heads_read_only_their_groups_blocks(seed, t, g, head):
+    """The backward of the selected kernel for one query and one head of a group: dK and dV are zero
+    on every key outside that group's selected blocks (and after the query), nonzero inside."""
+    gen = torch.Generator().manual_seed(seed)
+    block, h = 16, 2
+    q, k, v = randn(gen, 1, t, h * g, 16), randn(gen, 1, t, h, 16), randn(gen, 1, t, h, 16)
+    idx = random_block_indices(gen, 1, t, h, 2, block)
+    ins = [leaf(x) for x in (q, k, v)]
+    out = ops.selected_attention(*ins, idx.to(DEVICE), block)
+    ti, hq = int(torch.randint(0, t, (1,), generator=gen)), head % (h * g)
+    do = torch.zeros_like(out)
+    do[0, ti, hq] = torch.randn(16, generator=gen).to(do)
+    _, dk, dv = torch.autograd.grad(out, ins, do)
+    mask = ref.selected_mask(idx[:, ti : ti + 1], block, t, torch.tensor([ti]))[0, 0, hq // g]
+    read_k = dk[0, :, hq // g].abs().sum(-1).cpu() > 0
+    read_v = dv[0, :, hq // g].abs().sum(-1).cpu() > 0
+    assert not (read_k & ~mask).any() and not (read_v & ~mask).any(), "a key outside the group's blocks"
+    assert torch.equal(read_v, mask), "every selected key gets a dV"
+    other = [hh for hh in range(h) if hh != hq // g]
+    for hh in other:
+        assert (dk[0, :, hh] == 0).all() and (dv[0, :, hh] == 0).all()
+
+
+@pytest.mark.claim("nsa/selection-all-blocks-is-full", section="§3.3.2, Eq. 12")
+@settings(max_examples=2, deadline=None)
+@given(seed=seeds, t=st.integers(1, 48), g=st.sampled_from([1, 4]))
+def test_selected_kernel_with_every_block_is_full_attention(seed, t, g):
+    gen = torch.Generator().manual_seed(seed)
+    block = 16
+    q, k, v = randn(gen, 1, t, g, 16), randn(gen, 1, t, 1, 16), randn(gen, 1, t, 1, 16)
+    ns = -(-t // block)
+    idx = ref.select_blocks(torch.rand(1, t, 1, ns, generator=gen), ns, block, 1, 1)
+    out = ops.selected_attention(*[x.float().to(DEVICE) for x in (q, k, v)], idx.to(DEVICE), block)
+    assert_rel_close(out.cpu(), ref.full_causal_attention(q, k, v), FP32_TOL, "all blocks vs full")
+
+
+@pytest.mark.claim("nsa/window-covers-is-full", section="§3.3.3")
+@settings(max_examples=2, deadline=None)
+@given(seed=seeds, t=st.integers(1, 48), extra=st.integers(0, 20))
+def test_window_kernel_covering_everything_is_full_attention(seed, t, extra):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = randn(gen, 1, t, 2, 16), randn(gen, 1, t, 1, 16), randn(gen, 1, t, 1, 16)
+    out = ops.sliding_window_attention(*[x.float().to(DEVICE) for x in (q, k, v)], t + extra)
+    assert_rel_close(out.cpu(), ref.full_causal_attention(q, k, v), FP32_TOL, "window >= T vs full")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_selected_kernel_half_precision(dtype):
+    """fp16 / bf16 inputs, fp32 accumulation: relative error of a 16-bit rounding (about 1e-2)."""
+    if dtype == torch.bfloat16 and DEVICE == "cpu":
+        pytest.xfail("Triton interpreter bf16 dot")
+    gen = torch.Generator().manual_seed(1)
+    t, block = 32, 16
+    q, k, v = randn(gen, 1, t, 2, 16), randn(gen, 1, t, 1, 16), randn(gen, 1, t, 1, 16)
+    idx = random_block_indices(gen, 1, t, 1, 2, block)
+    out = ops.selected_attention(*[x.to(DEVICE, dtype) for x in (q, k, v)], idx.to(DEVICE), block)
+    assert out.dtype == dtype
+    assert_rel_close(out.float().cpu(), ref.selected_attention(q, k, v, idx, block), 2e-2, "16-bit output")
