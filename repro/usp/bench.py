@@ -1,0 +1,369 @@
+"""Benchmark of USP attention: ``python -m repro.usp.bench --out DIR --budget-s N [--quick]``.
+
+One GPU (this session's job): what splitting attention costs, before any communication.
+* ``full``: one SDPA call (flash) over the whole sequence, forward and backward: the baseline.
+* ``usp n=1``: :func:`repro.usp.usp_attention` with no groups (world size 1): the LSE path and one merge.
+* ``ring n=N``: an emulated ring of N ranks in one process (:func:`repro.usp.ring.emulated_ring_attention`):
+  every rank's steps one after the other, no communication. ``ms`` is the total over the N ranks,
+  ``ms_per_rank`` = ms / N what each of N GPUs would compute, ``overhead`` = ms / full's ms (1.0: free).
+* peers at world size 1: PyTorch's ``context_parallel`` (ring attention over SDPA, torchtitan's) and
+  yunchang's ``LongContextAttention`` (the authors' library; without flash-attn only its PyTorch
+  attention types, which have no backward: forward rows only).
+
+Several GPUs (``torchrun --nproc-per-node G -m repro.usp.bench ...``): tokens/s and attention TFLOP/s per
+GPU for S = 32k-256k, for Ulysses, Ring and the hybrid factorisations, and the peers at the same world.
+
+Every candidate is checked against SDPA at the same shape before it is timed (paperclub.bench.measure);
+bf16 tolerance 2e-2 relative (bf16 rounding of O and of the gradients, ~4e-3 each, plus accumulation order).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from paperclub.bench import Candidate, Report, measure
+from paperclub.testing import assert_rel_close
+
+COLUMNS = [
+    "impl", "world", "ulysses", "ring", "pass", "causal", "S", "B", "H", "H_kv", "D",
+    "ms", "ms_min", "ms_max", "check", "ms_per_rank", "overhead", "tokens_per_s", "tflops_per_gpu", "note",
+]  # fmt: skip
+TOL = 2e-2
+PACKAGES = ["yunchang"]
+
+
+def attention_flops(b: int, s: int, h: int, d: int, causal: bool, passes: str) -> float:
+    """Useful FLOPs of softmax attention: 4 B S^2 H D forward (QK^T and PV), 2.5x that backward,
+    halved by a causal mask."""
+    fwd = 4.0 * b * s * s * h * d * (0.5 if causal else 1.0)
+    return fwd * (3.5 if passes == "fwd+bwd" else 1.0)
+
+
+def _sdpa_bhsd(q, k, v, causal):
+    """SDPA on [B, S, H, D] tensors (GQA through enable_gqa)."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
+        enable_gqa=k.shape[2] != q.shape[2],
+    )  # fmt: skip
+    return out.transpose(1, 2)
+
+
+def _fwd_bwd(fn, leaves, do):
+    """A timed call: forward, then backward with dO (gradients accumulate; every candidate alike)."""
+
+    def run():
+        out = fn()
+        out.backward(do)
+
+    return run
+
+
+def _check(fn, leaves, do, ref, passes):
+    """Compare fn's output (and gradients for fwd+bwd) with the reference tuple (o, dq, dk, dv)."""
+
+    def run():
+        for t in leaves:
+            t.grad = None
+        out = fn()
+        assert_rel_close(out.float(), ref[0], TOL, "o")
+        if passes == "fwd+bwd":
+            out.backward(ref[4])
+            for name, t, want in zip(("dq", "dk", "dv"), leaves, ref[1:4], strict=True):
+                assert_rel_close(t.grad.float(), want, TOL, name)
+        for t in leaves:
+            t.grad = None
+
+    return run
+
+
+def single_gpu_config(
+    report: Report, *, S: int, causal: bool, B: int, H: int, H_kv: int, D: int, rings, backends, peers,
+    rounds: int, device: str = "cuda", dtype=torch.bfloat16, rep: int = 10,
+) -> None:  # fmt: skip
+    """Time one shape: full SDPA, usp at world 1, emulated rings, peers; add the rows to the report."""
+    from repro.usp import shard, usp_attention
+    from repro.usp.local import get_backend
+    from repro.usp.ring import emulated_ring_attention
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(B, S, H, D, device=device, dtype=dtype, generator=gen)
+    k = torch.randn(B, S, H_kv, D, device=device, dtype=dtype, generator=gen)
+    v = torch.randn(B, S, H_kv, D, device=device, dtype=dtype, generator=gen)
+    do = torch.randn(B, S, H, D, device=device, dtype=dtype, generator=gen)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    # reference: SDPA in the same dtype (flash on a GPU); its output and gradients in fp32
+    ref_leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    o_ref = _sdpa_bhsd(*ref_leaves, causal)
+    o_ref.backward(do)
+    ref = (o_ref.detach().float(), *(t.grad.float() for t in ref_leaves), do)
+    del ref_leaves, o_ref
+    scale = 1.0 / math.sqrt(D)
+    base = dict(world=1, causal=causal, S=S, B=B, H=H, H_kv=H_kv, D=D)
+
+    for passes in ("fwd+bwd", "fwd"):
+        cands: dict[str, Candidate] = {}
+        meta: dict[str, dict] = {}
+
+        def add(name, fn, leaves_, do_, ref_, n=1, passes=passes, cands=cands, meta=meta, **m):
+            run = _fwd_bwd(fn, leaves_, do_) if passes == "fwd+bwd" else (lambda: fn())
+            cands[name] = Candidate(fn=run, check=_check(fn, leaves_, do_, ref_, passes))
+            meta[name] = dict(n=n, **m)
+
+        add("full sdpa", lambda: _sdpa_bhsd(*leaves, causal), leaves, do, ref, ulysses=1, ring=1)
+        for be in backends if passes == "fwd+bwd" else backends[:1]:
+            add(
+                f"usp n=1 ({be})",
+                lambda be=be: usp_attention(*leaves, causal=causal, backend=be),
+                leaves, do, ref, ulysses=1, ring=1,
+            )  # fmt: skip
+        # emulated rings: every N with the first backend and zigzag; the contiguous layout (causal) and
+        # the other backends at the middle N only (fewer candidates: each costs rounds x rep calls)
+        mid = rings[len(rings) // 2]
+        ring_runs = [(n, "zigzag", backends[0]) for n in rings]
+        if passes == "fwd+bwd":
+            ring_runs += [(mid, "contiguous", backends[0])] if causal else []
+            ring_runs += [(mid, "zigzag", be) for be in backends[1:]]
+        else:
+            ring_runs = [(mid, "zigzag", backends[0])]
+        for n, layout, be in ring_runs:
+            if S % (2 * n):
+                continue
+            sh = [
+                torch.stack([shard(t, n, r, layout) for r in range(n)]).requires_grad_(True)
+                for t in (q, k, v)
+            ]
+            do_sh = torch.stack([shard(do, n, r, layout) for r in range(n)])
+            ref_sh = (*(torch.stack([shard(t, n, r, layout) for r in range(n)]) for t in ref[:4]), do_sh)
+            fn = lambda sh=sh, layout=layout, be=be: emulated_ring_attention(
+                *sh, causal=causal, scale=scale, layout=layout, backend=get_backend(be)
+            )
+            add(f"ring n={n} {layout} ({be})", fn, sh, do_sh, ref_sh, n=n, ulysses=1, ring=n)
+        res = measure(cands, rounds=rounds, rep=rep, warmup=3)
+        full_ms = res["full sdpa"].median_ms
+        for name, m in res.items():
+            n = meta[name].pop("n")
+            ms = m.median_ms
+            report.add(
+                impl=name, **base, **meta[name], **{"pass": passes}, **m.row(),
+                ms_per_rank=None if ms is None else ms / n,
+                overhead=None if (ms is None or not full_ms) else ms / full_ms,
+                tokens_per_s=None if ms is None else B * S / (ms * 1e-3),
+                tflops_per_gpu=None if ms is None else attention_flops(B, S, H, D, causal, passes) / (ms * 1e-3) / 1e12,
+            )  # fmt: skip
+        for peer in peers:
+            for row in peer(
+                q=q, k=k, v=v, do=do, ref=ref, causal=causal, passes=passes, rounds=rounds, rep=rep
+            ):
+                ms = row.get("ms")
+                report.add(
+                    **base, **{"pass": passes}, **row,
+                    overhead=None if (ms is None or not full_ms) else ms / full_ms,
+                    tokens_per_s=None if ms is None else B * S / (ms * 1e-3),
+                    tflops_per_gpu=None if ms is None else attention_flops(B, S, H, D, causal, passes) / (ms * 1e-3) / 1e12,
+                )  # fmt: skip
+
+
+def _init_single_rank_group() -> str:
+    """A 1-rank NCCL process group (the peers need one even on one GPU); '' or the reason it failed."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return ""
+    try:
+        from nanoparallel.launch import free_port
+
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+        return ""
+    except Exception as exc:  # recorded in the report, the rest still runs
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _error_row(impl: str, exc: BaseException) -> dict:
+    return {"impl": impl, "check": f"failed: {type(exc).__name__}: {str(exc)[:300]}"}
+
+
+def peer_torch_cp(*, q, k, v, do, ref, causal, passes, rounds, rep) -> list[dict]:
+    """torch.distributed.tensor.experimental.context_parallel at world size 1 (SDPA flash under it).
+    Timed in its own rounds: inside the context every SDPA call (ours included) would go through CP."""
+    impl = "torch context_parallel (world 1)"
+    try:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.experimental import context_parallel
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        why = _init_single_rank_group()
+        if why:
+            return [{"impl": impl, "check": f"failed: no process group: {why}"}]
+        if k.shape[2] != q.shape[2]:
+            return [{"impl": impl, "note": "skipped: GQA shapes not run through context_parallel"}]
+        mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+        bufs = [t.transpose(1, 2).contiguous() for t in (q, k, v, do)]  # [B, H, S, D]
+        with (
+            sdpa_kernel(SDPBackend.FLASH_ATTENTION),
+            context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2] * 4),
+        ):
+            leaves = [t.detach().clone().requires_grad_(True) for t in bufs[:3]]
+            fn = lambda: F.scaled_dot_product_attention(*leaves, is_causal=causal).transpose(1, 2)
+            do_ = bufs[3].transpose(1, 2)
+            run = _fwd_bwd(fn, leaves, do_) if passes == "fwd+bwd" else fn
+            ref_t = (ref[0], *(r.transpose(1, 2) for r in ref[1:4]), do_)
+
+            def check():
+                for t in leaves:
+                    t.grad = None
+                out = fn()
+                assert_rel_close(out.float(), ref[0], TOL, "o")
+                if passes == "fwd+bwd":
+                    out.backward(do_)
+                    for name, t, want in zip(("dq", "dk", "dv"), leaves, ref_t[1:4], strict=True):
+                        assert_rel_close(t.grad.float(), want, TOL, name)
+
+            m = measure({impl: Candidate(fn=run, check=check)}, rounds=rounds, rep=rep, warmup=3)[impl]
+        return [{"impl": impl, **m.row(), "note": "own rounds (not interleaved)"}]
+    except Exception as exc:
+        return [_error_row(impl, exc)]
+
+
+def peer_yunchang(*, q, k, v, do, ref, causal, passes, rounds, rep) -> list[dict]:
+    """yunchang 0.6.4 LongContextAttention at world size 1, PyTorch attention types (no flash-attn)."""
+    rows = []
+    try:
+        import yunchang
+        from yunchang import LongContextAttention, set_seq_parallel_pg
+        from yunchang.kernels import AttnType
+    except Exception as exc:
+        return [_error_row("yunchang", exc)]
+    why = _init_single_rank_group()
+    if why:
+        return [{"impl": "yunchang", "check": f"failed: no process group: {why}"}]
+    try:
+        set_seq_parallel_pg(1, 1, 0, 1)
+    except Exception as exc:
+        return [_error_row("yunchang", exc)]
+    for kind in ("TORCH_FLASH", "TORCH_CUDNN"):
+        impl = f"yunchang {yunchang.__version__} {kind.lower()} (world 1)"
+        try:
+            attn = LongContextAttention(ring_impl_type="zigzag", attn_type=getattr(AttnType, kind))
+            leaves = [t.detach().clone().requires_grad_(passes == "fwd+bwd") for t in (q, k, v)]
+            fn = lambda attn=attn, leaves=leaves: attn(*leaves, causal=causal)
+            run = _fwd_bwd(fn, leaves, do) if passes == "fwd+bwd" else fn
+            m = measure(
+                {impl: Candidate(fn=run, check=_check(fn, leaves, do, ref, passes))},
+                rounds=rounds,
+                rep=rep,
+                warmup=3,
+            )
+            rows.append({"impl": impl, **m[impl].row(), "note": "own rounds (not interleaved)"})
+        except Exception as exc:
+            rows.append(_error_row(impl, exc))
+    return rows
+
+
+def multi_gpu(
+    report: Report, *, seqs, budget_s: float, t0: float, H: int, H_kv: int, D: int, rounds: int
+) -> None:
+    """Under torchrun with G > 1 GPUs: tokens/s and TFLOP/s per GPU of every factorisation of G."""
+    import torch.distributed as dist
+
+    from repro.usp import make_groups, shard, usp_attention
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    factorisations = [(u, world // u) for u in range(1, world + 1) if world % u == 0 and H % u == 0]
+    groups = {f: make_groups(*f) for f in factorisations}
+    for S in seqs:
+        for causal in (True, False):
+            if time.monotonic() - t0 > budget_s * 0.8:
+                return
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            full = [
+                torch.randn(1, S, h, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+                for h in (H, H_kv, H_kv, H)
+            ]
+            for (pu, pr), (ug, rg) in groups.items():
+                sp_rank = dist.get_rank(rg) * pu + dist.get_rank(ug)
+                q, k, v, do = (shard(t, world, sp_rank, "zigzag") for t in full)
+                leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+                fn = lambda leaves=leaves, ug=ug, rg=rg, causal=causal: usp_attention(
+                    *leaves, causal=causal, ulysses_group=ug, ring_group=rg
+                )
+                m = measure({"usp": Candidate(fn=_fwd_bwd(fn, leaves, do))}, rounds=rounds, rep=10)["usp"]
+                if rank == 0 and m.median_ms:
+                    report.add(
+                        impl=f"usp {pu}x{pr} (sdpa)", world=world, ulysses=pu, ring=pr, causal=causal, S=S, B=1,
+                        H=H, H_kv=H_kv, D=D, **{"pass": "fwd+bwd"}, **m.row(),
+                        tokens_per_s=S / (m.median_ms * 1e-3),
+                        tflops_per_gpu=attention_flops(1, S, H, D, causal, "fwd+bwd") / (m.median_ms * 1e-3) / 1e12 / world,
+                    )  # fmt: skip
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=None, help="directory for the report JSON")
+    ap.add_argument("--budget-s", type=float, default=240.0, help="stop starting new shapes near this")
+    ap.add_argument("--quick", action="store_true", help="smallest meaningful sweep")
+    ap.add_argument("--device", default="cuda", help="cuda (default); cpu for a smoke run of the code paths")
+    args = ap.parse_args(argv)
+    t0 = time.monotonic()
+    multi = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    report = Report(
+        package="usp",
+        title="USP attention: cost of splitting (one GPU) and sequence-parallel throughput (several)",
+        peer="torch context_parallel; yunchang 0.6.4",
+        columns=COLUMNS,
+        packages=PACKAGES,
+        measure_ceilings=args.device == "cuda",
+        notes=(
+            "bf16, fwd+bwd unless pass says fwd. One GPU: ring n=N is an emulated ring (all N ranks in one "
+            "process, no communication); ms is the total, ms_per_rank = ms / N; overhead = ms / full sdpa's ms. "
+            "yunchang without flash-attn has no backward for its PyTorch attention types: fwd rows only."
+        ),
+    )
+    if multi:
+        import torch.distributed as dist
+
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+        seqs = [32768, 131072] if args.quick else [32768, 65536, 131072, 262144]
+        multi_gpu(report, seqs=seqs, budget_s=args.budget_s, t0=t0, H=32, H_kv=8, D=128, rounds=3)
+        if dist.get_rank() == 0:
+            report.write(out_dir=args.out, tag=f"{dist.get_world_size()}gpu")
+        dist.destroy_process_group()
+        return
+    if args.device == "cpu":
+        # a smoke run of the code paths; one thread (tiny ops on a shared CPU spin otherwise)
+        torch.set_num_threads(1)
+        shapes = [dict(S=32, causal=True, B=1, H=2, H_kv=1, D=16)]
+        kw = dict(
+            rings=[2, 4], backends=["sdpa", "math"], peers=[], rounds=1, device="cpu", dtype=torch.float32
+        )
+    else:
+        seqs = [8192] if args.quick else [8192, 16384, 32768]
+        shapes = [dict(S=s, causal=c, B=1, H=16, H_kv=16, D=128) for s in seqs for c in (True, False)]
+        kw = dict(
+            rings=[2, 4, 8], backends=["sdpa", "fa4"], peers=[peer_torch_cp, peer_yunchang], rounds=3, rep=10
+        )
+    threads = torch.get_num_threads()
+    try:
+        for shape in shapes:
+            if time.monotonic() - t0 > args.budget_s * 0.75:
+                report.notes += f" Stopped at the budget ({args.budget_s:.0f} s) before {shape}."
+                break
+            single_gpu_config(report, **shape, **kw)
+    finally:
+        torch.set_num_threads(threads)
+    report.write(out_dir=args.out)
+
+
+if __name__ == "__main__":
+    main()
