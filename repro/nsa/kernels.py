@@ -427,7 +427,7 @@ def _online_update(q, k, v, valid, m_i, l_i, acc, scale_log2, IEEE: tl.constexpr
     return s, m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["t"])
 def _decode_cmp_kernel(
     Q, KC, VC, OC, LSE, LOGITS, COUNTS,
     sqb, sqh, skb, skt, skh,
@@ -469,7 +469,7 @@ def _decode_cmp_kernel(
     tl.store(COUNTS + (b * H + h) * 3, count)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["t"])
 def _decode_sparse_kernel(
     Q, K, V, KW, VW, BI, OC, GATES, O, COUNTS,
     sqb, sqh, skb, skt, skh, swb, swt, swh,
@@ -490,7 +490,7 @@ def _decode_sparse_kernel(
     m_s = tl.full([BG], -1e30, tl.float32)
     l_s = tl.zeros([BG], tl.float32)
     acc_s = tl.zeros([BG, D], tl.float32)
-    n_slc = t * 0
+    n_slc = pid * 0  # a tensor even when t is specialised to the constant 1
     for si in range(S):
         idx = tl.load(BI + (b * H + h) * S + si)
         kpos = idx * BS + tl.arange(0, BS)
@@ -503,7 +503,7 @@ def _decode_sparse_kernel(
     m_w = tl.full([BG], -1e30, tl.float32)
     l_w = tl.zeros([BG], tl.float32)
     acc_w = tl.zeros([BG, D], tl.float32)
-    n_win = t * 0
+    n_win = pid * 0
     for i0 in range(tl.maximum(t - WINDOW + 1, 0), t + 1, BN):
         offs_n = i0 + tl.arange(0, BN)
         ok = offs_n <= t
