@@ -184,10 +184,10 @@ def block_overlap(
 def selection_scores_eq9(p_cmp: torch.Tensor, ns: int, block_len: int, stride: int, select_len: int):
     """Eq. 9 term by term: p_slc[j] = sum_{m < l'/d} sum_{n < l/d} p_cmp[l'/d (j + 1) - 1 - m - n].
 
-    The paper writes the index as l'/d * j - m - n with its own block numbering; with 0-based blocks
-    the same sum lands on the compression blocks overlapping selection block j when shifted by
-    l'/d - 1 (the check that this is right is :func:`block_overlap`'s test). p_cmp [..., Nc] ->
-    [..., Ns]. Out-of-range indices contribute nothing.
+    The paper writes the index as l'/d * j - m - n, counting selection blocks and compressed tokens
+    from 1; counted from 0 (as here) it becomes l'/d (j + 1) - 1 - m - n, and it then sums exactly the
+    compression blocks overlapping selection block j (checked against :func:`block_overlap`).
+    p_cmp [..., Nc] -> [..., Ns]. Out-of-range indices contribute nothing.
     """
     r, c = select_len // stride, block_len // stride
     nc = p_cmp.shape[-1]
