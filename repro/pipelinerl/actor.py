@@ -1,0 +1,330 @@
+"""The actor: a slot-batched KV-cache engine that takes new weights in flight, and its loop.
+
+:class:`Engine` decodes one token per slot per step (each slot holds one sequence at its own
+position; a prompt is fed token by token through the same step). Every generated token records the
+weight version that sampled it and its behaviour log-prob. :meth:`Engine.load_weights` replaces
+the weights between two steps and keeps the KV cache: the in-flight weight update of
+piche2025pipelinerl §3. Sequences in the middle of generation continue with the new weights on top
+of keys and values the old weights computed.
+
+:func:`actor_loop` is the thread that owns an engine. What distinguishes the three modes is only
+when it admits new sequences and when it takes new weights (§3, Figure 1):
+
+* ``pipeline``: admit while fewer than ``B + max_lag`` samples are ahead of the trainer; take new
+  weights at the next step, mid-sequence.
+* ``async``: same admission, but weights change only between sequences: once newer weights exist,
+  stop admitting, let the batch drain, swap, resume.
+* ``conventional``: generate a round of ``G * B`` samples (``G = max_lag / B + 1``), wait until the
+  trainer has taken ``G`` steps on them, swap, start the next round.
+
+Weights arrive through :class:`WeightReceiver`, a thread that joins the trainer's
+``torch.distributed`` broadcasts and keeps the newest version in a host buffer.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from repro.pipelinerl.model import Policy, load_flat_weights
+from repro.pipelinerl.reference import sample_token
+from repro.pipelinerl.task import EOS, PAD, TaskConfig, make_prompt, reward, sampling_uniforms
+
+
+@dataclass
+class Sample:
+    """One finished rollout: completion tokens, their behaviour log-probs and weight versions."""
+
+    index: int
+    prompt: list[int]
+    tokens: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    reward: float
+    actor: int = 0
+    t_start: float = 0.0
+    t_end: float = 0.0
+
+
+class Engine:
+    """Slot-batched generation with a KV cache; weights can change between any two steps.
+
+    ``slots`` sequences decode together; :meth:`step` feeds one token for every slot (a fixed
+    ``[slots]`` batch, idle slots included, so the step's cost does not depend on how many are
+    busy, like a static-batch engine) and returns the sequences that finished."""
+
+    def __init__(
+        self,
+        model: Policy,
+        task: TaskConfig,
+        slots: int,
+        *,
+        seed: int = 0,
+        temperature: float = 1.0,
+        attempts: int = 1,
+        actor_id: int = 0,
+    ):
+        if slots < 1:
+            raise ValueError(f"Engine: slots must be >= 1, got {slots}")
+        if task.max_seq_len > model.cfg.max_len:
+            raise ValueError(
+                f"Engine: the task needs {task.max_seq_len} positions, the model's max_len is {model.cfg.max_len}"
+            )
+        self.model, self.task, self.slots = model, task, slots
+        self.seed, self.temperature, self.attempts, self.actor_id = seed, temperature, attempts, actor_id
+        dev = next(model.parameters()).device
+        self.device = dev
+        self.cache = model.new_cache(slots, dev)
+        self.buf = torch.full((slots, model.cfg.max_len), PAD, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(slots, dtype=torch.long, device=dev)
+        self.prompt_len = torch.ones(slots, dtype=torch.long, device=dev)
+        self.active = torch.zeros(slots, dtype=torch.bool, device=dev)
+        self.uniforms = torch.zeros(slots, task.max_new_tokens, dtype=torch.float64, device=dev)
+        self.logp = torch.zeros(slots, task.max_new_tokens, device=dev)
+        self.vers = torch.zeros(slots, task.max_new_tokens, dtype=torch.long, device=dev)
+        self.meta: list[tuple[int, list[int], float] | None] = [None] * slots
+        self.version = 0
+        self._ar = torch.arange(slots, device=dev)
+
+    @property
+    def n_active(self) -> int:
+        return sum(m is not None for m in self.meta)
+
+    def free_slot(self) -> int | None:
+        for s, m in enumerate(self.meta):
+            if m is None:
+                return s
+        return None
+
+    def add(self, sample_index: int) -> None:
+        """Start sample ``sample_index`` (its prompt is problem ``sample_index // attempts``)."""
+        s = self.free_slot()
+        if s is None:
+            raise RuntimeError("Engine.add: every slot is busy")
+        prompt = make_prompt(self.task, self.seed, sample_index // self.attempts)
+        self.buf[s].fill_(PAD)
+        self.buf[s, : len(prompt)] = torch.tensor(prompt, device=self.device)
+        self.pos[s] = 0
+        self.prompt_len[s] = len(prompt)
+        self.uniforms[s] = sampling_uniforms(self.task, self.seed, sample_index).to(self.device)
+        self.active[s] = True
+        self.meta[s] = (sample_index, prompt, time.perf_counter())
+
+    def load_weights(self, flat: torch.Tensor, version: int) -> None:
+        """In-flight update: new weights from the next step on; the KV cache is kept as it is."""
+        if version < self.version:
+            raise ValueError(
+                f"Engine.load_weights: version {version} is older than the current {self.version}"
+            )
+        load_flat_weights(self.model, flat)
+        self.version = version
+
+    @torch.no_grad()
+    def step(self) -> list[Sample]:
+        """Decode one token in every busy slot; return the samples that finished (EOS or length)."""
+        ar, pos = self._ar, self.pos
+        logits = self.model.decode(self.buf[ar, pos], pos, self.cache)
+        gen_idx = pos + 1 - self.prompt_len  # index of the completion token this step produces
+        generating = self.active & (gen_idx >= 0)
+        j = gen_idx.clamp(0, self.task.max_new_tokens - 1)
+        tok, lp = sample_token(logits, self.uniforms[ar, j], self.temperature)
+        nxt = torch.where(generating, tok, self.buf[ar, pos + 1])
+        self.buf[ar, pos + 1] = torch.where(self.active, nxt, self.buf[ar, pos + 1])
+        self.logp[ar, j] = torch.where(generating, lp, self.logp[ar, j])
+        self.vers[ar, j] = torch.where(generating, torch.full_like(j, self.version), self.vers[ar, j])
+        done = generating & ((tok == EOS) | (j + 1 >= self.task.max_new_tokens))
+        self.pos += self.active.long()
+        finished = []
+        for s in done.nonzero().flatten().tolist():
+            index, prompt, t0 = self.meta[s]
+            n = int(j[s]) + 1
+            p0 = len(prompt)
+            tokens = self.buf[s, p0 : p0 + n].tolist()
+            finished.append(
+                Sample(
+                    index=index,
+                    prompt=prompt,
+                    tokens=tokens,
+                    logprobs=self.logp[s, :n].tolist(),
+                    versions=self.vers[s, :n].tolist(),
+                    reward=reward(prompt, tokens),
+                    actor=self.actor_id,
+                    t_start=t0,
+                    t_end=time.perf_counter(),
+                )
+            )
+            self.meta[s] = None
+            self.active[s] = False
+            self.pos[s] = 0
+        return finished
+
+
+def broadcast_options(root: int = 0) -> dist.BroadcastOptions:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = root
+    opts.rootTensor = 0
+    return opts
+
+
+class WeightReceiver:
+    """Joins every weight broadcast of the trainer (rank 0) and keeps the newest in host memory.
+
+    Each broadcast is a header ``int64 [version, stop]`` then, unless stop, the fp32 weights. The
+    thread never waits for the engine, so the trainer is held up only by the transfer itself."""
+
+    def __init__(self, pg, numel: int):
+        self.pg, self.numel = pg, numel
+        self.lock = threading.Lock()
+        self.latest = torch.zeros(numel)
+        self.latest_version = -1
+        self.received = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True, name="weight-receiver")
+
+    def start(self) -> WeightReceiver:
+        self.thread.start()
+        return self
+
+    def _loop(self) -> None:
+        header = torch.zeros(2, dtype=torch.long)
+        recv = torch.zeros(self.numel)
+        while True:
+            self.pg.broadcast([header], broadcast_options()).wait()
+            if int(header[1]):
+                return
+            self.pg.broadcast([recv], broadcast_options()).wait()
+            with self.lock:
+                self.latest.copy_(recv)
+                self.latest_version = int(header[0])
+            self.received.set()
+
+    def take(self, newer_than: int) -> tuple[torch.Tensor, int] | None:
+        """The newest weights if their version is above ``newer_than`` (a copy), else None."""
+        with self.lock:
+            if self.latest_version <= newer_than:
+                return None
+            return self.latest.clone(), self.latest_version
+
+    def newest_version(self) -> int:
+        with self.lock:
+            return self.latest_version
+
+
+@dataclass
+class Shared:
+    """What actors and trainer share besides the weight broadcast: counters and the sample queue."""
+
+    mode: str
+    batch_size: int
+    max_lag: int
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    started: int = 0  # samples admitted by all actors so far (the next sample index)
+    consumed: int = 0  # samples the trainer has taken off the queue (trained on or dropped)
+    dropped: int = 0  # of which dropped as too stale
+    stop: threading.Event = field(default_factory=threading.Event)
+    finished: list = field(default_factory=list)  # Samples waiting for the trainer
+    cond: threading.Condition | None = None
+    error: BaseException | None = None
+
+    def __post_init__(self) -> None:
+        self.cond = threading.Condition(self.lock)
+
+    @property
+    def rounds(self) -> int:
+        """Conventional mode's G: optimizer steps per generation round."""
+        return self.max_lag // self.batch_size + 1
+
+    def try_admit(self, engine_version: int) -> int | None:
+        """The next sample index if one more sample may start under weights ``engine_version``.
+
+        The released code's rule, with versions in samples: an actor holding the weights trained on
+        ``v`` samples may start samples up to ``v + B + max_lag`` (conventional mode: one round,
+        ``G * B = B + max_lag``). Samples the trainer dropped as stale are credited back, or a
+        window full of dropped samples would never move."""
+        with self.lock:
+            if self.started >= engine_version + self.dropped + self.batch_size + self.max_lag:
+                return None
+            self.started += 1
+            return self.started - 1
+
+    def put(self, samples: list[Sample]) -> None:
+        if samples:
+            with self.cond:
+                self.finished.extend(samples)
+                self.cond.notify_all()
+
+
+def actor_loop(
+    shared: Shared,
+    engine: Engine,
+    receiver: WeightReceiver,
+    log: dict,
+    *,
+    stream: torch.cuda.Stream | None = None,
+) -> None:
+    """Run one actor until ``shared.stop``; appends timings to ``log['steps']`` and ``log['swaps']``.
+
+    ``log['steps']``: ``(t, seconds, busy slots)`` per engine step; ``log['swaps']``: ``(t, version,
+    seconds)`` per weight load. Times are ``perf_counter`` seconds."""
+    try:
+        ctx = torch.cuda.stream(stream) if stream is not None else _nullcontext()
+        with ctx:
+            _actor_loop(shared, engine, receiver, log)
+    except BaseException as exc:  # surface the actor's failure to run() instead of hanging
+        shared.error = exc
+        shared.stop.set()
+        with shared.cond:
+            shared.cond.notify_all()
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
+
+
+def _swap(engine: Engine, receiver: WeightReceiver, log: dict) -> bool:
+    got = receiver.take(engine.version)
+    if got is None:
+        return False
+    t0 = time.perf_counter()
+    engine.load_weights(*got)
+    log["swaps"].append((t0, got[1], time.perf_counter() - t0))
+    return True
+
+
+def _actor_loop(shared: Shared, engine: Engine, receiver: WeightReceiver, log: dict) -> None:
+    receiver.received.wait()  # the trainer's version-0 weights
+    _swap(engine, receiver, log)
+    mode = shared.mode
+    while not shared.stop.is_set():
+        idle = engine.n_active == 0
+        if mode == "pipeline":
+            _swap(engine, receiver, log)  # mid-sequence, KV cache kept
+        elif idle:
+            if mode == "async":
+                _swap(engine, receiver, log)
+            else:  # conventional: a new round only on weights trained on every sample so far
+                with shared.lock:
+                    started = shared.started
+                if receiver.newest_version() >= started:
+                    _swap(engine, receiver, log)
+        draining = mode == "async" and receiver.newest_version() > engine.version
+        while not draining and engine.free_slot() is not None:
+            index = shared.try_admit(engine.version)
+            if index is None:
+                break
+            engine.add(index)
+        if engine.n_active == 0:
+            time.sleep(0.0005)  # nothing admitted: wait for the trainer
+            continue
+        t0 = time.perf_counter()
+        busy = engine.n_active
+        done = engine.step()
+        log["steps"].append((t0, time.perf_counter() - t0, busy))
+        shared.put(done)

@@ -1,0 +1,147 @@
+"""The trainer: batches of finished samples -> truncated-IS policy-gradient steps -> weight broadcast.
+
+:func:`rl_step` is one optimizer step on one batch, with :mod:`reference`'s objective.
+:func:`trainer_loop` is the thread around it: it takes whole groups (all ``attempts`` samples of a
+prompt) off the shared queue in the order they completed, drops any group with a token older than
+``max_lag`` samples (so every token it trains on respects the bound), steps, and broadcasts the new
+weights to the actors through ``torch.distributed`` (rank 0 is the trainer).
+
+Versions are counted in samples, as the released code counts them: the weights after ``k`` steps
+of ``B`` samples have version ``k * B``, and a token of version ``v`` used when the trainer has
+trained on ``P`` samples has lag ``P - v`` (piche2025pipelinerl §3).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+import torch
+
+from repro.pipelinerl.actor import Sample, Shared, broadcast_options
+from repro.pipelinerl.model import Policy, flat_weights
+from repro.pipelinerl.reference import (
+    effective_sample_size,
+    group_advantages,
+    importance_weights,
+    token_logprobs,
+    truncated_is_loss,
+)
+from repro.pipelinerl.task import PAD
+
+
+def collate(samples: list[Sample], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pad prompt + completion: tokens ``[B, T]``, then ``[B, T-1]`` behaviour log-probs, versions, mask.
+
+    Position ``t`` of the ``[B, T-1]`` tensors is the prediction of ``tokens[:, t+1]``."""
+    T = max(len(s.prompt) + len(s.tokens) for s in samples)
+    B = len(samples)
+    tokens = torch.full((B, T), PAD, dtype=torch.long)
+    blp = torch.zeros(B, T - 1)
+    vers = torch.zeros(B, T - 1, dtype=torch.long)
+    mask = torch.zeros(B, T - 1, dtype=torch.bool)
+    for i, s in enumerate(samples):
+        p, n = len(s.prompt), len(s.tokens)
+        tokens[i, : p + n] = torch.tensor(s.prompt + s.tokens)
+        blp[i, p - 1 : p - 1 + n] = torch.tensor(s.logprobs)
+        vers[i, p - 1 : p - 1 + n] = torch.tensor(s.versions)
+        mask[i, p - 1 : p - 1 + n] = True
+    return tokens.to(device), blp.to(device), vers.to(device), mask.to(device)
+
+
+def rl_step(
+    model: Policy,
+    opt: torch.optim.Optimizer,
+    samples: list[Sample],
+    *,
+    attempts: int,
+    is_cap: float,
+    temperature: float = 1.0,
+    grad_clip: float = 1.0,
+) -> dict:
+    """One optimizer step of the truncated-IS loss on ``samples`` (whole groups, in group order).
+
+    Returns the batch's statistics: mean reward, loss, ESS of the untruncated weights, the
+    fraction of truncated tokens, and the number of completion tokens."""
+    device = next(model.parameters()).device
+    tokens, blp, _, mask = collate(samples, device)
+    rewards = torch.tensor([s.reward for s in samples], device=device)
+    adv = group_advantages(rewards, attempts)
+    model.train()
+    logp = token_logprobs(model, tokens, temperature)
+    loss = truncated_is_loss(logp, blp, adv, mask, is_cap)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if grad_clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    opt.step()
+    rho = importance_weights(logp, blp)
+    return {
+        "reward": float(rewards.mean()),
+        "loss": float(loss.detach()),
+        "ess": effective_sample_size(rho, mask),
+        "clipped": float((rho[mask] > is_cap).float().mean()),
+        "tokens": int(mask.sum()),
+    }
+
+
+def broadcast_weights(pg, model: Policy, version: int) -> float:
+    """Send ``model``'s weights as ``version`` to every actor; returns the seconds it took."""
+    t0 = time.perf_counter()
+    flat = flat_weights(model).cpu()
+    pg.broadcast([torch.tensor([version, 0])], broadcast_options()).wait()
+    pg.broadcast([flat], broadcast_options()).wait()
+    return time.perf_counter() - t0
+
+
+def broadcast_stop(pg) -> None:
+    pg.broadcast([torch.tensor([-1, 1])], broadcast_options()).wait()
+
+
+def _ready_groups(finished: list[Sample], attempts: int) -> OrderedDict:
+    """Complete groups among the finished samples, in the order their last member finished."""
+    groups: dict[int, list[Sample]] = {}
+    order: list[int] = []
+    for s in finished:
+        g = groups.setdefault(s.index // attempts, [])
+        g.append(s)
+        if len(g) == attempts:
+            order.append(s.index // attempts)
+    return OrderedDict((k, sorted(groups[k], key=lambda s: s.index)) for k in order)
+
+
+def take_batch(
+    shared: Shared, attempts: int, trained: int, need: int
+) -> tuple[list[Sample] | None, list[Sample]]:
+    """Under ``shared.cond``: drop stale complete groups, then take ``need`` samples of fresh ones.
+
+    A group is stale when one of its tokens has version below ``trained - max_lag``; stale groups
+    leave the queue at once (they only get staler) and count as consumed, so the actors' admission
+    window moves on. In conventional mode a round's ``G * B`` samples must all be there first.
+    Returns ``(batch or None when not enough fresh samples are ready, dropped)``."""
+    ready = _ready_groups(shared.finished, attempts)
+    dropped: list[Sample] = []
+    fresh: list[tuple[int, list[Sample]]] = []
+    for key, group in ready.items():
+        oldest = min(min(s.versions) for s in group)
+        if trained - oldest > shared.max_lag:
+            dropped.extend(group)
+        else:
+            fresh.append((key, group))
+    available = sum(len(g) for _, g in fresh)
+    enough = available >= need
+    if shared.mode == "conventional" and trained % (shared.rounds * shared.batch_size) == 0:
+        enough = available >= shared.rounds * shared.batch_size
+    batch: list[Sample] = []
+    taken = {s.index // attempts for s in dropped}
+    if enough:
+        for key, group in fresh:
+            if len(batch) >= need:
+                break
+            batch.extend(group)
+            taken.add(key)
+    if taken:
+        shared.finished = [s for s in shared.finished if s.index // attempts not in taken]
+        shared.consumed += len(batch) + len(dropped)
+        shared.dropped += len(dropped)
+    return (batch if enough else None), dropped
