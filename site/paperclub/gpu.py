@@ -14,7 +14,9 @@ For each package, in order, each step under a timeout cut from what is left of t
 2. **tests**: ``pytest -m gpu <package>``; the claims plugin records each claim test's outcome, with
    the device, in ``<package>/results/claims-gpu.json``.
 3. **sanitizer**: the same tests once more under ``compute-sanitizer --tool memcheck``; any error it
-   reports fails the step (and the job).
+   reports fails the step (and the job). ``PAPERCLUB_SANITIZER=1`` is set there
+   (``paperclub.testing.sanitizing()``): a test may skip its slow reference in that pass, whose point
+   is the kernels' memory accesses, not their values (checked in step 2).
 4. **bench**: ``python -m repro.<name>.bench --out <results> --budget-s <left>`` (plus ``--bench-args``).
 
 Everything the job wrote (result JSON, the GPU claims record, a log per step, ``gpu-job.json`` with
@@ -223,7 +225,7 @@ def run_job(
         for step_name, cmd, extra_env in (
             ("tests", test_cmd, {}),
             ("sanitizer", ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "86", *test_cmd, "-x"],
-             {"PAPERCLUB_RECORD_CLAIMS": "0"}),
+             {"PAPERCLUB_RECORD_CLAIMS": "0", "PAPERCLUB_SANITIZER": "1"}),
         ):  # fmt: skip
             step = Step(name, step_name)
             log = logs / f"{name}-{step_name}.log"

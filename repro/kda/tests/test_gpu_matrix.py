@@ -5,8 +5,8 @@ L2-normalised, ``g = logsigmoid(x) / gate_logit_normalizer``, gates zeroed with 
 is :func:`paperclub.testing.rel_error` (the Frobenius ratio is the RMS ratio).
 
 fla's tolerances (its fp16 inputs): 0.005 for o and the final state, 0.008 for dq, dk, dv, dh0, 0.02
-for dg and dbeta. Our reference is the recurrence in fp64 (fla's runs in the inputs' precision),
-computed on the CPU so that the GPU work under compute-sanitizer stays small. bf16 keeps 3 fewer
+for dg and dbeta. Our reference is the recurrence in fp64 on the GPU (fla's runs in the inputs'
+precision); under compute-sanitizer (the GPU job's second pass, for memory errors) only our kernels run. bf16 keeps 3 fewer
 mantissa bits than fp16 (2^-8 against 2^-11 unit roundoff): its tolerances are fla's times 4, still
 well under what a wrong kernel gives (the split backward before the fix: dk 0.10, dh0 2.0 in bf16).
 fp32 inputs take fla's fp16 tolerances divided by 50 (fp32 products at ieee precision; measured
@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from paperclub.testing import rel_error
+from paperclub.testing import rel_error, sanitizing
 from repro.kda import chunk as C
 from repro.kda import chunk_kda, recurrent_kda
 
@@ -56,15 +56,16 @@ def fla_inputs(B, T, H, D, gate_norm, mask_p, dtype, h0=True, dht=True, seed=42)
 
 
 def errors(x, do, dhT, dtype, scale):
-    """Errors of chunk_kda (on the GPU, in ``dtype``) against the fp64 recurrence (on the CPU)."""
+    """Errors of chunk_kda (in ``dtype``) against the fp64 recurrence, both on the GPU."""
     names = [n for n in ("q", "k", "v", "g", "beta", "h0") if x[n] is not None]
-    ref = {n: x[n].clone().requires_grad_(True) for n in names}
+    ref = {n: x[n].to("cuda").requires_grad_(True) for n in names}
     gpu = {
         n: x[n].to("cuda", dtype if n in ("q", "k", "v", "beta") else torch.float32).requires_grad_(True)
         for n in names
     }
     results = {}
-    for side, t, dev in (("ref", ref, "cpu"), ("ours", gpu, "cuda")):
+    sides = [("ours", gpu, "cuda")] if sanitizing() else [("ref", ref, "cuda"), ("ours", gpu, "cuda")]
+    for side, t, dev in sides:
         fn = recurrent_kda if side == "ref" else chunk_kda
         o, hT = fn(t["q"], t["k"], t["v"], t["g"], t["beta"], scale, t.get("h0"), True)
         outs, grads = [o], [do.to(dev, o.dtype)]
@@ -74,7 +75,9 @@ def errors(x, do, dhT, dtype, scale):
         torch.autograd.backward(outs, grads)
         results[side] = {"o": o, "hT": hT, **{"d" + n: t[n].grad for n in names}}
     torch.cuda.synchronize()
-    return {n: rel_error(results["ours"][n].double().cpu(), results["ref"][n]) for n in results["ref"]}
+    if "ref" not in results:
+        return {}
+    return {n: rel_error(results["ours"][n], results["ref"][n]) for n in results["ref"]}
 
 
 def check(case, dtype, **settings):
@@ -143,7 +146,7 @@ def test_default_path_on_gpu(name, dtype):
 @pytest.mark.gpu
 @pytest.mark.claim(CLAIM, section=SECTION)
 @pytest.mark.parametrize("bv", [16, 32, 64, 128])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float16], ids=["fp16"])
 def test_state_value_blocks_on_gpu(bv, dtype):
     """The fused state backward at every value block its rule can pick, in the mild-gate case where a
     wrong dS carried across chunks shows (fla's B=2, T=1500, H=4, D=128, normaliser 10)."""
