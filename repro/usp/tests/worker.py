@@ -229,3 +229,43 @@ def run_usp_heads_error(ctx: dict, ulysses: int, H: int) -> str:
     except ValueError as exc:
         return str(exc)
     return "no error"
+
+
+def trace_shards(ctx: dict, ulysses: int, ring: int, S: int, H: int, layout: str = "zigzag") -> dict:
+    """Move *labels* through the real communication: each element of q is ``position * 100 + head``, so
+    what a rank holds after the Ulysses all-to-all and at each ring step can be read off the values.
+    Returns this rank's held (position, head) labels at each stage (for the walkthrough)."""
+    from repro.usp import comm
+    from repro.usp.ulysses import seq_to_head
+    from repro.usp.usp import _ring_order
+
+    ug, rg = _groups(ctx, Case(0, 1, S, H, H, 1, ulysses, ring, True, layout))
+    if ug is None:
+        return {}
+    u, r = dist.get_rank(ug), dist.get_rank(rg)
+    sp_rank = r * ulysses + u
+    pos = torch.arange(S, dtype=torch.float64)[None, :, None, None]
+    heads = torch.arange(H, dtype=torch.float64)[None, None, :, None]
+    labels = pos * 100 + heads  # [1, S, H, 1]
+    local = shard(labels, ulysses * ring, sp_rank, layout)
+    after = seq_to_head(local, ug)
+    if layout == "zigzag" and ulysses > 1:
+        after = after.index_select(1, _ring_order(ulysses, local.shape[1], after.device))
+    steps = [after]
+    block = after
+    for _ in range(ring - 1):
+        (block,) = comm.ring_shift([block], rg, "trace").wait()
+        steps.append(block)
+
+    def tokens(t):  # the positions along the sequence (read off head 0)
+        return (t[0, :, 0, 0] // 100).long().tolist()
+
+    return {
+        "sp_rank": sp_rank,
+        "ulysses_rank": u,
+        "ring_rank": r,
+        "local_positions": tokens(local),
+        "local_heads": (local[0, 0, :, 0] % 100).long().tolist(),
+        "after_all_to_all": {"positions": tokens(after), "heads": (after[0, 0, :, 0] % 100).long().tolist()},
+        "ring_steps": [tokens(b) for b in steps],
+    }
