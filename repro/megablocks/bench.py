@@ -28,6 +28,10 @@ a correctness check of its output against ``moe_per_expert`` in fp32 at that sha
 ``pct_of_matmul`` is ``tflops`` over the measured bf16 matmul ceiling (8192^3, ``paperclub.bench.ceilings``,
 also stored in the JSON). ``tflops`` counts the useful work of the routed assignments for every row (fwd + bwd = 3 x forward;
 forward = 2 T k d f x 3 matmuls for SwiGLU), so a capacity row's padding or drops are not credited.
+
+With budget left after the main table, rows under ``64e-top8 (tuning)`` time our two paths with
+other tile settings (``repro.megablocks.kernels.GPU_CONFIG`` through ``kernel_config``; column
+``config``), balanced routing, beside torch._grouped_mm once.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import torch
 
 from paperclub.bench import Candidate, Report, ceilings, measure
 from paperclub.testing import assert_rel_close
+from repro.megablocks.kernels import kernel_config
 from repro.megablocks.moe import _combine, dmoe_grouped, dmoe_sparse
 from repro.megablocks.reference import activation, capacity_moe, moe_per_expert
 from repro.megablocks.topology import permute
@@ -53,11 +58,19 @@ SHAPES = {
 }
 QUICK_TOKENS = {"64e-top8": 4096, "8e-top2": 2048}
 ROUTINGS = ("balanced", "skewed")
+# GPU_CONFIG variants timed after the main table while budget remains (the first is the default)
+TUNING = [
+    {},
+    {"dense_n": 256},
+    {"num_stages": 4},
+    {"num_warps": 4},
+    {"gmm_m": 64},
+]
 SKEW = 1.2
 MLP = "glu"
 TOL_BF16 = 2e-2  # bf16 outputs vs the fp32 per-expert reference: 8 mantissa bits, fp32 accumulation
 COLUMNS = [
-    "shape", "routing", "impl", "tokens", "max_load", "drop_rate",
+    "shape", "routing", "impl", "config", "tokens", "max_load", "drop_rate",
     "ms", "ms_min", "ms_max", "check", "tokens_per_s", "tflops", "pct_of_matmul", "vs_grouped_mm",
 ]  # fmt: skip
 
@@ -183,11 +196,16 @@ def run_config(
     rep_ms: int = 100,
     timer=None,
     notes: list | None = None,
+    only: tuple[str, ...] | None = None,
+    config: str = "default",
+    base_ms: float | None = None,
 ) -> list[dict]:
     """Every candidate at one shape and routing; returns the Report rows.
 
     Timing: ``rounds`` interleaved rounds; in each, ``time_ms`` (triton's do_bench: ``warmup_ms`` and
-    ``rep_ms`` are milliseconds of calls, the median call is kept) per candidate."""
+    ``rep_ms`` are milliseconds of calls, the median call is kept) per candidate. ``only``: the
+    candidates to build (default all); ``base_ms``: the torch_grouped_mm time for ``vs_grouped_mm``
+    when that peer is not among them."""
     notes = notes if notes is not None else []
     E, k, d, f, T = (dims[c] for c in ("E", "k", "d", "f", "T"))
     gen = torch.Generator(device=device).manual_seed(1)
@@ -210,18 +228,21 @@ def run_config(
     def checked(fn, ref_out=ref):
         return lambda: assert_rel_close(fn(), ref_out, TOL_BF16 if dtype != torch.float32 else 1e-4, "output")
 
+    want = lambda name: only is None or name in only
     cands: dict[str, Candidate] = {}
     extra: dict[str, dict] = {}
     sparse = lambda: dmoe_sparse(x, weights, indices, w1, w2, w3, E, MLP, block_size)
     grouped = lambda: dmoe_grouped(x, weights, indices, w1, w2, w3, E, MLP)
     cands["ours_sparse"] = Candidate(_fwd_bwd(sparse, leaves, grad_out), checked(sparse))
     cands["ours_grouped"] = Candidate(_fwd_bwd(grouped, leaves, grad_out), checked(grouped))
-    if hasattr(torch, "_grouped_mm"):
+    if not want("torch_grouped_mm"):
+        pass
+    elif hasattr(torch, "_grouped_mm"):
         gmm_fn = lambda: grouped_mm_moe(x, weights, indices, w1, w2, w3, E, MLP)
         cands["torch_grouped_mm"] = Candidate(_fwd_bwd(gmm_fn, leaves, grad_out), checked(gmm_fn))
     else:
         notes.append(f"torch {torch.__version__} has no torch._grouped_mm: that peer did not run.")
-    for cf in (1.0, 2.0):
+    for cf in (1.0, 2.0) if want("capacity_1.0") else ():
         cap = lambda cf=cf: capacity_moe(x, weights, indices, w1, w2, w3, E, cf, MLP)[0]
         with torch.no_grad():
             kept = capacity_moe(x, weights, indices, w1, w2, w3, E, cf, MLP)[1]
@@ -231,7 +252,9 @@ def run_config(
         name = f"capacity_{cf}"
         cands[name] = Candidate(_fwd_bwd(cap, leaves, grad_out), checked(cap, ref_kept))
         extra[name] = {"drop_rate": round(1.0 - float(kept.float().mean()), 4)}
-    mb, why = load_megablocks() if device == "cuda" else (None, "megablocks needs CUDA")
+    mb, why = (None, "")
+    if want("megablocks_sparse"):
+        mb, why = load_megablocks() if device == "cuda" else (None, "megablocks needs CUDA")
     if mb is not None:
         try:
             mb_fn, mb_params = megablocks_experts(mb, E, k, d, f, w1.detach(), w2.detach(), w3.detach())
@@ -244,21 +267,33 @@ def run_config(
     if why and why not in notes:
         notes.append(why)
     del ref
+    if only is not None:
+        cands = {name: c for name, c in cands.items() if name in only}
     res = measure(cands, rounds=rounds, warmup=warmup_ms, rep=rep_ms, timer=timer)
     flops = useful_flops(T, k, d, f)
     base = res.get("torch_grouped_mm")
+    base_ms = base.median_ms if base is not None else base_ms
     rows = []
     for name, m in res.items():
-        row = dict(shape=shape, routing=routing, impl=name, tokens=T, max_load=max_load, drop_rate=0.0)
+        row = dict(
+            shape=shape, routing=routing, impl=name, config=config, tokens=T, max_load=max_load, drop_rate=0.0
+        )
         row.update(m.row())
         row.update(extra.get(name, {}))
         if m.median_ms:
             row["tokens_per_s"] = round(T / (m.median_ms * 1e-3))
             row["tflops"] = round(flops / (m.median_ms * 1e-3) / 1e12, 1)
-            if base is not None and base.median_ms:
-                row["vs_grouped_mm"] = round(m.median_ms / base.median_ms, 3)
+            if base_ms:
+                row["vs_grouped_mm"] = round(m.median_ms / base_ms, 3)
         rows.append(row)
     return rows
+
+
+def _with_pct(row: dict, ceil: dict) -> dict:
+    """Add ``pct_of_matmul``: the row's TFLOP/s over the measured bf16 matmul ceiling."""
+    if row.get("tflops") and ceil.get("matmul_bf16_tflops"):
+        row["pct_of_matmul"] = round(100 * row["tflops"] / ceil["matmul_bf16_tflops"], 1)
+    return row
 
 
 def main(argv=None) -> Path | None:
@@ -287,7 +322,7 @@ def main(argv=None) -> Path | None:
             continue
         dims = dict(dims, T=QUICK_TOKENS[shape]) if args.quick else dims
         configs += [(shape, dims, r) for r in ROUTINGS]
-    longest = 0.0
+    longest = tune_longest = 0.0
     for shape, dims, routing in configs:
         elapsed = time.perf_counter() - start
         if elapsed + 1.2 * longest > args.budget_s - 15:  # leave time for the ceilings and the write
@@ -296,14 +331,39 @@ def main(argv=None) -> Path | None:
         t0 = time.perf_counter()
         try:
             for row in run_config(shape, dims, routing, rounds=args.rounds, notes=notes):
-                if row.get("tflops") and ceil.get("matmul_bf16_tflops"):
-                    row["pct_of_matmul"] = round(100 * row["tflops"] / ceil["matmul_bf16_tflops"], 1)
-                report.add(**row)
-        except torch.cuda.OutOfMemoryError as exc:
-            notes.append(f"{shape}/{routing}: out of memory ({' '.join(str(exc).split())[:120]})")
+                report.add(**_with_pct(row, ceil))
+        except Exception as exc:  # out of memory, or a setup step failing: noted, the rest still runs
+            notes.append(f"{shape}/{routing}: {type(exc).__name__}: {' '.join(str(exc).split())[:160]}")
         torch.cuda.empty_cache()
         longest = max(longest, time.perf_counter() - t0)
         print(f"{shape}/{routing} done in {time.perf_counter() - t0:.1f} s", flush=True)
+    # with budget left: our kernels under other tile settings (kernel_config), on one shape, so that
+    # the next change to GPU_CONFIG rests on measurements; rows under shape "<shape> (tuning)"
+    tune_shape = "64e-top8"
+    tune_dims = dict(SHAPES[tune_shape], T=QUICK_TOKENS[tune_shape]) if args.quick else SHAPES[tune_shape]
+    tune_base_ms = None
+    for variant in TUNING:
+        label = "tune:" + (",".join(f"{k}={v}" for k, v in variant.items()) or "default")
+        elapsed = time.perf_counter() - start
+        if elapsed + 1.2 * tune_longest > args.budget_s - 15:
+            notes.append(f"tuning variants from {label} on skipped: budget")
+            break
+        t0 = time.perf_counter()
+        try:
+            with kernel_config(**variant):
+                for row in run_config(
+                    f"{tune_shape} (tuning)", tune_dims, "balanced", rounds=3, notes=notes,
+                    only=("ours_sparse", "ours_grouped", "torch_grouped_mm" if not variant else ""), config=label,
+                    base_ms=tune_base_ms,
+                ):  # fmt: skip
+                    if row["impl"] == "torch_grouped_mm":
+                        tune_base_ms = row["ms"]
+                    report.add(**_with_pct(row, ceil))
+        except Exception as exc:  # a variant that does not compile or fit is a result, not a crash
+            notes.append(f"tuning {label}: {type(exc).__name__}: {' '.join(str(exc).split())[:160]}")
+        torch.cuda.empty_cache()
+        tune_longest = max(tune_longest, time.perf_counter() - t0)
+        print(f"tuning {label} done in {time.perf_counter() - t0:.1f} s", flush=True)
     report.notes = " ".join(
         [
             "Each row: forward + backward of the expert layer for a fixed routing (router excluded), median over "
@@ -311,7 +371,14 @@ def main(argv=None) -> Path | None:
             *dict.fromkeys(notes),
         ]
     )
-    report.plot(title="forward + backward TFLOP/s", x="max_load", y="tflops", series="impl", facet="shape")
+    report.plot(
+        title="forward + backward TFLOP/s",
+        x="max_load",
+        y="tflops",
+        series="impl",
+        facet="shape",
+        where={"config": "default"},
+    )
     return report.write(out_dir=Path(args.out) if args.out else None)
 
 

@@ -18,6 +18,8 @@ Kernels run on the GPU and, for tests, in Triton's CPU interpreter (small blocks
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -30,14 +32,43 @@ fix_interpreter_index()
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+# GPU tile settings (the interpreter always takes the smallest tiles, to keep tests cheap).
+# k_step: inner-product step, 64 keeps a 128 x 64 and a 64 x 128 bf16 tile per stage (32 KB) in
+# shared memory; dense_n: the column tile of DSD/DDS and grouped-GEMM outputs; gmm_m: the grouped
+# GEMM's row tile (a tile never crosses a group: smaller tiles waste less on small groups).
+# The bench's --tune rows time variants of these through kernel_config().
+GPU_CONFIG = {"k_step": 64, "dense_n": 128, "gmm_m": 128, "num_warps": 8, "num_stages": 3}
+
+
+@contextlib.contextmanager
+def kernel_config(**changes):
+    """Temporarily change GPU_CONFIG entries (for tuning sweeps): ``with kernel_config(dense_n=256): ...``."""
+    unknown = set(changes) - set(GPU_CONFIG)
+    if unknown:
+        raise ValueError(
+            f"kernel_config: unknown settings {sorted(unknown)}, expected some of {sorted(GPU_CONFIG)}"
+        )
+    saved = dict(GPU_CONFIG)
+    GPU_CONFIG.update(changes)
+    try:
+        yield
+    finally:
+        GPU_CONFIG.clear()
+        GPU_CONFIG.update(saved)
+
+
 def _k_step(block: int) -> int:
-    # inner-product step: 64 keeps two bf16 128 x 64 tiles per stage in shared memory on the GPU;
-    # the interpreter takes the smallest step that tl.dot accepts to keep tests cheap
-    return 16 if interpreting() else min(block, 64)
+    return 16 if interpreting() else min(block, GPU_CONFIG["k_step"])
+
+
+def _dense_n() -> int:
+    return 16 if interpreting() else GPU_CONFIG["dense_n"]
 
 
 def _launch_opts() -> dict:
-    return {} if interpreting() else {"num_warps": 8, "num_stages": 3}
+    if interpreting():
+        return {}
+    return {"num_warps": GPU_CONFIG["num_warps"], "num_stages": GPU_CONFIG["num_stages"]}
 
 
 @triton.jit
@@ -156,7 +187,7 @@ def _dsd_into(data: torch.Tensor, topo: Topology, b: torch.Tensor, out: torch.Te
     N = b.shape[1]
     if block_rows == 0 or N == 0:
         return
-    BN = bs if interpreting() else 128
+    BN = bs if interpreting() else GPU_CONFIG["dense_n"]
     _dsd_kernel[(block_rows, triton.cdiv(N, BN))](
         data, b, out, offsets, indices, topo.block_offsets_t, N,
         b.stride(0), b.stride(1), out.stride(0), out.stride(1),
@@ -351,7 +382,7 @@ def _gmm_wgrad_kernel(
 
 def _gmm_tiles(counts: torch.Tensor, total_rows: int):
     """Tile schedule: tile_group, tile_row [tiles], starts/ends [G]; host sync only for the count."""
-    BM = 16 if interpreting() else 128
+    BM = 16 if interpreting() else GPU_CONFIG["gmm_m"]
     ends = torch.cumsum(counts, 0)
     starts = ends - counts
     tiles = (counts + BM - 1) // BM
@@ -370,7 +401,7 @@ def _gmm(x: torch.Tensor, w: torch.Tensor, sched) -> torch.Tensor:
     y = torch.empty(x.shape[0], N, device=x.device, dtype=x.dtype)
     if tile_group.numel() == 0 or N == 0:
         return y
-    BN = 16 if interpreting() else 128
+    BN = _dense_n()
     _gmm_kernel[(tile_group.numel(), triton.cdiv(N, BN))](
         x, w, y, tile_group, tile_row, ends, N, K,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), y.stride(0), y.stride(1),
@@ -383,12 +414,12 @@ def _gmm_wgrad(x: torch.Tensor, g: torch.Tensor, sched, num_groups: int) -> torc
     BM, _, _, starts, ends = sched
     K, N = x.shape[1], g.shape[1]
     dw = torch.empty(num_groups, K, N, device=x.device, dtype=x.dtype)
-    BN = 16 if interpreting() else 128
-    BK = 16 if interpreting() else 128
+    BN = _dense_n()
+    BK = 16 if interpreting() else 128  # the weight gradient's row tile (its K dim is the reduction)
     _gmm_wgrad_kernel[(num_groups, triton.cdiv(K, BK), triton.cdiv(N, BN))](
         x, g, dw, starts, ends, K, N,
         x.stride(0), x.stride(1), g.stride(0), g.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
-        BM=16 if interpreting() else 64, BN=BN, BK=BK, IEEE=x.dtype == torch.float32, **_launch_opts(),
+        BM=_k_step(128), BN=BN, BK=BK, IEEE=x.dtype == torch.float32, **_launch_opts(),
     )  # fmt: skip
     return dw
 

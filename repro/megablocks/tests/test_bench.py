@@ -56,3 +56,52 @@ def test_run_config_checks_and_rows():
     assert by["ours_sparse"]["drop_rate"] == 0.0
     assert any("megablocks" in n for n in notes)  # the peer's absence is noted, not an error
     assert set(by) >= {"ours_sparse", "ours_grouped", "capacity_1.0", "capacity_2.0"}
+
+
+def test_main_flow_with_budget(monkeypatch, tmp_path):
+    """main(): every configuration, then the tuning variants under kernel_config, the percentage of
+    the ceiling, the notes, and the budget cut, with run_config and the GPU parts faked."""
+    from repro.megablocks import kernels
+
+    seen = []
+
+    def fake_run_config(shape, dims, routing, *, notes, only=None, config="default", base_ms=None, **kw):
+        seen.append((shape, routing, config, dict(kernels.GPU_CONFIG), only, base_ms))
+        notes.append("megablocks: not installed")
+        impls = only or ("ours_sparse", "torch_grouped_mm")
+        return [
+            dict(shape=shape, routing=routing, impl=i, config=config, ms=2.0, tflops=100.0, check="ok")
+            for i in impls
+            if i
+        ]
+
+    written = {}
+    monkeypatch.setattr(bench, "run_config", fake_run_config)
+    monkeypatch.setattr(bench, "ceilings", lambda: {"matmul_bf16_tflops": 800.0})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(
+        bench.Report, "write", lambda self, out_dir=None, **kw: written.update(r=self, out=out_dir)
+    )
+    bench.main(["--out", str(tmp_path), "--budget-s", "1000"])
+    report = written["r"]
+    assert written["out"] == tmp_path
+    main_rows = [s for s in seen if s[2] == "default"]
+    assert [(s[0], s[1]) for s in main_rows] == [(sh, r) for sh in bench.SHAPES for r in bench.ROUTINGS]
+    tune = [s for s in seen if s[2].startswith("tune:")]
+    assert [s[2] for s in tune] == [
+        "tune:default",
+        "tune:dense_n=256",
+        "tune:num_stages=4",
+        "tune:num_warps=4",
+        "tune:gmm_m=64",
+    ]
+    assert tune[1][3]["dense_n"] == 256 and kernels.GPU_CONFIG["dense_n"] == 128  # restored afterwards
+    assert tune[1][5] == 2.0  # the default variant's torch_grouped_mm time is the later baseline
+    assert all(r["pct_of_matmul"] == 12.5 for r in report.rows)
+    assert report.notes.count("megablocks: not installed") == 1
+    # a budget too small for anything but the first configuration
+    seen.clear()
+    bench.main(["--quick", "--budget-s", "15"])
+    assert len(seen) == 0 or all(s[2] == "default" for s in seen)
+    assert "skipped" in written["r"].notes
