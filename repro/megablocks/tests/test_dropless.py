@@ -46,7 +46,26 @@ def test_dmoe_equals_token_loop(impl, case, mlp, block_size):
     grads = torch.autograd.grad(y, ours[:n], g.float())
     grads_ref = torch.autograd.grad(y_ref, ref[:n], g)
     for name, a, b in zip(["x", "weights", "w1", "w2", "w3"], grads, grads_ref, strict=False):
-        assert_rel_close(a, b, 1e-5, f"{impl} d{name} ({case.routing} routing)")
+        if name == "weights":
+            _check_weights_grad(a, b, ref, case, g, mlp)
+        else:
+            assert_rel_close(a, b, 1e-5, f"{impl} d{name} ({case.routing} routing)")
+
+
+def _check_weights_grad(got, want, ref, case, g, mlp):
+    """d weights[t, j] = <expert_j(x_t), g_t>: one dot product each, which may cancel to near zero,
+    so a relative error on few entries is no measure. Bound each entry's error instead by fp32
+    rounding of the expert output: |got - want| <= 1e-5 ||expert_j(x_t)|| ||g_t||."""
+    T, k = case.indices.shape
+    ones = torch.ones(T, 1, dtype=torch.float64)
+    w3 = ref[4] if mlp == "glu" else None
+    for j in range(k):
+        y_j = moe_reference(
+            ref[0], ones, case.indices[:, j : j + 1], ref[2], ref[3], w3, case.num_experts, mlp
+        )
+        bound = 1e-5 * y_j.norm(dim=1) * g.norm(dim=1) + 1e-12
+        err = (got[:, j].double() - want[:, j]).abs()
+        assert (err <= bound).all(), f"d weights[:, {j}]: error {err.max():.3e} above the fp32 bound"
 
 
 @pytest.mark.claim(CLAIM, section=SECTION)
