@@ -180,8 +180,11 @@ def _strided_bwd_dkdv_kernel(
         lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
         delta = tl.load(DELTA + (b * T + offs_m) * HQ + hq, mask=row_ok, other=0.0)
         s_t = _dot(k, tl.trans(q), IEEE) * scale_log2  # [BN, BM]
-        vis = _visible(offs_m, offs_n, NK, STRIDE, OFFSET, WINDOW) & row_ok[:, None]
-        p_t = tl.where(tl.trans(vis), tl.exp2(s_t - lse2[None, :]), 0.0)
+        kpos = offs_n * STRIDE + OFFSET
+        vis_t = (kpos[:, None] <= offs_m[None, :]) & col_ok[:, None] & row_ok[None, :]
+        if WINDOW > 0:
+            vis_t = vis_t & (offs_m[None, :] - kpos[:, None] < WINDOW)
+        p_t = tl.where(vis_t, tl.exp2(s_t - lse2[None, :]), 0.0)
         dv += _dot(p_t.to(do.dtype), do, IEEE)
         dp_t = _dot(v, tl.trans(do), IEEE)
         ds_t = p_t * (dp_t - delta[None, :])
@@ -399,13 +402,14 @@ def _slc_bwd_dkdv_kernel(
             lse = tl.load(LSE + (b * T + t) * HQ + hq, mask=g_ok, other=0.0)
             lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
             delta = tl.load(DELTA + (b * T + t) * HQ + hq, mask=g_ok, other=0.0)
-            s = _dot(q, tl.trans(k), IEEE) * scale_log2  # [BG, BS]
-            valid = (kpos <= t)[None, :] & g_ok[:, None]
-            p = tl.where(valid, tl.exp2(s - lse2[:, None]), 0.0)
-            acc_dv += _dot(tl.trans(p).to(do.dtype), do, IEEE)
-            dp = _dot(do, tl.trans(v), IEEE)
-            ds = p * (dp - delta[:, None])
-            acc_dk += _dot(tl.trans(ds).to(q.dtype), q, IEEE)
+            # transposed orientation, [BS, BG]: dV = P^T dO and dK = dS^T Q without transposing P
+            s_t = _dot(k, tl.trans(q), IEEE) * scale_log2
+            valid_t = (kpos <= t)[:, None] & g_ok[None, :]
+            p_t = tl.where(valid_t, tl.exp2(s_t - lse2[None, :]), 0.0)
+            acc_dv += _dot(p_t.to(do.dtype), do, IEEE)
+            dp_t = _dot(v, tl.trans(do), IEEE)
+            ds_t = p_t * (dp_t - delta[None, :])
+            acc_dk += _dot(ds_t.to(q.dtype), q, IEEE)
     if cur >= 0:
         _slc_flush(DK, DV, acc_dk, acc_dv, cur, NB, H, T, sdb, sdt, sdh, scale, D, BS)
 

@@ -29,11 +29,16 @@ def _interp() -> bool:
     return interpreting()
 
 
-def _launch(d: int) -> dict:
-    """Tile sizes: 16 under the interpreter (small tests), 64 x 64 on a GPU (fits D = 128 in registers)."""
+def _launch(d: int, backward: bool = False, itemsize: int = 2) -> dict:
+    """Tile sizes of the strided kernels: 16 under the interpreter (small tests). On a GPU the forward
+    takes FlashAttention-2's Hopper shape, 128 queries x 64 keys with 8 warps and 3 stages (two K/V
+    tiles of 64 x 128 bf16 per stage fit shared memory), the backward 64 x 64 with 4 warps (its four
+    accumulating matmuls need the registers)."""
     if _interp():
         return {"BM": 16, "BN": 16, "num_warps": 4, "num_stages": 1}
-    return {"BM": 64, "BN": 64, "num_warps": 4 if d <= 64 else 8, "num_stages": 2}
+    if backward or itemsize > 2:  # fp32 tiles are twice the bytes: the smaller shape fits at D = 128
+        return {"BM": 64, "BN": 64, "num_warps": 4, "num_stages": 2}
+    return {"BM": 128 if d >= 64 else 64, "BN": 64, "num_warps": 8 if d >= 64 else 4, "num_stages": 3}
 
 
 def _check_tensor(fn: str, name: str, x, ndim: int, shape_hint: str) -> None:
@@ -96,7 +101,7 @@ def _strided_fwd(q, k, v, scale, stride, offset, window):
     nk, h = k.shape[1], k.shape[2]
     o = torch.empty_like(q)
     lse = torch.empty(b, t, hq, device=q.device, dtype=torch.float32)
-    cfg = _launch(d)
+    cfg = _launch(d, itemsize=q.element_size())
     kn._strided_fwd_kernel[(triton.cdiv(t, cfg["BM"]), b * hq)](
         q, k, v, o, lse,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -114,7 +119,7 @@ def _strided_bwd(do, q, k, v, o, lse, scale, stride, offset, window):
     dq = torch.empty_like(q)
     dk = torch.zeros(b, nk, h, d, device=q.device, dtype=torch.float32)
     dv = torch.zeros_like(dk)
-    cfg = _launch(d)
+    cfg = _launch(d, backward=True, itemsize=q.element_size())
     common = dict(STRIDE=stride, OFFSET=offset, WINDOW=window, D=d, IEEE=_ieee(q), **cfg)
     kn._strided_bwd_dq_kernel[(triton.cdiv(t, cfg["BM"]), b * hq)](
         q, k, v, do, lse, delta, dq,
@@ -271,7 +276,7 @@ def _slc_fwd(q, k, v, bi, block_size, scale):
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         t, h, g, bi.shape[-1], scale * kn.LOG2E,
         D=d, BS=block_size, BG=max(16, triton.next_power_of_2(g)), IEEE=_ieee(q),
-        num_warps=4 if d <= 64 else 8, num_stages=2 if not _interp() else 1,
+        num_warps=4, num_stages=2 if not _interp() else 1,
     )  # fmt: skip
     return o, lse
 
@@ -285,7 +290,7 @@ def _slc_bwd(do, q, k, v, o, lse, bi, block_size, scale):
     do = do.contiguous()
     delta = (do.float() * o.float()).sum(-1).contiguous()
     dq = torch.empty_like(q)
-    nw = 4 if d <= 64 else 8
+    nw = 4  # a [G, l'] = [16, 64] tile per step: more warps would idle
     ns = 2 if not _interp() else 1
     kn._slc_bwd_dq_kernel[(t, b * h)](
         q, k, v, do, lse, delta, bi, dq,
