@@ -234,6 +234,9 @@ def peer_torch_cp(*, q, k, v, do, ref, causal, passes, rounds, rep) -> list[dict
         return [_error_row(impl, exc)]
 
 
+_YUNCHANG_GROUPS: list = []
+
+
 def peer_yunchang(*, q, k, v, do, ref, causal, passes, rounds, rep) -> list[dict]:
     """yunchang 0.6.4 LongContextAttention at world size 1, PyTorch attention types (no flash-attn)."""
     rows = []
@@ -247,7 +250,9 @@ def peer_yunchang(*, q, k, v, do, ref, causal, passes, rounds, rep) -> list[dict
     if why:
         return [{"impl": "yunchang", "check": f"failed: no process group: {why}"}]
     try:
-        set_seq_parallel_pg(1, 1, 0, 1)
+        if not _YUNCHANG_GROUPS:
+            set_seq_parallel_pg(1, 1, 0, 1)
+            _YUNCHANG_GROUPS.append(True)
     except Exception as exc:
         return [_error_row("yunchang", exc)]
     for kind in ("TORCH_FLASH", "TORCH_CUDNN"):
@@ -270,9 +275,11 @@ def peer_yunchang(*, q, k, v, do, ref, causal, passes, rounds, rep) -> list[dict
 
 
 def multi_gpu(
-    report: Report, *, seqs, budget_s: float, t0: float, H: int, H_kv: int, D: int, rounds: int
-) -> None:
-    """Under torchrun with G > 1 GPUs: tokens/s and TFLOP/s per GPU of every factorisation of G."""
+    report: Report, *, seqs, budget_s: float, t0: float, H: int, H_kv: int, D: int, rounds: int,
+    device: str = "cuda", dtype=torch.bfloat16, peers: bool = True,
+) -> None:  # fmt: skip
+    """Under torchrun with G > 1 ranks: tokens/s and TFLOP/s per GPU of every factorisation of G
+    (each checked against SDPA on the full sequence first), and torch's context_parallel at world G."""
     import torch.distributed as dist
 
     from repro.usp import make_groups, shard, usp_attention
@@ -284,26 +291,78 @@ def multi_gpu(
         for causal in (True, False):
             if time.monotonic() - t0 > budget_s * 0.8:
                 return
-            gen = torch.Generator(device="cuda").manual_seed(0)
+            gen = torch.Generator(device=device).manual_seed(0)
             full = [
-                torch.randn(1, S, h, D, device="cuda", dtype=torch.bfloat16, generator=gen)
-                for h in (H, H_kv, H_kv, H)
+                torch.randn(1, S, h, D, device=device, dtype=dtype, generator=gen) for h in (H, H_kv, H_kv, H)
             ]
+            with torch.no_grad():
+                o_full = _sdpa_bhsd(*full[:3], causal).float()
+            flops = attention_flops(1, S, H, D, causal, "fwd+bwd")
+            base = dict(world=world, causal=causal, S=S, B=1, H=H, H_kv=H_kv, D=D, **{"pass": "fwd+bwd"})
             for (pu, pr), (ug, rg) in groups.items():
                 sp_rank = dist.get_rank(rg) * pu + dist.get_rank(ug)
                 q, k, v, do = (shard(t, world, sp_rank, "zigzag") for t in full)
+                o_want = shard(o_full, world, sp_rank, "zigzag")
                 leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
                 fn = lambda leaves=leaves, ug=ug, rg=rg, causal=causal: usp_attention(
                     *leaves, causal=causal, ulysses_group=ug, ring_group=rg
                 )
-                m = measure({"usp": Candidate(fn=_fwd_bwd(fn, leaves, do))}, rounds=rounds, rep=10)["usp"]
-                if rank == 0 and m.median_ms:
+                check = lambda fn=fn, o_want=o_want: assert_rel_close(fn().detach().float(), o_want, TOL, "o")
+                m = measure(
+                    {"usp": Candidate(fn=_fwd_bwd(fn, leaves, do), check=check)}, rounds=rounds, rep=10
+                )
+                m = m["usp"]
+                ms = m.median_ms
+                if rank == 0:
                     report.add(
-                        impl=f"usp {pu}x{pr} (sdpa)", world=world, ulysses=pu, ring=pr, causal=causal, S=S, B=1,
-                        H=H, H_kv=H_kv, D=D, **{"pass": "fwd+bwd"}, **m.row(),
-                        tokens_per_s=S / (m.median_ms * 1e-3),
-                        tflops_per_gpu=attention_flops(1, S, H, D, causal, "fwd+bwd") / (m.median_ms * 1e-3) / 1e12 / world,
+                        impl=f"usp {pu}x{pr} (sdpa)", ulysses=pu, ring=pr, **base, **m.row(),
+                        tokens_per_s=None if ms is None else S / (ms * 1e-3),
+                        tflops_per_gpu=None if ms is None else flops / (ms * 1e-3) / 1e12 / world,
                     )  # fmt: skip
+            if peers:
+                row = _torch_cp_world(full, o_full, causal, rounds)
+                if rank == 0:
+                    ms = row.get("ms")
+                    report.add(
+                        **base, **row,
+                        tokens_per_s=None if ms is None else S / (ms * 1e-3),
+                        tflops_per_gpu=None if ms is None else flops / (ms * 1e-3) / 1e12 / world,
+                    )  # fmt: skip
+
+
+def _torch_cp_world(full, o_full, causal: bool, rounds: int) -> dict:
+    """torch's context_parallel over the whole world (its own sharding and load balancing)."""
+    import torch.distributed as dist
+
+    impl = f"torch context_parallel (world {dist.get_world_size()})"
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.experimental import context_parallel
+        from torch.distributed.tensor.experimental._attention import context_parallel_unshard
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        q, k, v, do = full
+        if k.shape[2] != q.shape[2]:  # context_parallel's SDPA has no GQA: expand K/V as the model would
+            rep = q.shape[2] // k.shape[2]
+            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+        bufs = [t.transpose(1, 2).contiguous() for t in (q, k, v, do)]
+        with (
+            sdpa_kernel(SDPBackend.FLASH_ATTENTION),
+            context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2] * 4),
+        ):
+            leaves = [t.detach().clone().requires_grad_(True) for t in bufs[:3]]
+            fn = lambda: F.scaled_dot_product_attention(*leaves, is_causal=causal)
+
+            def check():
+                (o,) = context_parallel_unshard(mesh, [fn().detach()], [2])
+                assert_rel_close(o.transpose(1, 2).float(), o_full, TOL, "o")
+
+            run = _fwd_bwd(fn, leaves, bufs[3])
+            m = measure({impl: Candidate(fn=run, check=check)}, rounds=rounds, rep=10, warmup=3)[impl]
+        return {"impl": impl, **m.row(), "note": "own rounds"}
+    except Exception as exc:
+        return _error_row(impl, exc)
 
 
 def main(argv=None) -> None:
@@ -312,6 +371,7 @@ def main(argv=None) -> None:
     ap.add_argument("--budget-s", type=float, default=240.0, help="stop starting new shapes near this")
     ap.add_argument("--quick", action="store_true", help="smallest meaningful sweep")
     ap.add_argument("--device", default="cuda", help="cuda (default); cpu for a smoke run of the code paths")
+    ap.add_argument("--seqs", type=int, nargs="*", default=None, help="sequence lengths (override the sweep)")
     args = ap.parse_args(argv)
     t0 = time.monotonic()
     multi = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -331,11 +391,18 @@ def main(argv=None) -> None:
     if multi:
         import torch.distributed as dist
 
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-        seqs = [32768, 131072] if args.quick else [32768, 65536, 131072, 262144]
-        multi_gpu(report, seqs=seqs, budget_s=args.budget_s, t0=t0, H=32, H_kv=8, D=128, rounds=3)
+        if args.device == "cuda":
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local)
+            dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+            seqs = [32768, 131072] if args.quick else [32768, 65536, 131072, 262144]
+            kw = dict(H=32, H_kv=8, D=128, rounds=3)
+        else:  # a smoke run of the code path on CPU (gloo)
+            torch.set_num_threads(1)
+            dist.init_process_group("gloo")
+            seqs = [64]
+            kw = dict(H=4, H_kv=2, D=16, rounds=1, device="cpu", dtype=torch.float32, peers=False)
+        multi_gpu(report, seqs=args.seqs or seqs, budget_s=args.budget_s, t0=t0, **kw)
         if dist.get_rank() == 0:
             report.write(out_dir=args.out, tag=f"{dist.get_world_size()}gpu")
         dist.destroy_process_group()
@@ -348,7 +415,7 @@ def main(argv=None) -> None:
             rings=[2, 4], backends=["sdpa", "math"], peers=[], rounds=1, device="cpu", dtype=torch.float32
         )
     else:
-        seqs = [8192] if args.quick else [8192, 16384, 32768]
+        seqs = args.seqs or ([8192] if args.quick else [8192, 16384, 32768])
         shapes = [dict(S=s, causal=c, B=1, H=16, H_kv=16, D=128) for s in seqs for c in (True, False)]
         kw = dict(
             rings=[2, 4, 8], backends=["sdpa", "fa4"], peers=[peer_torch_cp, peer_yunchang], rounds=3, rep=10
@@ -363,6 +430,10 @@ def main(argv=None) -> None:
     finally:
         torch.set_num_threads(threads)
     report.write(out_dir=args.out)
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # the peers' 1-rank group
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
