@@ -60,7 +60,7 @@ patch(stk / "stk/backend/triton_kernels.py",
 patch(mb / "megablocks/layers/arguments.py", r"triton\.__version__ >= '3\.2\.0'", "False", 1)
 EOF
 
-if [ "${MEGABLOCKS_SETUP_DRY:-0}" = 1 ]; then log "dry run: patched sources left in $work"; exit 0; fi
+if [ "${MEGABLOCKS_SETUP_DRY:-0}" = 1 ]; then rm -rf "$work"; log "dry run: all patches apply"; exit 0; fi
 
 log "installing stanford-stk 0.7.1 (patched)"
 timeout 60 "$PY" -m pip install --no-deps --no-build-isolation "$STK" >> "$LOG" 2>&1 || soft_fail "pip install stk"
