@@ -38,7 +38,10 @@ def is_root(path: Path) -> bool:
 
 def find_root(start: Path | None = None) -> Path:
     """The repository root holding ``start`` (default: the current directory), searched upward."""
-    here = Path(start if start is not None else Path.cwd()).resolve()
+    try:
+        here = Path(start if start is not None else Path.cwd()).resolve()
+    except OSError:  # the current directory was deleted under us
+        raise NotACheckout("error: the current directory no longer exists; cd into your clone") from None
     for folder in (here, *here.parents):
         if is_root(folder):
             return folder

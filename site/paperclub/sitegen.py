@@ -108,8 +108,10 @@ def generate(content: Content, *, render_notebook=None) -> Site:
 def home(content: Content) -> str:
     sessions = content.sessions_newest_first()
     landed = [r for r in content.repros.values() if not r.planned]
-    statuses = [content.status(c)[0] for c in content.claims.values()]
+    records = [content.record(c) for c in content.claims.values()]
+    statuses = [r.status for r in records]
     testable = len(statuses) - statuses.count("not reproducible")
+    on_gpu = sum(r.status == "passed" and r.gpu == "passed" for r in records)
     lines = [
         "# ML-performance reading group",
         "",
@@ -120,7 +122,7 @@ def home(content: Content) -> str:
         "for each claim, and benchmarks against the library people actually use.",
         "",
         f"**{len(sessions)} sessions · {len(content.papers)} papers · {len(landed)} reproductions · "
-        f"{statuses.count('passed')} of {testable} testable claims pass their tests · "
+        f"{statuses.count('passed')} of {testable} testable claims pass their tests ({on_gpu} of them on a GPU) · "
         f"{statuses.count('not reproducible')} claims we cannot reproduce here, with the reason** "
         "([claims dashboard](claims.md)).",
         "",
