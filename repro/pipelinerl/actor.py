@@ -55,7 +55,10 @@ class Engine:
 
     ``slots`` sequences decode together; :meth:`step` feeds one token for every slot (a fixed
     ``[slots]`` batch, idle slots included, so the step's cost does not depend on how many are
-    busy, like a static-batch engine) and returns the sequences that finished."""
+    busy, like a static-batch engine) and returns the sequences that finished. Every tensor the
+    step touches is allocated once and updated in place, so on a GPU the step can be captured as a
+    CUDA graph (:meth:`capture`) and replayed with one launch; new weights are copied into the same
+    parameter storage, so a captured graph runs them too."""
 
     def __init__(
         self,
@@ -86,33 +89,51 @@ class Engine:
         self.uniforms = torch.zeros(slots, task.max_new_tokens, dtype=torch.float64, device=dev)
         self.logp = torch.zeros(slots, task.max_new_tokens, device=dev)
         self.vers = torch.zeros(slots, task.max_new_tokens, dtype=torch.long, device=dev)
-        self.meta: list[tuple[int, list[int], float] | None] = [None] * slots
-        self.version = 0
+        self.version_t = torch.zeros((), dtype=torch.long, device=dev)
+        self._done = torch.zeros(slots, dtype=torch.bool, device=dev)
+        self._j = torch.zeros(slots, dtype=torch.long, device=dev)
         self._ar = torch.arange(slots, device=dev)
+        self.meta: list[tuple[int, list[int], float] | None] = [None] * slots
+        self.free: list[int] = list(range(slots))
+        self.version = 0
+        self.graph = None
 
     @property
     def n_active(self) -> int:
-        return sum(m is not None for m in self.meta)
+        return self.slots - len(self.free)
 
     def free_slot(self) -> int | None:
-        for s, m in enumerate(self.meta):
-            if m is None:
-                return s
-        return None
+        return self.free[0] if self.free else None
 
     def add(self, sample_index: int) -> None:
         """Start sample ``sample_index`` (its prompt is problem ``sample_index // attempts``)."""
-        s = self.free_slot()
-        if s is None:
-            raise RuntimeError("Engine.add: every slot is busy")
-        prompt = make_prompt(self.task, self.seed, sample_index // self.attempts)
-        self.buf[s].fill_(PAD)
-        self.buf[s, : len(prompt)] = torch.tensor(prompt, device=self.device)
-        self.pos[s] = 0
-        self.prompt_len[s] = len(prompt)
-        self.uniforms[s] = sampling_uniforms(self.task, self.seed, sample_index).to(self.device)
-        self.active[s] = True
-        self.meta[s] = (sample_index, prompt, time.perf_counter())
+        self.add_many([sample_index])
+
+    def add_many(self, indices: list[int]) -> None:
+        """Start several samples at once (one host-to-device copy per tensor, not per sample)."""
+        if len(indices) > len(self.free):
+            raise RuntimeError(
+                f"Engine.add: {len(indices)} samples but only {len(self.free)} free slots (every slot is busy)"
+            )
+        if not indices:
+            return
+        slots = [self.free.pop(0) for _ in indices]
+        rows = torch.full((len(indices), self.buf.shape[1]), PAD, dtype=torch.long)
+        lens = torch.zeros(len(indices), dtype=torch.long)
+        us = torch.zeros(len(indices), self.task.max_new_tokens, dtype=torch.float64)
+        now = time.perf_counter()
+        for k, (s, i) in enumerate(zip(slots, indices, strict=True)):
+            prompt = make_prompt(self.task, self.seed, i // self.attempts)
+            rows[k, : len(prompt)] = torch.tensor(prompt)
+            lens[k] = len(prompt)
+            us[k] = sampling_uniforms(self.task, self.seed, i)
+            self.meta[s] = (i, prompt, now)
+        idx = torch.tensor(slots, device=self.device)
+        self.buf[idx] = rows.to(self.device)
+        self.prompt_len[idx] = lens.to(self.device)
+        self.uniforms[idx] = us.to(self.device)
+        self.pos[idx] = 0
+        self.active[idx] = True
 
     def load_weights(self, flat: torch.Tensor, version: int) -> None:
         """In-flight update: new weights from the next step on; the KV cache is kept as it is."""
@@ -122,10 +143,10 @@ class Engine:
             )
         load_flat_weights(self.model, flat)
         self.version = version
+        self.version_t.fill_(version)
 
-    @torch.no_grad()
-    def step(self) -> list[Sample]:
-        """Decode one token in every busy slot; return the samples that finished (EOS or length)."""
+    def _compute(self) -> None:
+        """The step's tensor work, in place on the engine's buffers (capturable as a CUDA graph)."""
         ar, pos = self._ar, self.pos
         logits = self.model.decode(self.buf[ar, pos], pos, self.cache)
         gen_idx = pos + 1 - self.prompt_len  # index of the completion token this step produces
@@ -135,31 +156,70 @@ class Engine:
         nxt = torch.where(generating, tok, self.buf[ar, pos + 1])
         self.buf[ar, pos + 1] = torch.where(self.active, nxt, self.buf[ar, pos + 1])
         self.logp[ar, j] = torch.where(generating, lp, self.logp[ar, j])
-        self.vers[ar, j] = torch.where(generating, torch.full_like(j, self.version), self.vers[ar, j])
-        done = generating & ((tok == EOS) | (j + 1 >= self.task.max_new_tokens))
+        self.vers[ar, j] = torch.where(generating, self.version_t.expand_as(j), self.vers[ar, j])
+        self._done.copy_(generating & ((tok == EOS) | (j + 1 >= self.task.max_new_tokens)))
+        self._j.copy_(j)
         self.pos += self.active.long()
+
+    @torch.no_grad()
+    def capture(self) -> bool:
+        """Capture :meth:`_compute` as a CUDA graph (only with every slot idle); False off the GPU."""
+        if self.device.type != "cuda":
+            return False
+        if self.n_active:
+            raise RuntimeError("Engine.capture: capture before admitting any sample")
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up (idle slots: writes nothing that matters)
+            for _ in range(2):
+                self._compute()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._compute()
+        self.graph = graph
+        return True
+
+    @torch.no_grad()
+    def step(self) -> list[Sample]:
+        """Decode one token in every busy slot; return the samples that finished (EOS or length)."""
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._compute()
+        done = self._done.nonzero().flatten()
+        if done.numel() == 0:
+            return []
+        slots = done.tolist()
+        toks, lps, vers, js = (
+            self.buf[done].cpu(),
+            self.logp[done].cpu(),
+            self.vers[done].cpu(),
+            self._j[done].tolist(),
+        )
+        self.active[done] = False
+        self.pos[done] = 0
+        now = time.perf_counter()
         finished = []
-        for s in done.nonzero().flatten().tolist():
+        for k, s in enumerate(slots):
             index, prompt, t0 = self.meta[s]
-            n = int(j[s]) + 1
-            p0 = len(prompt)
-            tokens = self.buf[s, p0 : p0 + n].tolist()
+            n, p0 = js[k] + 1, len(prompt)
+            tokens = toks[k, p0 : p0 + n].tolist()
             finished.append(
                 Sample(
                     index=index,
                     prompt=prompt,
                     tokens=tokens,
-                    logprobs=self.logp[s, :n].tolist(),
-                    versions=self.vers[s, :n].tolist(),
+                    logprobs=lps[k, :n].tolist(),
+                    versions=vers[k, :n].tolist(),
                     reward=reward(prompt, tokens),
                     actor=self.actor_id,
                     t_start=t0,
-                    t_end=time.perf_counter(),
+                    t_end=now,
                 )
             )
             self.meta[s] = None
-            self.active[s] = False
-            self.pos[s] = 0
+            self.free.append(s)
         return finished
 
 
@@ -315,11 +375,13 @@ def _actor_loop(shared: Shared, engine: Engine, receiver: WeightReceiver, log: d
                 if receiver.newest_version() >= started:
                     _swap(engine, receiver, log)
         draining = mode == "async" and receiver.newest_version() > engine.version
-        while not draining and engine.free_slot() is not None:
+        admitted = []
+        while not draining and len(admitted) < len(engine.free):
             index = shared.try_admit(engine.version)
             if index is None:
                 break
-            engine.add(index)
+            admitted.append(index)
+        engine.add_many(admitted)
         if engine.n_active == 0:
             time.sleep(0.0005)  # nothing admitted: wait for the trainer
             continue

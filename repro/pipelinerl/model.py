@@ -126,8 +126,12 @@ def load_flat_weights(model: nn.Module, flat: torch.Tensor) -> None:
     n = sum(p.numel() for p in model.parameters())
     if flat.numel() != n:
         raise ValueError(f"load_flat_weights: the model has {n} parameters, the vector {flat.numel()}")
-    with torch.no_grad():
-        torch.nn.utils.vector_to_parameters(flat.to(next(model.parameters()).device), model.parameters())
+    with torch.no_grad():  # in place: the parameters keep their storage (CUDA graphs keep working)
+        flat = flat.to(next(model.parameters()).device)
+        offset = 0
+        for p in model.parameters():
+            p.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
 
 
 def pretrain(

@@ -68,6 +68,7 @@ class Config:
     pretrain_steps: int = 0
     pretrain_noise: float = 0.1
     time_budget_s: float | None = None
+    cuda_graph: bool = True
     progress: bool = False
     init_weights: torch.Tensor | None = field(default=None, repr=False)
 
@@ -189,6 +190,9 @@ def run(config: Config) -> RunResult:
         for a in range(config.actors)
     ]
     logs = [{"steps": [], "swaps": []} for _ in range(config.actors)]
+    graphs = False
+    if cuda and config.cuda_graph:  # one launch per engine step instead of ~100 (see Engine.capture)
+        graphs = all(e.capture() for e in engines)
     if cuda:
         torch.cuda.synchronize()
     threads = [
@@ -247,7 +251,9 @@ def run(config: Config) -> RunResult:
                     torch.cuda.current_stream().synchronize()
                 train_s = time.perf_counter() - ts
                 trained += config.batch_size
-                bcast_s = broadcast_weights(pgs[0], model, trained)
+                bcast_s = 0.0
+                if config.mode != "conventional" or trained % (shared.rounds * config.batch_size) == 0:
+                    bcast_s = broadcast_weights(pgs[0], model, trained)  # conventional: once per round
                 now = time.perf_counter() - t0
                 steps.append(
                     {
@@ -270,6 +276,7 @@ def run(config: Config) -> RunResult:
         print()
     elapsed = time.perf_counter() - t0
     summary = _summary(config, steps, used, logs, elapsed, dropped_total, gen_tokens)
+    summary["cuda_graph"] = graphs
     return RunResult(
         config=config,
         steps=steps,

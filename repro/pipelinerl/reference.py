@@ -100,6 +100,28 @@ def token_lags(versions: list[int], used_at: int) -> list[int]:
     return [used_at - v for v in versions]
 
 
+def check_version_log(used: list[dict], max_lag: int, mode: str, batch_size: int) -> None:
+    """Raise AssertionError unless a log of trained samples keeps the version bookkeeping.
+
+    ``used``: dicts with ``index``, ``versions`` (one per completion token) and ``used_at`` (the
+    trainer's samples when it trained on them). Along every sample versions never decrease; no
+    token is from weights newer than the trainer's or older than ``max_lag`` samples; in async and
+    conventional mode a sample has one version; in conventional mode lags are whole steps."""
+    for u in used:
+        v = u["versions"]
+        assert v == sorted(v), f"sample {u['index']}: versions decrease along the sequence: {v}"
+        assert u["used_at"] - min(v) <= max_lag, (
+            f"sample {u['index']}: lag {u['used_at'] - min(v)} > {max_lag}"
+        )
+        assert max(v) <= u["used_at"], (
+            f"sample {u['index']}: a token from weights the trainer has not made yet"
+        )
+        if mode != "pipeline":
+            assert len(set(v)) == 1, f"{mode}: weights changed inside sample {u['index']}"
+        if mode == "conventional":
+            assert (u["used_at"] - v[0]) % batch_size == 0, f"sample {u['index']}: lag not a whole step"
+
+
 def sample_token(
     logits: torch.Tensor, u: torch.Tensor, temperature: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -82,6 +82,7 @@ class SimResult:
     trainer: list[tuple[float, float]]  # (start, end) of each optimizer step incl. broadcast
     actor_steps: list[list[tuple[float, float, int, int]]]  # per actor: (start, end, busy, version)
     summary: dict
+    sequences: list[dict] = field(default_factory=list)  # every finished sample, for timelines
 
 
 @dataclass
@@ -91,6 +92,8 @@ class _Seq:
     n: int  # completion tokens to generate
     versions: list[int] = field(default_factory=list)
     t_start: float = 0.0
+    slot: int = 0
+    times: list[float] = field(default_factory=list)  # when each completion token was sampled
 
 
 def simulate(cfg: SimConfig) -> SimResult:
@@ -109,6 +112,8 @@ def simulate(cfg: SimConfig) -> SimResult:
 
     version = [0] * cfg.actors  # weights each engine decodes with
     active: list[list[_Seq]] = [[] for _ in range(cfg.actors)]
+    free: list[list[int]] = [list(range(cfg.slots)) for _ in range(cfg.actors)]
+    sequences: list[dict] = []
     stepping = [False] * cfg.actors
     latest = 0  # newest weights the actors can take (after the broadcast)
     trained = 0
@@ -141,7 +146,7 @@ def simulate(cfg: SimConfig) -> SimResult:
             if index is None:
                 break
             p, n = lengths_of(index)
-            active[a].append(_Seq(index, p - 1, n, t_start=t))
+            active[a].append(_Seq(index, p - 1, n, t_start=t, slot=free[a].pop(0)))
         if not active[a]:
             return  # woken by the trainer
         dt = tm.step_s + tm.step_s_per_seq * len(active[a]) + (tm.swap_s if swap else 0.0)
@@ -158,8 +163,14 @@ def simulate(cfg: SimConfig) -> SimResult:
                 still.append(s)
                 continue
             s.versions.append(version[a])
+            s.times.append(t)
             if len(s.versions) == s.n:
                 shared.finished.append(Sample(s.index, [], [], [], s.versions, 0.0, a, s.t_start, t))
+                free[a].append(s.slot)
+                sequences.append(
+                    {"index": s.index, "actor": a, "slot": s.slot, "t_start": s.t_start, "t_end": t,
+                     "times": s.times, "versions": s.versions}
+                )  # fmt: skip
             else:
                 still.append(s)
         active[a] = still
@@ -202,7 +213,9 @@ def simulate(cfg: SimConfig) -> SimResult:
             actor_step_end(a, t)
         else:
             trainer_done(t)
-    return SimResult(cfg, used, trainer_log, actor_log, _summary(cfg, used, trainer_log, actor_log))
+    return SimResult(
+        cfg, used, trainer_log, actor_log, _summary(cfg, used, trainer_log, actor_log), sequences
+    )
 
 
 def _summary(cfg: SimConfig, used, trainer_log, actor_log) -> dict:

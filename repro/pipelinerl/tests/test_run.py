@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from repro.pipelinerl import MODES, Config, fit_time_model, run, simulate
+from repro.pipelinerl.reference import check_version_log
 from repro.pipelinerl.sim import SimConfig
 from repro.pipelinerl.tests.conftest import MODEL, TASK
-from repro.pipelinerl.tests.test_sim import check_versions
 from repro.pipelinerl.train import main as train_main
 
 SECTION = "Method: in-flight weight updates"
@@ -41,7 +41,7 @@ def runs(pretrained):
 def test_real_run_versions_within_max_lag(runs, mode):
     res = runs[mode]
     assert res.summary["steps"] == 8 and len(res.used) == 32
-    check_versions(res.used, res.config.max_lag, mode, res.config.batch_size)
+    check_version_log(res.used, res.config.max_lag, mode, res.config.batch_size)
     for row in res.steps:
         assert 0.0 < row["ess"] <= 1.0 + 1e-9
         assert row["lag_max"] <= res.config.max_lag

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from repro.pipelinerl.reference import check_version_log
 from repro.pipelinerl.sim import SimConfig, TimeModel, simulate
 
 EXPERIMENTS = "Experiments: throughput and lag"
@@ -42,30 +43,13 @@ def sim_configs(draw, mode=None):
     )
 
 
-def check_versions(used: list[dict], max_lag: int, mode: str, batch_size: int) -> None:
-    """The bookkeeping claim on any log of trained samples (simulated or real)."""
-    for u in used:
-        v = u["versions"]
-        assert v == sorted(v), f"sample {u['index']}: versions decrease along the sequence: {v}"
-        assert u["used_at"] - min(v) <= max_lag, (
-            f"sample {u['index']}: lag {u['used_at'] - min(v)} > {max_lag}"
-        )
-        assert max(v) <= u["used_at"], (
-            f"sample {u['index']}: a token from weights the trainer has not made yet"
-        )
-        if mode != "pipeline":
-            assert len(set(v)) == 1, f"{mode}: weights changed inside sample {u['index']}"
-        if mode == "conventional":
-            assert (u["used_at"] - v[0]) % batch_size == 0
-
-
 @pytest.mark.claim("pipelinerl/version-bookkeeping", section="Method: in-flight weight updates")
 @settings(max_examples=60, deadline=None)
 @given(cfg=sim_configs())
 def test_simulated_versions_are_monotone_and_within_max_lag(cfg):
     res = simulate(cfg)
     assert len(res.used) == cfg.steps * cfg.batch_size
-    check_versions(res.used, cfg.max_lag, cfg.mode, cfg.batch_size)
+    check_version_log(res.used, cfg.max_lag, cfg.mode, cfg.batch_size)
     assert sorted(u["index"] for u in res.used) == sorted({u["index"] for u in res.used})  # each once
 
 

@@ -1,0 +1,347 @@
+"""Benchmark: the three modes as real runs on one device, then the simulator's sweep.
+
+``python -m repro.pipelinerl.bench --out DIR --budget-s N [--quick]``
+
+1. Pre-train the policy once on noisy demonstrations (every mode starts from the same weights).
+2. Correctness before timing, through ``paperclub.bench.measure``: the engine step is timed (CUDA
+   graph and eager) only after the check that, at this model size and on this device, in-flight
+   reloads of unchanged weights (lr = 0) leave every token and log-prob as generation without
+   swaps gives, and that the cached engine matches cache-free generation; the trainer step is timed
+   after the check that its importance-weighted gradient equals the on-policy gradient when the
+   behaviour log-probs are the current ones.
+3. Real runs of conventional, async and pipeline mode at the same ``max_lag``, each for the same
+   wall-clock share of the budget: reward against wall-clock and against samples, samples/s, lag,
+   ESS, engine utilisation. The version bookkeeping is asserted on each run's log (``check``).
+4. The simulator, its time model fitted to the conventional run (engine step time against busy
+   slots, train step, broadcast, swap) and the runs' sequence lengths: one row at the real
+   configuration (simulated against measured), then a sweep over actor counts (one engine per
+   device) and lags.
+
+On a GPU the actor and trainer threads share it (see ``pipeline.py``); without one a tiny CPU
+configuration runs. Rows carry ``kind``: engine | train | run | curve | sim.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from paperclub.bench import Candidate, Report, measure
+from repro.pipelinerl.actor import Engine
+from repro.pipelinerl.model import ModelConfig, Policy, flat_weights, load_flat_weights, pretrain
+from repro.pipelinerl.pipeline import Config, run
+from repro.pipelinerl.reference import (
+    check_version_log,
+    generate_reference,
+    on_policy_loss,
+    token_logprobs,
+    truncated_is_loss,
+)
+from repro.pipelinerl.sim import SimConfig, fit_time_model, simulate
+from repro.pipelinerl.task import TaskConfig, make_prompt, sampling_uniforms, sft_batch
+
+COLUMNS = [
+    "kind", "mode", "impl", "actors", "slots", "max_lag", "time_s", "samples", "reward",
+    "reward_eq_samples", "samples_per_s", "tokens_per_s", "lag_mean", "lag_max", "ess",
+    "engine_busy", "slot_utilisation", "dropped", "ms", "ms_min", "ms_max", "check",
+]  # fmt: skip
+MODES = ("conventional", "async", "pipeline")
+
+
+def settings(cuda: bool, quick: bool) -> dict:
+    """Sizes for the device: a GPU run that fills an H100's engine step, or a tiny CPU run."""
+    if cuda:
+        task = TaskConfig(min_items=1, max_items=16, skew=2.0)
+        return dict(
+            task=task,
+            model=ModelConfig(d_model=256, n_layers=4, n_heads=4, max_len=task.max_seq_len),
+            slots=128, batch_size=64, attempts=8, max_lag=128, lr=3e-4, pretrain_steps=3000,
+            pretrain_batch=256, pretrain_lr=2e-3, device="cuda",
+        )  # fmt: skip
+    task = TaskConfig(min_items=1, max_items=6, skew=2.0)
+    return dict(
+        task=task,
+        model=ModelConfig(d_model=32, n_layers=2, n_heads=2, max_len=task.max_seq_len),
+        slots=16, batch_size=8, attempts=4, max_lag=16, lr=1e-3, pretrain_steps=60 if quick else 150,
+        pretrain_batch=64, pretrain_lr=1e-2, device="cpu",
+    )  # fmt: skip
+
+
+def drive(engine: Engine, n: int, swaps: dict | None = None) -> dict:
+    """Generate samples ``0..n-1`` with ``engine``; ``swaps[step] = (weights, version)``."""
+    out, nxt, step = {}, 0, 0
+    swaps = swaps or {}
+    while len(out) < n:
+        if step in swaps:
+            engine.load_weights(*swaps[step])
+        k = min(len(engine.free), n - nxt)
+        engine.add_many(list(range(nxt, nxt + k)))
+        nxt += k
+        for s in engine.step():
+            out[s.index] = s
+        step += 1
+    return out
+
+
+def engine_rows(report: Report, s: dict, weights: torch.Tensor, rounds: int) -> None:
+    """Time one full engine step (graph / eager), each after its lr = 0 and reference checks."""
+    dev = s["device"]
+    task, slots = s["task"], s["slots"]
+
+    def engine(graph: bool) -> Engine:
+        m = Policy(s["model"]).to(dev).eval()
+        load_flat_weights(m, weights)
+        e = Engine(m, task, slots, seed=1, attempts=s["attempts"])
+        if graph:
+            e.capture()
+        return e
+
+    n = 2 * slots
+
+    def check(graph: bool):
+        def run_check() -> None:
+            base = drive(engine(False), n)
+            swaps = {k: (weights.clone(), k) for k in range(1, 4 * task.max_seq_len, 3)}
+            mixed = drive(engine(graph), n, swaps)
+            changed = sum(len(set(x.versions)) > 1 for x in mixed.values())
+            assert changed > 0, "no swap fell inside a sequence"
+            for i in base:
+                assert mixed[i].tokens == base[i].tokens, f"lr=0 in-flight: sample {i} tokens differ"
+                diff = max(abs(a - b) for a, b in zip(mixed[i].logprobs, base[i].logprobs, strict=True))
+                assert diff <= 1e-5, f"lr=0 in-flight: sample {i} log-probs differ by {diff}"
+            ref_model = Policy(s["model"]).to(dev).eval()
+            load_flat_weights(ref_model, weights)
+            for i in range(min(8, n)):
+                prompt = make_prompt(task, 1, i // s["attempts"])
+                toks, lps = generate_reference(
+                    ref_model, prompt, sampling_uniforms(task, 1, i), task.max_new_tokens
+                )
+                assert toks == base[i].tokens, f"cached engine vs reference: sample {i} tokens differ"
+                diff = max(abs(a - b) for a, b in zip(lps, base[i].logprobs, strict=True))
+                assert diff <= 1e-3, f"cached engine vs reference: sample {i} log-probs differ by {diff}"
+
+        return run_check
+
+    def stepper(graph: bool):
+        e = engine(graph)
+        counter = iter(range(10**9))
+
+        def fn() -> None:
+            e.add_many([next(counter) for _ in range(len(e.free))])
+            e.step()
+
+        return fn
+
+    impls = {"eager": False}
+    if dev == "cuda":
+        impls = {"cuda-graph": True, "eager": False}
+    res = measure(
+        {name: Candidate(fn=stepper(g), check=check(g)) for name, g in impls.items()},
+        rounds=rounds, warmup=5, rep=20,
+    )  # fmt: skip
+    for name, r in res.items():
+        report.add(kind="engine", impl=name, slots=slots, **r.row())
+
+
+def train_rows(report: Report, s: dict, weights: torch.Tensor, rounds: int) -> None:
+    """Time one trainer forward+backward at batch B, after the IS == on-policy gradient check."""
+    dev = s["device"]
+    model = Policy(s["model"]).to(dev)
+    load_flat_weights(model, weights)
+    tokens, mask = sft_batch(s["task"], s["batch_size"], torch.Generator().manual_seed(2), noise=0.3)
+    tokens, m = tokens.to(dev), mask[:, 1:].to(dev)
+    adv = torch.randn(s["batch_size"], device=dev)
+
+    def grads(is_loss: bool) -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        logp = token_logprobs(model, tokens)
+        loss = (
+            truncated_is_loss(logp, logp.detach(), adv, m, 1.2) if is_loss else on_policy_loss(logp, adv, m)
+        )
+        loss.backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    def check() -> None:
+        g1, g0 = grads(True), grads(False)
+        err = float((g1 - g0).norm() / g0.norm())
+        assert err <= 1e-6, f"IS gradient with mu = pi differs from on-policy by {err:.2e}"  # same fp32 ops
+
+    res = measure(
+        {"truncated-IS": Candidate(fn=lambda: grads(True), check=check)}, rounds=rounds, warmup=3, rep=10
+    )
+    report.add(kind="train", impl="truncated-IS", samples=s["batch_size"], **res["truncated-IS"].row())
+
+
+def mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m repro.pipelinerl.bench", description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--out", default=None, help="directory for the Report JSON (default repro/pipelinerl/results)"
+    )
+    ap.add_argument("--budget-s", type=float, default=240.0, help="wall-clock budget for the whole benchmark")
+    ap.add_argument("--quick", action="store_true", help="shortest meaningful run")
+    args = ap.parse_args(argv)
+    t_begin = time.perf_counter()
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    else:
+        torch.set_num_threads(1)
+    budget = args.budget_s * (0.5 if args.quick else 1.0)
+    s = settings(cuda, args.quick)
+    report = Report(
+        package="pipelinerl",
+        title="PipelineRL: conventional, async and pipeline RL on one device, and the simulator",
+        columns=COLUMNS,
+        peer="",
+        packages=[],
+    )
+
+    # 1. pre-training, time-boxed
+    torch.manual_seed(0)
+    model = Policy(s["model"])
+    pre = pretrain(
+        model, s["task"], steps=s["pretrain_steps"], batch=s["pretrain_batch"], lr=s["pretrain_lr"], noise=0.1,
+        seed=0, device=s["device"], time_budget_s=0.12 * budget,
+    )  # fmt: skip
+    weights = flat_weights(model)
+    print(f"pre-trained {pre['steps']} steps in {pre['seconds']:.1f} s, loss {pre['loss']:.3f}")
+
+    # 2. checks, then engine and trainer timings
+    rounds = 2 if args.quick else 3
+    engine_rows(report, s, weights, rounds)
+    train_rows(report, s, weights, rounds)
+
+    # 3. real runs, equal wall-clock each
+    sim_reserve = 0.12 * budget
+    per_mode = max(5.0, (budget - (time.perf_counter() - t_begin) - sim_reserve) / len(MODES) - 3.0)
+    results = {}
+    for mode in MODES:
+        cfg = Config(
+            mode=mode, max_lag=s["max_lag"], batch_size=s["batch_size"], attempts=s["attempts"], slots=s["slots"],
+            steps=10**6, lr=s["lr"], task=s["task"], model=s["model"], device=s["device"], init_weights=weights,
+            time_budget_s=per_mode, seed=0,
+        )  # fmt: skip
+        try:
+            res = run(cfg)
+        except Exception as exc:  # record and carry on with the other modes
+            report.add(kind="run", mode=mode, check=f"failed: {type(exc).__name__}: {exc}"[:300])
+            continue
+        results[mode] = res
+        try:
+            check_version_log(res.used, cfg.max_lag, mode, cfg.batch_size)
+            verdict = "ok"
+        except AssertionError as exc:
+            verdict = f"failed: {exc}"[:300]
+        sm = res.summary
+        rw = [r["reward"] for r in res.steps]
+        tail = rw[-max(1, len(rw) // 5) :]
+        report.add(
+            kind="run", mode=mode, impl="graph" if sm.get("cuda_graph") else "eager", actors=1, slots=cfg.slots,
+            max_lag=cfg.max_lag, time_s=sm["seconds"], samples=sm["samples"], reward=mean(tail),
+            samples_per_s=sm["samples_per_s"], tokens_per_s=sm["tokens_per_s"], lag_mean=sm["lag_mean"],
+            lag_max=sm["lag_max"], ess=sm["ess_mean"], engine_busy=sm["engine_busy"],
+            slot_utilisation=sm["slot_utilisation"], dropped=sm["dropped"], check=verdict,
+        )  # fmt: skip
+        stride = max(1, len(res.steps) // 60)
+        for k in range(0, len(res.steps), stride):
+            window = res.steps[max(0, k - stride + 1) : k + 1]
+            report.add(
+                kind="curve", mode=mode, max_lag=cfg.max_lag, time_s=res.steps[k]["time_s"],
+                samples=res.steps[k]["samples"], reward=mean([r["reward"] for r in window]),
+                samples_per_s=res.steps[k]["samples_per_s"], lag_mean=res.steps[k]["lag_mean"],
+                lag_max=res.steps[k]["lag_max"], ess=mean([r["ess"] for r in window]),
+            )  # fmt: skip
+        print(
+            f"{mode}: {sm['samples']} samples in {sm['seconds']:.1f} s, {sm['samples_per_s']:.1f} samples/s"
+        )
+
+    # reward at equal samples: each mode's mean reward over the same window of samples
+    if results:
+        s_min = min(r.summary["samples"] for r in results.values())
+        for row in report.rows:
+            if row["kind"] == "run" and row["mode"] in results:
+                used = results[row["mode"]].used
+                row["reward_eq_samples"] = mean([u["reward"] for u in used[int(0.75 * s_min) : s_min]])
+
+    # 4. simulator, fitted to the conventional run
+    notes = [
+        f"device settings: {s['model']}, {s['task']}, slots {s['slots']}, B {s['batch_size']} samples "
+        f"(groups of {s['attempts']}), max_lag {s['max_lag']} samples for every mode, lr {s['lr']}, "
+        f"truncation cap 1.2; pre-training {pre['steps']} steps ({pre['seconds']:.1f} s, loss {pre['loss']:.3f}); "
+        f"{per_mode:.0f} s of wall-clock per mode."
+    ]
+    base = results.get("conventional") or next(iter(results.values()), None)
+    if base is not None:
+        tm, lengths = fit_time_model(base)
+        notes.append(f"fitted time model (from the {base.config.mode} run): {tm}")
+        B, L = s["batch_size"], s["max_lag"]
+        for mode in MODES:  # the real configuration, simulated
+            sim = simulate(SimConfig(mode=mode, max_lag=L, batch_size=B, attempts=s["attempts"], slots=s["slots"],
+                                     steps=60, time=tm, lengths=lengths))  # fmt: skip
+            report.add(kind="sim", mode=mode, impl="as-run", actors=1, slots=s["slots"], max_lag=L,
+                       **_sim_cols(sim.summary))  # fmt: skip
+        actors = [1, 2, 4, 8] if args.quick else [1, 2, 4, 8, 16]
+        lags = [0, B, 2 * B, 4 * B] if args.quick else [0, B, 2 * B, 4 * B, 8 * B]
+        t_sim = time.perf_counter()
+        for a in actors:
+            for lag in lags:
+                if time.perf_counter() - t_begin > budget and time.perf_counter() - t_sim > 5:
+                    notes.append(f"simulator sweep stopped at actors={a}, max_lag={lag}: budget spent")
+                    break
+                for mode in MODES:
+                    sim = simulate(SimConfig(mode=mode, max_lag=lag, batch_size=B, attempts=s["attempts"],
+                                             actors=a, slots=s["slots"], steps=40, time=tm, lengths=lengths))  # fmt: skip
+                    report.add(kind="sim", mode=mode, impl="sweep", actors=a, slots=s["slots"], max_lag=lag,
+                               **_sim_cols(sim.summary))  # fmt: skip
+    if "pipeline" in results and "conventional" in results:
+        ratio = (
+            results["pipeline"].summary["samples_per_s"] / results["conventional"].summary["samples_per_s"]
+        )
+        notes.append(f"real run: pipeline / conventional samples per second = {ratio:.2f} (target 1.5)")
+    if "async" in results and "conventional" in results:
+        ratio = results["async"].summary["samples_per_s"] / results["conventional"].summary["samples_per_s"]
+        notes.append(f"real run: async / conventional samples per second = {ratio:.2f} (overlap alone)")
+    report.notes = " ".join(notes)
+    report.plot(
+        title="reward against wall-clock", x="time_s", y="reward", series="mode", where={"kind": "curve"}
+    )
+    report.plot(
+        title="reward against samples", x="samples", y="reward", series="mode", where={"kind": "curve"}
+    )
+    report.plot(
+        title="token lag (mean, samples)", x="samples", y="lag_mean", series="mode", where={"kind": "curve"}
+    )
+    report.plot(title="ESS", x="samples", y="ess", series="mode", where={"kind": "curve"})
+    report.plot(
+        title=f"simulated samples/s against actors (max_lag {2 * s['batch_size']})", x="actors", y="samples_per_s",
+        series="mode", where={"kind": "sim", "impl": "sweep", "max_lag": 2 * s["batch_size"]}, logx=True,
+    )  # fmt: skip
+    report.plot(
+        title="simulated samples/s against max_lag (1 actor)", x="max_lag", y="samples_per_s", series="mode",
+        where={"kind": "sim", "impl": "sweep", "actors": 1},
+    )  # fmt: skip
+    report.plot(
+        title="simulated mean lag against samples/s (every actor count and lag)", x="samples_per_s", y="lag_mean",
+        series="mode", where={"kind": "sim", "impl": "sweep"},
+    )  # fmt: skip
+    report.write(out_dir=Path(args.out) if args.out else None)
+
+
+def _sim_cols(sm: dict) -> dict:
+    return {
+        "time_s": sm["seconds"], "samples": sm["samples"], "samples_per_s": sm["samples_per_s"],
+        "lag_mean": sm["lag_mean"], "lag_max": sm["lag_max"], "engine_busy": sm["engine_busy"],
+        "slot_utilisation": sm["slot_utilisation"],
+    }  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
