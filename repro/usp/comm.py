@@ -1,6 +1,7 @@
 """The communication layer: every byte USP moves goes through the two functions here.
 
-* :func:`all_to_all` (the Ulysses step, fang2024usp §2 and §3.1) and
+* :func:`all_to_all` (the Ulysses step, fang2024usp §2 and §3.1; over a torch process group, or over a
+  ``nanoparallel`` Communicator when one is passed as the Ulysses group) and
 * :func:`ring_shift` (the Ring step: send to the next ring rank, receive from the previous one),
 
 so the bytes each rank sends can be counted in one place (:func:`count_bytes`) and compared with the
@@ -39,13 +40,22 @@ def _count(key: str, nbytes: int) -> None:
         _counter[key] += int(nbytes)
 
 
+def _is_nanoparallel(group) -> bool:
+    """A nanoparallel Communicator (our own collectives library) instead of a torch process group."""
+    return type(group).__module__.startswith("nanoparallel")
+
+
 def group_size(group) -> int:
     """Size of ``group``; None stands for a group of one rank (no communication)."""
-    return 1 if group is None else dist.get_world_size(group)
+    if group is None:
+        return 1
+    return group.world_size if _is_nanoparallel(group) else dist.get_world_size(group)
 
 
 def group_rank(group) -> int:
-    return 0 if group is None else dist.get_rank(group)
+    if group is None:
+        return 0
+    return group.rank if _is_nanoparallel(group) else dist.get_rank(group)
 
 
 def all_to_all(x: torch.Tensor, group, key: str) -> torch.Tensor:
@@ -58,7 +68,10 @@ def all_to_all(x: torch.Tensor, group, key: str) -> torch.Tensor:
         return x
     x = x.contiguous()
     out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=group)
+    if _is_nanoparallel(group):  # the Ulysses all-to-all through nanoparallel (its direct algorithm)
+        group.all_to_all(out, x)
+    else:
+        dist.all_to_all_single(out, x, group=group)
     _count(key, x.numel() * x.element_size() * (n - 1) // n)
     return out
 

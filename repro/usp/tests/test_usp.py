@@ -242,3 +242,30 @@ def test_emulated_ring_equals_single_device(case):
         ("o", "dq", "dk", "dv"), (o.detach(), q.grad, k.grad, v.grad), reference(case).values(), strict=True
     ):
         assert_rel_close(unshard(list(got), case.layout), want, TOL[case.dtype], f"{name} ({case})")
+
+
+@pytest.mark.claim("usp/ulysses-exact", section="SP approaches: DeepSpeed-Ulysses")
+@settings(max_examples=4, **SETTINGS)
+@given(case=cases(ulysses=4))
+def test_ulysses_through_nanoparallel(world4, case):
+    """The Ulysses all-to-all through nanoparallel (our collectives library, shared memory) instead of
+    gloo: same results, same bytes counted."""
+    results = sorted(
+        world4.run(worker.run_nanoparallel_ulysses, case, timeout=90), key=lambda r: r["sp_rank"]
+    )
+    ref = reference(case)
+    for name, want in ref.items():
+        assert_rel_close(unshard([r[name] for r in results], case.layout), want, TOL[case.dtype], name)
+    elem = torch.tensor([], dtype=worker.DTYPES[case.dtype]).element_size()
+    want = bytes_per_rank(
+        B=case.B,
+        S=case.S,
+        H=case.H,
+        H_kv=case.H_kv,
+        D=case.D,
+        ulysses_degree=4,
+        ring_degree=1,
+        elem=elem,
+        acc=elem,
+    )
+    assert all(r["bytes"].get("ulysses/fwd") == want["ulysses/fwd"] for r in results)

@@ -269,3 +269,25 @@ def trace_shards(ctx: dict, ulysses: int, ring: int, S: int, H: int, layout: str
         "after_all_to_all": {"positions": tokens(after), "heads": (after[0, 0, :, 0] % 100).long().tolist()},
         "ring_steps": [tokens(b) for b in steps],
     }
+
+
+def run_nanoparallel_ulysses(ctx: dict, case: Case) -> dict:
+    """Ulysses over the whole world with a nanoparallel Communicator (shared-memory transport) as the
+    Ulysses group: the all-to-all goes through our own collectives library instead of gloo."""
+    import nanoparallel
+
+    if "npl" not in ctx:
+        ctx["npl"] = nanoparallel.init(
+            ctx["rank"], ctx["world_size"], store=dist.PrefixStore("usp-npl", ctx["store"]), transport="shm"
+        )
+        ctx.setdefault("comms", {})["usp"] = ctx["npl"]  # closed by the worker at exit
+    comm = ctx["npl"]
+    q, k, v, do = (shard(t, case.P, comm.rank, case.layout) for t in inputs(case))
+    q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
+    with count_bytes() as sent:
+        o = usp_attention(
+            q, k, v, causal=case.causal, ulysses_group=comm, layout=case.layout, backend=case.backend
+        )
+        o.backward(do)
+    return {"sp_rank": comm.rank, "replica": 0, "o": o.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
+            "bytes": dict(sent)}  # fmt: skip
