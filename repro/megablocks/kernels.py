@@ -5,8 +5,8 @@ GEMM over variable-sized groups (the grouped path), each with its autograd Funct
 Naming (§4.1, §5.1): the letters give output, left and right operand, S sparse, D dense.
 
 * SDD ``C = mask(A @ B)``: one program per stored block; the COO row index finds the block's row (§5.1.3).
-* DSD ``C = op(S) @ B``, ``op`` the identity or the transpose: one program per (block-row of op(S),
-  column tile of C), looping over that block-row's blocks. The transpose walks the transpose
+* DSD ``C = op(S) @ B``, ``op`` the identity or the transpose: one program per (column tile of C,
+  block-row of op(S)), looping over that block-row's blocks. The transpose walks the transpose
   indices (``offsets_t``, ``column_indices_t``, ``block_offsets_t``) and reads each block with
   swapped strides: no copy of the values (§5.1.4).
 * DDS ``C = A @ op(S)`` is ``(op(S)^T @ A^T)^T``: the DSD kernel on strided views, writing C through
@@ -122,8 +122,10 @@ def _dsd_kernel(
     its blocks (block_offsets -> data, indices = their block-rows in S = kb); each block is read
     with swapped strides.
     """
-    r = tl.program_id(0).to(tl.int64)
-    n = tl.program_id(1)
+    # column tiles vary fastest: consecutive programs reuse one block-row of S (in L2) against the
+    # column tiles of B, instead of re-reading S from memory once per column tile
+    n = tl.program_id(0)
+    r = tl.program_id(1).to(tl.int64)
     start = tl.load(offsets + r)
     end = tl.load(offsets + r + 1)
     rm = tl.arange(0, BLOCK)
@@ -150,6 +152,14 @@ def _dsd_kernel(
     rows = r * BLOCK + rm
     c_ptrs = C + rows[:, None] * stride_cm + rn[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=in_n[None, :])
+
+
+def _check_grid_y(n: int, what: str) -> None:
+    # CUDA limits the grid's second dimension to 65535 programs
+    if n > 65535:
+        raise ValueError(
+            f"{n} {what} exceed the 65535 a launch allows: split the tokens into smaller batches"
+        )
 
 
 def _check_dense(name: str, x: torch.Tensor, dim: int = 2) -> None:
@@ -188,7 +198,8 @@ def _dsd_into(data: torch.Tensor, topo: Topology, b: torch.Tensor, out: torch.Te
     if block_rows == 0 or N == 0:
         return
     BN = bs if interpreting() else GPU_CONFIG["dense_n"]
-    _dsd_kernel[(block_rows, triton.cdiv(N, BN))](
+    _check_grid_y(block_rows, "block-rows of the sparse operand")
+    _dsd_kernel[(triton.cdiv(N, BN), block_rows)](
         data, b, out, offsets, indices, topo.block_offsets_t, N,
         b.stride(0), b.stride(1), out.stride(0), out.stride(1),
         TRANS=trans, S_SM=1 if trans else bs, S_SK=bs if trans else 1, BLOCK=bs, BN=BN, BK=_k_step(bs), IEEE=data.dtype == torch.float32, **_launch_opts(),
@@ -320,8 +331,8 @@ def _gmm_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     """Y[rows of tile, n-tile] = X[rows of tile] @ W[g] for the tile's group g."""
-    t = tl.program_id(0)
-    n = tl.program_id(1)
+    n = tl.program_id(0)  # fastest: consecutive programs share the row tile of X (L2)
+    t = tl.program_id(1)
     g = tl.load(tile_group + t).to(tl.int64)
     row0 = tl.load(tile_row + t).to(tl.int64)
     end = tl.load(ends + g).to(tl.int64)
@@ -351,9 +362,11 @@ def _gmm_wgrad_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     """DW[g, k-tile, n-tile] = X[rows of g]^T @ G[rows of g]: a reduction over the group's rows."""
-    g = tl.program_id(0).to(tl.int64)
+    # n fastest, then k, then the group: consecutive programs share X's k-tile of the group, and the
+    # group's G stays in L2 across its k-tiles
+    n = tl.program_id(0)
     kt = tl.program_id(1)
-    n = tl.program_id(2)
+    g = tl.program_id(2).to(tl.int64)
     start = tl.load(starts + g)
     end = tl.load(ends + g)
     rk = kt * BK + tl.arange(0, BK)
@@ -402,7 +415,8 @@ def _gmm(x: torch.Tensor, w: torch.Tensor, sched) -> torch.Tensor:
     if tile_group.numel() == 0 or N == 0:
         return y
     BN = _dense_n()
-    _gmm_kernel[(tile_group.numel(), triton.cdiv(N, BN))](
+    _check_grid_y(tile_group.numel(), "row tiles")
+    _gmm_kernel[(triton.cdiv(N, BN), tile_group.numel())](
         x, w, y, tile_group, tile_row, ends, N, K,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), y.stride(0), y.stride(1),
         BM=BM, BN=BN, BK=_k_step(128), IEEE=x.dtype == torch.float32, **_launch_opts(),
@@ -416,7 +430,7 @@ def _gmm_wgrad(x: torch.Tensor, g: torch.Tensor, sched, num_groups: int) -> torc
     dw = torch.empty(num_groups, K, N, device=x.device, dtype=x.dtype)
     BN = _dense_n()
     BK = 16 if interpreting() else 128  # the weight gradient's row tile (its K dim is the reduction)
-    _gmm_wgrad_kernel[(num_groups, triton.cdiv(K, BK), triton.cdiv(N, BN))](
+    _gmm_wgrad_kernel[(triton.cdiv(N, BN), triton.cdiv(K, BK), num_groups)](
         x, g, dw, starts, ends, K, N,
         x.stride(0), x.stride(1), g.stride(0), g.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
         BM=_k_step(128), BN=BN, BK=BK, IEEE=x.dtype == torch.float32, **_launch_opts(),
