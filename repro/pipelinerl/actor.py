@@ -4,11 +4,11 @@
 position; a prompt is fed token by token through the same step). Every generated token records the
 weight version that sampled it and its behaviour log-prob. :meth:`Engine.load_weights` replaces
 the weights between two steps and keeps the KV cache: the in-flight weight update of
-piche2025pipelinerl §3. Sequences in the middle of generation continue with the new weights on top
+piche2025pipelinerl ("in-flight weight updates"). Sequences in the middle of generation continue with the new weights on top
 of keys and values the old weights computed.
 
 :func:`actor_loop` is the thread that owns an engine. What distinguishes the three modes is only
-when it admits new sequences and when it takes new weights (§3, Figure 1):
+when it admits new sequences and when it takes new weights (the paper's comparison of the three schedules):
 
 * ``pipeline``: admit while fewer than ``B + max_lag`` samples are ahead of the trainer; take new
   weights at the next step, mid-sequence.
@@ -23,6 +23,7 @@ Weights arrive through :class:`WeightReceiver`, a thread that joins the trainer'
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -330,7 +331,7 @@ def actor_loop(
     ``log['steps']``: ``(t, seconds, busy slots)`` per engine step; ``log['swaps']``: ``(t, version,
     seconds)`` per weight load. Times are ``perf_counter`` seconds."""
     try:
-        ctx = torch.cuda.stream(stream) if stream is not None else _nullcontext()
+        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with ctx:
             _actor_loop(shared, engine, receiver, log)
     except BaseException as exc:  # surface the actor's failure to run() instead of hanging
@@ -338,14 +339,6 @@ def actor_loop(
         shared.stop.set()
         with shared.cond:
             shared.cond.notify_all()
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *a):
-        return False
 
 
 def _swap(engine: Engine, receiver: WeightReceiver, log: dict) -> bool:

@@ -58,7 +58,7 @@ def settings(cuda: bool, quick: bool) -> dict:
         return dict(
             task=task,
             model=ModelConfig(d_model=256, n_layers=4, n_heads=4, max_len=task.max_seq_len),
-            slots=128, batch_size=64, attempts=8, max_lag=128, lr=3e-4, pretrain_steps=3000,
+            slots=128, batch_size=64, attempts=8, max_lag=128, lr=2e-4, pretrain_steps=3000,
             pretrain_batch=256, pretrain_lr=2e-3, device="cuda",
         )  # fmt: skip
     task = TaskConfig(min_items=1, max_items=6, skew=2.0)

@@ -7,7 +7,7 @@ Two ways to run the same weights:
 * :meth:`Policy.decode` ``tokens [S], pos [S], cache -> logits [S, V]``: one token per slot of an
   inference batch, each slot at its own position, reading and writing the slot's KV cache. This is
   the actor's engine step. The cache is only data: after an in-flight weight update
-  (piche2025pipelinerl §3) it keeps the keys and values the older weights computed, and the next
+  (piche2025pipelinerl, "in-flight weight updates") it keeps the keys and values the older weights computed, and the next
   step runs with the new weights on top of them.
 """
 

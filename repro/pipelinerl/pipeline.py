@@ -14,7 +14,7 @@ host buffer. Why threads and gloo rather than one process per role with NCCL:
   hide.
 
 The broadcast is a real collective: the trainer blocks until every actor's receiver thread has
-the weights, the in-flight-update pause of piche2025pipelinerl §3 (the actor itself only stops
+the weights, the in-flight-update pause of piche2025pipelinerl's in-flight update (the actor itself only stops
 for the copy into its model).
 
 ``run(Config(...))`` returns a :class:`RunResult` with per-step curves (reward, throughput, lag,
@@ -24,6 +24,7 @@ ESS), every trained sample's token versions (for the lag claims) and the engines
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import threading
@@ -215,7 +216,7 @@ def run(config: Config) -> RunResult:
     gen_tokens = 0
     stream = torch.cuda.Stream(device) if cuda else None
     try:
-        with torch.cuda.stream(stream) if cuda else _null():
+        with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
             broadcast_weights(pgs[0], model, 0)
             for k in range(config.steps):
                 if config.time_budget_s is not None and time.perf_counter() - t0 > config.time_budget_s:
@@ -285,14 +286,6 @@ def run(config: Config) -> RunResult:
         swaps=[lg["swaps"] for lg in logs],
         summary=summary,
     )
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *a):
-        return False
 
 
 def _progress(config: Config, row: dict) -> None:

@@ -3,7 +3,7 @@
 Everything here is the ground truth the fast path (``actor.py``'s cached engine, ``trainer.py``)
 is tested against.
 
-Objective (§2, "truncated importance sampling"; our notation). For sequence ``i`` with completion
+Objective (the paper's background on truncated importance sampling; our notation). For sequence ``i`` with completion
 tokens ``y_ij`` sampled by behaviour policy ``mu`` (whatever weight version produced each token)
 and current policy ``pi_theta``::
 
@@ -16,7 +16,7 @@ REINFORCE loss. ``c`` is the truncation cap: the paper truncates importance weig
 code clamps the ratio to ``[0, 1 + eps_high]`` with ``eps_high = 0.2``, far tighter; ours is a
 parameter (``is_cap``).
 
-Effective sample size (§4, used to monitor how off-policy a batch is)::
+Effective sample size (the paper uses it to monitor how off-policy a batch is)::
 
     ESS = (sum_t rho_t)^2 / (N sum_t rho_t^2)   in (0, 1],  1 when on-policy.
 """

@@ -6,8 +6,8 @@ compute: an engine step over ``b`` busy slots takes ``step_s + step_s_per_seq * 
 optimizer step ``train_s``, a weight broadcast ``broadcast_s`` (trainer side) and loading the
 weights ``swap_s`` (actor side). Sequence lengths are drawn from a list of ``(prompt, completion)``
 lengths, e.g. those a real run produced. :func:`fit_time_model` fits these constants to a real
-run's logs. Actors and trainer sit on disjoint devices, as in piche2025pipelinerl §3: the question
-the simulator answers is the paper's (§5, Figure 6): samples per second and lag for given actor
+run's logs. Actors and trainer sit on disjoint devices, as in piche2025pipelinerl: the question
+the simulator answers is the paper's throughput comparison: samples per second and lag for given actor
 counts and lags, beyond what one GPU can run.
 """
 

@@ -3,9 +3,9 @@
 A prompt is ``BOS d_1 .. d_n SEP`` and the right completion is the digits sorted ascending followed
 by ``EOS``. The list length ``n`` is drawn from a skewed distribution (many short lists, a few long
 ones), so completions have varying lengths and a batch of generations drains unevenly: the
-long-tail effect that piche2025pipelinerl §1 describes for reasoning traces, in miniature.
+long-tail effect that piche2025pipelinerl's introduction describes for reasoning traces, in miniature.
 
-Reward (the paper's "verifiable" reward, §4): 1.0 when the completion is exactly the sorted list
+Reward (a verifiable reward, as in the paper's reasoning tasks): 1.0 when the completion is exactly the sorted list
 followed by EOS, else 0.0. Every prompt and every sampling draw is a pure function of
 ``(seed, index)``, so two runs that generate the same sample index see the same prompt and the same
 random numbers, whatever the timing: this is what makes the lr = 0 comparison exact.

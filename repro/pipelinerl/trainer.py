@@ -8,7 +8,7 @@ weights to the actors through ``torch.distributed`` (rank 0 is the trainer).
 
 Versions are counted in samples, as the released code counts them: the weights after ``k`` steps
 of ``B`` samples have version ``k * B``, and a token of version ``v`` used when the trainer has
-trained on ``P`` samples has lag ``P - v`` (piche2025pipelinerl §3).
+trained on ``P`` samples has lag ``P - v`` (piche2025pipelinerl, in-flight weight updates).
 """
 
 from __future__ import annotations
