@@ -1,11 +1,11 @@
 """The communication layer: every byte USP moves goes through the two functions here.
 
-* :func:`all_to_all` (the Ulysses step, fang2024usp §2 and §3.1; over a torch process group, or over a
+* :func:`all_to_all` (the Ulysses step, fang2024usp "SP approaches" and "Unified SP"; over a torch process group, or over a
   ``nanoparallel`` Communicator when one is passed as the Ulysses group) and
 * :func:`ring_shift` (the Ring step: send to the next ring rank, receive from the previous one),
 
 so the bytes each rank sends can be counted in one place (:func:`count_bytes`) and compared with the
-paper's communication analysis (§4, the formulas in :mod:`repro.usp.cost`). A rank's bytes *sent*
+paper's communication analysis ("Communication and memory analysis", the formulas in :mod:`repro.usp.cost`). A rank's bytes *sent*
 are counted: for an all-to-all over n ranks that is (n - 1)/n of its buffer (its own chunk stays),
 for a ring shift the whole tensor.
 """
@@ -92,7 +92,7 @@ class Exchange:
 
 def ring_shift(tensors: list[torch.Tensor], group, key: str) -> Exchange:
     """Start sending ``tensors`` to the next rank of the ring and receiving the same shapes from the
-    previous one; returns at once (the caller computes meanwhile, §3.1's overlap) with an
+    previous one; returns at once (the caller computes meanwhile: the ring's overlap) with an
     :class:`Exchange`. Sends and receives are issued as one batch so that NCCL cannot deadlock on
     the cycle. Counts every sent byte under ``key``."""
     n = group_size(group)

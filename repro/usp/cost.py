@@ -1,4 +1,4 @@
-"""The paper's communication analysis (fang2024usp §4), as exact per-rank byte counts of our code.
+"""The paper's communication analysis (fang2024usp, "Communication and memory analysis"), as exact per-rank byte counts of our code.
 
 Notation: full sequence S, batch B, H query heads, H_kv key/value heads, head dim D, element size e
 bytes (e_acc for gradient accumulators: fp32, or fp64 for fp64 inputs), P = P_u P_r ranks, and

@@ -1,4 +1,4 @@
-"""How a sequence of S tokens is split over P sequence-parallel ranks (fang2024usp §3.2, load balance).
+"""How a sequence of S tokens is split over P sequence-parallel ranks (fang2024usp, "Load balance").
 
 * ``contiguous``: rank i holds tokens [i S/P, (i+1) S/P).
 * ``zigzag``: the sequence is cut into 2P chunks of S/(2P) tokens and rank i holds chunks i and

@@ -1,6 +1,6 @@
 """Local attention backends: one block of attention that also returns its log-sum-exp (LSE).
 
-Ring attention (fang2024usp §2) merges the blocks of a row exactly through their LSE, and its
+Ring attention (fang2024usp, "SP approaches") merges the blocks of a row exactly through their LSE, and its
 backward recomputes each block's probabilities from the row's *final* output and LSE. So a backend
 must offer
 

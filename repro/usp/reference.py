@@ -3,7 +3,7 @@
 Everything is in the heads-last layout the paper's code uses, ``[B, S, H, D]``, with grouped-query
 attention (``H_kv`` key/value heads shared by ``H / H_kv`` query heads each). The causal mask is the
 usual top-left one (query ``i`` sees keys ``j <= i``) on square problems; every causal block the ring
-computes is square (fang2024usp §3.2: the diagonal block of each step), so no other alignment is needed.
+computes is square (fang2024usp, "Load balance": the diagonal block of each step), so no other alignment is needed.
 
 Besides the output we return the log-sum-exp of every score row,
 
@@ -108,7 +108,7 @@ def attention(
 def merge(
     o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Combine attention over two disjoint key sets (fang2024usp §2, ring attention's online softmax).
+    """Combine attention over two disjoint key sets (fang2024usp, "SP approaches: Ring-Attention").
 
     lse = log(e^lse_a + e^lse_b);  o = e^(lse_a - lse) o_a + e^(lse_b - lse) o_b.
     o: [B, S, H, D], lse: [B, H, S]. A row with lse = -inf (no keys yet) takes the other side as is.

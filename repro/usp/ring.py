@@ -1,4 +1,4 @@
-"""Ring attention (fang2024usp §2, "Ring-Attention"; causal load balance §3.2) with its own backward.
+"""Ring attention (fang2024usp "SP approaches: Ring-Attention"; "Load balance") with its own backward.
 
 Each of the n ranks of the ring group holds a query block and a key/value block of the ring's
 sequence. At step t rank r attends to the K/V block of rank s = (r - t) mod n while it passes that

@@ -1,4 +1,4 @@
-"""The Ulysses step (fang2024usp §2, "DeepSpeed-Ulysses"): all-to-all between sequence and head shards.
+"""The Ulysses step (fang2024usp, "SP approaches: DeepSpeed-Ulysses"): all-to-all between sequence and head shards.
 
 Before: each of the n ranks of the Ulysses group holds S_l tokens of all H heads, [B, S_l, H, D].
 After :func:`seq_to_head`: each holds all n S_l tokens of the group for H/n heads,

@@ -1,4 +1,4 @@
-"""USP (fang2024usp §3.1): Ulysses inside, Ring across, on a P_u x P_r mesh of the sequence-parallel ranks.
+"""USP (fang2024usp, "Unified SP"): Ulysses inside, Ring across, on a P_u x P_r mesh of the sequence-parallel ranks.
 
     q, k, v [B, S/P, H, D]  --all-to-all in the Ulysses group-->  [B, S/P_r, H/P_u, D]
         --ring attention in the ring group-->  o [B, S/P_r, H/P_u, D]
@@ -29,7 +29,7 @@ def kv_heads_after_replication(h_kv: int, ulysses_degree: int) -> int:
 
     With fewer (or indivisible) K/V heads than the Ulysses degree, each K/V head is repeated until
     every rank of the group receives the K/V heads its query heads need (the paper's replication for
-    GQA/MQA, §3.1). lcm(H_kv, P_u) is the fewest heads that split evenly and keep query head i on
+    GQA/MQA, "Unified SP"). lcm(H_kv, P_u) is the fewest heads that split evenly and keep query head i on
     K/V head i // (H / H_kv): it divides H because both H_kv and P_u do.
     """
     return h_kv if h_kv % ulysses_degree == 0 else math.lcm(h_kv, ulysses_degree)
