@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -197,6 +198,7 @@ def run_config(
     timer=None,
     notes: list | None = None,
     only: tuple[str, ...] | None = None,
+    skip: tuple[str, ...] = (),
     config: str = "default",
     base_ms: float | None = None,
 ) -> list[dict]:
@@ -228,7 +230,7 @@ def run_config(
     def checked(fn, ref_out=ref):
         return lambda: assert_rel_close(fn(), ref_out, TOL_BF16 if dtype != torch.float32 else 1e-4, "output")
 
-    want = lambda name: only is None or name in only
+    want = lambda name: (only is None or name in only) and name not in skip
     cands: dict[str, Candidate] = {}
     extra: dict[str, dict] = {}
     sparse = lambda: dmoe_sparse(x, weights, indices, w1, w2, w3, E, MLP, block_size)
@@ -289,6 +291,54 @@ def run_config(
     return rows
 
 
+def _shapes(quick: bool) -> dict:
+    if quick:
+        return {"64e-top8": dict(SHAPES["64e-top8"], T=QUICK_TOKENS["64e-top8"])}
+    return SHAPES
+
+
+def probe_megablocks(quick: bool, timeout_s: float = 150.0) -> tuple[bool, str]:
+    """Run megablocks' forward + backward once per benchmark shape (skewed routing: the largest
+    expert) in a child process; ``(ok, note)``."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "repro.megablocks.bench",
+        "--probe-megablocks",
+        *(["--quick"] if quick else []),
+    ]
+    t0 = time.perf_counter()
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return False, f"megablocks probe timed out after {timeout_s:.0f} s: megablocks not timed."
+    tail = " ".join((res.stdout + res.stderr).strip().splitlines()[-3:])[-300:]
+    if res.returncode != 0:
+        return False, f"megablocks probe failed (exit {res.returncode}): {tail}: megablocks not timed."
+    return True, f"megablocks probe passed in {time.perf_counter() - t0:.0f} s ({tail})."
+
+
+def _probe_main(quick: bool) -> None:
+    mb, why = load_megablocks()
+    if mb is None:
+        print(why)
+        sys.exit(3)
+    for shape, dims in _shapes(quick).items():
+        E, k, d, f, T = (dims[c] for c in ("E", "k", "d", "f", "T"))
+        x = torch.randn(T, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        w1, w2, w3 = (
+            torch.randn(E * f, d, device="cuda", dtype=torch.bfloat16) / math.sqrt(d) for _ in range(3)
+        )
+        weights, indices = make_routing(T, E, k, "skewed", "cuda")
+        weights = weights.to(torch.bfloat16).requires_grad_(True)
+        fn, params = megablocks_experts(mb, E, k, d, f, w1, w2, w3)
+        y = fn(x, weights, indices)
+        torch.autograd.grad(y, [x, weights, *params], torch.randn_like(y))
+        torch.cuda.synchronize()
+        ref = moe_per_expert(x.float(), weights.float(), indices, w1.float(), w2.float(), w3.float(), E, MLP)
+        print(f"{shape}: megablocks output rel. error {float((y.float() - ref).norm() / ref.norm()):.1e}")
+
+
 def _with_pct(row: dict, ceil: dict) -> dict:
     """Add ``pct_of_matmul``: the row's TFLOP/s over the measured bf16 matmul ceiling."""
     if row.get("tflops") and ceil.get("matmul_bf16_tflops"):
@@ -302,7 +352,10 @@ def main(argv=None) -> Path | None:
     ap.add_argument("--out", default=None, help="directory for the Report JSON")
     ap.add_argument("--budget-s", type=float, default=240.0, help="stop starting configurations near this")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--probe-megablocks", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.probe_megablocks:
+        return _probe_main(args.quick)
     if not torch.cuda.is_available():
         print("repro.megablocks.bench needs a CUDA GPU", file=sys.stderr)
         return None
@@ -316,12 +369,14 @@ def main(argv=None) -> Path | None:
         columns=COLUMNS,
         packages=["megablocks", "stanford-stk", "triton"],
     )
-    configs = []
-    for shape, dims in SHAPES.items():
-        if args.quick and shape != "64e-top8":
-            continue
-        dims = dict(dims, T=QUICK_TOKENS[shape]) if args.quick else dims
-        configs += [(shape, dims, r) for r in ROUTINGS]
+    configs = [(shape, dims, r) for shape, dims in _shapes(args.quick).items() for r in ROUTINGS]
+    # megablocks runs in this process beside the others; a fault in its kernels would end the CUDA
+    # context for every later row, so it first runs once at each shape in a child process
+    skip = ()
+    if load_megablocks()[0] is not None:
+        ok, why = probe_megablocks(args.quick, timeout_s=max(60.0, args.budget_s / 3))
+        notes.append(why)
+        skip = () if ok else ("megablocks_sparse",)
     longest = tune_longest = 0.0
     for shape, dims, routing in configs:
         elapsed = time.perf_counter() - start
@@ -330,7 +385,7 @@ def main(argv=None) -> Path | None:
             continue
         t0 = time.perf_counter()
         try:
-            for row in run_config(shape, dims, routing, rounds=args.rounds, notes=notes):
+            for row in run_config(shape, dims, routing, rounds=args.rounds, notes=notes, skip=skip):
                 report.add(**_with_pct(row, ceil))
         except Exception as exc:  # out of memory, or a setup step failing: noted, the rest still runs
             notes.append(f"{shape}/{routing}: {type(exc).__name__}: {' '.join(str(exc).split())[:160]}")
@@ -340,7 +395,7 @@ def main(argv=None) -> Path | None:
     # with budget left: our kernels under other tile settings (kernel_config), on one shape, so that
     # the next change to GPU_CONFIG rests on measurements; rows under shape "<shape> (tuning)"
     tune_shape = "64e-top8"
-    tune_dims = dict(SHAPES[tune_shape], T=QUICK_TOKENS[tune_shape]) if args.quick else SHAPES[tune_shape]
+    tune_dims = _shapes(args.quick)[tune_shape]
     tune_base_ms = None
     for variant in TUNING:
         label = "tune:" + (",".join(f"{k}={v}" for k, v in variant.items()) or "default")

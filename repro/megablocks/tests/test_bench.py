@@ -105,3 +105,11 @@ def test_main_flow_with_budget(monkeypatch, tmp_path):
     bench.main(["--quick", "--budget-s", "15"])
     assert len(seen) == 0 or all(s[2] == "default" for s in seen)
     assert "skipped" in written["r"].notes
+
+
+def test_megablocks_probe_reports_failure():
+    """The child process that tries megablocks first: without megablocks it exits non-zero and the
+    note carries its message (on the GPU machine the same path guards against a faulting peer)."""
+    ok, note = bench.probe_megablocks(quick=True, timeout_s=120)
+    assert not ok
+    assert "megablocks probe failed (exit 3)" in note and "import megablocks failed" in note
