@@ -165,3 +165,23 @@ def test_dmoe_bf16_on_gpu(impl, mlp, routing):
             strict=False,
         ):
             assert_rel_close(a, b, tol, f"{dtype} d{name}")
+
+
+@pytest.mark.gpu
+@pytest.mark.claim(CLAIM, section=SECTION)
+@pytest.mark.parametrize("impl", ["sparse", "grouped"])
+def test_module_defaults_on_gpu(impl):
+    """The module as users build it (block 128, its own router) in bf16 on [B, S, d] = [2, 300, 256]:
+    2e-2 against the dense reference routed by the same router, fed the same bf16 parameters."""
+    from repro.megablocks import route
+
+    torch.manual_seed(0)
+    layer = dMoE(256, 384, 8, 2, mlp="glu", impl=impl, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(2, 300, 256, device="cuda", dtype=torch.bfloat16)
+    y = layer(x)
+    assert y.shape == x.shape and y.dtype == torch.bfloat16
+    # the routing the layer computed (in bf16: an fp32 router could break near-ties differently)
+    w, i = route(x.reshape(-1, 256), layer.router, 2)
+    flat = x.reshape(-1, 256).float()
+    y_ref = moe_dense(flat, w.float(), i, layer.w1.float(), layer.w2.float(), layer.w3.float(), 8, "glu")
+    assert_rel_close(y.reshape(-1, 256), y_ref, 2e-2, "module output")
