@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from paperclub.bench import Candidate, Report, measure
-from paperclub.testing import assert_rel_close, rel_error
+from paperclub.testing import assert_rel_close
 from repro.nsa import ops
 from repro.nsa import reference as ref
 
@@ -232,9 +232,14 @@ def train_candidates(t: int, fla, sdpa_backends: dict, with_fa4: bool, gen: torc
                                 block_size=fs.select_len, window_size=0)  # fmt: skip
 
         def check_fla_cs():
-            # fla picks its own blocks (bf16 scores): compare with ours, a looser 5e-2 for near-ties
-            err = rel_error(fla_cs(), ours_cs())
-            assert err <= 5e-2, f"fla cmp+slc vs ours: relative error {err:.3e} > 5e-2"
+            # fla picks its own blocks from its own bf16 scores, so a few rows may select differently
+            # near ties: 90% of the (query, head) rows must agree with ours to bf16 precision.
+            a, b = fla_cs().float(), ours_cs().float()
+            row_err = (a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-6)
+            flat = row_err.flatten()
+            q90 = torch.quantile(flat[:: max(1, flat.numel() // 1_000_000)], 0.9).item()
+            assert torch.isfinite(a).all(), "fla cmp+slc: non-finite output"
+            assert q90 <= TOL, f"fla cmp+slc vs ours: 90th percentile of row errors {q90:.3e} > {TOL}"
 
         def fla_slc():
             return parallel_nsa(ql, kl, vl, block_indices=indices(), block_counts=cfg.n_select,
@@ -296,6 +301,20 @@ def decode_candidates(t: int, b: int, gen: torch.Generator):
     }, counted
 
 
+def warm_up(fla, backends: dict, t: int = 1024) -> None:
+    """Run every candidate once at a small length: Triton compiles (and fla autotunes) here."""
+    try:
+        cands = train_candidates(t, fla, backends, with_fa4=True, gen=torch.Generator().manual_seed(1))
+    except Exception:
+        return
+    for cand in cands.values():
+        try:
+            cand.fn()
+        except Exception:  # the real run records the failure
+            pass
+    torch.cuda.synchronize()
+
+
 def run(out: str | None, budget_s: float, quick: bool, lengths: list[int], decode_batch: int) -> Path:
     from torch.nn.attention import SDPBackend
 
@@ -339,6 +358,7 @@ def run(out: str | None, budget_s: float, quick: bool, lengths: list[int], decod
                        paper_tokens=TABLE4.get(t) if impl == "nsa-decode" else t, **{"pass": "decode"}, **m.row())  # fmt: skip
         del cands, res
         torch.cuda.empty_cache()
+    warm_up(fla, backends)  # compile every kernel once, so that a length's cost predicts the next one's
     for i, t in enumerate(lengths):
         elapsed = time.perf_counter() - start
         # a length costs about 4x the previous one (full attention is quadratic)
@@ -371,6 +391,7 @@ def run(out: str | None, budget_s: float, quick: bool, lengths: list[int], decod
                 backends = {best: backends[best]}
                 notes.append(f"SDPA backend kept after T={t}: {best} (fastest forward + backward there)")
         last_cost = time.perf_counter() - t0
+        del cands, res  # free this length's tensors before the next length builds its own
         torch.cuda.empty_cache()
     if skipped:
         notes.append("Not measured (time budget of the run): " + ", ".join(skipped))
