@@ -46,12 +46,19 @@ def attention_flops(b: int, s: int, h: int, d: int, causal: bool, passes: str) -
     return fwd * (3.5 if passes == "fwd+bwd" else 1.0)
 
 
+def _expand_kv(q, k, v):
+    """K/V repeated to q's head count (what a model without GQA kernels does), so that SDPA surely
+    takes its flash kernel: with enable_gqa it might fall back to the math kernel and its S x S matrix."""
+    rep = q.shape[2] // k.shape[2]
+    return (k, v) if rep == 1 else (k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2))
+
+
 def _sdpa_bhsd(q, k, v, causal):
-    """SDPA on [B, S, H, D] tensors (GQA through enable_gqa)."""
+    """SDPA on [B, S, H, D] tensors; GQA by expanding K/V."""
+    k, v = _expand_kv(q, k, v)
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
-        enable_gqa=k.shape[2] != q.shape[2],
-    )  # fmt: skip
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal
+    )
     return out.transpose(1, 2)
 
 
@@ -170,8 +177,16 @@ def single_gpu_config(
                 )  # fmt: skip
 
 
-def _init_single_rank_group() -> str:
-    """A 1-rank NCCL process group (the peers need one even on one GPU); '' or the reason it failed."""
+def _fold_heads(g, h_kv: int):
+    """Gradient of expanded K/V [B, S, H, D] summed back onto its H_kv heads (what the expansion's
+    backward does)."""
+    b, s, h, d = g.shape
+    return g if h == h_kv else g.reshape(b, s, h_kv, h // h_kv, d).sum(3)
+
+
+def _init_single_rank_group(device: str = "cuda") -> str:
+    """A 1-rank NCCL process group (the peers need one even on one GPU; gloo on CPU); '' or the reason
+    it failed."""
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -181,7 +196,10 @@ def _init_single_rank_group() -> str:
 
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
-        dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+        if device == "cuda":
+            dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+        else:
+            dist.init_process_group("gloo", rank=0, world_size=1)
         return ""
     except Exception as exc:  # recorded in the report, the rest still runs
         return f"{type(exc).__name__}: {exc}"
@@ -201,12 +219,11 @@ def peer_torch_cp(*, q, k, v, do, ref, causal, passes, rounds, rep) -> list[dict
         from torch.distributed.tensor.experimental import context_parallel
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        why = _init_single_rank_group()
+        why = _init_single_rank_group(q.device.type)
         if why:
             return [{"impl": impl, "check": f"failed: no process group: {why}"}]
-        if k.shape[2] != q.shape[2]:
-            return [{"impl": impl, "note": "skipped: GQA shapes not run through context_parallel"}]
-        mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+        k, v = _expand_kv(q, k, v)  # its SDPA has no GQA: K/V expanded outside the timed call
+        mesh = init_device_mesh(q.device.type, (dist.get_world_size(),))
         bufs = [t.transpose(1, 2).contiguous() for t in (q, k, v, do)]  # [B, H, S, D]
         with (
             sdpa_kernel(SDPBackend.FLASH_ATTENTION),
@@ -216,7 +233,6 @@ def peer_torch_cp(*, q, k, v, do, ref, causal, passes, rounds, rep) -> list[dict
             fn = lambda: F.scaled_dot_product_attention(*leaves, is_causal=causal).transpose(1, 2)
             do_ = bufs[3].transpose(1, 2)
             run = _fwd_bwd(fn, leaves, do_) if passes == "fwd+bwd" else fn
-            ref_t = (ref[0], *(r.transpose(1, 2) for r in ref[1:4]), do_)
 
             def check():
                 for t in leaves:
@@ -225,11 +241,16 @@ def peer_torch_cp(*, q, k, v, do, ref, causal, passes, rounds, rep) -> list[dict
                 assert_rel_close(out.float(), ref[0], TOL, "o")
                 if passes == "fwd+bwd":
                     out.backward(do_)
-                    for name, t, want in zip(("dq", "dk", "dv"), leaves, ref_t[1:4], strict=True):
-                        assert_rel_close(t.grad.float(), want, TOL, name)
+                    for name, t, want in zip(("dq", "dk", "dv"), leaves, ref[1:4], strict=True):
+                        # [B, H, S, D] -> [B, S, H, D]; expanded K/V heads summed back onto their group
+                        got = _fold_heads(t.grad.transpose(1, 2).float(), want.shape[2])
+                        assert_rel_close(got, want, TOL, name)
 
             m = measure({impl: Candidate(fn=run, check=check)}, rounds=rounds, rep=rep, warmup=3)[impl]
-        return [{"impl": impl, **m.row(), "note": "own rounds (not interleaved)"}]
+        note = "own rounds (not interleaved)" + (
+            "; K/V expanded to H heads" if q.shape[2] != ref[2].shape[2] else ""
+        )
+        return [{"impl": impl, **m.row(), "note": note}]
     except Exception as exc:
         return [_error_row(impl, exc)]
 
@@ -246,7 +267,7 @@ def peer_yunchang(*, q, k, v, do, ref, causal, passes, rounds, rep) -> list[dict
         from yunchang.kernels import AttnType
     except Exception as exc:
         return [_error_row("yunchang", exc)]
-    why = _init_single_rank_group()
+    why = _init_single_rank_group(q.device.type)
     if why:
         return [{"impl": "yunchang", "check": f"failed: no process group: {why}"}]
     try:
@@ -259,7 +280,10 @@ def peer_yunchang(*, q, k, v, do, ref, causal, passes, rounds, rep) -> list[dict
         impl = f"yunchang {yunchang.__version__} {kind.lower()} (world 1)"
         try:
             attn = LongContextAttention(ring_impl_type="zigzag", attn_type=getattr(AttnType, kind))
-            leaves = [t.detach().clone().requires_grad_(passes == "fwd+bwd") for t in (q, k, v)]
+            # its PyTorch attention types call the flash/cuDNN ops directly, which have no GQA
+            leaves = [
+                t.detach().clone().requires_grad_(passes == "fwd+bwd") for t in (q, *_expand_kv(q, k, v))
+            ]
             fn = lambda attn=attn, leaves=leaves: attn(*leaves, causal=causal)
             run = _fwd_bwd(fn, leaves, do) if passes == "fwd+bwd" else fn
             m = measure(
@@ -268,7 +292,10 @@ def peer_yunchang(*, q, k, v, do, ref, causal, passes, rounds, rep) -> list[dict
                 rep=rep,
                 warmup=3,
             )
-            rows.append({"impl": impl, **m[impl].row(), "note": "own rounds (not interleaved)"})
+            note = "own rounds (not interleaved)" + (
+                "; K/V expanded to H heads" if k.shape[2] != q.shape[2] else ""
+            )
+            rows.append({"impl": impl, **m[impl].row(), "note": note})
         except Exception as exc:
             rows.append(_error_row(impl, exc))
     return rows
@@ -416,9 +443,10 @@ def main(argv=None) -> None:
         )
     else:
         seqs = args.seqs or ([8192] if args.quick else [8192, 16384, 32768])
-        shapes = [dict(S=s, causal=c, B=1, H=16, H_kv=16, D=128) for s in seqs for c in (True, False)]
+        # LLaMA-3-8B's attention: 32 query heads, 8 K/V heads, D = 128
+        shapes = [dict(S=s, causal=c, B=1, H=32, H_kv=8, D=128) for s in seqs for c in (True, False)]
         kw = dict(
-            rings=[2, 4, 8], backends=["sdpa", "fa4"], peers=[peer_torch_cp, peer_yunchang], rounds=3, rep=10
+            rings=[2, 4, 8], backends=["sdpa", "fa4"], peers=[peer_torch_cp, peer_yunchang], rounds=5, rep=30
         )
     threads = torch.get_num_threads()
     try:
