@@ -45,6 +45,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped without one")
     config.addinivalue_line("markers", "slow: longer than a few seconds on a laptop CPU")
     config.stash[_OUTCOMES_KEY] = {}
+    _CONFIG[:] = [config]
     # the repository whose claims apply: pytest's rootdir when it holds reproductions, else this checkout
     rootpath = Path(config.rootpath)
     has_packages = (rootpath / "repro").is_dir() or (rootpath / "nanoparallel").is_dir()
@@ -108,24 +109,41 @@ def pytest_runtest_makereport(item: pytest.Item, call):
     report = yield
     mark = item.get_closest_marker("claim")
     if mark is not None and mark.args:
-        outcomes = item.config.stash[_OUTCOMES_KEY]
-        prev = outcomes.get(item.nodeid)
-        if report.failed:
-            outcome = "failed"
-        elif report.skipped:
-            outcome = "skipped"
-        elif report.when == "call":
-            outcome = "passed"
-        else:
-            outcome = prev[1] if prev else None
-        if outcome is not None and not (prev and prev[1] == "failed"):
-            outcomes[item.nodeid] = (mark.args[0], outcome, str(item.path))
+        # carried on the report, so that under pytest-xdist the controller, which sees reports and
+        # not items, records it (pytest_runtest_logreport)
+        report.user_properties.append((_CLAIM_PROPERTY, mark.args[0]))
     return report
 
 
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    if os.environ.get("PAPERCLUB_RECORD_CLAIMS", "1") == "0":
+_CLAIM_PROPERTY = "paperclub_claim"
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    claim = next((v for k, v in report.user_properties if k == _CLAIM_PROPERTY), None)
+    if claim is None:
         return
+    outcomes = _CONFIG[0].stash[_OUTCOMES_KEY] if _CONFIG else None
+    if outcomes is None:
+        return
+    prev = outcomes.get(report.nodeid)
+    if report.failed:
+        outcome = "failed"
+    elif report.skipped:
+        outcome = "skipped"
+    elif report.when == "call":
+        outcome = "passed"
+    else:
+        outcome = prev[1] if prev else None
+    if outcome is not None and not (prev and prev[1] == "failed"):
+        outcomes[report.nodeid] = (claim, outcome, report.fspath)
+
+
+_CONFIG: list[pytest.Config] = []
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if os.environ.get("PAPERCLUB_RECORD_CLAIMS", "1") == "0" or hasattr(session.config, "workerinput"):
+        return  # (an xdist worker: its reports reach the controller, which records them)
     outcomes = session.config.stash.get(_OUTCOMES_KEY, {})
     if not outcomes:
         return
