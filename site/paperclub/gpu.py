@@ -211,17 +211,8 @@ def run_job(
         _say(step)
 
         # 2. GPU tests (claims recorded into results/claims-gpu.json by the plugin)
-        test_cmd = [
-            python,
-            "-m",
-            "pytest",
-            "-m",
-            "gpu",
-            str(pkg.relative_to(root)),
-            "-q",
-            "-p",
-            "no:cacheprovider",
-        ]
+        test_cmd = [python, "-m", "pytest", "-m", "gpu", str(pkg.relative_to(root)), "-v", "--tb=short",
+                    "-p", "no:cacheprovider", *_xdist_args()]  # fmt: skip
         for step_name, cmd, extra_env in (
             ("tests", test_cmd, {}),
             ("sanitizer", ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "86", *test_cmd, "-x"],
@@ -281,6 +272,16 @@ def run_job(
         job.steps.append(step)
         _say(step)
     return job
+
+
+def _xdist_args() -> list[str]:
+    """Spread the GPU tests over worker processes when pytest-xdist is there: most of a kernel test's
+    time on a fresh machine is Triton compiling (CPU work), which then runs side by side."""
+    import importlib.util
+
+    if importlib.util.find_spec("xdist") is None:
+        return []
+    return ["-n", str(max(1, min(8, (os.cpu_count() or 2) // 2)))]
 
 
 def _pytest_summary(text: str) -> str:
