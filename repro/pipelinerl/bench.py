@@ -250,9 +250,10 @@ def main(argv: list[str] | None = None) -> None:
             lag_max=sm["lag_max"], ess=sm["ess_mean"], engine_busy=sm["engine_busy"],
             slot_utilisation=sm["slot_utilisation"], dropped=sm["dropped"], check=verdict,
         )  # fmt: skip
-        stride = max(1, len(res.steps) // 60)
+        stride = max(1, len(res.steps) // 60)  # at most about 60 points per curve
+        width = max(stride, len(res.steps) // 15)  # trailing mean over about a fifteenth of the run
         for k in range(0, len(res.steps), stride):
-            window = res.steps[max(0, k - stride + 1) : k + 1]
+            window = res.steps[max(0, k - width + 1) : k + 1]
             report.add(
                 kind="curve", mode=mode, max_lag=cfg.max_lag, time_s=res.steps[k]["time_s"],
                 samples=res.steps[k]["samples"], reward=mean([r["reward"] for r in window]),

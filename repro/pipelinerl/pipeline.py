@@ -173,7 +173,7 @@ def run(config: Config) -> RunResult:
     device = torch.device(config.device)
     cuda = device.type == "cuda"
     model = initial_model(config)
-    opt = torch.optim.Adam(model.parameters(), lr=config.lr)
+    opt = torch.optim.Adam(model.parameters(), lr=config.lr, fused=cuda)  # one kernel per step on a GPU
     shared = Shared(mode=config.mode, batch_size=config.batch_size, max_lag=config.max_lag)
     numel = sum(p.numel() for p in model.parameters())
     pgs = make_groups(config.actors + 1)

@@ -189,8 +189,13 @@ def simulate(cfg: SimConfig) -> SimResult:
         for s in batch:
             used.append({"index": s.index, "versions": s.versions, "used_at": trained})
         trainer_busy = True
-        trainer_log.append((t, t + tm.train_s + tm.broadcast_s))
-        push(t + tm.train_s + tm.broadcast_s, "trainer")
+        # conventional: weights go out once per round of G steps, as in the real run
+        sends = (
+            cfg.mode != "conventional" or (trained + cfg.batch_size) % (shared.rounds * cfg.batch_size) == 0
+        )
+        dt = tm.train_s + (tm.broadcast_s if sends else 0.0)
+        trainer_log.append((t, t + dt))
+        push(t + dt, "trainer")
 
     def trainer_done(t: float) -> None:
         nonlocal trainer_busy, trained, latest
@@ -241,7 +246,8 @@ def fit_time_model(result) -> tuple[TimeModel, list[tuple[int, int]]]:
     """Fit :class:`TimeModel` to a real :class:`~repro.pipelinerl.pipeline.RunResult`.
 
     Engine step time: least squares of ``seconds = step_s + step_s_per_seq * busy`` over all
-    logged engine steps (clamped at zero); train, broadcast and swap: medians. Also returns the
+    logged engine steps (clamped at zero); train, broadcast (steps that sent weights) and swap:
+    medians. Also returns the
     run's ``(prompt, completion)`` lengths for :attr:`SimConfig.lengths`."""
     pts = [(b, dt) for lg in result.actor_steps for _, dt, b in lg]
     if len(pts) < 2 or not result.steps:
@@ -259,7 +265,9 @@ def fit_time_model(result) -> tuple[TimeModel, list[tuple[int, int]]]:
         step_s=intercept,
         step_s_per_seq=slope,
         train_s=statistics.median(s["train_s"] for s in result.steps),
-        broadcast_s=statistics.median(s["broadcast_s"] for s in result.steps),
+        broadcast_s=statistics.median(
+            [s["broadcast_s"] for s in result.steps if s["broadcast_s"] > 0] or [0.0]
+        ),
         swap_s=statistics.median(swaps) if swaps else 0.0,
     )
     lengths = [(u["prompt_len"], len(u["versions"])) for u in result.used]
