@@ -315,6 +315,7 @@ def pack(job: Job, out: Path) -> Path:
             if f.is_file():
                 tar.add(f, arcname=str(f.relative_to(stage)))
     shutil.copy(stage / "gpu-job.json", out / "gpu-job.json")
+    shutil.rmtree(stage)  # the device tool returns few files: the bundle holds them all
     return target
 
 
