@@ -191,9 +191,15 @@ def run(config: Config) -> RunResult:
         for a in range(config.actors)
     ]
     logs = [{"steps": [], "swaps": []} for _ in range(config.actors)]
-    graphs = False
+    graphs, graph_error = False, ""
     if cuda and config.cuda_graph:  # one launch per engine step instead of ~100 (see Engine.capture)
-        graphs = all(e.capture() for e in engines)
+        try:
+            graphs = all(e.capture() for e in engines)
+        except Exception as exc:  # run eager rather than not at all; the summary says why
+            graph_error = f"{type(exc).__name__}: {exc}"[:300]
+            for e in engines:
+                e.graph = None
+            torch.cuda.synchronize()
     if cuda:
         torch.cuda.synchronize()
     threads = [
@@ -278,6 +284,8 @@ def run(config: Config) -> RunResult:
     elapsed = time.perf_counter() - t0
     summary = _summary(config, steps, used, logs, elapsed, dropped_total, gen_tokens)
     summary["cuda_graph"] = graphs
+    if graph_error:
+        summary["cuda_graph_error"] = graph_error
     return RunResult(
         config=config,
         steps=steps,
