@@ -450,7 +450,14 @@ class _GMM(torch.autograd.Function):
         x, w = ctx.saved_tensors
         g = g.contiguous()
         dx = _gmm(g, w.transpose(1, 2), ctx.sched) if ctx.needs_input_grad[0] else None
-        dw = _gmm_wgrad(x, g, ctx.sched, w.shape[0]) if ctx.needs_input_grad[1] else None
+        dw = None
+        if ctx.needs_input_grad[1]:
+            if w.stride(1) == 1 and w.stride(2) != 1:
+                # w is a transposed view (the dMoE's W1 [E, f, d] read as [E, d, f]): compute
+                # dw^T = G^T X, contiguous in w's own memory order, so no copy follows
+                dw = _gmm_wgrad(g, x, ctx.sched, w.shape[0]).transpose(1, 2)
+            else:
+                dw = _gmm_wgrad(x, g, ctx.sched, w.shape[0])
         return dx, dw, None
 
 
