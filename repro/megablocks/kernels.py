@@ -393,7 +393,7 @@ def _gmm_wgrad_kernel(
     tl.store(d_ptrs, acc.to(DW.dtype.element_ty), mask=in_k[:, None] & in_n[None, :])
 
 
-def _gmm_tiles(counts: torch.Tensor, total_rows: int):
+def _gmm_tiles(counts: torch.Tensor):
     """Tile schedule: tile_group, tile_row [tiles], starts/ends [G]; host sync only for the count."""
     BM = 16 if interpreting() else GPU_CONFIG["gmm_m"]
     ends = torch.cumsum(counts, 0)
@@ -461,9 +461,10 @@ class _GMM(torch.autograd.Function):
         return dx, dw, None
 
 
-def grouped_schedule(counts: torch.Tensor, total_rows: int):
-    """The tile schedule of :func:`gmm` for groups of ``counts [G]`` rows (sum = ``total_rows``)."""
-    return _gmm_tiles(counts, total_rows)
+def grouped_schedule(counts: torch.Tensor):
+    """The tile schedule of :func:`gmm` for consecutive groups of ``counts [G]`` rows (build it once
+    and pass it to several :func:`gmm` calls over the same groups)."""
+    return _gmm_tiles(counts)
 
 
 def gmm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, schedule=None) -> torch.Tensor:
@@ -478,5 +479,5 @@ def gmm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, schedule=None) -
         )
     if counts.numel() != w.shape[0]:
         raise ValueError(f"gmm: counts has {counts.numel()} groups but w has {w.shape[0]}")
-    sched = schedule if schedule is not None else _gmm_tiles(counts, x.shape[0])
+    sched = schedule if schedule is not None else _gmm_tiles(counts)
     return _GMM.apply(x, w, sched)

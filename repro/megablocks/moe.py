@@ -94,7 +94,7 @@ def dmoe_grouped(
     ffn = w1.shape[0] // E
     with torch.no_grad():
         perm = permute(indices, E, 1)
-        sched = grouped_schedule(perm.counts, perm.padded_rows)
+        sched = grouped_schedule(perm.counts)
     xs = x[perm.token]
     h1 = gmm(xs, w1.view(E, ffn, d).transpose(1, 2), perm.counts, sched)
     h3 = gmm(xs, w3.view(E, ffn, d).transpose(1, 2), perm.counts, sched) if mlp == "glu" else None
