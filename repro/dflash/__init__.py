@@ -1,0 +1,43 @@
+"""DFlash (chen2026dflash): block-diffusion drafting for lossless speculative decoding, at toy scale.
+
+Public API:
+
+* :func:`speculative_generate` (target, drafter, prompt_ids ``[P]``, max_new_tokens, *, block_size,
+  temperature=0.0, generator=None) -> :class:`SpecOutput` (tokens ``[max_new_tokens]``, accepted
+  draft tokens per verification, forwards of each model, ``tau``). The drafter is a
+  :class:`DFlashDrafter`, a :class:`Target` used as a classic autoregressive drafter, or a
+  :class:`FunctionDrafter` (any function of the emitted tokens, for tests and adversaries).
+* :func:`generate` (target, prompt_ids ``[P]``, max_new_tokens, temperature=0.0) -> tokens
+  ``[max_new_tokens]``: plain target decoding.
+* :func:`accept_tokens`: the greedy and rejection-sampling acceptance rule, batched on the device.
+* Models (``model.py``): :class:`Target`, :class:`DFlashDrafter`, their configs; training in
+  ``train.py`` (``python -m repro.dflash.train``); the corpus (the Python standard library's
+  source, byte tokens) in ``data.py``; the from-scratch reference loop in ``reference.py``.
+"""
+
+from __future__ import annotations
+
+from repro.dflash.model import DFlashDrafter, DrafterConfig, KVCache, Target, TargetConfig
+from repro.dflash.reference import generate_reference, speculative_generate_reference
+from repro.dflash.speculative import (
+    FunctionDrafter,
+    SpecOutput,
+    accept_tokens,
+    generate,
+    speculative_generate,
+)
+
+__all__ = [
+    "DFlashDrafter",
+    "DrafterConfig",
+    "FunctionDrafter",
+    "KVCache",
+    "SpecOutput",
+    "Target",
+    "TargetConfig",
+    "accept_tokens",
+    "generate",
+    "generate_reference",
+    "speculative_generate",
+    "speculative_generate_reference",
+]

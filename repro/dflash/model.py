@@ -1,0 +1,416 @@
+"""The models: a small decoder-only target, the DFlash block-diffusion drafter, and a KV cache.
+
+* :class:`Target`: pre-norm decoder (RMSNorm, rotary positions, SDPA attention, GELU MLP), byte
+  vocabulary. It can return the hidden states of chosen layers, which DFlash reads (chen2026dflash,
+  "target context features").
+* :class:`KVCache`: preallocated keys and values with a length pointer; rolling back a rejected draft
+  is ``cache.crop(n)``, O(1).
+* :class:`DFlashDrafter`: the drafter of chen2026dflash. The concatenated target features are fused
+  by a linear layer and RMSNorm into one context vector per position; every draft layer projects
+  them with its own K/V weights and puts them in front of the block's keys and values (KV
+  injection); the block ``[anchor, MASK x (B-1)]`` attends to them and to itself without a causal
+  mask; the target's embedding and LM head are shared and frozen.
+
+Shapes: token ids ``[b, T]``; hidden ``[b, T, d]``; keys/values ``[b, H, T, d/H]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    """Size of a :class:`Target` (also used for the autoregressive baseline drafter)."""
+
+    vocab_size: int = 256
+    d_model: int = 256
+    n_layers: int = 6
+    n_heads: int = 4
+    max_len: int = 1024  # longest sequence a KV cache holds (rotary tables are built to this length)
+    mlp_mult: int = 4
+
+    def __post_init__(self):
+        if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
+            raise ValueError(
+                f"TargetConfig: d_model={self.d_model} must split into n_heads={self.n_heads} heads of even size"
+            )
+        for name in ("vocab_size", "n_layers", "max_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TargetConfig: {name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """Size of a :class:`DFlashDrafter`; width and heads are the target's.
+
+    ``feature_layers``: which target layers' outputs are read (None: ``n_features`` layers spread
+    evenly over the target's depth, see :func:`spread_layers`).
+    """
+
+    n_layers: int = 2
+    n_features: int = 3
+    feature_layers: tuple[int, ...] | None = None
+    max_block: int = 16
+
+
+def spread_layers(n_target_layers: int, k: int) -> tuple[int, ...]:
+    """``k`` target layer indices spread evenly from the second layer to the second-to-last.
+
+    (chen2026dflash: features "from shallow to deep"; the first and last layers are skipped when the
+    target is deep enough.) Returns 0-based indices of layer *outputs*.
+    """
+    if k < 1 or k > n_target_layers:
+        raise ValueError(f"spread_layers: k must be in [1, n_target_layers={n_target_layers}], got {k}")
+    lo, hi = (1, n_target_layers - 2) if n_target_layers - 2 >= k else (0, n_target_layers - 1)
+    if k == 1:
+        return ((lo + hi) // 2,)
+    return tuple(round(lo + i * (hi - lo) / (k - 1)) for i in range(k))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))  # bf16 -> fp32; fp64 stays fp64
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding tables for positions ``0..max_len-1`` (half-split convention)."""
+
+    def __init__(self, head_dim: int, max_len: int, base: float = 10000.0):
+        super().__init__()
+        inv = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        ang = torch.arange(max_len, dtype=torch.float64)[:, None] * inv[None, :]
+        self.register_buffer("cos", ang.cos().float(), persistent=False)
+        self.register_buffer("sin", ang.sin().float(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x ``[b, H, T, Dh]``, positions ``[T]`` or ``[b, T]`` -> rotated x."""
+        cos = self.cos[positions].to(x.dtype)
+        sin = self.sin[positions].to(x.dtype)
+        if cos.dim() == 3:  # per-batch positions [b, T, Dh/2] -> [b, 1, T, Dh/2]
+            cos, sin = cos[:, None], sin[:, None]
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class KVCache:
+    """Keys and values of every layer in preallocated ``[L, b, H, max_len, Dh]`` buffers.
+
+    ``length`` positions are valid. Speculative decoding writes a whole drafted block and then
+    rolls back the rejected part with :meth:`crop` (no copy).
+    """
+
+    def __init__(self, n_layers, batch, n_heads, max_len, head_dim, device, dtype):
+        self.k = torch.zeros(n_layers, batch, n_heads, max_len, head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+        self.length = 0
+        self.max_len = max_len
+
+    def crop(self, n: int) -> None:
+        """Keep the first ``n`` positions (KV-cache rollback after a rejected draft)."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"KVCache.crop: n must be in [0, length={self.length}], got {n}")
+        self.length = n
+
+    def check_room(self, t: int) -> None:
+        if self.length + t > self.max_len:
+            raise ValueError(
+                f"KVCache: {self.length} cached + {t} new positions exceed max_len={self.max_len}; "
+                "build the model with a larger max_len or generate fewer tokens"
+            )
+
+
+def _mlp(d: int, mult: int) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(d, mult * d, bias=False), nn.GELU(), nn.Linear(mult * d, d, bias=False))
+
+
+class Block(nn.Module):
+    """One pre-norm decoder layer with causal self-attention."""
+
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        d = cfg.d_model
+        self.n_heads = cfg.n_heads
+        self.attn_norm = RMSNorm(d)
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.out = nn.Linear(d, d, bias=False)
+        self.mlp_norm = RMSNorm(d)
+        self.mlp = _mlp(d, cfg.mlp_mult)
+
+    def forward(self, x, rotary, positions, layer=None, cache=None, attn_mask=None):
+        b, t, d = x.shape
+        h = self.n_heads
+        q, k, v = self.qkv(self.attn_norm(x)).view(b, t, 3, h, d // h).permute(2, 0, 3, 1, 4)
+        q, k = rotary(q, positions), rotary(k, positions)
+        if cache is None:
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=attn_mask is None, attn_mask=attn_mask)
+        else:
+            n = cache.length
+            cache.k[layer, :, :, n : n + t] = k
+            cache.v[layer, :, :, n : n + t] = v
+            k_all, v_all = cache.k[layer, :, :, : n + t], cache.v[layer, :, :, : n + t]
+            a = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=attn_mask)
+        x = x + self.out(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+def causal_offset_mask(n_cached: int, t: int, device) -> torch.Tensor | None:
+    """Boolean ``[t, n_cached + t]`` mask: new position i sees cached positions and new ones <= i."""
+    if t == 1:
+        return None
+    cols = torch.arange(n_cached + t, device=device)
+    rows = torch.arange(t, device=device) + n_cached
+    return cols[None, :] <= rows[:, None]
+
+
+class Target(nn.Module):
+    """The target model: a small decoder-only transformer over bytes."""
+
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(cfg.d_model // cfg.n_heads, cfg.max_len)
+        self.apply(_init)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def new_cache(self, batch: int = 1) -> KVCache:
+        c = self.cfg
+        return KVCache(
+            c.n_layers, batch, c.n_heads, c.max_len, c.d_model // c.n_heads, self.device, self.dtype
+        )
+
+    def forward(
+        self,
+        ids: torch.Tensor,
+        cache: KVCache | None = None,
+        feature_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ids ``[b, t]`` -> logits ``[b, t, V]`` and the concatenated outputs of ``feature_layers``
+        ``[b, t, len(feature_layers) * d]`` (None when empty).
+
+        With a cache, the ids continue the cached sequence at positions ``cache.length ..``; the
+        cache then holds them too (``cache.length`` grows by t).
+        """
+        if ids.dim() != 2:
+            raise ValueError(f"Target: ids must be [batch, time], got shape {tuple(ids.shape)}")
+        b, t = ids.shape
+        start = 0 if cache is None else cache.length
+        if cache is not None:
+            cache.check_room(t)
+        elif t > self.cfg.max_len:
+            raise ValueError(f"Target: sequence of {t} tokens exceeds max_len={self.cfg.max_len}")
+        positions = torch.arange(start, start + t, device=ids.device)
+        mask = None if cache is None else causal_offset_mask(start, t, ids.device)
+        x = self.embed(ids)
+        feats = []
+        for i, layer in enumerate(self.layers):
+            x = layer(x, self.rotary, positions, layer=i, cache=cache, attn_mask=mask)
+            if i in feature_layers:
+                feats.append(x)
+        if cache is not None:
+            cache.length += t
+        logits = self.head(self.norm(x))
+        return logits, (torch.cat(feats, dim=-1) if feats else None)
+
+
+def _init(m: nn.Module) -> None:
+    if isinstance(m, nn.Linear):
+        nn.init.normal_(m.weight, std=0.02)
+    elif isinstance(m, nn.Embedding):
+        nn.init.normal_(m.weight, std=0.02)
+
+
+class DraftLayer(nn.Module):
+    """A drafter layer: queries from the block, keys/values from [context features; block] (KV injection)."""
+
+    def __init__(self, d: int, n_heads: int, mlp_mult: int):
+        super().__init__()
+        self.n_heads = n_heads
+        self.attn_norm = RMSNorm(d)
+        self.q = nn.Linear(d, d, bias=False)
+        self.kv = nn.Linear(d, 2 * d, bias=False)
+        self.out = nn.Linear(d, d, bias=False)
+        self.mlp_norm = RMSNorm(d)
+        self.mlp = _mlp(d, mlp_mult)
+
+    def context_kv(self, c: torch.Tensor, rotary: Rotary, positions: torch.Tensor):
+        """Fused target features c ``[b, n, d]`` -> this layer's context keys and values ``[b, H, n, Dh]``
+        (chen2026dflash, KV injection: K = [c; H_blk] W_K, V = [c; H_blk] W_V, context half)."""
+        b, n, d = c.shape
+        k, v = self.kv(c).view(b, n, 2, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
+        return rotary(k, positions), v
+
+    def forward(self, x, rotary, positions, k_ctx, v_ctx, attn_mask=None):
+        """x ``[b, t, d]`` block hidden states; k_ctx, v_ctx ``[b, H, n, Dh]`` (already rotated).
+
+        No causal mask: every block position sees the whole block and the context (``attn_mask``
+        only restricts which context/blocks a query sees when many blocks are trained at once).
+        """
+        b, t, d = x.shape
+        h = self.n_heads
+        hn = self.attn_norm(x)
+        q = rotary(self.q(hn).view(b, t, h, d // h).transpose(1, 2), positions)
+        k, v = self.kv(hn).view(b, t, 2, h, d // h).permute(2, 0, 3, 1, 4)
+        k = rotary(k, positions)
+        a = F.scaled_dot_product_attention(
+            q, torch.cat([k_ctx, k], dim=2), torch.cat([v_ctx, v], dim=2), attn_mask=attn_mask
+        )
+        x = x + self.out(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class DFlashDrafter(nn.Module):
+    """The DFlash block-diffusion drafter (chen2026dflash), conditioned on a :class:`Target`.
+
+    The target's embedding and LM head are used but not owned: ``parameters()`` holds only the
+    drafter's own weights (fusion, layers, final norm, the mask embedding), so training it leaves
+    the target frozen.
+    """
+
+    def __init__(self, target: Target, cfg: DrafterConfig = DrafterConfig()):
+        super().__init__()
+        tc = target.cfg
+        layers = cfg.feature_layers or spread_layers(tc.n_layers, cfg.n_features)
+        if any(not 0 <= i < tc.n_layers for i in layers):
+            raise ValueError(f"DFlashDrafter: feature_layers {layers} must lie in [0, {tc.n_layers})")
+        if cfg.max_block < 2:
+            raise ValueError(f"DFlashDrafter: max_block must be >= 2, got {cfg.max_block}")
+        self.cfg = cfg
+        self.feature_layers = tuple(layers)
+        d = tc.d_model
+        # fusion of the target features: concat -> linear -> RMSNorm (chen2026dflash, target context features)
+        self.fuse = nn.Linear(len(layers) * d, d, bias=False)
+        self.fuse_norm = RMSNorm(d)
+        self.mask_embedding = nn.Parameter(torch.zeros(d))
+        self.layers = nn.ModuleList(DraftLayer(d, tc.n_heads, tc.mlp_mult) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(d)
+        self.rotary = Rotary(d // tc.n_heads, tc.max_len)
+        self.apply(_init)
+        nn.init.normal_(self.mask_embedding, std=0.02)
+        self._target = (target,)  # a tuple: not registered as a submodule, so not trained or saved
+
+    @property
+    def target(self) -> Target:
+        return self._target[0]
+
+    def fuse_features(self, features: torch.Tensor) -> torch.Tensor:
+        """Concatenated target hidden states ``[b, n, k*d]`` -> context vectors c ``[b, n, d]``."""
+        return self.fuse_norm(self.fuse(features))
+
+    def embed_block(self, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+        """anchors ``[b, m]`` -> block inputs ``[b, m * block_size, d]``: each block is the anchor's
+        target embedding followed by ``block_size - 1`` mask embeddings."""
+        b, m = anchors.shape
+        e = self.target.embed(anchors)  # [b, m, d]
+        mask = self.mask_embedding.to(e.dtype).expand(b, m, block_size - 1, -1)
+        return torch.cat([e[:, :, None], mask], dim=2).reshape(b, m * block_size, -1)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Drafter hidden states -> logits through the drafter's norm and the target's LM head."""
+        return self.target.head(self.norm(h))
+
+    def new_cache(self, batch: int = 1) -> KVCache:
+        tc = self.target.cfg
+        return KVCache(
+            self.cfg.n_layers, batch, tc.n_heads, tc.max_len, tc.d_model // tc.n_heads, self.target.device,
+            self.target.dtype,
+        )  # fmt: skip
+
+    def extend_context(self, cache: KVCache, features: torch.Tensor) -> None:
+        """Append the context keys/values of new target features ``[1, m, k*d]`` (positions
+        ``cache.length ..``) to the drafter's context cache."""
+        m = features.shape[1]
+        if m == 0:
+            return
+        cache.check_room(m)
+        n = cache.length
+        c = self.fuse_features(features)
+        pos = torch.arange(n, n + m, device=features.device)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.context_kv(c, self.rotary, pos)
+            cache.k[i, :, :, n : n + m] = k
+            cache.v[i, :, :, n : n + m] = v
+        cache.length += m
+
+    def draft_logits(self, cache: KVCache, anchor: torch.Tensor, block_size: int) -> torch.Tensor:
+        """One drafter forward over the block ``[anchor, MASK x (block_size-1)]`` at positions
+        ``cache.length ..`` given the cached context; returns logits ``[block_size - 1, V]`` for the
+        masked positions (chen2026dflash, single-pass drafting). The cache is unchanged afterwards.
+        """
+        if not 2 <= block_size <= self.cfg.max_block:
+            raise ValueError(
+                f"draft_logits: block_size must be in [2, {self.cfg.max_block}], got {block_size}"
+            )
+        n = cache.length
+        cache.check_room(0)
+        x = self.embed_block(anchor.view(1, 1), block_size)
+        pos = torch.arange(n, n + block_size, device=x.device)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, self.rotary, pos, cache.k[i, :, :, :n], cache.v[i, :, :, :n])
+        return self.logits(x[0, 1:])
+
+    def forward_train(
+        self, features: torch.Tensor, ids: torch.Tensor, anchors: torch.Tensor, block_sizes: torch.Tensor,
+        block_size: int,
+    ) -> torch.Tensor:  # fmt: skip
+        """Training forward: many blocks per sequence in one pass (chen2026dflash, training).
+
+        features ``[b, T, k*d]`` target hidden states of ``ids [b, T]``; anchors ``[b, m]`` anchor
+        positions; block_sizes ``[b, m]`` the length (<= block_size) of each block. Returns logits
+        ``[b, m, block_size, V]`` (position 0 of a block is the anchor; its logits are unused).
+
+        Query j of block i sees the context positions ``< anchors[i]`` and the positions of block i
+        that are ``< block_sizes[i]``: no block sees another block or any token after its anchor.
+        """
+        b, T, _ = features.shape
+        m = anchors.shape[1]
+        B = block_size
+        c = self.fuse_features(features)
+        x = self.embed_block(ids.gather(1, anchors), B)  # [b, m*B, d]
+        offs = torch.arange(B, device=ids.device)
+        pos = (anchors[:, :, None] + offs).reshape(b, m * B).clamp_max(self.target.cfg.max_len - 1)
+        mask = training_mask(anchors, block_sizes, T, B)[:, None]  # [b, 1, m*B, T + m*B]
+        ctx_pos = torch.arange(T, device=ids.device)
+        for layer in self.layers:
+            k_ctx, v_ctx = layer.context_kv(c, self.rotary, ctx_pos)
+            x = layer(x, self.rotary, pos, k_ctx, v_ctx, attn_mask=mask)
+        return self.logits(x).view(b, m, B, -1)
+
+
+def training_mask(anchors: torch.Tensor, block_sizes: torch.Tensor, T: int, B: int) -> torch.Tensor:
+    """Boolean attention mask ``[b, m*B, T + m*B]`` for :meth:`DFlashDrafter.forward_train`.
+
+    Row ``(i, j)`` is query j of block i; columns are the T context positions, then the m blocks.
+    True where attention is allowed: context ``t < anchors[i]``, and block i's own positions
+    ``j' < block_sizes[i]``.
+    """
+    b, m = anchors.shape
+    dev = anchors.device
+    ctx = torch.arange(T, device=dev)[None, None, :] < anchors[:, :, None]  # [b, m, T]
+    ctx = ctx[:, :, None, :].expand(b, m, B, T)
+    same = torch.eye(m, dtype=torch.bool, device=dev)[None, :, None, :, None]  # [1, m, 1, m, 1]
+    inside = torch.arange(B, device=dev)[None, None, :] < block_sizes[:, :, None]  # [b, m, B] key valid
+    blk = same & inside[:, None, None, :, :]  # [b, m, 1, m, B]
+    blk = blk.expand(b, m, B, m, B).reshape(b, m, B, m * B)
+    return torch.cat([ctx, blk], dim=-1).reshape(b, m * B, T + m * B)

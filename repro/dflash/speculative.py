@@ -1,0 +1,316 @@
+"""Speculative decoding with KV caches: DFlash's single-pass drafting, the autoregressive baseline,
+and plain target decoding.
+
+One round (chen2026dflash, Figure "draft-verify"; leviathan2022fast §2.3):
+
+1. the drafter proposes ``gamma = block_size - 1`` tokens after the anchor (the last emitted token):
+   DFlash in **one** forward over ``[anchor, MASK x gamma]``, the autoregressive drafter in gamma
+   forwards;
+2. the target runs **one** forward over ``[anchor, d_1 .. d_gamma]`` on top of its KV cache, which
+   gives ``p_1 .. p_{gamma+1}`` and, for DFlash, the hidden states of the new positions;
+3. :func:`accept_tokens` keeps ``a`` draft tokens and adds one target token (greedy or by
+   rejection sampling), so every round emits ``a + 1 >= 1`` tokens;
+4. both caches roll back: the target's to the accepted prefix (``KVCache.crop``); DFlash's context
+   cache only ever receives the features of accepted positions (the block's own keys and values are
+   never stored, which is the same as appending and cropping them); the autoregressive drafter's
+   cache is cropped to the accepted prefix.
+
+Invariant between rounds: the target cache holds every emitted token but the last (the anchor).
+
+Random numbers at temperature > 0 (same order in ``reference.py``): one uniform for the token that
+follows the prompt; then per round the drafter's (DFlash: gamma at once; autoregressive: one per
+step; :class:`FunctionDrafter`: gamma at once), then gamma for the acceptance tests and one for the
+emitted target token. All are float64 from ``generator`` (on the target's device).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from repro.dflash.model import DFlashDrafter, KVCache, Target
+from repro.dflash.reference import probabilities, sample_inverse_cdf
+
+
+@dataclass
+class SpecOutput:
+    """Result of :func:`speculative_generate`.
+
+    tokens ``[max_new_tokens]`` int64 (CPU); ``accepted[r]``: draft tokens accepted in verification
+    r; ``target_forwards`` (prefill included) and ``drafter_forwards``: forward passes of each model.
+    """
+
+    tokens: torch.Tensor
+    accepted: list[int] = field(default_factory=list)
+    target_forwards: int = 0
+    drafter_forwards: int = 0
+    block_size: int = 0
+
+    @property
+    def tau(self) -> float:
+        """Mean acceptance length: tokens emitted per verification (accepted + the target's one)."""
+        return sum(a + 1 for a in self.accepted) / max(len(self.accepted), 1)
+
+
+def accept_tokens(
+    draft: torch.Tensor,
+    target_logits: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    temperature: float,
+    u: torch.Tensor | None = None,
+    u_final: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The acceptance rule for a batch of verifications, on the device, without host syncs.
+
+    draft ``[N, gamma]``; target_logits ``[N, gamma + 1, V]`` (row i scores draft[:, i]);
+    draft_probs ``[N, gamma, V]`` (temperature > 0); u ``[N, gamma]`` and u_final ``[N]`` uniforms.
+    Returns a ``[N]`` (accepted count) and the emitted target token ``[N]``. Same rule as
+    :func:`repro.dflash.reference.accept_reference` (leviathan2022fast Algorithm 1).
+    """
+    n, gamma = draft.shape
+    if temperature == 0:
+        best = target_logits.argmax(-1)  # [N, gamma + 1]
+        ok = draft == best[:, :gamma]
+        a = ok.long().cumprod(-1).sum(-1)  # length of the agreeing prefix
+        return a, best.gather(1, a[:, None])[:, 0]
+    p = probabilities(target_logits, temperature)
+    q = draft_probs.to(p.dtype)
+    pd = p[:, :gamma].gather(-1, draft[..., None])[..., 0]
+    qd = q.gather(-1, draft[..., None])[..., 0]
+    ok = u.to(p.dtype) * qd < pd  # u < p/q, i.e. accept with probability min(1, p/q); qd > 0 as d ~ q
+    a = ok.long().cumprod(-1).sum(-1)
+    # the emitted token's distribution: the residual at the first rejection, or p_{gamma+1}
+    rows = torch.cat([(p[:, :gamma] - q).clamp_min(0), p[:, gamma:]], dim=1)  # [N, gamma + 1, V]
+    chosen = rows.gather(1, a[:, None, None].expand(n, 1, rows.shape[-1]))[:, 0]
+    return a, sample_inverse_cdf(chosen, u_final)
+
+
+class FunctionDrafter:
+    """A drafter given by a function ``fn(committed_ids [n], gamma) -> probs [gamma, V]``.
+
+    Greedy decoding drafts the argmax of each row, sampling draws from the rows. Any function is
+    allowed (random, adversarial, an oracle): the output of speculative decoding must not depend on it.
+    """
+
+    def __init__(self, fn: Callable[[torch.Tensor, int], torch.Tensor]):
+        self.fn = fn
+
+
+class _Session:
+    """Per-generation drafter state: propose a block, then learn which prefix was accepted."""
+
+    feature_layers: tuple[int, ...] = ()
+    forwards = 0
+
+    def start(self, prompt_len: int, features: torch.Tensor | None) -> None:
+        pass
+
+    def commit(self, n_valid: int, features: torch.Tensor | None) -> None:
+        pass
+
+
+class _DFlashSession(_Session):
+    def __init__(self, drafter: DFlashDrafter):
+        self.drafter = drafter
+        self.feature_layers = drafter.feature_layers
+        self.cache: KVCache | None = None
+
+    def start(self, prompt_len, features):
+        self.cache = self.drafter.new_cache()
+        self.drafter.extend_context(self.cache, features)
+
+    def propose(self, committed, gamma, temperature, generator):
+        logits = self.drafter.draft_logits(self.cache, committed[-1], gamma + 1)  # one pass per block
+        self.forwards += 1
+        if temperature == 0:
+            return logits.argmax(-1), None
+        q = probabilities(logits, temperature)
+        u = torch.rand(gamma, generator=generator, device=q.device, dtype=torch.float64)
+        return sample_inverse_cdf(q, u), q
+
+    def commit(self, n_valid, features):
+        # features of the anchor and the accepted drafts: exactly the positions the target verified
+        if self.cache.length + features.shape[1] != n_valid:
+            raise RuntimeError("DFlash context cache out of step with the target cache")
+        self.drafter.extend_context(self.cache, features)
+
+
+class _ARSession(_Session):
+    """Classic speculative decoding with a small autoregressive LM (same tokenizer) and its own cache."""
+
+    def __init__(self, drafter: Target):
+        self.drafter = drafter
+        self.cache = drafter.new_cache()
+
+    def propose(self, committed, gamma, temperature, generator):
+        tokens, rows = [], []
+        step = committed[self.cache.length :]  # tokens the drafter has not seen yet (ends with the anchor)
+        for _ in range(gamma):
+            logits, _ = self.drafter(step[None], self.cache)
+            self.forwards += 1
+            last = logits[0, -1]
+            if temperature == 0:
+                tok = last.argmax(-1, keepdim=True)
+            else:
+                q = probabilities(last, temperature)
+                u = torch.rand(1, generator=generator, device=q.device, dtype=torch.float64)
+                tok = sample_inverse_cdf(q, u)
+                rows.append(q)
+            tokens.append(tok)
+            step = tok
+        return torch.cat(tokens), (torch.stack(rows) if rows else None)
+
+    def commit(self, n_valid, features):
+        # the cache holds the old tokens and d_1 .. d_{gamma-1}; keep what agrees with the accepted text
+        self.cache.crop(min(self.cache.length, n_valid))
+
+
+class _FunctionSession(_Session):
+    def __init__(self, drafter: FunctionDrafter):
+        self.fn = drafter.fn
+
+    def propose(self, committed, gamma, temperature, generator):
+        q = self.fn(committed, gamma)
+        self.forwards += 1
+        if q.shape[0] != gamma:
+            raise ValueError(
+                f"FunctionDrafter: fn must return [gamma={gamma}, V] probabilities, got {tuple(q.shape)}"
+            )
+        if temperature == 0:
+            return q.argmax(-1), None
+        u = torch.rand(gamma, generator=generator, device=q.device, dtype=torch.float64)
+        return sample_inverse_cdf(q, u), q
+
+
+def _session(drafter) -> _Session:
+    if isinstance(drafter, DFlashDrafter):
+        return _DFlashSession(drafter)
+    if isinstance(drafter, Target):
+        return _ARSession(drafter)
+    if isinstance(drafter, FunctionDrafter):
+        return _FunctionSession(drafter)
+    raise TypeError(
+        f"drafter must be a DFlashDrafter, a Target (autoregressive drafter) or a FunctionDrafter, "
+        f"got {type(drafter).__name__}"
+    )
+
+
+def _check_args(target, prompt_ids, max_new_tokens, temperature, extra: int) -> None:
+    if not isinstance(target, Target):
+        raise TypeError(f"target must be a repro.dflash.Target, got {type(target).__name__}")
+    if not isinstance(prompt_ids, torch.Tensor) or prompt_ids.dim() != 1 or prompt_ids.numel() == 0:
+        shape = tuple(prompt_ids.shape) if isinstance(prompt_ids, torch.Tensor) else type(prompt_ids).__name__
+        raise ValueError(f"prompt_ids must be a non-empty 1-D tensor of token ids, got {shape}")
+    if prompt_ids.dtype not in (torch.int64, torch.int32, torch.uint8):
+        raise ValueError(f"prompt_ids must hold integer token ids, got dtype {prompt_ids.dtype}")
+    if int(prompt_ids.min()) < 0 or int(prompt_ids.max()) >= target.cfg.vocab_size:
+        raise ValueError(f"prompt_ids must lie in [0, vocab_size={target.cfg.vocab_size})")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    need = prompt_ids.numel() + max_new_tokens + extra
+    if need > target.cfg.max_len:
+        raise ValueError(
+            f"prompt ({prompt_ids.numel()}) + max_new_tokens ({max_new_tokens}) + block ({extra}) = {need} "
+            f"exceeds the target's max_len={target.cfg.max_len}"
+        )
+
+
+@torch.no_grad()
+def speculative_generate(
+    target: Target,
+    drafter: DFlashDrafter | Target | FunctionDrafter,
+    prompt_ids: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    block_size: int,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> SpecOutput:
+    """Generate ``max_new_tokens`` tokens after ``prompt_ids [P]`` with speculative decoding.
+
+    block_size: tokens per verified block, the anchor and ``block_size - 1`` drafted tokens (>= 2).
+    temperature 0: greedy (the output equals :func:`generate`'s); > 0: speculative sampling (the
+    output is distributed as the target's). Returns a :class:`SpecOutput`.
+    """
+    _check_args(target, prompt_ids, max_new_tokens, temperature, block_size)
+    if not isinstance(block_size, int) or block_size < 2:
+        raise ValueError(f"block_size must be an int >= 2 (anchor + at least one draft), got {block_size!r}")
+    if isinstance(drafter, DFlashDrafter):
+        if drafter.target is not target:
+            raise ValueError("drafter: this DFlashDrafter was built for another target model")
+        if block_size > drafter.cfg.max_block:
+            raise ValueError(
+                f"block_size={block_size} exceeds the drafter's max_block={drafter.cfg.max_block}"
+            )
+    if isinstance(drafter, Target) and drafter.cfg.max_len < target.cfg.max_len:
+        raise ValueError("drafter: the autoregressive drafter's max_len is below the target's")
+    session = _session(drafter)
+    dev = target.device
+    gamma = block_size - 1
+    p_len = prompt_ids.numel()
+    buf = torch.zeros(p_len + max_new_tokens + block_size + 1, dtype=torch.long, device=dev)
+    buf[:p_len] = prompt_ids.to(dev)
+    cache = target.new_cache()
+    logits, feats = target(buf[None, :p_len], cache, session.feature_layers)  # prefill
+    buf[p_len] = _pick(logits[0, -1:], temperature, generator)[0]
+    session.start(p_len, feats)
+    out = SpecOutput(tokens=torch.empty(0, dtype=torch.long), target_forwards=1, block_size=block_size)
+    n = p_len + 1  # emitted so far (prompt included); the target cache holds n - 1
+    while n - p_len < max_new_tokens:
+        draft, q = session.propose(buf[:n], gamma, temperature, generator)
+        block = torch.cat([buf[n - 1 : n], draft])
+        logits, feats = target(block[None], cache, session.feature_layers)  # verify: one forward
+        out.target_forwards += 1
+        if temperature == 0:
+            a, nxt = accept_tokens(draft[None], logits, None, 0.0)
+        else:
+            u = torch.rand(gamma, generator=generator, device=dev, dtype=torch.float64)
+            u_final = torch.rand(1, generator=generator, device=dev, dtype=torch.float64)
+            a, nxt = accept_tokens(draft[None], logits, q[None], temperature, u[None], u_final)
+        buf[n : n + gamma] = draft  # the rejected tail is overwritten below or ignored
+        a_host = int(a[0])  # the one host sync of the round
+        buf[n + a_host] = nxt[0]
+        cache.crop(n + a_host)  # KV-cache rollback: anchor and accepted drafts stay
+        session.commit(n + a_host, None if feats is None else feats[:, : a_host + 1])
+        n += a_host + 1
+        out.accepted.append(a_host)
+    out.tokens = buf[p_len : p_len + max_new_tokens].cpu()
+    out.drafter_forwards = session.forwards
+    return out
+
+
+def _pick(logits: torch.Tensor, temperature: float, generator) -> torch.Tensor:
+    """logits ``[1, V]`` -> next token ``[1]``: argmax, or one inverse-CDF draw."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    u = torch.rand(1, generator=generator, device=logits.device, dtype=torch.float64)
+    return sample_inverse_cdf(probabilities(logits, temperature), u)
+
+
+@torch.no_grad()
+def generate(
+    target: Target,
+    prompt_ids: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Plain autoregressive decoding with a KV cache: ``max_new_tokens`` tokens ``[max_new_tokens]``
+    (CPU int64) after ``prompt_ids [P]``; one target forward per token, no host syncs."""
+    _check_args(target, prompt_ids, max_new_tokens, temperature, 0)
+    dev = target.device
+    cache = target.new_cache()
+    out = torch.empty(max_new_tokens, dtype=torch.long, device=dev)
+    logits, _ = target(prompt_ids.to(dev).long()[None], cache)
+    tok = _pick(logits[0, -1:], temperature, generator)
+    out[0] = tok[0]
+    for i in range(1, max_new_tokens):
+        logits, _ = target(tok[None], cache)
+        tok = _pick(logits[0, -1:], temperature, generator)
+        out[i] = tok[0]
+    return out.cpu()
