@@ -76,8 +76,10 @@ def _strided_fwd_kernel(
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_d = tl.arange(0, D)
     row_ok = offs_m < T
-    q_ptrs = Q + b * sqb + offs_m[:, None].to(tl.int64) * sqt + hq * sqh + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    Qb = Q + b * sqb + hq * sqh  # scalar 64-bit base; the tile's offsets stay 32-bit
+    Kb = K + b * skb + h * skh
+    Vb = V + b * skb + h * skh
+    q = tl.load(Qb + offs_m[:, None] * sqt + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     m_i = tl.full([BM], -1e30, tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, D], tl.float32)
@@ -85,9 +87,9 @@ def _strided_fwd_kernel(
     start, end = _key_range(pid_m * BM, t_last, NK, STRIDE, OFFSET, WINDOW, BN)
     for i0 in range(start, end, BN):
         offs_n = i0 + tl.arange(0, BN)
-        kv_off = b * skb + offs_n[:, None].to(tl.int64) * skt + h * skh + offs_d[None, :]
-        k = tl.load(K + kv_off, mask=offs_n[:, None] < NK, other=0.0)
-        v = tl.load(V + kv_off, mask=offs_n[:, None] < NK, other=0.0)
+        kv_off = offs_n[:, None] * skt + offs_d[None, :]
+        k = tl.load(Kb + kv_off, mask=offs_n[:, None] < NK, other=0.0)
+        v = tl.load(Vb + kv_off, mask=offs_n[:, None] < NK, other=0.0)
         s = _dot(q, tl.trans(k), IEEE) * scale_log2
         s = tl.where(_visible(offs_m, offs_n, NK, STRIDE, OFFSET, WINDOW), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -99,8 +101,8 @@ def _strided_fwd_kernel(
     empty = l_i == 0.0
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    tl.store(O + b * sqb + offs_m[:, None].to(tl.int64) * sqt + hq * sqh + offs_d[None, :],
-             o.to(O.dtype.element_ty), mask=row_ok[:, None])  # fmt: skip
+    tl.store(O + b * sqb + hq * sqh + offs_m[:, None] * sqt + offs_d[None, :], o.to(O.dtype.element_ty),
+             mask=row_ok[:, None])  # fmt: skip
     tl.store(LSE + (b * T + offs_m) * HQ + hq, lse, mask=row_ok)
 
 
@@ -120,27 +122,29 @@ def _strided_bwd_dq_kernel(
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_d = tl.arange(0, D)
     row_ok = offs_m < T
-    row_off = b * sqb + offs_m[:, None].to(tl.int64) * sqt + hq * sqh + offs_d[None, :]
-    q = tl.load(Q + row_off, mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + row_off, mask=row_ok[:, None], other=0.0)
+    row_base = b * sqb + hq * sqh  # 64-bit scalar bases, 32-bit tile offsets (fewer registers)
+    row_off = offs_m[:, None] * sqt + offs_d[None, :]
+    q = tl.load(Q + row_base + row_off, mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + row_base + row_off, mask=row_ok[:, None], other=0.0)
     lse = tl.load(LSE + (b * T + offs_m) * HQ + hq, mask=row_ok, other=0.0)
     lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
     delta = tl.load(DELTA + (b * T + offs_m) * HQ + hq, mask=row_ok, other=0.0)
     dq = tl.zeros([BM, D], tl.float32)
+    kv_base = b * skb + h * skh
     t_last = tl.minimum(pid_m * BM + BM, T) - 1
     start, end = _key_range(pid_m * BM, t_last, NK, STRIDE, OFFSET, WINDOW, BN)
     for i0 in range(start, end, BN):
         offs_n = i0 + tl.arange(0, BN)
-        kv_off = b * skb + offs_n[:, None].to(tl.int64) * skt + h * skh + offs_d[None, :]
-        k = tl.load(K + kv_off, mask=offs_n[:, None] < NK, other=0.0)
-        v = tl.load(V + kv_off, mask=offs_n[:, None] < NK, other=0.0)
+        kv_off = offs_n[:, None] * skt + offs_d[None, :]
+        k = tl.load(K + kv_base + kv_off, mask=offs_n[:, None] < NK, other=0.0)
+        v = tl.load(V + kv_base + kv_off, mask=offs_n[:, None] < NK, other=0.0)
         s = _dot(q, tl.trans(k), IEEE) * scale_log2
         vis = _visible(offs_m, offs_n, NK, STRIDE, OFFSET, WINDOW)
         p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
         dp = _dot(do, tl.trans(v), IEEE)
         ds = p * (dp - delta[:, None])
         dq += _dot(ds.to(k.dtype), k, IEEE)
-    tl.store(DQ + row_off, (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(DQ + row_base + row_off, (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
@@ -160,9 +164,11 @@ def _strided_bwd_dkdv_kernel(
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_d = tl.arange(0, D)
     col_ok = offs_n < NK
-    kv_off = b * skb + offs_n[:, None].to(tl.int64) * skt + h * skh + offs_d[None, :]
-    k = tl.load(K + kv_off, mask=col_ok[:, None], other=0.0)
-    v = tl.load(V + kv_off, mask=col_ok[:, None], other=0.0)
+    kv_base = b * skb + h * skh
+    kv_off = offs_n[:, None] * skt + offs_d[None, :]
+    k = tl.load(K + kv_base + kv_off, mask=col_ok[:, None], other=0.0)
+    v = tl.load(V + kv_base + kv_off, mask=col_ok[:, None], other=0.0)
+    row_base = b * sqb + hq * sqh
     dk = tl.zeros([BN, D], tl.float32)
     dv = tl.zeros([BN, D], tl.float32)
     t_start = ((pid_n * BN * STRIDE + OFFSET) // BM) * BM  # first query that can see the tile's first key
@@ -173,9 +179,9 @@ def _strided_bwd_dkdv_kernel(
     for t0 in range(t_start, t_end, BM):
         offs_m = t0 + tl.arange(0, BM)
         row_ok = offs_m < T
-        row_off = b * sqb + offs_m[:, None].to(tl.int64) * sqt + hq * sqh + offs_d[None, :]
-        q = tl.load(Q + row_off, mask=row_ok[:, None], other=0.0)
-        do = tl.load(DO + row_off, mask=row_ok[:, None], other=0.0)
+        row_off = offs_m[:, None] * sqt + offs_d[None, :]
+        q = tl.load(Q + row_base + row_off, mask=row_ok[:, None], other=0.0)
+        do = tl.load(DO + row_base + row_off, mask=row_ok[:, None], other=0.0)
         lse = tl.load(LSE + (b * T + offs_m) * HQ + hq, mask=row_ok, other=0.0)
         lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
         delta = tl.load(DELTA + (b * T + offs_m) * HQ + hq, mask=row_ok, other=0.0)
@@ -189,9 +195,9 @@ def _strided_bwd_dkdv_kernel(
         dp_t = _dot(v, tl.trans(do), IEEE)
         ds_t = p_t * (dp_t - delta[None, :])
         dk += _dot(ds_t.to(q.dtype), q, IEEE)
-    d_off = b * sdb + offs_n[:, None].to(tl.int64) * sdt + h * sdh + offs_d[None, :]
-    tl.atomic_add(DK + d_off, dk * scale, mask=col_ok[:, None])
-    tl.atomic_add(DV + d_off, dv, mask=col_ok[:, None])
+    d_off = offs_n[:, None] * sdt + offs_d[None, :]
+    tl.atomic_add(DK + (b * sdb + h * sdh) + d_off, dk * scale, mask=col_ok[:, None])
+    tl.atomic_add(DV + (b * sdb + h * sdh) + d_off, dv, mask=col_ok[:, None])
 
 
 @triton.jit
@@ -234,16 +240,16 @@ def _scores_kernel(
         ie = j0 * R - EDGE + tl.arange(0, EDGE)
         w_main = _overlap(ic, offs_j, R, C)
         w_edge = _overlap(ie, offs_j, R, C)
-        kc = tl.load(KC + b * skb + ic[:, None].to(tl.int64) * skt + h * skh + offs_d[None, :],
-                     mask=(ic < NC)[:, None], other=0.0)  # fmt: skip
-        ke = tl.load(KC + b * skb + ie[:, None].to(tl.int64) * skt + h * skh + offs_d[None, :],
-                     mask=((ie >= 0) & (ie < NC))[:, None], other=0.0)  # fmt: skip
+        kc_base = KC + b * skb + h * skh
+        kc = tl.load(kc_base + ic[:, None] * skt + offs_d[None, :], mask=(ic < NC)[:, None], other=0.0)
+        ke = tl.load(kc_base + ie[:, None] * skt + offs_d[None, :], mask=((ie >= 0) & (ie < NC))[:, None],
+                     other=0.0)  # fmt: skip
         vis_c = _visible(offs_m, ic, NC, STRIDE, BLOCK_LEN - 1, 0)
         vis_e = _visible(offs_m, ie, NC, STRIDE, BLOCK_LEN - 1, 0)
         acc = tl.zeros([BM, BJ], tl.float32)
         for g in range(G):
             hq = h * G + g
-            q = tl.load(Q + b * sqb + offs_m[:, None].to(tl.int64) * sqt + hq * sqh + offs_d[None, :],
+            q = tl.load(Q + b * sqb + hq * sqh + offs_m[:, None] * sqt + offs_d[None, :],
                         mask=row_ok[:, None], other=0.0)  # fmt: skip
             lse = tl.load(LSE + (b * T + offs_m) * HQ + hq, mask=row_ok, other=0.0)
             lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
@@ -252,7 +258,7 @@ def _scores_kernel(
             if C > 1:  # blocks straddling j0's start exist only when compression blocks overlap
                 p = tl.where(vis_e, tl.exp2(_dot(q, tl.trans(ke), IEEE) * scale_log2 - lse2[:, None]), 0.0)
                 acc += _dot(p, w_edge, IEEE)
-        out = SCORES + ((b * T + offs_m[:, None]) * H + h) * NS + offs_j[None, :]
+        out = SCORES + (b * T * H + h) * NS + offs_m[:, None] * (H * NS) + offs_j[None, :]
         tl.store(out, acc, mask=row_ok[:, None] & (offs_j[None, :] < NS))
 
 
@@ -274,8 +280,10 @@ def _slc_fwd_kernel(
     offs_d = tl.arange(0, D)
     g_ok = offs_g < G
     hq = h * G + offs_g
-    row_off = b * sqb + t.to(tl.int64) * sqt + hq[:, None] * sqh + offs_d[None, :]
-    q = tl.load(Q + row_off, mask=g_ok[:, None], other=0.0)
+    row_base = b * sqb + t.to(tl.int64) * sqt  # 64-bit scalar bases, 32-bit tile offsets
+    row_off = hq[:, None] * sqh + offs_d[None, :]
+    kv_base = b * skb + h * skh
+    q = tl.load(Q + row_base + row_off, mask=g_ok[:, None], other=0.0)
     m_i = tl.full([BG], -1e30, tl.float32)
     l_i = tl.zeros([BG], tl.float32)
     acc = tl.zeros([BG, D], tl.float32)
@@ -284,9 +292,9 @@ def _slc_fwd_kernel(
         idx = tl.load(bi_base + si)
         kpos = idx * BS + tl.arange(0, BS)
         valid = (idx >= 0) & (kpos <= t)
-        kv_off = b * skb + kpos[:, None].to(tl.int64) * skt + h * skh + offs_d[None, :]
-        k = tl.load(K + kv_off, mask=valid[:, None], other=0.0)
-        v = tl.load(V + kv_off, mask=valid[:, None], other=0.0)
+        kv_off = kpos[:, None] * skt + offs_d[None, :]
+        k = tl.load(K + kv_base + kv_off, mask=valid[:, None], other=0.0)
+        v = tl.load(V + kv_base + kv_off, mask=valid[:, None], other=0.0)
         s = _dot(q, tl.trans(k), IEEE) * scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -298,7 +306,7 @@ def _slc_fwd_kernel(
     empty = l_i == 0.0
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    tl.store(O + row_off, o.to(O.dtype.element_ty), mask=g_ok[:, None])
+    tl.store(O + row_base + row_off, o.to(O.dtype.element_ty), mask=g_ok[:, None])
     tl.store(LSE + (b * T + t) * HQ + hq, lse, mask=g_ok)
 
 
@@ -318,9 +326,11 @@ def _slc_bwd_dq_kernel(
     offs_d = tl.arange(0, D)
     g_ok = offs_g < G
     hq = h * G + offs_g
-    row_off = b * sqb + t.to(tl.int64) * sqt + hq[:, None] * sqh + offs_d[None, :]
-    q = tl.load(Q + row_off, mask=g_ok[:, None], other=0.0)
-    do = tl.load(DO + row_off, mask=g_ok[:, None], other=0.0)
+    row_base = b * sqb + t.to(tl.int64) * sqt  # 64-bit scalar bases, 32-bit tile offsets
+    row_off = hq[:, None] * sqh + offs_d[None, :]
+    kv_base = b * skb + h * skh
+    q = tl.load(Q + row_base + row_off, mask=g_ok[:, None], other=0.0)
+    do = tl.load(DO + row_base + row_off, mask=g_ok[:, None], other=0.0)
     lse = tl.load(LSE + (b * T + t) * HQ + hq, mask=g_ok, other=0.0)
     lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
     delta = tl.load(DELTA + (b * T + t) * HQ + hq, mask=g_ok, other=0.0)
@@ -330,15 +340,15 @@ def _slc_bwd_dq_kernel(
         idx = tl.load(bi_base + si)
         kpos = idx * BS + tl.arange(0, BS)
         valid = (idx >= 0) & (kpos <= t)
-        kv_off = b * skb + kpos[:, None].to(tl.int64) * skt + h * skh + offs_d[None, :]
-        k = tl.load(K + kv_off, mask=valid[:, None], other=0.0)
-        v = tl.load(V + kv_off, mask=valid[:, None], other=0.0)
+        kv_off = kpos[:, None] * skt + offs_d[None, :]
+        k = tl.load(K + kv_base + kv_off, mask=valid[:, None], other=0.0)
+        v = tl.load(V + kv_base + kv_off, mask=valid[:, None], other=0.0)
         s = _dot(q, tl.trans(k), IEEE) * scale_log2
         p = tl.where(valid[None, :] & g_ok[:, None], tl.exp2(s - lse2[:, None]), 0.0)
         dp = _dot(do, tl.trans(v), IEEE)
         ds = p * (dp - delta[:, None])
         dq += _dot(ds.to(k.dtype), k, IEEE)
-    tl.store(DQ + row_off, (dq * scale).to(DQ.dtype.element_ty), mask=g_ok[:, None])
+    tl.store(DQ + row_base + row_off, (dq * scale).to(DQ.dtype.element_ty), mask=g_ok[:, None])
 
 
 @triton.jit
@@ -348,10 +358,12 @@ def _slc_flush(DK, DV, acc_dk, acc_dv, cur, NB, H, T, sdb, sdt, sdh, scale,
     idx = cur % NB
     b = bh // H
     h = bh % H
-    kpos = idx * BS + tl.arange(0, BS)
-    off = b * sdb + kpos[:, None] * sdt + h * sdh + tl.arange(0, D)[None, :]
-    tl.atomic_add(DK + off, acc_dk * scale, mask=(kpos < T)[:, None])
-    tl.atomic_add(DV + off, acc_dv, mask=(kpos < T)[:, None])
+    rows = tl.arange(0, BS)
+    base = b * sdb + h * sdh + idx * BS * sdt  # 64-bit scalar; the tile's offsets stay 32-bit
+    off = rows[:, None] * sdt + tl.arange(0, D)[None, :]
+    ok = (idx * BS + rows < T)[:, None]
+    tl.atomic_add(DK + base + off, acc_dk * scale, mask=ok)
+    tl.atomic_add(DV + base + off, acc_dv, mask=ok)
 
 
 @triton.jit
@@ -386,19 +398,22 @@ def _slc_bwd_dkdv_kernel(
                 acc_dk = tl.zeros([BS, D], tl.float32)
                 acc_dv = tl.zeros([BS, D], tl.float32)
                 bh = r // NB
-                kpos = (r % NB) * BS + tl.arange(0, BS)
-                kv_off = (bh // H) * skb + kpos[:, None] * skt + (bh % H) * skh + offs_d[None, :]
-                k = tl.load(K + kv_off, mask=(kpos < T)[:, None], other=0.0)
-                v = tl.load(V + kv_off, mask=(kpos < T)[:, None], other=0.0)
+                start = (r % NB) * BS
+                kv_base = (bh // H) * skb + (bh % H) * skh + start * skt
+                kv_off = tl.arange(0, BS)[:, None] * skt + offs_d[None, :]
+                kv_ok = (start + tl.arange(0, BS) < T)[:, None]
+                k = tl.load(K + kv_base + kv_off, mask=kv_ok, other=0.0)
+                v = tl.load(V + kv_base + kv_off, mask=kv_ok, other=0.0)
                 cur = r
             bh = r // NB
             b = bh // H
             h = bh % H
             kpos = (r % NB) * BS + tl.arange(0, BS)
             hq = h * G + offs_g
-            row_off = b * sqb + t * sqt + hq[:, None] * sqh + offs_d[None, :]
-            q = tl.load(Q + row_off, mask=g_ok[:, None], other=0.0)
-            do = tl.load(DO + row_off, mask=g_ok[:, None], other=0.0)
+            row_base = b * sqb + t * sqt
+            row_off = hq[:, None] * sqh + offs_d[None, :]
+            q = tl.load(Q + row_base + row_off, mask=g_ok[:, None], other=0.0)
+            do = tl.load(DO + row_base + row_off, mask=g_ok[:, None], other=0.0)
             lse = tl.load(LSE + (b * T + t) * HQ + hq, mask=g_ok, other=0.0)
             lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
             delta = tl.load(DELTA + (b * T + t) * HQ + hq, mask=g_ok, other=0.0)
@@ -459,7 +474,7 @@ def _decode_cmp_kernel(
     for i0 in range(0, n_vis, BN):
         offs_n = i0 + tl.arange(0, BN)
         ok = offs_n < n_vis
-        kv_off = b * skb + offs_n[:, None].to(tl.int64) * skt + h * skh + offs_d[None, :]
+        kv_off = b * skb + h * skh + offs_n[:, None] * skt + offs_d[None, :]
         k = tl.load(KC + kv_off, mask=ok[:, None], other=0.0)
         v = tl.load(VC + kv_off, mask=ok[:, None], other=0.0)
         s, m_i, l_i, acc = _online_update(q, k, v, ok, m_i, l_i, acc, scale_log2, IEEE)
@@ -492,6 +507,7 @@ def _decode_sparse_kernel(
     hq = h * G + offs_g
     q = tl.load(Q + b * sqb + hq[:, None] * sqh + offs_d[None, :], mask=g_ok[:, None], other=0.0)
     m_s = tl.full([BG], -1e30, tl.float32)
+    kv_base = b * skb + h * skh
     l_s = tl.zeros([BG], tl.float32)
     acc_s = tl.zeros([BG, D], tl.float32)
     n_slc = pid * 0  # a tensor even when t is specialised to the constant 1
@@ -499,9 +515,9 @@ def _decode_sparse_kernel(
         idx = tl.load(BI + (b * H + h) * S + si)
         kpos = idx * BS + tl.arange(0, BS)
         valid = (idx >= 0) & (kpos <= t)
-        kv_off = b * skb + kpos[:, None].to(tl.int64) * skt + h * skh + offs_d[None, :]
-        k = tl.load(K + kv_off, mask=valid[:, None], other=0.0)
-        v = tl.load(V + kv_off, mask=valid[:, None], other=0.0)
+        kv_off = kpos[:, None] * skt + offs_d[None, :]
+        k = tl.load(K + kv_base + kv_off, mask=valid[:, None], other=0.0)
+        v = tl.load(V + kv_base + kv_off, mask=valid[:, None], other=0.0)
         _, m_s, l_s, acc_s = _online_update(q, k, v, valid, m_s, l_s, acc_s, scale_log2, IEEE)
         n_slc += tl.sum(valid.to(tl.int32))
     m_w = tl.full([BG], -1e30, tl.float32)

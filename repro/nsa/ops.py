@@ -32,12 +32,13 @@ def _interp() -> bool:
 def _launch(d: int, backward: bool = False, itemsize: int = 2) -> dict:
     """Tile sizes of the strided kernels: 16 under the interpreter (small tests). On a GPU the forward
     takes FlashAttention-2's Hopper shape, 128 queries x 64 keys with 8 warps and 3 stages (two K/V
-    tiles of 64 x 128 bf16 per stage fit shared memory), the backward 64 x 64 with 4 warps (its four
-    accumulating matmuls need the registers)."""
+    tiles of 64 x 128 bf16 per stage fit shared memory), the backward 64 x 64 with 8 warps: with 4,
+    ptxas (sm_90a, offline) spills 0.4-1 KB per thread at D = 128 (two fp32 64 x 128 accumulators
+    beside K and V); with 8 it spills at most 124 bytes."""
     if _interp():
         return {"BM": 16, "BN": 16, "num_warps": 4, "num_stages": 1}
     if backward or itemsize > 2:  # fp32 tiles are twice the bytes: the smaller shape fits at D = 128
-        return {"BM": 64, "BN": 64, "num_warps": 4, "num_stages": 2}
+        return {"BM": 64, "BN": 64, "num_warps": 8 if d >= 64 else 4, "num_stages": 2}
     return {"BM": 128 if d >= 64 else 64, "BN": 64, "num_warps": 8 if d >= 64 else 4, "num_stages": 3}
 
 
@@ -78,6 +79,10 @@ def check_qkv(fn: str, q, k, v, k_len: int | None = None) -> tuple[int, int, int
         raise RuntimeError(f"{fn}: needs a CUDA device, or TRITON_INTERPRET=1 for the CPU interpreter")
     if b == 0 or t == 0:
         raise ValueError(f"{fn}: empty input, q {tuple(q.shape)}")
+    if max(t * hq * d, k.shape[1] * h * d) >= 2**31:
+        # the kernels add 32-bit tile offsets to a 64-bit base per (batch, head): one batch element's
+        # tensor must stay below 2^31 elements
+        raise ValueError(f"{fn}: T * HQ * D = {t * hq * d} is too large for the kernels (at most 2^31 - 1)")
     return b, t, hq, h, d
 
 
@@ -216,6 +221,10 @@ def selection_scores(
             f"selection_scores: needs select_len / stride a power of two and block_len / stride <= 17, got "
             f"{r} and {c}"
         )
+    if t * h * num_blocks >= 2**31:
+        raise ValueError(
+            f"selection_scores: T * H * num_blocks = {t * h * num_blocks} is too large (at most 2^31 - 1)"
+        )
     if lse_cmp.shape != (b, t, hq):
         raise ValueError(
             f"selection_scores: lse_cmp must be [B, T, HQ] = {(b, t, hq)}, got {tuple(lse_cmp.shape)}"
@@ -228,7 +237,7 @@ def selection_scores(
         q.stride(0), q.stride(1), q.stride(2), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
         t, k_cmp.shape[1], num_blocks, h, hq // h, _scale(scale, d) * kn.LOG2E,
         STRIDE=stride, BLOCK_LEN=block_len, SELECT_LEN=select_len, D=d, BM=bm, BJ=16,
-        EDGE=16, IEEE=_ieee(q), num_warps=4, num_stages=1,
+        EDGE=16, IEEE=_ieee(q), num_warps=8 if d >= 64 else 4, num_stages=1,
     )  # fmt: skip
     return scores
 
@@ -317,7 +326,8 @@ def _slc_bwd(do, q, k, v, o, lse, bi, block_size, scale):
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2),
         t, h, g, nb, n, invalid, scale * kn.LOG2E, scale,
-        D=d, BS=block_size, BG=bg, CHUNK=chunk, IEEE=_ieee(q), num_warps=nw, num_stages=1,
+        D=d, BS=block_size, BG=bg, CHUNK=chunk, IEEE=_ieee(q), num_stages=1,
+        num_warps=8 if d >= 64 else 4,  # two fp32 [l', D] accumulators: 4 warps spill 3.9 KB at D = 128
     )  # fmt: skip
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 

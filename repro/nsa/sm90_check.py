@@ -1,0 +1,100 @@
+"""``python -m repro.nsa.sm90_check [bf16|fp16|fp32]``: compile every NSA kernel offline for sm_90a (no GPU
+needed) at the launch shapes ``ops.py`` uses for D = 128, and print shared memory, registers and
+spills from Triton's bundled ptxas (``repro.fa4.gluon_fwd.ptxas_usage``). A compile error here is one
+the GPU would hit too."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from repro.nsa import kernels as kn  # noqa: E402
+
+
+def cases(dt: str) -> list[tuple]:
+    """(name, kernel, pointer types, constexprs, num_warps, num_stages) as ops.py launches them."""
+    p, fp32 = f"*{dt}", dt == "fp32"
+    grads = {
+        "Q": p,
+        "K": p,
+        "V": p,
+        "DO": p,
+        "LSE": "*fp32",
+        "DELTA": "*fp32",
+        "DQ": p,
+        "DK": "*fp32",
+        "DV": "*fp32",
+    }
+    out = []
+    for name, win, stride, off in (("compressed", 0, 16, 31), ("window", 512, 1, 0)):
+        geo = dict(STRIDE=stride, OFFSET=off, WINDOW=win, D=128, IEEE=fp32)
+        fwd = (dict(BM=64, BN=64), 8, 2) if fp32 else (dict(BM=128, BN=64), 8, 3)
+        out.append((f"strided_fwd[{name}]", kn._strided_fwd_kernel, {"Q": p, "K": p, "V": p, "O": p, "LSE": "*fp32"},
+                    {**geo, **fwd[0]}, fwd[1], fwd[2]))  # fmt: skip
+        for kname, kern in (("dq", kn._strided_bwd_dq_kernel), ("dkdv", kn._strided_bwd_dkdv_kernel)):
+            out.append((f"strided_{kname}[{name}]", kern, grads, {**geo, "BM": 64, "BN": 64}, 8, 2))
+    for l, d, lp in ((32, 16, 64), (64, 64, 64)):
+        out.append((f"scores[l={l},d={d}]", kn._scores_kernel, {"Q": p, "KC": p, "LSE": "*fp32", "SCORES": "*fp32"},
+                    dict(STRIDE=d, BLOCK_LEN=l, SELECT_LEN=lp, D=128, BM=64, BJ=16, EDGE=16, IEEE=fp32), 8, 1))  # fmt: skip
+    slc = dict(D=128, BS=64, BG=16, IEEE=fp32)
+    out.append(
+        (
+            "slc_fwd",
+            kn._slc_fwd_kernel,
+            {"Q": p, "K": p, "V": p, "BI": "*i32", "O": p, "LSE": "*fp32"},
+            slc,
+            4,
+            2,
+        )
+    )
+    out.append(("slc_dq", kn._slc_bwd_dq_kernel, {**grads, "BI": "*i32"}, slc, 4, 2))
+    out.append(("slc_dkdv", kn._slc_bwd_dkdv_kernel, {**grads, "KEYS": "*i64"}, {**slc, "CHUNK": 256}, 8, 1))
+    out.append(("decode_cmp", kn._decode_cmp_kernel,
+                {"Q": p, "KC": p, "VC": p, "OC": "*fp32", "LSE": "*fp32", "LOGITS": "*fp32", "COUNTS": "*i32"},
+                dict(STRIDE=16, BLOCK_LEN=32, D=128, BN=64, BG=16, IEEE=fp32), 8, 3))  # fmt: skip
+    out.append(("decode_sparse", kn._decode_sparse_kernel,
+                {"Q": p, "K": p, "V": p, "KW": p, "VW": p, "BI": "*i32", "OC": "*fp32", "GATES": p, "O": p, "COUNTS": "*i32"},
+                dict(D=128, BS=64, BN=64, BG=16, IEEE=fp32), 8, 3))  # fmt: skip
+    return out
+
+
+def signature(fn, pointers: dict, constexprs: dict) -> dict:
+    sig = {}
+    for a in fn.arg_names:
+        if a in constexprs:
+            sig[a] = "constexpr"
+        elif a in pointers:
+            sig[a] = pointers[a]
+        elif a in ("scale_log2", "scale"):
+            sig[a] = "fp32"
+        else:
+            sig[a] = "i64" if a == "INVALID" else "i32"
+    return sig
+
+
+def main() -> int:
+    from repro.fa4.gluon_fwd import ptxas_usage
+
+    dt = sys.argv[1] if len(sys.argv) > 1 else "bf16"
+    failed = 0
+    for name, fn, pointers, constexprs, warps, stages in cases(dt):
+        try:
+            src = ASTSource(fn, signature(fn, pointers, constexprs), constexprs=constexprs)
+            k = triton.compile(
+                src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages)
+            )
+            print(f"{name:28s} shared {k.metadata.shared:7d} B  {ptxas_usage(k.asm['ptx'])}", flush=True)
+        except Exception as exc:
+            failed += 1
+            print(f"{name:28s} FAILED {type(exc).__name__}: {exc}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
