@@ -35,17 +35,18 @@ def collate(samples: list[Sample], device) -> tuple[torch.Tensor, torch.Tensor, 
 
     Position ``t`` of the ``[B, T-1]`` tensors is the prediction of ``tokens[:, t+1]``."""
     T = max(len(s.prompt) + len(s.tokens) for s in samples)
-    B = len(samples)
-    tokens = torch.full((B, T), PAD, dtype=torch.long)
-    blp = torch.zeros(B, T - 1)
-    vers = torch.zeros(B, T - 1, dtype=torch.long)
-    mask = torch.zeros(B, T - 1, dtype=torch.bool)
-    for i, s in enumerate(samples):
+    tok_rows, lp_rows, ver_rows, mask_rows = [], [], [], []
+    for s in samples:  # padded Python rows, then one tensor per field (few calls holding the GIL)
         p, n = len(s.prompt), len(s.tokens)
-        tokens[i, : p + n] = torch.tensor(s.prompt + s.tokens)
-        blp[i, p - 1 : p - 1 + n] = torch.tensor(s.logprobs)
-        vers[i, p - 1 : p - 1 + n] = torch.tensor(s.versions)
-        mask[i, p - 1 : p - 1 + n] = True
+        pad = T - p - n
+        tok_rows.append(s.prompt + s.tokens + [PAD] * pad)
+        lp_rows.append([0.0] * (p - 1) + s.logprobs + [0.0] * pad)
+        ver_rows.append([0] * (p - 1) + s.versions + [0] * pad)
+        mask_rows.append([False] * (p - 1) + [True] * n + [False] * pad)
+    tokens = torch.tensor(tok_rows, dtype=torch.long)
+    blp = torch.tensor(lp_rows, dtype=torch.float32)
+    vers = torch.tensor(ver_rows, dtype=torch.long)
+    mask = torch.tensor(mask_rows, dtype=torch.bool)
     return tokens.to(device), blp.to(device), vers.to(device), mask.to(device)
 
 
