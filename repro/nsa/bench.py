@@ -12,7 +12,7 @@ B = 1, T = 8k .. 64k. Rows (``section``):
     pooling with l = d = l' = 64, n = 16, compressed + selected branches with gates, no window (fla's
     window calls flash-attn, absent here), both computing their own top-n;
   - ``ours-slc`` and ``fla-slc``: the selected branch alone on the same block indices.
-* ``decode``: one token against caches of T tokens, B = 8: ``nsa-decode`` (our two kernels, top-n in
+* ``decode``: one token against caches of T tokens, B = 16: ``nsa-decode`` (our two kernels, top-n in
   PyTorch) against ``sdpa-decode`` (full attention, GQA); ``tokens`` is what the decode kernels
   counted per group, ``paper_tokens`` Table 4's number.
 
@@ -418,7 +418,7 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new lengths after this")
     ap.add_argument("--quick", action="store_true", help="T = 8k only")
     ap.add_argument("--lengths", default="", help="comma-separated T values (default 8k,16k,32k,64k)")
-    ap.add_argument("--decode-batch", type=int, default=8)
+    ap.add_argument("--decode-batch", type=int, default=16)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("repro.nsa.bench needs a CUDA GPU")

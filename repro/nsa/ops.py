@@ -6,6 +6,7 @@ Kernels take D in {16, 32, 64, 128}, fp16 / bf16 / fp32, on CUDA or under the Tr
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -424,6 +425,12 @@ def nsa_attention(
     return o, block_indices
 
 
+@functools.lru_cache(maxsize=16)
+def _overlap_matrix(nc: int, ns: int, block_len: int, stride: int, select_len: int, device) -> torch.Tensor:
+    """Eq. 9's [Nc, Ns] overlap matrix as float32, built once per cache length (decoding calls it per token)."""
+    return ref.block_overlap(nc, ns, block_len, stride, select_len, device).float()
+
+
 def nsa_decode(
     q: torch.Tensor,
     k_cmp: torch.Tensor,
@@ -488,7 +495,7 @@ def nsa_decode(
     lse2 = torch.where(torch.isinf(lse), 0.0, lse * kn.LOG2E)
     p = torch.exp2(logits - lse2[..., None]).view(b, h, g, ncp).sum(2)[..., :nc]
     ns = triton.cdiv(t_cache, cfg.select_len)
-    w = ref.block_overlap(nc, ns, cfg.block_len, cfg.stride, cfg.select_len, q.device).float()
+    w = _overlap_matrix(nc, ns, cfg.block_len, cfg.stride, cfg.select_len, q.device)
     scores = (p @ w)[:, None]  # [B, 1, H, Ns]
     pos = torch.tensor([t], device=q.device)
     bi = ref.select_blocks(scores, cfg.n_select, cfg.select_len, cfg.n_initial, cfg.n_local, q_pos=pos)
