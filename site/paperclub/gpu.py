@@ -212,9 +212,11 @@ def run_job(
 
         # 2. GPU tests (claims recorded into results/claims-gpu.json by the plugin)
         test_cmd = [python, "-m", "pytest", "-m", "gpu", str(pkg.relative_to(root)), "-v", "--tb=short",
-                    "-p", "no:cacheprovider", *_xdist_args()]  # fmt: skip
+                    "-p", "no:cacheprovider"]  # fmt: skip
+        measures = str(logs / f"{name}-measures.jsonl")
         for step_name, cmd, extra_env in (
-            ("tests", test_cmd, {}),
+            ("tests", [*test_cmd, *_xdist_args()], {"PAPERCLUB_TEST_LOG": measures}),
+            # one process: under memcheck every worker would load CUDA's libraries instrumented
             ("sanitizer", ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "86", *test_cmd, "-x"],
              {"PAPERCLUB_RECORD_CLAIMS": "0", "PAPERCLUB_SANITIZER": "1"}),
         ):  # fmt: skip

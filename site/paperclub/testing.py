@@ -7,6 +7,7 @@ tolerance reads the same everywhere: fp32 vs fp64 about 1e-5, tf32 about 3e-4, b
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -40,3 +41,13 @@ def sanitizing() -> bool:
     ``PAPERCLUB_SANITIZER=1``). That pass is there for the kernels' memory accesses; the values were
     checked by the pass before it, so a test may leave out its (slow, instrumented) reference there."""
     return os.environ.get("PAPERCLUB_SANITIZER") == "1"
+
+
+def log_measure(test: str, **values) -> None:
+    """Append one JSON line ``{"test": ..., **values}`` to ``$PAPERCLUB_TEST_LOG`` (the GPU job sets it):
+    the numbers behind a GPU test's verdict reach the job's logs as the test runs, even when the run
+    is cut off before pytest's summary. A no-op without the variable."""
+    path = os.environ.get("PAPERCLUB_TEST_LOG")
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"test": test, **values}, default=str) + "\n")

@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from paperclub.testing import rel_error, sanitizing
+from paperclub.testing import log_measure, rel_error, sanitizing
 from repro.kda import chunk as C
 from repro.kda import chunk_kda, recurrent_kda
 
@@ -58,7 +58,7 @@ def fla_inputs(B, T, H, D, gate_norm, mask_p, dtype, h0=True, dht=True, seed=42)
 def errors(x, do, dhT, dtype, scale):
     """Errors of chunk_kda (in ``dtype``) against the fp64 recurrence, both on the GPU."""
     names = [n for n in ("q", "k", "v", "g", "beta", "h0") if x[n] is not None]
-    ref = {n: x[n].to("cuda").requires_grad_(True) for n in names}
+    ref = {n: x[n].to("cuda", copy=True).requires_grad_(True) for n in names}
     gpu = {
         n: x[n].to("cuda", dtype if n in ("q", "k", "v", "beta") else torch.float32).requires_grad_(True)
         for n in names
@@ -84,6 +84,11 @@ def check(case, dtype, **settings):
     x, do, dhT = fla_inputs(*case["shape"], case["gate_norm"], case["mask_p"], dtype, case["h0"], case["dht"])
     with _settings(settings):
         errs = errors(x, do, dhT, dtype, case["scale"])
+    log_measure(
+        "kda/gpu-matrix", case=case, dtype=str(dtype), settings=settings,
+        errors={n: float(f"{e:.3g}") for n, e in errs.items()},
+        tolerance={n: FLA_TOL[n] * SCALE_TOL[dtype] for n in errs},
+    )  # fmt: skip
     over = {
         n: (f"{e:.2e}", FLA_TOL[n] * SCALE_TOL[dtype])
         for n, e in errs.items()
