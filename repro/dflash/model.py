@@ -79,8 +79,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))  # bf16 -> fp32; fp64 stays fp64
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)  # one op: launches count here
 
 
 class Rotary(nn.Module):
@@ -93,12 +92,23 @@ class Rotary(nn.Module):
         self.register_buffer("cos", ang.cos().float(), persistent=False)
         self.register_buffer("sin", ang.sin().float(), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x ``[b, H, T, Dh]``, positions ``[T]`` or ``[b, T]`` -> rotated x."""
-        cos = self.cos[positions].to(x.dtype)
-        sin = self.sin[positions].to(x.dtype)
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """The rotation for positions ``[T]`` or ``[b, T]``, looked up once per model forward and
+        shared by every layer (fewer kernel launches than a lookup per layer)."""
+        cos, sin = self.cos[positions].to(dtype), self.sin[positions].to(dtype)
         if cos.dim() == 3:  # per-batch positions [b, T, Dh/2] -> [b, 1, T, Dh/2]
             cos, sin = cos[:, None], sin[:, None]
+        return Rope(cos, sin)
+
+
+class Rope:
+    """Rotary embedding at fixed positions: ``rope(x)`` rotates x ``[..., b, H, T, Dh]``."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
+        self.cos, self.sin = cos, sin
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.cos.to(x.dtype), self.sin.to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
@@ -147,11 +157,12 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(d)
         self.mlp = _mlp(d, cfg.mlp_mult)
 
-    def forward(self, x, rotary, positions, layer=None, cache=None, attn_mask=None):
+    def forward(self, x, rope, layer=None, cache=None, attn_mask=None):
         b, t, d = x.shape
         h = self.n_heads
-        q, k, v = self.qkv(self.attn_norm(x)).view(b, t, 3, h, d // h).permute(2, 0, 3, 1, 4)
-        q, k = rotary(q, positions), rotary(k, positions)
+        qkv = self.qkv(self.attn_norm(x)).view(b, t, 3, h, d // h).permute(2, 0, 3, 1, 4)
+        q, k = rope(qkv[:2]).unbind(0)  # q and k rotated in one go
+        v = qkv[2]
         if cache is None:
             a = F.scaled_dot_product_attention(q, k, v, is_causal=attn_mask is None, attn_mask=attn_mask)
         else:
@@ -223,9 +234,10 @@ class Target(nn.Module):
         positions = torch.arange(start, start + t, device=ids.device)
         mask = None if cache is None else causal_offset_mask(start, t, ids.device)
         x = self.embed(ids)
+        rope = self.rotary.at(positions, x.dtype)
         feats = []
         for i, layer in enumerate(self.layers):
-            x = layer(x, self.rotary, positions, layer=i, cache=cache, attn_mask=mask)
+            x = layer(x, rope, layer=i, cache=cache, attn_mask=mask)
             if i in feature_layers:
                 feats.append(x)
         if cache is not None:
@@ -254,15 +266,18 @@ class DraftLayer(nn.Module):
         self.mlp_norm = RMSNorm(d)
         self.mlp = _mlp(d, mlp_mult)
 
-    def context_kv(self, c: torch.Tensor, rotary: Rotary, positions: torch.Tensor):
+    def context_kv(self, c: torch.Tensor, rope: Rope):
         """Fused target features c ``[b, n, d]`` -> this layer's context keys and values ``[b, H, n, Dh]``
         (chen2026dflash, KV injection: K = [c; H_blk] W_K, V = [c; H_blk] W_V, context half)."""
         b, n, d = c.shape
         k, v = self.kv(c).view(b, n, 2, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
-        return rotary(k, positions), v
+        return rope(k), v
 
-    def forward(self, x, rotary, positions, k_ctx, v_ctx, attn_mask=None):
-        """x ``[b, t, d]`` block hidden states; k_ctx, v_ctx ``[b, H, n, Dh]`` (already rotated).
+    def forward(self, x, rope, k_ctx=None, v_ctx=None, attn_mask=None, cache=None, layer=None):
+        """x ``[b, t, d]`` block hidden states; the context's keys and values either given (k_ctx,
+        v_ctx ``[b, H, n, Dh]``, already rotated) or the first ``cache.length`` positions of ``cache``
+        (layer ``layer``), behind which the block's own keys and values are written and attended
+        without advancing ``cache.length``: DFlash's append-then-crop, with no copy of the context.
 
         No causal mask: every block position sees the whole block and the context (``attn_mask``
         only restricts which context/blocks a query sees when many blocks are trained at once).
@@ -270,12 +285,17 @@ class DraftLayer(nn.Module):
         b, t, d = x.shape
         h = self.n_heads
         hn = self.attn_norm(x)
-        q = rotary(self.q(hn).view(b, t, h, d // h).transpose(1, 2), positions)
+        q = rope(self.q(hn).view(b, t, h, d // h).transpose(1, 2))
         k, v = self.kv(hn).view(b, t, 2, h, d // h).permute(2, 0, 3, 1, 4)
-        k = rotary(k, positions)
-        a = F.scaled_dot_product_attention(
-            q, torch.cat([k_ctx, k], dim=2), torch.cat([v_ctx, v], dim=2), attn_mask=attn_mask
-        )
+        k = rope(k)
+        if cache is not None:
+            n = cache.length
+            cache.k[layer, :, :, n : n + t] = k
+            cache.v[layer, :, :, n : n + t] = v
+            k_all, v_all = cache.k[layer, :, :, : n + t], cache.v[layer, :, :, : n + t]
+        else:
+            k_all, v_all = torch.cat([k_ctx, k], dim=2), torch.cat([v_ctx, v], dim=2)
+        a = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=attn_mask)
         x = x + self.out(a.transpose(1, 2).reshape(b, t, d))
         return x + self.mlp(self.mlp_norm(x))
 
@@ -346,9 +366,9 @@ class DFlashDrafter(nn.Module):
         cache.check_room(m)
         n = cache.length
         c = self.fuse_features(features)
-        pos = torch.arange(n, n + m, device=features.device)
+        rope = self.rotary.at(torch.arange(n, n + m, device=features.device), c.dtype)
         for i, layer in enumerate(self.layers):
-            k, v = layer.context_kv(c, self.rotary, pos)
+            k, v = layer.context_kv(c, rope)
             cache.k[i, :, :, n : n + m] = k
             cache.v[i, :, :, n : n + m] = v
         cache.length += m
@@ -363,11 +383,11 @@ class DFlashDrafter(nn.Module):
                 f"draft_logits: block_size must be in [2, {self.cfg.max_block}], got {block_size}"
             )
         n = cache.length
-        cache.check_room(0)
+        cache.check_room(block_size)  # the block's keys and values go behind the context, uncounted
         x = self.embed_block(anchor.view(1, 1), block_size)
-        pos = torch.arange(n, n + block_size, device=x.device)
+        rope = self.rotary.at(torch.arange(n, n + block_size, device=x.device), x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, self.rotary, pos, cache.k[i, :, :, :n], cache.v[i, :, :, :n])
+            x = layer(x, rope, cache=cache, layer=i)
         return self.logits(x[0, 1:])
 
     def forward_train(
@@ -391,10 +411,11 @@ class DFlashDrafter(nn.Module):
         offs = torch.arange(B, device=ids.device)
         pos = (anchors[:, :, None] + offs).reshape(b, m * B).clamp_max(self.target.cfg.max_len - 1)
         mask = training_mask(anchors, block_sizes, T, B)[:, None]  # [b, 1, m*B, T + m*B]
-        ctx_pos = torch.arange(T, device=ids.device)
+        ctx_rope = self.rotary.at(torch.arange(T, device=ids.device), c.dtype)
+        blk_rope = self.rotary.at(pos, x.dtype)
         for layer in self.layers:
-            k_ctx, v_ctx = layer.context_kv(c, self.rotary, ctx_pos)
-            x = layer(x, self.rotary, pos, k_ctx, v_ctx, attn_mask=mask)
+            k_ctx, v_ctx = layer.context_kv(c, ctx_rope)
+            x = layer(x, blk_rope, k_ctx, v_ctx, attn_mask=mask)
         return self.logits(x).view(b, m, B, -1)
 
 

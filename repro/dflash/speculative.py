@@ -11,9 +11,9 @@ One round (chen2026dflash, Figure "draft-verify"; leviathan2022fast §2.3):
 3. :func:`accept_tokens` keeps ``a`` draft tokens and adds one target token (greedy or by
    rejection sampling), so every round emits ``a + 1 >= 1`` tokens;
 4. both caches roll back: the target's to the accepted prefix (``KVCache.crop``); DFlash's context
-   cache only ever receives the features of accepted positions (the block's own keys and values are
-   never stored, which is the same as appending and cropping them); the autoregressive drafter's
-   cache is cropped to the accepted prefix.
+   cache holds the block's keys and values only during the draft (written behind ``length``, which
+   does not advance: append-then-crop) and then receives the features of the accepted positions;
+   the autoregressive drafter's cache is cropped to the accepted prefix.
 
 Invariant between rounds: the target cache holds every emitted token but the last (the anchor).
 

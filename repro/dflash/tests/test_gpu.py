@@ -23,6 +23,8 @@ SEEDS, NEW = (range(1), 12) if sanitizing() else (range(3), 40)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("kind", ["dflash", "ar", "random", "oracle1"])
 def test_gpu_greedy_equals_target(kind, dtype):
+    if sanitizing() and (dtype == torch.float64 or kind in ("random", "oracle1")):
+        pytest.skip("sanitizer pass: the fp32 DFlash and AR paths cover every kernel this test launches")
     for seed in SEEDS:
         target = tiny_target(seed, vocab=11, n_layers=3, d=32, heads=4, device="cuda", dtype=dtype)
         drafter = make_drafter(kind, target, seed + 1)

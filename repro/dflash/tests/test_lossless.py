@@ -142,7 +142,8 @@ def test_speculative_sampling_matches_target_distribution():
     prompt = torch.tensor([0, 1])
     exact = torch.zeros(V**new, dtype=torch.float64)
     for i, seq in enumerate(itertools.product(range(V), repeat=new)):
-        logits, _ = target(torch.tensor([prompt.tolist() + list(seq)]))
+        with torch.no_grad():
+            logits, _ = target(torch.tensor([prompt.tolist() + list(seq)]))
         p = probabilities(logits[0, len(prompt) - 1 : -1], 1.0)  # rows predicting seq[0..new-1]
         exact[i] = torch.stack([p[j, s] for j, s in enumerate(seq)]).prod()
     gen = torch.Generator().manual_seed(1234)

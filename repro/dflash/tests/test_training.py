@@ -80,7 +80,7 @@ def test_drafter_loss_falls_and_target_stays_frozen():
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     assert losses[-1] < 0.8 * losses[0]
     assert all(torch.equal(a, b) for a, b in zip(before, target.parameters(), strict=True))
     # the shared embedding and LM head are used, not owned: the optimiser never sees them
