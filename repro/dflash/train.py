@@ -138,11 +138,16 @@ class TrainLog:
 
 
 def _loop(name, params, loss_fn, steps, lr, warmup, max_seconds, log: TrainLog, show: bool) -> None:
+    """AdamW with warmup and cosine decay over ``steps``. With ``max_seconds``, the step count is cut
+    after 30 steps to what the time left allows (from the speed of steps 10-30), so that the learning
+    rate still decays to its floor within the cap (the count then depends on the machine's speed)."""
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     bar = Progress(name, steps) if show else None
     t0 = time.perf_counter()
     step = last = 0
-    for step in range(1, steps + 1):
+    t10 = None
+    while step < steps:
+        step += 1
         for g in opt.param_groups:
             g["lr"] = _lr(step - 1, steps, lr, warmup)
         loss = loss_fn()
@@ -151,10 +156,18 @@ def _loop(name, params, loss_fn, steps, lr, warmup, max_seconds, log: TrainLog, 
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         if step % 10 == 0 or step == steps:
-            last = float(loss.detach())
+            last = float(loss.detach())  # syncs the device, so the clock below is honest
             if bar:
                 bar.update(step, last)
-        if max_seconds and time.perf_counter() - t0 > max_seconds:
+            if step == 10:
+                t10 = time.perf_counter()
+            if max_seconds and step == 30 and t10 is not None:
+                per_step = (time.perf_counter() - t10) / 20
+                fit = 30 + int(0.95 * (max_seconds - (time.perf_counter() - t0)) / per_step)
+                steps = max(30, min(steps, fit))
+                if bar:
+                    bar.total = steps
+        if max_seconds and time.perf_counter() - t0 > 1.1 * max_seconds:  # a safety stop
             break
     last = float(loss.detach())
     log.steps[name], log.seconds[name], log.loss[name] = (
