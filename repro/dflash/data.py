@@ -22,6 +22,8 @@ VOCAB_SIZE = 256  # byte-level tokenizer: token id = byte value
 def encode(text: str | bytes) -> torch.Tensor:
     """Bytes (UTF-8 for a str) -> token ids ``[T]`` int64."""
     data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+    if not data:
+        return torch.zeros(0, dtype=torch.long)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
 
 

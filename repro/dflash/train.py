@@ -21,7 +21,7 @@ import argparse
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -315,10 +315,18 @@ def main(argv=None) -> None:
     ap.add_argument("--out", type=Path, default=Path("dflash-checkpoints"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default=None)
+    ap.add_argument("--max-steps", type=int, default=None, help="cap every model's steps (smoke runs)")
     args = ap.parse_args(argv)
-    corpus = load_corpus(CONFIGS[args.config].corpus_bytes)
+    tc = CONFIGS[args.config]
+    if args.max_steps is not None:
+        if args.max_steps < 1:
+            raise SystemExit(f"--max-steps must be >= 1, got {args.max_steps}")
+        cap = args.max_steps
+        tc = replace(tc, target_steps=min(tc.target_steps, cap), drafter_steps=min(tc.drafter_steps, cap),
+                     ar_steps=min(tc.ar_steps, cap), warmup=min(tc.warmup, cap))  # fmt: skip
+    corpus = load_corpus(tc.corpus_bytes)
     print(f"corpus: {corpus.describe()}", file=sys.stderr)
-    target, drafter, ar, _, log = train_all(args.config, args.device, args.seed, corpus)
+    target, drafter, ar, _, log = train_all(tc, args.device, args.seed, corpus)
     save(args.out, target, drafter, ar)
     print(f"saved to {args.out}: steps {log.steps}, seconds {log.seconds}, loss {log.loss}")
 
