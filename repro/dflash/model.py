@@ -93,21 +93,28 @@ class Rotary(nn.Module):
         self.register_buffer("sin", ang.sin().float(), persistent=False)
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
-        """The rotation for positions ``[T]`` or ``[b, T]``, looked up once per model forward and
-        shared by every layer (fewer kernel launches than a lookup per layer)."""
+        """The rotation for positions ``[T]`` or ``[b, T]``, built once per model forward and shared
+        by every layer. For positions ``[T]`` it is one ``[T, Dh, Dh]`` matrix per position, applied
+        with one batched matmul (instead of seven elementwise kernels: at this model size every
+        kernel launch counts); per-batch positions (the drafter's training) use cos/sin."""
         cos, sin = self.cos[positions].to(dtype), self.sin[positions].to(dtype)
         if cos.dim() == 3:  # per-batch positions [b, T, Dh/2] -> [b, 1, T, Dh/2]
-            cos, sin = cos[:, None], sin[:, None]
-        return Rope(cos, sin)
+            return Rope(cos[:, None], sin[:, None])
+        c, s = torch.diag_embed(cos), torch.diag_embed(sin)  # [T, Dh/2, Dh/2]
+        # row vector x = [x1, x2] times [[C, S], [-S, C]] = [x1 C - x2 S, x1 S + x2 C]
+        return Rope(cos, sin, torch.cat([torch.cat([c, s], -1), torch.cat([-s, c], -1)], -2))
 
 
 class Rope:
-    """Rotary embedding at fixed positions: ``rope(x)`` rotates x ``[..., b, H, T, Dh]``."""
+    """Rotary embedding at fixed positions: ``rope(x)`` rotates x ``[..., b, H, T, Dh]``
+    (half-split convention: the first and second halves of Dh are the two coordinates)."""
 
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
-        self.cos, self.sin = cos, sin
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, matrix: torch.Tensor | None = None):
+        self.cos, self.sin, self.matrix = cos, sin, matrix
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.matrix is not None:
+            return torch.einsum("...td,tde->...te", x, self.matrix.to(x.dtype))
         cos, sin = self.cos.to(x.dtype), self.sin.to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
