@@ -220,7 +220,7 @@ def _check_args(target, prompt_ids, max_new_tokens, temperature, extra: int) -> 
         )
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def speculative_generate(
     target: Target,
     drafter: DFlashDrafter | Target | FunctionDrafter,
@@ -292,7 +292,7 @@ def _pick(logits: torch.Tensor, temperature: float, generator) -> torch.Tensor:
     return sample_inverse_cdf(probabilities(logits, temperature), u)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def generate(
     target: Target,
     prompt_ids: torch.Tensor,
