@@ -49,6 +49,10 @@ class TrainConfig:
     n_anchors: int = 16
     min_block: int = 4
     loss_decay: float = 7.0  # chen2026dflash's decay for 16-token blocks
+    # both drafters learn the target's next-token distribution (soft labels from the frozen target,
+    # teacher-forced on corpus text) instead of the corpus bytes: verification accepts what the
+    # target predicts, which the paper gets by training on target-generated text
+    distill: bool = False
     seconds: dict = field(default_factory=dict)  # optional wall-clock cap per model
 
 
@@ -88,6 +92,7 @@ CONFIGS = {
         n_anchors=96,  # 96 blocks of 16 per 256-byte window: more targets per (costly) target forward
         min_block=4,
         loss_decay=7.0,
+        distill=True,
     ),
 }
 
@@ -183,9 +188,10 @@ def _loop(name, params, loss_fn, steps, lr, warmup, max_seconds, log: TrainLog, 
 
 def train_lm(
     cfg: TargetConfig, tc: TrainConfig, corpus: Corpus, steps: int, device, seed: int, log: TrainLog,
-    name: str = "target", show: bool = True, max_seconds: float | None = None,
+    name: str = "target", show: bool = True, max_seconds: float | None = None, teacher: Target | None = None,
 ) -> Target:  # fmt: skip
-    """Next-token cross-entropy on random windows of the training text (the target and the AR drafter)."""
+    """Next-token cross-entropy on random windows of the training text (the target and the AR
+    drafter); with a ``teacher``, cross-entropy against the teacher's next-token distribution."""
     torch.manual_seed(seed)
     model = Target(cfg).to(device)
     gen = torch.Generator().manual_seed(seed)
@@ -194,12 +200,21 @@ def train_lm(
         x = random_windows(corpus.train, tc.batch, tc.seq_len + 1, gen).to(device)
         with _autocast(model.device):
             logits, _ = model(x[:, :-1])
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        return F.cross_entropy(logits.reshape(-1, cfg.vocab_size), x[:, 1:].reshape(-1))
+        logits = _fp32(logits).reshape(-1, cfg.vocab_size)
+        if teacher is None:
+            return F.cross_entropy(logits, x[:, 1:].reshape(-1))
+        with torch.no_grad(), _autocast(model.device):
+            t_logits, _ = teacher(x[:, :-1])
+        return F.cross_entropy(logits, torch.softmax(_fp32(t_logits).reshape(-1, cfg.vocab_size), -1))
 
     model.train()
     _loop(name, list(model.parameters()), loss_fn, steps, tc.lr, tc.warmup, max_seconds, log, show)
     return model.eval().requires_grad_(False)
+
+
+def _fp32(x: torch.Tensor) -> torch.Tensor:
+    """bf16 (under autocast) -> fp32; fp32 and fp64 unchanged."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def position_weights(block_size: int, loss_decay: float, device=None) -> torch.Tensor:
@@ -228,12 +243,15 @@ def sample_anchors(
 
 def drafter_loss(
     drafter: DFlashDrafter, ids: torch.Tensor, anchors: torch.Tensor, sizes: torch.Tensor, block: int,
-    loss_decay: float,
+    loss_decay: float, distill: bool = False,
 ) -> torch.Tensor:  # fmt: skip
-    """Weighted block cross-entropy of the drafter on windows ``ids [b, T]`` (target frozen)."""
+    """Weighted block cross-entropy of the drafter on windows ``ids [b, T]`` (target frozen).
+
+    Labels: the bytes ``x_{a+k}``, or with ``distill`` the target's distribution for them (its
+    logits at position ``a + k - 1``, from the same forward that gives the features)."""
     target = drafter.target
     with torch.no_grad(), _autocast(ids.device):
-        _, feats = target(ids, feature_layers=drafter.feature_layers)
+        t_logits, feats = target(ids, feature_layers=drafter.feature_layers)
     with _autocast(ids.device):
         logits = drafter.forward_train(feats, ids, anchors, sizes, block)  # [b, m, B, V]
     offs = torch.arange(block, device=ids.device)
@@ -242,8 +260,15 @@ def drafter_loss(
     w = position_weights(block, loss_decay, ids.device)[None, None, :] * (
         offs[None, None, :] < sizes[..., None]
     )
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 under autocast -> fp32
-    nll = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view_as(w)
+    logits = _fp32(logits).flatten(0, 2)
+    if distill:
+        prev = (pos - 1).clamp_min(0).flatten(1)  # the target's prediction of x_{a+k} sits at a+k-1
+        soft = torch.softmax(
+            _fp32(t_logits).gather(1, prev[..., None].expand(-1, -1, t_logits.shape[-1])), -1
+        )
+        nll = F.cross_entropy(logits, soft.flatten(0, 1), reduction="none").view_as(w)
+    else:
+        nll = F.cross_entropy(logits, labels.flatten(), reduction="none").view_as(w)
     return (nll * w).sum() / w.sum()
 
 
@@ -261,7 +286,9 @@ def train_drafter(
     def loss_fn():
         ids = random_windows(corpus.train, tc.batch, tc.seq_len, gen).to(device)
         anchors, sizes = sample_anchors(tc.batch, tc.seq_len, tc.n_anchors, block, tc.min_block, gen)
-        return drafter_loss(drafter, ids, anchors.to(device), sizes.to(device), block, tc.loss_decay)
+        return drafter_loss(
+            drafter, ids, anchors.to(device), sizes.to(device), block, tc.loss_decay, tc.distill
+        )
 
     drafter.train()
     _loop("dflash", list(drafter.parameters()), loss_fn, steps, tc.lr, tc.warmup, max_seconds, log, show)
@@ -283,7 +310,8 @@ def train_all(
         tc.target, tc, corpus, tc.target_steps, dev, seed, log, "target", show, caps.get("target")
     )
     drafter = train_drafter(target, tc, corpus, tc.drafter_steps, dev, seed, log, show, caps.get("dflash"))
-    ar = train_lm(tc.ar, tc, corpus, tc.ar_steps, dev, seed + 2, log, "ar", show, caps.get("ar"))
+    teacher = target if tc.distill else None
+    ar = train_lm(tc.ar, tc, corpus, tc.ar_steps, dev, seed + 2, log, "ar", show, caps.get("ar"), teacher)
     return target, drafter, ar, corpus, log
 
 

@@ -105,3 +105,27 @@ def test_drafter_loss_gradients():
 
     inputs = [p.detach().clone().requires_grad_(True) for p in params]
     assert torch.autograd.gradcheck(loss, inputs, eps=1e-6, atol=1e-6, fast_mode=True)
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 10_000), block=st.integers(2, 5))
+def test_distill_loss_uses_the_targets_next_token_distribution(seed, block):
+    """With distill, the label of block position k is the target's distribution at position a + k - 1
+    (its prediction of x_{a+k}); computed here one position at a time (1e-10, fp64)."""
+    target = tiny_target(seed, vocab=7)
+    drafter = tiny_dflash(target, seed + 1, max_block=block)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 7, (1, 14), generator=gen)
+    anchors, sizes = sample_anchors(1, 14, 2, block, 2, gen)
+    loss = drafter_loss(drafter, ids, anchors, sizes, block, 3.0, distill=True)
+    t_logits, feats = target(ids, feature_layers=drafter.feature_layers)
+    q = torch.log_softmax(drafter.forward_train(feats, ids, anchors, sizes, block), -1)[0]
+    w_all = position_weights(block, 3.0)
+    num = den = 0.0
+    for j in range(2):
+        a = int(anchors[0, j])
+        for k in range(1, int(sizes[0, j])):
+            p = torch.softmax(t_logits[0, a + k - 1], -1)
+            num = num + w_all[k] * -(p * q[j, k]).sum()
+            den = den + w_all[k]
+    assert_rel_close(loss, num / den, 1e-10, "distilled block loss")
