@@ -280,6 +280,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["gpu"]:  # the GPU job has its own options: python -m paperclub.gpu --help
+        from paperclub.gpu import main as gpu_main
+
+        return gpu_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         args.root = resolve_root(args.root)
