@@ -598,6 +598,7 @@ def chunk_kda(
         pad_heads=True,
     )  # fmt: skip
     K, HV, V = q.shape[3], v.shape[2], v.shape[3]
+    check_decay_range(g, "chunk_kda")
     scale = K**-0.5 if scale is None else float(scale)
     mask = None
     if cu_seqlens is not None:
@@ -622,6 +623,28 @@ def chunk_kda(
     if mask is not None:
         o = o[mask].unsqueeze(0)
     return o, hT
+
+
+# The kernels factor exp(G_r - G_c) inside a chunk as exp(G_r - G_a) exp(G_a - G_c) around an anchor
+# row, in fp32: a per-token log-decay below -10 overflows those factors (g = -12 already gives inf on
+# the CPU interpreter; fla's test case with gate_logit_normalizer 0.1, g down to about -40, gave inf
+# on an H100). flash-linear-attention accepts such gates; we refuse them rather than return inf.
+G_MIN = -10.0
+
+
+def check_decay_range(g: torch.Tensor, fn: str) -> None:
+    """Raise unless every log-decay is in ``[G_MIN, 0]`` (NaN fails too). One reduction and one
+    device-to-host copy per call: microseconds beside the kernels, but a synchronisation."""
+    if g.numel() == 0:
+        return
+    lo, hi = torch.aminmax(g.detach())
+    lo, hi = float(lo), float(hi)
+    if not (lo >= G_MIN and hi <= 0.0):
+        raise ValueError(
+            f"{fn}: g (log-decay, g.shape {tuple(g.shape)}) must lie in [{G_MIN:g}, 0] per token and channel "
+            f"for the Triton kernels (alpha = exp(g) in [4.5e-5, 1]); got min {lo:.4g}, max {hi:.4g}. "
+            "Clamp stronger decays (alpha < 4.5e-5 forgets within a token anyway), or use recurrent_kda"
+        )
 
 
 def _kernel_dim(d: int) -> int:

@@ -73,3 +73,18 @@ def test_unknown_backward_lists_the_valid_ones(monkeypatch):
     o, _ = chunk_kda(**d)
     with pytest.raises(ValueError, match=r"'fused'.*\['triton', 'split', 'torch'\]"):
         o.sum().backward()
+
+
+def test_decay_outside_the_kernels_range_is_refused():
+    """g below -10 per token overflows the kernels' fp32 factors (inf on the interpreter at -12 and on
+    an H100 at fla's very-strong-gate case): refused with the range and what was got."""
+    d = _inputs()
+    d["g"] = torch.full_like(d["g"], -12.0)
+    with pytest.raises(ValueError, match=r"g \(log-decay.*must lie in \[-10, 0\].*got min -12"):
+        chunk_kda(**d)
+    d["g"] = torch.full_like(d["g"], 0.5)
+    with pytest.raises(ValueError, match=r"got min 0.5, max 0.5"):
+        chunk_kda(**d)
+    d["g"] = torch.full_like(d["g"], float("nan"))
+    with pytest.raises(ValueError, match=r"must lie in"):
+        chunk_kda(**d)
