@@ -27,6 +27,14 @@ def _rows():
     ]
 
 
+# Not reproduced by the only GPU result so far (H100, 2026-11-25, `--quick`: 70 s in all, each
+# drafter trained for seconds): DFlash tau 1.76 / 1.89 / 1.93 at blocks 4 / 8 / 16 grows with the
+# block, but the AR drafter's 2.64 / 3.34 at 4 / 8 is higher. strict: once a committed result
+# reproduces the claim, this marker must go.
+@pytest.mark.xfail(
+    strict=True,
+    reason="not reproduced in the quick H100 run: DFlash tau 1.89 vs AR 3.34 at block 8 (drafters trained seconds)",
+)
 @pytest.mark.claim("dflash/tau-grows-beats-ar", section="Experiments")
 def test_measured_tau():
     found = [(dev, rows) for dev, rows in _rows() if "CPU" not in str(dev)]
