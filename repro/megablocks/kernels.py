@@ -24,10 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
-from paperclub.triton_compat import fix_interpreter_index, interpreting
+from paperclub.triton_compat import interpreting, patch_interpreter
 from repro.megablocks.topology import Topology
 
-fix_interpreter_index()
+patch_interpreter()  # the index fix, and bf16 right under the CPU interpreter
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

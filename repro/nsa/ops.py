@@ -12,7 +12,7 @@ import math
 import torch
 import triton
 
-from paperclub.triton_compat import fix_interpreter_index, interpreting
+from paperclub.triton_compat import interpreting, patch_interpreter
 from repro.nsa import kernels as kn
 from repro.nsa import reference as ref
 
@@ -26,7 +26,7 @@ SLC_CHUNK = 256
 
 
 def _interp() -> bool:
-    fix_interpreter_index()
+    patch_interpreter()
     return interpreting()
 
 
