@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from paperclub.bench import Report, time_ms
+from paperclub.bench import Report, measure, time_ms
 
 HEADS = 16
 HEAD_DIM = 128
@@ -393,12 +393,15 @@ GLUON_SWEEP_ROUNDS = 5
 
 
 def _interleaved_ms(timers: list, rounds: int) -> list[list[float]]:
-    """ms of each timer (a call that times one candidate once), in turn (A B C A B C ...) ``rounds`` times."""
-    times: list[list[float]] = [[] for _ in timers]
-    for _ in range(rounds):
-        for i, timer in enumerate(timers):
-            times[i].append(timer())
-    return times
+    """ms of each timer (a call that times one candidate once), in turn (A B C A B C ...) ``rounds`` times,
+    through the shared interleaved timer (``paperclub.bench.measure``); a timer's error is raised."""
+    res = measure(
+        {str(i): t for i, t in enumerate(timers)}, rounds=rounds, timer=lambda fn, warmup, rep: fn()
+    )
+    for key, m in res.items():
+        if not m.ok:
+            raise RuntimeError(f"timer {key}: {m.error}")
+    return [res[str(i)].rounds for i in range(len(timers))]
 
 
 def gluon_sweep(
