@@ -215,6 +215,7 @@ def run(
             inputs = make_inputs(B, T, gate_scale=GATES[gates])
             # the mild regime times ours and fla's KDA only: the other rows do not depend on the gates
             cands = {n: f for n, f in fns.items() if gates == "std" or n in ("ours", "fla_kda")}
+        print(f"{gates} T={T}: checking {', '.join(cands)} (first calls compile and autotune)", flush=True)
         errs = {}
         if "fla_kda" in cands and "ours" in cands:
             errs["ours"] = rel_error(cands["ours"](*inputs).float(), cands["fla_kda"](*inputs).float())
