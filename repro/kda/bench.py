@@ -387,6 +387,8 @@ TUNING = [  # launch settings of repro.kda.chunk, each change (one or more names
     {"SPLIT_B_STAGES": 4},
     {"SPLIT_B_BV": 64},
     {"SPLIT_A_BK": 16, "SPLIT_A_BV": 16, "SPLIT_A_WARPS": 4},
+    # accuracy against time for 16-bit inputs (chunk.DOT_PREC_16BIT): tf32x3 products everywhere
+    {"DOT_PREC_16BIT": "tf32x3"},
 ]
 
 

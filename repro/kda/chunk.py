@@ -186,10 +186,21 @@ def _state_block_v(V: int, heads: int, fixed: int | None, largest: int) -> int:
     return bv
 
 
+# The products of the fp32 intra-chunk and state algebra for bf16/fp16 inputs: "tf32" (tensor cores,
+# 10-bit mantissa), "tf32x3" (three tf32 products, about fp32 accuracy) or "ieee" (fp32 FMA, slow).
+# tf32 measured on an H100 (fla's mild-gate case, fp16, 2026-11-24): dh0 5.9e-3 to 8.2e-3 and the
+# final state up to 6.0e-3 relative, just over fla's 8e-3 / 5e-3 in two cases; everything in ieee:
+# 3.7e-4 / 2.9e-4 (repro/kda/diagnose_bwd.py, variant split/all-ieee). tf32x3 is not yet timed:
+# `python -m repro.kda.bench --tune --try DOT_PREC_16BIT=tf32x3` weighs it.
+DOT_PREC_16BIT = "tf32"
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs get full-precision dots (the tests compare against fp64 at ~1e-5);
-    # bf16/fp16 inputs run the fp32 intra-chunk algebra in tf32, well inside their own error.
-    return "ieee" if dtype == torch.float32 else "tf32"
+    # bf16/fp16 inputs run the fp32 intra-chunk algebra at DOT_PREC_16BIT
+    if DOT_PREC_16BIT not in ("tf32", "tf32x3", "ieee"):
+        raise ValueError(f"chunk.DOT_PREC_16BIT = {DOT_PREC_16BIT!r}: expected 'tf32', 'tf32x3' or 'ieee'")
+    return "ieee" if dtype == torch.float32 else DOT_PREC_16BIT
 
 
 def _block_v(V: int) -> int:

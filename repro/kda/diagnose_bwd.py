@@ -131,6 +131,7 @@ VARIANTS = {
     "split/bv128": {"STATE_BWD_BV": 128},
     "split/state-ieee": {"_STATE_PREC": "ieee"},
     "split/all-ieee": {"_ALL_PREC": "ieee"},
+    "split/all-tf32x3": {"DOT_PREC_16BIT": "tf32x3"},
     "triton": {"BACKWARD": "triton"},
     "torch": {"BACKWARD": "torch"},
     "fla": {"_FLA": True},  # flash-linear-attention's chunk_kda on the same inputs: the peer's own error

@@ -88,3 +88,11 @@ def test_decay_outside_the_kernels_range_is_refused():
     d["g"] = torch.full_like(d["g"], float("nan"))
     with pytest.raises(ValueError, match=r"must lie in"):
         chunk_kda(**d)
+
+
+def test_unknown_dot_precision_setting_is_named(monkeypatch):
+    from repro.kda import chunk as ck
+
+    monkeypatch.setattr(ck, "DOT_PREC_16BIT", "fp8")
+    with pytest.raises(ValueError, match=r"DOT_PREC_16BIT = 'fp8': expected 'tf32', 'tf32x3' or 'ieee'"):
+        chunk_kda(**_inputs(dtype=torch.float16))
