@@ -20,6 +20,8 @@ from collections.abc import Sequence
 import torch
 import torch.multiprocessing as mp
 
+from paperclub.triton_compat import patch_interpreter
+
 
 def _deltas(tensors: Sequence[torch.Tensor], rank: int) -> tuple[int, ...]:
     me = tensors[rank].data_ptr()
@@ -27,37 +29,9 @@ def _deltas(tensors: Sequence[torch.Tensor], rank: int) -> tuple[int, ...]:
     return tuple((t.data_ptr() - me) // size for t in tensors)
 
 
-def _patch_interpreter() -> None:
-    """Triton 3.6's interpreter turns a program id (a 1-element array) into a Python int with
-    ``int(array)``, which numpy 2.4 refuses for arrays of one dimension; ``range(lo, hi)`` in a
-    kernel needs it. Convert through the single element instead."""
-    import numpy as np
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-
-    def index(self) -> int:
-        data = np.asarray(self.handle.data)
-        if data.size != 1:
-            raise ValueError(f"a tensor of {data.size} elements used as an integer")
-        return int(data.reshape(-1)[0])
-
-    def truth(self) -> bool:
-        # the interpreter's own rule: a block counts as true, a scalar by its value
-        data = np.asarray(self.handle.data)
-        return bool(data.reshape(-1)[0]) if data.size == 1 else True
-
-    def patched(tensor, scope) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", index)
-        scope.set_attr(tensor, "__bool__", truth)
-
-    interpreter._patch_lang_tensor = patched
-
-
 def _worker(rank: int, jobs, results) -> None:
     os.environ["TRITON_INTERPRET"] = "1"
-    _patch_interpreter()
+    patch_interpreter()  # run-time loop bounds and scalar truth, and bf16 right, under the interpreter
     from nanoparallel.cuda import kernels as K
 
     while True:

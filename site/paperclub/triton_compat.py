@@ -68,9 +68,21 @@ def fix_interpreter_index() -> None:
     if getattr(original, "_paperclub_fixed", False):
         return
 
+    def index(self) -> int:
+        data = np.asarray(self.handle.data)
+        if data.size != 1:
+            raise ValueError(f"a tensor of {data.size} elements used as an integer")
+        return int(data.reshape(-1)[0])
+
+    def truth(self) -> bool:
+        # the interpreter's own rule: a block counts as true, a scalar by its value
+        data = np.asarray(self.handle.data)
+        return bool(data.reshape(-1)[0]) if data.size == 1 else True
+
     def patched(tensor, scope):
         original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+        scope.set_attr(tensor, "__index__", index)
+        scope.set_attr(tensor, "__bool__", truth)
 
     patched._paperclub_fixed = True
     interpreter._patch_lang_tensor = patched
