@@ -217,12 +217,17 @@ def _dsd(data: torch.Tensor, b: torch.Tensor, topo: Topology, trans: bool) -> to
     return out
 
 
-def _dds(a: torch.Tensor, data: torch.Tensor, topo: Topology, trans: bool) -> torch.Tensor:
-    K, N = topo.shape[::-1] if trans else topo.shape
+def _check_dds(a: torch.Tensor, topo: Topology, trans: bool) -> None:
+    K = topo.shape[1] if trans else topo.shape[0]
     if a.shape[1] != K:
         raise ValueError(
             f"dds: a has {a.shape[1]} columns but the sparse operand{'^T' if trans else ''} has {K} rows"
         )
+
+
+def _dds(a: torch.Tensor, data: torch.Tensor, topo: Topology, trans: bool) -> torch.Tensor:
+    _check_dds(a, topo, trans)
+    N = topo.shape[0] if trans else topo.shape[1]
     # A @ op(S) = (op(S)^T @ A^T)^T: the DSD kernel with the other orientation, into a contiguous
     # out^T (coalesced stores); the result is its transposed view, as the weight gradient of
     # x @ w.t() wants it (w's gradient is then contiguous)
@@ -267,25 +272,6 @@ class _DSD(torch.autograd.Function):
         return dd, db, None, None
 
 
-class _DDS(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, a, data, topo, trans):
-        ctx.topo, ctx.trans = topo, trans
-        ctx.save_for_backward(a, data)
-        return _dds(a, data, topo, trans)
-
-    @staticmethod
-    def backward(ctx, g):
-        a, data = ctx.saved_tensors
-        topo, trans = ctx.topo, ctx.trans
-        da = dd = None
-        if ctx.needs_input_grad[0]:  # G @ op(S)^T
-            da = _dds(g, data, topo, not trans)
-        if ctx.needs_input_grad[1]:  # mask(A^T G), or for op = transpose mask(G^T A)
-            dd = _sdd(g.t(), a, topo) if trans else _sdd(a.t(), g, topo)
-        return da, dd, None, None
-
-
 def _check_data(data: torch.Tensor, topo: Topology) -> None:
     bs = topo.block_size
     if data.shape != (topo.nnz, bs, bs) or not data.is_contiguous():
@@ -316,7 +302,10 @@ def dds(a: torch.Tensor, data: torch.Tensor, topo: Topology, *, transpose: bool 
     """Dense = dense @ sparse: ``a [M, K] @ S [K, N]`` -> ``[M, N]`` (``transpose=True``: ``a @ S^T``)."""
     _check_dense("a", a)
     _check_data(data, topo)
-    return _DDS.apply(a, data, topo, transpose)
+    _check_dds(a, topo, transpose)
+    # (op(S)^T @ a^T)^T: the DSD Function on the transposed views, as _dds computes it; autograd
+    # differentiates through the two transposes, so DSD's backward is DDS's (the same kernel calls)
+    return _DSD.apply(data, a.t(), topo, not transpose).t()
 
 
 # ---------------------------------------------------------------------------------------------

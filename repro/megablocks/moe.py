@@ -19,6 +19,11 @@ from repro.megablocks.topology import check_block_size, moe_topology, permute
 IMPLS = ("sparse", "grouped")
 
 
+def _check_mlp(mlp: str) -> None:
+    if mlp not in MLPS:
+        raise ValueError(f"mlp={mlp!r}: expected one of {MLPS}")
+
+
 def _check(x, weights, indices, w1, w2, w3, num_experts, mlp):
     if x.dim() != 2:
         raise ValueError(f"x must be [T, hidden], got shape {tuple(x.shape)}")
@@ -27,8 +32,7 @@ def _check(x, weights, indices, w1, w2, w3, num_experts, mlp):
             f"weights and indices must both be [T, k] with T={x.shape[0]}, got {tuple(weights.shape)} "
             f"and {tuple(indices.shape)}"
         )
-    if mlp not in MLPS:
-        raise ValueError(f"mlp={mlp!r}: expected one of {MLPS}")
+    _check_mlp(mlp)
     d = x.shape[1]
     for name, w in (("w1", w1), ("w2", w2), ("w3", w3)):
         if w is None:
@@ -129,8 +133,7 @@ class dMoE(nn.Module):  # noqa: N801 (the paper's name)
             raise ValueError(f"num_experts={num_experts}: expected at least 1")
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k}: expected 1 <= top_k <= num_experts={num_experts}")
-        if mlp not in MLPS:
-            raise ValueError(f"mlp={mlp!r}: expected one of {MLPS}")
+        _check_mlp(mlp)
         if impl not in IMPLS:
             raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
         if impl == "sparse":

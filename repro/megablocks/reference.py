@@ -25,6 +25,16 @@ def activation(h1: torch.Tensor, h3: torch.Tensor | None, mlp: str) -> torch.Ten
     return F.silu(h1) * h3
 
 
+def expert(
+    x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | None, e: int, ffn: int, mlp: str
+) -> torch.Tensor:
+    """Expert ``e`` (rows ``[e f, (e+1) f)`` of the ``w*``, ``f = ffn``) on ``x [..., d]`` -> ``[..., d]``."""
+    sl = slice(e * ffn, (e + 1) * ffn)
+    h1 = x @ w1[sl].t()
+    h3 = x @ w3[sl].t() if mlp == "glu" else None
+    return activation(h1, h3, mlp) @ w2[sl]
+
+
 def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k router (§2): ``p = softmax(x W_r^T)``; the k largest, renormalised to sum to one.
 
@@ -56,11 +66,7 @@ def moe_reference(
     for t in range(x.shape[0]):
         y = x.new_zeros(x.shape[1])
         for j in range(indices.shape[1]):
-            e = int(indices[t, j])
-            sl = slice(e * ffn, (e + 1) * ffn)
-            h1 = x[t] @ w1[sl].t()
-            h3 = x[t] @ w3[sl].t() if mlp == "glu" else None
-            y = y + weights[t, j] * (activation(h1, h3, mlp) @ w2[sl])
+            y = y + weights[t, j] * expert(x[t], w1, w2, w3, int(indices[t, j]), ffn, mlp)
         rows.append(y)
     return torch.stack(rows) if rows else x.new_zeros(0, x.shape[1])
 
@@ -107,10 +113,7 @@ def moe_per_expert(
         t, j = (indices == e).nonzero(as_tuple=True)
         if t.numel() == 0:
             continue
-        sl = slice(e * ffn, (e + 1) * ffn)
-        h1 = x[t] @ w1[sl].t()
-        h3 = x[t] @ w3[sl].t() if mlp == "glu" else None
-        out = out.index_add(0, t, (activation(h1, h3, mlp) @ w2[sl]) * weights[t, j][:, None])
+        out = out.index_add(0, t, expert(x[t], w1, w2, w3, e, ffn, mlp) * weights[t, j][:, None])
     return out
 
 
