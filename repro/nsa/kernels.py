@@ -61,6 +61,79 @@ def _visible(offs_m, offs_n, NK, STRIDE: tl.constexpr, OFFSET: tl.constexpr, WIN
 
 
 @triton.jit
+def _tile(pid, B: tl.constexpr, LIMIT, D: tl.constexpr):
+    """The program's tile of B rows: their indices, the head dimension's and which rows are < LIMIT."""
+    offs = pid * B + tl.arange(0, B)
+    return offs, tl.arange(0, D), offs < LIMIT
+
+
+@triton.jit
+def _query_head(pid_bh, HQ, G):
+    """For the program axis ``pid_bh = b HQ + hq``: ``b`` (64-bit, for the scalar bases), ``hq`` and
+    its KV head ``h``."""
+    b = (pid_bh // HQ).to(tl.int64)
+    hq = pid_bh % HQ
+    return b, hq, hq // G
+
+
+@triton.jit
+def _group_rows(pid_bh, H, G, BG: tl.constexpr, D: tl.constexpr):
+    """Group-centric rows (§3.4) for the program axis ``pid_bh = b H + h``: ``b`` (64-bit), ``h``,
+    HQ = H G, the head dimension's indices and the group's query heads ``hq`` (rows past G masked
+    by ``g_ok``)."""
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    HQ = H * G
+    offs_g = tl.arange(0, BG)
+    offs_d = tl.arange(0, D)
+    g_ok = offs_g < G
+    hq = h * G + offs_g
+    return b, h, HQ, offs_d, g_ok, hq
+
+
+@triton.jit
+def _load_pair(X, Y, base, off, ok):
+    """Two tensors of one layout at 64-bit scalar ``base`` + 32-bit tile offsets ``off``; rows not
+    ``ok`` read as 0."""
+    x = tl.load(X + base + off, mask=ok[:, None], other=0.0)
+    y = tl.load(Y + base + off, mask=ok[:, None], other=0.0)
+    return x, y
+
+
+@triton.jit
+def _row_stats(LSE, DELTA, pos, HQ, hq, ok):
+    """A backward tile's per-row statistics, [B T, HQ] at (``pos`` = b T + t, ``hq``): the log-sum-exp
+    in base 2 (0 where the row saw no key) and delta = rowsum(dO * O)."""
+    lse = tl.load(LSE + pos * HQ + hq, mask=ok, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+    delta = tl.load(DELTA + pos * HQ + hq, mask=ok, other=0.0)
+    return lse2, delta
+
+
+@triton.jit
+def _online_update(q, k, v, visible, m_i, l_i, acc, scale_log2, IEEE: tl.constexpr):
+    """One key tile of the online softmax (``visible`` broadcasts to [rows, keys]); returns the tile's
+    masked base-2 logits and the new running max, sum and accumulator."""
+    s = _dot(q, tl.trans(k), IEEE) * scale_log2
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+    return s, m_new, l_i, acc
+
+
+@triton.jit
+def _normalise(acc, m_i, l_i):
+    """The output and natural-log log-sum-exp of an online softmax; o = 0, lse = -inf where no key was seen."""
+    empty = l_i == 0.0
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    return o, lse
+
+
+@triton.jit
 def _strided_fwd_kernel(
     Q, K, V, O, LSE,
     sqb, sqt, sqh, skb, skt, skh,
@@ -69,13 +142,8 @@ def _strided_fwd_kernel(
     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // HQ).to(tl.int64)
-    hq = pid_bh % HQ
-    h = hq // G
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_d = tl.arange(0, D)
-    row_ok = offs_m < T
+    b, hq, h = _query_head(tl.program_id(1), HQ, G)
+    offs_m, offs_d, row_ok = _tile(pid_m, BM, T, D)
     Qb = Q + b * sqb + hq * sqh  # scalar 64-bit base; the tile's offsets stay 32-bit
     Kb = K + b * skb + h * skh
     Vb = V + b * skb + h * skh
@@ -90,17 +158,9 @@ def _strided_fwd_kernel(
         kv_off = offs_n[:, None] * skt + offs_d[None, :]
         k = tl.load(Kb + kv_off, mask=offs_n[:, None] < NK, other=0.0)
         v = tl.load(Vb + kv_off, mask=offs_n[:, None] < NK, other=0.0)
-        s = _dot(q, tl.trans(k), IEEE) * scale_log2
-        s = tl.where(_visible(offs_m, offs_n, NK, STRIDE, OFFSET, WINDOW), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
-        m_i = m_new
-    empty = l_i == 0.0
-    o = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+        vis = _visible(offs_m, offs_n, NK, STRIDE, OFFSET, WINDOW)
+        _, m_i, l_i, acc = _online_update(q, k, v, vis, m_i, l_i, acc, scale_log2, IEEE)
+    o, lse = _normalise(acc, m_i, l_i)
     tl.store(O + b * sqb + hq * sqh + offs_m[:, None] * sqt + offs_d[None, :], o.to(O.dtype.element_ty),
              mask=row_ok[:, None])  # fmt: skip
     tl.store(LSE + (b * T + offs_m) * HQ + hq, lse, mask=row_ok)
@@ -115,29 +175,19 @@ def _strided_bwd_dq_kernel(
     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // HQ).to(tl.int64)
-    hq = pid_bh % HQ
-    h = hq // G
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_d = tl.arange(0, D)
-    row_ok = offs_m < T
+    b, hq, h = _query_head(tl.program_id(1), HQ, G)
+    offs_m, offs_d, row_ok = _tile(pid_m, BM, T, D)
     row_base = b * sqb + hq * sqh  # 64-bit scalar bases, 32-bit tile offsets (fewer registers)
     row_off = offs_m[:, None] * sqt + offs_d[None, :]
-    q = tl.load(Q + row_base + row_off, mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + row_base + row_off, mask=row_ok[:, None], other=0.0)
-    lse = tl.load(LSE + (b * T + offs_m) * HQ + hq, mask=row_ok, other=0.0)
-    lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
-    delta = tl.load(DELTA + (b * T + offs_m) * HQ + hq, mask=row_ok, other=0.0)
+    q, do = _load_pair(Q, DO, row_base, row_off, row_ok)
+    lse2, delta = _row_stats(LSE, DELTA, b * T + offs_m, HQ, hq, row_ok)
     dq = tl.zeros([BM, D], tl.float32)
     kv_base = b * skb + h * skh
     t_last = tl.minimum(pid_m * BM + BM, T) - 1
     start, end = _key_range(pid_m * BM, t_last, NK, STRIDE, OFFSET, WINDOW, BN)
     for i0 in range(start, end, BN):
         offs_n = i0 + tl.arange(0, BN)
-        kv_off = offs_n[:, None] * skt + offs_d[None, :]
-        k = tl.load(K + kv_base + kv_off, mask=offs_n[:, None] < NK, other=0.0)
-        v = tl.load(V + kv_base + kv_off, mask=offs_n[:, None] < NK, other=0.0)
+        k, v = _load_pair(K, V, kv_base, offs_n[:, None] * skt + offs_d[None, :], offs_n < NK)
         s = _dot(q, tl.trans(k), IEEE) * scale_log2
         vis = _visible(offs_m, offs_n, NK, STRIDE, OFFSET, WINDOW)
         p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
@@ -157,17 +207,9 @@ def _strided_bwd_dkdv_kernel(
 ):  # fmt: skip
     # One program per (key tile, query head); the G heads of a group add into fp32 dK/dV with atomics.
     pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // HQ).to(tl.int64)
-    hq = pid_bh % HQ
-    h = hq // G
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    offs_d = tl.arange(0, D)
-    col_ok = offs_n < NK
-    kv_base = b * skb + h * skh
-    kv_off = offs_n[:, None] * skt + offs_d[None, :]
-    k = tl.load(K + kv_base + kv_off, mask=col_ok[:, None], other=0.0)
-    v = tl.load(V + kv_base + kv_off, mask=col_ok[:, None], other=0.0)
+    b, hq, h = _query_head(tl.program_id(1), HQ, G)
+    offs_n, offs_d, col_ok = _tile(pid_n, BN, NK, D)
+    k, v = _load_pair(K, V, b * skb + h * skh, offs_n[:, None] * skt + offs_d[None, :], col_ok)
     row_base = b * sqb + hq * sqh
     dk = tl.zeros([BN, D], tl.float32)
     dv = tl.zeros([BN, D], tl.float32)
@@ -179,12 +221,8 @@ def _strided_bwd_dkdv_kernel(
     for t0 in range(t_start, t_end, BM):
         offs_m = t0 + tl.arange(0, BM)
         row_ok = offs_m < T
-        row_off = offs_m[:, None] * sqt + offs_d[None, :]
-        q = tl.load(Q + row_base + row_off, mask=row_ok[:, None], other=0.0)
-        do = tl.load(DO + row_base + row_off, mask=row_ok[:, None], other=0.0)
-        lse = tl.load(LSE + (b * T + offs_m) * HQ + hq, mask=row_ok, other=0.0)
-        lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
-        delta = tl.load(DELTA + (b * T + offs_m) * HQ + hq, mask=row_ok, other=0.0)
+        q, do = _load_pair(Q, DO, row_base, offs_m[:, None] * sqt + offs_d[None, :], row_ok)
+        lse2, delta = _row_stats(LSE, DELTA, b * T + offs_m, HQ, hq, row_ok)
         s_t = _dot(k, tl.trans(q), IEEE) * scale_log2  # [BN, BM]
         kpos = offs_n * STRIDE + OFFSET
         vis_t = (kpos[:, None] <= offs_m[None, :]) & col_ok[:, None] & row_ok[None, :]
@@ -263,6 +301,29 @@ def _scores_kernel(
 
 
 @triton.jit
+def _slc_prologue(t, pid_bh, H, G, sqb, sqt, sqh, skb, skh, BG: tl.constexpr, D: tl.constexpr):
+    """The group-centric rows of query position ``t`` (``_group_rows``) and where they lie: the 64-bit
+    scalar bases ``row_base`` (q, dO, O, dQ) and ``kv_base`` (K, V), and the 32-bit tile offsets
+    ``row_off`` of the [BG, D] rows."""
+    b, h, HQ, offs_d, g_ok, hq = _group_rows(pid_bh, H, G, BG, D)
+    row_base = b * sqb + t.to(tl.int64) * sqt  # 64-bit scalar bases, 32-bit tile offsets
+    row_off = hq[:, None] * sqh + offs_d[None, :]
+    kv_base = b * skb + h * skh
+    return b, h, HQ, offs_d, g_ok, hq, row_base, row_off, kv_base
+
+
+@triton.jit
+def _selected_block(BI_row, si, t, K, V, kv_base, skt, offs_d, BS: tl.constexpr):
+    """The ``si``-th selected block of a query at ``t``: which of its BS keys are visible (a real block,
+    causal), and its K, V rows (0 where not visible)."""
+    idx = tl.load(BI_row + si)
+    kpos = idx * BS + tl.arange(0, BS)
+    valid = (idx >= 0) & (kpos <= t)
+    k, v = _load_pair(K, V, kv_base, kpos[:, None] * skt + offs_d[None, :], valid)
+    return valid, k, v
+
+
+@triton.jit
 def _slc_fwd_kernel(
     Q, K, V, BI, O, LSE,
     sqb, sqt, sqh, skb, skt, skh,
@@ -272,40 +333,18 @@ def _slc_fwd_kernel(
     # Group-centric (§3.4): rows are the G query heads of one (position t, KV head h); the inner loop
     # streams the S selected blocks of l' = BS contiguous keys.
     t = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
-    HQ = H * G
-    offs_g = tl.arange(0, BG)
-    offs_d = tl.arange(0, D)
-    g_ok = offs_g < G
-    hq = h * G + offs_g
-    row_base = b * sqb + t.to(tl.int64) * sqt  # 64-bit scalar bases, 32-bit tile offsets
-    row_off = hq[:, None] * sqh + offs_d[None, :]
-    kv_base = b * skb + h * skh
+    b, h, HQ, offs_d, g_ok, hq, row_base, row_off, kv_base = _slc_prologue(
+        t, tl.program_id(1), H, G, sqb, sqt, sqh, skb, skh, BG, D
+    )
     q = tl.load(Q + row_base + row_off, mask=g_ok[:, None], other=0.0)
     m_i = tl.full([BG], -1e30, tl.float32)
     l_i = tl.zeros([BG], tl.float32)
     acc = tl.zeros([BG, D], tl.float32)
     bi_base = BI + ((b * T + t) * H + h) * S
     for si in range(S):
-        idx = tl.load(bi_base + si)
-        kpos = idx * BS + tl.arange(0, BS)
-        valid = (idx >= 0) & (kpos <= t)
-        kv_off = kpos[:, None] * skt + offs_d[None, :]
-        k = tl.load(K + kv_base + kv_off, mask=valid[:, None], other=0.0)
-        v = tl.load(V + kv_base + kv_off, mask=valid[:, None], other=0.0)
-        s = _dot(q, tl.trans(k), IEEE) * scale_log2
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
-        m_i = m_new
-    empty = l_i == 0.0
-    o = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+        valid, k, v = _selected_block(bi_base, si, t, K, V, kv_base, skt, offs_d, BS)
+        _, m_i, l_i, acc = _online_update(q, k, v, valid[None, :], m_i, l_i, acc, scale_log2, IEEE)
+    o, lse = _normalise(acc, m_i, l_i)
     tl.store(O + row_base + row_off, o.to(O.dtype.element_ty), mask=g_ok[:, None])
     tl.store(LSE + (b * T + t) * HQ + hq, lse, mask=g_ok)
 
@@ -318,31 +357,15 @@ def _slc_bwd_dq_kernel(
     D: tl.constexpr, BS: tl.constexpr, BG: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
-    HQ = H * G
-    offs_g = tl.arange(0, BG)
-    offs_d = tl.arange(0, D)
-    g_ok = offs_g < G
-    hq = h * G + offs_g
-    row_base = b * sqb + t.to(tl.int64) * sqt  # 64-bit scalar bases, 32-bit tile offsets
-    row_off = hq[:, None] * sqh + offs_d[None, :]
-    kv_base = b * skb + h * skh
-    q = tl.load(Q + row_base + row_off, mask=g_ok[:, None], other=0.0)
-    do = tl.load(DO + row_base + row_off, mask=g_ok[:, None], other=0.0)
-    lse = tl.load(LSE + (b * T + t) * HQ + hq, mask=g_ok, other=0.0)
-    lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
-    delta = tl.load(DELTA + (b * T + t) * HQ + hq, mask=g_ok, other=0.0)
+    b, h, HQ, offs_d, g_ok, hq, row_base, row_off, kv_base = _slc_prologue(
+        t, tl.program_id(1), H, G, sqb, sqt, sqh, skb, skh, BG, D
+    )
+    q, do = _load_pair(Q, DO, row_base, row_off, g_ok)
+    lse2, delta = _row_stats(LSE, DELTA, b * T + t, HQ, hq, g_ok)
     dq = tl.zeros([BG, D], tl.float32)
     bi_base = BI + ((b * T + t) * H + h) * S
     for si in range(S):
-        idx = tl.load(bi_base + si)
-        kpos = idx * BS + tl.arange(0, BS)
-        valid = (idx >= 0) & (kpos <= t)
-        kv_off = kpos[:, None] * skt + offs_d[None, :]
-        k = tl.load(K + kv_base + kv_off, mask=valid[:, None], other=0.0)
-        v = tl.load(V + kv_base + kv_off, mask=valid[:, None], other=0.0)
+        valid, k, v = _selected_block(bi_base, si, t, K, V, kv_base, skt, offs_d, BS)
         s = _dot(q, tl.trans(k), IEEE) * scale_log2
         p = tl.where(valid[None, :] & g_ok[:, None], tl.exp2(s - lse2[:, None]), 0.0)
         dp = _dot(do, tl.trans(v), IEEE)
@@ -401,9 +424,7 @@ def _slc_bwd_dkdv_kernel(
                 start = (r % NB) * BS
                 kv_base = (bh // H) * skb + (bh % H) * skh + start * skt
                 kv_off = tl.arange(0, BS)[:, None] * skt + offs_d[None, :]
-                kv_ok = (start + tl.arange(0, BS) < T)[:, None]
-                k = tl.load(K + kv_base + kv_off, mask=kv_ok, other=0.0)
-                v = tl.load(V + kv_base + kv_off, mask=kv_ok, other=0.0)
+                k, v = _load_pair(K, V, kv_base, kv_off, start + tl.arange(0, BS) < T)
                 cur = r
             bh = r // NB
             b = bh // H
@@ -411,12 +432,8 @@ def _slc_bwd_dkdv_kernel(
             kpos = (r % NB) * BS + tl.arange(0, BS)
             hq = h * G + offs_g
             row_base = b * sqb + t * sqt
-            row_off = hq[:, None] * sqh + offs_d[None, :]
-            q = tl.load(Q + row_base + row_off, mask=g_ok[:, None], other=0.0)
-            do = tl.load(DO + row_base + row_off, mask=g_ok[:, None], other=0.0)
-            lse = tl.load(LSE + (b * T + t) * HQ + hq, mask=g_ok, other=0.0)
-            lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
-            delta = tl.load(DELTA + (b * T + t) * HQ + hq, mask=g_ok, other=0.0)
+            q, do = _load_pair(Q, DO, row_base, hq[:, None] * sqh + offs_d[None, :], g_ok)
+            lse2, delta = _row_stats(LSE, DELTA, b * T + t, HQ, hq, g_ok)
             # transposed orientation, [BS, BG]: dV = P^T dO and dK = dS^T Q without transposing P
             s_t = _dot(k, tl.trans(q), IEEE) * scale_log2
             valid_t = (kpos <= t)[:, None] & g_ok[None, :]
@@ -434,18 +451,6 @@ def _slc_bwd_dkdv_kernel(
 # head) with the group's G query heads as the rows. Each kernel counts the KV tokens it loads.
 
 
-@triton.jit
-def _online_update(q, k, v, valid, m_i, l_i, acc, scale_log2, IEEE: tl.constexpr):
-    s = _dot(q, tl.trans(k), IEEE) * scale_log2
-    s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
-    return s, m_new, l_i, acc
-
-
 @triton.jit(do_not_specialize=["t"])
 def _decode_cmp_kernel(
     Q, KC, VC, OC, LSE, LOGITS, COUNTS,
@@ -456,14 +461,7 @@ def _decode_cmp_kernel(
 ):  # fmt: skip
     # Compressed branch for the decoded token; also stores its base-2 logits [B, HQ, NCP] so that the
     # block scores (Eqs. 8-10) need no second pass over the compressed keys.
-    pid = tl.program_id(0)
-    b = (pid // H).to(tl.int64)
-    h = pid % H
-    HQ = H * G
-    offs_g = tl.arange(0, BG)
-    offs_d = tl.arange(0, D)
-    g_ok = offs_g < G
-    hq = h * G + offs_g
+    b, h, HQ, offs_d, g_ok, hq = _group_rows(tl.program_id(0), H, G, BG, D)
     q = tl.load(Q + b * sqb + hq[:, None] * sqh + offs_d[None, :], mask=g_ok[:, None], other=0.0)
     n_vis = tl.where(t >= BLOCK_LEN - 1, (t - BLOCK_LEN + 1) // STRIDE + 1, 0)
     n_vis = tl.minimum(n_vis, NC)
@@ -477,12 +475,10 @@ def _decode_cmp_kernel(
         kv_off = b * skb + h * skh + offs_n[:, None] * skt + offs_d[None, :]
         k = tl.load(KC + kv_off, mask=ok[:, None], other=0.0)
         v = tl.load(VC + kv_off, mask=ok[:, None], other=0.0)
-        s, m_i, l_i, acc = _online_update(q, k, v, ok, m_i, l_i, acc, scale_log2, IEEE)
+        s, m_i, l_i, acc = _online_update(q, k, v, ok[None, :], m_i, l_i, acc, scale_log2, IEEE)
         tl.store(LOGITS + (b * HQ + hq[:, None]) * NCP + offs_n[None, :], s, mask=g_ok[:, None] & ok[None, :])
         count += tl.sum(ok.to(tl.int32))
-    empty = l_i == 0.0
-    o = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    o, lse = _normalise(acc, m_i, l_i)
     tl.store(OC + (b * HQ + hq[:, None]) * D + offs_d[None, :], o, mask=g_ok[:, None])
     tl.store(LSE + b * HQ + hq, lse, mask=g_ok)
     tl.store(COUNTS + (b * H + h) * 3, count)
@@ -498,13 +494,7 @@ def _decode_sparse_kernel(
     # Selected branch (the S chosen blocks of BS tokens) and sliding window (the last WINDOW tokens),
     # then the gated sum of Eq. 5 with the compressed output OC.
     pid = tl.program_id(0)
-    b = (pid // H).to(tl.int64)
-    h = pid % H
-    HQ = H * G
-    offs_g = tl.arange(0, BG)
-    offs_d = tl.arange(0, D)
-    g_ok = offs_g < G
-    hq = h * G + offs_g
+    b, h, HQ, offs_d, g_ok, hq = _group_rows(pid, H, G, BG, D)
     q = tl.load(Q + b * sqb + hq[:, None] * sqh + offs_d[None, :], mask=g_ok[:, None], other=0.0)
     m_s = tl.full([BG], -1e30, tl.float32)
     kv_base = b * skb + h * skh
@@ -512,13 +502,8 @@ def _decode_sparse_kernel(
     acc_s = tl.zeros([BG, D], tl.float32)
     n_slc = pid * 0  # a tensor even when t is specialised to the constant 1
     for si in range(S):
-        idx = tl.load(BI + (b * H + h) * S + si)
-        kpos = idx * BS + tl.arange(0, BS)
-        valid = (idx >= 0) & (kpos <= t)
-        kv_off = kpos[:, None] * skt + offs_d[None, :]
-        k = tl.load(K + kv_base + kv_off, mask=valid[:, None], other=0.0)
-        v = tl.load(V + kv_base + kv_off, mask=valid[:, None], other=0.0)
-        _, m_s, l_s, acc_s = _online_update(q, k, v, valid, m_s, l_s, acc_s, scale_log2, IEEE)
+        valid, k, v = _selected_block(BI + (b * H + h) * S, si, t, K, V, kv_base, skt, offs_d, BS)
+        _, m_s, l_s, acc_s = _online_update(q, k, v, valid[None, :], m_s, l_s, acc_s, scale_log2, IEEE)
         n_slc += tl.sum(valid.to(tl.int32))
     m_w = tl.full([BG], -1e30, tl.float32)
     l_w = tl.zeros([BG], tl.float32)
@@ -530,7 +515,7 @@ def _decode_sparse_kernel(
         kv_off = b * swb + offs_n[:, None].to(tl.int64) * swt + h * swh + offs_d[None, :]
         k = tl.load(KW + kv_off, mask=ok[:, None], other=0.0)
         v = tl.load(VW + kv_off, mask=ok[:, None], other=0.0)
-        _, m_w, l_w, acc_w = _online_update(q, k, v, ok, m_w, l_w, acc_w, scale_log2, IEEE)
+        _, m_w, l_w, acc_w = _online_update(q, k, v, ok[None, :], m_w, l_w, acc_w, scale_log2, IEEE)
         n_win += tl.sum(ok.to(tl.int32))
     o_s = acc_s / tl.where(l_s == 0.0, 1.0, l_s)[:, None]
     o_w = acc_w / tl.where(l_w == 0.0, 1.0, l_w)[:, None]

@@ -98,6 +98,17 @@ def _ieee(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32
 
 
+def _check_block_size(fn: str, name: str, value: int) -> None:
+    if value not in BLOCK_SIZES:
+        raise ValueError(f"{fn}: {name} = {value} is not supported, expected one of {BLOCK_SIZES}")
+
+
+def _check_gates(fn: str, gates: torch.Tensor, shape: tuple, hint: str) -> None:
+    """Eq. 5's gates, one per branch and query head: ``shape`` = (B, Tq, HQ, 3), named ``hint``."""
+    if gates.shape != shape:
+        raise ValueError(f"{fn}: gates must be {hint} = {shape}, got {tuple(gates.shape)}")
+
+
 # ----------------------------------------------------------------------------------------------
 # Strided causal attention: the compressed branch and the sliding window
 
@@ -367,10 +378,7 @@ def selected_attention(
     [B, T, HQ, D].
     """
     b, t, hq, h, d = check_qkv("selected_attention", q, k, v, k_len=q.shape[1])
-    if block_size not in BLOCK_SIZES:
-        raise ValueError(
-            f"selected_attention: block_size = {block_size} is not supported, expected one of {BLOCK_SIZES}"
-        )
+    _check_block_size("selected_attention", "block_size", block_size)
     if check_indices:
         check_block_indices(block_indices, b, t, h, block_size, k.shape[1])
     return _SelectedAttention.apply(q, k, v, block_indices, block_size, _scale(scale, d))
@@ -403,10 +411,7 @@ def nsa_attention(
     cfg.validate()
     b, t, hq, h, d = check_qkv("nsa_attention", q, k_slc, v_slc, k_len=q.shape[1])
     check_qkv("nsa_attention (window keys)", q, k_win, v_win, k_len=t)
-    if gates.shape != (b, t, hq, 3):
-        raise ValueError(
-            f"nsa_attention: gates must be [B, T, HQ, 3] = {(b, t, hq, 3)}, got {tuple(gates.shape)}"
-        )
+    _check_gates("nsa_attention", gates, (b, t, hq, 3), "[B, T, HQ, 3]")
     o_cmp, lse = compressed_attention(q, k_cmp, v_cmp, cfg.block_len, cfg.stride, scale)
     if block_indices is None:
         with torch.no_grad():
@@ -457,14 +462,8 @@ def nsa_decode(
     b, _, hq, h, d = check_qkv("nsa_decode", q, k_slc, v_slc)
     check_qkv("nsa_decode (window cache)", q, k_win, v_win, k_len=k_slc.shape[1])
     check_qkv("nsa_decode (compressed cache)", q, k_cmp, v_cmp)
-    if gates.shape != (b, 1, hq, 3):
-        raise ValueError(
-            f"nsa_decode: gates must be [B, 1, HQ, 3] = {(b, 1, hq, 3)}, got {tuple(gates.shape)}"
-        )
-    if cfg.select_len not in BLOCK_SIZES:
-        raise ValueError(
-            f"nsa_decode: select_len = {cfg.select_len} is not supported, expected one of {BLOCK_SIZES}"
-        )
+    _check_gates("nsa_decode", gates, (b, 1, hq, 3), "[B, 1, HQ, 3]")
+    _check_block_size("nsa_decode", "select_len", cfg.select_len)
     t_cache = k_slc.shape[1]
     t = t_cache - 1
     nc = k_cmp.shape[1]

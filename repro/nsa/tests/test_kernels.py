@@ -22,6 +22,11 @@ head_dims = st.sampled_from([16, 32])
 groups = st.sampled_from([1, 2, 3, 16])
 
 
+def _leaves(*xs):
+    """Each float64 input as a kernel leaf (float32 on DEVICE) and as a reference leaf (a float64 copy)."""
+    return [leaf(x) for x in xs], [x.clone().requires_grad_() for x in xs]
+
+
 def _check_grads(name, out, out_ref, ins, ins_ref, gen):
     do = randn(gen, *out_ref.shape)
     assert_rel_close(out.cpu(), out_ref, FP32_TOL, f"{name} output")
@@ -41,7 +46,7 @@ def test_selected_kernel_equals_reference(seed, t, g, d, s):
     h, block = 1 + seed % 2, 16
     q, k, v = randn(gen, 1, t, h * g, d), randn(gen, 1, t, h, d), randn(gen, 1, t, h, d)
     idx = random_block_indices(gen, 1, t, h, s, block)
-    ins, ins_ref = [leaf(x) for x in (q, k, v)], [x.clone().requires_grad_() for x in (q, k, v)]
+    ins, ins_ref = _leaves(q, k, v)
     out = ops.selected_attention(*ins, idx.to(DEVICE), block)
     out_ref = ref.selected_attention(*ins_ref, idx, block)
     _check_grads("selected", out, out_ref, ins, ins_ref, gen)
@@ -61,7 +66,7 @@ def test_compressed_kernel_equals_reference(seed, t, g, d, ld):
     gen = torch.Generator().manual_seed(seed)
     nc = max(1, ref.num_compressed(t, l, stride))
     q, k, v = randn(gen, 1, t, g, d), randn(gen, 1, nc, 1, d), randn(gen, 1, nc, 1, d)
-    ins, ins_ref = [leaf(x) for x in (q, k, v)], [x.clone().requires_grad_() for x in (q, k, v)]
+    ins, ins_ref = _leaves(q, k, v)
     out, lse = ops.compressed_attention(*ins, l, stride)
     out_ref, lse_ref = ref.compressed_attention(*ins_ref, l, stride)
     seen = ~torch.isinf(lse_ref)
@@ -77,7 +82,7 @@ def test_compressed_kernel_equals_reference(seed, t, g, d, ld):
 def test_window_kernel_equals_reference(seed, t, g, d, w):
     gen = torch.Generator().manual_seed(seed)
     q, k, v = randn(gen, 1, t, 2 * g, d), randn(gen, 1, t, 2, d), randn(gen, 1, t, 2, d)
-    ins, ins_ref = [leaf(x) for x in (q, k, v)], [x.clone().requires_grad_() for x in (q, k, v)]
+    ins, ins_ref = _leaves(q, k, v)
     out = ops.sliding_window_attention(*ins, w)
     out_ref = ref.sliding_window_attention(*ins_ref, w)
     _check_grads("window", out, out_ref, ins, ins_ref, gen)
