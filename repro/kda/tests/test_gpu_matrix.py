@@ -114,7 +114,7 @@ def _settings(changes):
             setattr(C, n, v)
 
 
-def case(B, T, H, D, scale, gate_norm, mask_p=0.0, h0=True, dht=True):
+def case(B, T, H, D, scale, gate_norm, mask_p=0.0, h0=True, dht=True, refused=False):
     return {
         "shape": (B, T, H, D),
         "scale": scale,
@@ -122,6 +122,7 @@ def case(B, T, H, D, scale, gate_norm, mask_p=0.0, h0=True, dht=True):
         "mask_p": mask_p,
         "h0": h0,
         "dht": dht,
+        "refused": refused,
     }
 
 
