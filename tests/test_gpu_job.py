@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from paperclub import ROOT
-from paperclub.gpu import GpuJobError, read_peers, sanitizer_errors
+from paperclub.gpu import GpuJobError, package_share, read_peers, sanitizer_errors
 
 BENCH = """
 import argparse, json, pathlib
@@ -120,3 +120,13 @@ def test_sanitizer_summary_parsing():
     assert sanitizer_errors("========= ERROR SUMMARY: 0 errors\n") == 0
     assert sanitizer_errors("x\n========= ERROR SUMMARY: 17 errors\n========= ERROR SUMMARY: 1 error\n") == 18
     assert sanitizer_errors("no summary here") is None
+
+
+def test_budget_shares():
+    # equal parts without shares
+    assert package_share(600, ["a", "b", "c"], {}) == 200
+    # a package's own share; the others split what the later shares leave
+    assert package_share(600, ["kda", "b", "c"], {"kda": 300}) == 300
+    assert package_share(600, ["b", "kda", "c"], {"kda": 300}) == 150
+    assert package_share(100, ["kda"], {"kda": 300}) == 100  # never more than is left
+    assert package_share(100, ["b", "kda"], {"kda": 300}) == 0

@@ -151,7 +151,7 @@ def sanitizer_errors(text: str) -> int | None:
 
 def run_job(
     root: Path, specs: list[str], budget_s: float, out: Path, *, bench_args: dict[str, str],
-    skip: set[str], python: str = sys.executable,
+    skip: set[str], python: str = sys.executable, shares: dict[str, float] | None = None,
 ) -> Job:  # fmt: skip
     packages = [package_path(root, s) for s in specs]
     for p in packages:
@@ -169,8 +169,7 @@ def run_job(
     for i, pkg in enumerate(packages):
         name = pkg.name
         env = dict(base_env)
-        # this package's share of what is left: the later packages keep theirs
-        share = job.left() / (len(packages) - i)
+        share = package_share(job.left(), [p.name for p in packages[i:]], shares or {})
         deadline = time.monotonic() + share
 
         def left(reserve: float = 0.0, _deadline=deadline) -> float:
@@ -276,6 +275,17 @@ def run_job(
         job.steps.append(step)
         _say(step)
     return job
+
+
+def package_share(left: float, names: list[str], shares: dict[str, float]) -> float:
+    """Seconds for ``names[0]`` out of ``left``: its ``--share`` if it has one, else an equal part of
+    what the later packages' own shares leave (so that each later package still gets its share)."""
+    first, later = names[0], names[1:]
+    if first in shares:
+        return min(shares[first], left)
+    kept = sum(shares.get(n, 0.0) for n in later)
+    unshared = 1 + sum(1 for n in later if n not in shares)
+    return max(left - kept, 0.0) / unshared
 
 
 def _xdist_args() -> list[str]:
@@ -390,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--bench-args", action="append", default=[], metavar="NAME=ARGS",
                     help="extra arguments for one package's bench, e.g. 'kda=--quick'")  # fmt: skip
+    ap.add_argument("--share", action="append", default=[], metavar="NAME=SECONDS",
+                    help="one package's part of the budget (the others split the rest), e.g. kda=300")  # fmt: skip
     for s in ("peers", "tests", "sanitizer", "bench"):
         ap.add_argument(f"--skip-{s}", action="store_true", help=f"leave out the {s} step")
     ap.add_argument(
@@ -415,9 +427,20 @@ def main(argv: list[str] | None = None) -> int:
                 raise GpuJobError(f"--bench-args '{item}': expected NAME=ARGS, e.g. kda=--quick")
             bench_args[name.removeprefix("repro/")] = rest
         skip = {s for s in ("peers", "tests", "sanitizer", "bench") if getattr(args, f"skip_{s}")}
+        shares = {}
+        for item in args.share:
+            name, sep, secs = item.partition("=")
+            try:
+                shares[name.removeprefix("repro/")] = float(secs)
+            except ValueError:
+                sep = ""
+            if not sep:
+                raise GpuJobError(f"--share '{item}': expected NAME=SECONDS, e.g. kda=300")
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        job = run_job(root, args.packages, args.budget_s, out, bench_args=bench_args, skip=skip)
+        job = run_job(
+            root, args.packages, args.budget_s, out, bench_args=bench_args, skip=skip, shares=shares
+        )
     except GpuJobError as exc:
         print(f"paperclub.gpu: {exc}", file=sys.stderr)
         return 2
