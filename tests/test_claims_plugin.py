@@ -62,6 +62,21 @@ def test_unchanged_outcomes_leave_the_record_untouched(pytester, toy):
     assert path.read_text() == first and path.stat().st_mtime_ns == mtime
 
 
+def test_record_of_a_removed_test_goes(pytester, toy):
+    """A test renamed or removed from its file leaves no stale outcome behind (a failure recorded for a
+    test that no longer exists would show on the site as a failed claim)."""
+    write_test(
+        toy,
+        '@pytest.mark.claim("toy/exact", section="§2, Eq. 3")\ndef test_old():\n    assert False\n\n'
+        '@pytest.mark.claim("toy/exact", section="§2, Eq. 3")\ndef test_kept():\n    assert True\n',
+    )
+    pytester.runpytest_subprocess().assert_outcomes(passed=1, failed=1)
+    write_test(toy, '@pytest.mark.claim("toy/exact", section="§2, Eq. 3")\ndef test_new():\n    assert True\n')
+    pytester.runpytest_subprocess().assert_outcomes(passed=1)
+    record = json.loads(toy.joinpath("results", "claims.json").read_text())["tests"]
+    assert set(record) == {"repro/toy/test_toy.py::test_new"}
+
+
 def test_unknown_claim_id_stops_collection_with_a_message(pytester, toy):
     write_test(toy, '@pytest.mark.claim("toy/typo", section="§2")\ndef test_x():\n    assert True\n')
     result = pytester.runpytest_subprocess()

@@ -157,7 +157,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         if _on_gpu():
             path = path.with_name(GPU_RESULTS_NAME)
         old = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {"tests": {}}
-        tests = {nid: t for nid, t in old.get("tests", {}).items() if (root / nid.split("::")[0]).exists()}
+        # a record of a test whose file or function is gone (removed, renamed) goes with it
+        tests = {nid: t for nid, t in old.get("tests", {}).items() if _test_exists(root, nid)}
         changed = len(tests) != len(old.get("tests", {}))
         for nid, (cid, outcome, _file) in mine.items():
             rel = _relative_nodeid(nid, Path(session.config.rootpath), root)
@@ -181,6 +182,16 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 GPU_RESULTS_NAME = "claims-gpu.json"
+
+
+def _test_exists(root: Path, nodeid: str) -> bool:
+    """Whether the file of ``nodeid`` exists and still defines its test function."""
+    file_part, _, rest = nodeid.partition("::")
+    path = root / file_part
+    if not path.is_file():
+        return False
+    func = rest.split("::")[-1].split("[")[0]
+    return not func or f"def {func}(" in path.read_text(encoding="utf-8", errors="replace")
 
 
 def _on_gpu() -> bool:
