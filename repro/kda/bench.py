@@ -19,6 +19,7 @@ inputs; both run in bf16, so about 1e-2 is agreement.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from pathlib import Path
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from paperclub.bench import Candidate, Report, measure, time_ms
+from paperclub.bench import Candidate, Report, measure
 from paperclub.testing import rel_error
 
 H, K, V = 16, 128, 128
@@ -409,33 +410,31 @@ def tune(
     inputs = make_inputs(B, T)
     leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
     do = torch.randn_like(inputs[2])
-    defaults = {name: getattr(ck, name) for change in changes for name in change}
 
-    def use(change: dict) -> None:
-        for name, value in {**defaults, **change}.items():
-            setattr(ck, name, value)
+    def fwd(change: dict):
+        with ck.changed_settings(change):
+            return ck.chunk_kda(*inputs)
 
-    def fwd() -> float:
-        return time_ms(lambda: ck.chunk_kda(*inputs))
+    def fwd_bwd(change: dict):
+        with ck.changed_settings(change):
+            return torch.autograd.grad(ck.chunk_kda(*leaves)[0], leaves, do)
 
-    def fwd_bwd() -> float:
-        return time_ms(lambda: torch.autograd.grad(ck.chunk_kda(*leaves)[0], leaves, do))
-
-    trials = []
-    for change in [{}] + changes:  # compile each setting once; one that fails is reported, not timed
-        use(change)
+    trials, candidates = [], {}
+    for i, change in enumerate([{}] + changes):  # compile each setting once; one that fails is reported
         try:
-            fwd_bwd()
+            fwd_bwd(change)
         except Exception as exc:  # a setting that does not compile (out of shared memory) is a result
             print(f"{change or 'defaults'}: failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
             continue
-        trials.append((change, [], []))
-    for _ in range(rounds):
-        for change, f_ms, fb_ms in trials:
-            use(change)
-            f_ms.append(fwd())
-            fb_ms.append(fwd_bwd())
-    use({})
+        trials.append((i, change))
+        candidates[f"{i}/fwd"] = functools.partial(fwd, change)
+        candidates[f"{i}/fwd+bwd"] = functools.partial(fwd_bwd, change)
+    # every setting and pass in turn, ``rounds`` times (paperclub.bench.measure)
+    res = measure(candidates, rounds=rounds)
+    for key, m in res.items():
+        if not m.ok:
+            raise RuntimeError(f"tune: setting {key} failed while timed: {m.error}")
+    trials = [(change, res[f"{i}/fwd"].rounds, res[f"{i}/fwd+bwd"].rounds) for i, change in trials]
     rows = []
     for change, f_ms, fb_ms in trials:
         fwd_med, fb_med = statistics.median(f_ms), statistics.median(fb_ms)

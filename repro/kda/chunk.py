@@ -33,6 +33,9 @@ against the recurrence, so each is a check on the other.
 
 from __future__ import annotations
 
+import contextlib
+import sys
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -174,6 +177,21 @@ STATE_BWD_WARPS_BV16 = 4
 def _state_bwd_warps(bv: int) -> int:
     """Warps of the fused state backward for value block ``bv`` (see STATE_BWD_WARPS_BV16)."""
     return STATE_BWD_WARPS_BV16 if bv <= 16 else STATE_BWD_WARPS
+
+
+@contextlib.contextmanager
+def changed_settings(changes: dict):
+    """The module settings named in ``changes`` (e.g. ``{"BACKWARD": "triton", "STATE_BWD_BV": 32}``)
+    set for the block and restored after it; for tests, the diagnosis and the benchmark's tuning."""
+    module = sys.modules[__name__]
+    saved = {name: getattr(module, name) for name in changes}
+    try:
+        for name, value in changes.items():
+            setattr(module, name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
 
 
 def _state_block_v(V: int, heads: int, fixed: int | None, largest: int) -> int:

@@ -130,7 +130,7 @@ VARIANTS = {
     "split/bv64": {"STATE_BWD_BV": 64},
     "split/bv128": {"STATE_BWD_BV": 128},
     "split/state-ieee": {"_STATE_PREC": "ieee"},
-    "split/all-ieee": {"_ALL_PREC": "ieee"},
+    "split/all-ieee": {"DOT_PREC_16BIT": "ieee"},
     "split/all-tf32x3": {"DOT_PREC_16BIT": "tf32x3"},
     "triton": {"BACKWARD": "triton"},
     "torch": {"BACKWARD": "torch"},
@@ -148,24 +148,19 @@ def fla_chunk_kda(q, k, v, g, beta, scale, h0, output_final_state):
 
 @contextlib.contextmanager
 def settings(overrides: dict):
-    """Module settings of repro.kda.chunk changed for the duration (plus two precision overrides)."""
-    old = {n: getattr(C, n) for n in overrides if not n.startswith("_")}
-    old_prec, old_state = C._dot_precision, C._state_bwd_fused
+    """Settings of repro.kda.chunk changed for the duration (chunk.changed_settings), plus
+    ``_STATE_PREC``: the precision of the fused state backward's products alone."""
+    plain = {n: v for n, v in overrides.items() if not n.startswith("_")}
+    old_state = C._state_bwd_fused
     try:
-        for n, v in overrides.items():
-            if not n.startswith("_"):
-                setattr(C, n, v)
-        if "_ALL_PREC" in overrides:
-            C._dot_precision = lambda dtype, p=overrides["_ALL_PREC"]: p
         if "_STATE_PREC" in overrides:
             C._state_bwd_fused = lambda q, saved, do, dhT, scale, prec, p=overrides["_STATE_PREC"]: old_state(
                 q, saved, do, dhT, scale, p
             )
-        yield
+        with C.changed_settings(plain):
+            yield
     finally:
-        for n, v in old.items():
-            setattr(C, n, v)
-        C._dot_precision, C._state_bwd_fused = old_prec, old_state
+        C._state_bwd_fused = old_state
 
 
 def state_stage_errors(case, do, dht, scale):

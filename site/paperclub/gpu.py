@@ -387,6 +387,20 @@ def download(root: Path, specs: list[str], python: str = sys.executable) -> int:
     return rc
 
 
+def _per_package(items: list[str], flag: str, expected: str, convert) -> dict:
+    """``NAME=VALUE`` options as ``{package name: convert(VALUE)}``; a malformed one is a GpuJobError."""
+    out = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        try:
+            out[name.removeprefix("repro/")] = convert(value)
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise GpuJobError(f"{flag} '{item}': expected {expected}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m paperclub.gpu",
@@ -420,22 +434,9 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("name at least one package, e.g. repro/kda")
         if args.download:
             return download(root, args.packages)
-        bench_args = {}
-        for item in args.bench_args:
-            name, sep, rest = item.partition("=")
-            if not sep:
-                raise GpuJobError(f"--bench-args '{item}': expected NAME=ARGS, e.g. kda=--quick")
-            bench_args[name.removeprefix("repro/")] = rest
+        bench_args = _per_package(args.bench_args, "--bench-args", "NAME=ARGS, e.g. kda=--quick", str)
+        shares = _per_package(args.share, "--share", "NAME=SECONDS, e.g. kda=300", float)
         skip = {s for s in ("peers", "tests", "sanitizer", "bench") if getattr(args, f"skip_{s}")}
-        shares = {}
-        for item in args.share:
-            name, sep, secs = item.partition("=")
-            try:
-                shares[name.removeprefix("repro/")] = float(secs)
-            except ValueError:
-                sep = ""
-            if not sep:
-                raise GpuJobError(f"--share '{item}': expected NAME=SECONDS, e.g. kda=300")
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         job = run_job(

@@ -9,8 +9,6 @@ the exp of cumulative gates (g's gradient sums many such terms, so it loses a li
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -18,6 +16,7 @@ from hypothesis import strategies as st
 
 from paperclub.testing import assert_rel_close, sanitizing
 from repro.kda import chunk_kda, chunk_kda_torch, recurrent_kda
+from repro.kda.chunk import changed_settings
 from repro.kda.tests.strategies import kda_cases
 
 CLAIM = "kda/chunk-equals-recurrent"
@@ -120,19 +119,7 @@ BACKWARDS = {
 }
 
 
-@contextlib.contextmanager
-def _settings(changes):
-    """Set settings of repro.kda.chunk (a dict) for the block, restoring them after."""
-    import repro.kda.chunk as chunk_module
-
-    saved = {key: getattr(chunk_module, key) for key in changes}
-    for key, value in changes.items():
-        setattr(chunk_module, key, value)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            setattr(chunk_module, key, value)
+_settings = changed_settings  # settings of repro.kda.chunk (a dict) for the block, restored after
 
 
 def _backward(name):

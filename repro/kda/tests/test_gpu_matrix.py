@@ -20,8 +20,6 @@ the fused state backward (16, 32, 64, 128) in the mild case, which the wrong com
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -87,7 +85,7 @@ def check(case, dtype, **settings):
         with pytest.raises(ValueError, match=r"must lie in \[-10, 0\]"):
             errors(x, do, dhT, dtype, case["scale"])
         return
-    with _settings(settings):
+    with C.changed_settings(settings):
         errs = errors(x, do, dhT, dtype, case["scale"])
     log_measure(
         "kda/gpu-matrix", case=case, dtype=str(dtype), settings=settings,
@@ -100,18 +98,6 @@ def check(case, dtype, **settings):
         if not e <= FLA_TOL[n] * SCALE_TOL[dtype]
     }
     assert not over, f"errors over tolerance (name: error, tolerance): {over}; all: {errs}"
-
-
-@contextlib.contextmanager
-def _settings(changes):
-    old = {n: getattr(C, n) for n in changes}
-    try:
-        for n, v in changes.items():
-            setattr(C, n, v)
-        yield
-    finally:
-        for n, v in old.items():
-            setattr(C, n, v)
 
 
 def case(B, T, H, D, scale, gate_norm, mask_p=0.0, h0=True, dht=True, refused=False):
