@@ -191,7 +191,15 @@ def run(
         ),
         measure_ceilings=False,
     )
+    print(
+        f"kda bench on {torch.cuda.get_device_name() if DEVICE == 'cuda' else DEVICE}: report ready after {time.perf_counter() - start:.1f} s",
+        flush=True,
+    )
     fns = impls()
+    print(
+        f"kda bench: implementations {', '.join(fns)} loaded after {time.perf_counter() - start:.1f} s",
+        flush=True,
+    )
     if only:
         fns = {name: fn for name, fn in fns.items() if name in only}
     Ts = [4096] if quick else (seqlens or ALL_T)

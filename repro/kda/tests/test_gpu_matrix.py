@@ -63,19 +63,48 @@ def errors(x, do, dhT, dtype, scale):
     }
     results = {}
     sides = [("ours", gpu, "cuda")] if sanitizing() else [("ours", gpu, "cuda"), ("ref", ref, "cuda")]
+    peer = fla_chunk_kda()
+    if peer is not None and not sanitizing():
+        # the peer's own error on the same inputs: fla's chunk_kda, same dtypes, fresh leaves
+        fla = {n: t.detach().clone().requires_grad_(True) for n, t in gpu.items()}
+        sides.append(("fla", fla, "cuda"))
     for side, t, dev in sides:
-        fn = recurrent_kda if side == "ref" else chunk_kda
-        o, hT = fn(t["q"], t["k"], t["v"], t["g"], t["beta"], scale, t.get("h0"), True)
-        outs, grads = [o], [do.to(dev, o.dtype)]
-        if dhT is not None:
-            outs.append(hT)
-            grads.append(dhT.to(dev, hT.dtype))
-        torch.autograd.backward(outs, grads)
+        fn = {"ref": recurrent_kda, "ours": chunk_kda, "fla": peer}[side]
+        try:
+            o, hT = fn(t["q"], t["k"], t["v"], t["g"], t["beta"], scale, t.get("h0"), True)
+            outs, grads = [o], [do.to(dev, o.dtype)]
+            if dhT is not None:
+                outs.append(hT)
+                grads.append(dhT.to(dev, hT.dtype))
+            torch.autograd.backward(outs, grads)
+        except Exception as exc:  # the peer's failure is reported in the log, ours fails the test
+            if side != "fla":
+                raise
+            results["fla_failed"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            continue
         results[side] = {"o": o, "hT": hT, **{"d" + n: t[n].grad for n in names}}
     torch.cuda.synchronize()
     if "ref" not in results:
-        return {}
-    return {n: rel_error(results["ours"][n], results["ref"][n]) for n in results["ref"]}
+        return {}, {}
+    ref_out = results["ref"]
+    ours = {n: rel_error(results["ours"][n], ref_out[n]) for n in ref_out}
+    theirs = {n: rel_error(results["fla"][n], ref_out[n]) for n in ref_out} if "fla" in results else {}
+    if "fla_failed" in results:
+        theirs = {"failed": results["fla_failed"]}
+    return ours, theirs
+
+
+def fla_chunk_kda():
+    """fla's chunk_kda as fn(q, k, v, g, beta, scale, h0, output_final_state), or None if not installed."""
+    try:
+        from fla.ops.kda import chunk_kda as fla_kda
+    except ImportError:
+        return None
+
+    def run(q, k, v, g, beta, scale, h0, output_final_state):
+        return fla_kda(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=output_final_state)
+
+    return run
 
 
 def check(case, dtype, **settings):
@@ -86,10 +115,11 @@ def check(case, dtype, **settings):
             errors(x, do, dhT, dtype, case["scale"])
         return
     with C.changed_settings(settings):
-        errs = errors(x, do, dhT, dtype, case["scale"])
+        errs, fla_errs = errors(x, do, dhT, dtype, case["scale"])
     log_measure(
         "kda/gpu-matrix", case=case, dtype=str(dtype), settings=settings,
         errors={n: float(f"{e:.3g}") for n, e in errs.items()},
+        fla_errors={n: e if isinstance(e, str) else float(f"{e:.3g}") for n, e in fla_errs.items()},
         tolerance={n: FLA_TOL[n] * SCALE_TOL[dtype] for n in errs},
     )  # fmt: skip
     over = {
@@ -97,7 +127,7 @@ def check(case, dtype, **settings):
         for n, e in errs.items()
         if not e <= FLA_TOL[n] * SCALE_TOL[dtype]
     }
-    assert not over, f"errors over tolerance (name: error, tolerance): {over}; all: {errs}"
+    assert not over, f"errors over tolerance (name: error, tolerance): {over}; all: {errs}; fla's: {fla_errs}"
 
 
 def case(B, T, H, D, scale, gate_norm, mask_p=0.0, h0=True, dht=True, refused=False):
@@ -149,3 +179,14 @@ def test_state_value_blocks_on_gpu(bv, dtype):
     """The fused state backward at every value block its rule can pick, in the mild-gate case where a
     wrong dS carried across chunks shows (fla's B=2, T=1500, H=4, D=128, normaliser 10)."""
     check(CASES["fla-B2-T1500-D128-mild"], dtype, STATE_BWD_BV=bv)
+
+
+@pytest.mark.gpu
+@pytest.mark.claim(CLAIM, section=SECTION)
+@pytest.mark.parametrize("prec", ["tf32x3", "ieee"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", ["fla-B2-T1500-D128-mild", "B1-H1-T64-D128-no-states", "fla-B4-T1024-D128"])
+def test_dot_precision_settings_on_gpu(name, dtype, prec):
+    """The other intra-chunk product precisions a user can pick (chunk.DOT_PREC_16BIT) on the cases
+    where the mild gates make the chunk's triangular solve ill-conditioned, and on a strong-gate one."""
+    check(CASES[name], dtype, DOT_PREC_16BIT=prec)
