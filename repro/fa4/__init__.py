@@ -7,8 +7,10 @@ Public API::
     out = attention(q, k, v, lazy_rescale=False, soft_exp=2)   # ablation switches
 
 q: [B, S_q, H, D]; k, v: [B, S_k, H_kv, D] with H_kv dividing H (grouped-query attention);
-D in {64, 128}; causal masks are bottom-right aligned and need S_q <= S_k. Forward and backward
-run through Triton kernels (``repro.fa4.kernels``); ``repro.fa4.reference`` is the ground truth.
+D in {64, 128}; causal masks are bottom-right aligned (query i sees keys j <= i + S_k - S_q; with
+S_q > S_k the first S_q - S_k queries see no key and get zero output and zero gradient, as in
+flash-attn). Forward and backward run through Triton kernels (``repro.fa4.kernels``, the fused
+backward in ``repro.fa4.bwd_fused``); ``repro.fa4.reference`` is the ground truth.
 
 :func:`attention_any_d` is the internal entry point the CPU tests use: it also takes D in
 {16, 32} and float32 (for the Triton interpreter, where bf16 matmuls are slow).
@@ -51,6 +53,14 @@ class Switches:
         on an H100 (results/*-gluon-combos.json, *-peer.json): 0.98-1.13x cuDNN's forward at S = 4k-16k
         (1.30-1.50x the Triton kernel with tma=True); lazy_rescale costs nothing there (within 0.6%).
     block_m, block_n, num_warps, num_stages: launch shape; None picks the tuned default.
+    bwd: which backward runs. "fa2": FA2's two kernels (dK/dV per key block, then dQ per query block;
+        S and dP computed twice, 7 matmuls per tile pair, no atomics). "fused": FA3's one-pass schedule
+        (``repro.fa4.bwd_fused``: one program per key block, dK/dV in registers, dQ by fp32 atomic adds,
+        5 matmuls; a preprocess kernel for delta = rowsum(dO * O)). "fa2" stays the default until the
+        fused one is measured faster on the GPU.
+    bwd_block_m, bwd_block_n, bwd_num_warps, bwd_num_stages: the backward's launch shape (either
+        backward); None picks BWD_DEFAULTS ("fa2") or bwd_fused.FUSED_DEFAULTS ("fused").
+    bwd_tma: "fused" only: Q and dO tiles through TMA (tensor descriptors); None picks the default.
 
     Measured on one H100 (results/nvidia-h100-80gb-hbm3.json, forward, S = 4k-16k): tma=True is
     the fastest single change (up to +9%); lazy_rescale=False is 3-8% faster than the default here
@@ -74,8 +84,12 @@ class Switches:
     bwd_block_n: int | None = None
     bwd_num_warps: int | None = None
     bwd_num_stages: int | None = None
+    bwd: str = "fa2"
+    bwd_tma: bool | None = None
 
 
+#: The backwards behind Switches.bwd.
+BACKWARDS = ("fa2", "fused")
 # Tuned on one H100 (repro/fa4/results/*-autotune.json, S = 8192): (block_m, block_n, num_warps, num_stages).
 FWD_DEFAULTS = {64: (128, 128, 8, 3), 128: (128, 128, 8, 3)}
 BWD_DEFAULTS = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2)}
@@ -111,10 +125,6 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, dims
         raise ValueError(f"attention: KV heads H_kv = {h_kv} must divide query heads H = {h}")
     if s_q == 0 or k.shape[1] == 0 or b == 0:
         raise ValueError(f"attention: empty input, q {tuple(q.shape)}, k {tuple(k.shape)}")
-    if causal and s_q > k.shape[1]:
-        raise ValueError(
-            f"attention: causal needs S_q <= S_k (bottom-right aligned mask), got S_q = {s_q}, S_k = {k.shape[1]}"
-        )
 
 
 def _resolve(sw: Switches, d: int, interpret: bool) -> Switches:
@@ -127,8 +137,18 @@ def _resolve(sw: Switches, d: int, interpret: bool) -> Switches:
         raise ValueError(
             f"attention: rescale_threshold must be in [0, 64] (log2 units), got {sw.rescale_threshold}"
         )
+    if sw.bwd not in BACKWARDS:
+        raise ValueError(f"attention: bwd must be one of {list(BACKWARDS)}, got {sw.bwd!r}")
+    if sw.bwd_tma and sw.bwd != "fused":
+        raise ValueError(f"attention: bwd_tma applies to bwd='fused' only, got bwd={sw.bwd!r}")
     bm, bn, nw, ns = FWD_DEFAULTS.get(d, (16, 16, 4, 1)) if not interpret else (16, 16, 4, 1)
-    bbm, bbn, bnw, bns = BWD_DEFAULTS.get(d, (16, 16, 4, 1)) if not interpret else (16, 16, 4, 1)
+    if sw.bwd == "fused":
+        from repro.fa4.bwd_fused import FUSED_DEFAULTS, FUSED_INTERPRET
+
+        bbm, bbn, bnw, bns, btma = FUSED_DEFAULTS.get(d, FUSED_INTERPRET) if not interpret else FUSED_INTERPRET
+    else:
+        bbm, bbn, bnw, bns = BWD_DEFAULTS.get(d, (16, 16, 4, 1)) if not interpret else (16, 16, 4, 1)
+        btma = False
     if sw.pingpong and sw.block_m is None:
         bm = max(16, bm // 2)  # two tiles per program: keep the rows per program the same
     if sw.soft_exp == 1 and sw.num_stages is None:
@@ -145,6 +165,7 @@ def _resolve(sw: Switches, d: int, interpret: bool) -> Switches:
         bwd_block_n=sw.bwd_block_n or bbn,
         bwd_num_warps=sw.bwd_num_warps or bnw,
         bwd_num_stages=sw.bwd_num_stages or bns,
+        bwd_tma=btma if sw.bwd_tma is None else sw.bwd_tma,
     )
 
 
@@ -234,6 +255,13 @@ def triton_cdiv(a: int, b: int) -> int:
 def _backward(do, q, k, v, o, lse, causal: bool, scale: float, sw: Switches):
     from repro.fa4.kernels import _bwd_dkdv_kernel, _bwd_dq_kernel
 
+    if sw.bwd == "fused":
+        from repro.fa4.bwd_fused import backward_fused
+
+        return backward_fused(
+            do, q, k, v, o, lse, causal, scale,
+            sw.bwd_block_m, sw.bwd_block_n, sw.bwd_num_warps, sw.bwd_num_stages, sw.bwd_tma,
+        )  # fmt: skip
     b, s_q, h, d = q.shape
     s_k, h_kv = k.shape[1], k.shape[2]
     do = do.contiguous()
@@ -290,7 +318,18 @@ def _run(q, k, v, causal, scale, switches, dims, dtypes):
             f"attention: unknown switches {sorted(unknown)}; known: {list(Switches.__dataclass_fields__)}"
         )
     sw = _resolve(Switches(**switches), d, interpreting())
-    return _Attention.apply(q, k, v, bool(causal), scale, sw)
+    return _with_empty_rows(lambda qs: _Attention.apply(qs, k, v, bool(causal), scale, sw), q, k, causal)
+
+
+def _with_empty_rows(fn, q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
+    """``fn(q)``, except that with causal and S_q > S_k the first S_q - S_k query rows see no key
+    (bottom-right alignment): they get zeros (flash-attn's convention; their gradient is zero too)
+    and ``fn`` runs on the last S_k rows, which are an ordinary causal square."""
+    skip = q.shape[1] - k.shape[1]
+    if not causal or skip <= 0:
+        return fn(q)
+    part = fn(q[:, skip:].contiguous())
+    return torch.cat([part.new_zeros(q.shape[0], skip, *part.shape[2:]), part], dim=1)
 
 
 def attention(
@@ -336,6 +375,10 @@ def forward_with_counts(
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     sw = _resolve(Switches(**switches), d, interpreting())
+    if causal and q.shape[1] > k.shape[1]:
+        raise ValueError(
+            f"forward_with_counts: causal needs S_q <= S_k here, got S_q = {q.shape[1]}, S_k = {k.shape[1]}"
+        )
     o, _, counts = _forward(q, k, v, causal, scale, sw, count=True)
     c = counts.view(-1, 2).to(torch.int64)
     tiles = 2 if sw.pingpong else 1

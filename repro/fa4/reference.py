@@ -49,6 +49,8 @@ def attention_exact(
     """Exact attention in float64.
 
     q: [B, S_q, H, D], k and v: [B, S_k, H_kv, D] with H_kv dividing H. Returns [B, S_q, H, D] float64.
+    Causal with S_q > S_k: query rows that see no key give zero (flash-attn's convention), with zero
+    gradient.
     """
     b, s_q, h, d = q.shape
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -58,8 +60,14 @@ def attention_exact(
     k64, v64 = _expand_kv(k64, h), _expand_kv(v64, h)
     logits = torch.einsum("bihd,bjhd->bhij", q64, k64) * scale
     if causal:
-        logits = logits.masked_fill(~causal_mask(s_q, k.shape[1], q.device), float("-inf"))
-    p = torch.softmax(logits, dim=-1)
+        mask = causal_mask(s_q, k.shape[1], q.device)
+        seen = mask.any(-1)[:, None]  # [S_q, 1]: rows with at least one visible key
+        # an all -inf row would give 0/0; a finite row of zeros there, then p * 0, keeps it (and its
+        # gradient) at zero
+        logits = logits.masked_fill(~mask & seen, float("-inf")).masked_fill(~seen, 0.0)
+        p = torch.softmax(logits, dim=-1) * seen
+    else:
+        p = torch.softmax(logits, dim=-1)
     return torch.einsum("bhij,bjhd->bihd", p, v64)
 
 

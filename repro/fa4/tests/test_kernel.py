@@ -156,10 +156,12 @@ def test_bad_dtypes_and_options_raise():
     qb = q.to(torch.bfloat16)
     with pytest.raises(TypeError, match="share a dtype"):
         attention(qb, qb, q.to(torch.float16))
-    with pytest.raises(ValueError, match="causal needs S_q <= S_k"):
-        attention(torch.randn(1, 9, 2, 64).bfloat16(), qb, qb, causal=True)
     if INTERPRET or HAS_GPU:
         qd = q.to(DEVICE)
+        with pytest.raises(ValueError, match="bwd must be one of"):
+            attention_any_d(qd, qd, qd, bwd="fa3")
+        with pytest.raises(ValueError, match="bwd_tma applies to bwd='fused' only"):
+            attention_any_d(qd, qd, qd, bwd_tma=True)
         with pytest.raises(ValueError, match="soft_exp"):
             attention_any_d(qd, qd, qd, soft_exp=3)
         with pytest.raises(TypeError, match="unknown switches"):

@@ -1,0 +1,316 @@
+"""A one-pass attention backward for Hopper: FlashAttention-3's schedule in Triton (``bwd="fused"``).
+
+The FA2-style backward beside it (``kernels._bwd_dkdv_kernel`` + ``kernels._bwd_dq_kernel``)
+recomputes S = Q K^T and dP = dO V^T twice, once per kernel: 7 matmuls per (query tile, key block).
+FlashAttention-3 (shah2024flashattention3, the backward section) does it in one pass with 5:
+
+    preprocess (one small kernel):   delta_i = sum_d dO_id O_id,  dQacc = 0   (fp32)
+    main kernel, one program per key block of BLOCK_N keys and KV head, looping over query tiles:
+        S^T  = K Q^T                       [BLOCK_N, BLOCK_M]  (keys as rows: no transposes of K)
+        P^T  = 2^(S^T * scale * log2 e - lse)   (lse is the forward's base-2 log-sum-exp)
+        dV  += P^T dO                      kept in registers for the whole loop
+        dP^T = V dO^T
+        dS^T = P^T * (dP^T - delta)
+        dK  += dS^T Q                      kept in registers for the whole loop
+        dQacc[tile] += scale * dS K        fp32 atomic adds (``red.global.add``), each query tile
+                                           receives one contribution per key block
+    dQ = dQacc cast to the input type (one elementwise pass).
+
+Why atomics for dQ (FA3's choice) and not per-key-block partials: partials would need S_k / BLOCK_N
+copies of dQ in fp32 (64 at S = 8k, 8.6 GB for B = 2, H = 16), and their sum is the same traffic again;
+the atomic adds are fire-and-forget ``red`` instructions whose traffic (one fp32 dQ tile per (key
+block, query tile), 2.1e9 adds at S = 8k, B = 2, H = 16, D = 128, BLOCK_N = 128) the L2 absorbs while
+the tensor cores run. Larger BLOCK_N means fewer adds, which is why the launch configurations favour
+128 keys per program. FA4 on Blackwell cuts these adds further with the 2-CTA MMA (M = 256 keys per
+pair of SMs, half the dQ adds); Hopper has no 2-CTA MMA.
+
+GQA: a program owns one KV head and loops over the query heads of its group, so dK and dV sum over
+the group in registers (no atomics, no fp32 dK/dV buffer; FA3 uses atomics there too).
+
+Causal (bottom-right aligned, diag = S_k - S_q): a key block [n0, n0 + BLOCK_N) is seen only by
+query rows i >= n0 - diag; query tiles before that are skipped, the diagonal band is masked, the
+tiles after it run without masks. Query rows past S_q read lse = +inf, so P = 0 there without a mask.
+
+With USE_TMA the Q and dO tiles of each step come through the tensor-memory accelerator (host
+tensor descriptors over [B * S_q, H * D], as the forward's ``tma=True`` path); K and V are loaded
+once per program with ordinary loads.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from paperclub.triton_compat import patch_interpreter
+
+patch_interpreter()  # loops over run-time bounds and bf16 under the CPU interpreter
+
+#: Launch configurations of the fused backward: name -> (block_m, block_n, num_warps, num_stages, tma).
+#: FA3 on sm_90 uses 64 x 128 (causal) / 80 x 128 (not) at D = 128 and 128 x 128 at D = 64, with two
+#: MMA warpgroups (8 warps) and 2-stage Q/dO pipelining; 80 is not a power of two (Triton needs one).
+#: The GPU sweep (``bench.py --bwd-sweep``) times all of them; FUSED_DEFAULTS holds the pick.
+FUSED_CONFIGS: dict[str, tuple[int, int, int, int, bool]] = {
+    "m64-n128-w8-s2-tma": (64, 128, 8, 2, True),
+    "m64-n128-w8-s2": (64, 128, 8, 2, False),
+    "m64-n128-w8-s3-tma": (64, 128, 8, 3, True),
+    "m64-n128-w8-s1-tma": (64, 128, 8, 1, True),
+    "m32-n128-w8-s2-tma": (32, 128, 8, 2, True),
+    "m32-n128-w4-s2-tma": (32, 128, 4, 2, True),
+    "m128-n128-w8-s2-tma": (128, 128, 8, 2, True),
+    "m64-n64-w4-s2-tma": (64, 64, 4, 2, True),
+    "m128-n64-w8-s2-tma": (128, 64, 8, 2, True),
+}
+#: Default launch per head dim, before any GPU measurement: FA3's tile (64 query rows x 128 keys,
+#: 8 warps, 2 stages) with TMA. (block_m, block_n, num_warps, num_stages, tma)
+FUSED_DEFAULTS = {64: (64, 128, 8, 2, True), 128: (64, 128, 8, 2, True)}
+#: The interpreter's launch: small tiles keep the CPU tests fast and exercise every masked path.
+FUSED_INTERPRET = (16, 16, 4, 1, False)
+#: Query rows per program of the preprocess kernel.
+PRE_BLOCK_M = 64
+
+
+@triton.jit
+def _bwd_preprocess_kernel(
+    O, DO, DELTA, DQACC,
+    stride_ob, stride_os, stride_oh,
+    H, S_Q,
+    D: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    """delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d] in fp32, and dQacc[b, i, h, :] = 0.
+    O, DO and DQACC share the [B, S_q, H, D] contiguous strides; DELTA is [B, H, S_q]."""
+    m_block = tl.program_id(0)
+    bh = tl.program_id(1)
+    off_b = bh // H
+    off_h = bh % H
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    ok = offs_m[:, None] < S_Q
+    off = off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :]
+    o = tl.load(O + off, mask=ok, other=0.0).to(tl.float32)
+    do = tl.load(DO + off, mask=ok, other=0.0).to(tl.float32)
+    tl.store(DELTA + (off_b * H + off_h) * S_Q + offs_m, tl.sum(o * do, 1), mask=offs_m < S_Q)
+    tl.store(DQACC + off, tl.zeros([BLOCK_M, D], tl.float32), mask=ok)
+
+
+@triton.jit
+def _bwd_fused_step(
+    Q, DO, LSE, DELTA, DQACC, k, v, dk, dv,
+    q_head, qrow0, col0, stat_base, start_m, offs_n,
+    stride_qs, S_Q, S_K, diag, qk_scale, sm_scale,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
+):  # fmt: skip
+    """One query tile [start_m, +BLOCK_M) against the program's key block: updates dK, dV (returned)
+    and adds this block's part of dQ into DQACC. MASKED: causal band / ragged edges (by tl.where)."""
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    row_ok = offs_m < S_Q
+    if USE_TMA:
+        # descriptors over [B * S_q, H * D]: rows past S_q belong to the next batch (or read as zero
+        # past the end); their lse is +inf below, so they add nothing to dK, dV, and no dQ is stored.
+        q = Q.load([qrow0 + start_m, col0])
+        do = DO.load([qrow0 + start_m, col0])
+    else:
+        q_off = q_head + offs_m[:, None] * stride_qs + offs_d[None, :]
+        q = tl.load(Q + q_off, mask=row_ok[:, None], other=0.0)
+        do = tl.load(DO + q_off, mask=row_ok[:, None], other=0.0)
+    lse = tl.load(LSE + stat_base + offs_m, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + stat_base + offs_m, mask=row_ok, other=0.0)
+    sT = tl.dot(k, tl.trans(q))  # [BLOCK_N, BLOCK_M]
+    pT = tl.math.exp2(sT * qk_scale - lse[None, :])
+    if MASKED:
+        ok = (offs_n[:, None] < S_K) & row_ok[None, :]
+        if CAUSAL:
+            ok = ok & (offs_n[:, None] <= offs_m[None, :] + diag)
+        pT = tl.where(ok, pT, 0.0)
+    dv = tl.dot(pT.to(do.dtype), do, dv)
+    dpT = tl.dot(v, tl.trans(do))  # [BLOCK_N, BLOCK_M]
+    dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
+    dk = tl.dot(dsT, q, dk)
+    dq = tl.dot(tl.trans(dsT), k) * sm_scale  # [BLOCK_M, D]: this key block's part of dQ
+    dq_ptr = DQACC + q_head + offs_m[:, None] * stride_qs + offs_d[None, :]
+    if MASKED:
+        tl.atomic_add(dq_ptr, dq, mask=row_ok[:, None], sem="relaxed")
+    else:
+        tl.atomic_add(dq_ptr, dq, sem="relaxed")
+    return dk, dv
+
+
+@triton.jit
+def _bwd_fused_kernel(
+    Q, K, V, DO, LSE, DELTA, DQACC, DK, DV,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+    H, H_KV, GROUP, S_Q, S_K, qk_scale, sm_scale,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
+):  # fmt: skip
+    """dK, dV of one key block (summed over the KV head's group of query heads) and its atomic part
+    of dQ. Q, DO and DQACC share strides (stride_q*); K, V, DK and DV share theirs (stride_k*).
+    With USE_TMA, Q and DO are tensor descriptors over [B * S_q, H * D] with block [BLOCK_M, D]."""
+    n_block = tl.program_id(0)  # causal: low key blocks see the most queries and start first
+    bhk = tl.program_id(1)
+    off_b = bhk // H_KV
+    off_hk = bhk % H_KV
+    n0 = n_block * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    n_ok = offs_n[:, None] < S_K
+    kv_off = off_b * stride_kb + off_hk * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :]
+    k = tl.load(K + kv_off, mask=n_ok, other=0.0)
+    v = tl.load(V + kv_off, mask=n_ok, other=0.0)
+    dk = tl.zeros([BLOCK_N, D], tl.float32)
+    dv = tl.zeros([BLOCK_N, D], tl.float32)
+    diag = S_K - S_Q
+    # Query tiles: [m_lo, m_full) the causal band (masked), [m_full, m_tail) unmasked, [m_tail, S_Q)
+    # the ragged last tile (masked). A ragged key block masks everything (keys past S_K).
+    if CAUSAL:
+        m_lo = (tl.maximum(n0 - diag, 0) // BLOCK_M) * BLOCK_M
+        m_full = tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - diag, 0), BLOCK_M) * BLOCK_M
+    else:
+        m_lo = 0
+        m_full = 0
+    m_tail = (S_Q // BLOCK_M) * BLOCK_M
+    if n0 + BLOCK_N > S_K:
+        m_full = tl.cdiv(S_Q, BLOCK_M) * BLOCK_M
+    band_end = tl.minimum(m_full, S_Q)
+    tail_start = tl.maximum(m_full, m_tail)
+    qrow0 = off_b * S_Q
+    for g in range(0, GROUP):
+        off_h = off_hk * GROUP + g
+        q_head = off_b * stride_qb + off_h * stride_qh
+        stat_base = (off_b * H + off_h) * S_Q
+        col0 = off_h * D
+        for start_m in range(m_lo, band_end, BLOCK_M):
+            dk, dv = _bwd_fused_step(
+                Q, DO, LSE, DELTA, DQACC, k, v, dk, dv, q_head, qrow0, col0, stat_base, start_m, offs_n,
+                stride_qs, S_Q, S_K, diag, qk_scale, sm_scale, D, BLOCK_M, BLOCK_N, True, CAUSAL, USE_TMA,
+            )  # fmt: skip
+        for start_m in range(m_full, m_tail, BLOCK_M):
+            dk, dv = _bwd_fused_step(
+                Q, DO, LSE, DELTA, DQACC, k, v, dk, dv, q_head, qrow0, col0, stat_base, start_m, offs_n,
+                stride_qs, S_Q, S_K, diag, qk_scale, sm_scale, D, BLOCK_M, BLOCK_N, False, CAUSAL, USE_TMA,
+            )  # fmt: skip
+        for start_m in range(tail_start, S_Q, BLOCK_M):
+            dk, dv = _bwd_fused_step(
+                Q, DO, LSE, DELTA, DQACC, k, v, dk, dv, q_head, qrow0, col0, stat_base, start_m, offs_n,
+                stride_qs, S_Q, S_K, diag, qk_scale, sm_scale, D, BLOCK_M, BLOCK_N, True, CAUSAL, USE_TMA,
+            )  # fmt: skip
+    tl.store(DK + kv_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=n_ok)
+    tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=n_ok)
+
+
+def backward_fused(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+    block_m: int,
+    block_n: int,
+    num_warps: int,
+    num_stages: int,
+    tma: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of attention from the forward's output ``o`` and base-2 log-sum-exp ``lse``.
+
+    q, o, do: [B, S_q, H, D]; k, v: [B, S_k, H_kv, D] (contiguous); lse: [B, H, S_q] float32.
+    Causal needs S_q <= S_k (the caller splits off queries that see no key). Returns gradients in
+    the inputs' dtypes and shapes.
+    """
+    b, s_q, h, d = q.shape
+    s_k, h_kv = k.shape[1], k.shape[2]
+    do = do.contiguous()
+    delta = torch.empty(b, h, s_q, device=q.device, dtype=torch.float32)
+    dq_acc = torch.empty(q.shape, device=q.device, dtype=torch.float32)
+    pre_m = min(PRE_BLOCK_M, triton.next_power_of_2(s_q)) if q.device.type == "cuda" else 16
+    _bwd_preprocess_kernel[(triton.cdiv(s_q, pre_m), b * h)](
+        o, do, delta, dq_acc, o.stride(0), o.stride(1), o.stride(2), h, s_q, D=d, BLOCK_M=pre_m,
+        num_warps=4,
+    )  # fmt: skip
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    qq, dd = q, do
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        qq, dd = (TensorDescriptor.from_tensor(t.view(b * s_q, h * d), [block_m, d]) for t in (q, do))
+    _bwd_fused_kernel[(triton.cdiv(s_k, block_n), b * h_kv)](
+        qq, k, v, dd, lse, delta, dq_acc, dk, dv,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        h, h_kv, h // h_kv, s_q, s_k, scale / math.log(2.0), scale,
+        D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, USE_TMA=tma,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return dq_acc.to(q.dtype), dk, dv
+
+
+# ---------------------------------------------------------------------------------------------
+# Offline compile for sm_90a (no GPU): shared memory, registers, spills, wgmma / TMA / atomics in PTX
+# ---------------------------------------------------------------------------------------------
+
+
+def compile_for_sm90(d: int, causal: bool, block_m: int, block_n: int, num_warps: int, num_stages: int,
+                     tma: bool, dtype: str = "bf16"):  # fmt: skip
+    """The fused kernel compiled for sm_90a without a GPU; returns Triton's CompiledKernel."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    qdesc = f"tensordesc<{dtype}[{block_m}, {d}]>" if tma else f"*{dtype}"
+    signature = {
+        "Q": qdesc, "K": f"*{dtype}", "V": f"*{dtype}", "DO": qdesc, "LSE": "*fp32", "DELTA": "*fp32",
+        "DQACC": "*fp32", "DK": f"*{dtype}", "DV": f"*{dtype}",
+        **{n: "i32" for n in ("stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh")},
+        "H": "i32", "H_KV": "i32", "GROUP": "i32", "S_Q": "i32", "S_K": "i32", "qk_scale": "fp32",
+        "sm_scale": "fp32", "D": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+        "CAUSAL": "constexpr", "USE_TMA": "constexpr",
+    }  # fmt: skip
+    constexprs = {"D": d, "BLOCK_M": block_m, "BLOCK_N": block_n, "CAUSAL": causal, "USE_TMA": tma}
+    src = ASTSource(_bwd_fused_kernel, signature, constexprs=constexprs)
+    return triton.compile(
+        src, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=num_warps, num_stages=num_stages)
+    )
+
+
+def compile_report(configs=None, dims=(128, 64)) -> list[dict]:
+    """Offline sm_90a compile of each fused configuration at each D, causal and not: shared memory,
+    ptxas registers and spills, and whether the PTX has wgmma, TMA loads and vector atomics."""
+    import re
+
+    from repro.fa4.gluon_fwd import ptxas_usage
+
+    rows = []
+    for name, (bm, bn, nw, ns, tma) in (configs or FUSED_CONFIGS).items():
+        for d in dims:
+            for causal in (False, True):
+                row = dict(config=name, d=d, causal=causal)
+                try:
+                    c = compile_for_sm90(d, causal, bm, bn, nw, ns, tma)
+                    ptx = c.asm["ptx"]
+                    row.update(
+                        shared=c.metadata.shared,
+                        wgmma=len(re.findall(r"wgmma\.mma_async", ptx)),
+                        tma_loads=len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
+                        atomics=sorted(set(re.findall(r"\b(?:red|atom)\.global[\w.]*", ptx))),
+                        atomic_instrs=len(re.findall(r"\b(?:red|atom)\.global", ptx)),
+                        **ptxas_usage(ptx),
+                    )
+                except Exception as exc:  # report it: the caller decides
+                    row["error"] = f"{type(exc).__name__}: {exc}"[-2000:]
+                rows.append(row)
+                print(row, flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    # python -m repro.fa4.bwd_fused [config names...]: offline sm_90a compile report (no GPU needed)
+    names = sys.argv[1:] or list(FUSED_CONFIGS)
+    print(json.dumps(compile_report({n: FUSED_CONFIGS[n] for n in names})))
