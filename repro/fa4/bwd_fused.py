@@ -29,7 +29,7 @@ the group in registers (no atomics, no fp32 dK/dV buffer; FA3 uses atomics there
 
 Causal (bottom-right aligned, diag = S_k - S_q): a key block [n0, n0 + BLOCK_N) is seen only by
 query rows i >= n0 - diag; query tiles before that are skipped, the diagonal band is masked, the
-tiles after it run without masks. Query rows past S_q read lse = +inf, so P = 0 there without a mask.
+tiles after it run with the same (cheap) masks. Query rows past S_q read lse = +inf, so P = 0 there.
 
 With USE_TMA the Q and dO tiles of each step come through the tensor-memory accelerator (host
 tensor descriptors over [B * S_q, H * D], as the forward's ``tma=True`` path); K and V are loaded
@@ -96,50 +96,6 @@ def _bwd_preprocess_kernel(
 
 
 @triton.jit
-def _bwd_fused_step(
-    Q, DO, LSE, DELTA, DQACC, k, v, dk, dv,
-    q_head, qrow0, col0, stat_base, start_m, offs_n,
-    stride_qs, S_Q, S_K, diag, qk_scale, sm_scale,
-    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
-):  # fmt: skip
-    """One query tile [start_m, +BLOCK_M) against the program's key block: updates dK, dV (returned)
-    and adds this block's part of dQ into DQACC. MASKED: causal band / ragged edges (by tl.where)."""
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D)
-    row_ok = offs_m < S_Q
-    if USE_TMA:
-        # descriptors over [B * S_q, H * D]: rows past S_q belong to the next batch (or read as zero
-        # past the end); their lse is +inf below, so they add nothing to dK, dV, and no dQ is stored.
-        q = Q.load([qrow0 + start_m, col0])
-        do = DO.load([qrow0 + start_m, col0])
-    else:
-        q_off = q_head + offs_m[:, None] * stride_qs + offs_d[None, :]
-        q = tl.load(Q + q_off, mask=row_ok[:, None], other=0.0)
-        do = tl.load(DO + q_off, mask=row_ok[:, None], other=0.0)
-    lse = tl.load(LSE + stat_base + offs_m, mask=row_ok, other=float("inf"))
-    delta = tl.load(DELTA + stat_base + offs_m, mask=row_ok, other=0.0)
-    sT = tl.dot(k, tl.trans(q))  # [BLOCK_N, BLOCK_M]
-    pT = tl.math.exp2(sT * qk_scale - lse[None, :])
-    if MASKED:
-        ok = (offs_n[:, None] < S_K) & row_ok[None, :]
-        if CAUSAL:
-            ok = ok & (offs_n[:, None] <= offs_m[None, :] + diag)
-        pT = tl.where(ok, pT, 0.0)
-    dv = tl.dot(pT.to(do.dtype), do, dv)
-    dpT = tl.dot(v, tl.trans(do))  # [BLOCK_N, BLOCK_M]
-    dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
-    dk = tl.dot(dsT, q, dk)
-    dq = tl.dot(tl.trans(dsT), k) * sm_scale  # [BLOCK_M, D]: this key block's part of dQ
-    dq_ptr = DQACC + q_head + offs_m[:, None] * stride_qs + offs_d[None, :]
-    if MASKED:
-        tl.atomic_add(dq_ptr, dq, mask=row_ok[:, None], sem="relaxed")
-    else:
-        tl.atomic_add(dq_ptr, dq, sem="relaxed")
-    return dk, dv
-
-
-@triton.jit
 def _bwd_fused_kernel(
     Q, K, V, DO, LSE, DELTA, DQACC, DK, DV,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
@@ -149,7 +105,11 @@ def _bwd_fused_kernel(
 ):  # fmt: skip
     """dK, dV of one key block (summed over the KV head's group of query heads) and its atomic part
     of dQ. Q, DO and DQACC share strides (stride_q*); K, V, DK and DV share theirs (stride_k*).
-    With USE_TMA, Q and DO are tensor descriptors over [B * S_q, H * D] with block [BLOCK_M, D]."""
+    With USE_TMA, Q and DO are tensor descriptors over [B * S_q, H * D] with block [BLOCK_M, D].
+
+    One loop body for every query tile, masks included: a second, unmasked copy of the body (as the
+    forward has) doubled ptxas's register spills at 64 x 128 on sm_90 (offline compile, 1428 against
+    628 spilled bytes), while the masks here cost one compare and select per score."""
     n_block = tl.program_id(0)  # causal: low key blocks see the most queries and start first
     bhk = tl.program_id(1)
     off_b = bhk // H_KV
@@ -164,40 +124,42 @@ def _bwd_fused_kernel(
     dk = tl.zeros([BLOCK_N, D], tl.float32)
     dv = tl.zeros([BLOCK_N, D], tl.float32)
     diag = S_K - S_Q
-    # Query tiles: [m_lo, m_full) the causal band (masked), [m_full, m_tail) unmasked, [m_tail, S_Q)
-    # the ragged last tile (masked). A ragged key block masks everything (keys past S_K).
-    if CAUSAL:
-        m_lo = (tl.maximum(n0 - diag, 0) // BLOCK_M) * BLOCK_M
-        m_full = tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - diag, 0), BLOCK_M) * BLOCK_M
-    else:
-        m_lo = 0
-        m_full = 0
-    m_tail = (S_Q // BLOCK_M) * BLOCK_M
-    if n0 + BLOCK_N > S_K:
-        m_full = tl.cdiv(S_Q, BLOCK_M) * BLOCK_M
-    band_end = tl.minimum(m_full, S_Q)
-    tail_start = tl.maximum(m_full, m_tail)
+    # Causal: query rows i < n0 - diag see none of this block's keys; their tiles are skipped.
+    m_lo = (tl.maximum(n0 - diag, 0) // BLOCK_M) * BLOCK_M if CAUSAL else 0
     qrow0 = off_b * S_Q
+    offs_m0 = tl.arange(0, BLOCK_M)
     for g in range(0, GROUP):
         off_h = off_hk * GROUP + g
         q_head = off_b * stride_qb + off_h * stride_qh
         stat_base = (off_b * H + off_h) * S_Q
-        col0 = off_h * D
-        for start_m in range(m_lo, band_end, BLOCK_M):
-            dk, dv = _bwd_fused_step(
-                Q, DO, LSE, DELTA, DQACC, k, v, dk, dv, q_head, qrow0, col0, stat_base, start_m, offs_n,
-                stride_qs, S_Q, S_K, diag, qk_scale, sm_scale, D, BLOCK_M, BLOCK_N, True, CAUSAL, USE_TMA,
-            )  # fmt: skip
-        for start_m in range(m_full, m_tail, BLOCK_M):
-            dk, dv = _bwd_fused_step(
-                Q, DO, LSE, DELTA, DQACC, k, v, dk, dv, q_head, qrow0, col0, stat_base, start_m, offs_n,
-                stride_qs, S_Q, S_K, diag, qk_scale, sm_scale, D, BLOCK_M, BLOCK_N, False, CAUSAL, USE_TMA,
-            )  # fmt: skip
-        for start_m in range(tail_start, S_Q, BLOCK_M):
-            dk, dv = _bwd_fused_step(
-                Q, DO, LSE, DELTA, DQACC, k, v, dk, dv, q_head, qrow0, col0, stat_base, start_m, offs_n,
-                stride_qs, S_Q, S_K, diag, qk_scale, sm_scale, D, BLOCK_M, BLOCK_N, True, CAUSAL, USE_TMA,
-            )  # fmt: skip
+        for start_m in range(m_lo, S_Q, BLOCK_M):
+            offs_m = start_m + offs_m0
+            row_ok = offs_m < S_Q
+            if USE_TMA:
+                # rows past S_q belong to the next batch (or read as zero past the end); their lse is
+                # +inf below, so P = 0 there and they add nothing to dK, dV; no dQ is added for them.
+                q = Q.load([qrow0 + start_m, off_h * D])
+                do = DO.load([qrow0 + start_m, off_h * D])
+            else:
+                q_off = q_head + offs_m[:, None] * stride_qs + offs_d[None, :]
+                q = tl.load(Q + q_off, mask=row_ok[:, None], other=0.0)
+                do = tl.load(DO + q_off, mask=row_ok[:, None], other=0.0)
+            lse = tl.load(LSE + stat_base + offs_m, mask=row_ok, other=float("inf"))
+            delta = tl.load(DELTA + stat_base + offs_m, mask=row_ok, other=0.0)
+            sT = tl.dot(k, tl.trans(q))  # [BLOCK_N, BLOCK_M]
+            pT = tl.math.exp2(sT * qk_scale - lse[None, :])
+            # keys past S_K (zero rows of K) would give 2^-lse, not 0: mask them, and the causal band
+            if CAUSAL:
+                pT = tl.where(n_ok & (offs_n[:, None] <= offs_m[None, :] + diag), pT, 0.0)
+            else:
+                pT = tl.where(n_ok, pT, 0.0)
+            dv = tl.dot(pT.to(do.dtype), do, dv)
+            dpT = tl.dot(v, tl.trans(do))  # [BLOCK_N, BLOCK_M]
+            dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
+            dk = tl.dot(dsT, q, dk)
+            dq = tl.dot(tl.trans(dsT), k) * sm_scale  # [BLOCK_M, D]: this key block's part of dQ
+            dq_ptr = DQACC + q_head + offs_m[:, None] * stride_qs + offs_d[None, :]
+            tl.atomic_add(dq_ptr, dq, mask=row_ok[:, None], sem="relaxed")
     tl.store(DK + kv_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=n_ok)
     tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=n_ok)
 
