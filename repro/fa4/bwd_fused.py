@@ -44,30 +44,48 @@ import torch
 import triton
 import triton.language as tl
 
-from paperclub.triton_compat import patch_interpreter
+from paperclub.triton_compat import interpreting, patch_interpreter
 
 patch_interpreter()  # loops over run-time bounds and bf16 under the CPU interpreter
 
-#: Launch configurations of the fused backward: name -> (block_m, block_n, num_warps, num_stages, tma).
+#: Launch configurations of the fused backward:
+#: name -> (block_m, block_n, num_warps, num_stages, tma, dq_tma).
 #: FA3 on sm_90 uses 64 x 128 (causal) / 80 x 128 (not) at D = 128 and 128 x 128 at D = 64, with two
 #: MMA warpgroups (8 warps) and 2-stage Q/dO pipelining; 80 is not a power of two (Triton needs one).
-#: The GPU sweep (``bench.py --bwd-sweep``) times all of them; FUSED_DEFAULTS holds the pick.
-FUSED_CONFIGS: dict[str, tuple[int, int, int, int, bool]] = {
-    "m64-n128-w8-s2-tma": (64, 128, 8, 2, True),
-    "m64-n128-w8-s2": (64, 128, 8, 2, False),
-    "m64-n128-w8-s3-tma": (64, 128, 8, 3, True),
-    "m64-n128-w8-s1-tma": (64, 128, 8, 1, True),
-    "m32-n128-w8-s2-tma": (32, 128, 8, 2, True),
-    "m32-n128-w4-s2-tma": (32, 128, 4, 2, True),
-    "m128-n128-w8-s2-tma": (128, 128, 8, 2, True),
-    "m64-n64-w4-s2-tma": (64, 64, 4, 2, True),
-    "m128-n64-w8-s2-tma": (128, 64, 8, 2, True),
+#: Offline sm_90a compiles (``python -m repro.fa4.bwd_fused``) all hit ptxas's 255 registers at D = 128
+#: and spill: 64 x 128, 8 warps, 2 stages about 630-780 bytes; 32 x 128 about 320; 64 x 64 with 4 warps
+#: 1300-1600; 128 x 128 needs 263 KB of shared memory (more than the 227 KB an H100 gives a block) and is
+#: left out. At D = 64 64 x 128 spills 60-150 bytes, 32 x 128 none. Which costs least is for the GPU
+#: sweep (``bench.py --bwd-sweep``, ``.gpu/fa4_bwd_smoke.py``) to say; FUSED_DEFAULTS holds the pick.
+FUSED_CONFIGS: dict[str, tuple[int, int, int, int, bool, bool]] = {
+    "m64-n128-w8-s2-tma": (64, 128, 8, 2, True, False),
+    "m64-n128-w8-s2-tma-dqtma": (64, 128, 8, 2, True, True),
+    "m64-n128-w8-s1-tma": (64, 128, 8, 1, True, False),
+    "m64-n128-w8-s3-tma": (64, 128, 8, 3, True, False),
+    "m64-n128-w8-s2": (64, 128, 8, 2, False, False),
+    "m32-n128-w8-s2-tma": (32, 128, 8, 2, True, False),
+    "m32-n128-w8-s2-tma-dqtma": (32, 128, 8, 2, True, True),
+    "m32-n128-w8-s3-tma": (32, 128, 8, 3, True, False),
+    "m64-n64-w4-s2-tma": (64, 64, 4, 2, True, False),
+    "m32-n64-w4-s2-tma": (32, 64, 4, 2, True, False),
+    "m128-n64-w8-s2-tma": (128, 64, 8, 2, True, False),
 }
 #: Default launch per head dim, before any GPU measurement: FA3's tile (64 query rows x 128 keys,
-#: 8 warps, 2 stages) with TMA. (block_m, block_n, num_warps, num_stages, tma)
-FUSED_DEFAULTS = {64: (64, 128, 8, 2, True), 128: (64, 128, 8, 2, True)}
+#: 8 warps, 2 stages), Q/dO by TMA, dQ by per-element atomics.
+FUSED_DEFAULTS = {64: FUSED_CONFIGS["m64-n128-w8-s2-tma"], 128: FUSED_CONFIGS["m64-n128-w8-s2-tma"]}
 #: The interpreter's launch: small tiles keep the CPU tests fast and exercise every masked path.
-FUSED_INTERPRET = (16, 16, 4, 1, False)
+FUSED_INTERPRET = (16, 16, 4, 1, False, False)
+
+
+def config_switches(name: str) -> dict:
+    """The ``attention(...)`` switches that run the fused backward with FUSED_CONFIGS[name]."""
+    if name not in FUSED_CONFIGS:
+        raise ValueError(f"fused backward: unknown configuration {name!r}, expected one of {list(FUSED_CONFIGS)}")
+    bm, bn, nw, ns, tma, dq_tma = FUSED_CONFIGS[name]
+    return dict(bwd="fused", bwd_block_m=bm, bwd_block_n=bn, bwd_num_warps=nw, bwd_num_stages=ns,
+                bwd_tma=tma, bwd_dq_tma=dq_tma)  # fmt: skip
+
+
 #: Query rows per program of the preprocess kernel.
 PRE_BLOCK_M = 64
 
@@ -101,11 +119,13 @@ def _bwd_fused_kernel(
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
     H, H_KV, GROUP, S_Q, S_K, qk_scale, sm_scale,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
+    CAUSAL: tl.constexpr, USE_TMA: tl.constexpr, DQ_TMA: tl.constexpr,
 ):  # fmt: skip
     """dK, dV of one key block (summed over the KV head's group of query heads) and its atomic part
     of dQ. Q, DO and DQACC share strides (stride_q*); K, V, DK and DV share theirs (stride_k*).
-    With USE_TMA, Q and DO are tensor descriptors over [B * S_q, H * D] with block [BLOCK_M, D].
+    With USE_TMA, Q and DO are tensor descriptors over [B * S_q, H * D] with block [BLOCK_M, D]; with
+    DQ_TMA, DQACC is one too (fp32), and each dQ tile is added by a TMA bulk reduction from shared
+    memory (``cp.reduce.async.bulk.tensor``, FA3's way) instead of one atomic per element.
 
     One loop body for every query tile, masks included: a second, unmasked copy of the body (as the
     forward has) doubled ptxas's register spills at 64 x 128 on sm_90 (offline compile, 1428 against
@@ -158,8 +178,13 @@ def _bwd_fused_kernel(
             dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
             dk = tl.dot(dsT, q, dk)
             dq = tl.dot(tl.trans(dsT), k) * sm_scale  # [BLOCK_M, D]: this key block's part of dQ
-            dq_ptr = DQACC + q_head + offs_m[:, None] * stride_qs + offs_d[None, :]
-            tl.atomic_add(dq_ptr, dq, mask=row_ok[:, None], sem="relaxed")
+            if DQ_TMA:
+                # rows past S_q are exact zeros here (P = 0): adding them to the next batch's rows
+                # changes nothing; past the tensor's end the TMA unit drops them
+                DQACC.atomic_add([qrow0 + start_m, off_h * D], dq)
+            else:
+                dq_ptr = DQACC + q_head + offs_m[:, None] * stride_qs + offs_d[None, :]
+                tl.atomic_add(dq_ptr, dq, mask=row_ok[:, None], sem="relaxed")
     tl.store(DK + kv_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=n_ok)
     tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=n_ok)
 
@@ -178,13 +203,17 @@ def backward_fused(
     num_warps: int,
     num_stages: int,
     tma: bool,
+    dq_tma: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of attention from the forward's output ``o`` and base-2 log-sum-exp ``lse``.
 
     q, o, do: [B, S_q, H, D]; k, v: [B, S_k, H_kv, D] (contiguous); lse: [B, H, S_q] float32.
-    Causal needs S_q <= S_k (the caller splits off queries that see no key). Returns gradients in
-    the inputs' dtypes and shapes.
+    Causal needs S_q <= S_k (the caller splits off queries that see no key). ``tma``: Q and dO tiles
+    through TMA; ``dq_tma``: dQ tiles added by TMA bulk reductions (not in the CPU interpreter, which
+    has no such operation). Returns gradients in the inputs' dtypes and shapes.
     """
+    if dq_tma and interpreting():
+        raise ValueError("backward_fused: dq_tma (TMA bulk reductions) does not run in the CPU interpreter")
     b, s_q, h, d = q.shape
     s_k, h_kv = k.shape[1], k.shape[2]
     do = do.contiguous()
@@ -197,16 +226,18 @@ def backward_fused(
     )  # fmt: skip
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
-    qq, dd = q, do
-    if tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
+    qq, dd, acc = q, do, dq_acc
+    if tma:
         qq, dd = (TensorDescriptor.from_tensor(t.view(b * s_q, h * d), [block_m, d]) for t in (q, do))
+    if dq_tma:
+        acc = TensorDescriptor.from_tensor(dq_acc.view(b * s_q, h * d), [block_m, d])
     _bwd_fused_kernel[(triton.cdiv(s_k, block_n), b * h_kv)](
-        qq, k, v, dd, lse, delta, dq_acc, dk, dv,
+        qq, k, v, dd, lse, delta, acc, dk, dv,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         h, h_kv, h // h_kv, s_q, s_k, scale / math.log(2.0), scale,
-        D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, USE_TMA=tma,
+        D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, USE_TMA=tma, DQ_TMA=dq_tma,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return dq_acc.to(q.dtype), dk, dv
@@ -218,7 +249,7 @@ def backward_fused(
 
 
 def compile_for_sm90(d: int, causal: bool, block_m: int, block_n: int, num_warps: int, num_stages: int,
-                     tma: bool, dtype: str = "bf16"):  # fmt: skip
+                     tma: bool, dq_tma: bool = False, dtype: str = "bf16"):  # fmt: skip
     """The fused kernel compiled for sm_90a without a GPU; returns Triton's CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -226,13 +257,13 @@ def compile_for_sm90(d: int, causal: bool, block_m: int, block_n: int, num_warps
     qdesc = f"tensordesc<{dtype}[{block_m}, {d}]>" if tma else f"*{dtype}"
     signature = {
         "Q": qdesc, "K": f"*{dtype}", "V": f"*{dtype}", "DO": qdesc, "LSE": "*fp32", "DELTA": "*fp32",
-        "DQACC": "*fp32", "DK": f"*{dtype}", "DV": f"*{dtype}",
+        "DQACC": f"tensordesc<fp32[{block_m}, {d}]>" if dq_tma else "*fp32", "DK": f"*{dtype}", "DV": f"*{dtype}",
         **{n: "i32" for n in ("stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh")},
         "H": "i32", "H_KV": "i32", "GROUP": "i32", "S_Q": "i32", "S_K": "i32", "qk_scale": "fp32",
         "sm_scale": "fp32", "D": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-        "CAUSAL": "constexpr", "USE_TMA": "constexpr",
+        "CAUSAL": "constexpr", "USE_TMA": "constexpr", "DQ_TMA": "constexpr",
     }  # fmt: skip
-    constexprs = {"D": d, "BLOCK_M": block_m, "BLOCK_N": block_n, "CAUSAL": causal, "USE_TMA": tma}
+    constexprs = {"D": d, "BLOCK_M": block_m, "BLOCK_N": block_n, "CAUSAL": causal, "USE_TMA": tma, "DQ_TMA": dq_tma}
     src = ASTSource(_bwd_fused_kernel, signature, constexprs=constexprs)
     return triton.compile(
         src, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=num_warps, num_stages=num_stages)
@@ -247,17 +278,18 @@ def compile_report(configs=None, dims=(128, 64)) -> list[dict]:
     from repro.fa4.gluon_fwd import ptxas_usage
 
     rows = []
-    for name, (bm, bn, nw, ns, tma) in (configs or FUSED_CONFIGS).items():
+    for name, cfg in (configs or FUSED_CONFIGS).items():
         for d in dims:
             for causal in (False, True):
                 row = dict(config=name, d=d, causal=causal)
                 try:
-                    c = compile_for_sm90(d, causal, bm, bn, nw, ns, tma)
+                    c = compile_for_sm90(d, causal, *cfg)
                     ptx = c.asm["ptx"]
                     row.update(
                         shared=c.metadata.shared,
                         wgmma=len(re.findall(r"wgmma\.mma_async", ptx)),
                         tma_loads=len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
+                        tma_reduces=len(re.findall(r"cp\.reduce\.async\.bulk\.tensor", ptx)),
                         atomics=sorted(set(re.findall(r"\b(?:red|atom)\.global[\w.]*", ptx))),
                         atomic_instrs=len(re.findall(r"\b(?:red|atom)\.global", ptx)),
                         **ptxas_usage(ptx),

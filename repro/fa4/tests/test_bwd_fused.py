@@ -106,3 +106,15 @@ def test_causal_rows_without_keys_are_zero():
         assert torch.equal(out[:, :20], torch.zeros_like(out[:, :20]))
         assert torch.equal(dq[:, :20], torch.zeros_like(dq[:, :20]))
         assert out[:, 20:].abs().sum() > 0 and dq[:, 20:].abs().sum() > 0
+
+
+def test_dq_tma_refused_in_the_interpreter_and_unknown_config():
+    from repro.fa4.bwd_fused import config_switches
+
+    q = torch.randn(1, 16, 1, 16, requires_grad=True)
+    out = attention_any_d(q, q, q, bwd="fused", bwd_dq_tma=True)
+    with pytest.raises(ValueError, match="dq_tma"):
+        out.sum().backward()
+    with pytest.raises(ValueError, match="unknown configuration"):
+        config_switches("m999")
+    assert config_switches("m64-n128-w8-s2-tma")["bwd_block_n"] == 128
