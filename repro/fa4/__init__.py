@@ -149,7 +149,9 @@ def _resolve(sw: Switches, d: int, interpret: bool) -> Switches:
     if sw.bwd == "fused":
         from repro.fa4.bwd_fused import FUSED_DEFAULTS, FUSED_INTERPRET
 
-        bbm, bbn, bnw, bns, btma, bdq = FUSED_DEFAULTS.get(d, FUSED_INTERPRET) if not interpret else FUSED_INTERPRET
+        bbm, bbn, bnw, bns, btma, bdq = (
+            FUSED_DEFAULTS.get(d, FUSED_INTERPRET) if not interpret else FUSED_INTERPRET
+        )
     else:
         bbm, bbn, bnw, bns = BWD_DEFAULTS.get(d, (16, 16, 4, 1)) if not interpret else (16, 16, 4, 1)
         btma = bdq = False

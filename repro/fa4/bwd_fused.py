@@ -80,7 +80,9 @@ FUSED_INTERPRET = (16, 16, 4, 1, False, False)
 def config_switches(name: str) -> dict:
     """The ``attention(...)`` switches that run the fused backward with FUSED_CONFIGS[name]."""
     if name not in FUSED_CONFIGS:
-        raise ValueError(f"fused backward: unknown configuration {name!r}, expected one of {list(FUSED_CONFIGS)}")
+        raise ValueError(
+            f"fused backward: unknown configuration {name!r}, expected one of {list(FUSED_CONFIGS)}"
+        )
     bm, bn, nw, ns, tma, dq_tma = FUSED_CONFIGS[name]
     return dict(bwd="fused", bwd_block_m=bm, bwd_block_n=bn, bwd_num_warps=nw, bwd_num_stages=ns,
                 bwd_tma=tma, bwd_dq_tma=dq_tma)  # fmt: skip
@@ -263,7 +265,14 @@ def compile_for_sm90(d: int, causal: bool, block_m: int, block_n: int, num_warps
         "sm_scale": "fp32", "D": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
         "CAUSAL": "constexpr", "USE_TMA": "constexpr", "DQ_TMA": "constexpr",
     }  # fmt: skip
-    constexprs = {"D": d, "BLOCK_M": block_m, "BLOCK_N": block_n, "CAUSAL": causal, "USE_TMA": tma, "DQ_TMA": dq_tma}
+    constexprs = {
+        "D": d,
+        "BLOCK_M": block_m,
+        "BLOCK_N": block_n,
+        "CAUSAL": causal,
+        "USE_TMA": tma,
+        "DQ_TMA": dq_tma,
+    }
     src = ASTSource(_bwd_fused_kernel, signature, constexprs=constexprs)
     return triton.compile(
         src, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=num_warps, num_stages=num_stages)

@@ -31,7 +31,9 @@ SECTION = "Abstract, contribution (3): the backward pass"
 
 def _check(b, s_q, s_k, h, h_kv, d, causal, dtype, seed, tol, **switches):
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(b, s, n, d, generator=g).to(dtype) for s, n in ((s_q, h), (s_k, h_kv), (s_k, h_kv)))
+    q, k, v = (
+        torch.randn(b, s, n, d, generator=g).to(dtype) for s, n in ((s_q, h), (s_k, h_kv), (s_k, h_kv))
+    )
     do = torch.randn(b, s_q, h, d, generator=g).to(dtype)
     ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
     ref = attention_exact(*ref_leaves, causal=causal)
