@@ -213,7 +213,7 @@ def run_job(
 
         # 2. GPU tests (claims recorded into results/claims-gpu.json by the plugin)
         test_cmd = [python, "-m", "pytest", "-m", "gpu", str(pkg.relative_to(root)), "-v", "--tb=short",
-                    "-p", "no:cacheprovider"]  # fmt: skip
+                    "-p", "no:cacheprovider", "--durations=15"]  # fmt: skip
         measures = str(logs / f"{name}-measures.jsonl")
         for step_name, cmd, extra_env in (
             ("tests", [*test_cmd, *_xdist_args()], {"PAPERCLUB_TEST_LOG": measures}),

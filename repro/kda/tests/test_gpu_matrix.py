@@ -53,7 +53,7 @@ def fla_inputs(B, T, H, D, gate_norm, mask_p, dtype, h0=True, dht=True, seed=42)
     return x, do, dhT
 
 
-def errors(x, do, dhT, dtype, scale):
+def errors(x, do, dhT, dtype, scale, with_fla=True):
     """Errors of chunk_kda (in ``dtype``) against the fp64 recurrence, both on the GPU."""
     names = [n for n in ("q", "k", "v", "g", "beta", "h0") if x[n] is not None]
     ref = {n: x[n].to("cuda", copy=True).requires_grad_(True) for n in names}
@@ -64,8 +64,15 @@ def errors(x, do, dhT, dtype, scale):
     results = {}
     sides = [("ours", gpu, "cuda")] if sanitizing() else [("ours", gpu, "cuda"), ("ref", ref, "cuda")]
     peer = fla_chunk_kda()
-    if peer is not None and not sanitizing():
-        # the peer's own error on the same inputs: fla's chunk_kda, same dtypes, fresh leaves
+    # the peer's own error on the same inputs: fla's chunk_kda, same dtypes, fresh leaves; in the 16-bit
+    # dtypes at D = 128 only (each new dtype and head dim costs fla an autotuning of every kernel)
+    if (
+        with_fla
+        and peer is not None
+        and not sanitizing()
+        and dtype != torch.float32
+        and x["q"].shape[-1] == 128
+    ):
         fla = {n: t.detach().clone().requires_grad_(True) for n, t in gpu.items()}
         sides.append(("fla", fla, "cuda"))
     for side, t, dev in sides:
@@ -107,7 +114,7 @@ def fla_chunk_kda():
     return run
 
 
-def check(case, dtype, **settings):
+def check(case, dtype, with_fla=True, **settings):
     x, do, dhT = fla_inputs(*case["shape"], case["gate_norm"], case["mask_p"], dtype, case["h0"], case["dht"])
     if case.get("refused"):
         # a difference from fla: per-token decay below chunk.G_MIN is refused, not computed (inf before)
@@ -115,7 +122,7 @@ def check(case, dtype, **settings):
             errors(x, do, dhT, dtype, case["scale"])
         return
     with C.changed_settings(settings):
-        errs, fla_errs = errors(x, do, dhT, dtype, case["scale"])
+        errs, fla_errs = errors(x, do, dhT, dtype, case["scale"], with_fla)
     log_measure(
         "kda/gpu-matrix", case=case, dtype=str(dtype), settings=settings,
         errors={n: float(f"{e:.3g}") for n, e in errs.items()},
@@ -178,15 +185,15 @@ def test_default_path_on_gpu(name, dtype):
 def test_state_value_blocks_on_gpu(bv, dtype):
     """The fused state backward at every value block its rule can pick, in the mild-gate case where a
     wrong dS carried across chunks shows (fla's B=2, T=1500, H=4, D=128, normaliser 10)."""
-    check(CASES["fla-B2-T1500-D128-mild"], dtype, STATE_BWD_BV=bv)
+    check(CASES["fla-B2-T1500-D128-mild"], dtype, with_fla=False, STATE_BWD_BV=bv)
 
 
 @pytest.mark.gpu
 @pytest.mark.claim(CLAIM, section=SECTION)
 @pytest.mark.parametrize("prec", ["tf32x3", "ieee"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("name", ["fla-B2-T1500-D128-mild", "B1-H1-T64-D128-no-states", "fla-B4-T1024-D128"])
+@pytest.mark.parametrize("dtype", [torch.float16], ids=["fp16"])
+@pytest.mark.parametrize("name", ["fla-B2-T1500-D128-mild", "B1-H1-T64-D128-no-states"])
 def test_dot_precision_settings_on_gpu(name, dtype, prec):
     """The other intra-chunk product precisions a user can pick (chunk.DOT_PREC_16BIT) on the cases
-    where the mild gates make the chunk's triangular solve ill-conditioned, and on a strong-gate one."""
-    check(CASES[name], dtype, DOT_PREC_16BIT=prec)
+    where the mild gates make the chunk's triangular solve ill-conditioned."""
+    check(CASES[name], dtype, with_fla=False, DOT_PREC_16BIT=prec)
