@@ -223,7 +223,12 @@ def run_job(
         ):  # fmt: skip
             step = Step(name, step_name)
             log = logs / f"{name}-{step_name}.log"
-            bench_reserve = 0.45 * max(left(), 0)  # the benchmark keeps about half of the share
+            # the benchmark keeps about half of the share, unless it is skipped
+            bench_reserve = 0.0 if "bench" in skip else 0.45 * max(left(), 0)
+            if step_name == "tests" and "sanitizer" not in skip:
+                bench_reserve += 0.25 * max(
+                    left() - bench_reserve, 0
+                )  # and the sanitizer a quarter of the rest
             if step_name in skip or left(bench_reserve) < 20:
                 step.status = "skipped"
                 step.detail = "skipped" if step_name in skip else "no time left in the budget"
