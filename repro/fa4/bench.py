@@ -17,6 +17,16 @@ Modes:
   --peer      flash-attn-4 beside cuDNN, our best configuration (TMA on) and ours with the Gluon
               forward (fa4-gluon), same shapes, forward and forward + backward -> <device>-peer.json
               (``--no-fa4``: cuDNN and ours only)
+  --bwd       the backward comparison only: forward + backward and backward alone at S = 4k, 8k, 16k,
+              causal and not: ours with the fa2 backward and with the fused one (Gluon forward; and the
+              Triton forward + fused), cuDNN and FA2 (SDPA); each checked against cuDNN's gradients at
+              that shape, then timed in interleaved rounds -> <device>-bwd.json. The default run does
+              this first, then the table above.
+  --bwd-sweep the fused backward's launch configurations (bench.BWD_SWEEP over bwd_fused.FUSED_CONFIGS)
+              at S = 8k beside cuDNN, causal and not, backward alone and forward + backward; prints the
+              best -> <device>-bwd-sweep.json
+  --budget-s N  stop starting shapes after N seconds (the GPU job passes it): the default run gives
+              the backward comparison 60% of it, then the table; skipped shapes are named in the notes
   --ncu-target  one forward each of ours, cuDNN and flash-attn-4 at S = 8k inside
               cudaProfilerStart/Stop, for ``ncu --profile-from-start off`` (gpu_run_peer.sh)
   --out DIR   where to write the JSON (default repro/fa4/results/)
@@ -33,12 +43,13 @@ import json
 import os
 import statistics
 import sys
+import time
 import traceback
 from pathlib import Path
 
 import torch
 
-from paperclub.bench import Report, measure, time_ms
+from paperclub.bench import Candidate, Report, measure, time_ms
 
 HEADS = 16
 HEAD_DIM = 128
@@ -116,7 +127,7 @@ def _row_error(report: Report, **row) -> None:
     report.add(**row, ms=float("nan"), tflops=float("nan"))
 
 
-def full(out_dir: Path | None, seqlens, ablate_passes=("fwd",)) -> None:
+def full(out_dir: Path | None, seqlens, ablate_passes=("fwd",), deadline: float | None = None) -> None:
     columns = ["group", "impl", "causal", "S", "B", "pass", "ms", "tflops", "note"]
     report = Report(
         package="fa4",
@@ -132,8 +143,12 @@ def full(out_dir: Path | None, seqlens, ablate_passes=("fwd",)) -> None:
             "separate call, because its CuTe-DSL runtime wheel (92 MB) is carried in two halves."
         ),
     )
+    skipped = []
     for causal in (False, True):
         for s in seqlens:
+            if _budget_left(deadline) < 60:
+                skipped.append(f"S={s} causal={causal}")
+                continue
             b = max(1, TOKENS // s)
             q, k, v = make_inputs(b, s)
             qt, kt, vt = make_inputs(b, s, layout="bhsd")
@@ -172,6 +187,9 @@ def full(out_dir: Path | None, seqlens, ablate_passes=("fwd",)) -> None:
                         _row_error(report, **row, note=msg)
                     torch.cuda.empty_cache()
             print(f"done causal={causal} S={s}", flush=True)
+            _quiet_write(report, "", out_dir)
+    if skipped:
+        report.notes += f" Not measured (time budget of the run): {', '.join(skipped)}."
     for causal in (False, True):
         report.plot(title=f"forward TFLOP/s, causal={causal}", x="S", y="tflops", series="impl",
                     where={"group": "compare", "pass": "fwd", "causal": causal}, logx=True)  # fmt: skip
@@ -180,7 +198,8 @@ def full(out_dir: Path | None, seqlens, ablate_passes=("fwd",)) -> None:
         report.plot(title=f"ablation: forward TFLOP/s, causal={causal}", x="S", y="tflops", series="impl",
                     where={"group": "ablation", "pass": "fwd", "causal": causal}, logx=True)  # fmt: skip
     report.write(out_dir=out_dir)
-    rescale(out_dir, seqlens)
+    if _budget_left(deadline) > 60:
+        rescale(out_dir, seqlens)
 
 
 def rescale(out_dir: Path | None, seqlens) -> None:
@@ -707,6 +726,254 @@ def peer(out_dir: Path | None, seqlens, use_fa4: bool = True) -> None:
     report.write(tag="peer", out_dir=out_dir)
 
 
+# ---------------------------------------------------------------------------------------------
+# The backward: fused (FA3's one-pass schedule) against fa2 (two kernels), cuDNN and FA2 (SDPA)
+# ---------------------------------------------------------------------------------------------
+
+#: Shapes of the backward comparison (D = 128, HEADS heads, B x S = TOKENS, bf16).
+BWD_SEQLENS = (4096, 8192, 16384)
+#: Rounds of the backward comparison and the sweep (every candidate timed once per round, in turn).
+BWD_ROUNDS = 3
+BWD_COLUMNS = ["group", "impl", "causal", "S", "B", "pass", "ms", "ms_min", "ms_max", "tflops", "vs_cudnn",
+               "check", "note"]  # fmt: skip
+#: Our candidates in the backward comparison: the Gluon forward with each backward, and the Triton
+#: forward (TMA) with the fused one.
+BWD_IMPLS: dict[str, dict] = {
+    "fa4-gluon": {"gluon": True, "bwd": "fa2"},
+    "fa4-gluon-fused": {"gluon": True, "bwd": "fused"},
+    "fa4-triton-tma-fused": {"tma": True, "bwd": "fused"},
+}
+#: Configurations the --bwd-sweep times (most promising first: a budget cut drops the tail).
+BWD_SWEEP = [
+    "m64-n128-w8-s2-tma",
+    "m64-n128-w8-s2-tma-dqtma",
+    "m32-n128-w8-s2-tma",
+    "m64-n128-w8-s1-tma",
+    "m128-n64-w8-s2-tma",
+    "m64-n64-w4-s2-tma",
+    "m32-n128-w8-s2-tma-dqtma",
+    "m64-n128-w8-s3-tma",
+    "m32-n128-w8-s3-tma",
+    "m32-n64-w4-s2-tma",
+    "m64-n128-w8-s2",
+]
+
+
+def _sdpa_bwd_inputs(q, k, v):
+    """Contiguous [B, H, S, D] copies of q, k, v (SDPA's layout) holding the same values, as leaves."""
+    return [t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
+
+
+def _grads(out_fn, leaves, grad, layout: str):
+    """Output and (dq, dk, dv) of one call, as float32 [B, S, H, D]."""
+    out = out_fn()
+    grads = torch.autograd.grad(out, leaves, grad if layout == "bshd" else grad.transpose(1, 2))
+    to = (lambda t: t.float()) if layout == "bshd" else (lambda t: t.transpose(1, 2).float())
+    return [to(t) for t in (out, *grads)]
+
+
+def _grad_errors(out_fn, leaves, grad, layout, ref) -> dict[str, float]:
+    """Relative L2 errors of the output and dq, dk, dv of one call against ``ref`` (cuDNN's)."""
+    got = _grads(out_fn, leaves, grad, layout)
+    return {n: rel_err(a, r) for n, a, r in zip(("o", "dq", "dk", "dv"), got, ref, strict=True)}
+
+
+def _timer(f, leaves, grad, passes: str):
+    """What one timed call runs: forward + backward, or ("bwd") the backward alone from a kept graph."""
+    if passes == "fwd+bwd":
+        return lambda: torch.autograd.grad(f(), leaves, grad)
+    out = f()
+    return lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True)
+
+
+def _failed(msg: str):
+    """A Candidate check that fails with ``msg`` (the candidate failed its check or did not run)."""
+
+    def check():
+        raise AssertionError(msg)
+
+    return check
+
+
+def _budget_left(deadline: float | None) -> float:
+    return float("inf") if deadline is None else deadline - time.monotonic()
+
+
+def _bwd_shape(b: int, s: int, causal: bool):
+    """Inputs of one shape (ours [B, S, H, D], SDPA's [B, H, S, D] copies of the same values, dO),
+    cuDNN's output and gradients, FA2's (SDPA) largest distance from them, and the check tolerance:
+    3x that distance, at least 2e-2."""
+    q, k, v = make_inputs(b, s)
+    sdpa_leaves = _sdpa_bwd_inputs(q, k, v)
+    grad = torch.randn_like(q)
+    ref = _grads(sdpa(*sdpa_leaves, causal, "cudnn"), sdpa_leaves, grad, "bhsd")
+    fa2 = _grads(sdpa(*sdpa_leaves, causal, "flash2"), sdpa_leaves, grad, "bhsd")
+    fa2_err = max(rel_err(a, r) for a, r in zip(fa2, ref, strict=True))
+    return (q, k, v), sdpa_leaves, grad, ref, fa2_err, max(3 * fa2_err, 2e-2)
+
+
+def _check_all(fns: dict, leaves, grad, ref, tol: float) -> tuple[dict, dict]:
+    """Compile and check each of our candidates once: (errors by name, failure message by name)."""
+    errs, bad = {}, {}
+    for name, f in fns.items():
+        try:
+            errs[name] = _grad_errors(f, leaves, grad, "bshd", ref)
+            over = {n: f"{e:.1e}" for n, e in errs[name].items() if not e <= tol}
+            if over:
+                bad[name] = f"vs cuDNN over {tol:.1e}: {over}"
+        except Exception as exc:  # fails to compile or run: its rows say why
+            bad[name] = error_text(exc)
+        print(
+            f"  check {name}: {bad.get(name) or {n: f'{e:.1e}' for n, e in errs[name].items()}}", flush=True
+        )
+    return errs, bad
+
+
+def _bwd_rows(report, res, errs, fixed: dict, b, s, causal, passes, extra=None) -> None:
+    """One row per measured candidate (``res`` from ``measure``), with TFLOP/s and the ratio to cuDNN."""
+    cudnn_ms = res["sdpa-cudnn"].median_ms
+    f_ = flops(b, s, causal, "fwd") * (3.5 if passes == "fwd+bwd" else 2.5)
+    for name, m in res.items():
+        ms = m.median_ms
+        note = ", ".join(f"{n} {e:.1e}" for n, e in errs.get(name, {}).items())
+        report.add(
+            **fixed, impl=name, causal=causal, S=s, B=b, **{"pass": passes}, **m.row(),
+            tflops=f_ / (ms * 1e-3) / 1e12 if ms else None,
+            vs_cudnn=cudnn_ms / ms if ms and cudnn_ms else None,
+            note=f"rel.err vs cuDNN: {note}" if note else "", **(extra(name) if extra else {}),
+        )  # fmt: skip
+        print(report.rows[-1], flush=True)
+
+
+def bwd_compare(
+    out_dir: Path | None, seqlens=BWD_SEQLENS, deadline: float | None = None, impls=None
+) -> Report:
+    """Forward + backward and backward alone: our backwards (BWD_IMPLS) beside cuDNN and FA2 (SDPA).
+
+    At each shape every candidate's output and gradients are checked once against cuDNN's on the same
+    values (tolerance: 3x FA2's own distance from cuDNN, at least 2e-2); candidates that pass are
+    timed in BWD_ROUNDS interleaved rounds through ``paperclub.bench.measure``. Writes
+    ``<device>-bwd.json``; shapes past the deadline are left out and named in the notes.
+    """
+    impls = BWD_IMPLS if impls is None else impls
+    report = Report(
+        package="fa4",
+        title="Backward: fused (FA3 schedule) vs fa2 (two kernels) vs cuDNN and FA2 (SDPA), D=128, 16 heads, "
+        "B*S=16k, bf16",
+        peer=f"torch {torch.__version__} SDPA (cuDNN {torch.backends.cudnn.version()}, FlashAttention-2 backend)",
+        columns=BWD_COLUMNS,
+        packages=["triton", "torch"],
+        measure_ceilings=False,
+        notes=(
+            "TFLOP/s: 4 B H S^2 D per forward (halved when causal); forward+backward x3.5, backward alone x2.5. "
+            "pass=bwd times torch.autograd.grad on a kept graph (the backward kernels alone, with their "
+            "preprocess). vs_cudnn: cuDNN's ms / this row's ms (> 1 is faster). check: output and "
+            "gradients against cuDNN's on the same inputs, tolerance 3x the FA2 backend's own distance "
+            "from cuDNN (at least 2e-2). fa4-gluon = Gluon forward + fa2 backward (the previous default "
+            "pairing); fa4-gluon-fused = Gluon forward + fused backward (FUSED_DEFAULTS); "
+            f"fa4-triton-tma-fused = Triton forward (TMA) + fused backward. Interleaved: {BWD_ROUNDS} rounds."
+        ),
+    )
+    skipped = []
+    for causal in (False, True):
+        for s in seqlens:
+            if _budget_left(deadline) < 45:
+                skipped.append(f"S={s} causal={causal}")
+                continue
+            b = max(1, TOKENS // s)
+            print(f"bwd: S={s} causal={causal}: checking against cuDNN", flush=True)
+            ours_leaves, sdpa_leaves, grad, ref, fa2_err, tol = _bwd_shape(b, s, causal)
+            grad_t = grad.transpose(1, 2).contiguous()
+            mine = {n: ours(*ours_leaves, causal, sw) for n, sw in impls.items()}
+            errs, bad = _check_all(mine, ours_leaves, grad, ref, tol)
+            errs["sdpa-flash2"] = {"max": fa2_err}
+            for passes in ("fwd+bwd", "bwd"):
+                cands = {
+                    f"sdpa-{be}": Candidate(
+                        fn=_timer(sdpa(*sdpa_leaves, causal, be), sdpa_leaves, grad_t, passes)
+                    )
+                    for be in ("cudnn", "flash2")
+                }
+                for name, f in mine.items():
+                    if name in bad:
+                        cands[name] = Candidate(fn=lambda: None, check=_failed(bad[name]))
+                    else:
+                        cands[name] = Candidate(fn=_timer(f, ours_leaves, grad, passes))
+                res = measure(cands, rounds=BWD_ROUNDS)
+                _bwd_rows(report, res, errs, dict(group="bwd"), b, s, causal, passes)
+                del cands, res
+            del mine, ref, ours_leaves, sdpa_leaves, grad, grad_t
+            torch.cuda.empty_cache()
+            _quiet_write(report, "bwd", out_dir)
+    if skipped:
+        report.notes += f" Not measured (time budget of the run): {', '.join(skipped)}."
+    for causal in (False, True):
+        for passes in ("fwd+bwd", "bwd"):
+            report.plot(title=f"{passes} TFLOP/s, causal={causal}", x="S", y="tflops", series="impl",
+                        where={"pass": passes, "causal": causal}, logx=True)  # fmt: skip
+    report.write(tag="bwd", out_dir=out_dir)
+    return report
+
+
+def bwd_sweep(out_dir: Path | None, deadline: float | None = None, s: int = 8192, configs=None) -> Report:
+    """The fused backward's launch configurations (BWD_SWEEP) at S = ``s`` beside cuDNN, causal and not:
+    the backward alone and forward + backward (Gluon forward), checked against cuDNN's gradients,
+    interleaved rounds. Writes ``<device>-bwd-sweep.json`` and prints the best configuration per case."""
+    from repro.fa4.bwd_fused import config_switches
+
+    configs = BWD_SWEEP if configs is None else configs
+    report = Report(
+        package="fa4",
+        title=f"Fused backward launch sweep vs cuDNN, S={s}, D=128, 16 heads, B*S=16k, bf16",
+        peer=f"torch {torch.__version__} SDPA, cuDNN {torch.backends.cudnn.version()}",
+        columns=["config", *BWD_COLUMNS],
+        packages=["triton", "torch"],
+        measure_ceilings=False,
+        notes=(
+            "Each config: repro.fa4.bwd_fused.FUSED_CONFIGS[config] (block_m, block_n, num_warps, "
+            "num_stages, TMA loads of Q/dO, dQ by TMA reductions) behind the Gluon forward. "
+            "vs_cudnn > 1 is faster than cuDNN. Checked against cuDNN's gradients as in the -bwd table."
+        ),
+    )
+    b = max(1, TOKENS // s)
+    best: dict = {}
+    for causal in (False, True):
+        ours_leaves, sdpa_leaves, grad, ref, _, tol = _bwd_shape(b, s, causal)
+        grad_t = grad.transpose(1, 2).contiguous()
+        cudnn = sdpa(*sdpa_leaves, causal, "cudnn")
+        mine = {}
+        for name in configs:
+            if _budget_left(deadline) < 30:
+                report.notes += f" {name} (causal={causal}) not run: time budget."
+                continue
+            mine[name] = ours(*ours_leaves, causal, {"gluon": True, **config_switches(name)})
+        errs, bad = _check_all(mine, ours_leaves, grad, ref, tol)
+        for passes in ("bwd", "fwd+bwd"):
+            cands = {"sdpa-cudnn": Candidate(fn=_timer(cudnn, sdpa_leaves, grad_t, passes))}
+            for name, f in mine.items():
+                if name in bad:
+                    cands[name] = Candidate(fn=lambda: None, check=_failed(bad[name]))
+                else:
+                    cands[name] = Candidate(fn=_timer(f, ours_leaves, grad, passes))
+            res = measure(cands, rounds=BWD_ROUNDS)
+            _bwd_rows(report, res, errs, dict(group="bwd-sweep"), b, s, causal, passes,
+                      extra=lambda n: {"config": "" if n == "sdpa-cudnn" else n})  # fmt: skip
+            cudnn_ms = res["sdpa-cudnn"].median_ms
+            ratios = {n: cudnn_ms / m.median_ms for n, m in res.items() if n != "sdpa-cudnn" and m.median_ms}
+            if ratios and cudnn_ms:
+                top = max(ratios, key=ratios.get)
+                best[(passes, causal)] = (top, ratios[top])
+            del cands, res
+        del mine, ref, ours_leaves, sdpa_leaves, grad, grad_t, cudnn
+        torch.cuda.empty_cache()
+        _quiet_write(report, "bwd-sweep", out_dir)
+    summary = "; ".join(f"{p} causal={c}: {n} {vs:.3f}x cuDNN" for (p, c), (n, vs) in sorted(best.items()))
+    report.notes += f" Best: {summary}." if summary else " No configuration ran."
+    print("best:", summary, flush=True)
+    report.write(tag="bwd-sweep", out_dir=out_dir)
+    return report
+
+
 def ncu_target(use_fa4: bool = True, s: int = 8192, causal: bool = False) -> None:
     """One forward each of ours (OURS_BEST and OURS_GLUON), cuDNN and flash-attn-4 between cudaProfilerStart/Stop.
 
@@ -857,8 +1124,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-fa4", action="store_true")
     parser.add_argument("--ncu-target", action="store_true")
     parser.add_argument("--ncu-summary", type=Path, default=None, metavar="CSV")
+    parser.add_argument(
+        "--bwd", action="store_true", help="the backward comparison only (-> <device>-bwd.json)"
+    )
+    parser.add_argument(
+        "--bwd-sweep",
+        action="store_true",
+        help="the fused backward's launch configurations at S=8k (-> <device>-bwd-sweep.json)",
+    )
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="wall-clock budget: shapes that would start after it are skipped and named in the notes",
+    )
     parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # fmt: skip
+    deadline = None if args.budget_s is None else time.monotonic() + args.budget_s
     if args.ncu_summary is not None:  # reads a file: no GPU needed
         print_ncu_summary(args.ncu_summary.read_text(encoding="utf-8", errors="replace"))
         return
@@ -879,8 +1161,18 @@ def main(argv: list[str] | None = None) -> None:
             peer(out, (2048, 8192) if args.quick else SEQLENS, use_fa4=not args.no_fa4)
         elif args.ncu_target:
             ncu_target(use_fa4=not args.no_fa4)
+        elif args.bwd:
+            bwd_compare(out, (8192,) if args.quick else BWD_SEQLENS, deadline=deadline)
+        elif args.bwd_sweep:
+            bwd_sweep(out, deadline=deadline)
         else:
-            full(out, (2048, 8192) if args.quick else SEQLENS)
+            # the backward comparison first (the GPU job's budget may not reach the end of the table)
+            if args.budget_s is None:
+                bwd_deadline = None
+            else:
+                bwd_deadline = time.monotonic() + 0.6 * args.budget_s
+            bwd_compare(out, (8192,) if args.quick else BWD_SEQLENS, deadline=bwd_deadline)
+            full(out, (2048, 8192) if args.quick else SEQLENS, deadline=deadline)
     except Exception:
         traceback.print_exc()
         raise
