@@ -6,7 +6,8 @@ when causal) and 3.5x that for forward + backward (backward = 2.5 forwards), the
 convention. Every switch of the kernel is ablated one at a time against the default.
 
 Modes:
-  (default)   the full comparison and ablation; writes results/<device>.json and <device>-rescale.json
+  (default)   the backward comparison (--bwd, below) first, then the full comparison and ablation;
+              writes results/<device>-bwd.json, <device>.json and <device>-rescale.json
   --sweep     launch-shape sweep (block sizes, warps, pipelining depth) -> <device>-autotune.json
   --gluon-sweep  the Gluon forward's launch settings (GLUON_SWEEP) beside cuDNN at S = 4k, 8k, 16k,
               causal and not, forward only -> <device>-gluon-sweep.json
