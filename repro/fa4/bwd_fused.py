@@ -221,7 +221,7 @@ def backward_fused(
     do = do.contiguous()
     delta = torch.empty(b, h, s_q, device=q.device, dtype=torch.float32)
     dq_acc = torch.empty(q.shape, device=q.device, dtype=torch.float32)
-    pre_m = min(PRE_BLOCK_M, triton.next_power_of_2(s_q)) if q.device.type == "cuda" else 16
+    pre_m = max(16, min(PRE_BLOCK_M, triton.next_power_of_2(s_q))) if q.device.type == "cuda" else 16
     _bwd_preprocess_kernel[(triton.cdiv(s_q, pre_m), b * h)](
         o, do, delta, dq_acc, o.stride(0), o.stride(1), o.stride(2), h, s_q, D=d, BLOCK_M=pre_m,
         num_warps=4,
