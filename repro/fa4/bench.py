@@ -744,19 +744,22 @@ BWD_IMPLS: dict[str, dict] = {
     "fa4-gluon-fused": {"gluon": True, "bwd": "fused"},
     "fa4-triton-tma-fused": {"tma": True, "bwd": "fused"},
 }
-#: Configurations the --bwd-sweep times (most promising first: a budget cut drops the tail).
+#: Configurations the --bwd-sweep times (most promising first, by the first H100 sweep in
+#: results/*-bwd-smoke.json: a budget cut drops the tail).
 BWD_SWEEP = [
-    "m64-n128-w8-s2-tma",
+    "m64-n128-w8-s2",
+    "m64-n128-w8-s2-dqtma",
+    "m64-n128-w8-s3",
     "m64-n128-w8-s2-tma-dqtma",
-    "m32-n128-w8-s2-tma",
+    "m64-n128-w8-s2-tma",
+    "m32-n128-w8-s3-tma",
+    "m64-n128-w8-s3-tma",
     "m64-n128-w8-s1-tma",
-    "m128-n64-w8-s2-tma",
+    "m32-n128-w8-s2-tma",
     "m64-n64-w4-s2-tma",
     "m32-n128-w8-s2-tma-dqtma",
-    "m64-n128-w8-s3-tma",
-    "m32-n128-w8-s3-tma",
     "m32-n64-w4-s2-tma",
-    "m64-n128-w8-s2",
+    "m128-n64-w8-s2-tma",
 ]
 
 

@@ -125,9 +125,11 @@ GATES = {
 CHECK_TOL = {"o": 2e-2, "dq": 3e-2, "dk": 3e-2, "dv": 3e-2, "dg": 6e-2, "dbeta": 6e-2}
 
 
-def gradient_check(fn, inputs, reference, names=("q", "k", "v", "g", "beta")):
+def gradient_check(fn, inputs, reference, names=("q", "k", "v", "g", "beta"), tol=None, errors_out=None):
     """A ``Candidate.check``: ``fn``'s output and gradients on ``inputs`` (bf16) against our fp32 path
-    on the same values; raises naming every quantity over CHECK_TOL. Returns the worst ratio."""
+    on the same values; raises naming every quantity over ``tol`` (default CHECK_TOL). Returns the
+    worst ratio of error to tolerance; ``errors_out`` (a dict), if given, receives every error."""
+    tol = CHECK_TOL if tol is None else tol
 
     def grads(f, xs):
         leaves = [x.detach().clone().requires_grad_(True) for x in xs]
@@ -139,10 +141,12 @@ def gradient_check(fn, inputs, reference, names=("q", "k", "v", "g", "beta")):
     ours = grads(fn, inputs)
     ref = grads(reference, [x.float() for x in inputs])
     errs = {n: rel_error(ours[n].float(), ref[n].float()) for n in ref}
-    bad = {n: f"{e:.2e}" for n, e in errs.items() if not e <= CHECK_TOL[n]}
+    if errors_out is not None:
+        errors_out.update(errs)
+    bad = {n: f"{e:.2e}" for n, e in errs.items() if not e <= tol[n]}
     if bad:
-        raise AssertionError(f"against our fp32 path: {bad} over {CHECK_TOL}")
-    return max(e / CHECK_TOL[n] for n, e in errs.items())
+        raise AssertionError(f"against our fp32 path: {bad} over {tol}")
+    return max(e / tol[n] for n, e in errs.items())
 
 
 def run(
@@ -396,8 +400,8 @@ TUNING = [  # launch settings of repro.kda.chunk, each change (one or more names
     {"SPLIT_B_STAGES": 4},
     {"SPLIT_B_BV": 64},
     {"SPLIT_A_BK": 16, "SPLIT_A_BV": 16, "SPLIT_A_WARPS": 4},
-    # accuracy against time for 16-bit inputs (chunk.DOT_PREC_16BIT): tf32x3 products everywhere
-    {"DOT_PREC_16BIT": "tf32x3"},
+    # accuracy against time for bf16 inputs (chunk.DOT_PREC_BF16): tf32x3 products everywhere
+    {"DOT_PREC_BF16": "tf32x3"},
 ]
 
 
@@ -452,6 +456,79 @@ def tune(
         print(f"B={B} T={T} {str(change or 'defaults'):32s} fwd {fwd_med:7.3f} ms ({min(f_ms):.3f}-{max(f_ms):.3f})"
               f"  fwd+bwd {fb_med:7.3f} ms ({min(fb_ms):.3f}-{max(fb_ms):.3f})", flush=True)  # fmt: skip
     return rows
+
+
+PRECISION_SHAPES = ((8, 2048), (2, 8192))
+
+
+def precision(out_dir: Path | None, budget_s: float = 1e9) -> None:
+    """fp16 and bf16 inputs: ours with each product precision of the intra-chunk algebra
+    (chunk.DOT_PREC_FP16 / DOT_PREC_BF16 = tf32, tf32x3, ieee) beside fla's chunk_kda in the same
+    dtype, mild gates (where precision shows), forward + backward. Each candidate's gradients are
+    checked first against our fp32 path at the shape (the largest relative error is ``err_max``); the
+    rows then come from interleaved rounds (``measure``)."""
+    from repro.kda import chunk as ck
+
+    start = time.perf_counter()
+    report = Report(
+        package="kda",
+        title="KDA fwd+bwd: product precision of the intra-chunk algebra, fp16 and bf16, mild gates",
+        peer="flash-linear-attention 0.6.0",
+        columns=["impl", "dtype", "prec", "B", "T", "ms", "ms_min", "ms_max", "check", "err_max"],
+        packages=["flash-linear-attention", "fla-core"],
+        notes=(
+            "H=16, K=V=128, g = logsigmoid(x) / 10 (mild). prec: the products of our fp32 intra-chunk and "
+            "state algebra (chunk.DOT_PREC_FP16 for fp16, DOT_PREC_BF16 for bf16; defaults "
+            f"{ck.DOT_PREC_FP16} / {ck.DOT_PREC_BF16}). err_max: the largest relative error of o and the "
+            "input gradients against our fp32 path (ieee) on the same inputs. Medians and range of "
+            f"{ROUNDS} interleaved rounds."
+        ),
+        measure_ceilings=False,
+    )
+    fns = impls()
+    reference = fp32_path()
+    for B, T in PRECISION_SHAPES:
+        for dtype, setting in ((torch.float16, "DOT_PREC_FP16"), (torch.bfloat16, "DOT_PREC_BF16")):
+            if time.perf_counter() - start > budget_s:
+                print(f"precision: budget spent, B={B} T={T} {dtype} not measured", flush=True)
+                continue
+            q, k, v, g, beta = make_inputs(B, T, gate_scale=GATES["mild"])
+            inputs = (q.to(dtype), k.to(dtype), v.to(dtype), g, beta)
+            leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
+            do = torch.randn_like(inputs[2])
+            cands, errs = {}, {}
+            variants = [("ours", prec, {setting: prec}) for prec in DOT_PRECISION_CHOICES]
+            if "fla_kda" in fns:
+                variants.append(("fla_kda", "", {}))
+            for name, prec, change in variants:
+                fn = fns[name]
+
+                def run_once(fn=fn, change=change, leaves=leaves, do=do):
+                    with ck.changed_settings(change):
+                        return torch.autograd.grad(fn(*leaves), leaves, do, allow_unused=True)
+
+                out = errs[(name, prec)] = {}
+
+                def check(fn=fn, change=change, out=out, x=inputs):
+                    with ck.changed_settings(change):
+                        gradient_check(fn, x, reference, tol=PRECISION_CHECK_TOL, errors_out=out)
+
+                cands[f"{name}|{prec}"] = Candidate(fn=run_once, check=check)
+            res = measure(cands, rounds=ROUNDS)
+            for key, m in res.items():
+                name, prec = key.split("|")
+                err = errs.get((name, prec)) or {}
+                report.add(impl=name, dtype=str(dtype).removeprefix("torch."), prec=prec, B=B, T=T,
+                           err_max=round(max(err.values()), 5) if err else None, **m.row())  # fmt: skip
+                print(f"{str(dtype):15s} B={B} T={T} {name:8s} {prec:7s} {m.row()}", flush=True)
+            report.write(out_dir=out_dir, tag="precision")
+    report.write(out_dir=out_dir, tag="precision")
+
+
+#: the choices of chunk.DOT_PREC_FP16 / DOT_PREC_BF16 that --precision times
+DOT_PRECISION_CHOICES = ("tf32", "tf32x3", "ieee")
+#: --precision's check only refuses what is plainly wrong (bf16 rounding gives up to ~1.5e-2)
+PRECISION_CHECK_TOL = {"o": 5e-2, "dq": 5e-2, "dk": 5e-2, "dv": 5e-2, "dg": 1e-1, "dbeta": 1e-1}
 
 
 TUNE_COLUMNS = [
@@ -544,6 +621,12 @@ def main() -> None:
         metavar="NAME=VALUE[,NAME=VALUE]",
         help="with --tune: one change to time instead of TUNING's (repeatable)",
     )
+    ap.add_argument(
+        "--precision",
+        action="store_true",
+        help="fp16 and bf16, mild gates: ours at each product precision (tf32, tf32x3, ieee) beside fla, "
+        "fwd+bwd, written as <device>-precision.json",
+    )
     ap.add_argument("--impls", default="", help="comma-separated subset of ours,fla_kda,fla_gdn,sdpa_flash")
     ap.add_argument(
         "--seqlens",
@@ -582,6 +665,8 @@ def main() -> None:
             (args.out / name).write_text(json.dumps(result, indent=1))
         if args.tune:
             tune_report(result["tune"], args.set).write(out_dir=args.out, tag="tune")
+    elif args.precision:
+        precision(args.out, args.budget_s)
     elif args.profile_target:
         profile_target()
     elif args.warm:

@@ -204,21 +204,29 @@ def _state_block_v(V: int, heads: int, fixed: int | None, largest: int) -> int:
     return bv
 
 
-# The products of the fp32 intra-chunk and state algebra for bf16/fp16 inputs: "tf32" (tensor cores,
+# The products of the fp32 intra-chunk and state algebra for 16-bit inputs: "tf32" (tensor cores,
 # 10-bit mantissa), "tf32x3" (three tf32 products, about fp32 accuracy) or "ieee" (fp32 FMA, slow).
-# tf32 measured on an H100 (fla's mild-gate case, fp16, 2026-11-24): dh0 5.9e-3 to 8.2e-3 and the
-# final state up to 6.0e-3 relative, just over fla's 8e-3 / 5e-3 in two cases; everything in ieee:
-# 3.7e-4 / 2.9e-4 (repro/kda/diagnose_bwd.py, variant split/all-ieee). tf32x3 is not yet timed:
-# `python -m repro.kda.bench --tune --try DOT_PREC_16BIT=tf32x3` weighs it.
-DOT_PREC_16BIT = "tf32"
+# Measured on an H100 (2026-11-25, fla's test_chunk inputs, RMS error against fp64, ours / fla 0.6.0's
+# on the same inputs, repro/kda/results/*-gpu-matrix.jsonl): with tf32 everywhere, bf16 errors equal
+# fla's (the inputs' 2^-8 rounding dominates), but fp16 ones were 4-13x fla's once the gates are mild
+# (normaliser 10: the chunk's triangular solve is ill-conditioned and amplifies the products'
+# rounding), e.g. dh0 8.2e-3 vs 1.0e-3 and the final state 6.0e-3 vs 4.5e-4, over fla's tolerances.
+# fp16's inputs round at 2^-11, as tf32 does: its products need more than tf32; bf16's do not.
+DOT_PREC_BF16 = "tf32"
+DOT_PREC_FP16 = "tf32x3"
+DOT_PRECISIONS = ("tf32", "tf32x3", "ieee")
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
-    # fp32 inputs get full-precision dots (the tests compare against fp64 at ~1e-5);
-    # bf16/fp16 inputs run the fp32 intra-chunk algebra at DOT_PREC_16BIT
-    if DOT_PREC_16BIT not in ("tf32", "tf32x3", "ieee"):
-        raise ValueError(f"chunk.DOT_PREC_16BIT = {DOT_PREC_16BIT!r}: expected 'tf32', 'tf32x3' or 'ieee'")
-    return "ieee" if dtype == torch.float32 else DOT_PREC_16BIT
+    # fp32 inputs get full-precision dots (the tests compare against fp64 at ~1e-5)
+    for name, value in (("DOT_PREC_BF16", DOT_PREC_BF16), ("DOT_PREC_FP16", DOT_PREC_FP16)):
+        if value not in DOT_PRECISIONS:
+            raise ValueError(
+                f"chunk.{name} = {value!r}: expected one of {', '.join(map(repr, DOT_PRECISIONS))}"
+            )
+    if dtype == torch.float32:
+        return "ieee"
+    return DOT_PREC_FP16 if dtype == torch.float16 else DOT_PREC_BF16
 
 
 def _block_v(V: int) -> int:

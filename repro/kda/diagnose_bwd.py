@@ -130,8 +130,8 @@ VARIANTS = {
     "split/bv64": {"STATE_BWD_BV": 64},
     "split/bv128": {"STATE_BWD_BV": 128},
     "split/state-ieee": {"_STATE_PREC": "ieee"},
-    "split/all-ieee": {"DOT_PREC_16BIT": "ieee"},
-    "split/all-tf32x3": {"DOT_PREC_16BIT": "tf32x3"},
+    "split/all-ieee": {"DOT_PREC_BF16": "ieee", "DOT_PREC_FP16": "ieee"},
+    "split/all-tf32x3": {"DOT_PREC_BF16": "tf32x3", "DOT_PREC_FP16": "tf32x3"},
     "triton": {"BACKWARD": "triton"},
     "torch": {"BACKWARD": "torch"},
     "fla": {"_FLA": True},  # flash-linear-attention's chunk_kda on the same inputs: the peer's own error

@@ -300,7 +300,13 @@ def _xdist_args() -> list[str]:
 
     if importlib.util.find_spec("xdist") is None:
         return []
-    # 4: at 8 workers the fp64 references of the KDA matrix ran the H100 (80 GB) out of memory
+    # 4: at 8 workers the fp64 references of the KDA matrix ran the H100 (80 GB) out of memory;
+    # PAPERCLUB_GPU_WORKERS overrides it for a package whose tests need less memory or more compiling
+    wanted = os.environ.get("PAPERCLUB_GPU_WORKERS", "")
+    if wanted:
+        if not wanted.isdigit() or int(wanted) < 1:
+            raise SystemExit(f"PAPERCLUB_GPU_WORKERS={wanted!r}: expected a positive integer")
+        return ["-n", wanted]
     return ["-n", str(max(1, min(4, (os.cpu_count() or 2) // 4)))]
 
 

@@ -40,3 +40,29 @@ def test_bench_checks_before_timing(tmp_path, monkeypatch):
     wrong = [r for r in rows if r["impl"] == "fla_kda"]
     assert wrong and all(r["ms"] is None and r["check"].startswith("failed: AssertionError") for r in wrong)
     assert "fla_kda at std T=64" in doc["notes"]
+
+
+def test_precision_rows_checked_and_labelled(tmp_path, monkeypatch):
+    """--precision at a toy size: one row per dtype and product precision, each checked before timing;
+    a wrong peer is reported as failed, not timed."""
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "H", 1)
+    monkeypatch.setattr(bench, "K", 16)
+    monkeypatch.setattr(bench, "V", 16)
+    monkeypatch.setattr(bench, "ROUNDS", 1)
+    monkeypatch.setattr(bench, "PRECISION_SHAPES", ((1, 64),))
+    real = bench.impls
+
+    def impls(cu_seqlens=None):
+        out = {n: f for n, f in real(cu_seqlens).items() if n == "ours"}
+        out["fla_kda"] = lambda q, k, v, g, beta: out["ours"](q, k, v, g, beta) * 1.5
+        return out
+
+    monkeypatch.setattr(bench, "impls", impls)
+    bench.precision(tmp_path)
+    rows = json.loads(next(tmp_path.glob("*precision.json")).read_text())["rows"]
+    ours = {(r["dtype"], r["prec"]) for r in rows if r["impl"] == "ours" and r["check"] == "ok"}
+    assert ours == {(d, p) for d in ("float16", "bfloat16") for p in bench.DOT_PRECISION_CHOICES}
+    assert all(r["err_max"] is not None and r["ms"] is not None for r in rows if r["impl"] == "ours")
+    wrong = [r for r in rows if r["impl"] == "fla_kda"]
+    assert len(wrong) == 2 and all(r["check"].startswith("failed") and r["ms"] is None for r in wrong)

@@ -93,6 +93,6 @@ def test_decay_outside_the_kernels_range_is_refused():
 def test_unknown_dot_precision_setting_is_named(monkeypatch):
     from repro.kda import chunk as ck
 
-    monkeypatch.setattr(ck, "DOT_PREC_16BIT", "fp8")
-    with pytest.raises(ValueError, match=r"DOT_PREC_16BIT = 'fp8': expected 'tf32', 'tf32x3' or 'ieee'"):
+    monkeypatch.setattr(ck, "DOT_PREC_BF16", "fp8")
+    with pytest.raises(ValueError, match=r"DOT_PREC_BF16 = 'fp8': expected one of 'tf32', 'tf32x3', 'ieee'"):
         chunk_kda(**_inputs(dtype=torch.float16))

@@ -190,10 +190,24 @@ def test_state_value_blocks_on_gpu(bv, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.claim(CLAIM, section=SECTION)
-@pytest.mark.parametrize("prec", ["tf32x3", "ieee"])
+@pytest.mark.parametrize(
+    "prec",
+    [
+        pytest.param(
+            "tf32",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="tf32 products: fp16 errors 4-13x fla's with mild gates (measured on an H100)",
+            ),
+        ),
+        "ieee",
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.float16], ids=["fp16"])
 @pytest.mark.parametrize("name", ["fla-B2-T1500-D128-mild", "B1-H1-T64-D128-no-states"])
 def test_dot_precision_settings_on_gpu(name, dtype, prec):
-    """The other intra-chunk product precisions a user can pick (chunk.DOT_PREC_16BIT) on the cases
-    where the mild gates make the chunk's triangular solve ill-conditioned."""
-    check(CASES[name], dtype, with_fla=False, DOT_PREC_16BIT=prec)
+    """The other intra-chunk product precisions a user can pick for fp16 (chunk.DOT_PREC_FP16; the
+    default is tf32x3) on the cases where the mild gates make the chunk's triangular solve
+    ill-conditioned: ieee must pass; tf32 (the bf16 default) is what failed here, kept as a strict
+    xfail so that the record says why fp16 does not use it."""
+    check(CASES[name], dtype, with_fla=False, DOT_PREC_FP16=prec)
