@@ -130,3 +130,28 @@ def test_budget_shares():
     assert package_share(600, ["b", "kda", "c"], {"kda": 300}) == 150
     assert package_share(100, ["kda"], {"kda": 300}) == 100  # never more than is left
     assert package_share(100, ["b", "kda"], {"kda": 300}) == 0
+
+
+def test_step_cut_at_its_deadline_is_interrupted_first(tmp_path):
+    """A step past its deadline gets SIGINT before SIGKILL: pytest then still writes its summary and
+    the claims record of the tests that ran (a killed KDA matrix run once lost both)."""
+    from paperclub.gpu import _run
+
+    script = tmp_path / "slow.py"
+    marker = tmp_path / "wrapped-up"
+    script.write_text(
+        "import pathlib, time\n"
+        "try:\n"
+        "    time.sleep(60)\n"
+        "except KeyboardInterrupt:\n"
+        f"    pathlib.Path({str(marker)!r}).write_text('interrupted')\n"
+        "    raise\n"
+    )
+    log = tmp_path / "step.log"
+    status, rc, secs = _run(
+        [sys.executable, str(script)], timeout=5, log=log, env=dict(os.environ), cwd=tmp_path
+    )
+    assert status == "timeout" and rc is None
+    assert marker.read_text() == "interrupted"
+    assert secs < 30
+    assert "timed out after 5 s" in log.read_text()

@@ -38,6 +38,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -120,22 +121,48 @@ def find_wheel(wheels: Path, name: str, version: str) -> Path | None:
     return None
 
 
+#: Seconds a step gets, after SIGINT at its deadline, to finish on its own (pytest then writes its
+#: summary, its slowest tests and the claims record of what ran) before the whole group is killed.
+INTERRUPT_GRACE_S = 20.0
+
+
 def _run(
     cmd: list[str] | str, *, timeout: float, log: Path, env: dict, cwd: Path
 ) -> tuple[str, int | None, float]:
+    """Run ``cmd`` into ``log`` for at most ``timeout`` seconds. At the deadline the process group
+    gets SIGINT and up to INTERRUPT_GRACE_S (a tenth of the timeout at most, inside it) to wrap up,
+    then SIGKILL: a test step cut short still records the outcomes of the tests that ran."""
     t0 = time.monotonic()
+    grace = min(INTERRUPT_GRACE_S, 0.1 * max(timeout, 1))
     with log.open("w", encoding="utf-8") as f:
         f.write(f"$ {cmd if isinstance(cmd, str) else shlex.join(cmd)}\n")
         f.flush()
+        proc = subprocess.Popen(
+            cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT, shell=isinstance(cmd, str),
+            start_new_session=True,
+        )  # fmt: skip
         try:
-            rc = subprocess.run(
-                cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=max(timeout, 1),
-                shell=isinstance(cmd, str), start_new_session=True,
-            ).returncode  # fmt: skip
+            rc = proc.wait(timeout=max(timeout - grace, 1))
         except subprocess.TimeoutExpired:
-            f.write(f"\n[paperclub.gpu] timed out after {timeout:.0f} s\n")
+            _signal_group(proc, signal.SIGINT)
+            try:
+                proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                _signal_group(proc, signal.SIGKILL)
+                proc.wait()
+            f.flush()
+            f.write(
+                f"\n[paperclub.gpu] timed out after {timeout:.0f} s (interrupted at {timeout - grace:.0f} s)\n"
+            )
             return "timeout", None, time.monotonic() - t0
     return ("ok" if rc == 0 else "failed"), rc, time.monotonic() - t0
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def _tail(log: Path, n: int = 3) -> str:
