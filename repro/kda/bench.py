@@ -402,6 +402,8 @@ TUNING = [  # launch settings of repro.kda.chunk, each change (one or more names
     {"SPLIT_A_BK": 16, "SPLIT_A_BV": 16, "SPLIT_A_WARPS": 4},
     # accuracy against time for bf16 inputs (chunk.DOT_PREC_BF16): tf32x3 products everywhere
     {"DOT_PREC_BF16": "tf32x3"},
+    # the cost of chunk_kda's input check of g (a reduction and a synchronisation per call)
+    {"CHECK_DECAY_RANGE": False},
 ]
 
 
