@@ -90,6 +90,38 @@ def test_job_runs_every_step_and_collects(tmp_path):
     doc = json.loads((clone / "repro/toy/results/cpu-test.json").read_text())
     assert doc["quick"] is True and 0 < doc["budget"] < 200
     assert (clone / "build/gpu-logs/gpu-job.json").exists()
+    # the outcome of the GPU checks that ran is kept beside the results, with date and device
+    checks = json.loads((clone / "repro/toy/results/gpu-checks.json").read_text())["checks"]
+    assert checks["tests"]["status"] == "ok" and checks["tests"]["detail"] == meta["steps"][1]["detail"]
+    assert (
+        checks["sanitizer"]["status"] == "ok"
+        and "compute-sanitizer errors: 0" in checks["sanitizer"]["detail"]
+    )
+    assert checks["sanitizer"]["date"] == meta["date"]
+
+
+def test_skipped_checks_keep_the_earlier_record(tmp_path):
+    from paperclub.gpu import record_checks
+
+    (tmp_path / "repro" / "toy" / "results").mkdir(parents=True)
+    env = {"device": "GPU X", "torch": "2.11"}
+    first = {
+        "packages": ["toy"],
+        "date": "d1",
+        "environment": env,
+        "steps": [
+            {"package": "toy", "name": "tests", "status": "ok", "detail": "3 passed"},
+            {"package": "toy", "name": "sanitizer", "status": "ok", "detail": "compute-sanitizer errors: 0"},
+        ],
+    }
+    second = {"packages": ["toy"], "date": "d2", "environment": env, "steps": [
+        {"package": "toy", "name": "tests", "status": "failed", "detail": "1 failed, 2 passed"},
+        {"package": "toy", "name": "sanitizer", "status": "skipped", "detail": "skipped"}]}  # fmt: skip
+    record_checks(first, tmp_path)
+    record_checks(second, tmp_path)
+    checks = json.loads((tmp_path / "repro/toy/results/gpu-checks.json").read_text())["checks"]
+    assert (checks["tests"]["status"], checks["tests"]["date"]) == ("failed", "d2")
+    assert (checks["sanitizer"]["status"], checks["sanitizer"]["date"]) == ("ok", "d1")
 
 
 def test_sanitizer_errors_fail_the_job(tmp_path):

@@ -282,7 +282,11 @@ def run_job(
             job.steps.append(step)
             _say(step)
         claims_gpu = pkg / "results" / "claims-gpu.json"
-        if claims_gpu.exists():
+        tests_ran = any(s.package == name and s.name == "tests" and s.status not in ("skipped", "not run")
+                        for s in job.steps)  # fmt: skip
+        # only a run of the tests has a record to bring back (else it is the tree's own copy, which
+        # would overwrite what a later collect of an earlier run put there)
+        if claims_gpu.exists() and tests_ran:
             dest = stage / claims_gpu.relative_to(root)
             dest.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(claims_gpu, dest)
@@ -339,7 +343,10 @@ def _xdist_args() -> list[str]:
 
 def _pytest_summary(text: str) -> str:
     lines = [
-        ln.strip("= ") for ln in text.splitlines() if re.search(r"\d+ (passed|failed|error|skipped)", ln)
+        ln.strip("= ")
+        for ln in text.splitlines()
+        # pytest's closing line ("1 failed, 51 passed, ... in 28.53s"), not compute-sanitizer's "0 errors"
+        if re.search(r"\d+ (passed|failed|errors?|skipped|xfailed|deselected)\b.* in [\d.]+s", ln)
     ]
     return lines[-1] if lines else ""
 
@@ -404,6 +411,43 @@ def collect(bundle: Path, root: Path) -> list[Path]:
             dest.parent.mkdir(parents=True, exist_ok=True)
             dest.write_bytes(tar.extractfile(m).read())
             written.append(dest)
+        manifest = next((m for m in tar.getmembers() if m.name == "gpu-job.json"), None)
+        if manifest is not None:
+            written += record_checks(json.loads(tar.extractfile(manifest).read()), root)
+    return written
+
+
+def record_checks(job: dict, root: Path) -> list[Path]:
+    """Keep, per package, the latest outcome of each GPU check that ran (the GPU tests and their
+    compute-sanitizer pass) in ``results/gpu-checks.json``: step, status, detail, date and device.
+    A skipped step leaves the earlier record of that step as it was."""
+    written = []
+    env = job.get("environment", {})
+    for name in job.get("packages", []):
+        pkg = root / ("nanoparallel" if name == "nanoparallel" else f"repro/{name}")
+        if not pkg.is_dir():
+            continue
+        steps = [
+            s
+            for s in job.get("steps", [])
+            if s.get("package") == name and s.get("name") in ("tests", "sanitizer")
+        ]
+        ran = [s for s in steps if s.get("status") not in ("skipped", "not run")]
+        if not ran:
+            continue
+        path = pkg / "results" / "gpu-checks.json"
+        doc = json.loads(path.read_text()) if path.exists() else {"checks": {}}
+        for s in ran:
+            doc["checks"][s["name"]] = {
+                "status": s["status"],
+                "detail": s.get("detail", ""),
+                "date": job.get("date"),
+                "device": env.get("device"),
+                "versions": {k: env.get(k) for k in ("torch", "triton", "cuda")},
+            }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+        written.append(path)
     return written
 
 
