@@ -216,3 +216,32 @@ def test_paperclub_claims_prints_cpu_and_gpu(tmp_path):
         r"test_exact_on_gpu \(2 cases\)\s+CPU skipped; GPU failed \(1 failed, 1 passed\)", out.stdout
     )
     assert re.search(r"test_exact \(3 cases\)\s+CPU passed; GPU not run", out.stdout)
+
+
+def test_gpu_checks_are_shown_per_package(tmp_path):
+    """results/gpu-checks.json (the GPU job's latest test and compute-sanitizer outcome) appears on the
+    claims dashboard and the reproduction's page, is not taken for a benchmark result, and a broken
+    file is shown as unreadable rather than dropped."""
+    import json
+
+    from paperclub.sitegen import gpu_checks_table
+
+    root = gpu_claims_repo(tmp_path)
+    checks = {
+        "tests": {"status": "ok", "detail": "12 passed in 35.6s", "date": "2026-11-25T02:42:36Z",
+                  "device": "NVIDIA H100 80GB HBM3"},
+        "sanitizer": {"status": "failed", "detail": "compute-sanitizer errors: 3; ERROR SUMMARY: 3 errors",
+                      "date": "2026-11-25T02:42:36Z", "device": "NVIDIA H100 80GB HBM3"},
+    }  # fmt: skip
+    path = root / "repro/toy/results/gpu-checks.json"
+    path.write_text(json.dumps({"checks": checks}))
+    content, problems = load(root)
+    assert not problems, problems
+    page = render(claims_dashboard(content))
+    rows = [r for r in re.findall(r"<tr>(.*?)</tr>", page, re.S) if "<td>toy</td>" in r]
+    assert len(rows) == 2
+    assert "12 passed in 35.6s" in rows[0] and "2026-11-25" in rows[0]
+    assert "failed" in rows[1] and "ERROR SUMMARY: 3 errors" in rows[1]
+    path.write_text("{not json")
+    table = gpu_checks_table({"toy": content.repros["toy"]})
+    assert "unreadable" in table and "gpu-checks.json" in table

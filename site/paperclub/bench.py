@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from paperclub import ROOT
+from paperclub.claims import GPU_CHECKS_NAME, GPU_RESULTS_NAME, RESULTS_NAME
 
 SCHEMA = 1
 
@@ -331,12 +332,12 @@ def markdown_table(columns: Sequence[str], rows: Sequence[dict]) -> str:
 
 
 def load_results(package: str) -> list[dict]:
-    """Every benchmark result file of a package (claims.json excluded), newest first."""
+    """Every benchmark result file of a package (the claims records and GPU checks excluded), newest first."""
     d = package_dir(package) / "results"
     docs = []
     if d.is_dir():
         for f in sorted(d.glob("*.json")):
-            if f.name == "claims.json":
+            if f.name in (RESULTS_NAME, GPU_RESULTS_NAME, GPU_CHECKS_NAME):
                 continue
             doc = json.loads(f.read_text(encoding="utf-8"))
             if doc.get("schema") == SCHEMA:

@@ -39,6 +39,7 @@ from paperclub import ROOT
 CLAIM_ID = re.compile(r"^[a-z0-9][a-z0-9_-]*/[a-z0-9][a-z0-9_.-]*$")
 RESULTS_NAME = "claims.json"  # outcomes of runs on CPU machines
 GPU_RESULTS_NAME = "claims-gpu.json"  # outcomes of runs on a GPU (same schema; the platform names the GPU)
+GPU_CHECKS_NAME = "gpu-checks.json"  # the GPU job's latest test and compute-sanitizer outcome per package
 
 
 @dataclass

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from paperclub import ROOT
 from paperclub.bibliography import BibEntry, load_bibliography
 from paperclub.claims import (
+    GPU_CHECKS_NAME,
     GPU_RESULTS_NAME,
     RESULTS_NAME,
     ClaimRecord,
@@ -672,7 +673,7 @@ def _check_results(content: Content, root: Path) -> list[Problem]:
             except json.JSONDecodeError as exc:
                 out.append(Problem(file, "", f"is not valid JSON ({exc.msg} at line {exc.lineno})"))
                 continue
-            if f.name in (RESULTS_NAME, GPU_RESULTS_NAME):
+            if f.name in (RESULTS_NAME, GPU_RESULTS_NAME, GPU_CHECKS_NAME):
                 continue
             missing = [k for k in RESULT_KEYS if k not in doc]
             if missing:

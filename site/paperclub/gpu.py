@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from paperclub import ROOT
+from paperclub.claims import GPU_CHECKS_NAME
 
 # the GPU machine's Python and platforms, as the device README gives them
 DOWNLOAD_FLAGS = [
@@ -435,7 +436,7 @@ def record_checks(job: dict, root: Path) -> list[Path]:
         ran = [s for s in steps if s.get("status") not in ("skipped", "not run")]
         if not ran:
             continue
-        path = pkg / "results" / "gpu-checks.json"
+        path = pkg / "results" / GPU_CHECKS_NAME
         doc = json.loads(path.read_text()) if path.exists() else {"checks": {}}
         for s in ran:
             doc["checks"][s["name"]] = {

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from paperclub.bench import load_results as load_bench_results
 from paperclub.bench import markdown_table
-from paperclub.claims import NOT_RUN, FunctionGroup, summary
+from paperclub.claims import GPU_CHECKS_NAME, NOT_RUN, FunctionGroup, summary
 from paperclub.content import Content, Paper, Repro, Session, split_slides
 from paperclub.slides import render_deck
 
@@ -490,6 +490,9 @@ def repro_page(content: Content, repro: Repro, site: Site) -> str:
             f"| [`{path.relative_to(repro.path).as_posix()}`]({rel_link(uri, f'source/{rp}.md')}) | {cell(first)} |"
         )
     lines.append("")
+    checks = gpu_checks_table({repro.name: repro})
+    if checks:
+        lines += ["## GPU checks", "", GPU_CHECKS_INTRO, "", checks, ""]
     if claims:
         lines += ["## Claims", "", claims_table(content, claims, uri), ""]
     bench = bench_sections(content, repro, site, uri, level=3)
@@ -533,6 +536,9 @@ def claims_dashboard(content: Content) -> str:
         + f"; {sum(r.gpu == NOT_RUN and r.cpu != NOT_RUN for r in records.values())} were checked on CPUs only.",
         "",
     ]
+    checks = gpu_checks_table({n: r for n, r in sorted(content.repros.items()) if not r.planned})
+    if checks:
+        lines += ["## GPU test runs and compute-sanitizer passes", "", GPU_CHECKS_INTRO, "", checks, ""]
     by_paper: dict[str, list] = {}
     for c in content.claims.values():
         by_paper.setdefault(c.paper, []).append(c)
@@ -544,6 +550,43 @@ def claims_dashboard(content: Content) -> str:
         link = f"[{title}](papers/{key}.md)" if key in content.papers else title
         lines += [f"## {key}", "", link, "", claims_table(content, by_paper[key], "claims.md"), ""]
     return "\n".join(lines) + "\n"
+
+
+GPU_CHECKS_INTRO = (
+    "The latest run of each package's GPU-marked tests and of the same tests under "
+    "`compute-sanitizer --tool memcheck` (memory errors only), as the GPU job recorded them "
+    "(`results/gpu-checks.json`; a step that did not finish reads *timeout*)."
+)
+
+
+def gpu_checks_table(repros: dict[str, Repro]) -> str:
+    """One row per package and GPU check (tests, sanitizer) from ``results/gpu-checks.json``;
+    "" when no package has one. A file that does not parse is shown as such, not skipped."""
+    import json
+
+    rows = []
+    for name, repro in repros.items():
+        path = repro.path / "results" / GPU_CHECKS_NAME
+        if not path.exists():
+            continue
+        try:
+            checks = json.loads(path.read_text())["checks"]
+        except (ValueError, KeyError, TypeError) as exc:
+            rows.append(f"| {cell(name)} | — | unreadable | {cell(f'{path.name}: {exc}')} | | |")
+            continue
+        for step in ("tests", "sanitizer"):
+            c = checks.get(step)
+            if c is None:
+                continue
+            rows.append(
+                f"| {cell(name)} | {step} | {cell(c.get('status', '?'))} | {cell(c.get('detail', ''))} "
+                f"| {cell(c.get('device') or '')} | {cell((c.get('date') or '')[:10])} |"
+            )
+    if not rows:
+        return ""
+    return "\n".join(
+        ["| Package | Check | Status | Summary | Device | Date |", "|---|---|---|---|---|---|", *rows]
+    )
 
 
 # ---------------------------------------------------------------- benchmarks
