@@ -516,6 +516,10 @@ def precision(out_dir: Path | None, budget_s: float = 1e9) -> None:
                         gradient_check(fn, x, reference, tol=PRECISION_CHECK_TOL, errors_out=out)
 
                 cands[f"{name}|{prec}"] = Candidate(fn=run_once, check=check)
+            print(
+                f"precision {dtype} B={B} T={T}: checking {', '.join(cands)} (first calls compile: minutes)",
+                flush=True,
+            )
             res = measure(cands, rounds=ROUNDS)
             for key, m in res.items():
                 name, prec = key.split("|")
