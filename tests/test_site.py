@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import json
 import re
 import shutil
@@ -71,8 +72,12 @@ def test_claims_and_benchmarks_pages_list_every_claim_and_result(built_site):
         if repro.planned:
             continue
         assert f'id="{name}"' in bench_html
+        checks = repro.path / "results" / "gpu-checks.json"
+        if checks.exists():
+            for check in json.loads(checks.read_text())["checks"].values():
+                assert html.escape(check["detail"].split("|")[0][:30], quote=False) in claims_html
         for f in (repro.path / "results").glob("*.json"):
-            if f.name not in ("claims.json", "claims-gpu.json"):
+            if f.name not in ("claims.json", "claims-gpu.json", "gpu-checks.json"):
                 doc = json.loads(f.read_text())
                 assert doc["device"] in bench_html
 
