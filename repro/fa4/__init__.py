@@ -59,7 +59,10 @@ class Switches:
         5 matmuls; a preprocess kernel for delta = rowsum(dO * O)). "auto" (the default): "fused" when
         causal, "fa2" otherwise, as measured on an H100 (results/*-bwd.json, 2026-11-25, D = 128,
         bf16, S = 4k-16k, fwd+bwd behind the Gluon forward): causal, fused 0.68-0.77x cuDNN's speed
-        against fa2's 0.67-0.71x; non-causal, fa2 0.70-0.79x against fused 0.66-0.72x.
+        against fa2's 0.67-0.71x; non-causal, fa2 0.70-0.79x against fused 0.66-0.72x. "gluon": the
+        same 5-matmul schedule warp-specialised in Gluon (``repro.fa4.gluon_bwd``: a TMA load warp, two
+        consumer warpgroups of 64 keys each with asynchronous wgmma, dQ by fp32 atomics); Hopper
+        (sm_90) only, refused in the CPU interpreter; compiled offline for sm_90a, not yet run on a GPU.
     bwd_block_m, bwd_block_n, bwd_num_warps, bwd_num_stages: the backward's launch shape (either
         backward); None picks BWD_DEFAULTS ("fa2") or bwd_fused.FUSED_DEFAULTS ("fused").
     bwd_tma: "fused" only: Q and dO tiles through TMA (tensor descriptors); None picks the default.
@@ -94,7 +97,7 @@ class Switches:
 
 
 #: The backwards behind Switches.bwd ("auto" picks one of them by causality, see Switches).
-BACKWARDS = ("auto", "fa2", "fused")
+BACKWARDS = ("auto", "fa2", "fused", "gluon")
 # Tuned on one H100 (repro/fa4/results/*-autotune.json, S = 8192): (block_m, block_n, num_warps, num_stages).
 FWD_DEFAULTS = {64: (128, 128, 8, 3), 128: (128, 128, 8, 3)}
 BWD_DEFAULTS = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2)}
@@ -147,6 +150,11 @@ def _resolve(sw: Switches, d: int, interpret: bool) -> Switches:
     for name in ("bwd_tma", "bwd_dq_tma"):
         if getattr(sw, name) and sw.bwd != "fused":
             raise ValueError(f"attention: {name} applies to bwd='fused' only, got bwd={sw.bwd!r}")
+    if sw.bwd == "gluon" and interpret:
+        raise ValueError(
+            "attention: bwd='gluon' is a Gluon kernel for Hopper GPUs (sm_90a); Gluon kernels do not run in "
+            "Triton's CPU interpreter (TRITON_INTERPRET=1): use bwd='fused' or 'fa2' there"
+        )
     bm, bn, nw, ns = FWD_DEFAULTS.get(d, (16, 16, 4, 1)) if not interpret else (16, 16, 4, 1)
     if sw.bwd == "fused":
         from repro.fa4.bwd_fused import FUSED_DEFAULTS, FUSED_INTERPRET
@@ -264,6 +272,10 @@ def triton_cdiv(a: int, b: int) -> int:
 def _backward(do, q, k, v, o, lse, causal: bool, scale: float, sw: Switches):
     from repro.fa4.kernels import _bwd_dkdv_kernel, _bwd_dq_kernel
 
+    if sw.bwd == "gluon":
+        from repro.fa4.gluon_bwd import gluon_attention_backward
+
+        return gluon_attention_backward(do, q, k, v, o, lse, causal, scale)
     if sw.bwd == "fused":
         from repro.fa4.bwd_fused import backward_fused
 
@@ -330,6 +342,10 @@ def _run(q, k, v, causal, scale, switches, dims, dtypes):
     if sw.bwd == "auto":
         sw = replace(sw, bwd="fused" if causal else "fa2")
     sw = _resolve(sw, d, interpreting())
+    if sw.bwd == "gluon":  # refuse before the forward runs, not at the first backward
+        from repro.fa4.gluon_bwd import check_device
+
+        check_device(q)
     return _with_empty_rows(lambda qs: _Attention.apply(qs, k, v, bool(causal), scale, sw), q, k, causal)
 
 

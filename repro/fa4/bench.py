@@ -19,7 +19,7 @@ Modes:
               forward (fa4-gluon), same shapes, forward and forward + backward -> <device>-peer.json
               (``--no-fa4``: cuDNN and ours only)
   --bwd       the backward comparison only: forward + backward and backward alone at S = 4k, 8k, 16k,
-              causal and not: ours with the fa2 backward and with the fused one (Gluon forward; and the
+              causal and not: ours with the fa2, the fused and the Gluon backward (Gluon forward; and the
               Triton forward + fused), cuDNN and FA2 (SDPA); each checked against cuDNN's gradients at
               that shape, then timed in interleaved rounds -> <device>-bwd.json. The default run does
               this first, then the table above.
@@ -743,6 +743,9 @@ BWD_IMPLS: dict[str, dict] = {
     "fa4-gluon": {"gluon": True, "bwd": "fa2"},
     "fa4-gluon-fused": {"gluon": True, "bwd": "fused"},
     "fa4-triton-tma-fused": {"tma": True, "bwd": "fused"},
+    # Gluon forward + the warp-specialised Gluon backward (repro.fa4.gluon_bwd; Hopper only). Where it
+    # fails to compile or run, or gives wrong gradients, _check_all records why as its rows' check.
+    "fa4-gluon-gluonbwd": {"gluon": True, "bwd": "gluon"},
 }
 #: Configurations the --bwd-sweep times (most promising first, by the first H100 sweep in
 #: results/*-bwd-smoke.json: a budget cut drops the tail).
@@ -875,7 +878,8 @@ def bwd_compare(
             "gradients against cuDNN's on the same inputs, tolerance 3x the FA2 backend's own distance "
             "from cuDNN (at least 2e-2). fa4-gluon = Gluon forward + fa2 backward (the previous default "
             "pairing); fa4-gluon-fused = Gluon forward + fused backward (FUSED_DEFAULTS); "
-            f"fa4-triton-tma-fused = Triton forward (TMA) + fused backward. Interleaved: {BWD_ROUNDS} rounds."
+            "fa4-triton-tma-fused = Triton forward (TMA) + fused backward; fa4-gluon-gluonbwd = Gluon forward + "
+            f"the warp-specialised Gluon backward (repro.fa4.gluon_bwd). Interleaved: {BWD_ROUNDS} rounds."
         ),
     )
     skipped = []

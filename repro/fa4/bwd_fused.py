@@ -121,6 +121,21 @@ def _bwd_preprocess_kernel(
     tl.store(DQACC + off, tl.zeros([BLOCK_M, D], tl.float32), mask=ok)
 
 
+def preprocess(o: torch.Tensor, do: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """delta = rowsum(dO * O) [B, H, S_q] fp32 and a zeroed fp32 dQ buffer [B, S_q, H, D], by
+    ``_bwd_preprocess_kernel``; shared by this backward and the Gluon one (``repro.fa4.gluon_bwd``).
+    o, do: contiguous [B, S_q, H, D]."""
+    b, s_q, h, d = o.shape
+    delta = torch.empty(b, h, s_q, device=o.device, dtype=torch.float32)
+    dq_acc = torch.empty(o.shape, device=o.device, dtype=torch.float32)
+    pre_m = max(16, min(PRE_BLOCK_M, triton.next_power_of_2(s_q))) if o.device.type == "cuda" else 16
+    _bwd_preprocess_kernel[(triton.cdiv(s_q, pre_m), b * h)](
+        o, do, delta, dq_acc, o.stride(0), o.stride(1), o.stride(2), h, s_q, D=d, BLOCK_M=pre_m,
+        num_warps=4,
+    )  # fmt: skip
+    return delta, dq_acc
+
+
 @triton.jit
 def _bwd_fused_kernel(
     Q, K, V, DO, LSE, DELTA, DQACC, DK, DV,
@@ -225,13 +240,7 @@ def backward_fused(
     b, s_q, h, d = q.shape
     s_k, h_kv = k.shape[1], k.shape[2]
     do = do.contiguous()
-    delta = torch.empty(b, h, s_q, device=q.device, dtype=torch.float32)
-    dq_acc = torch.empty(q.shape, device=q.device, dtype=torch.float32)
-    pre_m = max(16, min(PRE_BLOCK_M, triton.next_power_of_2(s_q))) if q.device.type == "cuda" else 16
-    _bwd_preprocess_kernel[(triton.cdiv(s_q, pre_m), b * h)](
-        o, do, delta, dq_acc, o.stride(0), o.stride(1), o.stride(2), h, s_q, D=d, BLOCK_M=pre_m,
-        num_warps=4,
-    )  # fmt: skip
+    delta, dq_acc = preprocess(o, do)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     from triton.tools.tensor_descriptor import TensorDescriptor

@@ -1,0 +1,486 @@
+"""A warp-specialised attention backward for Hopper (sm_90a) in Gluon: FA3's schedule (``bwd="gluon"``).
+
+The Triton one-pass backward (``repro.fa4.bwd_fused``) runs FA3's 5-matmul schedule as one
+instruction stream and keeps dK and dV of 128 keys in one program's registers: at D = 128 every
+tile spills (630-780 bytes, offline sm_90a compile). This kernel gives warps roles, as FA3 does
+(shah2024flashattention3, the backward section), and splits the key block over two warpgroups:
+
+* one program per (key block of BLOCK_N = 128 keys, KV head, batch); K and V of the block are
+  loaded once by TMA;
+* a load partition (1 warp) walks the query tiles of the KV head's group of query heads (GQA) and
+  copies Q, dO (tiles of BLOCK_M = 64 rows) and the matching LSE and delta vectors by TMA into a
+  ring of NUM_STAGES shared-memory stages; per stage a "Q ready" and a "dO ready" mbarrier
+  (expect-tx) and an "empty" one that both consumers release;
+* two consumer warpgroups (the default partition and a worker), consumer c owning keys
+  [n0 + 64 c, n0 + 64 c + 64): each holds dK_c and dV_c, [64, D] fp32, in registers for the whole
+  loop (64 registers per thread each at D = 128: half of what one 128-key program holds), and per
+  query tile runs, as asynchronous wgmma (A = K_c / V_c from shared memory, or P / dS from registers):
+
+      S^T_c  = K_c Q^T                        [64, BLOCK_M]
+      P^T_c  = 2^(S^T_c * scale * log2 e - LSE)   (the forward's base-2 log-sum-exp; masked)
+      dV_c  += P^T_c dO
+      dP^T_c = V_c dO^T
+      dS^T_c = P^T_c (dP^T_c - delta)
+      dK_c  += dS^T_c Q
+      dQ[:, D/2 c : D/2 (c + 1)] += scale * dS K[:, D/2 c : D/2 (c + 1)]
+
+  The last product needs dS over all 128 keys: each consumer writes its dS^T_c (bf16/fp16) into a
+  double-buffered [128, BLOCK_M] shared tile and arrives on that buffer's mbarrier; once both have,
+  each computes half of dQ's columns from the whole tile (A = dS, the tile read transposed; B =
+  K's column half), FA3's split of the dQ matmul over its two warpgroups.
+
+dQ accumulation: fp32 atomic adds (``gl.atomic_add``, relaxed: ``red.global.add``) into the buffer
+that ``bwd_fused``'s preprocess kernel zeroes, cast by the caller. FA3 stages dQ in shared memory
+and adds whole tiles by TMA bulk reductions (``cp.reduce.async.bulk``), which bought 10% in the
+Triton kernel (``bwd_dq_tma``); Gluon in Triton 3.6 exposes no TMA reduction on Hopper (its
+``hopper.tma`` has copies and stores only), so this kernel uses the per-element adds, which each
+consumer issues for its own [BLOCK_M, D/2] half, no two consumers adding the same element.
+
+Causal (bottom-right aligned, diag = S_K - S_Q): query tiles before the first row that sees key n0
+are skipped (the load warp never loads them); a consumer masks a tile only where its keys cross the
+diagonal, the keys end (S_K) or the queries end (S_Q). TMA reads past a batch's last query row
+return the next batch's rows (and the LSE / delta of the next head): those columns are masked to
+P = 0, so they add nothing to dK, dV, and no dQ is added for them. Causal needs S_Q <= S_K (the
+public entry point splits off the rows that see no key).
+
+Layout: q, do, dq [B, S_Q, H, D]; k, v, dk, dv [B, S_K, H_KV, D]; TMA descriptors view q and do as
+[B * S_Q, H * D], k and v as [B * S_K, H_KV * D], lse and delta ([B, H, S_Q] fp32) as one vector.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from repro.fa4.gluon_fwd import GLUON_DTYPES, GLUON_ERROR, GLUON_HEAD_DIMS, HAS_GLUON
+
+if HAS_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+__all__ = [
+    "GLUON_BWD_DEFAULTS",
+    "check_device",
+    "compile_for_sm90",
+    "compile_report",
+    "gluon_attention_backward",
+]
+
+#: D -> (BLOCK_M query rows per step, NUM_STAGES of the Q/dO ring). BLOCK_N = 128 keys per program
+#: (64 per consumer warpgroup), FA3's tile at D = 128 (its 64 x 128 causal tile). Shared memory at
+#: D = 128: K + V 64 KiB, 2 stages x (Q + dO) 64 KiB, dS 2 x 16 KiB = 160 KiB; at D = 64: 96 KiB.
+#: Registers per consumer thread at D = 128: dK + dV 128, S^T and dP^T 32 each, the dQ half 32.
+GLUON_BWD_DEFAULTS = {64: (64, 2), 128: (64, 2)}
+BLOCK_N = 128
+NUM_CONSUMERS = 2
+#: Registers per thread (setmaxnreg) of the load warp and of the worker consumer, as in the forward.
+LOAD_REGS = 24
+CONSUMER_REGS = 240
+
+
+if HAS_GLUON:
+
+    @gluon.jit
+    def _bwd_load_partition(
+        q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc,
+        q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
+        kv_ready, q_ready, do_ready, empty,
+        q_row0, kv_row, kv_col, stat_row0, h0, m_lo, total, S_Q,
+        D: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+    ):  # fmt: skip
+        """One warp: K and V of the key block once, then (Q, LSE) and (dO, delta) of every step."""
+        mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [kv_row, kv_col], kv_ready, k_smem)
+        tma.async_copy_global_to_shared(v_desc, [kv_row, kv_col], kv_ready, v_smem)
+        start_m = m_lo
+        off_h = h0  # query head: the group's first, then the next after each pass over the tiles
+        for it in range(total):
+            st = it % NUM_STAGES
+            # the n-th reuse of a stage waits for the n-th completion of its empty barrier; a fresh
+            # barrier passes parity 1 at once
+            ph = ((it // NUM_STAGES) & 1) ^ 1
+            stat = (stat_row0 + off_h) * S_Q + start_m
+            q_col = off_h * D
+            mbarrier.wait(empty.index(st), ph)
+            mbarrier.expect(q_ready.index(st), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(
+                q_desc, [q_row0 + start_m, q_col], q_ready.index(st), q_smem.index(st)
+            )
+            tma.async_copy_global_to_shared(lse_desc, [stat], q_ready.index(st), lse_smem.index(st))
+            mbarrier.expect(do_ready.index(st), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(
+                do_desc, [q_row0 + start_m, q_col], do_ready.index(st), do_smem.index(st)
+            )
+            tma.async_copy_global_to_shared(delta_desc, [stat], do_ready.index(st), delta_smem.index(st))  # fmt: skip
+            start_m += BLOCK_M
+            if start_m >= S_Q:
+                start_m = m_lo
+                off_h += 1
+
+    @gluon.jit
+    def _bwd_consume(
+        q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem,
+        kv_ready, q_ready, do_ready, empty, ds_ready,
+        DQACC, DK, DV, off_b, h0, off_hk, H, H_KV, S_Q, S_K, n0, m_lo, total,
+        qk_scale, sm_scale,
+        CONSUMER: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+    ):  # fmt: skip
+        """Consumer warpgroup CONSUMER: keys [n0 + CONSUMER * HALF, + HALF) of the block, and columns
+        [CONSUMER * D/2, + D/2) of each step's dQ tile."""
+        HALF: gl.constexpr = BLOCK_N // 2
+        DQ_COLS: gl.constexpr = D // 2
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
+        )
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16]
+        )
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DQ_COLS, 16]
+        )
+        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        col_s: gl.constexpr = gl.SliceLayout(0, s_layout)  # a query index per column of S^T
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)  # a key index per row
+        dtype: gl.constexpr = q_smem.dtype
+
+        kn0 = n0 + CONSUMER * HALF
+        k_mine = k_smem.slice(CONSUMER * HALF, HALF, dim=0)
+        v_mine = v_smem.slice(CONSUMER * HALF, HALF, dim=0)
+        k_cols = k_smem.slice(CONSUMER * DQ_COLS, DQ_COLS, dim=1)
+        diag = S_K - S_Q
+        keys = kn0 + gl.arange(0, HALF, layout=row_s)
+        key_ok = gl.expand_dims(keys < S_K, 1)
+        s_zero = gl.zeros([HALF, BLOCK_M], gl.float32, s_layout)
+        dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
+        dk = gl.zeros([HALF, D], gl.float32, acc_layout)
+        dv = gl.zeros([HALF, D], gl.float32, acc_layout)
+        dq_rows0 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+        dq_cols = CONSUMER * DQ_COLS + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
+        dq_row_offs = gl.expand_dims(dq_rows0 * (H * D), 1)
+        mbarrier.wait(kv_ready, 0)
+
+        start_m = m_lo
+        off_h = h0
+        for it in range(total):
+            st = it % NUM_STAGES
+            ph = (it // NUM_STAGES) & 1
+            buf = it % 2
+            mbarrier.wait(q_ready.index(st), ph)
+            q_tile = q_smem.index(st)
+            s_tok = warpgroup_mma(k_mine, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(do_ready.index(st), ph)
+            do_tile = do_smem.index(st)
+            dp_tok = warpgroup_mma(v_mine, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            lse = lse_smem.index(st).load(col_s)
+            sT = warpgroup_mma_wait(1, deps=(s_tok,))
+            pT = gl.exp2(sT * qk_scale - gl.expand_dims(lse, 0))
+            # Mask where this consumer's keys cross the diagonal, the keys end or the queries end:
+            # rows past S_Q hold the next batch's Q (and the next head's LSE), keys past S_K the next
+            # batch's keys (zeros past the tensor's end).
+            edge = (start_m + BLOCK_M > S_Q) | (kn0 + HALF > S_K)
+            if CAUSAL:
+                edge = edge | (start_m + diag < kn0 + HALF - 1)
+            if edge:
+                qs = start_m + gl.arange(0, BLOCK_M, layout=col_s)
+                ok = key_ok & gl.expand_dims(qs < S_Q, 0)
+                if CAUSAL:
+                    ok = ok & (gl.expand_dims(keys, 1) <= gl.expand_dims(qs + diag, 0))
+                pT = gl.where(ok, pT, 0.0)
+            pT_op = gl.convert_layout(pT.to(dtype), op_layout)
+            dv_tok = warpgroup_mma(pT_op, do_tile, dv, is_async=True)
+            delta = delta_smem.index(st).load(col_s)
+            dpT = warpgroup_mma_wait(1, deps=(dp_tok,))  # dP^T has landed; dV += P^T dO may still run
+            dsT = (pT * (dpT - gl.expand_dims(delta, 0))).to(dtype)
+            # dS^T of this consumer's keys into the shared tile, visible to the other consumer and to
+            # the tensor cores (async proxy) before the arrival
+            ds_smem.index(buf).slice(CONSUMER * HALF, HALF, dim=0).store(dsT)
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(ds_ready.index(buf), count=1)
+            dsT_op = gl.convert_layout(dsT, op_layout)
+            dk_tok = warpgroup_mma(dsT_op, q_tile, dk, is_async=True)
+            dv, _ = warpgroup_mma_wait(1, deps=(dv_tok, pT_op))  # P^T's registers are free once dV lands
+            mbarrier.wait(ds_ready.index(buf), (it // 2) & 1)  # both halves of dS^T written
+            dq_tok = warpgroup_mma(
+                ds_smem.index(buf).permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True
+            )
+            dk, dq, _ = warpgroup_mma_wait(0, deps=(dk_tok, dq_tok, dsT_op))
+            mbarrier.arrive(empty.index(st), count=1)  # Q, dO, LSE, delta of this stage are free
+            # this step's part of dQ rows [start_m, + BLOCK_M) of query head off_h: a 64-bit scalar
+            # base, a row pointer per row and the columns as immediates (a 64-bit offset per element
+            # held 64 more registers and spilled)
+            dq_base = DQACC + ((off_b * S_Q + start_m).to(gl.int64) * H + off_h) * D
+            gl.atomic_add(
+                (dq_base + dq_row_offs) + gl.expand_dims(dq_cols, 0),
+                dq * sm_scale,
+                mask=gl.expand_dims(dq_rows0 < S_Q - start_m, 1),
+                sem="relaxed",
+            )
+            start_m += BLOCK_M
+            if start_m >= S_Q:
+                start_m = m_lo
+                off_h += 1
+
+        # dK, dV of this consumer's keys (summed over the group's query heads), rows past S_K left alone.
+        rows_k = gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
+        cols = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
+        kv_base = ((off_b * S_K + kn0).to(gl.int64) * H_KV + off_hk) * D
+        offs_kv = gl.expand_dims(rows_k, 1) * (H_KV * D) + gl.expand_dims(cols, 0)
+        row_ok = gl.expand_dims(rows_k < S_K - kn0, 1)
+        gl.store(DV + kv_base + offs_kv, dv.to(dtype), mask=row_ok)
+        gl.store(DK + kv_base + offs_kv, (dk * sm_scale).to(dtype), mask=row_ok)
+
+    @gluon.jit
+    def _gluon_bwd_kernel(
+        q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, DQACC, DK, DV,
+        H, H_KV, GROUP, S_Q, S_K, qk_scale, sm_scale,
+        D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+        CAUSAL: gl.constexpr, LOAD_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    ):  # fmt: skip
+        n_block = gl.program_id(0)  # causal: low key blocks see the most queries and launch first
+        bhk = gl.program_id(1)
+        off_b = bhk // H_KV
+        off_hk = bhk % H_KV
+        n0 = n_block * BLOCK_N
+        # causal: query rows i < n0 - diag see none of this block's keys; their tiles are skipped
+        if CAUSAL:
+            m_lo = (gl.maximum(n0 - (S_K - S_Q), 0) // BLOCK_M) * BLOCK_M
+        else:
+            m_lo = 0
+        n_tiles = gl.cdiv(S_Q - m_lo, BLOCK_M)
+        total = GROUP * n_tiles  # steps: the group's query heads x the query tiles each
+
+        dtype: gl.constexpr = q_desc.dtype
+        q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, D], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, D], do_desc.layout)
+        lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], lse_desc.layout)
+        delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], delta_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D], v_desc.layout)
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+        ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+        bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+        kv_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+        q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+        do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+        empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+        ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+        mbarrier.init(kv_ready, count=1)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(do_ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)
+        for i in gl.static_range(2):
+            mbarrier.init(ds_ready.index(i), count=2)
+        fence_async_shared()  # the initialised barriers are visible to the TMA engine (async proxy)
+
+        # Argument tuples written out in the call: a tuple bound to a name first turns its constexpr
+        # entries into tensors (Triton 3.6), and the partitions need them as constexprs.
+        gl.warp_specialize(
+            [
+                (_bwd_consume, (
+                    q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem,
+                    kv_ready, q_ready, do_ready, empty, ds_ready,
+                    DQACC, DK, DV, off_b, off_hk * GROUP, off_hk, H, H_KV, S_Q, S_K, n0, m_lo, total,
+                    qk_scale, sm_scale, 0, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                )),
+                (_bwd_load_partition, (
+                    q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc,
+                    q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
+                    kv_ready, q_ready, do_ready, empty,
+                    off_b * S_Q, off_b * S_K + n0, off_hk * D, off_b * H, off_hk * GROUP, m_lo, total, S_Q,
+                    D, BLOCK_M, NUM_STAGES,
+                )),
+                (_bwd_consume, (
+                    q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem,
+                    kv_ready, q_ready, do_ready, empty, ds_ready,
+                    DQACC, DK, DV, off_b, off_hk * GROUP, off_hk, H, H_KV, S_Q, S_K, n0, m_lo, total,
+                    qk_scale, sm_scale, 1, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                )),
+            ],
+            [1, 4],
+            [LOAD_REGS, CONSUMER_REGS],
+        )  # fmt: skip
+
+
+def _constexprs(d: int, causal: bool, block_m: int | None = None, num_stages: int | None = None) -> dict:
+    """The kernel's constexpr arguments, shared by the launcher and the offline compile."""
+    if d not in GLUON_BWD_DEFAULTS:
+        raise ValueError(
+            f"gluon backward: head dim D = {d} is not supported, expected one of {GLUON_HEAD_DIMS}"
+        )
+    bm, ns = GLUON_BWD_DEFAULTS[d]
+    bm = bm if block_m is None else int(block_m)
+    ns = ns if num_stages is None else int(num_stages)
+    if bm not in (64, 128):
+        raise ValueError(f"gluon backward: block_m must be 64 or 128 (a wgmma N), got {bm}")
+    if ns < 1:
+        raise ValueError(f"gluon backward: num_stages must be >= 1, got {ns}")
+    return dict(D=d, BLOCK_M=bm, BLOCK_N=BLOCK_N, NUM_STAGES=ns, CAUSAL=bool(causal),
+                LOAD_REGS=LOAD_REGS, CONSUMER_REGS=CONSUMER_REGS)  # fmt: skip
+
+
+def _layouts(d: int, block_m: int, gdt):
+    """Shared-memory layouts of the TMA tiles: Q / dO [block_m, D], K / V [BLOCK_N, D], LSE / delta [block_m]."""
+    # K's swizzle spans D/2 columns (128 B at D = 128, 64 B at D = 64): Triton stores a swizzled tile
+    # as column blocks of one swizzle width, so each consumer's column half of K (the B operand of
+    # its dQ product) is one whole block, not a cut through a swizzle pattern
+    return (
+        gl.NVMMASharedLayout.get_default_for([block_m, d], gdt),
+        gl.NVMMASharedLayout(swizzle_byte_width=d, element_bitwidth=16, rank=2),
+        gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1),
+    )
+
+
+def check_device(q: torch.Tensor) -> None:
+    """Raise, saying why, where this kernel cannot run (no Gluon, not CUDA, not sm_90); else nothing."""
+    if not HAS_GLUON:
+        raise RuntimeError(f"gluon backward: this Triton has no Gluon ({GLUON_ERROR})")
+    if q.device.type != "cuda":
+        raise RuntimeError(
+            f"gluon backward: needs a Hopper GPU (sm_90a); the tensors are on {q.device} (Gluon kernels "
+            "do not run in Triton's CPU interpreter)"
+        )
+    major, minor = torch.cuda.get_device_capability(q.device)
+    if (major, minor) != (9, 0):
+        raise RuntimeError(
+            f"gluon backward: written for Hopper (sm_90a: wgmma, TMA, setmaxnreg); this GPU is sm_{major}{minor}"
+        )
+
+
+def gluon_attention_backward(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+    block_m: int | None = None,
+    num_stages: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of attention from the forward's output ``o`` and base-2 log-sum-exp ``lse``.
+
+    q, o, do: [B, S_q, H, D]; k, v: [B, S_k, H_kv, D], H_kv dividing H, D in {64, 128}, bf16 or fp16;
+    lse: [B, H, S_q] float32 (either forward's). Causal needs S_q <= S_k. Hopper (sm_90) only.
+    delta = rowsum(dO * O) and the zeroed fp32 dQ buffer come from ``bwd_fused``'s preprocess kernel.
+    """
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from repro.fa4.bwd_fused import preprocess
+
+    check_device(q)
+    if q.dtype not in GLUON_DTYPES:
+        raise TypeError(f"gluon backward: q has dtype {q.dtype}, expected bfloat16 or float16")
+    b, s_q, h, d = q.shape
+    s_k, h_kv = k.shape[1], k.shape[2]
+    if causal and s_q > s_k:
+        raise ValueError(f"gluon backward: causal needs S_q <= S_k, got S_q = {s_q}, S_k = {s_k}")
+    cx = _constexprs(d, causal, block_m, num_stages)
+    bm = cx["BLOCK_M"]
+    q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
+    delta, dq_acc = preprocess(o, do)
+    lse = lse.contiguous()
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    qo_layout, kv_layout, vec_layout = _layouts(
+        d, bm, {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[q.dtype]
+    )
+
+    def desc(t, block, layout):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+    q_desc, do_desc = (desc(t.view(b * s_q, h * d), [bm, d], qo_layout) for t in (q, do))
+    k_desc, v_desc = (desc(t.view(b * s_k, h_kv * d), [BLOCK_N, d], kv_layout) for t in (k, v))
+    lse_desc, delta_desc = (desc(t.view(-1), [bm], vec_layout) for t in (lse, delta))
+    _gluon_bwd_kernel[(-(-s_k // BLOCK_N), b * h_kv)](
+        q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, dq_acc, dk, dv,
+        h, h_kv, h // h_kv, s_q, s_k, scale / math.log(2.0), scale, **cx, num_warps=4,
+    )  # fmt: skip
+    return dq_acc.to(q.dtype), dk, dv
+
+
+# ---------------------------------------------------------------------------------------------
+# Offline compile for sm_90a (no GPU): shared memory, registers, spills, wgmma / TMA / atomics in PTX
+# ---------------------------------------------------------------------------------------------
+
+
+def compile_for_sm90(d: int, causal: bool, dtype: str = "bf16", block_m: int | None = None,
+                     num_stages: int | None = None):  # fmt: skip
+    """The kernel compiled for sm_90a without a GPU; returns Triton's CompiledKernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    cx = _constexprs(d, causal, block_m, num_stages)
+    bm = cx["BLOCK_M"]
+    qo_layout, kv_layout, vec_layout = _layouts(d, bm, {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype])
+    signature = {
+        "q_desc": f"tensordesc<{dtype}[{bm}, {d}],{qo_layout!r}>",
+        "do_desc": f"tensordesc<{dtype}[{bm}, {d}],{qo_layout!r}>",
+        "lse_desc": f"tensordesc<fp32[{bm}],{vec_layout!r}>",
+        "delta_desc": f"tensordesc<fp32[{bm}],{vec_layout!r}>",
+        "k_desc": f"tensordesc<{dtype}[{BLOCK_N}, {d}],{kv_layout!r}>",
+        "v_desc": f"tensordesc<{dtype}[{BLOCK_N}, {d}],{kv_layout!r}>",
+        "DQACC": "*fp32", "DK": f"*{dtype}", "DV": f"*{dtype}",
+        "H": "i32", "H_KV": "i32", "GROUP": "i32", "S_Q": "i32", "S_K": "i32",
+        "qk_scale": "fp32", "sm_scale": "fp32",
+        **{name: "constexpr" for name in cx},
+    }  # fmt: skip
+    src = GluonASTSource(_gluon_bwd_kernel, signature, constexprs=cx)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=4))
+
+
+def compile_report(cases) -> list[dict]:
+    """Offline sm_90a compile of each (d, causal, dtype[, block_m, num_stages]): shared memory (bytes),
+    warps, ptxas registers and spills (the launch allocation; setmaxnreg then gives the load warp 24
+    and the consumers 240), setmaxnreg values, and counts of wgmma, TMA loads and atomics in the PTX."""
+    import re
+
+    from repro.fa4.gluon_fwd import ptxas_usage
+
+    rows = []
+    for case in cases:
+        d, causal, dtype = case[:3]
+        bm, ns = (list(case[3:5]) + [None, None])[:2]
+        row = dict(d=d, causal=causal, dtype=dtype, block_m=bm, num_stages=ns)
+        try:
+            c = compile_for_sm90(d, causal, dtype, bm, ns)
+            ptx = c.asm["ptx"]
+            row.update(
+                shared=c.metadata.shared,
+                num_warps=c.metadata.num_warps,
+                target_ok=".target sm_90a" in ptx,
+                wgmma=len(re.findall(r"wgmma\.mma_async", ptx)),
+                tma_loads=len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
+                atomics=sorted(set(re.findall(r"\b(?:red|atom)\.global[\w.]*", ptx))),
+                setmaxnreg=sorted(
+                    {int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}
+                ),
+                **ptxas_usage(ptx),
+            )
+        except Exception as exc:  # report it: the caller decides
+            row["error"] = f"{type(exc).__name__}: {exc}"[-3000:]
+        rows.append(row)
+    return rows
+
+
+#: The variants compiled by ``python -m repro.fa4.gluon_bwd`` and tests/test_gluon_bwd.py.
+COMPILE_CASES = [[d, c, t] for d in GLUON_HEAD_DIMS for c in (False, True) for t in ("bf16", "fp16")]
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    # python -m repro.fa4.gluon_bwd [JSON list of [d, causal, dtype(, block_m, num_stages)]]: offline report
+    cases = json.loads(sys.argv[1]) if len(sys.argv) > 1 else COMPILE_CASES
+    print(json.dumps(compile_report(cases)))

@@ -1,0 +1,122 @@
+"""The warp-specialised Gluon backward (``bwd="gluon"``, ``repro.fa4.gluon_bwd``).
+
+Gluon kernels do not run under TRITON_INTERPRET, so on the CPU the kernel is compiled offline for
+sm_90a (Triton's compiler and its bundled ptxas need no GPU) at D 64/128, causal or not, bf16/fp16:
+each must compile to wgmma, TMA loads and fp32 atomics, fit the H100's 227 KiB of shared memory
+per block and stay within SPILL_BUDGET. ``bwd="gluon"`` must be refused, with a reason, where it
+cannot run. The tests marked ``gpu`` run ``test_gpu_bwd``'s matrix (same shapes, fp64 reference,
+cuDNN's error beside ours) with ``bwd="gluon"``, behind the Triton and the Gluon forward.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from paperclub.triton_compat import interpreting
+from repro.fa4 import attention_any_d
+from repro.fa4.gluon_bwd import COMPILE_CASES, check_device, gluon_attention_backward
+from repro.fa4.gluon_fwd import HAS_GLUON
+from repro.fa4.tests import test_gpu_bwd as matrix
+
+needs_gluon = pytest.mark.skipif(not HAS_GLUON, reason="this Triton has no Gluon (triton.experimental.gluon)")
+H100_SMEM_PER_BLOCK = 227 * 1024
+#: Spilled bytes (ptxas, stores) allowed per head dim, as compiled on 2026-11-25 (Triton 3.6): none at
+#: D = 64; at D = 128 44 (causal 108) bytes of scalars, where the Triton one-pass kernel spills
+#: 630-780 bytes of its dK/dV tiles. A change that spills more should say why.
+SPILL_BUDGET = {64: 0, 128: 128}
+
+
+def _case_id(case):
+    d, causal, dtype = case
+    return f"d{d}-{'causal' if causal else 'full'}-{dtype}"
+
+
+@pytest.fixture(scope="module")
+def compile_rows(tmp_path_factory) -> dict:
+    """All COMPILE_CASES compiled in one subprocess without TRITON_INTERPRET (which the pytest plugin
+    sets, and under which Gluon cannot compile), into a fresh cache so that ptxas really runs."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton-cache"))
+    r = subprocess.run(
+        [sys.executable, "-m", "repro.fa4.gluon_bwd", json.dumps(COMPILE_CASES)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+        cwd=Path(__file__).resolve().parents[3],
+    )
+    assert r.returncode == 0, f"offline compile driver failed:\n{r.stderr[-4000:]}"
+    rows = json.loads(r.stdout.strip().splitlines()[-1])
+    return {(x["d"], x["causal"], x["dtype"]): x for x in rows}
+
+
+@needs_gluon
+@pytest.mark.parametrize("case", [tuple(c) for c in COMPILE_CASES], ids=[_case_id(c) for c in COMPILE_CASES])
+def test_gluon_backward_compiles_for_sm90(compile_rows, case):
+    row = compile_rows[case]
+    print(row)
+    assert "error" not in row, row["error"]
+    assert row["target_ok"] and row["wgmma"] > 0 and row["tma_loads"] > 0, row
+    assert any(a.endswith("add.f32") for a in row["atomics"]), f"no fp32 atomic adds for dQ: {row}"
+    assert 24 in row["setmaxnreg"], row  # the load warp gives its registers to the consumers
+    assert 0 < row["shared"] <= H100_SMEM_PER_BLOCK, f"shared memory {row['shared']} B > 227 KiB"
+    if "ptxas_error" in row:
+        pytest.fail(f"ptxas: {row['ptxas_error']}")
+    if "spill_stores" not in row:
+        pytest.skip("this Triton bundles no ptxas: registers and spills not checked")
+    assert row["spill_stores"] <= SPILL_BUDGET[case[0]], row
+
+
+def test_gluon_backward_refused_where_it_cannot_run():
+    q = torch.randn(1, 16, 2, 64)
+    if interpreting():  # the CPU test run: refused before anything is launched
+        with pytest.raises(ValueError, match="interpreter"):
+            attention_any_d(q, q, q, bwd="gluon")
+    with pytest.raises(RuntimeError, match="Hopper|Gluon"):
+        check_device(q)  # CPU tensors
+    with pytest.raises(RuntimeError, match="Hopper|Gluon"):
+        gluon_attention_backward(q, q, q, q, q, torch.zeros(1, 2, 16), False, 0.125)
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0):
+        qc = q.to("cuda", torch.bfloat16)
+        with pytest.raises(RuntimeError, match="Hopper"):
+            check_device(qc)
+
+
+def test_gluon_backward_configuration_errors():
+    from repro.fa4.gluon_bwd import _constexprs
+
+    assert _constexprs(128, True)["BLOCK_N"] == 128
+    with pytest.raises(ValueError, match="head dim"):
+        _constexprs(96, False)
+    with pytest.raises(ValueError, match="block_m"):
+        _constexprs(128, False, block_m=32)
+    with pytest.raises(ValueError, match="num_stages"):
+        _constexprs(128, False, num_stages=0)
+
+
+# --------------------------------------------------------------------------------------------
+# H100: test_gpu_bwd's matrix with bwd="gluon" (its test body, called, not collected twice).
+# --------------------------------------------------------------------------------------------
+
+GPU_CASES = [
+    pytest.param(
+        d, causal, dtype, fwd, id=f"d{d}-{'causal' if causal else 'full'}-{str(dtype)[6:]}-gluon-{fwd}"
+    )
+    for d in (64, 128)
+    for causal in (False, True)
+    for dtype in (torch.bfloat16, torch.float16)
+    for fwd in ("triton", "gluon")
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d, causal, dtype, fwd", GPU_CASES)
+def test_gpu_gluon_backward_matrix(d, causal, dtype, fwd):
+    matrix.test_gpu_backward_matrix(d, causal, dtype, "gluon", fwd)
