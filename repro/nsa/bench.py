@@ -16,15 +16,24 @@ B = 1, T = 8k .. 64k. Rows (``section``):
   PyTorch) against ``sdpa-decode`` (full attention, GQA); ``tokens`` is what the decode kernels
   counted per group, ``paper_tokens`` Table 4's number.
 
-Every candidate is checked first (``paperclub.bench.measure``): against the PyTorch reference on a
-sample of query rows, and fla against our output on the same indices.
+The work is a plan of steps, most important first (:func:`plan`): at the first length, ``nsa`` against
+SDPA forward ("core"), then the peers forward ("peers": fa4, the cmp+slc and slc rows, fla), then the
+same two for forward + backward, then each longer length, then decode. Every step checks each of its
+candidates at the step's shape (``Candidate.check``: against the PyTorch reference on a sample of
+query rows, fla against our output on the same indices; the first call of a candidate also compiles
+its kernels, fla's autotunes), then times them interleaved (``paperclub.bench.measure``), and writes
+the report, so a run that is killed keeps what it measured. A step is not started when the time
+spent (from the process's start) plus its predicted cost, compile included, passes ``--budget-s``;
+the notes list the steps not reached. Progress goes to stdout, flushed, line by line.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,6 +51,42 @@ TABLE4 = {8192: 2048, 16384: 2560, 32768: 3584, 65536: 5632}
 TOL = 2e-2  # bf16 output against an fp32 reference: a few bf16 roundings (2^-8 each)
 COLUMNS = ["section", "impl", "pass", "B", "T", "ms", "ms_min", "ms_max", "check", "speedup_vs_full"]
 COLUMNS += ["tokens", "paper_tokens"]
+SDPA_BACKENDS = {"sdpa-flash": "FLASH_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION"}  # SDPBackend names
+FA4_MAX_T = 16384  # fa4 rows up to this length (its backward at 32k+ takes longer than the rest)
+WARMUP, REP = 5, 20  # per time_ms call (ms for triton's do_bench)
+TIMER = None  # measure's default timer (paperclub.bench.time_ms); a test puts a fast one here
+# The predicted cost of a step whose pass has not run yet, as a multiple of the first forward core
+# step (which includes compiling the forward kernels): fwd+bwd compiles about twice as many kernels
+# (dQ and dK/dV per branch), peers compile fa4 and fla (whose parallel_nsa autotunes 12-16 launch
+# configurations per kernel), decode two kernels and SDPA's decode.
+FIRST_COST = {("fwd", "core"): 1.0, ("fwd", "peers"): 2.0, ("fwd+bwd", "core"): 3.0}
+FIRST_COST |= {("fwd+bwd", "peers"): 6.0, ("decode", "core"): 0.5}
+_T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[nsa bench {elapsed():6.1f} s] {msg}", flush=True)
+
+
+def process_age() -> float:
+    """Seconds since this process started (Linux: /proc), so that the budget counts Python's and
+    torch's start-up as the job that kills the run does; 0 where that cannot be read."""
+    try:
+        ticks = os.sysconf("SC_CLK_TCK")
+        with open("/proc/self/stat") as f:
+            start = int(f.read().rsplit(")", 1)[1].split()[19]) / ticks
+        with open("/proc/uptime") as f:
+            return max(0.0, float(f.read().split()[0]) - start)
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+_AGE0 = process_age()
+
+
+def elapsed() -> float:
+    """Seconds since the process started."""
+    return _AGE0 + time.perf_counter() - _T0
 
 
 def load_fla():
@@ -98,46 +143,58 @@ def sdpa_fn(q, k, v, backend):
     return run
 
 
-def train_candidates(t: int, fla, sdpa_backends: dict, with_fa4: bool, gen: torch.Generator):
-    """{(impl, pass): Candidate} for one length."""
+def _failing(err: str):
+    def fail():
+        raise RuntimeError(err)
+
+    return fail
+
+
+def train_candidates(t: int, fla, sdpa_backends: dict, with_fa4: bool, gen: torch.Generator,
+                     passes=("fwd", "fwd+bwd"), group: str = "all"):  # fmt: skip
+    """{(impl, pass): Candidate} for one length: ``group`` "core" (SDPA and nsa), "peers" (fa4,
+    cmp+slc, slc, fla) or "all"; only the ``passes`` asked for."""
+    core, peers = group in ("core", "all"), group in ("peers", "all")
     q, (kc_raw, vc_raw, ks, vs, kw, vw), gates = train_inputs(t)
     pos = sample_rows(t, gen)
     cands = {}
+    cache = {}
 
-    # full attention: [B, HQ, T, D] with the KV heads repeated for SDPA's kernels
-    qt = q.transpose(1, 2).contiguous().requires_grad_()
-    kt = ks.repeat_interleave(HQ // H, 2).transpose(1, 2).contiguous().requires_grad_()
-    vt = vs.repeat_interleave(HQ // H, 2).transpose(1, 2).contiguous().requires_grad_()
-    ref_full = full_rows(q, ks, vs, pos)
-    for name, backend in sdpa_backends.items():
-        f = sdpa_fn(qt, kt, vt, backend)
+    def ref_full():  # the reference rows of full attention, computed once, when a check needs them
+        if "full" not in cache:
+            cache["full"] = full_rows(q, ks, vs, pos)
+        return cache["full"]
 
-        def check(f=f):
-            assert_rel_close(f().transpose(1, 2)[:, pos].float(), ref_full, TOL, "sdpa rows")
+    if core:  # full attention: [B, HQ, T, D] with the KV heads repeated for SDPA's kernels
+        qt = q.transpose(1, 2).contiguous().requires_grad_()
+        kt = ks.repeat_interleave(HQ // H, 2).transpose(1, 2).contiguous().requires_grad_()
+        vt = vs.repeat_interleave(HQ // H, 2).transpose(1, 2).contiguous().requires_grad_()
+        for name, backend in sdpa_backends.items():
+            f = sdpa_fn(qt, kt, vt, backend)
 
-        cands[(name, "fwd")] = Candidate(fn=f, check=check)
-        cands[(name, "fwd+bwd")] = Candidate(fn=fwd_bwd(f, (qt, kt, vt)), check=check)
-    if with_fa4:
+            def check(f=f):
+                assert_rel_close(f().transpose(1, 2)[:, pos].float(), ref_full(), TOL, "sdpa rows")
+
+            cands[(name, "fwd")] = Candidate(fn=f, check=check)
+            cands[(name, "fwd+bwd")] = Candidate(fn=fwd_bwd(f, (qt, kt, vt)), check=check)
+    if peers and with_fa4:
         try:
             from repro.fa4 import attention
 
-            ql, kl, vl = (x.detach().clone().requires_grad_() for x in (q, ks, vs))
+            ql4, kl4, vl4 = (x.detach().clone().requires_grad_() for x in (q, ks, vs))
 
             def f4():
-                return attention(ql, kl, vl, causal=True)
+                return attention(ql4, kl4, vl4, causal=True)
 
             def check4():
-                assert_rel_close(f4()[:, pos].float(), ref_full, TOL, "fa4 rows")
+                assert_rel_close(f4()[:, pos].float(), ref_full(), TOL, "fa4 rows")
 
             cands[("fa4", "fwd")] = Candidate(fn=f4, check=check4)
-            cands[("fa4", "fwd+bwd")] = Candidate(fn=fwd_bwd(f4, (ql, kl, vl)), check=check4)
+            cands[("fa4", "fwd+bwd")] = Candidate(fn=fwd_bwd(f4, (ql4, kl4, vl4)), check=check4)
         except Exception as exc:
-            err = f"{type(exc).__name__}: {exc}"
-
-            def fail(err=err):
-                raise RuntimeError(err)
-
-            cands[("fa4", "fwd")] = Candidate(fn=fail, check=fail)
+            fail = _failing(f"{type(exc).__name__}: {exc}")
+            for p in ("fwd", "fwd+bwd"):
+                cands[("fa4", p)] = Candidate(fn=fail, check=fail)
 
     # NSA at the paper's configuration
     cfg = PAPER
@@ -158,11 +215,19 @@ def train_candidates(t: int, fla, sdpa_backends: dict, with_fa4: bool, gen: torc
         want = g[..., 0:1] * o_c + g[..., 1:2] * o_s + g[..., 2:3] * o_w
         assert_rel_close(o[:, pos].float(), want, TOL, "nsa rows")
 
-    cands[("nsa", "fwd")] = Candidate(fn=nsa, check=check_nsa)
-    cands[("nsa", "fwd+bwd")] = Candidate(fn=fwd_bwd(nsa, leaves), check=check_nsa)
+    if core:
+        cands[("nsa", "fwd")] = Candidate(fn=nsa, check=check_nsa)
+        cands[("nsa", "fwd+bwd")] = Candidate(fn=fwd_bwd(nsa, leaves), check=check_nsa)
+    if peers:
+        cands |= _peer_candidates(t, fla, q, ks, vs, gates, leaves, pos)
+    return {k: c for k, c in cands.items() if k[1] in passes}
 
+
+def _peer_candidates(t, fla, q, ks, vs, gates, leaves, pos):
+    """The cmp+slc and slc rows, ours and fla's."""
+    cfg, fs = PAPER, FLA_SETUP
+    cands = {}
     # flash-linear-attention's setting: mean-pooled compression, l = d = l' = 64, no window
-    fs = FLA_SETUP
     ql, kl, vl = (x.detach().clone().requires_grad_() for x in (q, ks, vs))
     g_cmp = gates[..., 0].detach().clone().requires_grad_()
     g_slc = gates[..., 1].detach().clone().requires_grad_()
@@ -218,40 +283,37 @@ def train_candidates(t: int, fla, sdpa_backends: dict, with_fa4: bool, gen: torc
 
     parallel_nsa, why = fla
     if parallel_nsa is None:
-
-        def missing(why=why):
-            raise RuntimeError(why)
-
         for name in ("fla-cmp+slc", "fla-slc"):
             for p in ("fwd", "fwd+bwd"):
+                missing = _failing(why)
                 cands[(name, p)] = Candidate(fn=missing, check=missing)
-    else:
+        return cands
 
-        def fla_cs():
-            return parallel_nsa(ql, kl, vl, g_cmp=g_cmp, g_slc=g_slc, block_counts=fs.n_select,
-                                block_size=fs.select_len, window_size=0)  # fmt: skip
+    def fla_cs():
+        return parallel_nsa(ql, kl, vl, g_cmp=g_cmp, g_slc=g_slc, block_counts=fs.n_select,
+                            block_size=fs.select_len, window_size=0)  # fmt: skip
 
-        def check_fla_cs():
-            # fla picks its own blocks from its own bf16 scores, so a few rows may select differently
-            # near ties: 90% of the (query, head) rows must agree with ours to bf16 precision.
-            a, b = fla_cs().float(), ours_cs().float()
-            row_err = (a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-6)
-            flat = row_err.flatten()
-            q90 = torch.quantile(flat[:: max(1, flat.numel() // 1_000_000)], 0.9).item()
-            assert torch.isfinite(a).all(), "fla cmp+slc: non-finite output"
-            assert q90 <= TOL, f"fla cmp+slc vs ours: 90th percentile of row errors {q90:.3e} > {TOL}"
+    def check_fla_cs():
+        # fla picks its own blocks from its own bf16 scores, so a few rows may select differently
+        # near ties: 90% of the (query, head) rows must agree with ours to bf16 precision.
+        a, b = fla_cs().float(), ours_cs().float()
+        row_err = (a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-6)
+        flat = row_err.flatten()
+        q90 = torch.quantile(flat[:: max(1, flat.numel() // 1_000_000)], 0.9).item()
+        assert torch.isfinite(a).all(), "fla cmp+slc: non-finite output"
+        assert q90 <= TOL, f"fla cmp+slc vs ours: 90th percentile of row errors {q90:.3e} > {TOL}"
 
-        def fla_slc():
-            return parallel_nsa(ql, kl, vl, block_indices=indices(), block_counts=cfg.n_select,
-                                block_size=cfg.select_len, window_size=0)  # fmt: skip
+    def fla_slc():
+        return parallel_nsa(ql, kl, vl, block_indices=indices(), block_counts=cfg.n_select,
+                            block_size=cfg.select_len, window_size=0)  # fmt: skip
 
-        def check_fla_slc():
-            assert_rel_close(fla_slc().float(), ours_slc().float(), TOL, "fla slc vs ours")
+    def check_fla_slc():
+        assert_rel_close(fla_slc().float(), ours_slc().float(), TOL, "fla slc vs ours")
 
-        cands[("fla-cmp+slc", "fwd")] = Candidate(fn=fla_cs, check=check_fla_cs)
-        cands[("fla-cmp+slc", "fwd+bwd")] = Candidate(fn=fwd_bwd(fla_cs, cs_leaves), check=check_fla_cs)
-        cands[("fla-slc", "fwd")] = Candidate(fn=fla_slc, check=check_fla_slc)
-        cands[("fla-slc", "fwd+bwd")] = Candidate(fn=fwd_bwd(fla_slc, sl), check=check_fla_slc)
+    cands[("fla-cmp+slc", "fwd")] = Candidate(fn=fla_cs, check=check_fla_cs)
+    cands[("fla-cmp+slc", "fwd+bwd")] = Candidate(fn=fwd_bwd(fla_cs, cs_leaves), check=check_fla_cs)
+    cands[("fla-slc", "fwd")] = Candidate(fn=fla_slc, check=check_fla_slc)
+    cands[("fla-slc", "fwd+bwd")] = Candidate(fn=fwd_bwd(fla_slc, sl), check=check_fla_slc)
     return cands
 
 
@@ -301,121 +363,246 @@ def decode_candidates(t: int, b: int, gen: torch.Generator):
     }, counted
 
 
-def warm_up(fla, backends: dict, t: int = 1024) -> None:
-    """Run every candidate once at a small length: Triton compiles (and fla autotunes) here."""
-    try:
-        cands = train_candidates(t, fla, backends, with_fa4=True, gen=torch.Generator().manual_seed(1))
-    except Exception:
-        return
-    for cand in cands.values():
-        try:
-            cand.fn()
-        except Exception:  # the real run records the failure
-            pass
-    torch.cuda.synchronize()
+@dataclass(frozen=True)
+class Step:
+    """One unit of the plan: candidates built, checked, timed and written together."""
+
+    section: str  # "train" or "decode"
+    pass_: str  # "fwd", "fwd+bwd" or "decode"
+    t: int
+    group: str = "core"  # train: "core" (nsa, SDPA) or "peers" (fa4, cmp+slc, slc, fla)
+    b: int = 1
+
+    @property
+    def name(self) -> str:
+        if self.section == "decode":
+            return f"decode T={self.t} B={self.b}"
+        return f"train {self.pass_} T={self.t} {self.group}"
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return self.section, self.pass_, self.group
+
+
+def plan(lengths: list[int], decode_batch: int) -> list[Step]:
+    """The steps, most important first: each length's forward then forward + backward (ours against
+    SDPA, then the peers), shortest length first, then decode at every length."""
+    steps = [Step("train", p, t, g) for t in lengths for p in ("fwd", "fwd+bwd") for g in ("core", "peers")]
+    return steps + [Step("decode", "decode", t, "core", decode_batch) for t in lengths]
+
+
+def predict(step: Step, done: dict) -> float | None:
+    """Seconds the step should take, compile included; None when nothing has run yet to scale from.
+
+    ``done[key]`` lists (T, build + check seconds, timing seconds) of the finished steps of one
+    (section, pass, group), in order. From an earlier length of the same kind: its check part (the
+    first one holds the kernels' compile, which does not recur) plus its timing part scaled by
+    (T / T0)^2 for training (full attention is quadratic; pessimistic where launch overheads
+    dominate) and T / T0 for decode (linear in the cache). Else a multiple (``FIRST_COST``) of the
+    first forward core step, whose cost is mostly the forward kernels' compile."""
+    runs = done.get(step.key)
+    if runs:
+        t0, check_s, time_s = runs[-1]
+        r = step.t / t0
+        check = check_s if len(runs) == 1 else check_s * r
+        return check + time_s * (r if step.section == "decode" else r * r)
+    base = done.get(("train", "fwd", "core"))
+    if not base:
+        return None
+    return FIRST_COST.get((step.pass_, step.group), 3.0) * (base[0][1] + base[0][2])
+
+
+def _rounds(t: int) -> int:
+    return 3 if t <= 16384 else 2
+
+
+def run_step(step: Step, fla, backends: dict, gen: torch.Generator) -> tuple[dict, dict, float, float]:
+    """Build, check and time one step's candidates. Returns ({impl: Measured}, decode counts,
+    build + check seconds, timing seconds)."""
+    from paperclub.bench import time_ms
+
+    t_start = time.perf_counter()
+    log(f"{step.name}: building inputs and candidates")
+    counted: dict = {}
+    if step.section == "train":
+        cands = train_candidates(step.t, fla, backends, with_fa4=step.t <= FA4_MAX_T, gen=gen,
+                                 passes=(step.pass_,), group=step.group)  # fmt: skip
+        cands = {impl: c for (impl, _), c in cands.items()}
+    else:
+        cands, counted = decode_candidates(step.t, step.b, gen)
+    spent = {"check": 0.0}
+    names: dict[int, str] = {}
+
+    def wrap_check(impl, check):
+        def run():
+            log(f"{step.name}: {impl}: checking (its first call compiles its kernels, autotunes fla's)")
+            t0 = time.perf_counter()
+            try:
+                check()
+                if DEVICE == "cuda":
+                    torch.cuda.synchronize()
+            except Exception as exc:
+                log(f"{step.name}: {impl}: check FAILED after {time.perf_counter() - t0:.1f} s: "
+                    f"{type(exc).__name__}: {str(exc)[:200]}")  # fmt: skip
+                raise
+            finally:
+                spent["check"] += time.perf_counter() - t0
+            log(f"{step.name}: {impl}: check ok ({time.perf_counter() - t0:.1f} s)")
+
+        return run
+
+    named = {}
+    for impl, c in cands.items():
+        fn = lambda f=c.fn: f()  # noqa: E731 (a closure of its own: the timer names it by id)
+        names[id(fn)] = impl
+        named[impl] = Candidate(fn=fn, check=wrap_check(impl, c.check) if c.check else None)
+    rounds = _rounds(step.t)
+
+    def timer(fn, warmup, rep):
+        ms = (TIMER or time_ms)(fn, warmup=warmup, rep=rep)
+        log(f"{step.name}: timed {names[id(fn)]}: {ms:.3f} ms")
+        return ms
+
+    build_s = time.perf_counter() - t_start
+    log(f"{step.name}: {len(named)} candidates ({', '.join(named)}) built in {build_s:.1f} s; checking, then "
+        f"{rounds} interleaved timing rounds")  # fmt: skip
+    res = measure(named, rounds=rounds, warmup=WARMUP, rep=REP, timer=timer)
+    total = time.perf_counter() - t_start
+    check_s = build_s + spent["check"]
+    return res, counted, check_s, max(0.0, total - check_s)
 
 
 def run(out: str | None, budget_s: float, quick: bool, lengths: list[int], decode_batch: int) -> Path:
     from torch.nn.attention import SDPBackend
 
-    start = time.perf_counter()
+    device = torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
+    steps = plan(lengths, decode_batch)
+    log(f"device {device}; budget {budget_s:g} s from the process's start; plan of {len(steps)} steps: "
+        + ", ".join(s.name for s in steps))  # fmt: skip
     gen = torch.Generator().manual_seed(0)
+    log("importing fla (the peer)")
     fla = load_fla()
+    log("fla: " + ("imported" if fla[0] is not None else fla[1]))
     report = Report(
         package="nsa",
         title="NSA forward, backward and decode (64 query heads, 4 KV heads, D = 128, bf16)",
         columns=COLUMNS,
         peer="flash-linear-attention (fla-core) 0.6.0, parallel_nsa",
         packages=["fla-core", "flash-linear-attention"],
+        measure_ceilings=False,
     )
-    notes = []
-    if fla[0] is None:
-        notes.append(fla[1])
-    backends = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION}
-    skipped, last_cost = [], 0.0
-    for t in lengths:
-        if time.perf_counter() - start > budget_s / 4:  # decode first, a quarter of the budget
-            skipped.append(f"decode T={t}")
-            continue
-        try:
-            cands, counted = decode_candidates(t, decode_batch, gen)
-            res = measure(cands, rounds=3, warmup=5, rep=20)
-        except Exception as exc:
-            report.add(
-                section="decode",
-                impl="all",
-                B=decode_batch,
-                T=t,
-                check=f"failed: {type(exc).__name__}: {exc}"[:300],
-            )
-            torch.cuda.empty_cache()
-            continue
-        full = res["sdpa-decode"].median_ms
-        for impl, m in res.items():
-            sp = full / m.median_ms if full and m.median_ms else None
-            tokens = counted.get("tokens") if impl == "nsa-decode" else t
-            report.add(section="decode", impl=impl, B=decode_batch, T=t, speedup_vs_full=sp, tokens=tokens,
-                       paper_tokens=TABLE4.get(t) if impl == "nsa-decode" else t, **{"pass": "decode"}, **m.row())  # fmt: skip
-        del cands, res
-        torch.cuda.empty_cache()
-    warm_up(fla, backends)  # compile every kernel once, so that a length's cost predicts the next one's
-    for i, t in enumerate(lengths):
-        elapsed = time.perf_counter() - start
-        # a length costs about 4x the previous one (full attention is quadratic)
-        if i > 0 and elapsed + 4 * last_cost > budget_s:
-            skipped += [f"train T={x}" for x in lengths[i:]]
-            break
-        t0 = time.perf_counter()
-        rounds = 3 if t <= 16384 else 2
-        try:
-            cands = train_candidates(t, fla, backends, with_fa4=t <= 16384, gen=gen)
-            res = measure(cands, rounds=rounds, warmup=5, rep=20)
-        except Exception as exc:  # e.g. out of memory while building the inputs: record it, go on
-            report.add(
-                section="train", impl="all", B=1, T=t, check=f"failed: {type(exc).__name__}: {exc}"[:300]
-            )
-            last_cost = time.perf_counter() - t0
-            torch.cuda.empty_cache()
-            continue
-        full_ms = {}
-        for (impl, p), m in res.items():
-            if impl.startswith("sdpa") and m.median_ms is not None:
-                full_ms[p] = min(full_ms.get(p, math.inf), m.median_ms)
-        for (impl, p), m in res.items():
-            sp = full_ms.get(p) / m.median_ms if m.median_ms and p in full_ms else None
-            report.add(section="train", impl=impl, B=1, T=t, speedup_vs_full=sp, **{"pass": p}, **m.row())
-        if i == 0:  # keep SDPA's faster backend for the longer lengths
-            fwd = {n: res[(n, "fwd+bwd")].median_ms for n in backends if res[(n, "fwd+bwd")].median_ms}
-            if fwd:
-                best = min(fwd, key=fwd.get)
-                backends = {best: backends[best]}
-                notes.append(f"SDPA backend kept after T={t}: {best} (fastest forward + backward there)")
-        last_cost = time.perf_counter() - t0
-        del cands, res  # free this length's tensors before the next length builds its own
-        torch.cuda.empty_cache()
-    if skipped:
-        notes.append("Not measured (time budget of the run): " + ", ".join(skipped))
-    notes.append(
-        "nsa: paper configuration l=32, d=16, l'=64, n=16 (1 initial + 2 local), w=512, compressed keys "
-        "given (mean-pooled here; the compression MLP is outside the timing). cmp+slc rows: fla's setting "
-        "(mean pooling, l=d=l'=64, n=16, no window). slc rows: the selected branch alone on one set of "
-        "indices. speedup_vs_full: the fastest full-attention (SDPA) time over this row's, same pass."
-    )
-    report.notes = " ".join(notes)
-    report.measure_ceilings = not quick and time.perf_counter() - start < budget_s
     for p in ("fwd", "fwd+bwd"):
         report.plot(title=f"{p} time", x="T", y="ms", series="impl", where={"section": "train", "pass": p},
                     logx=True, logy=True)  # fmt: skip
     report.plot(
         title="decode step time", x="T", y="ms", series="impl", where={"section": "decode"}, logx=True
     )
-    return report.write(out_dir=Path(out) if out else None)
+    notes = [] if fla[0] is not None else [fla[1]]
+    backends = {n: getattr(SDPBackend, b) for n, b in SDPA_BACKENDS.items()}
+    fixed = (
+        "nsa: paper configuration l=32, d=16, l'=64, n=16 (1 initial + 2 local), w=512, compressed keys "
+        "given (mean-pooled here; the compression MLP is outside the timing). cmp+slc rows: fla's setting "
+        "(mean pooling, l=d=l'=64, n=16, no window). slc rows: the selected branch alone on one set of "
+        "indices. Each step checks every candidate's forward output at the row's shape (sampled query rows "
+        "against the PyTorch reference; fla against ours) before timing; fwd+bwd rows are checked on "
+        "the forward (the gradients are the tests' business). Rows of one step (a length, a pass, and "
+        "'core' = nsa and SDPA or 'peers' = fa4, cmp+slc, slc) are timed interleaved "
+        "(paperclub.bench.measure). speedup_vs_full: the fastest full-attention (SDPA) time over this "
+        "row's, same pass and length."
+    )
+    done: dict = {}
+    full_ms: dict = {}
+    skipped: list[Step] = []
+
+    def write(final: bool) -> Path:
+        pending = [s.name for s in steps if s not in finished and s not in skipped]
+        parts = [*notes]
+        if skipped:
+            parts.append(
+                f"Not measured (time budget of {budget_s:g} s): {', '.join(s.name for s in skipped)}."
+            )
+        if pending and not final:
+            parts.append(
+                f"Not reached (the run was still going when this file was written): {', '.join(pending)}."
+            )
+        report.notes = " ".join([*parts, fixed])
+        if final:
+            report.measure_ceilings = not quick and elapsed() < budget_s
+        return report.write(out_dir=Path(out) if out else None)
+
+    finished: list[Step] = []
+    for i, step in enumerate(steps):
+        pred = predict(step, done)
+        now = elapsed()
+        if pred is not None and now + pred > budget_s:
+            log(f"step {i + 1}/{len(steps)} {step.name}: not started, {now:.0f} s spent + {pred:.0f} s "
+                f"predicted > budget {budget_s:g} s")  # fmt: skip
+            skipped.append(step)
+            continue
+        log(f"step {i + 1}/{len(steps)} {step.name}: starting (predicted "
+            + (f"{pred:.0f} s" if pred is not None else "unknown: the first step") + ")")  # fmt: skip
+        try:
+            res, counted, check_s, time_s = run_step(step, fla, backends if step.group == "core" else {}, gen)
+        except Exception as exc:  # e.g. out of memory while building the inputs: record it, go on
+            log(f"{step.name}: failed: {type(exc).__name__}: {str(exc)[:300]}")
+            report.add(section=step.section, impl="all", B=step.b, T=step.t, check=f"failed: {type(exc).__name__}: {exc}"[:300],
+                       **{"pass": step.pass_})  # fmt: skip
+            finished.append(step)
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
+            write(final=False)
+            continue
+        done.setdefault(step.key, []).append((step.t, check_s, time_s))
+        if step.section == "decode":
+            full = res["sdpa-decode"].median_ms
+            for impl, m in res.items():
+                sp = full / m.median_ms if full and m.median_ms else None
+                tokens = counted.get("tokens") if impl == "nsa-decode" else step.t
+                report.add(section="decode", impl=impl, B=step.b, T=step.t, speedup_vs_full=sp, tokens=tokens,
+                           paper_tokens=TABLE4.get(step.t) if impl == "nsa-decode" else step.t,
+                           **{"pass": "decode"}, **m.row())  # fmt: skip
+        else:
+            for impl, m in res.items():
+                if impl.startswith("sdpa") and m.median_ms is not None:
+                    key = (step.t, step.pass_)
+                    full_ms[key] = min(full_ms.get(key, math.inf), m.median_ms)
+            for impl, m in res.items():
+                f = full_ms.get((step.t, step.pass_))
+                sp = f / m.median_ms if f and m.median_ms else None
+                report.add(section="train", impl=impl, B=1, T=step.t, speedup_vs_full=sp,
+                           **{"pass": step.pass_}, **m.row())  # fmt: skip
+            if step.pass_ == "fwd+bwd" and step.group == "core" and len(backends) > 1:
+                fb = {n: res[n].median_ms for n in backends if n in res and res[n].median_ms}
+                if fb:  # keep SDPA's faster backend for the longer lengths
+                    best = min(fb, key=fb.get)
+                    backends = {best: backends[best]}
+                    notes.append(
+                        f"SDPA backend kept after T={step.t}: {best} (fastest forward + backward there)."
+                    )
+        for impl, m in res.items():
+            log(
+                f"{step.name}: {impl}: "
+                + (f"{m.median_ms:.3f} ms" if m.median_ms is not None else m.row()["check"])
+            )
+        log(
+            f"{step.name}: done ({check_s:.1f} s building and checking, {time_s:.1f} s timing); writing the report"
+        )
+        finished.append(step)
+        del res
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+        write(final=False)
+    path = write(final=True)
+    log(f"finished; {len(finished)} of {len(steps)} steps run")
+    return path
 
 
 def main() -> None:
+    log(f"starting (torch {torch.__version__} imported)")
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None, help="directory for the result JSON (default repro/nsa/results)")
-    ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new lengths after this")
+    ap.add_argument("--budget-s", type=float, default=1e9,
+                    help="do not start a step that would end after this many seconds (from the process's start)")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="T = 8k only")
     ap.add_argument("--lengths", default="", help="comma-separated T values (default 8k,16k,32k,64k)")
     ap.add_argument("--decode-batch", type=int, default=16)
@@ -423,7 +610,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("repro.nsa.bench needs a CUDA GPU")
     lengths = [int(x) for x in args.lengths.split(",") if x] or ([8192] if args.quick else sorted(TABLE4))
-    run(args.out, args.budget_s, args.quick, lengths, args.decode_batch)
+    run(args.out, args.budget_s, args.quick, sorted(lengths), args.decode_batch)
 
 
 if __name__ == "__main__":

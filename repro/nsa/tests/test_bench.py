@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
 import torch
@@ -38,3 +39,101 @@ def test_rows_sample_includes_the_last_position(monkeypatch):
     rows = bench.sample_rows(100, torch.Generator().manual_seed(0))
     assert rows.max().item() == 99 and rows.unique().numel() == rows.numel()
     assert rows.min().item() >= 0
+
+
+def _toy(monkeypatch):
+    """The bench at a toy size on the CPU (Triton's interpreter), with a one-call timer."""
+    import time
+
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "HQ", 2)
+    monkeypatch.setattr(bench, "H", 1)
+    monkeypatch.setattr(bench, "D", 16)
+    monkeypatch.setattr(bench, "DTYPE", torch.float32)  # the interpreter's bf16 path is twice as slow
+    # few selected blocks: the interpreter runs the selected branch's T x S block loads one by one
+    small = dict(block_len=32, stride=16, select_len=16, n_select=2, n_initial=1, n_local=1, window=32)
+    monkeypatch.setattr(bench, "PAPER", bench.ref.NSAConfig(**small))
+    fla_small = dict(block_len=16, stride=16, select_len=16, n_select=2, n_initial=1, n_local=1)
+    monkeypatch.setattr(bench, "FLA_SETUP", bench.ref.NSAConfig(**fla_small))
+    monkeypatch.setattr(bench, "_rounds", lambda t: 1)
+    monkeypatch.setattr(bench, "SDPA_BACKENDS", {"sdpa-math": "MATH"})
+    monkeypatch.setattr(bench, "FA4_MAX_T", 0)
+    monkeypatch.setattr(bench, "load_fla", lambda: (None, "fla left out of the CPU test"))
+
+    def timer(fn, warmup, rep):
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+    monkeypatch.setattr(bench, "TIMER", timer)
+
+
+def test_plan_puts_the_first_forward_first_and_decode_last():
+    steps = bench.plan([8192, 16384], 16)
+    assert [s.name for s in steps[:4]] == [
+        "train fwd T=8192 core",
+        "train fwd T=8192 peers",
+        "train fwd+bwd T=8192 core",
+        "train fwd+bwd T=8192 peers",
+    ]
+    assert [s.section for s in steps[-2:]] == ["decode", "decode"]
+    assert bench.predict(steps[0], {}) is None  # the first step always runs
+
+
+def test_prediction_counts_compile_once_and_scales_with_length():
+    done = {("train", "fwd", "core"): [(8192, 20.0, 2.0)]}
+    # a second length: the first step's check (compile) once, its timing times (T / T0)^2
+    assert bench.predict(bench.Step("train", "fwd", 16384, "core"), done) == 20.0 + 8.0
+    # a pass not run yet: a multiple of the first forward core step
+    fb = bench.Step("train", "fwd+bwd", 8192, "core")
+    assert bench.predict(fb, done) == bench.FIRST_COST[("fwd+bwd", "core")] * 22.0
+
+
+def test_budget_cut_keeps_the_rows_reached_and_names_the_rest(tmp_path, capsys, monkeypatch):
+    """A budget of 0 s: the first step (ours against SDPA, forward, at the first length) still runs and
+    is written; every other step is named in the notes as not measured."""
+    _toy(monkeypatch)
+    bench.run(str(tmp_path), budget_s=0.0, quick=False, lengths=[32, 64], decode_batch=2)
+    doc = json.loads(next(tmp_path.glob("*.json")).read_text())
+    rows = doc["rows"]
+    assert {(r["section"], r["impl"], r["pass"], r["T"]) for r in rows} == {
+        ("train", "nsa", "fwd", 32),
+        ("train", "sdpa-math", "fwd", 32),
+    }
+    assert all(r["check"] == "ok" and r["ms"] is not None for r in rows)
+    notes = doc["notes"]
+    assert "Not measured (time budget of 0 s)" in notes
+    for name in (
+        "train fwd T=32 peers",
+        "train fwd+bwd T=32 core",
+        "train fwd T=64 core",
+        "decode T=64 B=2",
+    ):
+        assert name in notes
+    out = capsys.readouterr().out
+    assert "plan of 10 steps" in out and "nsa: check ok" in out and "timed nsa" in out
+
+
+def test_every_step_at_toy_size_is_checked_timed_and_written(tmp_path, monkeypatch):
+    """The whole plan at one toy length: both passes, both groups and decode, each row checked (the
+    absent fla as a failed check, not timed), and the report rewritten after every step."""
+    _toy(monkeypatch)
+    writes = []
+    real = bench.Report.write
+
+    def write(self, **kw):
+        writes.append(len(self.rows))
+        return real(self, **kw)
+
+    monkeypatch.setattr(bench.Report, "write", write)
+    bench.run(str(tmp_path), budget_s=1e9, quick=True, lengths=[32], decode_batch=2)
+    assert writes[:-1] == sorted(writes[:-1]) and len(writes) == 6  # 5 steps, then the final write
+    rows = json.loads(next(tmp_path.glob("*.json")).read_text())["rows"]
+    got = {(r["impl"], r["pass"]): r for r in rows}
+    for impl in ("nsa", "sdpa-math", "ours-cmp+slc", "ours-slc"):
+        for p in ("fwd", "fwd+bwd"):
+            assert got[(impl, p)]["check"] == "ok" and got[(impl, p)]["ms"] is not None, (impl, p)
+    assert got[("nsa", "fwd")]["speedup_vs_full"] is not None
+    assert got[("fla-slc", "fwd")]["check"].startswith("failed") and got[("fla-slc", "fwd")]["ms"] is None
+    for impl in ("nsa-decode", "sdpa-decode"):
+        assert got[(impl, "decode")]["check"] == "ok"
