@@ -585,7 +585,15 @@ def gpu_checks_table(repros: dict[str, Repro]) -> str:
     if not rows:
         return ""
     return "\n".join(
-        ["| Package | Check | Status | Summary | Device | Date |", "|---|---|---|---|---|---|", *rows]
+        [
+            '<div class="gpu-checks-table" markdown="1">',
+            "",
+            "| Package | Check | Status | Summary | Device | Date |",
+            "|---|---|---|---|---|---|",
+            *rows,
+            "",
+            "</div>",
+        ]
     )
 
 
