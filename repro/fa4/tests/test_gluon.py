@@ -11,9 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +19,7 @@ from paperclub.testing import assert_rel_close
 from repro.fa4 import attention
 from repro.fa4.gluon_fwd import HAS_GLUON, gluon_attention_forward
 from repro.fa4.reference import attention_exact, causal_mask
+from repro.fa4.tests.offline_compile import compile_offline
 
 needs_gluon = pytest.mark.skipif(not HAS_GLUON, reason="this Triton has no Gluon (triton.experimental.gluon)")
 H100_SMEM_PER_BLOCK = 227 * 1024
@@ -53,21 +51,8 @@ def _case_id(case):
 
 @pytest.fixture(scope="module")
 def compile_rows(tmp_path_factory) -> dict:
-    """All COMPILE_CASES compiled in one subprocess: the pytest plugin sets TRITON_INTERPRET=1, under
-    which Triton's library functions are interpreter objects that Gluon cannot compile. A fresh
-    cache directory makes it a real compile rather than a cache hit."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton-cache"))
-    r = subprocess.run(
-        [sys.executable, "-m", "repro.fa4.gluon_fwd", json.dumps(COMPILE_CASES)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-        cwd=Path(__file__).resolve().parents[3],
-    )
-    assert r.returncode == 0, f"offline compile driver failed:\n{r.stderr[-4000:]}"
-    rows = json.loads(r.stdout.strip().splitlines()[-1])
+    """All COMPILE_CASES compiled offline for sm_90a in one subprocess (see offline_compile)."""
+    rows = compile_offline("repro.fa4.gluon_fwd", COMPILE_CASES, tmp_path_factory.mktemp("triton-cache"))
     return {_key(x["d"], x["causal"], x["dtype"], x["consumers"], x["knobs"]): x for x in rows}
 
 

@@ -10,12 +10,6 @@ cuDNN's error beside ours) with ``bwd="gluon"``, behind the Triton and the Gluon
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -24,6 +18,7 @@ from repro.fa4 import attention_any_d
 from repro.fa4.gluon_bwd import COMPILE_CASES, check_device, gluon_attention_backward
 from repro.fa4.gluon_fwd import HAS_GLUON
 from repro.fa4.tests import test_gpu_bwd as matrix
+from repro.fa4.tests.offline_compile import compile_offline
 
 needs_gluon = pytest.mark.skipif(not HAS_GLUON, reason="this Triton has no Gluon (triton.experimental.gluon)")
 H100_SMEM_PER_BLOCK = 227 * 1024
@@ -40,20 +35,8 @@ def _case_id(case):
 
 @pytest.fixture(scope="module")
 def compile_rows(tmp_path_factory) -> dict:
-    """All COMPILE_CASES compiled in one subprocess without TRITON_INTERPRET (which the pytest plugin
-    sets, and under which Gluon cannot compile), into a fresh cache so that ptxas really runs."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton-cache"))
-    r = subprocess.run(
-        [sys.executable, "-m", "repro.fa4.gluon_bwd", json.dumps(COMPILE_CASES)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-        cwd=Path(__file__).resolve().parents[3],
-    )
-    assert r.returncode == 0, f"offline compile driver failed:\n{r.stderr[-4000:]}"
-    rows = json.loads(r.stdout.strip().splitlines()[-1])
+    """All COMPILE_CASES compiled offline for sm_90a in one subprocess (see offline_compile)."""
+    rows = compile_offline("repro.fa4.gluon_bwd", COMPILE_CASES, tmp_path_factory.mktemp("triton-cache"))
     return {(x["d"], x["causal"], x["dtype"]): x for x in rows}
 
 
