@@ -879,7 +879,7 @@ def bwd_compare(
             "gradients against cuDNN's on the same inputs, tolerance 3x the FA2 backend's own distance "
             "from cuDNN (at least 2e-2). fa4-gluon = Gluon forward + fa2 backward (the previous default "
             "pairing); fa4-gluon-fused = Gluon forward + fused backward (FUSED_DEFAULTS); "
-            "fa4-triton-tma-fused = Triton forward (TMA) + fused backward; fa4-gluon-gluonbwd = Gluon forward + "
+            "fa4-triton-tma-fused = Triton forward (TMA) + fused backward; fa4-gluon-gluonbwd (only with --gluon-bwd) = Gluon forward + "
             f"the warp-specialised Gluon backward (repro.fa4.gluon_bwd). Interleaved: {BWD_ROUNDS} rounds."
         ),
     )
