@@ -250,15 +250,21 @@ def kda_fwd_triton(
     scale: float,
     initial_state: torch.Tensor | None,
     output_final_state: bool,
+    decay_check: DecayCheck | None = None,
+    chunk_offsets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The three forward launches (four with INTRA_FWD_SPLIT); tensors as in
-    :func:`repro.kda.chunk_kda`, contiguous."""
+    :func:`repro.kda.chunk_kda`, contiguous. ``decay_check``: the first kernel also counts the
+    log-decays out of range (:class:`DecayCheck`). ``chunk_offsets``: B = 1 holds chunk-aligned
+    sequences (see :func:`_pack_chunk_aligned`), initial_state and the final state ``[N, HV, K, V]``."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     NT = triton.cdiv(T, BT)
     prec = _dot_precision(q.dtype)
-    G, W, KD, U_prime, Aqk, gamma, T_ut, QG = _intra_fwd(q, k, v, g, beta, scale, prec)
-    h_all, U_new, hT = _state_fwd(W, U_prime, KD, gamma, initial_state, output_final_state, prec)
+    G, W, KD, U_prime, Aqk, gamma, T_ut, QG = _intra_fwd(q, k, v, g, beta, scale, prec, decay_check)
+    h_all, U_new, hT = _state_fwd(
+        W, U_prime, KD, gamma, initial_state, output_final_state, prec, chunk_offsets
+    )
     o = torch.empty_like(v)
     BV = min(V, OUT_FWD_BV)
     kda_out_fwd_kernel[(NT, triton.cdiv(V, BV), B * HV)](
@@ -269,7 +275,7 @@ def kda_fwd_triton(
     return o, hT, saved
 
 
-def _intra_fwd(q, k, v, g, beta, scale, prec):
+def _intra_fwd(q, k, v, g, beta, scale, prec, decay_check=None):
     """The intra-chunk launches of the forward: ``kda_intra_fwd_kernel`` alone (with the WY
     factors), or with INTRA_FWD_SPLIT that kernel without them followed by ``kda_wy_fwd_kernel``.
     Returns G, W, KD, U', A_qk, gamma, T and QG (``scale Q*exp(G)`` with INTRA_FWD_QG, else None)."""
@@ -291,8 +297,11 @@ def _intra_fwd(q, k, v, g, beta, scale, prec):
         H=H, HV=HV, K=K, V=V, BT=BT, SUB=SUB, LOG_SUB=LOG_SUB, LOG_NB=LOG_NB, BK=_block_k(K),
         BV=_block_v(V), DOT_PREC=prec, STRIPS=INTRA_FWD_STRIPS and BT == 4 * SUB, WY=not INTRA_FWD_SPLIT,
         STORE_QG=QG is not None, STORE_KB=KB is not None, FAST_EXP=INTRA_FWD_FAST_EXP and not interpreting(),
+        g_bad=None if decay_check is None else decay_check.count, G_MIN=G_MIN,
         num_warps=INTRA_FWD_WARPS, num_stages=INTRA_FWD_STAGES,
     )  # fmt: skip
+    if decay_check is not None:
+        decay_check.counted()
     if INTRA_FWD_SPLIT:
         BK, BV = min(K, WY_FWD_BK), min(V, WY_FWD_BV)
         # the channel block is the fastest grid axis: a chunk's programs run side by side and
@@ -305,19 +314,21 @@ def _intra_fwd(q, k, v, g, beta, scale, prec):
     return G, W, KD, U_prime, Aqk, gamma, T_ut, QG
 
 
-def _state_fwd(W, U_prime, KD, gamma, h0, output_final_state, prec):
+def _state_fwd(W, U_prime, KD, gamma, h0, output_final_state, prec, chunk_offsets=None):
     B, T, HV, K = W.shape
     V = U_prime.shape[-1]
     NT = gamma.shape[2]
+    NS = B if chunk_offsets is None else chunk_offsets.numel() - 1  # states: per batch row or sequence
     h_all = torch.empty(B, HV, NT, K, V, device=W.device, dtype=_state_dtype(W.dtype))
     U_new = torch.empty_like(U_prime)
-    hT = torch.empty(B, HV, K, V, device=W.device, dtype=torch.float32) if output_final_state else None
-    BV = _state_block_v(V, B * HV, STATE_FWD_BV, 64)
+    hT = torch.empty(NS, HV, K, V, device=W.device, dtype=torch.float32) if output_final_state else None
+    BV = _state_block_v(V, NS * HV, STATE_FWD_BV, 64)
     h0c = h0.float().contiguous() if h0 is not None else None
-    kda_state_fwd_kernel[(triton.cdiv(V, BV), B * HV)](
+    grid = (triton.cdiv(V, BV), B * HV) + (() if chunk_offsets is None else (NS,))
+    kda_state_fwd_kernel[grid](
         W, U_prime, KD, gamma, h0c, h_all, U_new, hT, T, NT,
         HV=HV, K=K, V=V, BT=BT, BV=BV, USE_H0=h0 is not None, STORE_FINAL=output_final_state,
-        DOT_PREC=prec, num_warps=STATE_FWD_WARPS,
+        DOT_PREC=prec, num_warps=STATE_FWD_WARPS, chunk_offsets=chunk_offsets,
     )  # fmt: skip
     return h_all, U_new, hT
 
@@ -480,27 +491,29 @@ def kda_bwd_triton(q, k, v, g, beta, scale, h0, saved, do, dhT):
     )  # fmt: skip
 
 
-def _state_bwd_fused(q, saved, do, dhT, scale, prec):
+def _state_bwd_fused(q, saved, do, dhT, scale, prec, chunk_offsets=None):
     """The reverse state recurrence with the readout's gradient folded in: dU (= dU'), the
-    gradient reaching each chunk's outgoing state, dh0."""
+    gradient reaching each chunk's outgoing state, dh0 (per sequence with ``chunk_offsets``)."""
     B, T, H, K = q.shape
     HV, NT = saved["W"].shape[2], saved["gamma"].shape[2]
     V = saved["U_new"].shape[-1]
+    NS = B if chunk_offsets is None else chunk_offsets.numel() - 1
     f32 = dict(device=q.device, dtype=torch.float32)
     dU = torch.empty(B, T, HV, V, **f32)
     dh_all = torch.empty_like(saved["h_all"])
-    dh0 = torch.empty(B, HV, K, V, **f32)
+    dh0 = torch.empty(NS, HV, K, V, **f32)
     dhT_c = dhT.float().contiguous() if dhT is not None else None
-    BVs = _state_block_v(V, B * HV, STATE_BWD_BV, STATE_BWD_LARGEST_BV)
-    kda_state_bwd_fused_kernel[(triton.cdiv(V, BVs), B * HV)](
+    BVs = _state_block_v(V, NS * HV, STATE_BWD_BV, STATE_BWD_LARGEST_BV)
+    grid = (triton.cdiv(V, BVs), B * HV) + (() if chunk_offsets is None else (NS,))
+    kda_state_bwd_fused_kernel[grid](
         q, saved["G"], saved["Aqk"], saved["W"], saved["KD"], saved["gamma"], do, dhT_c, dU, dh_all, dh0,
         scale, T, NT, H=H, HV=HV, K=K, V=V, BT=BT, BV=BVs, USE_DHT=dhT is not None, DOT_PREC=prec,
-        num_warps=_state_bwd_warps(BVs),
+        num_warps=_state_bwd_warps(BVs), chunk_offsets=chunk_offsets,
     )  # fmt: skip
     return dU, dh_all, dh0
 
 
-def kda_bwd_triton_split(q, k, v, g, beta, scale, h0, saved, do, dhT):
+def kda_bwd_triton_split(q, k, v, g, beta, scale, h0, saved, do, dhT, chunk_offsets=None):
     """The backward pass in three Triton launches (and one small sum): the reverse state
     recurrence, the chunks' ``[BT, BT]`` gradients (kernel A), the per-channel gradients by blocks
     of key channels (kernel B)."""
@@ -515,7 +528,7 @@ def kda_bwd_triton_split(q, k, v, g, beta, scale, h0, saved, do, dhT):
     low = SPLIT_BF16_DOTS and q.dtype != torch.float32  # never for fp32 inputs
     f32 = dict(device=q.device, dtype=torch.float32)
     do = do.contiguous()
-    dU, dh_all, dh0 = _state_bwd_fused(q, saved, do, dhT, scale, prec)
+    dU, dh_all, dh0 = _state_bwd_fused(q, saved, do, dhT, scale, prec, chunk_offsets)
     BKB = min(K, SPLIT_BKB)
     NKB = K // BKB  # K and SPLIT_BKB are powers of two (check_kda_inputs): no remainder
     # fp32, one contiguous [BT, BT] block per (b, hv, chunk): written by kernel A, read by kernel B
@@ -565,8 +578,13 @@ _TRITON_BACKWARDS = {"triton": kda_bwd_triton, "split": kda_bwd_triton_split}
 
 class ChunkKDAFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state):
-        o, hT, saved = kda_fwd_triton(q, k, v, g, beta, scale, initial_state, output_final_state)
+    def forward(
+        ctx, q, k, v, g, beta, scale, initial_state, output_final_state, decay_check=None, chunk_offsets=None
+    ):
+        o, hT, saved = kda_fwd_triton(
+            q, k, v, g, beta, scale, initial_state, output_final_state, decay_check, chunk_offsets
+        )
+        ctx.chunk_offsets = chunk_offsets
         ctx.names = list(saved)
         ctx.save_for_backward(q, k, v, g, beta, initial_state, *saved.values())
         ctx.scale = scale
@@ -579,9 +597,17 @@ class ChunkKDAFunction(torch.autograd.Function):
         saved = dict(zip(ctx.names, rest, strict=True))
         if not ctx.output_final_state:
             dhT = None
+        if ctx.chunk_offsets is not None:  # chunk-aligned sequences: the split backward only
+            if BACKWARD != "split":
+                raise ValueError(
+                    f"chunk_kda with cu_seqlens ran its forward for BACKWARD='split' (chunk-aligned "
+                    f"sequences); chunk.BACKWARD is now {BACKWARD!r}: set it before the forward"
+                )
+            grads = kda_bwd_triton_split(q, k, v, g, beta, ctx.scale, h0, saved, do, dhT, ctx.chunk_offsets)
+            return *grads[:5], None, grads[5], None, None, None
         if BACKWARD in _TRITON_BACKWARDS:
             grads = _TRITON_BACKWARDS[BACKWARD](q, k, v, g, beta, ctx.scale, h0, saved, do, dhT)
-            return *grads[:5], None, grads[5], None
+            return *grads[:5], None, grads[5], None, None, None
         if BACKWARD != "torch":
             raise ValueError(
                 f"chunk.BACKWARD = {BACKWARD!r}: expected one of {[*_TRITON_BACKWARDS, 'torch']}"
@@ -598,7 +624,7 @@ class ChunkKDAFunction(torch.autograd.Function):
             grad_inputs = torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
         dq, dk, dv, dg, dbeta = grad_inputs[:5]
         dh0 = grad_inputs[5].to(h0.dtype) if h0 is not None else None
-        return dq, dk, dv, dg, dbeta, None, dh0, None
+        return dq, dk, dv, dg, dbeta, None, dh0, None, None, None
 
 
 def chunk_kda(
@@ -635,16 +661,19 @@ def chunk_kda(
         pad_heads=True,
     )  # fmt: skip
     K, HV, V = q.shape[3], v.shape[2], v.shape[3]
-    if CHECK_DECAY_RANGE:
-        check_decay_range(g, "chunk_kda")
+    decay_check = DecayCheck(g, "chunk_kda") if CHECK_DECAY_RANGE and g.numel() else None
     scale = K**-0.5 if scale is None else float(scale)
-    mask = None
+    mask = dest = chunk_offsets = None
     if cu_seqlens is not None:
         lengths = check_cu_seqlens(cu_seqlens, T, B, initial_state, HV, K, V, "chunk_kda")
-        # token j of sequence i goes to row i, column j; row-major order of the mask is the packed order
-        steps = torch.arange(max(lengths), device=q.device)
-        mask = steps[None, :] < torch.tensor(lengths, device=q.device)[:, None]
-        q, k, v, g, beta = (_pack(x, mask) for x in (q, k, v, g, beta))
+        if VARLEN_CHUNK_ALIGNED and BACKWARD == "split":
+            dest, chunk_offsets, rows = _chunk_aligned_layout(lengths, q.device)
+            q, k, v, g, beta = (_pack_chunk_aligned(x, dest, rows) for x in (q, k, v, g, beta))
+        else:
+            # token j of sequence i goes to row i, column j; row-major order of the mask is the packed order
+            steps = torch.arange(max(lengths), device=q.device)
+            mask = steps[None, :] < torch.tensor(lengths, device=q.device)[:, None]
+            q, k, v, g, beta = (_pack(x, mask) for x in (q, k, v, g, beta))
     Kp, Vp = _kernel_dim(K), _kernel_dim(V)
     if Kp != K:
         q, k, g = (F.pad(x, (0, Kp - K)) for x in (q, k, g))
@@ -653,13 +682,19 @@ def chunk_kda(
     if initial_state is not None and (Kp, Vp) != (K, V):
         initial_state = F.pad(initial_state, (0, Vp - V, 0, Kp - K))
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    o, hT = ChunkKDAFunction.apply(q, k, v, g, beta, scale, initial_state, output_final_state)
+    o, hT = ChunkKDAFunction.apply(
+        q, k, v, g, beta, scale, initial_state, output_final_state, decay_check, chunk_offsets
+    )
+    if decay_check is not None:
+        decay_check.raise_if_bad()
     if Vp != V:
         o = o[..., :V]
     if hT is not None and (Kp, Vp) != (K, V):
         hT = hT[:, :, :K, :V]
     if mask is not None:
         o = o[mask].unsqueeze(0)
+    if dest is not None:
+        o = o[:, dest]
     return o, hT
 
 
@@ -670,12 +705,45 @@ def chunk_kda(
 G_MIN = -10.0
 
 
-#: chunk_kda checks every log-decay against [G_MIN, 0] before the kernels run (one reduction over g
-#: and one device-to-host copy, a synchronisation). Set False to skip it where the gates are bounded
-#: by construction; `bench --tune` times it (the 2026-11-25 sweep, with the check, had our forward at
-#: 0.95-1.04x fla's time where the 2026-11-23 one, before it existed, had 0.74-0.93x; not yet
-#: separated from run-to-run differences).
+#: chunk_kda checks every log-decay against [G_MIN, 0] (DecayCheck: counted by the forward's first
+#: kernel, read back before chunk_kda returns). Set False to skip it where the gates are bounded by
+#: construction. The first form of the check (torch.aminmax over g before the kernels, then a
+#: device-to-host copy) cost 0.31 ms of 1.29 ms in the forward at B=8, T=2048 and 0.57 of 5.0 ms at
+#: T=64k on an H100 (bench --tune, 2026-11-25): a pass over g and a synchronisation that left the GPU
+#: idle while the host launched the forward's kernels.
 CHECK_DECAY_RANGE = True
+
+
+class DecayCheck:
+    """chunk_kda's range check of g without a pass or a stall of its own: ``kda_intra_fwd_kernel``
+    adds the number of out-of-range log-decays to ``count``; right after that launch ``counted``
+    queues a copy of the count to pinned host memory and records an event; ``raise_if_bad``, called
+    once every forward kernel is queued, waits for that event only (the GPU goes on with the rest
+    of the forward meanwhile) and raises :func:`check_decay_range`'s error (exact min and max) if
+    any value was out of range. The outputs of such a call are never returned."""
+
+    def __init__(self, g: torch.Tensor, fn: str):
+        self.g, self.fn = g, fn
+        self.count = torch.zeros(1, dtype=torch.int32, device=g.device)
+        self._host: torch.Tensor | None = None
+        self._event = None
+
+    def counted(self) -> None:
+        if self.count.is_cuda:
+            self._host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+            self._host.copy_(self.count, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def raise_if_bad(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+            n_bad = int(self._host[0])
+        else:
+            n_bad = int(self.count[0])
+        if n_bad:
+            check_decay_range(self.g, self.fn)  # raises, naming the range found
+            raise ValueError(f"{self.fn}: {n_bad} log-decays of g outside [{G_MIN:g}, 0] or NaN")
 
 
 def check_decay_range(g: torch.Tensor, fn: str) -> None:
@@ -696,6 +764,34 @@ def check_decay_range(g: torch.Tensor, fn: str) -> None:
 def _kernel_dim(d: int) -> int:
     """The smallest head size the kernels are written for that holds ``d`` channels."""
     return next(s for s in TRITON_K if s >= d)
+
+
+#: cu_seqlens with the split backward (the default): the sequences are laid out one after another in
+#: one row, each starting at a chunk boundary (at most BT - 1 zero tokens after each), and the two
+#: state kernels run one program per (value block, head, sequence) over that sequence's chunks: the
+#: time of about the packed tokens. False, or another backward: a padded batch [N, max length] (the
+#: time of N x the longest sequence; 2.2x fla's varlen time on the benchmark's mix, H100 2026-11-25).
+VARLEN_CHUNK_ALIGNED = True
+
+
+def _chunk_aligned_layout(lengths: list[int], device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """For sequences of ``lengths``: where each packed token goes in the chunk-aligned row
+    (``dest``, int64 ``[sum(lengths)]``), each sequence's first chunk (int32 ``[N + 1]``, the last
+    entry the number of chunks) and the row's length in tokens."""
+    chunks = [-(-n // BT) for n in lengths]
+    offsets = [0]
+    for c in chunks:
+        offsets.append(offsets[-1] + c)
+    dest = torch.cat([torch.arange(n) + BT * c0 for n, c0 in zip(lengths, offsets, strict=False)])
+    return dest.to(device), torch.tensor(offsets, dtype=torch.int32, device=device), BT * offsets[-1]
+
+
+def _pack_chunk_aligned(x: torch.Tensor, dest: torch.Tensor, rows: int) -> torch.Tensor:
+    """``[1, T, ...]`` packed sequences -> ``[1, BT x chunks, ...]``, each sequence from a chunk
+    boundary, zeros in between (k = v = g = beta = 0 there: the state passes through unchanged)."""
+    out = x.new_zeros(1, rows, *x.shape[2:])
+    out[:, dest] = x
+    return out
 
 
 def _pack(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -296,6 +296,8 @@ def kda_intra_fwd_kernel(
     FAST_EXP: tl.constexpr = False,
     STORE_QG: tl.constexpr = False,
     STORE_KB: tl.constexpr = False,
+    g_bad=None,
+    G_MIN: tl.constexpr = -10.0,
 ):
     """One program per (chunk, batch x value head), all chunks in parallel.
 
@@ -313,7 +315,9 @@ def kda_intra_fwd_kernel(
     ``SKIP`` (bits 1, 2: the products for A, the inverse) leaves parts out, for timing
     the parts in bench.py's profile only: the results are then wrong. ``STRIPS`` computes A by
     column blocks (:func:`_column_strip`, ``[BT, 16]`` products: a quarter of the tensor-core work
-    of the row-block form and one exponential per key instead of one per row block)."""
+    of the row-block form and one exponential per key instead of one per row block).
+    ``g_bad`` (an int32 ``[1]``, or None): adds the number of log-decays outside ``[G_MIN, 0]``
+    (or NaN) this program read, so that chunk_kda's range check costs no pass of its own over g."""
     i_t = tl.program_id(0)
     i_bh = tl.program_id(1)
     b, hv, qk_base, gk_base, v_base, c_base = _head_bases(i_bh, T, H, HV, K, V, BT)
@@ -345,6 +349,9 @@ def kda_intra_fwd_kernel(
         b_k = tl.load(p_k, boundary_check=(0,), padding_option="zero").to(tl.float32)
         b_q = tl.load(p_q, boundary_check=(0,), padding_option="zero").to(tl.float32)
         b_g = tl.load(p_g, boundary_check=(0,), padding_option="zero").to(tl.float32)
+        if g_bad is not None:  # chunk_kda's range check of g: count entries outside [G_MIN, 0] or NaN
+            n_bad = tl.sum(((b_g < G_MIN) | (b_g > 0.0) | (b_g != b_g)).to(tl.int32))
+            tl.atomic_add(g_bad, n_bad, mask=n_bad > 0)
         b_G = tl.cumsum(b_g, axis=0)  # G_r = g_1 + ... + g_r inside the chunk
         tl.store(p_G, b_G, boundary_check=(0,))
         # padded rows have g = 0, so the last row of the cumsum is G at the chunk's last real token
@@ -488,17 +495,29 @@ def kda_state_fwd_kernel(
     USE_H0: tl.constexpr,
     STORE_FINAL: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    chunk_offsets=None,
 ):
     """S_{n+1} = Diag(gamma_n) S_n + KD_n^T (U'_n - W_n S_n), one program per (V block, b*HV).
 
     W, KD ``[B, T, HV, K]`` (KD = k * exp(G_last - G)); U_prime, U_new ``[B, T, HV, V]``;
     gamma ``[B, HV, NT, K]`` (exp(G_last)); h0, hT ``[B, HV, K, V]`` fp32;
     h_all ``[B, HV, NT, K, V]`` the state entering each chunk.
+    ``chunk_offsets`` (int32 ``[N + 1]``, or None): B = 1 holds N sequences, sequence i in chunks
+    ``chunk_offsets[i] .. chunk_offsets[i + 1] - 1``; one program per (V block, HV, sequence), with
+    h0 and hT ``[N, HV, K, V]``.
     """
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
     b = i_bh // HV
     hv = i_bh % HV
+    if chunk_offsets is not None:
+        i_state = tl.program_id(2) * HV + hv  # the sequence's h0 / hT
+        c0 = tl.load(chunk_offsets + tl.program_id(2))
+        c1 = tl.load(chunk_offsets + tl.program_id(2) + 1)
+    else:
+        i_state = i_bh
+        c0 = 0
+        c1 = NT
     offk = tl.arange(0, K)
     offv = i_v * BV + tl.arange(0, BV)
     kv_off = offk[:, None] * V + offv[None, :]
@@ -507,18 +526,18 @@ def kda_state_fwd_kernel(
 
     h = tl.zeros([K, BV], dtype=tl.float32)
     if USE_H0:
-        h += tl.load(h0 + i_bh * K * V + kv_off).to(tl.float32)
-    b_w = _load_rows(W + k_base, T, HV * K, K, 0, 0, BT, K)
-    b_kd = _load_rows(KD + k_base, T, HV * K, K, 0, 0, BT, K)
-    p_up = _tile(U_prime + v_base, T, HV * V, V, 0, i_v * BV, BT, BV)
+        h += tl.load(h0 + i_state * K * V + kv_off).to(tl.float32)
+    b_w = _load_rows(W + k_base, T, HV * K, K, c0 * BT, 0, BT, K)
+    b_kd = _load_rows(KD + k_base, T, HV * K, K, c0 * BT, 0, BT, K)
+    p_up = _tile(U_prime + v_base, T, HV * V, V, c0 * BT, i_v * BV, BT, BV)
     b_up = tl.load(p_up, boundary_check=(0,), padding_option="zero")
-    b_gamma = tl.load(gamma + i_bh * NT * K + offk)
+    b_gamma = tl.load(gamma + (i_bh * NT + c0) * K + offk)
     # a while loop, not range(NT): Triton 3.6's CPU interpreter cannot range over a runtime int;
     # so Triton does not pipeline it, and the loads of chunk n + 1 are issued by hand before the
     # dependent matmuls of chunk n (they do not depend on the state): at B=1, T=64k on an H100 the
     # loop is the critical path (1024 chunks in sequence, 32 programs)
-    n = 0
-    while n < NT:
+    n = c0
+    while n < c1:
         p_h = tl.make_block_ptr(
             h_all + (i_bh * NT + n) * K * V, (K, V), (V, 1), (0, i_v * BV), (K, BV), (1, 0)
         )
@@ -543,7 +562,7 @@ def kda_state_fwd_kernel(
         b_w, b_kd, b_up, b_gamma = nxt_w, nxt_kd, nxt_up, nxt_gamma
         n += 1
     if STORE_FINAL:
-        tl.store(hT + i_bh * K * V + kv_off, h)
+        tl.store(hT + i_state * K * V + kv_off, h)
 
 
 @triton.jit(do_not_specialize=["T", "NT"])
@@ -728,8 +747,10 @@ def kda_state_bwd_fused_kernel(
     BV: tl.constexpr,
     USE_DHT: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    chunk_offsets=None,
 ):
-    """The backward's only sequential part, one program per (V block, b*HV), chunks in reverse.
+    """The backward's only sequential part, one program per (V block, b*HV), chunks in reverse
+    (``chunk_offsets``: per (V block, HV, sequence), as in :func:`kda_state_fwd_kernel`).
 
     Forward per chunk n: ``U_n = U'_n - W_n S_n``, ``S_{n+1} = Diag(gamma_n) S_n + KD_n^T U_n``,
     ``O_n = scale (Q_n*exp(G_n)) S_n + A_qk,n U_n``. With dS the gradient reaching S_{n+1}:
@@ -756,12 +777,19 @@ def kda_state_bwd_fused_kernel(
     offv = i_v * BV + tl.arange(0, BV)
     kv_off = offk[:, None] * V + offv[None, :]
     bases = (q_base, k_base, v_base, c_base)
+    if chunk_offsets is not None:
+        i_state = tl.program_id(2) * HV + i_bh % HV  # the sequence's dhT / dh0
+        c0 = tl.load(chunk_offsets + tl.program_id(2))
+        n = tl.load(chunk_offsets + tl.program_id(2) + 1) - 1
+    else:
+        i_state = i_bh
+        c0 = 0
+        n = NT - 1
 
     dS = tl.zeros([K, BV], dtype=tl.float32)
     if USE_DHT:
-        dS += tl.load(dhT + i_bh * K * V + kv_off).to(tl.float32)
-    n = NT - 1
-    while n >= 0:
+        dS += tl.load(dhT + i_state * K * V + kv_off).to(tl.float32)
+    while n >= c0:
         r0 = n * BT
         b_qgt, b_At, b_wt, b_kd, b_do, b_gamma = _state_bwd_tiles(
             q, G, Aqk, W, KD, gamma, do, scale, T, NT, H, HV, i_bh, i_v, n, *bases, K, V, BT, BV
@@ -776,7 +804,7 @@ def kda_state_bwd_fused_kernel(
         dS = dS * b_gamma[:, None] - tl.dot(b_wt.to(tl.float32), b_du, input_precision=DOT_PREC)
         dS += tl.dot(b_qgt.to(tl.float32), b_do, input_precision=DOT_PREC)
         n -= 1
-    tl.store(dh0 + i_bh * K * V + kv_off, dS)
+    tl.store(dh0 + i_state * K * V + kv_off, dS)
 
 
 @triton.jit

@@ -100,24 +100,30 @@ def test_unknown_dot_precision_setting_is_named(monkeypatch):
 
 def test_decay_range_check_can_be_turned_off_and_is_on_by_default(monkeypatch):
     """CHECK_DECAY_RANGE (on by default) refuses g below G_MIN; turned off, the same input is not
-    inspected (the user vouches for the range)."""
-    import torch
-
+    inspected (the user vouches for the range): no range error, whatever the kernels make of it."""
     from repro.kda import chunk as ck
 
     assert ck.CHECK_DECAY_RANGE is True
-    calls = []
-    monkeypatch.setattr(ck, "check_decay_range", lambda g, fn: calls.append(fn))
-    q = torch.zeros(1, 16, 1, 16)
-
-    def call():
-        try:
-            ck.chunk_kda(q, q, q, q - 20.0, torch.zeros(1, 16, 1))
-        except Exception:  # the kernels may not run here: only whether the check ran matters
-            pass
-
-    call()
-    assert calls == ["chunk_kda"]  # on: the same input reaches the check
+    d = _inputs()
+    d["g"][0, 5, 1, 3] = -10.5  # one entry of 512, in the middle: the kernel's count must see it
+    with pytest.raises(ValueError, match=r"must lie in \[-10, 0\].*got min -10.5"):
+        chunk_kda(**d)
     monkeypatch.setattr(ck, "CHECK_DECAY_RANGE", False)
-    call()
-    assert calls == ["chunk_kda"]  # off: not inspected
+    o, _ = chunk_kda(**d)
+    assert o.shape == d["v"].shape
+
+
+def test_decay_check_counts_in_the_first_kernel_over_every_chunk_and_channel_block():
+    """DecayCheck's count comes from kda_intra_fwd_kernel: one bad entry anywhere (the last chunk,
+    the last key channel, a T that is not a multiple of the chunk) is counted once; none, nothing."""
+    from repro.kda import chunk as ck
+
+    d = _inputs(T=70, K=32)
+    q, k, v, g, beta = (d[n].contiguous() for n in ("q", "k", "v", "g", "beta"))
+    for where, value, want in (((0, 69, 3, 31), 0.25, 1), ((0, 0, 0, 0), float("nan"), 1), (None, 0.0, 0)):
+        gg = g.clone()
+        if where is not None:
+            gg[where] = value
+        check = ck.DecayCheck(gg, "t")
+        ck.kda_fwd_triton(q, k, v, gg, beta, 0.25, None, False, check)
+        assert int(check.count[0]) == want, (where, value)

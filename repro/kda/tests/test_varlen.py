@@ -82,6 +82,28 @@ def test_packed_sequences_equal_each_alone(seed, lengths, K, V, group, g_max):
     check_packed(inputs, cu)
 
 
+@pytest.mark.claim(CLAIM, section=SECTION)
+@pytest.mark.parametrize("aligned", [True, False], ids=["chunk-aligned", "padded-batch"])
+def test_sequences_over_several_chunks_in_both_layouts(aligned, monkeypatch):
+    """Sequences longer than a chunk, one of a single token, one ending on a chunk boundary, in the
+    chunk-aligned layout (state kernels per sequence, the default) and the padded batch."""
+    from repro.kda import chunk as ck
+
+    monkeypatch.setattr(ck, "VARLEN_CHUNK_ALIGNED", aligned)
+    inputs, cu = packed_case(3, [70, 1, 128, 5], H=1, group=2, K=16, V=16, g_max=0.5)
+    check_packed(inputs, cu)
+
+
+def test_chunk_aligned_layout_puts_each_sequence_on_a_chunk_boundary():
+    from repro.kda.chunk import BT, _chunk_aligned_layout
+
+    dest, offsets, rows = _chunk_aligned_layout([70, 1, 128, 5], "cpu")
+    assert offsets.tolist() == [0, 2, 3, 5, 6] and rows == 6 * BT
+    starts = [0, 70, 71, 199]
+    assert [int(dest[s]) for s in starts] == [BT * c for c in (0, 2, 3, 5)]
+    assert dest.unique().numel() == dest.numel() == 204 and int(dest.max()) < rows
+
+
 @pytest.mark.gpu
 @pytest.mark.claim(CLAIM, section=SECTION)
 @pytest.mark.parametrize(
