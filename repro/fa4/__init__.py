@@ -62,7 +62,9 @@ class Switches:
         against fa2's 0.67-0.71x; non-causal, fa2 0.70-0.79x against fused 0.66-0.72x. "gluon": the
         same 5-matmul schedule warp-specialised in Gluon (``repro.fa4.gluon_bwd``: a TMA load warp, two
         consumer warpgroups of 64 keys each with asynchronous wgmma, dQ by fp32 atomics); Hopper
-        (sm_90) only, refused in the CPU interpreter; compiled offline for sm_90a, not yet run on a GPU.
+        (sm_90) only, refused in the CPU interpreter; compiled offline for sm_90a; its first H100 run
+        ended in an illegal instruction, so it is refused on the GPU too until that is fixed
+        (``gluon_bwd.KNOWN_BROKEN_ON_GPU``).
     bwd_block_m, bwd_block_n, bwd_num_warps, bwd_num_stages: the backward's launch shape (either
         backward); None picks BWD_DEFAULTS ("fa2") or bwd_fused.FUSED_DEFAULTS ("fused").
     bwd_tma: "fused" only: Q and dO tiles through TMA (tensor descriptors); None picks the default.

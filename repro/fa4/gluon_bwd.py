@@ -341,8 +341,17 @@ def _layouts(d: int, block_m: int, gdt):
     )
 
 
+#: The first run on an H100 (2026-11-25, torch 2.11, Triton 3.6, CUDA 13) ended at the first case of
+#: the GPU matrix (D = 128, not causal, bf16, behind the Gluon forward) in "CUDA error: an illegal
+#: instruction was encountered", which leaves the process's CUDA context unusable. Until that is
+#: found, bwd="gluon" is refused on the GPU too (set False to run it while debugging) and its GPU
+#: tests are expected failures that are not run.
+KNOWN_BROKEN_ON_GPU = True
+
+
 def check_device(q: torch.Tensor) -> None:
-    """Raise, saying why, where this kernel cannot run (no Gluon, not CUDA, not sm_90); else nothing."""
+    """Raise, saying why, where this kernel cannot run (no Gluon, not CUDA, not sm_90, or
+    KNOWN_BROKEN_ON_GPU); else nothing."""
     if not HAS_GLUON:
         raise RuntimeError(f"gluon backward: this Triton has no Gluon ({GLUON_ERROR})")
     if q.device.type != "cuda":
@@ -354,6 +363,12 @@ def check_device(q: torch.Tensor) -> None:
     if (major, minor) != (9, 0):
         raise RuntimeError(
             f"gluon backward: written for Hopper (sm_90a: wgmma, TMA, setmaxnreg); this GPU is sm_{major}{minor}"
+        )
+    if KNOWN_BROKEN_ON_GPU:
+        raise RuntimeError(
+            "gluon backward: its first H100 run (2026-11-25) ended in 'an illegal instruction', which "
+            "leaves the CUDA context unusable; use bwd='fused' or 'fa2', or set "
+            "repro.fa4.gluon_bwd.KNOWN_BROKEN_ON_GPU = False to run it while debugging"
         )
 
 
