@@ -155,11 +155,17 @@ def run(
     budget_s: float,
     only: list[str] | None = None,
     seqlens: list[int] | None = None,
+    gates: list[str] | None = None,
 ) -> None:
     """The main benchmark at every T of ALL_T (``quick``: T = 4096 only; ``seqlens``: those T,
     written under the tag ``seqlens-<T>-<T>...`` so the full results file is left alone), in two
     gate regimes, then one packed variable-length batch. Every candidate's output and gradients are
-    checked at the shape before it is timed (``gradient_check``); one that fails is not timed."""
+    checked at the shape before it is timed (``gradient_check``); one that fails is not timed.
+    ``gates``: a subset of GATES and "varlen" to run (default all; ``["varlen"]``: the packed batch only)."""
+    wanted = set(gates or [*GATES, "varlen"])
+    unknown = wanted - {*GATES, "varlen"}
+    if unknown:
+        raise SystemExit(f"--gates: unknown {sorted(unknown)}; expected some of {[*GATES, 'varlen']}")
     if DEVICE == "cuda" and not torch.cuda.is_available():
         raise SystemExit("repro.kda.bench needs a CUDA GPU")
     from repro.kda import chunk as ck
@@ -208,12 +214,14 @@ def run(
         fns = {name: fn for name, fn in fns.items() if name in only}
     Ts = [4096] if quick else (seqlens or ALL_T)
     tag = "quick" if quick else ("seqlens-" + "-".join(map(str, seqlens)) if seqlens else "")
+    if gates:  # a partial run never overwrites the full results file
+        tag = "-".join(x for x in (tag, "gates", *sorted(wanted)) if x)
     skipped: list[str] = []
     failed: list[str] = []
     base_notes = report.notes
     reference = fp32_path()
-    shapes = [(gates, T) for T in Ts for gates in GATES]
-    if not quick:
+    shapes = [(gates, T) for T in Ts for gates in GATES if gates in wanted]
+    if not quick and "varlen" in wanted:
         shapes.append(("varlen", TOKENS))
     for gates, T in shapes:
         if time.perf_counter() - start > budget_s:
@@ -642,6 +650,12 @@ def main() -> None:
     )
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new measurements after this")
     ap.add_argument(
+        "--gates",
+        default="",
+        help="comma-separated subset of std,mild,varlen to run (e.g. varlen: the packed batch only), "
+        "written as <device>-gates-<...>.json",
+    )
+    ap.add_argument(
         "--set",
         action="append",
         default=[],
@@ -678,7 +692,15 @@ def main() -> None:
     elif args.warm:
         warm([4096] if args.quick else (seqlens or ALL_T))
     else:
-        run(args.quick, args.out, args.budget_s, [x for x in args.impls.split(",") if x], seqlens or None)
+        gates = [x for x in args.gates.split(",") if x] or None
+        run(
+            args.quick,
+            args.out,
+            args.budget_s,
+            [x for x in args.impls.split(",") if x],
+            seqlens or None,
+            gates,
+        )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from repro.kda import bench
 
 
@@ -40,6 +42,15 @@ def test_bench_checks_before_timing(tmp_path, monkeypatch):
     wrong = [r for r in rows if r["impl"] == "fla_kda"]
     assert wrong and all(r["ms"] is None and r["check"].startswith("failed: AssertionError") for r in wrong)
     assert "fla_kda at std T=64" in doc["notes"]
+    # --gates varlen: the packed batch alone, in its own file; an unknown regime is named
+    for f in tmp_path.glob("*.json"):
+        f.unlink()
+    bench.run(quick=False, out_dir=tmp_path, budget_s=1e9, gates=["varlen"])
+    (path,) = tmp_path.glob("*.json")
+    assert "gates-varlen" in path.name
+    assert {r["gates"] for r in json.loads(path.read_text())["rows"]} == {"varlen"}
+    with pytest.raises(SystemExit, match="unknown.*'slow'"):
+        bench.run(quick=False, out_dir=tmp_path, budget_s=1e9, gates=["slow"])
 
 
 def test_precision_rows_checked_and_labelled(tmp_path, monkeypatch):
