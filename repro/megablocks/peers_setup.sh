@@ -14,6 +14,11 @@
 # Every step is logged and time-limited; any failure stops the script with status 0 ("soft"): the
 # bench then notes that megablocks did not import. Log: $MEGABLOCKS_SETUP_LOG.
 # MEGABLOCKS_SETUP_DRY=1: unpack and patch only (to check the patches without a GPU).
+# The build does not fit the GPU job's peers step on a fresh machine, so it can be done once and
+# carried: MEGABLOCKS_WHEEL_OUT=DIR builds wheels of both (patched) into DIR as well (bring them back
+# through $OUT into .whl/); when .whl/ already holds megablocks-0.10.0-*.whl and
+# stanford_stk-0.7.1-*.whl (built on a machine like the GPU one: torch 2.11, CUDA 13, Python 3.12),
+# they are installed instead of building, and the import is checked the same way.
 set -u
 LOG=${MEGABLOCKS_SETUP_LOG:-/tmp/megablocks_peer_setup.log}
 PY=${PYTHON:-python}
@@ -30,6 +35,18 @@ done
 [ -n "${WHL:-}" ] || soft_fail "megablocks-0.10.0.tar.gz not found (looked in PAPERCLUB_WHL_DIR, .whl/)"
 [ -f "$WHL/stanford_stk-0.7.1.tar.gz" ] || soft_fail "stanford_stk-0.7.1.tar.gz not found in $WHL"
 log "sdists in $WHL; python: $($PY -c 'import sys, torch, triton; print(sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__)' 2>&1)"
+
+prebuilt_mb=$(ls "$WHL"/megablocks-0.10.0-*.whl 2>/dev/null | head -1)
+prebuilt_stk=$(ls "$WHL"/stanford_stk-0.7.1-*.whl 2>/dev/null | head -1)
+if [ -n "$prebuilt_mb" ] && [ -n "$prebuilt_stk" ] && [ "${MEGABLOCKS_SETUP_DRY:-0}" != 1 ]; then
+  log "installing the prebuilt (patched) wheels $(basename "$prebuilt_stk") $(basename "$prebuilt_mb")"
+  timeout 120 "$PY" -m pip install --no-deps "$prebuilt_stk" "$prebuilt_mb" >> "$LOG" 2>&1 \
+    || soft_fail "pip install of the prebuilt wheels"
+  timeout 60 "$PY" -c "import megablocks_ops, megablocks.layers.dmoe; print('megablocks imports')" >> "$LOG" 2>&1 \
+    || soft_fail "import megablocks from the prebuilt wheel (built for another torch/CUDA/Python?)"
+  log "megablocks 0.10.0 + stanford-stk 0.7.1 installed from prebuilt wheels and importable"
+  exit 0
+fi
 
 work=$(mktemp -d)
 tar xzf "$WHL/stanford_stk-0.7.1.tar.gz" -C "$work" || soft_fail "unpack stk"
@@ -62,12 +79,23 @@ EOF
 
 if [ "${MEGABLOCKS_SETUP_DRY:-0}" = 1 ]; then rm -rf "$work"; log "dry run: all patches apply"; exit 0; fi
 
-log "installing stanford-stk 0.7.1 (patched)"
-timeout 60 "$PY" -m pip install --no-deps --no-build-isolation "$STK" >> "$LOG" 2>&1 || soft_fail "pip install stk"
 log "building megablocks 0.10.0 (patched, TORCH_CUDA_ARCH_LIST=9.0, limit ${BUILD_TIMEOUT} s)"
 start=$(date +%s)
-TORCH_CUDA_ARCH_LIST=9.0 timeout "$BUILD_TIMEOUT" "$PY" -m pip install --no-deps --no-build-isolation "$MB" >> "$LOG" 2>&1 \
-  || soft_fail "pip install megablocks after $(( $(date +%s) - start )) s"
+if [ -n "${MEGABLOCKS_WHEEL_OUT:-}" ]; then
+  # build wheels once (kept in $MEGABLOCKS_WHEEL_OUT to carry back), then install from them
+  mkdir -p "$MEGABLOCKS_WHEEL_OUT"
+  timeout 60 "$PY" -m pip wheel --no-deps --no-build-isolation -w "$MEGABLOCKS_WHEEL_OUT" "$STK" >> "$LOG" 2>&1 \
+    || soft_fail "pip wheel stk"
+  TORCH_CUDA_ARCH_LIST=9.0 timeout "$BUILD_TIMEOUT" "$PY" -m pip wheel --no-deps --no-build-isolation \
+    -w "$MEGABLOCKS_WHEEL_OUT" "$MB" >> "$LOG" 2>&1 || soft_fail "pip wheel megablocks after $(( $(date +%s) - start )) s"
+  timeout 120 "$PY" -m pip install --no-deps "$MEGABLOCKS_WHEEL_OUT"/stanford_stk-0.7.1-*.whl \
+    "$MEGABLOCKS_WHEEL_OUT"/megablocks-0.10.0-*.whl >> "$LOG" 2>&1 || soft_fail "pip install of the built wheels"
+  log "wheels in $MEGABLOCKS_WHEEL_OUT: $(cd "$MEGABLOCKS_WHEEL_OUT" && ls *.whl | tr '\n' ' ')"
+else
+  timeout 60 "$PY" -m pip install --no-deps --no-build-isolation "$STK" >> "$LOG" 2>&1 || soft_fail "pip install stk"
+  TORCH_CUDA_ARCH_LIST=9.0 timeout "$BUILD_TIMEOUT" "$PY" -m pip install --no-deps --no-build-isolation "$MB" >> "$LOG" 2>&1 \
+    || soft_fail "pip install megablocks after $(( $(date +%s) - start )) s"
+fi
 log "built in $(( $(date +%s) - start )) s"
 timeout 60 "$PY" -c "import megablocks_ops, megablocks.layers.dmoe; print('megablocks imports')" >> "$LOG" 2>&1 \
   || soft_fail "import megablocks after the build"

@@ -42,3 +42,32 @@ def test_missing_sdists_fail_softly(tmp_path):
     res = subprocess.run(["bash", str(script)], env=env, timeout=60, capture_output=True, cwd=tmp_path)
     assert res.returncode == 0
     assert "FAILED: megablocks-0.10.0.tar.gz not found" in log.read_text()
+
+
+def test_prebuilt_wheels_are_installed_instead_of_building(tmp_path):
+    """With megablocks and stk wheels beside the sdists (built once on the GPU machine with
+    MEGABLOCKS_WHEEL_OUT), the script installs those and checks the import; it builds nothing."""
+    for name in (
+        "megablocks-0.10.0.tar.gz",
+        "stanford_stk-0.7.1.tar.gz",
+        "megablocks-0.10.0-cp312-cp312-linux_x86_64.whl",
+        "stanford_stk-0.7.1-py3-none-any.whl",
+    ):
+        (tmp_path / name).write_bytes(b"")
+    calls = tmp_path / "calls.txt"
+    fake_python = tmp_path / "python"
+    fake_python.write_text(f'#!/usr/bin/env bash\necho "$@" >> {calls}\n')
+    fake_python.chmod(0o755)
+    log = tmp_path / "setup.log"
+    env = dict(
+        os.environ, PAPERCLUB_WHL_DIR=str(tmp_path), MEGABLOCKS_SETUP_LOG=str(log), PYTHON=str(fake_python)
+    )
+    res = subprocess.run(["bash", str(SCRIPT)], env=env, timeout=60, capture_output=True, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    text = log.read_text()
+    assert "installed from prebuilt wheels and importable" in text and "FAILED" not in text, text
+    lines = calls.read_text().splitlines()
+    installs = [ln for ln in lines if ln.startswith("-m pip")]
+    assert len(installs) == 1 and "stanford_stk-0.7.1-py3-none-any.whl" in installs[0]
+    assert "megablocks-0.10.0-cp312" in installs[0] and "--no-build-isolation" not in installs[0]
+    assert any("import megablocks_ops" in ln for ln in lines)
