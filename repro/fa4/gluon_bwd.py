@@ -94,9 +94,10 @@ if HAS_GLUON:
         q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
         kv_ready, q_ready, do_ready, empty,
         q_row0, kv_row, kv_col, stat_row0, h0, m_lo, total, S_Q,
-        D: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+        D: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, SKIP: gl.constexpr,
     ):  # fmt: skip
-        """One warp: K and V of the key block once, then (Q, LSE) and (dO, delta) of every step."""
+        """One warp: K and V of the key block once, then (Q, LSE) and (dO, delta) of every step
+        (SKIP & 16: Q and dO only, no LSE / delta copies; for locating a fault, see BISECT)."""
         mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [kv_row, kv_col], kv_ready, k_smem)
         tma.async_copy_global_to_shared(v_desc, [kv_row, kv_col], kv_ready, v_smem)
@@ -110,16 +111,23 @@ if HAS_GLUON:
             stat = (stat_row0 + off_h) * S_Q + start_m
             q_col = off_h * D
             mbarrier.wait(empty.index(st), ph)
-            mbarrier.expect(q_ready.index(st), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
+            if SKIP & 16 == 0:
+                mbarrier.expect(q_ready.index(st), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
+            else:
+                mbarrier.expect(q_ready.index(st), q_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(
                 q_desc, [q_row0 + start_m, q_col], q_ready.index(st), q_smem.index(st)
             )
-            tma.async_copy_global_to_shared(lse_desc, [stat], q_ready.index(st), lse_smem.index(st))
-            mbarrier.expect(do_ready.index(st), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+            if SKIP & 16 == 0:
+                tma.async_copy_global_to_shared(lse_desc, [stat], q_ready.index(st), lse_smem.index(st))
+                mbarrier.expect(do_ready.index(st), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+            else:
+                mbarrier.expect(do_ready.index(st), do_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(
                 do_desc, [q_row0 + start_m, q_col], do_ready.index(st), do_smem.index(st)
             )
-            tma.async_copy_global_to_shared(delta_desc, [stat], do_ready.index(st), delta_smem.index(st))  # fmt: skip
+            if SKIP & 16 == 0:
+                tma.async_copy_global_to_shared(delta_desc, [stat], do_ready.index(st), delta_smem.index(st))  # fmt: skip
             start_m += BLOCK_M
             if start_m >= S_Q:
                 start_m = m_lo
@@ -132,10 +140,12 @@ if HAS_GLUON:
         DQACC, DK, DV, off_b, h0, off_hk, H, H_KV, S_Q, S_K, n0, m_lo, total,
         qk_scale, sm_scale,
         CONSUMER: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+        NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, SKIP: gl.constexpr,
     ):  # fmt: skip
         """Consumer warpgroup CONSUMER: keys [n0 + CONSUMER * HALF, + HALF) of the block, and columns
-        [CONSUMER * D/2, + D/2) of each step's dQ tile."""
+        [CONSUMER * D/2, + D/2) of each step's dQ tile. SKIP (0 in use) leaves parts out, to locate a
+        fault on the GPU (results then wrong): 1 the dQ atomics, 2 the dS^T exchange and the dQ
+        product, 4 the dK product, 8 the dV product (see BISECT)."""
         HALF: gl.constexpr = BLOCK_N // 2
         DQ_COLS: gl.constexpr = D // 2
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -196,35 +206,55 @@ if HAS_GLUON:
                     ok = ok & (gl.expand_dims(keys, 1) <= gl.expand_dims(qs + diag, 0))
                 pT = gl.where(ok, pT, 0.0)
             pT_op = gl.convert_layout(pT.to(dtype), op_layout)
-            dv_tok = warpgroup_mma(pT_op, do_tile, dv, is_async=True)
-            delta = delta_smem.index(st).load(col_s)
-            dpT = warpgroup_mma_wait(1, deps=(dp_tok,))  # dP^T has landed; dV += P^T dO may still run
+            if SKIP & 8 == 0:
+                dv_tok = warpgroup_mma(pT_op, do_tile, dv, is_async=True)
+                delta = delta_smem.index(st).load(col_s)
+                dpT = warpgroup_mma_wait(1, deps=(dp_tok,))  # dP^T has landed; dV += P^T dO may still run
+            else:
+                delta = delta_smem.index(st).load(col_s)
+                dpT = warpgroup_mma_wait(0, deps=(dp_tok,))
             dsT = (pT * (dpT - gl.expand_dims(delta, 0))).to(dtype)
-            # dS^T of this consumer's keys into the shared tile, visible to the other consumer and to
-            # the tensor cores (async proxy) before the arrival
-            ds_smem.index(buf).slice(CONSUMER * HALF, HALF, dim=0).store(dsT)
-            fence_async_shared()
-            gl.thread_barrier()
-            mbarrier.arrive(ds_ready.index(buf), count=1)
-            dsT_op = gl.convert_layout(dsT, op_layout)
-            dk_tok = warpgroup_mma(dsT_op, q_tile, dk, is_async=True)
-            dv, _ = warpgroup_mma_wait(1, deps=(dv_tok, pT_op))  # P^T's registers are free once dV lands
-            mbarrier.wait(ds_ready.index(buf), (it // 2) & 1)  # both halves of dS^T written
-            dq_tok = warpgroup_mma(
-                ds_smem.index(buf).permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True
-            )
-            dk, dq, _ = warpgroup_mma_wait(0, deps=(dk_tok, dq_tok, dsT_op))
+            if SKIP & 2 == 0:
+                # dS^T of this consumer's keys into the shared tile, visible to the other consumer and
+                # to the tensor cores (async proxy) before the arrival
+                ds_smem.index(buf).slice(CONSUMER * HALF, HALF, dim=0).store(dsT)
+                fence_async_shared()
+                gl.thread_barrier()
+                mbarrier.arrive(ds_ready.index(buf), count=1)
+            if SKIP & 4 == 0:
+                dsT_op = gl.convert_layout(dsT, op_layout)
+                dk_tok = warpgroup_mma(dsT_op, q_tile, dk, is_async=True)
+                if SKIP & 8 == 0:
+                    dv, _ = warpgroup_mma_wait(
+                        1, deps=(dv_tok, pT_op)
+                    )  # P^T's registers are free once dV lands
+            elif SKIP & 8 == 0:
+                dv, _ = warpgroup_mma_wait(0, deps=(dv_tok, pT_op))
+            if SKIP & 2 == 0:
+                mbarrier.wait(ds_ready.index(buf), (it // 2) & 1)  # both halves of dS^T written
+                dq_tok = warpgroup_mma(
+                    ds_smem.index(buf).permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True
+                )
+                if SKIP & 4 == 0:
+                    dk, dq, _ = warpgroup_mma_wait(0, deps=(dk_tok, dq_tok, dsT_op))
+                else:
+                    dq = warpgroup_mma_wait(0, deps=(dq_tok,))
+            else:
+                dq = dq_zero
+                if SKIP & 4 == 0:
+                    dk, _ = warpgroup_mma_wait(0, deps=(dk_tok, dsT_op))
             mbarrier.arrive(empty.index(st), count=1)  # Q, dO, LSE, delta of this stage are free
             # this step's part of dQ rows [start_m, + BLOCK_M) of query head off_h: a 64-bit scalar
             # base, a row pointer per row and the columns as immediates (a 64-bit offset per element
             # held 64 more registers and spilled)
-            dq_base = DQACC + ((off_b * S_Q + start_m).to(gl.int64) * H + off_h) * D
-            gl.atomic_add(
-                (dq_base + dq_row_offs) + gl.expand_dims(dq_cols, 0),
-                dq * sm_scale,
-                mask=gl.expand_dims(dq_rows0 < S_Q - start_m, 1),
-                sem="relaxed",
-            )
+            if SKIP & 1 == 0:
+                dq_base = DQACC + ((off_b * S_Q + start_m).to(gl.int64) * H + off_h) * D
+                gl.atomic_add(
+                    (dq_base + dq_row_offs) + gl.expand_dims(dq_cols, 0),
+                    dq * sm_scale,
+                    mask=gl.expand_dims(dq_rows0 < S_Q - start_m, 1),
+                    sem="relaxed",
+                )
             start_m += BLOCK_M
             if start_m >= S_Q:
                 start_m = m_lo
@@ -244,7 +274,7 @@ if HAS_GLUON:
         q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, DQACC, DK, DV,
         H, H_KV, GROUP, S_Q, S_K, qk_scale, sm_scale,
         D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-        CAUSAL: gl.constexpr, LOAD_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        CAUSAL: gl.constexpr, LOAD_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, SKIP: gl.constexpr = 0,
     ):  # fmt: skip
         n_block = gl.program_id(0)  # causal: low key blocks see the most queries and launch first
         bhk = gl.program_id(1)
@@ -291,20 +321,20 @@ if HAS_GLUON:
                     q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem,
                     kv_ready, q_ready, do_ready, empty, ds_ready,
                     DQACC, DK, DV, off_b, off_hk * GROUP, off_hk, H, H_KV, S_Q, S_K, n0, m_lo, total,
-                    qk_scale, sm_scale, 0, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                    qk_scale, sm_scale, 0, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, SKIP,
                 )),
                 (_bwd_load_partition, (
                     q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc,
                     q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
                     kv_ready, q_ready, do_ready, empty,
                     off_b * S_Q, off_b * S_K + n0, off_hk * D, off_b * H, off_hk * GROUP, m_lo, total, S_Q,
-                    D, BLOCK_M, NUM_STAGES,
+                    D, BLOCK_M, NUM_STAGES, SKIP,
                 )),
                 (_bwd_consume, (
                     q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem,
                     kv_ready, q_ready, do_ready, empty, ds_ready,
                     DQACC, DK, DV, off_b, off_hk * GROUP, off_hk, H, H_KV, S_Q, S_K, n0, m_lo, total,
-                    qk_scale, sm_scale, 1, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                    qk_scale, sm_scale, 1, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, SKIP,
                 )),
             ],
             [1, 4],
@@ -312,7 +342,9 @@ if HAS_GLUON:
         )  # fmt: skip
 
 
-def _constexprs(d: int, causal: bool, block_m: int | None = None, num_stages: int | None = None) -> dict:
+def _constexprs(
+    d: int, causal: bool, block_m: int | None = None, num_stages: int | None = None, skip: int = 0
+) -> dict:
     """The kernel's constexpr arguments, shared by the launcher and the offline compile."""
     if d not in GLUON_BWD_DEFAULTS:
         raise ValueError(
@@ -325,8 +357,10 @@ def _constexprs(d: int, causal: bool, block_m: int | None = None, num_stages: in
         raise ValueError(f"gluon backward: block_m must be 64 or 128 (a wgmma N), got {bm}")
     if ns < 1:
         raise ValueError(f"gluon backward: num_stages must be >= 1, got {ns}")
+    if not 0 <= skip < 32:
+        raise ValueError(f"gluon backward: skip is a bit mask of 1, 2, 4, 8, 16 (see BISECT), got {skip}")
     return dict(D=d, BLOCK_M=bm, BLOCK_N=BLOCK_N, NUM_STAGES=ns, CAUSAL=bool(causal),
-                LOAD_REGS=LOAD_REGS, CONSUMER_REGS=CONSUMER_REGS)  # fmt: skip
+                LOAD_REGS=LOAD_REGS, CONSUMER_REGS=CONSUMER_REGS, SKIP=int(skip))  # fmt: skip
 
 
 def _layouts(d: int, block_m: int, gdt):
@@ -383,12 +417,14 @@ def gluon_attention_backward(
     scale: float,
     block_m: int | None = None,
     num_stages: int | None = None,
+    skip: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of attention from the forward's output ``o`` and base-2 log-sum-exp ``lse``.
 
     q, o, do: [B, S_q, H, D]; k, v: [B, S_k, H_kv, D], H_kv dividing H, D in {64, 128}, bf16 or fp16;
     lse: [B, H, S_q] float32 (either forward's). Causal needs S_q <= S_k. Hopper (sm_90) only.
     delta = rowsum(dO * O) and the zeroed fp32 dQ buffer come from ``bwd_fused``'s preprocess kernel.
+    ``skip``: parts left out to locate a fault (BISECT; the gradients are then wrong), 0 in use.
     """
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -401,7 +437,7 @@ def gluon_attention_backward(
     s_k, h_kv = k.shape[1], k.shape[2]
     if causal and s_q > s_k:
         raise ValueError(f"gluon backward: causal needs S_q <= S_k, got S_q = {s_q}, S_k = {s_k}")
-    cx = _constexprs(d, causal, block_m, num_stages)
+    cx = _constexprs(d, causal, block_m, num_stages, skip)
     bm = cx["BLOCK_M"]
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
     delta, dq_acc = preprocess(o, do)
@@ -430,13 +466,13 @@ def gluon_attention_backward(
 
 
 def compile_for_sm90(d: int, causal: bool, dtype: str = "bf16", block_m: int | None = None,
-                     num_stages: int | None = None):  # fmt: skip
+                     num_stages: int | None = None, skip: int = 0):  # fmt: skip
     """The kernel compiled for sm_90a without a GPU; returns Triton's CompiledKernel."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    cx = _constexprs(d, causal, block_m, num_stages)
+    cx = _constexprs(d, causal, block_m, num_stages, skip)
     bm = cx["BLOCK_M"]
     qo_layout, kv_layout, vec_layout = _layouts(d, bm, {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype])
     signature = {
@@ -456,7 +492,7 @@ def compile_for_sm90(d: int, causal: bool, dtype: str = "bf16", block_m: int | N
 
 
 def compile_report(cases) -> list[dict]:
-    """Offline sm_90a compile of each (d, causal, dtype[, block_m, num_stages]): shared memory (bytes),
+    """Offline sm_90a compile of each (d, causal, dtype[, block_m, num_stages[, skip]]): shared memory (bytes),
     warps, ptxas registers and spills (the launch allocation; setmaxnreg then gives the load warp 24
     and the consumers 240), setmaxnreg values, and counts of wgmma, TMA loads and atomics in the PTX."""
     import re
@@ -467,9 +503,10 @@ def compile_report(cases) -> list[dict]:
     for case in cases:
         d, causal, dtype = case[:3]
         bm, ns = (list(case[3:5]) + [None, None])[:2]
-        row = dict(d=d, causal=causal, dtype=dtype, block_m=bm, num_stages=ns)
+        skip = int(case[5]) if len(case) > 5 else 0
+        row = dict(d=d, causal=causal, dtype=dtype, block_m=bm, num_stages=ns, skip=skip)
         try:
-            c = compile_for_sm90(d, causal, dtype, bm, ns)
+            c = compile_for_sm90(d, causal, dtype, bm, ns, skip)
             ptx = c.asm["ptx"]
             row.update(
                 shared=c.metadata.shared,
@@ -492,10 +529,82 @@ def compile_report(cases) -> list[dict]:
 #: The variants compiled by ``python -m repro.fa4.gluon_bwd`` and tests/test_gluon_bwd.py.
 COMPILE_CASES = [[d, c, t] for d in GLUON_HEAD_DIMS for c in (False, True) for t in ("bf16", "fp16")]
 
+#: Parts left out, one run each, to find which one ends the kernel in "an illegal instruction" (the
+#: first H100 run): bits of SKIP, 1 the dQ atomics, 2 the dS^T exchange between the consumers and
+#: the dQ product, 4 the dK product, 8 the dV product, 16 the LSE / delta TMA copies. A variant
+#: that runs where 0 does not points at what it left out.
+BISECT = (0, 1, 2, 3, 4, 8, 16, 2 | 4, 2 | 4 | 8, 1 | 2 | 4 | 8 | 16)
+
+
+def bisect_one(skip: int, d: int = 128, causal: bool = False, seqlen: int = 512) -> dict:
+    """Run the kernel once with ``skip`` on the GPU (B=1, H=2, bf16); report whether it finished
+    and, for skip 0, its gradients' largest relative error against the FA2 Triton backward."""
+    from repro.fa4 import attention
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (
+        torch.randn(1, seqlen, 2, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4)
+    )
+    scale = d**-0.5
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    o = attention(*leaves, causal=causal, bwd="fa2")
+    ref = torch.autograd.grad(o, leaves, do)
+    # the forward's base-2 log-sum-exp, from the reference softmax (fp32)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(seqlen, seqlen, device="cuda").triu(1).bool(), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1) / math.log(2.0)
+    got = gluon_attention_backward(do, q, k, v, o.detach(), lse.contiguous(), causal, scale, skip=skip)
+    torch.cuda.synchronize()
+    err = max(float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(got, ref, strict=True))
+    return {"skip": skip, "status": "ran", "rel_err": err}
+
+
+def bisect(out: str | None = None, timeout_s: float = 120.0) -> list[dict]:
+    """Each BISECT variant in its own process (a fault leaves the CUDA context unusable), with a
+    time limit (a hang is a result too)."""
+    import json
+    import subprocess
+    import sys
+
+    rows = []
+    for skip in BISECT:
+        cmd = [sys.executable, "-m", "repro.fa4.gluon_bwd", "--bisect-one", str(skip)]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+            lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+            row = (
+                json.loads(lines[-1])
+                if r.returncode == 0 and lines
+                else {
+                    "skip": skip,
+                    "status": f"failed (exit {r.returncode})",
+                    "error": (r.stderr or r.stdout)[-600:],
+                }
+            )
+        except subprocess.TimeoutExpired:
+            row = {"skip": skip, "status": f"timeout after {timeout_s:.0f} s (a hang)"}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    if out:
+        with open(out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
+
+
 if __name__ == "__main__":
     import json
     import sys
 
-    # python -m repro.fa4.gluon_bwd [JSON list of [d, causal, dtype(, block_m, num_stages)]]: offline report
-    cases = json.loads(sys.argv[1]) if len(sys.argv) > 1 else COMPILE_CASES
-    print(json.dumps(compile_report(cases)))
+    if (
+        len(sys.argv) > 1 and sys.argv[1] == "--bisect"
+    ):  # on an H100: python -m repro.fa4.gluon_bwd --bisect [OUT]
+        KNOWN_BROKEN_ON_GPU = False
+        bisect(sys.argv[2] if len(sys.argv) > 2 else None)
+    elif len(sys.argv) > 2 and sys.argv[1] == "--bisect-one":
+        KNOWN_BROKEN_ON_GPU = False
+        print(json.dumps(bisect_one(int(sys.argv[2]))), flush=True)
+    else:
+        # python -m repro.fa4.gluon_bwd [JSON list of [d, causal, dtype(, block_m, num_stages)]]: offline report
+        cases = json.loads(sys.argv[1]) if len(sys.argv) > 1 else COMPILE_CASES
+        print(json.dumps(compile_report(cases)))

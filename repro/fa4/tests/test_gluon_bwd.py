@@ -15,7 +15,13 @@ import torch
 
 from paperclub.triton_compat import interpreting
 from repro.fa4 import attention_any_d, gluon_bwd
-from repro.fa4.gluon_bwd import COMPILE_CASES, KNOWN_BROKEN_ON_GPU, check_device, gluon_attention_backward
+from repro.fa4.gluon_bwd import (
+    BISECT,
+    COMPILE_CASES,
+    KNOWN_BROKEN_ON_GPU,
+    check_device,
+    gluon_attention_backward,
+)
 from repro.fa4.gluon_fwd import HAS_GLUON
 from repro.fa4.tests import test_gpu_bwd as matrix
 from repro.fa4.tests.offline_compile import compile_offline
@@ -55,6 +61,27 @@ def test_gluon_backward_compiles_for_sm90(compile_rows, case):
     if "spill_stores" not in row:
         pytest.skip("this Triton bundles no ptxas: registers and spills not checked")
     assert row["spill_stores"] <= SPILL_BUDGET[case[0]], row
+
+
+@needs_gluon
+def test_every_bisect_variant_compiles_and_leaves_out_its_part(tmp_path_factory):
+    """The fault-locating variants (gluon_bwd.BISECT, run one per process on the GPU by
+    `python -m repro.fa4.gluon_bwd --bisect`) compile for sm_90a, and each leaves out what it says:
+    no fp32 atomics without the dQ atomics (1), fewer wgmma without a product (2, 4, 8), fewer TMA
+    copies without LSE / delta (16)."""
+    cases = [[128, False, "bf16", None, None, s] for s in BISECT]
+    rows = {
+        r["skip"]: r for r in compile_offline("repro.fa4.gluon_bwd", cases, tmp_path_factory.mktemp("tc"))
+    }
+    for s, r in rows.items():
+        assert "error" not in r, (s, r["error"])
+    full = rows[0]
+    assert rows[1]["atomics"] == [] and full["atomics"]
+    for s in (2, 4, 8):
+        assert rows[s]["wgmma"] < full["wgmma"], (s, rows[s]["wgmma"], full["wgmma"])
+    assert rows[16]["tma_loads"] < full["tma_loads"]
+    with pytest.raises(ValueError, match="bit mask"):
+        gluon_bwd._constexprs(128, False, skip=32)
 
 
 def test_gluon_backward_refused_where_it_cannot_run():
