@@ -12,8 +12,8 @@ B = 1, T = 8k .. 64k. Rows (``section``):
     pooling with l = d = l' = 64, n = 16, compressed + selected branches with gates, no window (fla's
     window calls flash-attn, absent here), both computing their own top-n;
   - ``ours-slc`` and ``fla-slc``: the selected branch alone on the same block indices.
-* ``decode``: one token against caches of T tokens, B = 16: ``nsa-decode`` (our two kernels, top-n in
-  PyTorch) against ``sdpa-decode`` (full attention, GQA); ``tokens`` is what the decode kernels
+* ``decode``: one token against caches of T tokens, B = 16: ``nsa-decode`` (our two kernels around one
+  ``torch.topk``, no host synchronisation) against ``sdpa-decode`` (full attention, GQA); ``tokens`` is what the decode kernels
   counted per group, ``paper_tokens`` Table 4's number.
 
 The work is a plan of steps, most important first (:func:`plan`): at the first length, ``nsa`` against

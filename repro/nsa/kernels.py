@@ -448,19 +448,26 @@ def _slc_bwd_dkdv_kernel(
 
 # ----------------------------------------------------------------------------------------------
 # Decoding: one query token at position t (the last of the cache), one program per (batch, KV
-# head) with the group's G query heads as the rows. Each kernel counts the KV tokens it loads.
+# head) with the group's G query heads as the rows. Each kernel counts the KV tokens it loads. The
+# step is two launches around one ``torch.topk``, with no host synchronisation: the first kernel
+# also turns its logits into the masked block scores that top-k ranks (Eqs. 8-11), the second sorts
+# top-k's picks itself before reading them.
 
 
 @triton.jit(do_not_specialize=["t"])
 def _decode_cmp_kernel(
-    Q, KC, VC, OC, LSE, LOGITS, COUNTS,
+    Q, KC, VC, OC, LOGITS, SCORES, COUNTS,
     sqb, sqh, skb, skt, skh,
-    t, NC, H, G, NCP, scale_log2,
-    STRIDE: tl.constexpr, BLOCK_LEN: tl.constexpr,
-    D: tl.constexpr, BN: tl.constexpr, BG: tl.constexpr, IEEE: tl.constexpr,
+    t, NC, H, G, NCP, NS, scale_log2,
+    STRIDE: tl.constexpr, BLOCK_LEN: tl.constexpr, SELECT_LEN: tl.constexpr,
+    N_INITIAL: tl.constexpr, N_LOCAL: tl.constexpr,
+    D: tl.constexpr, BN: tl.constexpr, BG: tl.constexpr, BJ: tl.constexpr, BC: tl.constexpr,
+    IEEE: tl.constexpr,
 ):  # fmt: skip
-    # Compressed branch for the decoded token; also stores its base-2 logits [B, HQ, NCP] so that the
-    # block scores (Eqs. 8-10) need no second pass over the compressed keys.
+    # Compressed branch for the decoded token, then the block scores of Eqs. 8-10 from its own logits
+    # (stored to the program's scratch row LOGITS [B, HQ, NCP] during the pass, read back once the
+    # log-sum-exp is known: no second pass over the compressed keys), with Eq. 11's forced and future
+    # blocks set to +inf and -inf so that top-k needs nothing else.
     b, h, HQ, offs_d, g_ok, hq = _group_rows(tl.program_id(0), H, G, BG, D)
     q = tl.load(Q + b * sqb + hq[:, None] * sqh + offs_d[None, :], mask=g_ok[:, None], other=0.0)
     n_vis = tl.where(t >= BLOCK_LEN - 1, (t - BLOCK_LEN + 1) // STRIDE + 1, 0)
@@ -469,6 +476,7 @@ def _decode_cmp_kernel(
     l_i = tl.zeros([BG], tl.float32)
     acc = tl.zeros([BG, D], tl.float32)
     count = n_vis * 0
+    logit_row = LOGITS + (b * HQ + hq[:, None]) * NCP
     for i0 in range(0, n_vis, BN):
         offs_n = i0 + tl.arange(0, BN)
         ok = offs_n < n_vis
@@ -476,25 +484,60 @@ def _decode_cmp_kernel(
         k = tl.load(KC + kv_off, mask=ok[:, None], other=0.0)
         v = tl.load(VC + kv_off, mask=ok[:, None], other=0.0)
         s, m_i, l_i, acc = _online_update(q, k, v, ok[None, :], m_i, l_i, acc, scale_log2, IEEE)
-        tl.store(LOGITS + (b * HQ + hq[:, None]) * NCP + offs_n[None, :], s, mask=g_ok[:, None] & ok[None, :])
+        tl.store(logit_row + offs_n[None, :], s, mask=g_ok[:, None] & ok[None, :])
         count += tl.sum(ok.to(tl.int32))
-    o, lse = _normalise(acc, m_i, l_i)
+    o, _ = _normalise(acc, m_i, l_i)
     tl.store(OC + (b * HQ + hq[:, None]) * D + offs_d[None, :], o, mask=g_ok[:, None])
-    tl.store(LSE + b * HQ + hq, lse, mask=g_ok)
     tl.store(COUNTS + (b * H + h) * 3, count)
+    # Eqs. 8-10 on the stride pieces of d tokens: compression block i is pieces i .. i + C - 1 (C = l/d),
+    # selection block j is pieces j R .. j R + R - 1 (R = l'/d). Piece sums P[pi] = sum_c p[pi - c] of
+    # p_cmp = exp2(s - lse2) summed over the group's heads (Eq. 10), then R pieces per block: Eq. 9's
+    # double sum over m < R, n < C as it is written, BC = BJ R pieces per tile.
+    R: tl.constexpr = SELECT_LEN // STRIDE
+    C: tl.constexpr = BLOCK_LEN // STRIDE
+    tl.debug_barrier()  # the logits stored above are read back by other threads of this program
+    lse2 = tl.where(l_i == 0.0, 0.0, m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
+    own = t // SELECT_LEN  # the decoded token's selection block: blocks after it do not exist yet
+    for j0 in range(0, NS, BJ):
+        offs_j = j0 + tl.arange(0, BJ)
+        piece = j0 * R + tl.arange(0, BC)
+        p = tl.zeros([BC], tl.float32)
+        for c in tl.static_range(C):
+            ic = piece - c
+            ok = (ic >= 0) & (ic < n_vis)
+            s = tl.load(logit_row + ic[None, :], mask=g_ok[:, None] & ok[None, :], other=float("-inf"))
+            p += tl.sum(tl.exp2(s - lse2[:, None]), 0)  # masked logits give 0
+        score = tl.sum(tl.reshape(p, [BJ, R]), 1)
+        forced = (offs_j < N_INITIAL) | ((offs_j <= own) & (offs_j > own - N_LOCAL))
+        score = tl.where(forced, float("inf"), score)
+        score = tl.where(offs_j > own, float("-inf"), score)
+        tl.store(SCORES + (b * H + h) * NS + offs_j, score, mask=offs_j < NS)
 
 
 @triton.jit(do_not_specialize=["t"])
 def _decode_sparse_kernel(
-    Q, K, V, KW, VW, BI, OC, GATES, O, COUNTS,
+    Q, K, V, KW, VW, TOP_VAL, TOP_IDX, OC, GATES, O, BI, COUNTS,
     sqb, sqh, skb, skt, skh, swb, swt, swh,
-    t, H, G, S, WINDOW, scale_log2,
-    D: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, BG: tl.constexpr, IEEE: tl.constexpr,
+    t, H, G, S, K_TOP, NS, WINDOW, scale_log2,
+    D: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, BG: tl.constexpr, BSEL: tl.constexpr,
+    IEEE: tl.constexpr,
 ):  # fmt: skip
-    # Selected branch (the S chosen blocks of BS tokens) and sliding window (the last WINDOW tokens),
-    # then the gated sum of Eq. 5 with the compressed output OC.
+    # Eq. 11's block indices from top-k's K_TOP picks (TOP_VAL, TOP_IDX [B, H, K_TOP]): a pick of
+    # -inf (a block that does not exist yet) is none; the rest sorted ascending, none last as -1, padded
+    # to S, and written to BI [B, H, S]. Then the selected branch (those blocks of BS tokens) and the
+    # sliding window (the last WINDOW tokens), and the gated sum of Eq. 5 with the compressed output OC.
     pid = tl.program_id(0)
     b, h, HQ, offs_d, g_ok, hq = _group_rows(pid, H, G, BG, D)
+    slot = tl.arange(0, BSEL)
+    picked = slot < K_TOP
+    val = tl.load(TOP_VAL + (b * H + h) * K_TOP + slot, mask=picked, other=float("-inf"))
+    key = tl.load(TOP_IDX + (b * H + h) * K_TOP + slot, mask=picked, other=0).to(tl.int32)
+    key = tl.where(val == float("-inf"), NS, key)  # none sorts after every real block
+    # the picks are distinct blocks: a pick's place in ascending order is how many picks are smaller
+    rank = tl.sum((key[None, :] < key[:, None]).to(tl.int32), 1)
+    blocks = tl.min(tl.where(rank[None, :] == slot[:, None], key[None, :], NS), 1)
+    blocks = tl.where(blocks == NS, -1, blocks)
+    tl.store(BI + (b * H + h) * S + slot, blocks, mask=slot < S)
     q = tl.load(Q + b * sqb + hq[:, None] * sqh + offs_d[None, :], mask=g_ok[:, None], other=0.0)
     m_s = tl.full([BG], -1e30, tl.float32)
     kv_base = b * skb + h * skh
@@ -502,7 +545,10 @@ def _decode_sparse_kernel(
     acc_s = tl.zeros([BG, D], tl.float32)
     n_slc = pid * 0  # a tensor even when t is specialised to the constant 1
     for si in range(S):
-        valid, k, v = _selected_block(BI + (b * H + h) * S, si, t, K, V, kv_base, skt, offs_d, BS)
+        idx = tl.sum(tl.where(slot == si, blocks, 0))
+        kpos = idx * BS + tl.arange(0, BS)
+        valid = (idx >= 0) & (kpos <= t)
+        k, v = _load_pair(K, V, kv_base, kpos[:, None] * skt + offs_d[None, :], valid)
         _, m_s, l_s, acc_s = _online_update(q, k, v, valid[None, :], m_s, l_s, acc_s, scale_log2, IEEE)
         n_slc += tl.sum(valid.to(tl.int32))
     m_w = tl.full([BG], -1e30, tl.float32)

@@ -6,7 +6,6 @@ Kernels take D in {16, 32, 64, 128}, fp16 / bf16 / fp32, on CUDA or under the Tr
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -430,12 +429,6 @@ def nsa_attention(
     return o, block_indices
 
 
-@functools.lru_cache(maxsize=16)
-def _overlap_matrix(nc: int, ns: int, block_len: int, stride: int, select_len: int, device) -> torch.Tensor:
-    """Eq. 9's [Nc, Ns] overlap matrix as float32, built once per cache length (decoding calls it per token)."""
-    return ref.block_overlap(nc, ns, block_len, stride, select_len, device).float()
-
-
 def nsa_decode(
     q: torch.Tensor,
     k_cmp: torch.Tensor,
@@ -449,7 +442,10 @@ def nsa_decode(
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One decoding step: the token at position t = T - 1 (already appended to the caches) against
-    the three branches, with two Triton kernels that count the KV tokens they load (§5.2).
+    the three branches, with two Triton kernels that count the KV tokens they load (§5.2), around one
+    ``torch.topk`` (Eq. 11); nothing synchronises with the host. The first kernel runs the compressed
+    branch and the block scores of Eqs. 8-10, the second sorts top-k's picks and runs the selected
+    branch, the window and the gated sum of Eq. 5.
 
     q [B, 1, HQ, D]; k_cmp, v_cmp [B, Nc, H, D]; k_slc, v_slc, k_win, v_win [B, T, H, D] (the caches);
     gates [B, 1, HQ, 3]. Returns (o [B, 1, HQ, D], block_indices [B, 1, H, n], tokens [B, H, 3] int32:
@@ -473,38 +469,45 @@ def nsa_decode(
             f"{ref.num_compressed(t_cache, cfg.block_len, cfg.stride)}"
         )
     scale = _scale(scale, d)
+    # Everything below is launches and allocations: no value goes to or comes from the host (the
+    # position t is a kernel argument, not a tensor), so the host never waits for the stream.
     q, k_cmp, v_cmp = q.contiguous(), k_cmp.contiguous(), v_cmp.contiguous()
     k_slc, v_slc, k_win, v_win = (x.contiguous() for x in (k_slc, v_slc, k_win, v_win))
     g = hq // h
     bg = max(16, triton.next_power_of_2(g))
     bn = 16 if _interp() else 64
     ncp = max(nc, 1)
-    o_cmp = torch.empty(b, hq, d, device=q.device, dtype=torch.float32)
-    lse = torch.empty(b, hq, device=q.device, dtype=torch.float32)
-    logits = torch.full((b, hq, ncp), float("-inf"), device=q.device, dtype=torch.float32)
-    counts = torch.zeros(b, h, 3, device=q.device, dtype=torch.int32)
+    ns = triton.cdiv(t_cache, cfg.select_len)
+    # Score tiles of BC stride pieces = BC / R selection blocks (R = l'/d, a power of two as l' is):
+    # [BG, BC] logits per load, 16 tiles at 64k with the paper's R = 4; 32 under the interpreter, so
+    # that the tests' few hundred tokens span several tiles.
+    r = cfg.select_len // cfg.stride
+    bc = max(r, 32 if _interp() else 256)
+    dev, f32 = q.device, torch.float32
+    o_cmp = torch.empty(b, hq, d, device=dev, dtype=f32)
+    logits = torch.empty(b, hq, ncp, device=dev, dtype=f32)  # scratch: read only where written
+    scores = torch.empty(b, h, ns, device=dev, dtype=f32)
+    counts = torch.empty(b, h, 3, device=dev, dtype=torch.int32)  # every entry written by a kernel
     nw = 4 if d <= 64 else 8
     kn._decode_cmp_kernel[(b * h,)](
-        q, k_cmp, v_cmp, o_cmp, lse, logits, counts,
+        q, k_cmp, v_cmp, o_cmp, logits, scores, counts,
         q.stride(0), q.stride(2), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
-        t, nc, h, g, ncp, scale * kn.LOG2E,
-        STRIDE=cfg.stride, BLOCK_LEN=cfg.block_len, D=d, BN=bn, BG=bg, IEEE=_ieee(q), num_warps=nw,
+        t, nc, h, g, ncp, ns, scale * kn.LOG2E,
+        STRIDE=cfg.stride, BLOCK_LEN=cfg.block_len, SELECT_LEN=cfg.select_len, N_INITIAL=cfg.n_initial,
+        N_LOCAL=cfg.n_local, D=d, BN=bn, BG=bg, BJ=bc // r, BC=bc,
+        IEEE=_ieee(q), num_warps=nw,
     )  # fmt: skip
-    # Eqs. 8-10 on the stored logits: p_cmp, summed over the group, mapped to selection blocks.
-    lse2 = torch.where(torch.isinf(lse), 0.0, lse * kn.LOG2E)
-    p = torch.exp2(logits - lse2[..., None]).view(b, h, g, ncp).sum(2)[..., :nc]
-    ns = triton.cdiv(t_cache, cfg.select_len)
-    w = _overlap_matrix(nc, ns, cfg.block_len, cfg.stride, cfg.select_len, q.device)
-    scores = (p @ w)[:, None]  # [B, 1, H, Ns]
-    pos = torch.tensor([t], device=q.device)
-    bi = ref.select_blocks(scores, cfg.n_select, cfg.select_len, cfg.n_initial, cfg.n_local, q_pos=pos)
-    bi_c = bi.contiguous()
+    # Eq. 11: the same torch.topk as reference.select_blocks, on scores whose forced and future blocks
+    # the kernel already set to +inf and -inf; the second kernel sorts and pads its picks.
+    top_val, top_idx = scores.topk(min(cfg.n_select, ns), dim=-1)
+    bi = torch.empty(b, 1, h, cfg.n_select, device=dev, dtype=torch.int32)
     o = torch.empty_like(q)
     kn._decode_sparse_kernel[(b * h,)](
-        q, k_slc, v_slc, k_win, v_win, bi_c, o_cmp, gates.contiguous(), o, counts,
+        q, k_slc, v_slc, k_win, v_win, top_val, top_idx, o_cmp, gates.contiguous(), o, bi, counts,
         q.stride(0), q.stride(2), k_slc.stride(0), k_slc.stride(1), k_slc.stride(2),
         k_win.stride(0), k_win.stride(1), k_win.stride(2),
-        t, h, g, bi.shape[-1], cfg.window, scale * kn.LOG2E,
-        D=d, BS=cfg.select_len, BN=bn, BG=bg, IEEE=_ieee(q), num_warps=nw,
+        t, h, g, cfg.n_select, top_idx.shape[-1], ns, cfg.window, scale * kn.LOG2E,
+        D=d, BS=cfg.select_len, BN=bn, BG=bg, BSEL=triton.next_power_of_2(cfg.n_select), IEEE=_ieee(q),
+        num_warps=nw,
     )  # fmt: skip
     return o, bi, counts

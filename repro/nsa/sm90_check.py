@@ -56,11 +56,13 @@ def cases(dt: str) -> list[tuple]:
     out.append(("slc_dq", kn._slc_bwd_dq_kernel, {**grads, "BI": "*i32"}, slc, 4, 2))
     out.append(("slc_dkdv", kn._slc_bwd_dkdv_kernel, {**grads, "KEYS": "*i64"}, {**slc, "CHUNK": 256}, 8, 1))
     out.append(("decode_cmp", kn._decode_cmp_kernel,
-                {"Q": p, "KC": p, "VC": p, "OC": "*fp32", "LSE": "*fp32", "LOGITS": "*fp32", "COUNTS": "*i32"},
-                dict(STRIDE=16, BLOCK_LEN=32, D=128, BN=64, BG=16, IEEE=fp32), 8, 3))  # fmt: skip
+                {"Q": p, "KC": p, "VC": p, "OC": "*fp32", "LOGITS": "*fp32", "SCORES": "*fp32", "COUNTS": "*i32"},
+                dict(STRIDE=16, BLOCK_LEN=32, SELECT_LEN=64, N_INITIAL=1, N_LOCAL=2, D=128, BN=64, BG=16,
+                     BJ=64, BC=256, IEEE=fp32), 8, 3))  # fmt: skip
     out.append(("decode_sparse", kn._decode_sparse_kernel,
-                {"Q": p, "K": p, "V": p, "KW": p, "VW": p, "BI": "*i32", "OC": "*fp32", "GATES": p, "O": p, "COUNTS": "*i32"},
-                dict(D=128, BS=64, BN=64, BG=16, IEEE=fp32), 8, 3))  # fmt: skip
+                {"Q": p, "K": p, "V": p, "KW": p, "VW": p, "TOP_VAL": "*fp32", "TOP_IDX": "*i64", "OC": "*fp32",
+                 "GATES": p, "O": p, "BI": "*i32", "COUNTS": "*i32"},
+                dict(D=128, BS=64, BN=64, BG=16, BSEL=16, IEEE=fp32), 8, 3))  # fmt: skip
     return out
 
 

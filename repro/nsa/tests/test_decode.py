@@ -1,4 +1,5 @@
-"""The decode step: one token against the three branches, and the tokens its kernels count (§5.2)."""
+"""The decode step: one token against the three branches, the tokens its kernels count (§5.2), and
+what one step asks of the host (two Triton launches and one torch.topk, nothing read back)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from paperclub.testing import assert_rel_close
+from repro.nsa import kernels as kn
 from repro.nsa import nsa_decode
 from repro.nsa import reference as ref
 from repro.nsa.tests.helpers import DEVICE, FP32_TOL, randn
@@ -27,17 +30,13 @@ def _caches(gen, b, t, hq, h, d, cfg):
     return [q, k_cmp, v_cmp, k_s, v_s, k_w, v_w, gates]
 
 
-@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
-@settings(max_examples=4, deadline=None)
-@given(seed=seeds, t=st.integers(1, 120), g=st.sampled_from([1, 2, 16]), b=st.integers(1, 2))
-def test_decode_equals_the_reference_at_the_last_position(seed, t, g, b):
-    """The decode kernels' output and selection equal the reference layer's at position t - 1."""
+def _check_decode(seed: int, t: int, g: int, b: int, cfg: ref.NSAConfig) -> None:
+    """The decode kernels' output, selection and counts against the reference layer at position t - 1."""
     gen = torch.Generator().manual_seed(seed)
-    args = _caches(gen, b, t, 2 * g, 2, 16, SMALL)
-    o, idx, counts = nsa_decode(*[x.float().to(DEVICE) for x in args], SMALL)
+    args = _caches(gen, b, t, 2 * g, 2, 16, cfg)
+    o, idx, counts = nsa_decode(*[x.float().to(DEVICE) for x in args], cfg)
     q, k_cmp, v_cmp, k_s, v_s, k_w, v_w, gates = args
     pos = torch.tensor([t - 1])
-    cfg = SMALL
     o_c, lse = ref.compressed_attention(q, k_cmp, v_cmp, cfg.block_len, cfg.stride, q_pos=pos)
     ns = -(-t // cfg.select_len)
     sc = ref.selection_scores(q, k_cmp, lse, ns, cfg.block_len, cfg.stride, cfg.select_len, q_pos=pos)
@@ -48,8 +47,95 @@ def test_decode_equals_the_reference_at_the_last_position(seed, t, g, b):
     assert torch.equal(idx.cpu(), idx_ref)
     assert_rel_close(o.cpu(), o_ref, FP32_TOL, "decode output")
     want = ref.tokens_read(t - 1, cfg)
-    assert counts[..., 0].eq(want["cmp"]).all() and counts[..., 1].eq(want["slc"]).all()
+    blocks = idx_ref.long()[:, 0]  # [B, H, n]: the visible tokens of each selected block
+    slc = torch.where(blocks >= 0, (t - blocks * cfg.select_len).clamp(max=cfg.select_len), 0).sum(-1)
+    assert counts[..., 0].eq(want["cmp"]).all() and torch.equal(counts[..., 1].cpu().long(), slc)
+    if cfg.n_local >= 1:  # tokens_read assumes the token's own block is selected
+        assert counts[..., 1].eq(want["slc"]).all()
     assert counts[..., 2].eq(want["win"]).all()
+
+
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@settings(max_examples=4, deadline=None)
+@given(seed=seeds, t=st.integers(1, 120), g=st.sampled_from([1, 2, 16]), b=st.integers(1, 2))
+def test_decode_equals_the_reference_at_the_last_position(seed, t, g, b):
+    """The decode kernels' output and selection equal the reference layer's at position t - 1."""
+    _check_decode(seed, t, g, b, SMALL)
+
+
+# l/d = 3 (compression blocks straddle two selection blocks), no forced blocks, n > blocks so far
+OVERLAP = ref.NSAConfig(block_len=24, stride=8, select_len=16, n_select=5, n_initial=0, n_local=0, window=20)
+
+
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.parametrize(
+    "cfg, t",
+    [
+        (SMALL, 1),  # nothing compressed yet, one (forced) block
+        (SMALL, 16),  # the first compressed token, a full first block
+        (SMALL, 300),  # 19 selection blocks: two score tiles of 16 in the first kernel
+        (OVERLAP, 23),  # before the first compressed token: no block scores above 0, n > 2 blocks
+        (OVERLAP, 33),  # 3 blocks for n = 5: top-k takes all of them, the rest padded with -1
+        (OVERLAP, 270),  # 17 blocks, none forced: the selection is top-5 of the scores alone
+    ],
+)
+def test_decode_edges(cfg, t):
+    """Lengths at the edges of the decode kernels' loops: no compressed token, fewer blocks than n,
+    more selection blocks than one score tile, overlapping compression blocks."""
+    _check_decode(t, t, 2, 2, cfg)
+
+
+def test_decode_step_does_not_wait_for_the_host():
+    """One decode step is two Triton launches and one torch.topk: every other aten op it dispatches
+    outside the kernels is an allocation or a view. A tensor built from host values (torch.tensor,
+    a host-to-device copy), a value read back (.item(), .tolist(), int(t)) or a data-dependent shape
+    (nonzero) would each show up here as an aten op (lift_fresh, _to_copy, _local_scalar_dense,
+    nonzero) and fail the test; so would any elementwise op added between the kernels."""
+    free = {"empty.memory_format", "empty_like.default", "empty_strided.default", "view.default"}
+    free |= {"unsqueeze.default", "alias.default", "slice.Tensor", "select.int", "detach.default"}
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops, self.in_kernel = [], False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not self.in_kernel:  # the CPU interpreter runs kernels with torch ops of its own
+                self.ops.append(str(func).removeprefix("aten."))
+            return func(*args, **(kwargs or {}))
+
+    record, launches = Record(), []
+
+    class Counted:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                launches.append(self.name)
+                record.in_kernel = True
+                try:
+                    return self.kernel[grid](*a, **kw)
+                finally:
+                    record.in_kernel = False
+
+            return launch
+
+    gen = torch.Generator().manual_seed(0)
+    args = [x.float().to(DEVICE) for x in _caches(gen, 2, 100, 4, 2, 16, SMALL)]
+    want = nsa_decode(*args, SMALL)
+    mp = pytest.MonkeyPatch()
+    for name in ("_decode_cmp_kernel", "_decode_sparse_kernel"):
+        mp.setattr(kn, name, Counted(name, getattr(kn, name)))
+    try:
+        with record:
+            got = nsa_decode(*args, SMALL)
+    finally:
+        mp.undo()
+    assert launches == ["_decode_cmp_kernel", "_decode_sparse_kernel"]
+    work = [op for op in record.ops if op not in free]
+    assert work == ["topk.default"], f"decode step dispatched {work} besides its two kernels"
+    assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
 
 
 def _count(t: int, cfg: ref.NSAConfig) -> torch.Tensor:

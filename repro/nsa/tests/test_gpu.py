@@ -147,3 +147,26 @@ def test_gpu_decode_counts_and_output(t):
     o_w = ref.sliding_window_attention(q[:1], k_w[:1], v_w[:1], 512, q_pos=pos)
     g = gates[:1].float()
     assert_rel_close(o[:1].float(), g[..., 0:1] * o_c + g[..., 1:2] * o_s + g[..., 2:3] * o_w, 2e-2, "decode")
+
+
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+def test_gpu_decode_step_never_synchronises():
+    """A warm decode step (paper shape, 8k cache) under torch's sync debug mode set to "error": any
+    host synchronisation inside it (a blocking copy, .item(), nonzero) raises. Its second call returns
+    the first call's result bit for bit."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    b, t, cfg = 4, 8192, ref.NSAConfig()
+    q = _rand(gen, b, 1, 64, 128)
+    k_c, v_c, k_s, v_s, k_w, v_w = (_rand(gen, b, t, 4, 128) for _ in range(6))
+    kc = ref.compress(k_c, ref.mean_pool, cfg.block_len, cfg.stride).contiguous()
+    vc = ref.compress(v_c, ref.mean_pool, cfg.block_len, cfg.stride).contiguous()
+    gates = torch.rand(b, 1, 64, 3, generator=gen, device="cuda").to(torch.bfloat16)
+    args = (q, kc, vc, k_s, v_s, k_w, v_w, gates)
+    want = ops.nsa_decode(*args, cfg)  # compiles the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = ops.nsa_decode(*args, cfg)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
