@@ -360,13 +360,11 @@ def _actor_loop(shared: Shared, engine: Engine, receiver: WeightReceiver, log: d
         if mode == "pipeline":
             _swap(engine, receiver, log)  # mid-sequence, KV cache kept
         elif idle:
-            if mode == "async":
-                _swap(engine, receiver, log)
-            else:  # conventional: a new round only on weights trained on every sample so far
-                with shared.lock:
-                    started = shared.started
-                if receiver.newest_version() >= started:
-                    _swap(engine, receiver, log)
+            # async: between sequences. conventional: the trainer broadcasts only at the end of a
+            # round, so newer weights are the next round's. (Not "trained on every sample started
+            # so far": with several actors, the first to start the new round would lock the others
+            # out of it.)
+            _swap(engine, receiver, log)
         draining = mode == "async" and receiver.newest_version() > engine.version
         admitted = []
         while not draining and len(admitted) < len(engine.free):

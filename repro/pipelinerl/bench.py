@@ -41,7 +41,7 @@ from repro.pipelinerl.reference import (
     truncated_is_loss,
 )
 from repro.pipelinerl.sim import SimConfig, fit_time_model, simulate
-from repro.pipelinerl.task import TaskConfig, make_prompt, sampling_uniforms, sft_batch
+from repro.pipelinerl.task import TASKS, TaskConfig, make_prompt, sampling_uniforms, sft_batch
 
 COLUMNS = [
     "kind", "mode", "impl", "actors", "slots", "max_lag", "time_s", "samples", "reward",
@@ -51,10 +51,15 @@ COLUMNS = [
 MODES = ("conventional", "async", "pipeline")
 
 
-def settings(cuda: bool, quick: bool) -> dict:
-    """Sizes for the device: a GPU run that fills an H100's engine step, or a tiny CPU run."""
+def settings(cuda: bool, quick: bool, task_name: str = "sort") -> dict:
+    """Sizes for the device: a GPU run that fills an H100's engine step, or a tiny CPU run.
+
+    ``task_name``: ``sort`` (the default) or ``sort-long`` (heavy-tailed list lengths, see
+    ``task.TASKS``; on the CPU a scaled-down version of it)."""
+    if task_name not in TASKS:
+        raise ValueError(f"settings: task must be one of {sorted(TASKS)}, got '{task_name}'")
     if cuda:
-        task = TaskConfig(min_items=1, max_items=16, skew=2.0)
+        task = TASKS[task_name]
         return dict(
             task=task,
             model=ModelConfig(d_model=256, n_layers=4, n_heads=4, max_len=task.max_seq_len),
@@ -62,6 +67,8 @@ def settings(cuda: bool, quick: bool) -> dict:
             pretrain_batch=256, pretrain_lr=2e-3, device="cuda",
         )  # fmt: skip
     task = TaskConfig(min_items=1, max_items=6, skew=2.0)
+    if task_name == "sort-long":
+        task = TaskConfig(min_items=1, max_items=24, dist="lognormal", median=4.0, sigma=1.0)
     return dict(
         task=task,
         model=ModelConfig(d_model=32, n_layers=2, n_heads=2, max_len=task.max_seq_len),
@@ -189,6 +196,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--budget-s", type=float, default=240.0, help="wall-clock budget for the whole benchmark")
     ap.add_argument("--quick", action="store_true", help="shortest meaningful run")
+    ap.add_argument(
+        "--task", choices=sorted(TASKS), default="sort",
+        help="sort (default) or sort-long: heavy-tailed list lengths; results file tagged with the task",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     t_begin = time.perf_counter()
     cuda = torch.cuda.is_available()
@@ -198,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         torch.set_num_threads(1)
     budget = args.budget_s * (0.5 if args.quick else 1.0)
-    s = settings(cuda, args.quick)
+    s = settings(cuda, args.quick, args.task)
     report = Report(
         package="pipelinerl",
         title="PipelineRL: conventional, async and pipeline RL on one device, and the simulator",
@@ -343,7 +354,7 @@ def main(argv: list[str] | None = None) -> None:
         title="simulated mean lag against samples/s (every actor count and lag)", x="samples_per_s", y="lag_mean",
         series="mode", where={"kind": "sim", "impl": "sweep"},
     )  # fmt: skip
-    report.write(out_dir=Path(args.out) if args.out else None)
+    report.write(tag="" if args.task == "sort" else args.task, out_dir=Path(args.out) if args.out else None)
 
 
 def _sim_cols(sm: dict) -> dict:

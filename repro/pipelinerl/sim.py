@@ -13,7 +13,9 @@ counts and lags, beyond what one GPU can run.
 
 from __future__ import annotations
 
+import argparse
 import heapq
+import math
 import random
 import statistics
 from dataclasses import dataclass, field
@@ -102,6 +104,7 @@ def simulate(cfg: SimConfig) -> SimResult:
     tm = cfg.time
     rng = random.Random(cfg.seed)
     shared = Shared(mode=cfg.mode, batch_size=cfg.batch_size, max_lag=cfg.max_lag)
+    round_size = shared.rounds * cfg.batch_size  # conventional: samples per round, G B
     group_len: dict[int, tuple[int, int]] = {}  # samples of one prompt share its length
 
     def lengths_of(index: int) -> tuple[int, int]:
@@ -118,6 +121,7 @@ def simulate(cfg: SimConfig) -> SimResult:
     latest = 0  # newest weights the actors can take (after the broadcast)
     trained = 0
     trainer_busy = False
+    dropped = 0
     events: list[tuple[float, int, str, int]] = []  # (time, tie-break, kind, actor)
     counter = 0
     used: list[dict] = []
@@ -136,10 +140,10 @@ def simulate(cfg: SimConfig) -> SimResult:
         swap = False
         if cfg.mode == "pipeline" or (idle and cfg.mode == "async"):
             swap = latest > version[a]
-        elif idle and cfg.mode == "conventional":
-            swap = latest > version[a] and latest >= shared.started
+        elif idle and cfg.mode == "conventional":  # the newest weights broadcast: the last round end
+            swap = latest // round_size * round_size > version[a]
         if swap:
-            version[a] = latest
+            version[a] = latest if cfg.mode != "conventional" else latest // round_size * round_size
         draining = cfg.mode == "async" and latest > version[a]
         while not draining and len(active[a]) < cfg.slots:
             index = shared.try_admit(version[a])
@@ -178,10 +182,11 @@ def simulate(cfg: SimConfig) -> SimResult:
         actor_tick(a, t)
 
     def trainer_try(t: float) -> None:
-        nonlocal trainer_busy
+        nonlocal trainer_busy, dropped
         if trainer_busy or len(trainer_log) >= cfg.steps:
             return
-        batch, _ = take_batch(shared, cfg.attempts, trained, cfg.batch_size)
+        batch, stale = take_batch(shared, cfg.attempts, trained, cfg.batch_size)
+        dropped += len(stale)
         for a in range(cfg.actors):  # consumed (or dropped) samples may open the admission window
             actor_tick(a, t)
         if batch is None:
@@ -218,9 +223,10 @@ def simulate(cfg: SimConfig) -> SimResult:
             actor_step_end(a, t)
         else:
             trainer_done(t)
-    return SimResult(
-        cfg, used, trainer_log, actor_log, _summary(cfg, used, trainer_log, actor_log), sequences
-    )
+    summary = _summary(cfg, used, trainer_log, actor_log)
+    summary["dropped"] = dropped
+    summary["dropped_fraction"] = dropped / (dropped + len(used))
+    return SimResult(cfg, used, trainer_log, actor_log, summary, sequences)
 
 
 def _summary(cfg: SimConfig, used, trainer_log, actor_log) -> dict:
@@ -234,6 +240,7 @@ def _summary(cfg: SimConfig, used, trainer_log, actor_log) -> dict:
         "seconds": end,
         "samples": len(used),
         "samples_per_s": len(used) / end,
+        "tokens_per_s": sum(len(u["versions"]) for u in used) / end,  # trained completion tokens
         "lag_max": max(lags),
         "lag_mean": statistics.fmean(lags),
         "engine_busy": busy / (end * cfg.actors),
@@ -272,3 +279,183 @@ def fit_time_model(result) -> tuple[TimeModel, list[tuple[int, int]]]:
     )
     lengths = [(u["prompt_len"], len(u["versions"])) for u in result.used]
     return tm, lengths
+
+
+# The time model fitted to the conventional run of the quick H100 benchmark (25 November 2026,
+# results/nvidia-h100-80gb-hbm3.json): d_model 256, 4 layers, 128 slots, B = 64.
+H100_QUICK = TimeModel(
+    step_s=7.119e-4, step_s_per_seq=1.579e-6, train_s=13.687e-3, broadcast_s=6.746e-3, swap_s=3.661e-3
+)
+
+
+def length_distribution(
+    dist: str, mean: float, *, sigma: float = 1.0, prompt: int = 1, cap: int | None = None, n: int = 4096,
+    seed: int = 0,
+) -> list[tuple[int, int]]:  # fmt: skip
+    """``n`` ``(prompt, completion)`` pairs for :attr:`SimConfig.lengths`, completions drawn from ``dist``.
+
+    ``fixed``: every completion ``round(mean)`` tokens. ``lognormal``: ``exp(N(mu, sigma^2))`` with
+    ``mu = ln(mean) - sigma^2 / 2`` (so the untruncated mean is ``mean``), rounded and clamped to
+    ``[1, cap]``: the heavy tail of reasoning traces, whose longest sample in a batch is many times
+    the mean. ``prompt`` tokens are fed one engine step each, as the real engine does."""
+    if dist not in ("fixed", "lognormal"):
+        raise ValueError(f"length_distribution: dist must be 'fixed' or 'lognormal', got '{dist}'")
+    if mean < 1 or sigma < 0 or prompt < 1 or n < 1 or (cap is not None and cap < 1):
+        raise ValueError(
+            f"length_distribution: need mean >= 1, sigma >= 0, prompt >= 1, n >= 1, cap >= 1; got "
+            f"mean={mean}, sigma={sigma}, prompt={prompt}, n={n}, cap={cap}"
+        )
+    if dist == "fixed":
+        return [(prompt, round(mean))]
+    rng = random.Random(seed)
+    mu = math.log(mean) - sigma**2 / 2
+    hi = cap if cap is not None else 10**9
+    return [(prompt, min(hi, max(1, round(rng.lognormvariate(mu, sigma))))) for _ in range(n)]
+
+
+def task_lengths(task, n: int = 4096, seed: int = 0) -> list[tuple[int, int]]:
+    """The ``(prompt, completion)`` lengths the real task ``task`` (a ``TaskConfig``) produces when
+    solved correctly: ``n`` problems drawn by :func:`~repro.pipelinerl.task.make_prompt`."""
+    from repro.pipelinerl.task import make_prompt
+
+    out = []
+    for i in range(n):
+        p = make_prompt(task, seed, i)
+        out.append((len(p), len(p) - 1))  # the sorted items, then EOS
+    return out
+
+
+def engine_steps_per_sample(lengths: list[tuple[int, int]]) -> float:
+    """Mean engine steps one sample occupies a slot: ``prompt - 1`` feeding steps, then its tokens."""
+    return statistics.fmean(p - 1 + c for p, c in lengths)
+
+
+def gen_train_ratio(cfg: SimConfig) -> float:
+    """Generation cost per sample (one full engine, one actor) over training cost per sample:
+    ``steps/sample * step time at full slots / slots`` over ``(train_s + broadcast_s) / B``."""
+    tm = cfg.time
+    gen = engine_steps_per_sample(cfg.lengths) * (tm.step_s + tm.step_s_per_seq * cfg.slots) / cfg.slots
+    return gen / ((tm.train_s + tm.broadcast_s) / cfg.batch_size)
+
+
+def fixed_length_gain_bound(cfg: SimConfig) -> float:
+    """Upper bound on simulated pipeline / conventional samples/s when every sample has the same length.
+
+    With ``L`` engine steps per sample, ``A`` actors of ``S`` slots, rounds of ``G B`` samples:
+
+    * pipeline trains at most ``min(min(A S, G B) / (L t_min), B / (train_s + broadcast_s))``
+      samples/s (its admission window holds ``B + max_lag = G B`` samples, on ``A S`` slots, at the
+      fastest step time ``t_min``; the trainer broadcasts after every step and never waits);
+    * a conventional round takes at most ``ceil(G B / (A S)) L t_max + swap_s + G train_s +
+      broadcast_s`` (waves of equal sequences at the slowest step time, then the G steps; nothing
+      overlaps), for ``G B`` samples.
+
+    Their ratio is at most about 2 when generation and training take equal time, and tends to 1 when
+    either dominates: with equal lengths the schedule can only overlap the two jobs. Exact for any
+    number of steps that is a multiple of ``G`` (the simulation starts with empty engines)."""
+    p, c = cfg.lengths[0]
+    if any(x != (p, c) for x in cfg.lengths):
+        raise ValueError("fixed_length_gain_bound: every entry of cfg.lengths must be the same")
+    tm, A, S, B = cfg.time, cfg.actors, cfg.slots, cfg.batch_size
+    G = cfg.max_lag // B + 1
+    L = p - 1 + c
+    t_min, t_max = tm.step_s + tm.step_s_per_seq, tm.step_s + tm.step_s_per_seq * S
+    # at most G B samples in flight (the admission window), on at most A S slots
+    pipe = min(min(A * S, G * B) / (L * t_min), B / (tm.train_s + tm.broadcast_s) if tm.train_s else math.inf)
+    conv_round = math.ceil(G * B / (A * S)) * L * t_max + tm.swap_s + G * tm.train_s + tm.broadcast_s
+    return pipe * conv_round / (G * B)
+
+
+STUDY_LENGTHS = {
+    # name: (dist, mean completion tokens, sigma, prompt tokens, cap)
+    "fixed 16": ("fixed", 16, 0.0, 2, None),
+    "lognormal 16, sigma 1": ("lognormal", 16, 1.0, 2, 512),
+    "fixed 64": ("fixed", 64, 0.0, 2, None),
+    "lognormal 64, sigma 1": ("lognormal", 64, 1.0, 2, 1024),
+    "lognormal 64, sigma 1.5": ("lognormal", 64, 1.5, 2, 1024),
+    "fixed 256": ("fixed", 256, 0.0, 2, None),
+    "lognormal 256, sigma 1": ("lognormal", 256, 1.0, 2, 4096),
+}
+
+
+def study(
+    lengths: dict[str, list[tuple[int, int]]],
+    *,
+    time: TimeModel = H100_QUICK,
+    lags: tuple[int, ...] = (128, 512, 2048),
+    actors: tuple[int, ...] = (1, 4),
+    batch_size: int = 64,
+    attempts: int = 8,
+    slots: int = 128,
+    steps: int = 60,
+    seed: int = 0,
+) -> list[dict]:
+    """Pipeline against conventional at equal ``max_lag`` over length distributions, lags, actors.
+
+    One row per (lengths, max_lag, actors): both modes' samples/s and trained tokens/s, their
+    ratios, pipeline's dropped fraction and mean lag, and the generation-to-training cost ratio."""
+    rows = []
+    for name, lens in lengths.items():
+        for lag in lags:
+            for a in actors:
+                G = lag // batch_size + 1
+                n_steps = max(G, steps // G * G)  # whole conventional rounds
+                cfg = SimConfig(
+                    mode="pipeline", max_lag=lag, batch_size=batch_size, attempts=attempts, actors=a, slots=slots,
+                    steps=n_steps, time=time, lengths=lens, seed=seed,
+                )  # fmt: skip
+                pipe = simulate(cfg).summary
+                conv = simulate(SimConfig(**{**cfg.__dict__, "mode": "conventional"})).summary
+                rows.append(
+                    {
+                        "lengths": name, "max_lag": lag, "actors": a,
+                        "steps_per_sample": engine_steps_per_sample(lens),
+                        "gen_train": gen_train_ratio(cfg),
+                        "conv_samples_per_s": conv["samples_per_s"], "pipe_samples_per_s": pipe["samples_per_s"],
+                        "ratio": pipe["samples_per_s"] / conv["samples_per_s"],
+                        "token_ratio": pipe["tokens_per_s"] / conv["tokens_per_s"],
+                        "pipe_dropped": pipe["dropped_fraction"], "pipe_lag_mean": pipe["lag_mean"],
+                        "conv_lag_mean": conv["lag_mean"],
+                    }
+                )  # fmt: skip
+    return rows
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    """``python -m repro.pipelinerl.sim``: the length-distribution study as a markdown table."""
+    ap = argparse.ArgumentParser(prog="python -m repro.pipelinerl.sim", description=main.__doc__)
+    ap.add_argument("--steps", type=int, default=60, help="optimizer steps per simulation")
+    ap.add_argument("--lags", type=int, nargs="+", default=[128, 512, 2048])
+    ap.add_argument("--actors", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--train-scale", type=float, default=1.0, help="multiply train_s and broadcast_s")
+    ap.add_argument("--tasks", nargs="*", default=["sort", "sort-long"], help="real task presets to include")
+    args = ap.parse_args(argv)
+    from repro.pipelinerl.task import TASKS
+
+    tm = H100_QUICK
+    tm = TimeModel(**{**tm.__dict__, "train_s": tm.train_s * args.train_scale,
+                      "broadcast_s": tm.broadcast_s * args.train_scale})  # fmt: skip
+    lengths = {f"task {t}": task_lengths(TASKS[t]) for t in args.tasks}
+    for name, (dist, mean, sigma, prompt, cap) in STUDY_LENGTHS.items():
+        lengths[name] = length_distribution(dist, mean, sigma=sigma, prompt=prompt, cap=cap)
+    print(f"time model: {tm}")
+    print("| lengths | steps/sample | gen/train | max_lag | actors | conv samples/s | pipe samples/s "
+          "| pipe/conv samples/s | pipe/conv tokens/s | pipe dropped |")  # fmt: skip
+    print("| --- " * 10 + "|", flush=True)
+    rows = []
+    for name, lens in lengths.items():  # row by row, as they come
+        for r in study(
+            {name: lens}, time=tm, lags=tuple(args.lags), actors=tuple(args.actors), steps=args.steps
+        ):
+            rows.append(r)
+            print(
+                f"| {r['lengths']} | {r['steps_per_sample']:.1f} | {r['gen_train']:.2f} | {r['max_lag']} "
+                f"| {r['actors']} | {r['conv_samples_per_s']:.0f} | {r['pipe_samples_per_s']:.0f} "
+                f"| {r['ratio']:.2f}x | {r['token_ratio']:.2f}x | {100 * r['pipe_dropped']:.0f}% |",
+                flush=True,
+            )  # fmt: skip
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -26,13 +26,19 @@ VOCAB = 14
 class TaskConfig:
     """Lengths of the lists to sort.
 
-    ``min_items..max_items`` is the range of ``n``; ``skew >= 1`` biases ``n`` towards short lists
-    (``n = min + floor((max - min + 1) * U ** skew)``, U uniform), giving the long tail.
+    ``min_items..max_items`` is the range of ``n``. ``dist = "skew"`` (the default): ``skew >= 1``
+    biases ``n`` towards short lists (``n = min + floor((max - min + 1) * U ** skew)``, U uniform).
+    ``dist = "lognormal"``: ``n = clamp(round(median * exp(sigma * Z)), min, max)``, Z standard
+    normal: a heavy tail, the longest list of a batch many times the typical one, as with
+    reasoning traces (the regime where the simulator finds pipeline's largest gains).
     """
 
     min_items: int = 1
     max_items: int = 8
     skew: float = 2.0
+    dist: str = "skew"
+    median: float = 8.0
+    sigma: float = 1.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_items <= self.max_items:
@@ -42,6 +48,21 @@ class TaskConfig:
             )
         if self.skew < 1:
             raise ValueError(f"TaskConfig.skew must be >= 1 (1 = uniform lengths), got {self.skew}")
+        if self.dist not in ("skew", "lognormal"):
+            raise ValueError(f"TaskConfig.dist must be 'skew' or 'lognormal', got '{self.dist}'")
+        if not (self.median > 0 and self.sigma >= 0):
+            raise ValueError(
+                f"TaskConfig: need median > 0 and sigma >= 0, got median={self.median}, sigma={self.sigma}"
+            )
+
+    def draw_items(self, generator: torch.Generator, shape: tuple[int, ...] = ()) -> torch.Tensor:
+        """List lengths ``n`` (long tensor of ``shape``) drawn from this task's distribution."""
+        lo, hi = self.min_items, self.max_items
+        if self.dist == "lognormal":
+            z = torch.randn(shape, generator=generator, dtype=torch.float64)
+            return torch.round(self.median * torch.exp(self.sigma * z)).long().clamp(lo, hi)
+        u = torch.rand(shape, generator=generator)
+        return lo + (((hi - lo + 1) * u**self.skew).long()).clamp(max=hi - lo)
 
     @property
     def max_prompt_len(self) -> int:
@@ -64,9 +85,12 @@ def _gen(seed: int, index: int, stream: int) -> torch.Generator:
 def make_prompt(task: TaskConfig, seed: int, prompt_index: int) -> list[int]:
     """The prompt of one problem: ``[BOS, d_1, .., d_n, SEP]`` (a list of token ids)."""
     g = _gen(seed, prompt_index, 0)
-    u = torch.rand((), generator=g).item()
-    span = task.max_items - task.min_items + 1
-    n = task.min_items + min(span - 1, int(span * u**task.skew))
+    if task.dist == "skew":  # in Python floats, as before the lognormal option (same prompts)
+        u = torch.rand((), generator=g).item()
+        span = task.max_items - task.min_items + 1
+        n = task.min_items + min(span - 1, int(span * u**task.skew))
+    else:
+        n = int(task.draw_items(g))
     digits = torch.randint(0, 10, (n,), generator=g).tolist()
     return [BOS, *digits, SEP]
 
@@ -88,6 +112,14 @@ def reward(prompt: list[int], completion: list[int]) -> float:
     return 1.0 if list(completion) == solution(prompt) else 0.0
 
 
+# Presets for ``--task`` (train.py, bench.py): the benchmark's default task, and its heavy-tailed
+# variant with long lists (sequences of 2n + 3 tokens, prompt fed token by token).
+TASKS = {
+    "sort": TaskConfig(min_items=1, max_items=16, skew=2.0),
+    "sort-long": TaskConfig(min_items=1, max_items=96, dist="lognormal", median=16.0, sigma=1.0),
+}
+
+
 def sft_batch(
     task: TaskConfig, batch: int, generator: torch.Generator, noise: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,9 +133,7 @@ def sft_batch(
     """
     if not 0.0 <= noise < 1.0:
         raise ValueError(f"sft_batch: noise must be in [0, 1), got {noise}")
-    span = task.max_items - task.min_items + 1
-    u = torch.rand(batch, generator=generator)
-    n = task.min_items + (span * u**task.skew).long().clamp(max=span - 1)  # [batch], as make_prompt
+    n = task.draw_items(generator, (batch,))  # [batch], as make_prompt
     m = task.max_items
     col = torch.arange(m)[None, :]
     inside = col < n[:, None]  # [batch, m]

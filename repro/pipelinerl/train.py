@@ -15,7 +15,7 @@ import torch
 
 from repro.pipelinerl.model import ModelConfig
 from repro.pipelinerl.pipeline import MODES, Config, run
-from repro.pipelinerl.task import TaskConfig
+from repro.pipelinerl.task import TASKS, TaskConfig
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -32,7 +32,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--max-items", type=int, default=8, help="longest list to sort")
+    p.add_argument(
+        "--task", choices=["sort", *[t for t in TASKS if t != "sort"]], default="sort",
+        help="sort: lists of 1..--max-items digits, skewed short (default); sort-long: lognormal list lengths "
+        f"with a heavy tail ({TASKS['sort-long']})",
+    )  # fmt: skip
+    p.add_argument("--max-items", type=int, default=None, help="longest list to sort (sort: default 8)")
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=2)
@@ -46,7 +51,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def config_from(args: argparse.Namespace) -> Config:
-    task = TaskConfig(max_items=args.max_items)
+    if args.task == "sort":
+        task = TaskConfig(max_items=args.max_items or 8)
+    else:
+        task = TASKS[args.task]
+        if args.max_items is not None:
+            task = TaskConfig(**{**task.__dict__, "max_items": args.max_items})
     return Config(
         mode=args.mode, max_lag=args.max_lag, batch_size=args.batch_size, attempts=args.attempts,
         actors=args.actors, slots=args.slots, steps=args.steps, lr=args.lr, is_cap=args.is_cap,

@@ -10,9 +10,10 @@ from repro.pipelinerl.model import Policy, flat_weights
 from repro.pipelinerl.pipeline import Config
 
 
+@pytest.mark.parametrize("task", ["sort", "sort-long"])
 @pytest.mark.parametrize("cuda", [False, True])
-def test_settings_make_valid_configs(cuda):
-    s = settings(cuda, quick=False)
+def test_settings_make_valid_configs(cuda, task):
+    s = settings(cuda, quick=False, task_name=task)
     for mode in ("pipeline", "async", "conventional"):
         Config(
             mode=mode, max_lag=s["max_lag"], batch_size=s["batch_size"], attempts=s["attempts"], slots=s["slots"],
