@@ -11,14 +11,21 @@ without CUDA the ``tiny`` config, for a smoke run), then decode held-out prompts
 * ``dflash``: :func:`repro.dflash.speculative_generate` with the DFlash drafter, block sizes 4..16;
 * ``ar``: the same loop with the autoregressive drafter (block_size - 1 drafter forwards per round).
 
+Each of the three runs in two modes (column ``mode``): ``eager``, the host-driven loops, and
+``graphs``, the static steps of ``static.py`` captured as CUDA graphs (on a CPU they run eagerly):
+target-only decoding replays one graph per token; a DFlash round replays a draft graph and a verify
+graph and reads the accepted length once; the AR drafter still drafts eagerly and replays only the
+verification. The graphs are captured in the check, before timing.
+
 At temperature 0 each speculative candidate's check decodes every prompt and requires the output to
 equal the target's greedy output token for token (a candidate that fails is not timed); at
 temperature 1 the check only validates the output. Timing: ``paperclub.bench.measure``, interleaved
 rounds, each call decoding all prompts once, wall clock with a CUDA synchronize (a decoding loop
 is host-driven, so device events would miss the host's share). Columns: ``tau`` (mean tokens per
-verification), ``tokens_per_s``, ``speedup`` over target-only at the same temperature, and rows
-``component:*`` with the time of one target verification, one DFlash draft and one AR step (which
-explain the speedups: at this size each forward costs its kernel launches, not its FLOPs).
+verification), ``tokens_per_s``, ``speedup`` over eager target-only decoding at the same
+temperature, and rows ``component:*`` with the time of one target verification, one DFlash draft
+and one AR step (which explain the speedups: at this size each forward costs its kernel launches,
+not its FLOPs), eager and as graph replays (``component:verify_step``: the whole verify step).
 
 Models run in fp32 at inference (TF32 off), so that the verification of a block and the one-token
 steps of target-only decoding round alike enough for greedy equality.
@@ -38,6 +45,7 @@ import torch
 from paperclub.bench import Candidate, Report, measure, time_ms
 from repro.dflash.data import load_corpus
 from repro.dflash.speculative import generate, speculative_generate
+from repro.dflash.static import StaticDecoder
 from repro.dflash.train import CONFIGS, train_all
 
 PROMPT_LEN = 64
@@ -67,21 +75,21 @@ def heldout_prompts(text: torch.Tensor, n: int, length: int, seed: int) -> list[
 
 
 def decode_rows(report, notes, temperature, target, drafter, ar, prompts, new_tokens, blocks, ar_blocks, rounds,
-                seed, left) -> None:  # fmt: skip
+                seed, left, modes=("eager", "graphs")) -> None:  # fmt: skip
     """Check, then time target-only, DFlash and AR decoding of all prompts at one temperature."""
     dev = target.device
     gen = torch.Generator(device=dev)
     stats: dict[str, float] = {}
 
-    def run_target():
+    def run_target(mode="eager"):
         gen.manual_seed(seed)
-        return [generate(target, p, new_tokens, temperature, generator=gen) for p in prompts]
+        return [generate(target, p, new_tokens, temperature, generator=gen, mode=mode) for p in prompts]
 
-    def run_spec(model, B, name):
+    def run_spec(model, B, name, mode="eager"):
         gen.manual_seed(seed)
         outs = [
             speculative_generate(
-                target, model, p, new_tokens, block_size=B, temperature=temperature, generator=gen
+                target, model, p, new_tokens, block_size=B, temperature=temperature, generator=gen, mode=mode
             )
             for p in prompts
         ]
@@ -93,35 +101,48 @@ def decode_rows(report, notes, temperature, target, drafter, ar, prompts, new_to
     reference = run_target()
     est_target = time.perf_counter() - t0
 
-    def check_spec(model, B, name):
-        for i, o in enumerate(run_spec(model, B, name)):
+    def check_target(mode):
+        for i, o in enumerate(run_target(mode)):
+            if temperature == 0 and not torch.equal(o, reference[i]):
+                raise AssertionError(f"prompt {i}: {mode} target-only output differs from the eager one")
+
+    def check_spec(model, B, name, mode):
+        for i, o in enumerate(run_spec(model, B, name, mode)):
             if o.tokens.shape != (new_tokens,) or int(o.tokens.min()) < 0 or int(o.tokens.max()) > 255:
                 raise AssertionError(f"prompt {i}: malformed output {tuple(o.tokens.shape)}")
             if temperature == 0 and not torch.equal(o.tokens, reference[i]):
                 first = int((o.tokens != reference[i]).nonzero()[0])
                 raise AssertionError(f"prompt {i}: greedy output differs from the target's at token {first}")
 
-    cands = {"target": Candidate(fn=run_target)}
-    for model, kind, sizes in ((drafter, "dflash", blocks), (ar, "ar", ar_blocks)):
-        for B in sizes:
-            name = f"{kind}-{B}"
-            cands[name] = Candidate(
-                fn=lambda m=model, B=B, n=name: run_spec(m, B, n),
-                check=lambda m=model, B=B, n=name: check_spec(m, B, n),
-            )
+    # names "<impl>:<mode>-<block>"; mode "eager" is the host-driven loop, "graphs" the static steps
+    # replayed as CUDA graphs (captured in the check, before timing; on a CPU they run eagerly)
+    cands = {}
+    for mode in modes:
+        cands[f"target:{mode}"] = Candidate(
+            fn=lambda mode=mode: run_target(mode), check=lambda mode=mode: check_target(mode)
+        )
+        for model, kind, sizes in ((drafter, "dflash", blocks), (ar, "ar", ar_blocks)):
+            for B in sizes:
+                name = f"{kind}:{mode}-{B}"
+                cands[name] = Candidate(
+                    fn=lambda m=model, B=B, n=name, mode=mode: run_spec(m, B, n, mode),
+                    check=lambda m=model, B=B, n=name, mode=mode: check_spec(m, B, n, mode),
+                )
     # a candidate costs about one target-only run per call: one call per round (the check warmed it up)
     n_rounds = rounds
     while n_rounds > 1 and est_target * len(cands) * (n_rounds + 1) > left() - 15:
         n_rounds -= 1
     notes.append(f"temperature {temperature}: {n_rounds} rounds (one target-only run {est_target:.2f} s)")
     res = measure(cands, rounds=n_rounds, warmup=0, rep=1, timer=wall_ms)
-    base = res["target"].median_ms
+    base = res["target:eager"].median_ms  # speedups are over eager target-only decoding, in every mode
     total_tokens = len(prompts) * new_tokens
     for name, m in res.items():
-        impl, _, b = name.partition("-")
+        label, _, b = name.partition("-")
+        impl, _, mode = label.partition(":")
         tps = total_tokens / (m.median_ms / 1e3) if m.median_ms else None
         report.add(
             impl=impl,
+            mode=mode,
             block_size=int(b) if b else 1,
             temperature=temperature,
             tau=round(stats[name], 3) if name in stats else (1.0 if impl == "target" else None),
@@ -191,6 +212,7 @@ def main(argv=None) -> Path:
         title="DFlash speculative decoding vs target-only and an autoregressive drafter (toy byte-level target)",
         columns=[
             "impl",
+            "mode",
             "block_size",
             "temperature",
             "tau",
@@ -216,13 +238,14 @@ def main(argv=None) -> Path:
                 target(blk, cache, drafter.feature_layers)
                 cache.crop(PROMPT_LEN)
 
-            report.add(impl="component:target_forward", block_size=B, ms=time_ms(verify))
+            report.add(impl="component:target_forward", mode="eager", block_size=B, ms=time_ms(verify))
         dcache = drafter.new_cache()
         _, feats = target(prompts[0][None, :], feature_layers=drafter.feature_layers)
         drafter.extend_context(dcache, feats)
         for B in blocks:
             report.add(
                 impl="component:dflash_draft",
+                mode="eager",
                 block_size=B,
                 ms=time_ms(lambda B=B: drafter.draft_logits(dcache, prompts[0][-1], B)),
             )
@@ -234,7 +257,36 @@ def main(argv=None) -> Path:
             ar(one, acache)
             acache.crop(PROMPT_LEN)
 
-        report.add(impl="component:ar_step", block_size=1, ms=time_ms(ar_step))
+        report.add(impl="component:ar_step", mode="eager", block_size=1, ms=time_ms(ar_step))
+
+    # the same parts as captured static steps (mode "graphs"): a whole verification step (target
+    # forward, acceptance, token writes, DFlash's padded context update), a DFlash draft, and one
+    # target-only token; each replay is reset to the same start so every call does the same work.
+    # GPU only: on a CPU nothing is captured and the smoke run has no time to spare
+    with torch.inference_mode():
+        n0 = PROMPT_LEN + 1
+        blocks_graphed = blocks if cuda else []
+        plain = StaticDecoder(target, None, 1, 0.0, graphs=True)
+        plain.prefill(prompts[0], None)
+
+        def graph_token():
+            plain.n.fill_(n0)
+            plain.steps["step"]()
+
+        if cuda:
+            report.add(impl="component:target_forward", mode="graphs", block_size=1, ms=time_ms(graph_token))
+        for B in blocks_graphed:
+            dec = StaticDecoder(target, drafter, B, 0.0, graphs=True)
+            dec.prefill(prompts[0], None)
+
+            def graph_verify(dec=dec):
+                dec.n.fill_(n0)
+                dec.steps["verify"]()
+
+            report.add(impl="component:verify_step", mode="graphs", block_size=B, ms=time_ms(graph_verify))
+            report.add(
+                impl="component:dflash_draft", mode="graphs", block_size=B, ms=time_ms(dec.steps["draft"])
+            )
 
     for temperature in (0.0, 1.0):
         if left() < 20:
@@ -246,8 +298,10 @@ def main(argv=None) -> Path:
         "tau at temperature 1 is from the last timed call (seeded generator, same draws every call). "
         "What limits the speedup here: every forward of these few-million-parameter models costs its "
         "kernel launches and the host loop (see the component rows: a target forward of 1 or 16 tokens "
-        "takes about the same time), and each round has one host sync to read the accepted length; "
-        "no CUDA graphs are used."
+        "takes about the same time), and each round has one host sync to read the accepted length. "
+        "Rows with mode 'graphs' run the static steps of static.py replayed as CUDA graphs (draft and "
+        "verification one replay each, still one host read of the accepted length per round); "
+        "speedups are over eager target-only decoding."
     )
     report.notes = " | ".join(notes)
     for t in (0.0, 1.0):

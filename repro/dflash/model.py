@@ -181,6 +181,26 @@ class Block(nn.Module):
         x = x + self.out(a.transpose(1, 2).reshape(b, t, d))
         return x + self.mlp(self.mlp_norm(x))
 
+    def forward_static(self, x, rope, layer, cache, positions, mask):
+        """The capturable form of :meth:`forward` (no host value decides a shape or an index): the new
+        keys and values are written at the device positions ``positions [t]`` by ``index_copy_``,
+        and the queries attend to the whole preallocated cache under ``mask [t, max_len]``."""
+        b, t, d = x.shape
+        h = self.n_heads
+        qkv = self.qkv(self.attn_norm(x)).view(b, t, 3, h, d // h).permute(2, 0, 3, 1, 4)
+        q, k = rope(qkv[:2]).unbind(0)
+        a = _attend_cache(q, k, qkv[2], cache, layer, positions, mask)
+        x = x + self.out(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+def _attend_cache(q, k, v, cache: KVCache, layer: int, positions, mask) -> torch.Tensor:
+    """Write k, v ``[b, H, t, Dh]`` into layer ``layer`` of the cache at ``positions [t]`` (a device
+    tensor) and attend with q over all ``max_len`` cached positions; ``mask`` hides the stale ones."""
+    cache.k[layer].index_copy_(2, positions, k)
+    cache.v[layer].index_copy_(2, positions, v)
+    return F.scaled_dot_product_attention(q, cache.k[layer], cache.v[layer], attn_mask=mask)
+
 
 def causal_offset_mask(n_cached: int, t: int, device) -> torch.Tensor | None:
     """Boolean ``[t, n_cached + t]`` mask: new position i sees cached positions and new ones <= i."""
@@ -252,6 +272,34 @@ class Target(nn.Module):
         logits = self.head(self.norm(x))
         return logits, (torch.cat(feats, dim=-1) if feats else None)
 
+    def forward_static(
+        self,
+        ids: torch.Tensor,
+        cache: KVCache,
+        start: torch.Tensor,
+        feature_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The capturable form of ``forward(ids, cache, feature_layers)``: ids ``[b, t]`` continue the
+        sequence at positions ``start ..`` with ``start`` a device tensor ``[1]`` (int64), so no host
+        value is read and every shape depends on t only (CUDA graphs replay it). The keys and values
+        are written at those positions; attention runs over the whole cache, masked to positions
+        ``<= start + i`` for new token i. ``cache.length`` is neither read nor changed: the caller
+        keeps the length on the device. The caller must keep ``start + t <= max_len``.
+        """
+        b, t = ids.shape
+        positions = start + torch.arange(t, device=ids.device)
+        cols = torch.arange(cache.max_len, device=ids.device)
+        mask = cols[None, :] <= positions[:, None]  # [t, max_len]
+        x = self.embed(ids)
+        rope = self.rotary.at(positions, x.dtype)
+        feats = []
+        for i, layer in enumerate(self.layers):
+            x = layer.forward_static(x, rope, i, cache, positions, mask)
+            if i in feature_layers:
+                feats.append(x)
+        logits = self.head(self.norm(x))
+        return logits, (torch.cat(feats, dim=-1) if feats else None)
+
 
 def _init(m: nn.Module) -> None:
     if isinstance(m, nn.Linear):
@@ -303,6 +351,19 @@ class DraftLayer(nn.Module):
         else:
             k_all, v_all = torch.cat([k_ctx, k], dim=2), torch.cat([v_ctx, v], dim=2)
         a = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=attn_mask)
+        x = x + self.out(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.mlp_norm(x))
+
+    def forward_static(self, x, rope, cache, layer, positions, mask):
+        """The capturable form of ``forward(x, rope, cache=cache, layer=layer)``: the block's keys and
+        values go to the device positions ``positions [t]``; attention over the whole cache under
+        ``mask`` (context and block visible, the rest hidden)."""
+        b, t, d = x.shape
+        h = self.n_heads
+        hn = self.attn_norm(x)
+        q = rope(self.q(hn).view(b, t, h, d // h).transpose(1, 2))
+        k, v = self.kv(hn).view(b, t, 2, h, d // h).permute(2, 0, 3, 1, 4)
+        a = _attend_cache(q, rope(k), v, cache, layer, positions, mask)
         x = x + self.out(a.transpose(1, 2).reshape(b, t, d))
         return x + self.mlp(self.mlp_norm(x))
 
@@ -395,6 +456,36 @@ class DFlashDrafter(nn.Module):
         rope = self.rotary.at(torch.arange(n, n + block_size, device=x.device), x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, cache=cache, layer=i)
+        return self.logits(x[0, 1:])
+
+    def extend_context_static(self, cache: KVCache, features: torch.Tensor, start: torch.Tensor) -> None:
+        """Capturable :meth:`extend_context`: the context keys/values of features ``[1, m, k*d]`` are
+        written at positions ``start ..`` (``start``: device tensor ``[1]``). After a verification m is
+        the block size whatever was accepted (padded context update): the positions past the accepted
+        ones hold features of rejected drafts, which the next draft overwrites or the mask hides.
+        ``cache.length`` is not used."""
+        m = features.shape[1]
+        positions = start + torch.arange(m, device=features.device)
+        c = self.fuse_features(features)
+        rope = self.rotary.at(positions, c.dtype)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.context_kv(c, rope)
+            cache.k[i].index_copy_(2, positions, k)
+            cache.v[i].index_copy_(2, positions, v)
+
+    def draft_logits_static(
+        self, cache: KVCache, anchor: torch.Tensor, n_context: torch.Tensor, block_size: int
+    ) -> torch.Tensor:
+        """Capturable :meth:`draft_logits`: anchor ``[1]`` and the context length ``n_context [1]``
+        are device tensors; the block sits at positions ``n_context ..`` and sees every position
+        ``< n_context + block_size``. Returns logits ``[block_size - 1, V]``."""
+        positions = n_context + torch.arange(block_size, device=anchor.device)
+        cols = torch.arange(cache.max_len, device=anchor.device)
+        mask = (cols < n_context + block_size)[None, :]  # [1, max_len]: no causal mask in a block
+        x = self.embed_block(anchor.view(1, 1), block_size)
+        rope = self.rotary.at(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer.forward_static(x, rope, cache, i, positions, mask)
         return self.logits(x[0, 1:])
 
     def forward_train(

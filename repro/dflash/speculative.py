@@ -33,6 +33,7 @@ import torch
 
 from repro.dflash.model import DFlashDrafter, KVCache, Target
 from repro.dflash.reference import probabilities, sample_inverse_cdf
+from repro.dflash.static import decoder_for
 
 
 @dataclass
@@ -230,14 +231,19 @@ def speculative_generate(
     block_size: int,
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
+    mode: str = "eager",
 ) -> SpecOutput:
     """Generate ``max_new_tokens`` tokens after ``prompt_ids [P]`` with speculative decoding.
 
     block_size: tokens per verified block, the anchor and ``block_size - 1`` drafted tokens (>= 2).
     temperature 0: greedy (the output equals :func:`generate`'s); > 0: speculative sampling (the
-    output is distributed as the target's). Returns a :class:`SpecOutput`.
+    output is distributed as the target's). mode: ``"eager"`` (this loop), ``"static"`` (the
+    capturable steps of ``static.py``, run eagerly) or ``"graphs"`` (those steps as CUDA graphs on a
+    CUDA target, eagerly elsewhere); all three give the same tokens from the same random numbers.
+    Returns a :class:`SpecOutput`.
     """
     _check_args(target, prompt_ids, max_new_tokens, temperature, block_size)
+    _check_mode(mode)
     if not isinstance(block_size, int) or block_size < 2:
         raise ValueError(f"block_size must be an int >= 2 (anchor + at least one draft), got {block_size!r}")
     if isinstance(drafter, DFlashDrafter):
@@ -249,6 +255,10 @@ def speculative_generate(
             )
     if isinstance(drafter, Target) and drafter.cfg.max_len < target.cfg.max_len:
         raise ValueError("drafter: the autoregressive drafter's max_len is below the target's")
+    if mode != "eager":
+        return _speculative_static(
+            target, drafter, prompt_ids, max_new_tokens, block_size, temperature, generator, mode == "graphs"
+        )
     session = _session(drafter)
     dev = target.device
     gamma = block_size - 1
@@ -284,6 +294,47 @@ def speculative_generate(
     return out
 
 
+def _check_mode(mode) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+
+
+MODES = ("eager", "static", "graphs")
+
+
+def _speculative_static(target, drafter, prompt_ids, max_new_tokens, block_size, temperature, generator,
+                        graphs) -> SpecOutput:  # fmt: skip
+    """speculative_generate with the static steps (``static.py``). A DFlash round is two steps, draft
+    and verify, with no host read inside either; another drafter proposes eagerly into the draft
+    buffer. The host reads the accepted length once per round, to know when to stop."""
+    dec = decoder_for(target, drafter, block_size, temperature, graphs)
+    dec.prefill(prompt_ids, generator)
+    session = None if dec.dflash else _session(drafter)
+    p_len, gamma = prompt_ids.numel(), block_size - 1
+    out = SpecOutput(tokens=torch.empty(0, dtype=torch.long), target_forwards=1, block_size=block_size)
+    n = p_len + 1  # host copy of dec.n, kept from the accepted lengths read below
+    while n - p_len < max_new_tokens:
+        if session is None:
+            dec.draw_uniforms(generator)
+            dec.steps["draft"]()
+        else:
+            draft, q = session.propose(dec.tokens[:n], gamma, temperature, generator)
+            dec.draft.copy_(draft)
+            if q is not None:
+                dec.draft_probs.copy_(q)
+            dec.draw_uniforms(generator)
+        dec.steps["verify"]()
+        a = int(dec.accepted.item())  # the one host read of the round
+        if session is not None:
+            session.commit(n + a, None)
+        n += a + 1
+        out.accepted.append(a)
+        out.target_forwards += 1
+    out.tokens = dec.tokens[p_len : p_len + max_new_tokens].cpu()
+    out.drafter_forwards = len(out.accepted) if session is None else session.forwards
+    return out
+
+
 def _pick(logits: torch.Tensor, temperature: float, generator) -> torch.Tensor:
     """logits ``[1, V]`` -> next token ``[1]``: argmax, or one inverse-CDF draw."""
     if temperature == 0:
@@ -299,10 +350,22 @@ def generate(
     max_new_tokens: int,
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
+    mode: str = "eager",
 ) -> torch.Tensor:
     """Plain autoregressive decoding with a KV cache: ``max_new_tokens`` tokens ``[max_new_tokens]``
-    (CPU int64) after ``prompt_ids [P]``; one target forward per token, no host syncs."""
+    (CPU int64) after ``prompt_ids [P]``; one target forward per token, no host syncs. mode: as in
+    :func:`speculative_generate` (``"graphs"``: one CUDA graph replay per token)."""
     _check_args(target, prompt_ids, max_new_tokens, temperature, 0)
+    _check_mode(mode)
+    if mode != "eager":
+        dec = decoder_for(target, None, 1, temperature, mode == "graphs")
+        dec.prefill(prompt_ids, generator)
+        for _ in range(max_new_tokens - 1):
+            if temperature > 0:
+                torch.rand(1, generator=generator, out=dec.u_final)
+            dec.steps["step"]()
+        p_len = prompt_ids.numel()
+        return dec.tokens[p_len : p_len + max_new_tokens].cpu()
     dev = target.device
     cache = target.new_cache()
     out = torch.empty(max_new_tokens, dtype=torch.long, device=dev)
