@@ -1,4 +1,4 @@
-"""``python -m repro.nsa.bench --out DIR --budget-s N [--quick]``: NSA on one GPU at the paper's shape.
+"""``python -m repro.nsa.bench --out DIR --budget-s N [--quick] [--breakdown after|only]``: NSA on one GPU at the paper's shape.
 
 The paper's attention shape (yuan2025nsa §5: 64 query heads in 4 GQA groups, head dim 128, bf16),
 B = 1, T = 8k .. 64k. Rows (``section``):
@@ -25,6 +25,11 @@ its kernels, fla's autotunes), then times them interleaved (``paperclub.bench.me
 the report, so a run that is killed keeps what it measured. A step is not started when the time
 spent (from the process's start) plus its predicted cost, compile included, passes ``--budget-s``;
 the notes list the steps not reached. Progress goes to stdout, flushed, line by line.
+
+``--breakdown after`` (or ``only``) then times the forward's stages one by one at ``--breakdown-t``
+(default 64k; :func:`run_breakdown`): compressed attention, block scores, block selection, selected
+branch, window, gated sum and the whole, checked and interleaved like the rest, in
+``results/<device>-breakdown.json``.
 """
 
 from __future__ import annotations
@@ -238,9 +243,7 @@ def _peer_candidates(t, fla, q, ks, vs, gates, leaves, pos):
         vc = ref.compress(vl, ref.mean_pool, fs.block_len, fs.stride)
         o_c, lse = ops.compressed_attention(ql, kc, vc, fs.block_len, fs.stride)
         with torch.no_grad():
-            ns = -(-t // fs.select_len)
-            sc = ops.selection_scores(ql, kc, lse, ns, fs.block_len, fs.stride, fs.select_len)
-            idx = ref.select_blocks(sc, fs.n_select, fs.select_len, fs.n_initial, fs.n_local)
+            idx = ops.topk_blocks(ops.masked_selection_scores(ql, kc, lse, fs), fs.n_select)
         state["idx"] = idx
         o_s = ops.selected_attention(ql, kl, vl, idx, fs.select_len, check_indices=False)
         return g_cmp[..., None] * o_c + g_slc[..., None] * o_s
@@ -361,6 +364,155 @@ def decode_candidates(t: int, b: int, gen: torch.Generator):
         "nsa-decode": Candidate(fn=ours, check=check_ours),
         "sdpa-decode": Candidate(fn=full, check=check_full),
     }, counted
+
+
+STAGES = ("cmp", "scores", "select", "slc", "win", "gate")
+BREAKDOWN_COLUMNS = ["stage", "T", "ms", "ms_min", "ms_max", "check", "share_of_whole"]
+
+
+def breakdown_candidates(t: int, gen: torch.Generator) -> dict[str, Candidate]:
+    """The stages of ``ops.nsa_attention``'s forward at the paper's configuration, each alone on the
+    inputs the stage before it produced (computed once here), and the whole forward: ``cmp``
+    (compressed attention and its lse), ``scores`` (Eqs. 8-10 with Eq. 11's masks, one kernel),
+    ``select`` (torch.topk and the sort kernel), ``slc`` (selected branch), ``win`` (sliding
+    window), ``gate`` (Eq. 5's gated sum), ``whole``. Leaves require grad as in the ``nsa`` rows, so
+    each stage saves what its backward needs, as it does there."""
+    cfg = PAPER
+    q, (kc_raw, vc_raw, ks, vs, kw, vw), gates = train_inputs(t)
+    k_cmp = ref.compress(kc_raw, ref.mean_pool, cfg.block_len, cfg.stride).contiguous()
+    v_cmp = ref.compress(vc_raw, ref.mean_pool, cfg.block_len, cfg.stride).contiguous()
+    del kc_raw, vc_raw
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k_cmp, v_cmp, ks, vs, kw, vw, gates)]
+    ql, kcl, vcl, ksl, vsl, kwl, vwl, gl = leaves
+    qd, kcd, vcd, ksd, vsd, kwd, vwd = (x.detach() for x in leaves[:7])
+    pos = sample_rows(t, gen)
+    o_cmp, lse = ops.compressed_attention(ql, kcl, vcl, cfg.block_len, cfg.stride)
+    with torch.no_grad():
+        scores = ops.masked_selection_scores(ql, kcl, lse, cfg)
+        bi = ops.topk_blocks(scores, cfg.n_select)
+    o_slc = ops.selected_attention(ql, ksl, vsl, bi, cfg.select_len, check_indices=False)
+    o_win = ops.sliding_window_attention(ql, kwl, vwl, cfg.window)
+
+    def cmp():
+        return ops.compressed_attention(ql, kcl, vcl, cfg.block_len, cfg.stride)
+
+    def check_cmp():
+        o_c, _ = ref.compressed_attention(qd[:, pos], kcd, vcd, cfg.block_len, cfg.stride, q_pos=pos)
+        assert_rel_close(cmp()[0][:, pos].float(), o_c, TOL, "compressed rows")
+
+    def sc():
+        with torch.no_grad():
+            return ops.masked_selection_scores(ql, kcl, lse, cfg)
+
+    def check_sc():  # finite entries against Eqs. 8-10 (on our lse); the masks exactly as Eq. 11's
+        got = sc()[:, pos].float()
+        want = ref.selection_scores(qd[:, pos], kcd, lse[:, pos], scores.shape[-1], cfg.block_len,
+                                    cfg.stride, cfg.select_len, q_pos=pos).float()  # fmt: skip
+        own = (pos // cfg.select_len)[:, None]
+        j = torch.arange(scores.shape[-1], device=pos.device)[None, :]
+        forced = (j < cfg.n_initial) | ((j <= own) & (j > own - cfg.n_local))
+        future = (j > own)[None, :, None, :].expand_as(got)
+        forced = (forced & ~(j > own))[None, :, None, :].expand_as(got)
+        assert torch.isposinf(got[forced]).all() and torch.isneginf(got[future]).all(), "score masks"
+        rest = ~forced & ~future
+        assert_rel_close(got[rest], want[rest], TOL, "block scores rows")
+
+    def select():
+        return ops.topk_blocks(scores, cfg.n_select)
+
+    def check_select():  # the reference's Eq. 11 on the same scores, masks undone (they are its own)
+        sub = scores[:, pos].clone()
+        want = ref.select_blocks(sub.nan_to_num(posinf=0.0, neginf=0.0), cfg.n_select, cfg.select_len,
+                                 cfg.n_initial, cfg.n_local, q_pos=pos)  # fmt: skip
+        if not torch.equal(select()[:, pos], want):
+            raise AssertionError("topk_blocks differs from reference.select_blocks on the sampled rows")
+
+    def slc():
+        return ops.selected_attention(ql, ksl, vsl, bi, cfg.select_len, check_indices=False)
+
+    def check_slc():
+        want = ref.selected_attention(qd[:, pos], ksd, vsd, bi[:, pos], cfg.select_len, q_pos=pos)
+        assert_rel_close(slc()[:, pos].float(), want, TOL, "selected rows")
+
+    def win():
+        return ops.sliding_window_attention(ql, kwl, vwl, cfg.window)
+
+    def check_win():
+        want = ref.sliding_window_attention(qd[:, pos], kwd, vwd, cfg.window, q_pos=pos)
+        assert_rel_close(win()[:, pos].float(), want, TOL, "window rows")
+
+    def gate():  # as ops.nsa_attention writes it
+        g = gl.to(ql.dtype)
+        return g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win
+
+    def check_gate():
+        g = gl.detach().float()
+        want = g[..., 0:1] * o_cmp.float() + g[..., 1:2] * o_slc.float() + g[..., 2:3] * o_win.float()
+        assert_rel_close(gate().float(), want.detach(), TOL, "gated sum")
+
+    def whole():
+        return ops.nsa_attention(*leaves, cfg)[0]
+
+    def check_whole():
+        o, idx = ops.nsa_attention(*leaves, cfg)
+        if not torch.equal(idx, bi):
+            raise AssertionError("nsa_attention's block indices differ from the staged selection")
+        assert_rel_close(o.float(), gate().float(), TOL, "whole vs staged")
+
+    fns = dict(cmp=(cmp, check_cmp), scores=(sc, check_sc), select=(select, check_select),
+               slc=(slc, check_slc), win=(win, check_win), gate=(gate, check_gate), whole=(whole, check_whole))  # fmt: skip
+    return {name: Candidate(fn=f, check=c) for name, (f, c) in fns.items()}
+
+
+def run_breakdown(out: str | None, t: int, gen: torch.Generator) -> Path:
+    """Time each stage of the forward (:func:`breakdown_candidates`) interleaved at one length and write
+    ``<device>-breakdown.json``: a row per stage and ``whole``, with its share of ``whole``'s time, and
+    a ``sum-of-stages`` row (the stages' medians added, not timed)."""
+    from paperclub.bench import time_ms
+
+    log(f"breakdown T={t}: building inputs and the stages")
+    cands = breakdown_candidates(t, gen)
+    names = {}
+    named = {}
+    for stage, c in cands.items():
+        fn = lambda f=c.fn: f()  # noqa: E731 (a closure of its own: the timer names it by id)
+        names[id(fn)] = stage
+        named[stage] = Candidate(fn=fn, check=c.check)
+
+    def timer(fn, warmup, rep):
+        ms = (TIMER or time_ms)(fn, warmup=warmup, rep=rep)
+        log(f"breakdown T={t}: timed {names[id(fn)]}: {ms:.3f} ms")
+        return ms
+
+    res = measure(named, rounds=_rounds(t), warmup=WARMUP, rep=REP, timer=timer)
+    report = Report(
+        package="nsa",
+        title=f"NSA forward by stage at T = {t} (64 query heads, 4 KV heads, D = 128, bf16)",
+        columns=BREAKDOWN_COLUMNS,
+        measure_ceilings=False,
+    )
+    whole = res["whole"].median_ms
+    for stage, m in res.items():
+        share = m.median_ms / whole if whole and m.median_ms is not None else None
+        report.add(stage=stage, T=t, share_of_whole=share, **m.row())
+        log(
+            f"breakdown T={t}: {stage}: "
+            + (f"{m.median_ms:.3f} ms" if m.median_ms is not None else m.row()["check"])
+        )
+    parts = [res[s].median_ms for s in STAGES]
+    total = sum(parts) if all(p is not None for p in parts) else None
+    report.add(stage="sum-of-stages", T=t, ms=total, check="not timed: the stages' medians added",
+               share_of_whole=total / whole if total is not None and whole else None)  # fmt: skip
+    report.notes = (
+        "Each stage of ops.nsa_attention's forward alone, on the previous stages' outputs computed once "
+        "(paper configuration: l=32, d=16, l'=64, n=16 with 1 initial + 2 local blocks, w=512; compressed "
+        "keys given). cmp: compressed attention + lse; scores: Eqs. 8-10 with Eq. 11's masks in one kernel; "
+        "select: torch.topk + the sort kernel; slc: selected branch; win: sliding window; gate: Eq. 5's "
+        "sum; whole: nsa_attention. Every stage is checked at this shape first (sampled rows against "
+        "the reference; select exactly), then all are timed interleaved (paperclub.bench.measure). "
+        "sum-of-stages is the medians added (not timed); whole minus it is launch gaps and checks."
+    )
+    return report.write(tag="breakdown", out_dir=Path(out) if out else None)
 
 
 @dataclass(frozen=True)
@@ -606,11 +758,21 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="T = 8k only")
     ap.add_argument("--lengths", default="", help="comma-separated T values (default 8k,16k,32k,64k)")
     ap.add_argument("--decode-batch", type=int, default=16)
+    ap.add_argument("--breakdown", choices=("no", "after", "only"), default="no",
+                    help="time the forward's stages at --breakdown-t (own file, <device>-breakdown.json): "
+                    "after the plan (if the budget is not spent) or instead of it")  # fmt: skip
+    ap.add_argument("--breakdown-t", type=int, default=65536)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("repro.nsa.bench needs a CUDA GPU")
     lengths = [int(x) for x in args.lengths.split(",") if x] or ([8192] if args.quick else sorted(TABLE4))
-    run(args.out, args.budget_s, args.quick, sorted(lengths), args.decode_batch)
+    if args.breakdown != "only":
+        run(args.out, args.budget_s, args.quick, sorted(lengths), args.decode_batch)
+    if args.breakdown != "no":
+        if elapsed() >= args.budget_s:
+            log(f"breakdown not started: {elapsed():.0f} s spent, budget {args.budget_s:g} s")
+            return
+        run_breakdown(args.out, args.breakdown_t, torch.Generator().manual_seed(1))
 
 
 if __name__ == "__main__":

@@ -253,12 +253,15 @@ def _scores_kernel(
     T, NC, NS, H, G, scale_log2,
     STRIDE: tl.constexpr, BLOCK_LEN: tl.constexpr, SELECT_LEN: tl.constexpr,
     D: tl.constexpr, BM: tl.constexpr, BJ: tl.constexpr, EDGE: tl.constexpr, IEEE: tl.constexpr,
+    MASKED: tl.constexpr = False, N_INITIAL: tl.constexpr = 1, N_LOCAL: tl.constexpr = 2,
 ):  # fmt: skip
     # Eqs. 8-10 for BM queries of one group: p_cmp = exp(q k_cmp^T - lse), summed over the group's
     # heads and mapped to selection blocks [j0, j0 + BJ). Selection block j is stride pieces
     # j R .. j R + R - 1 (R = l'/d); the compression blocks overlapping it are i = j R - (C - 1) ..
     # j R + R - 1 (C = l/d): the "main" tile i in [j0 R, j0 R + BJ R) and the "edge" tile of EDGE
-    # (>= C - 1) blocks before it.
+    # (>= C - 1) blocks before it. MASKED: Eq. 11's masks as well, as the decode kernel does: every
+    # row's forced blocks (the N_INITIAL first, the N_LOCAL ending at the query) +inf, its future
+    # blocks -inf, and all NS columns written, so that one torch.topk does the selection.
     R: tl.constexpr = SELECT_LEN // STRIDE
     C: tl.constexpr = BLOCK_LEN // STRIDE
     BC: tl.constexpr = BJ * R
@@ -296,8 +299,44 @@ def _scores_kernel(
             if C > 1:  # blocks straddling j0's start exist only when compression blocks overlap
                 p = tl.where(vis_e, tl.exp2(_dot(q, tl.trans(ke), IEEE) * scale_log2 - lse2[:, None]), 0.0)
                 acc += _dot(p, w_edge, IEEE)
+        if MASKED:
+            own = (offs_m // SELECT_LEN)[:, None]  # the query's own selection block
+            jj = offs_j[None, :]
+            forced = (jj < N_INITIAL) | ((jj <= own) & (jj > own - N_LOCAL))
+            acc = tl.where(forced, float("inf"), acc)
+            acc = tl.where(jj > own, float("-inf"), acc)
         out = SCORES + (b * T * H + h) * NS + offs_m[:, None] * (H * NS) + offs_j[None, :]
         tl.store(out, acc, mask=row_ok[:, None] & (offs_j[None, :] < NS))
+    if MASKED:  # the blocks after this tile's last query: in every row's future
+        for j0 in range(tl.cdiv(j_end, BJ) * BJ, NS, BJ):
+            offs_j = j0 + tl.arange(0, BJ)
+            out = SCORES + (b * T * H + h) * NS + offs_m[:, None] * (H * NS) + offs_j[None, :]
+            tl.store(out, tl.full([BM, BJ], float("-inf"), tl.float32),
+                     mask=row_ok[:, None] & (offs_j[None, :] < NS))  # fmt: skip
+
+
+@triton.jit
+def _sort_picks_kernel(
+    TOP_VAL, TOP_IDX, BI, ROWS, K_TOP, S, NS,
+    BR: tl.constexpr, BSEL: tl.constexpr,
+):  # fmt: skip
+    # Eq. 11's block indices of BR rows from top-k's K_TOP picks per row (TOP_VAL, TOP_IDX [ROWS, K_TOP]),
+    # as the decode kernel does for its one row: a pick of -inf (a future block) is none; the rest
+    # sorted ascending, none last as -1, padded to S, written to BI [ROWS, S] int32.
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    row_ok = rows < ROWS
+    rows64 = rows.to(tl.int64)
+    slot = tl.arange(0, BSEL)
+    picked = row_ok[:, None] & (slot[None, :] < K_TOP)
+    at = rows64[:, None] * K_TOP + slot[None, :]
+    val = tl.load(TOP_VAL + at, mask=picked, other=float("-inf"))
+    key = tl.load(TOP_IDX + at, mask=picked, other=0).to(tl.int32)
+    key = tl.where(val == float("-inf"), NS, key)  # none sorts after every real block
+    # the real picks are distinct blocks: a pick's place in ascending order is how many picks are smaller
+    rank = tl.sum((key[:, None, :] < key[:, :, None]).to(tl.int32), 2)  # [BR, BSEL]
+    blocks = tl.min(tl.where(rank[:, None, :] == slot[None, :, None], key[:, None, :], NS), 2)
+    blocks = tl.where(blocks == NS, -1, blocks)
+    tl.store(BI + rows64[:, None] * S + slot[None, :], blocks, mask=row_ok[:, None] & (slot[None, :] < S))
 
 
 @triton.jit

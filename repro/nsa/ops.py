@@ -214,13 +214,18 @@ def selection_scores(
     stride: int = 16,
     select_len: int = 64,
     scale: float | None = None,
+    mask: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Block importance p_slc' (Eqs. 8-10) with a Triton kernel. Returns [B, T, H, Ns] float32.
 
     q [B, T, HQ, D]; k_cmp [B, Nc, H, D]; lse_cmp [B, T, HQ] from :func:`compressed_attention`. Needs
     l'/d a power of two and l/d <= 17 (the kernel's tiles: 16 selection blocks against 16 l'/d
     compression blocks, plus 16 before them). On a GPU the small matmuls run in tf32 for 16-bit inputs:
-    scores within about 1e-3 relative, enough to rank blocks."""
+    scores within about 1e-3 relative, enough to rank blocks.
+
+    ``mask = (n_initial, n_local)``: the kernel also applies Eq. 11's masks (see
+    :func:`masked_selection_scores`); without it, entries of blocks after a query's own are not written.
+    """
     b, t, hq, h, d = check_qkv("selection_scores", q, k_cmp, k_cmp)
     r, c = select_len // stride, block_len // stride
     if select_len % stride or block_len % stride:
@@ -243,14 +248,58 @@ def selection_scores(
     q, k_cmp, lse_cmp = q.contiguous(), k_cmp.contiguous(), lse_cmp.float().contiguous()
     scores = torch.empty(b, t, h, num_blocks, device=q.device, dtype=torch.float32)
     bm = 16 if _interp() else 64
+    n_initial, n_local = mask if mask is not None else (0, 0)
     kn._scores_kernel[(triton.cdiv(t, bm), b * h)](
         q, k_cmp, lse_cmp, scores,
         q.stride(0), q.stride(1), q.stride(2), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
         t, k_cmp.shape[1], num_blocks, h, hq // h, _scale(scale, d) * kn.LOG2E,
         STRIDE=stride, BLOCK_LEN=block_len, SELECT_LEN=select_len, D=d, BM=bm, BJ=16,
-        EDGE=16, IEEE=_ieee(q), num_warps=8 if d >= 64 else 4, num_stages=1,
+        EDGE=16, IEEE=_ieee(q), MASKED=mask is not None, N_INITIAL=n_initial, N_LOCAL=n_local,
+        num_warps=8 if d >= 64 else 4, num_stages=1,
     )  # fmt: skip
     return scores
+
+
+def masked_selection_scores(
+    q: torch.Tensor,
+    k_cmp: torch.Tensor,
+    lse_cmp: torch.Tensor,
+    config: ref.NSAConfig,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """:func:`selection_scores` with Eq. 11's masks applied in the same kernel, as the decode step does:
+    the forced blocks (the ``n_initial`` first and the ``n_local`` ending at the query) are +inf, the
+    blocks after the query's own -inf, every entry written. The other entries are bit for bit those
+    of :func:`selection_scores`, so ``reference.select_blocks`` on the unmasked scores and
+    :func:`topk_blocks` on these pick the same blocks. q [B, T, HQ, D]; k_cmp [B, Nc, H, D];
+    lse_cmp [B, T, HQ]. Returns [B, T, H, Ns] float32, Ns = ceil(T / l')."""
+    ns = triton.cdiv(q.shape[1], config.select_len)
+    mask = (config.n_initial, config.n_local)
+    return selection_scores(
+        q, k_cmp, lse_cmp, ns, config.block_len, config.stride, config.select_len, scale, mask=mask
+    )
+
+
+def topk_blocks(masked_scores: torch.Tensor, n_select: int) -> torch.Tensor:
+    """Eq. 11's top-n on scores from :func:`masked_selection_scores`: one ``torch.topk`` and one small
+    Triton kernel that drops the picks of -inf (future blocks), sorts the rest ascending and pads with
+    -1, as ``reference.select_blocks`` returns them. masked_scores [B, T, H, Ns] float32. Returns
+    [B, T, H, n] int32."""
+    _check_tensor("topk_blocks", "masked_scores", masked_scores, 4, "[B, T, H, Ns]")
+    if n_select < 1:
+        raise ValueError(f"topk_blocks: n_select must be >= 1, got {n_select}")
+    if masked_scores.device.type != "cuda" and not _interp():
+        raise RuntimeError("topk_blocks: needs a CUDA device, or TRITON_INTERPRET=1 for the CPU interpreter")
+    b, t, h, ns = masked_scores.shape
+    top_val, top_idx = masked_scores.topk(min(n_select, ns), dim=-1)
+    bi = torch.empty(b, t, h, n_select, device=masked_scores.device, dtype=torch.int32)
+    rows = b * t * h
+    br = 32
+    kn._sort_picks_kernel[(triton.cdiv(rows, br),)](
+        top_val, top_idx, bi, rows, top_idx.shape[-1], n_select, ns,
+        BR=br, BSEL=triton.next_power_of_2(n_select), num_warps=4,
+    )  # fmt: skip
+    return bi
 
 
 def check_block_indices(
@@ -414,11 +463,10 @@ def nsa_attention(
     o_cmp, lse = compressed_attention(q, k_cmp, v_cmp, cfg.block_len, cfg.stride, scale)
     if block_indices is None:
         with torch.no_grad():
-            ns = triton.cdiv(t, cfg.select_len)
-            scores = selection_scores(q, k_cmp, lse, ns, cfg.block_len, cfg.stride, cfg.select_len, scale)
-            block_indices = ref.select_blocks(
-                scores, cfg.n_select, cfg.select_len, cfg.n_initial, cfg.n_local
-            )
+            # Eq. 11 in two launches and one topk: the scores kernel writes the masks too
+            scores = masked_selection_scores(q, k_cmp, lse, cfg, scale)
+            block_indices = topk_blocks(scores, cfg.n_select)
+            del scores
         check = False
     else:
         check = True

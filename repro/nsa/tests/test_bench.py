@@ -137,3 +137,22 @@ def test_every_step_at_toy_size_is_checked_timed_and_written(tmp_path, monkeypat
     assert got[("fla-slc", "fwd")]["check"].startswith("failed") and got[("fla-slc", "fwd")]["ms"] is None
     for impl in ("nsa-decode", "sdpa-decode"):
         assert got[(impl, "decode")]["check"] == "ok"
+
+
+def test_breakdown_times_every_stage_and_the_whole(tmp_path, monkeypatch):
+    """The forward by stage at a toy size: a checked, timed row per stage and for the whole, their
+    shares of the whole, and a sum-of-stages row that is the stages' medians added."""
+    _toy(monkeypatch)
+    path = bench.run_breakdown(str(tmp_path), 40, torch.Generator().manual_seed(0))
+    assert path.name.endswith("-breakdown.json")
+    rows = {r["stage"]: r for r in json.loads(path.read_text())["rows"]}
+    assert list(rows) == [*bench.STAGES, "whole", "sum-of-stages"]
+    for stage in (*bench.STAGES, "whole"):
+        r = rows[stage]
+        assert r["check"] == "ok" and r["ms"] > 0 and r["T"] == 40, stage
+        assert r["ms_min"] <= r["ms"] <= r["ms_max"]
+        assert abs(r["share_of_whole"] - r["ms"] / rows["whole"]["ms"]) < 1e-9
+    total = sum(rows[s]["ms"] for s in bench.STAGES)
+    assert abs(rows["sum-of-stages"]["ms"] - total) < 1e-9 * total
+    # the whole runs every stage once more (and its input checks): same order of magnitude
+    assert 0.2 < rows["sum-of-stages"]["share_of_whole"] < 5.0

@@ -1,0 +1,164 @@
+"""The training forward's block selection (Eq. 11): the scores kernel writes Eq. 11's masks itself and
+one torch.topk plus one small sort kernel pick the blocks, which must be the blocks that
+``reference.select_blocks`` picks from the unmasked scores (same tensor up to the masks, so the same
+top-k, ties included)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from repro.nsa import kernels as kn
+from repro.nsa import ops
+from repro.nsa import reference as ref
+from repro.nsa.tests.helpers import DEVICE, randn
+
+seeds = st.integers(0, 2**31 - 1)
+
+
+def _masks(t: int, ns: int, lp: int, n_initial: int, n_local: int):
+    """[T, Ns] bool masks of reference.select_blocks: forced blocks (kept; a future one is not) and future
+    blocks (never picked)."""
+    own = (torch.arange(t) // lp)[:, None]
+    j = torch.arange(ns)[None, :]
+    forced = (j < n_initial) | ((j <= own) & (j > own - n_local))
+    return forced & ~(j > own), j > own
+
+
+def _scores(gen, b, t, hq, h, cfg):
+    q, k = randn(gen, b, t, hq, 16), randn(gen, b, t, h, 16)
+    k_cmp = ref.compress(k, ref.mean_pool, cfg.block_len, cfg.stride)
+    if k_cmp.shape[1] == 0:
+        k_cmp = randn(gen, b, 1, h, 16)
+    _, lse = ref.compressed_attention(q, k_cmp, k_cmp, cfg.block_len, cfg.stride)
+    q, k_cmp, lse = q.float().to(DEVICE), k_cmp.float().to(DEVICE), lse.float().to(DEVICE)
+    return q, k_cmp, lse
+
+
+def _check(seed: int, t: int, b: int, h: int, g: int, cfg: ref.NSAConfig) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    q, k_cmp, lse = _scores(gen, b, t, h * g, h, cfg)
+    ns = -(-t // cfg.select_len)
+    plain = ops.selection_scores(q, k_cmp, lse, ns, cfg.block_len, cfg.stride, cfg.select_len).cpu()
+    masked = ops.masked_selection_scores(q, k_cmp, lse, cfg).cpu()
+    forced, future = _masks(t, ns, cfg.select_len, cfg.n_initial, cfg.n_local)
+    forced, future = forced[None, :, None, :].expand_as(masked), future[None, :, None, :].expand_as(masked)
+    rest = ~forced & ~future
+    assert torch.isposinf(masked[forced]).all() and torch.isneginf(masked[future]).all()
+    assert torch.equal(masked[rest], plain[rest])  # bit for bit the unmasked kernel's scores
+    idx = ops.topk_blocks(masked.to(DEVICE), cfg.n_select).cpu()
+    want = ref.select_blocks(plain, cfg.n_select, cfg.select_len, cfg.n_initial, cfg.n_local)
+    assert idx.dtype == torch.int32 and torch.equal(idx, want)
+
+
+PAPERLIKE = ref.NSAConfig(block_len=32, stride=16, select_len=64, n_select=4, n_initial=1, n_local=2)
+SMALL = ref.NSAConfig(block_len=16, stride=8, select_len=16, n_select=3, n_initial=1, n_local=1)
+# l' = 4 with the interpreter's 16-query tiles: 20+ blocks, more than one 16-block score tile, so
+# the blocks after a tile's last query are written by the kernel's -inf loop
+TINY = ref.NSAConfig(block_len=8, stride=4, select_len=4, n_select=5, n_initial=2, n_local=2)
+
+
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.parametrize(
+    ("cfg", "t"),
+    [
+        (SMALL, 1),  # one block, no compressed token visible
+        (SMALL, 15),
+        (SMALL, 16),  # at a selection block's edge
+        (SMALL, 17),
+        (SMALL, 48),  # n = 3 blocks exactly
+        (SMALL, 49),
+        (PAPERLIKE, 64),
+        (PAPERLIKE, 65),
+        (PAPERLIKE, 129),
+        (TINY, 80),  # 20 blocks: more than one score tile
+        (TINY, 81),
+    ],
+)
+def test_masked_scores_and_topk_equal_reference_at_edges(cfg, t):
+    _check(t, t, 1, 2, 2, cfg)
+
+
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@settings(max_examples=4, deadline=None)
+@given(seed=seeds, t=st.integers(1, 100), b=st.integers(1, 2), h=st.integers(1, 2), g=st.sampled_from([1, 3]))
+def test_masked_scores_and_topk_equal_reference(seed, t, b, h, g):
+    _check(seed, t, b, h, g, [SMALL, TINY, PAPERLIKE][seed % 3])
+
+
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@settings(max_examples=6, deadline=None)
+@given(
+    seed=seeds,
+    t=st.integers(1, 70),
+    lp=st.sampled_from([4, 16]),
+    n=st.integers(1, 8),
+    n_init=st.integers(0, 2),
+    n_local=st.integers(0, 3),
+    levels=st.sampled_from([2, 5, 1000]),
+)
+def test_topk_blocks_equals_reference_with_ties(seed, t, lp, n, n_init, n_local, levels):
+    """The sort kernel on any scores (few distinct levels: many ties; -inf picks when fewer blocks than
+    n exist; n larger than Ns): the same [B, T, H, n] as reference.select_blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    b, h, ns = 2, 3, -(-t // lp)
+    scores = torch.randint(0, levels, (b, t, h, ns), generator=gen).float()
+    forced, future = _masks(t, ns, lp, n_init, n_local)
+    masked = scores.masked_fill(forced[None, :, None, :], float("inf"))
+    masked = masked.masked_fill(future[None, :, None, :], float("-inf"))
+    idx = ops.topk_blocks(masked.to(DEVICE), n).cpu()
+    assert torch.equal(idx, ref.select_blocks(scores, n, lp, n_init, n_local))
+
+
+def test_selection_is_two_kernels_and_one_topk():
+    """nsa_attention's selection dispatches, besides its two Triton launches (masked scores, sort), one
+    torch.topk and allocations: no PyTorch pass over the [B, T, H, Ns] scores for masks or sorting
+    (selection_scores + reference.select_blocks, the path before, dispatches 21 aten ops: two
+    masked_fill passes over the scores, topk, sort and 17 small ones)."""
+    free = {"empty.memory_format", "empty_like.default", "empty_strided.default", "view.default"}
+    free |= {"unsqueeze.default", "alias.default", "slice.Tensor", "select.int", "detach.default"}
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops, self.in_kernel = [], False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not self.in_kernel:
+                self.ops.append(str(func).removeprefix("aten."))
+            return func(*args, **(kwargs or {}))
+
+    record, launches = Record(), []
+
+    class Counted:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                launches.append(self.name)
+                record.in_kernel = True
+                try:
+                    return self.kernel[grid](*a, **kw)
+                finally:
+                    record.in_kernel = False
+
+            return launch
+
+    gen = torch.Generator().manual_seed(1)
+    q, k_cmp, lse = _scores(gen, 1, 40, 4, 2, SMALL)
+    mp = pytest.MonkeyPatch()
+    for name in ("_scores_kernel", "_sort_picks_kernel"):
+        mp.setattr(kn, name, Counted(name, getattr(kn, name)))
+    try:
+        with record:
+            idx = ops.topk_blocks(ops.masked_selection_scores(q, k_cmp, lse, SMALL), SMALL.n_select)
+    finally:
+        mp.undo()
+    assert launches == ["_scores_kernel", "_sort_picks_kernel"]
+    work = [op for op in record.ops if op not in free]
+    assert work == ["topk.default"], f"selection dispatched {work} besides its two kernels"
+    assert idx.shape == (1, 40, 2, SMALL.n_select)
