@@ -7,13 +7,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from paperclub.testing import assert_rel_close
 from repro.nsa import kernels as kn
 from repro.nsa import nsa_decode
 from repro.nsa import reference as ref
-from repro.nsa.tests.helpers import DEVICE, FP32_TOL, randn
+from repro.nsa.tests.helpers import DEVICE, FP32_TOL, FREE_OPS, dispatched, randn
 
 seeds = st.integers(0, 2**31 - 1)
 SMALL = ref.NSAConfig(block_len=16, stride=8, select_len=16, n_select=3, n_initial=1, n_local=1, window=24)
@@ -91,49 +90,13 @@ def test_decode_step_does_not_wait_for_the_host():
     a host-to-device copy), a value read back (.item(), .tolist(), int(t)) or a data-dependent shape
     (nonzero) would each show up here as an aten op (lift_fresh, _to_copy, _local_scalar_dense,
     nonzero) and fail the test; so would any elementwise op added between the kernels."""
-    free = {"empty.memory_format", "empty_like.default", "empty_strided.default", "view.default"}
-    free |= {"unsqueeze.default", "alias.default", "slice.Tensor", "select.int", "detach.default"}
-
-    class Record(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops, self.in_kernel = [], False
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not self.in_kernel:  # the CPU interpreter runs kernels with torch ops of its own
-                self.ops.append(str(func).removeprefix("aten."))
-            return func(*args, **(kwargs or {}))
-
-    record, launches = Record(), []
-
-    class Counted:
-        def __init__(self, name, kernel):
-            self.name, self.kernel = name, kernel
-
-        def __getitem__(self, grid):
-            def launch(*a, **kw):
-                launches.append(self.name)
-                record.in_kernel = True
-                try:
-                    return self.kernel[grid](*a, **kw)
-                finally:
-                    record.in_kernel = False
-
-            return launch
-
     gen = torch.Generator().manual_seed(0)
     args = [x.float().to(DEVICE) for x in _caches(gen, 2, 100, 4, 2, 16, SMALL)]
     want = nsa_decode(*args, SMALL)
-    mp = pytest.MonkeyPatch()
-    for name in ("_decode_cmp_kernel", "_decode_sparse_kernel"):
-        mp.setattr(kn, name, Counted(name, getattr(kn, name)))
-    try:
-        with record:
-            got = nsa_decode(*args, SMALL)
-    finally:
-        mp.undo()
+    with dispatched(kn, ("_decode_cmp_kernel", "_decode_sparse_kernel")) as (ops, launches):
+        got = nsa_decode(*args, SMALL)
     assert launches == ["_decode_cmp_kernel", "_decode_sparse_kernel"]
-    work = [op for op in record.ops if op not in free]
+    work = [op for op in ops if op not in FREE_OPS]
     assert work == ["topk.default"], f"decode step dispatched {work} besides its two kernels"
     assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
 

@@ -9,12 +9,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from repro.nsa import kernels as kn
 from repro.nsa import ops
 from repro.nsa import reference as ref
-from repro.nsa.tests.helpers import DEVICE, randn
+from repro.nsa.tests.helpers import DEVICE, FREE_OPS, dispatched, randn
 
 seeds = st.integers(0, 2**31 - 1)
 
@@ -118,47 +117,11 @@ def test_selection_is_two_kernels_and_one_topk():
     torch.topk and allocations: no PyTorch pass over the [B, T, H, Ns] scores for masks or sorting
     (selection_scores + reference.select_blocks, the path before, dispatches 21 aten ops: two
     masked_fill passes over the scores, topk, sort and 17 small ones)."""
-    free = {"empty.memory_format", "empty_like.default", "empty_strided.default", "view.default"}
-    free |= {"unsqueeze.default", "alias.default", "slice.Tensor", "select.int", "detach.default"}
-
-    class Record(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops, self.in_kernel = [], False
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not self.in_kernel:
-                self.ops.append(str(func).removeprefix("aten."))
-            return func(*args, **(kwargs or {}))
-
-    record, launches = Record(), []
-
-    class Counted:
-        def __init__(self, name, kernel):
-            self.name, self.kernel = name, kernel
-
-        def __getitem__(self, grid):
-            def launch(*a, **kw):
-                launches.append(self.name)
-                record.in_kernel = True
-                try:
-                    return self.kernel[grid](*a, **kw)
-                finally:
-                    record.in_kernel = False
-
-            return launch
-
     gen = torch.Generator().manual_seed(1)
     q, k_cmp, lse = _scores(gen, 1, 40, 4, 2, SMALL)
-    mp = pytest.MonkeyPatch()
-    for name in ("_scores_kernel", "_sort_picks_kernel"):
-        mp.setattr(kn, name, Counted(name, getattr(kn, name)))
-    try:
-        with record:
-            idx = ops.topk_blocks(ops.masked_selection_scores(q, k_cmp, lse, SMALL), SMALL.n_select)
-    finally:
-        mp.undo()
+    with dispatched(kn, ("_scores_kernel", "_sort_picks_kernel")) as (recorded, launches):
+        idx = ops.topk_blocks(ops.masked_selection_scores(q, k_cmp, lse, SMALL), SMALL.n_select)
     assert launches == ["_scores_kernel", "_sort_picks_kernel"]
-    work = [op for op in record.ops if op not in free]
+    work = [op for op in recorded if op not in FREE_OPS]
     assert work == ["topk.default"], f"selection dispatched {work} besides its two kernels"
     assert idx.shape == (1, 40, 2, SMALL.n_select)
