@@ -196,8 +196,9 @@ def test_state_value_blocks_on_gpu(bv, dtype):
         pytest.param(
             "tf32",
             marks=pytest.mark.xfail(
-                strict=True,
-                reason="tf32 products: fp16 errors 4-13x fla's with mild gates (measured on an H100)",
+                strict=False,
+                reason="tf32 products: fp16 errors 4-13x fla's with mild gates in the 2026-11-24 H100 run, "
+                "just inside the tolerance in the 2026-11-25 compute-sanitizer pass: at the edge, not a default",
             ),
         ),
         "ieee",
@@ -208,6 +209,7 @@ def test_state_value_blocks_on_gpu(bv, dtype):
 def test_dot_precision_settings_on_gpu(name, dtype, prec):
     """The other intra-chunk product precisions a user can pick for fp16 (chunk.DOT_PREC_FP16; the
     default is tf32x3) on the cases where the mild gates make the chunk's triangular solve
-    ill-conditioned: ieee must pass; tf32 (the bf16 default) is what failed here, kept as a strict
-    xfail so that the record says why fp16 does not use it."""
+    ill-conditioned: ieee must pass; tf32 (the bf16 default) is what failed here, kept as an xfail
+    (not strict: it sits at the tolerance's edge and passed once) so the record says why fp16 does
+    not use it."""
     check(CASES[name], dtype, with_fla=False, DOT_PREC_FP16=prec)
