@@ -7,8 +7,8 @@ Three families:
   visible once its block's last token is, §3.3.1); the sliding window is STRIDE = 1, OFFSET = 0,
   WINDOW = w (§3.3.3). FlashAttention-2 tiling: a tile of BM queries of one head per program.
 * ``_scores_kernel``: the block importance of Eqs. 8-10, recomputing p_cmp from the stored
-  log-sum-exp and summing it into selection blocks with one small matmul per tile (Eq. 9 as a
-  [BC, BJ] overlap matrix), over all query heads of a group.
+  log-sum-exp, summing it over the query heads of a group, and into selection blocks with two small
+  matmuls per tile (Eq. 9 as [BC, BJ] overlap matrices: this tile's blocks and the next's).
 * ``_slc_*``: the selected branch with the paper's group-centric loading (§3.4, Figure 3): one
   program per (query position, KV head) loads the G query heads of that group as a [BG, D] tile and
   streams only the n selected KV blocks; the backward's dK/dV walks the (block, query) pairs sorted
@@ -250,16 +250,19 @@ def _overlap(ic, offs_j, R: tl.constexpr, C: tl.constexpr):
 def _scores_kernel(
     Q, KC, LSE, SCORES,
     sqb, sqt, sqh, skb, skt, skh,
-    T, NC, NS, H, G, scale_log2,
+    T, NC, NS, H, G, scale_log2, T_BUCKET,
     STRIDE: tl.constexpr, BLOCK_LEN: tl.constexpr, SELECT_LEN: tl.constexpr,
-    D: tl.constexpr, BM: tl.constexpr, BJ: tl.constexpr, EDGE: tl.constexpr, IEEE: tl.constexpr,
+    D: tl.constexpr, BM: tl.constexpr, BJ: tl.constexpr, IEEE: tl.constexpr,
     MASKED: tl.constexpr = False, N_INITIAL: tl.constexpr = 1, N_LOCAL: tl.constexpr = 2,
 ):  # fmt: skip
     # Eqs. 8-10 for BM queries of one group: p_cmp = exp(q k_cmp^T - lse), summed over the group's
     # heads and mapped to selection blocks [j0, j0 + BJ). Selection block j is stride pieces
     # j R .. j R + R - 1 (R = l'/d); the compression blocks overlapping it are i = j R - (C - 1) ..
-    # j R + R - 1 (C = l/d): the "main" tile i in [j0 R, j0 R + BJ R) and the "edge" tile of EDGE
-    # (>= C - 1) blocks before it. MASKED: Eq. 11's masks as well, as the decode kernel does: every
+    # j R + R - 1 (C = l/d). Tile j0 computes p for its own blocks i in [j0 R, j0 R + BJ R) once,
+    # summed over the group's heads first (Eq. 9 is linear), and maps that sum both onto its own
+    # selection blocks and onto the next tile's (the last C - 1 blocks overlap those, C - 1 <= BJ R),
+    # which the next iteration adds: no block's logits are computed twice. T_BUCKET: only a key for
+    # the launcher's autotuning. MASKED: Eq. 11's masks as well, as the decode kernel does: every
     # row's forced blocks (the N_INITIAL first, the N_LOCAL ending at the query) +inf, its future
     # blocks -inf, and all NS columns written, so that one torch.topk does the selection.
     R: tl.constexpr = SELECT_LEN // STRIDE
@@ -275,30 +278,24 @@ def _scores_kernel(
     row_ok = offs_m < T
     t_last = tl.minimum(pid_m * BM + BM, T) - 1
     j_end = tl.minimum(t_last // SELECT_LEN + 1, NS)
+    kc_base = KC + b * skb + h * skh
+    carry = tl.zeros([BM, BJ], tl.float32)  # the previous tile's blocks' share of this tile's j
     for j0 in range(0, j_end, BJ):
         offs_j = j0 + tl.arange(0, BJ)
         ic = j0 * R + tl.arange(0, BC)
-        ie = j0 * R - EDGE + tl.arange(0, EDGE)
-        w_main = _overlap(ic, offs_j, R, C)
-        w_edge = _overlap(ie, offs_j, R, C)
-        kc_base = KC + b * skb + h * skh
         kc = tl.load(kc_base + ic[:, None] * skt + offs_d[None, :], mask=(ic < NC)[:, None], other=0.0)
-        ke = tl.load(kc_base + ie[:, None] * skt + offs_d[None, :], mask=((ie >= 0) & (ie < NC))[:, None],
-                     other=0.0)  # fmt: skip
         vis_c = _visible(offs_m, ic, NC, STRIDE, BLOCK_LEN - 1, 0)
-        vis_e = _visible(offs_m, ie, NC, STRIDE, BLOCK_LEN - 1, 0)
-        acc = tl.zeros([BM, BJ], tl.float32)
+        p_sum = tl.zeros([BM, BC], tl.float32)
         for g in range(G):
             hq = h * G + g
             q = tl.load(Q + b * sqb + hq * sqh + offs_m[:, None] * sqt + offs_d[None, :],
                         mask=row_ok[:, None], other=0.0)  # fmt: skip
             lse = tl.load(LSE + (b * T + offs_m) * HQ + hq, mask=row_ok, other=0.0)
             lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
-            p = tl.where(vis_c, tl.exp2(_dot(q, tl.trans(kc), IEEE) * scale_log2 - lse2[:, None]), 0.0)
-            acc += _dot(p, w_main, IEEE)
-            if C > 1:  # blocks straddling j0's start exist only when compression blocks overlap
-                p = tl.where(vis_e, tl.exp2(_dot(q, tl.trans(ke), IEEE) * scale_log2 - lse2[:, None]), 0.0)
-                acc += _dot(p, w_edge, IEEE)
+            p_sum += tl.where(vis_c, tl.exp2(_dot(q, tl.trans(kc), IEEE) * scale_log2 - lse2[:, None]), 0.0)
+        acc = carry + _dot(p_sum, _overlap(ic, offs_j, R, C), IEEE)
+        if C > 1:  # blocks straddling the next tile's start exist only when compression blocks overlap
+            carry = _dot(p_sum, _overlap(ic, offs_j + BJ, R, C), IEEE)
         if MASKED:
             own = (offs_m // SELECT_LEN)[:, None]  # the query's own selection block
             jj = offs_j[None, :]
@@ -313,6 +310,20 @@ def _scores_kernel(
             out = SCORES + (b * T * H + h) * NS + offs_m[:, None] * (H * NS) + offs_j[None, :]
             tl.store(out, tl.full([BM, BJ], float("-inf"), tl.float32),
                      mask=row_ok[:, None] & (offs_j[None, :] < NS))  # fmt: skip
+
+
+# the score kernel's launch shapes on a GPU, chosen by timing at the first call of each
+# (T rounded up to a power of two, G, D, l, d, l', masked) and kept for the process: queries per
+# program, selection blocks per tile, warps, and software-pipelining stages of the head loop
+SCORES_CONFIGS = [
+    triton.Config({"BM": bm, "BJ": bj}, num_warps=w, num_stages=st)
+    for bm, bj, w, st in (
+        (64, 16, 8, 1), (64, 16, 8, 2), (64, 16, 8, 3), (64, 32, 8, 1), (64, 32, 8, 2), (64, 32, 8, 3),
+    )  # no spills at D = 128 offline; 4 warps, BM = 128 or BM = 32 spill (sm90_check)
+]  # fmt: skip
+_scores_tuned = triton.autotune(
+    SCORES_CONFIGS, key=["T_BUCKET", "G", "D", "STRIDE", "BLOCK_LEN", "SELECT_LEN", "MASKED", "IEEE"]
+)(_scores_kernel)
 
 
 @triton.jit

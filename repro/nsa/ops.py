@@ -205,6 +205,10 @@ def sliding_window_attention(
 # Selection: block scores (Eqs. 8-10) and the selected branch
 
 
+# the score kernel's tile under the CPU interpreter (tests set BJ = 32, the GPU configs' other tile)
+SCORES_INTERP_TILE = {"BM": 16, "BJ": 16}
+
+
 def selection_scores(
     q: torch.Tensor,
     k_cmp: torch.Tensor,
@@ -219,8 +223,8 @@ def selection_scores(
     """Block importance p_slc' (Eqs. 8-10) with a Triton kernel. Returns [B, T, H, Ns] float32.
 
     q [B, T, HQ, D]; k_cmp [B, Nc, H, D]; lse_cmp [B, T, HQ] from :func:`compressed_attention`. Needs
-    l'/d a power of two and l/d <= 17 (the kernel's tiles: 16 selection blocks against 16 l'/d
-    compression blocks, plus 16 before them). On a GPU the small matmuls run in tf32 for 16-bit inputs:
+    l'/d a power of two and l/d <= 17 (the kernel's tiles: at least 16 selection blocks of l'/d
+    compression blocks each; a block's last l/d - 1 pieces overlap the next tile). On a GPU the small matmuls run in tf32 for 16-bit inputs:
     scores within about 1e-3 relative, enough to rank blocks.
 
     ``mask = (n_initial, n_local)``: the kernel also applies Eq. 11's masks (see
@@ -247,16 +251,22 @@ def selection_scores(
         )
     q, k_cmp, lse_cmp = q.contiguous(), k_cmp.contiguous(), lse_cmp.float().contiguous()
     scores = torch.empty(b, t, h, num_blocks, device=q.device, dtype=torch.float32)
-    bm = 16 if _interp() else 64
     n_initial, n_local = mask if mask is not None else (0, 0)
-    kn._scores_kernel[(triton.cdiv(t, bm), b * h)](
+    args = (
         q, k_cmp, lse_cmp, scores,
         q.stride(0), q.stride(1), q.stride(2), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
-        t, k_cmp.shape[1], num_blocks, h, hq // h, _scale(scale, d) * kn.LOG2E,
-        STRIDE=stride, BLOCK_LEN=block_len, SELECT_LEN=select_len, D=d, BM=bm, BJ=16,
-        EDGE=16, IEEE=_ieee(q), MASKED=mask is not None, N_INITIAL=n_initial, N_LOCAL=n_local,
-        num_warps=8 if d >= 64 else 4, num_stages=1,
+        t, k_cmp.shape[1], num_blocks, h, hq // h, _scale(scale, d) * kn.LOG2E, triton.next_power_of_2(t),
     )  # fmt: skip
+    consts = dict(
+        STRIDE=stride, BLOCK_LEN=block_len, SELECT_LEN=select_len, D=d, IEEE=_ieee(q),
+        MASKED=mask is not None, N_INITIAL=n_initial, N_LOCAL=n_local,
+    )  # fmt: skip
+    if _interp():  # one small shape; the GPU times kn.SCORES_CONFIGS at the first call
+        tile = SCORES_INTERP_TILE
+        kn._scores_kernel[(triton.cdiv(t, tile["BM"]), b * h)](*args, **consts, **tile, num_warps=4)
+    else:
+        grid = lambda meta: (triton.cdiv(t, meta["BM"]), b * h)  # noqa: E731
+        kn._scores_tuned[grid](*args, **consts)
     return scores
 
 

@@ -41,10 +41,10 @@ def cases(dt: str) -> list[tuple]:
             out.append((f"strided_{kname}[{name}]", kern, grads, {**geo, "BM": 64, "BN": 64}, 8, 2))
     for l, d, lp in ((32, 16, 64), (64, 64, 64)):
         out.append((f"scores[l={l},d={d}]", kn._scores_kernel, {"Q": p, "KC": p, "LSE": "*fp32", "SCORES": "*fp32"},
-                    dict(STRIDE=d, BLOCK_LEN=l, SELECT_LEN=lp, D=128, BM=64, BJ=16, EDGE=16, IEEE=fp32), 8, 1))  # fmt: skip
+                    dict(STRIDE=d, BLOCK_LEN=l, SELECT_LEN=lp, D=128, BM=64, BJ=16, IEEE=fp32), 8, 2))  # fmt: skip
         out.append((f"scores_masked[l={l},d={d}]", kn._scores_kernel, {"Q": p, "KC": p, "LSE": "*fp32", "SCORES": "*fp32"},
-                    dict(STRIDE=d, BLOCK_LEN=l, SELECT_LEN=lp, D=128, BM=64, BJ=16, EDGE=16, IEEE=fp32,
-                         MASKED=True, N_INITIAL=1, N_LOCAL=2), 8, 1))  # fmt: skip
+                    dict(STRIDE=d, BLOCK_LEN=l, SELECT_LEN=lp, D=128, BM=64, BJ=16, IEEE=fp32,
+                         MASKED=True, N_INITIAL=1, N_LOCAL=2), 8, 2))  # fmt: skip
     out.append(("sort_picks", kn._sort_picks_kernel, {"TOP_VAL": "*fp32", "TOP_IDX": "*i64", "BI": "*i32"},
                 dict(BR=32, BSEL=16), 4, 1))  # fmt: skip
     slc = dict(D=128, BS=64, BG=16, IEEE=fp32)

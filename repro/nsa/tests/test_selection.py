@@ -125,3 +125,28 @@ def test_selection_is_two_kernels_and_one_topk():
     work = [op for op in recorded if op not in FREE_OPS]
     assert work == ["topk.default"], f"selection dispatched {work} besides its two kernels"
     assert idx.shape == (1, 40, 2, SMALL.n_select)
+
+
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.parametrize("t", [150, 157])
+def test_scores_equal_at_every_tile_width(t, monkeypatch):
+    """The GPU picks the score kernel's tile by timing (kn.SCORES_CONFIGS: 16 or 32 selection blocks
+    per tile); both widths give the reference's scores. l/d = 2: each tile's last compression block
+    also scores the next tile's first selection block (the kernel carries that share across tiles),
+    and 38-40 blocks span three 16-block tiles or two 32-block ones."""
+    assert {c.kwargs["BJ"] for c in kn.SCORES_CONFIGS} == {16, 32}
+    gen = torch.Generator().manual_seed(t)
+    q, k_cmp, lse = _scores(gen, 1, t, 4, 2, TINY)
+    ns = -(-t // TINY.select_len)
+    want = ref.selection_scores(
+        q.cpu(), k_cmp.cpu(), lse.cpu(), ns, TINY.block_len, TINY.stride, TINY.select_len
+    )
+    for bj in (16, 32):
+        monkeypatch.setattr(ops, "SCORES_INTERP_TILE", {"BM": 16, "BJ": bj})
+        got = ops.selection_scores(q, k_cmp, lse, ns, TINY.block_len, TINY.stride, TINY.select_len).cpu()
+        # up to each query's own block: the entries after a tile's last query are left unwritten
+        upto_own = (torch.arange(ns)[None, :] <= (torch.arange(t) // TINY.select_len)[:, None])[
+            None, :, None, :
+        ]
+        upto_own = upto_own.expand_as(want)
+        torch.testing.assert_close(got[upto_own], want[upto_own], rtol=1e-5, atol=1e-6, msg=f"BJ={bj}")
