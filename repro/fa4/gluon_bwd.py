@@ -49,7 +49,9 @@ Layout: q, do, dq [B, S_Q, H, D]; k, v, dk, dv [B, S_K, H_KV, D]; TMA descriptor
 
 from __future__ import annotations
 
+import json
 import math
+import os
 
 import torch
 
@@ -378,9 +380,12 @@ def _layouts(d: int, block_m: int, gdt):
 #: The first run on an H100 (2026-11-25, torch 2.11, Triton 3.6, CUDA 13) ended at the first case of
 #: the GPU matrix (D = 128, not causal, bf16, behind the Gluon forward) in "CUDA error: an illegal
 #: instruction was encountered", which leaves the process's CUDA context unusable. Until that is
-#: found, bwd="gluon" is refused on the GPU too (set False to run it while debugging) and its GPU
-#: tests are expected failures that are not run.
-KNOWN_BROKEN_ON_GPU = True
+#: found, bwd="gluon" is refused on the GPU too (set False, or FA4_GLUON_BWD_TRY=1 in the
+#: environment, to run it while debugging) and its GPU tests are expected failures that are not run.
+#: The bisect of the next run (2026-11-25, S = 512, H = 2, D = 128, bf16, lse from the reference)
+#: ran every variant, the whole kernel included (5e-4 from the FA2 backward): the fault is
+#: specific to a shape or to the pairing; ``sweep`` runs the matrix's cases one by one to find it.
+KNOWN_BROKEN_ON_GPU = os.environ.get("FA4_GLUON_BWD_TRY", "") != "1"
 
 
 def check_device(q: torch.Tensor) -> None:
@@ -563,7 +568,6 @@ def bisect_one(skip: int, d: int = 128, causal: bool = False, seqlen: int = 512)
 def bisect(out: str | None = None, timeout_s: float = 120.0) -> list[dict]:
     """Each BISECT variant in its own process (a fault leaves the CUDA context unusable), with a
     time limit (a hang is a result too)."""
-    import json
     import subprocess
     import sys
 
@@ -592,8 +596,109 @@ def bisect(out: str | None = None, timeout_s: float = 120.0) -> list[dict]:
     return rows
 
 
+def sweep_one(d: int, causal: bool, dtype: str, fwd: str, start: int) -> None:
+    """The GPU matrix's shapes (tests/test_gpu_bwd.SHAPES) from index ``start`` on, through the public
+    ``attention(..., bwd="gluon")``, one JSON line per shape as soon as it finishes: gradients'
+    largest relative error against the FA2 Triton backward on the same forward. A fault kills the
+    process after the last line it printed, which names the shape before the one that faulted."""
+    from repro.fa4 import attention
+    from repro.fa4.tests.test_gpu_bwd import SHAPES
+
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    for i, (b, s_q, s_k, h, h_kv) in enumerate(SHAPES):
+        if i < start or (causal and s_q > s_k):
+            continue
+        g = torch.Generator().manual_seed(i)
+        q, k, v = (
+            torch.randn(b, s, n, d, generator=g).to("cuda", dt)
+            for s, n in ((s_q, h), (s_k, h_kv), (s_k, h_kv))
+        )
+        do = torch.randn(b, s_q, h, d, generator=g).to("cuda", dt)
+        grads = []
+        for bwd in ("fa2", "gluon"):
+            leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+            out = attention(*leaves, causal=causal, bwd=bwd, gluon=fwd == "gluon")
+            grads.append(torch.autograd.grad(out, leaves, do))
+            torch.cuda.synchronize()
+        err = max(
+            float((a.float() - r.float()).norm() / r.float().norm().clamp_min(1e-30))
+            for a, r in zip(grads[1], grads[0], strict=True)
+        )
+        row = {
+            "d": d,
+            "causal": causal,
+            "dtype": dtype,
+            "fwd": fwd,
+            "shape": i,
+            "B_Sq_Sk_H_Hkv": [b, s_q, s_k, h, h_kv],
+        }
+        print(json.dumps({**row, "status": "ran", "rel_err_vs_fa2": err}), flush=True)
+
+
+#: behind the Gluon forward first (the pairing that faulted, and the one the benchmark times), D = 128 first
+SWEEP_GROUPS = [
+    (d, c, t, f)
+    for f in ("gluon", "triton")
+    for d in (128, 64)
+    for c in (False, True)
+    for t in ("bf16", "fp16")
+]
+
+
+def sweep(out: str | None = None, timeout_s: float = 90.0, budget_s: float = 300.0) -> list[dict]:
+    """Every (head dim, causal, dtype, forward) group of the GPU matrix in its own process, shape by
+    shape (``sweep_one``); where a process dies or hangs, the shape after its last line is recorded as
+    the one that faulted and the group goes on from the next shape in a new process."""
+    import subprocess
+    import sys
+    import time
+
+    from repro.fa4.tests.test_gpu_bwd import SHAPES
+
+    rows, t_end = [], time.monotonic() + budget_s
+    for d, causal, dtype, fwd in SWEEP_GROUPS:
+        start = 0
+        while start < len(SHAPES):
+            if time.monotonic() > t_end:
+                rows.append(
+                    {"d": d, "causal": causal, "dtype": dtype, "fwd": fwd, "status": "not run: budget"}
+                )
+                break
+            args = ["--sweep-one", str(d), str(int(causal)), dtype, fwd, str(start)]
+            cmd = [sys.executable, "-m", "repro.fa4.gluon_bwd", *args]
+            try:
+                env = {**os.environ, "FA4_GLUON_BWD_TRY": "1"}  # for the module attention() dispatches to
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+                text, failed, status = r.stdout, r.returncode != 0, f"failed (exit {r.returncode})"
+                err = (r.stderr or "")[-400:]
+            except subprocess.TimeoutExpired as exc:
+                text = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+                failed, status, err = True, f"timeout after {timeout_s:.0f} s", ""
+            done = [json.loads(ln) for ln in text.splitlines() if ln.startswith("{")]
+            rows.extend(done)
+            for row in done:
+                print(json.dumps(row), flush=True)
+            if not failed:
+                break
+            last = done[-1]["shape"] if done else start - 1
+            nxt = next(
+                (i for i in range(last + 1, len(SHAPES)) if not (causal and SHAPES[i][1] > SHAPES[i][2])),
+                None,
+            )
+            if nxt is None:
+                break
+            bad = {"d": d, "causal": causal, "dtype": dtype, "fwd": fwd, "shape": nxt,
+                   "B_Sq_Sk_H_Hkv": list(SHAPES[nxt]), "status": status, "error": err}  # fmt: skip
+            print(json.dumps(bad), flush=True)
+            rows.append(bad)
+            start = nxt + 1
+    if out:
+        with open(out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
+
+
 if __name__ == "__main__":
-    import json
     import sys
 
     if (
@@ -601,6 +706,15 @@ if __name__ == "__main__":
     ):  # on an H100: python -m repro.fa4.gluon_bwd --bisect [OUT]
         KNOWN_BROKEN_ON_GPU = False
         bisect(sys.argv[2] if len(sys.argv) > 2 else None)
+    elif len(sys.argv) > 1 and sys.argv[1] == "--sweep":  # on an H100: --sweep [OUT]
+        KNOWN_BROKEN_ON_GPU = False
+        sweep(sys.argv[2] if len(sys.argv) > 2 else None)
+    elif len(sys.argv) > 6 and sys.argv[1] == "--sweep-one":
+        import repro.fa4.gluon_bwd as dispatched  # the module attention(bwd="gluon") calls, not __main__
+
+        dispatched.KNOWN_BROKEN_ON_GPU = False
+        a = sys.argv[2:]
+        sweep_one(int(a[0]), bool(int(a[1])), a[2], a[3], int(a[4]))
     elif len(sys.argv) > 2 and sys.argv[1] == "--bisect-one":
         KNOWN_BROKEN_ON_GPU = False
         print(json.dumps(bisect_one(int(sys.argv[2]))), flush=True)
