@@ -706,9 +706,12 @@ if __name__ == "__main__":
     ):  # on an H100: python -m repro.fa4.gluon_bwd --bisect [OUT]
         KNOWN_BROKEN_ON_GPU = False
         bisect(sys.argv[2] if len(sys.argv) > 2 else None)
-    elif len(sys.argv) > 1 and sys.argv[1] == "--sweep":  # on an H100: --sweep [OUT]
+    elif len(sys.argv) > 1 and sys.argv[1] == "--sweep":  # on an H100: --sweep [OUT [BUDGET_S]]
         KNOWN_BROKEN_ON_GPU = False
-        sweep(sys.argv[2] if len(sys.argv) > 2 else None)
+        sweep(
+            sys.argv[2] if len(sys.argv) > 2 else None,
+            budget_s=float(sys.argv[3]) if len(sys.argv) > 3 else 300.0,
+        )
     elif len(sys.argv) > 6 and sys.argv[1] == "--sweep-one":
         import repro.fa4.gluon_bwd as dispatched  # the module attention(bwd="gluon") calls, not __main__
 
