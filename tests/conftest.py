@@ -61,12 +61,71 @@ def build_site(root: Path, out: Path) -> subprocess.CompletedProcess:
     )
 
 
+# the session that test_cli scaffolds with `paperclub new-session`, and into the site that built_site builds
+NEW = [
+    "new-session",
+    "--title",
+    "Demystifying collectives",
+    "--date",
+    "2026-12-06",
+    "--presenter",
+    "Ada Lovelace",
+    "--arxiv",
+    "2612.01234",
+    "--paper-title",
+    "A Study of Collective Algorithms",
+    "--paper-author",
+    "Hopper, Grace",
+    "--paper-year",
+    "2026",
+    "--tag",
+    "collectives",
+    "--summary",
+    "We read about ring and tree all-reduce.",
+]
+
+
+def copy_repository(dest: Path) -> None:
+    """The working tree's files (tracked and untracked, not ignored) into ``dest``, with the vendored
+    node_modules linked and the executed-notebook cache copied (notebooks already run for this content)."""
+    files = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    for rel in files.stdout.splitlines():
+        src = ROOT / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+    (dest / "site" / "vendor" / "node_modules").symlink_to(ROOT / "site" / "vendor" / "node_modules")
+    if (ROOT / "build" / "nbcache").is_dir():
+        shutil.copytree(ROOT / "build" / "nbcache", dest / "build" / "nbcache")
+
+
 @pytest.fixture(scope="session")
 def built_site(tmp_path_factory) -> Path:
-    """The real repository's site, built once per test session (strict)."""
+    """The real repository's site, built once per test session (strict), from a copy of the working tree
+    in which `paperclub new-session` (NEW) scaffolded one more session.
+
+    One build serves both the site and browser tests, which look only at the real content (the extra
+    session and paper page add to the site and take nothing away), and test_cli's check that the
+    scaffolded session appears in the built site: the build is the slowest step of the suite."""
+    repo = tmp_path_factory.mktemp("checkout") / "repo"
+    repo.mkdir()
+    copy_repository(repo)
+    made = paperclub("--root", str(repo), *NEW)
+    if made.returncode != 0:
+        pytest.fail(
+            f"paperclub new-session failed in the copy of the repository:\n{made.stdout}\n{made.stderr}"
+        )
     out = tmp_path_factory.mktemp("site")
-    result = build_site(ROOT, out)
+    result = build_site(repo, out)
     if result.returncode != 0:
         pytest.fail(f"mkdocs build --strict failed:\n{result.stdout}\n{result.stderr}")
     out.joinpath(".build-log").write_text(result.stdout + result.stderr)
+    # keep the notebooks this build executed for the next run, as a build in the checkout itself would
+    cache = ROOT / "build" / "nbcache"
+    cache.mkdir(parents=True, exist_ok=True)
+    for f in (repo / "build" / "nbcache").glob("*.json"):
+        if not (cache / f.name).exists():
+            shutil.copy2(f, cache / f.name)
     return out

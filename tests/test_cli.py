@@ -14,29 +14,7 @@ from pathlib import Path
 import pytest
 
 from paperclub import ROOT, cli
-from tests.conftest import build_site, make_repo, paperclub
-
-NEW = [
-    "new-session",
-    "--title",
-    "Demystifying collectives",
-    "--date",
-    "2026-12-06",
-    "--presenter",
-    "Ada Lovelace",
-    "--arxiv",
-    "2612.01234",
-    "--paper-title",
-    "A Study of Collective Algorithms",
-    "--paper-author",
-    "Hopper, Grace",
-    "--paper-year",
-    "2026",
-    "--tag",
-    "collectives",
-    "--summary",
-    "We read about ring and tree all-reduce.",
-]
+from tests.conftest import NEW, make_repo, paperclub
 
 
 def test_scaffolded_session_passes_check(tmp_path):
@@ -98,31 +76,11 @@ def test_prompts_ask_for_what_is_missing(tmp_path, monkeypatch, capsys):
     assert (root / "sessions" / "2026-12-20-prompted-session" / "session.yaml").exists()
 
 
-def _copy_repository(dest):
-    files = subprocess.run(
-        ["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True, check=True
-    )
-    for rel in files.stdout.splitlines():
-        src = ROOT / rel
-        if src.is_file():
-            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dest / rel)
-    (dest / "site" / "vendor" / "node_modules").symlink_to(ROOT / "site" / "vendor" / "node_modules")
-    if (ROOT / "build" / "nbcache").is_dir():  # notebooks already executed for this content
-        shutil.copytree(ROOT / "build" / "nbcache", dest / "build" / "nbcache")
-
-
 @pytest.mark.slow
-def test_scaffolded_session_appears_in_the_built_site(tmp_path):
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    _copy_repository(repo)
-    made = paperclub("--root", str(repo), *NEW)
-    assert made.returncode == 0, made.stderr
-    # the scaffold's placeholder paper page gets a summary, as its presenter would write
-    out = tmp_path / "out"
-    result = build_site(repo, out)
-    assert result.returncode == 0, result.stdout + result.stderr
+def test_scaffolded_session_appears_in_the_built_site(built_site):
+    """built_site (conftest) is a copy of this repository in which `paperclub new-session` (NEW) made
+    this session, built strictly: one build shared with the site and browser tests."""
+    out = built_site
     page = out / "sessions" / "2026-12-06-demystifying-collectives" / "index.html"
     assert page.exists()
     html = page.read_text()
