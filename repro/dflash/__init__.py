@@ -10,7 +10,8 @@ Public API:
 * :func:`generate` (target, prompt_ids ``[P]``, max_new_tokens, temperature=0.0) -> tokens
   ``[max_new_tokens]``: plain target decoding.
 * ``mode="graphs"`` (both functions): the capturable static steps of ``static.py`` replayed as CUDA
-  graphs on a CUDA target (eagerly elsewhere; ``"static"``: eagerly everywhere); default ``"eager"``.
+  graphs on a CUDA target (eagerly elsewhere; ``"static"``: eagerly everywhere); the default
+  ``"auto"`` is graphs on a CUDA target and ``"eager"`` (the plain loop) elsewhere.
 * :func:`accept_tokens`: the greedy and rejection-sampling acceptance rule, batched on the device.
 * Models (``model.py``): :class:`Target`, :class:`DFlashDrafter`, their configs; training in
   ``train.py`` (``python -m repro.dflash.train``); the corpus (the Python standard library's

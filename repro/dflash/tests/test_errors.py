@@ -22,6 +22,10 @@ def models():
         ({"block_size": 9}, "exceeds the drafter's max_block=8"),
         ({"block_size": 4, "temperature": -1.0}, "temperature must be a finite number >= 0"),
         ({"block_size": 4, "temperature": float("nan")}, "temperature must be a finite number >= 0"),
+        (
+            {"block_size": 4, "mode": "cuda-graphs"},
+            r"mode must be one of \('auto', 'eager', 'static', 'graphs'\)",
+        ),
     ],
 )
 def test_bad_speculative_args(models, kwargs, match):
@@ -67,3 +71,15 @@ def test_bad_configs():
     t = tiny_target(0, vocab=5)
     with pytest.raises(ValueError, match=r"feature_layers \(5,\) must lie in \[0, 2\)"):
         DFlashDrafter(t, DrafterConfig(feature_layers=(5,)))
+
+
+def test_auto_mode_is_eager_on_the_cpu(models, monkeypatch):
+    """The default mode, "auto", runs the eager loop on a CPU target (graphs only on a CUDA one)."""
+    from repro.dflash import speculative as spec
+
+    t, d = models
+    called = []
+    monkeypatch.setattr(spec, "_speculative_static", lambda *a, **k: called.append(a))
+    out = speculative_generate(t, d, torch.tensor([1, 2]), 5, block_size=3)
+    assert not called and out.tokens.shape == (5,)
+    assert spec._resolve_mode("auto", t) == "eager" and spec._resolve_mode("static", t) == "static"

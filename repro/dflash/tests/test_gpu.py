@@ -22,31 +22,35 @@ SEEDS, NEW = (range(1), 12) if sanitizing() else (range(3), 40)
 @pytest.mark.claim("dflash/lossless-greedy", section="Method: lossless verification")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("kind", ["dflash", "ar", "random", "oracle1"])
-def test_gpu_greedy_equals_target(kind, dtype):
+@pytest.mark.parametrize("mode", ["eager", "auto"])  # auto, the default: CUDA graphs on a CUDA target
+def test_gpu_greedy_equals_target(kind, dtype, mode):
     if sanitizing() and (dtype == torch.float64 or kind in ("random", "oracle1")):
         pytest.skip("sanitizer pass: the fp32 DFlash and AR paths cover every kernel this test launches")
     for seed in SEEDS:
         target = tiny_target(seed, vocab=11, n_layers=3, d=32, heads=4, device="cuda", dtype=dtype)
         drafter = make_drafter(kind, target, seed + 1)
         prompt = torch.randint(0, 11, (5,), generator=torch.Generator().manual_seed(seed))
-        expected = generate(target, prompt, NEW)
+        expected = generate(target, prompt, NEW, mode="eager")  # the plain loop
         for B in (2, 5, 8):
-            out = speculative_generate(target, drafter, prompt, NEW, block_size=B)
-            assert torch.equal(out.tokens, expected), (kind, B)
+            out = speculative_generate(target, drafter, prompt, NEW, block_size=B, mode=mode)
+            assert torch.equal(out.tokens, expected), (kind, B, mode)
 
 
 @pytest.mark.claim(
     "dflash/cache-equals-recompute", section="Method: target context features and KV injection"
 )
 @pytest.mark.parametrize("kind", ["dflash", "ar"])
-def test_gpu_sampling_equals_recompute(kind):
+@pytest.mark.parametrize("mode", ["eager", "auto"])
+def test_gpu_sampling_equals_recompute(kind, mode):
     target = tiny_target(5, vocab=9, n_layers=2, d=32, heads=4, device="cuda")
     drafter = make_drafter(kind, target, 6)
     prompt = torch.tensor([1, 2, 3])
     for B in (3, 6):
         g1 = torch.Generator(device="cuda").manual_seed(B)
         g2 = torch.Generator(device="cuda").manual_seed(B)
-        out = speculative_generate(target, drafter, prompt, NEW, block_size=B, temperature=1.0, generator=g1)
+        out = speculative_generate(
+            target, drafter, prompt, NEW, block_size=B, temperature=1.0, generator=g1, mode=mode
+        )
         ref, accepted = speculative_generate_reference(
             target, drafter, prompt, NEW, block_size=B, temperature=1.0, generator=g2
         )
@@ -65,10 +69,12 @@ def test_gpu_graphs_equal_eager(kind, dtype):
         )
     target = tiny_target(2, vocab=11, n_layers=3, d=32, heads=4, device="cuda", dtype=dtype)
     prompt = torch.randint(0, 11, (5,), generator=torch.Generator().manual_seed(2))
-    expected = generate(target, prompt, NEW)
+    expected = generate(target, prompt, NEW, mode="eager")
     assert torch.equal(generate(target, prompt, NEW, mode="graphs"), expected)
     for B in (2, 5, 8):
-        eager = speculative_generate(target, make_drafter(kind, target, 3), prompt, NEW, block_size=B)
+        eager = speculative_generate(
+            target, make_drafter(kind, target, 3), prompt, NEW, block_size=B, mode="eager"
+        )
         drafter = make_drafter(kind, target, 3)
         for _ in range(2):  # the second call reuses the captured graphs
             out = speculative_generate(target, drafter, prompt, NEW, block_size=B, mode="graphs")
