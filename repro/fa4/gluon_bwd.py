@@ -52,8 +52,10 @@ from __future__ import annotations
 import json
 import math
 import os
+from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from repro.fa4.gluon_fwd import GLUON_DTYPES, GLUON_ERROR, GLUON_HEAD_DIMS, HAS_GLUON
 
@@ -95,7 +97,7 @@ if HAS_GLUON:
         q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc,
         q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
         kv_ready, q_ready, do_ready, empty,
-        q_row0, kv_row, kv_col, stat_row0, h0, m_lo, total, S_Q,
+        q_row0, kv_row, kv_col, stat_row0, h0, m_lo, total, S_Q, S_STAT,
         D: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, SKIP: gl.constexpr,
     ):  # fmt: skip
         """One warp: K and V of the key block once, then (Q, LSE) and (dO, delta) of every step
@@ -110,7 +112,7 @@ if HAS_GLUON:
             # the n-th reuse of a stage waits for the n-th completion of its empty barrier; a fresh
             # barrier passes parity 1 at once
             ph = ((it // NUM_STAGES) & 1) ^ 1
-            stat = (stat_row0 + off_h) * S_Q + start_m
+            stat = (stat_row0 + off_h) * S_STAT + start_m  # LSE / delta rows are S_STAT long
             q_col = off_h * D
             mbarrier.wait(empty.index(st), ph)
             if SKIP & 16 == 0:
@@ -274,7 +276,7 @@ if HAS_GLUON:
     @gluon.jit
     def _gluon_bwd_kernel(
         q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, DQACC, DK, DV,
-        H, H_KV, GROUP, S_Q, S_K, qk_scale, sm_scale,
+        H, H_KV, GROUP, S_Q, S_K, S_STAT, qk_scale, sm_scale,
         D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
         CAUSAL: gl.constexpr, LOAD_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, SKIP: gl.constexpr = 0,
     ):  # fmt: skip
@@ -329,7 +331,7 @@ if HAS_GLUON:
                     q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc,
                     q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
                     kv_ready, q_ready, do_ready, empty,
-                    off_b * S_Q, off_b * S_K + n0, off_hk * D, off_b * H, off_hk * GROUP, m_lo, total, S_Q,
+                    off_b * S_Q, off_b * S_K + n0, off_hk * D, off_b * H, off_hk * GROUP, m_lo, total, S_Q, S_STAT,
                     D, BLOCK_M, NUM_STAGES, SKIP,
                 )),
                 (_bwd_consume, (
@@ -379,13 +381,22 @@ def _layouts(d: int, block_m: int, gdt):
 
 #: The first run on an H100 (2026-11-25, torch 2.11, Triton 3.6, CUDA 13) ended at the first case of
 #: the GPU matrix (D = 128, not causal, bf16, behind the Gluon forward) in "CUDA error: an illegal
-#: instruction was encountered", which leaves the process's CUDA context unusable. Until that is
-#: found, bwd="gluon" is refused on the GPU too (set False, or FA4_GLUON_BWD_TRY=1 in the
+#: instruction was encountered", which leaves the process's CUDA context unusable. The bisect of the
+#: next run (S = 512, H = 2, D = 128, bf16, lse from the reference) ran every variant, the whole
+#: kernel included (1.2e-4 from the FA2 backward); ``sweep`` then found every matrix shape with
+#: S_q in {1, 113} faulting and every one with S_q in {1000, 2048} right (D = 128). Until that is
+#: understood, bwd="gluon" is refused on the GPU too (set False, or FA4_GLUON_BWD_TRY=1 in the
 #: environment, to run it while debugging) and its GPU tests are expected failures that are not run.
-#: The bisect of the next run (2026-11-25, S = 512, H = 2, D = 128, bf16, lse from the reference)
-#: ran every variant, the whole kernel included (5e-4 from the FA2 backward): the fault is
-#: specific to a shape or to the pairing; ``sweep`` runs the matrix's cases one by one to find it.
 KNOWN_BROKEN_ON_GPU = os.environ.get("FA4_GLUON_BWD_TRY", "") != "1"
+
+#: The suspected cause (a hypothesis, not yet tested on a GPU): the LSE and delta tiles are 1-D TMA
+#: copies of BLOCK_M entries from [B * H * S_q] vectors, starting at (b H + h) S_q + m. Every shape
+#: that faulted has S_q * 4 bytes not a multiple of 16 (S_q = 1, 113), every one that ran has it
+#: (512, 1000, 2048), so the boxes of every head but the first start off 16-byte alignment. With
+#: PAD_STATS each head's row is padded to a multiple of BLOCK_M (copies of B * H * S_q floats, small
+#: beside the backward); FA4_GLUON_BWD_PAD_STATS=0 turns it off, so that the next GPU run can test
+#: the hypothesis both ways (``sweep`` with its boundary shapes).
+PAD_STATS = os.environ.get("FA4_GLUON_BWD_PAD_STATS", "1") != "0"
 
 
 def check_device(q: torch.Tensor) -> None:
@@ -409,6 +420,17 @@ def check_device(q: torch.Tensor) -> None:
             "leaves the CUDA context unusable; use bwd='fused' or 'fa2', or set "
             "repro.fa4.gluon_bwd.KNOWN_BROKEN_ON_GPU = False to run it while debugging"
         )
+
+
+def pad_stats(lse: torch.Tensor, delta: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """LSE and delta [B, H, S_q] with each head's row zero-padded to a whole number of ``block_m``
+    tiles, and that row length: every 1-D TMA box of ``block_m`` entries then starts 16-byte aligned
+    and inside its own head's row (see PAD_STATS). Unchanged where S_q is already a multiple."""
+    s_q = lse.shape[-1]
+    s_stat = -(-s_q // block_m) * block_m
+    if s_stat == s_q:
+        return lse, delta, s_q
+    return F.pad(lse, (0, s_stat - s_q)), F.pad(delta, (0, s_stat - s_q)), s_stat
 
 
 def gluon_attention_backward(
@@ -447,6 +469,7 @@ def gluon_attention_backward(
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
     delta, dq_acc = preprocess(o, do)
     lse = lse.contiguous()
+    lse, delta, s_stat = pad_stats(lse, delta, bm) if PAD_STATS else (lse, delta, s_q)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     qo_layout, kv_layout, vec_layout = _layouts(
         d, bm, {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[q.dtype]
@@ -460,7 +483,7 @@ def gluon_attention_backward(
     lse_desc, delta_desc = (desc(t.view(-1), [bm], vec_layout) for t in (lse, delta))
     _gluon_bwd_kernel[(-(-s_k // BLOCK_N), b * h_kv)](
         q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, dq_acc, dk, dv,
-        h, h_kv, h // h_kv, s_q, s_k, scale / math.log(2.0), scale, **cx, num_warps=4,
+        h, h_kv, h // h_kv, s_q, s_k, s_stat, scale / math.log(2.0), scale, **cx, num_warps=4,
     )  # fmt: skip
     return dq_acc.to(q.dtype), dk, dv
 
@@ -488,7 +511,7 @@ def compile_for_sm90(d: int, causal: bool, dtype: str = "bf16", block_m: int | N
         "k_desc": f"tensordesc<{dtype}[{BLOCK_N}, {d}],{kv_layout!r}>",
         "v_desc": f"tensordesc<{dtype}[{BLOCK_N}, {d}],{kv_layout!r}>",
         "DQACC": "*fp32", "DK": f"*{dtype}", "DV": f"*{dtype}",
-        "H": "i32", "H_KV": "i32", "GROUP": "i32", "S_Q": "i32", "S_K": "i32",
+        "H": "i32", "H_KV": "i32", "GROUP": "i32", "S_Q": "i32", "S_K": "i32", "S_STAT": "i32",
         "qk_scale": "fp32", "sm_scale": "fp32",
         **{name: "constexpr" for name in cx},
     }  # fmt: skip
@@ -541,23 +564,29 @@ COMPILE_CASES = [[d, c, t] for d in GLUON_HEAD_DIMS for c in (False, True) for t
 BISECT = (0, 1, 2, 3, 4, 8, 16, 2 | 4, 2 | 4 | 8, 1 | 2 | 4 | 8 | 16)
 
 
-def bisect_one(skip: int, d: int = 128, causal: bool = False, seqlen: int = 512) -> dict:
-    """Run the kernel once with ``skip`` on the GPU (B=1, H=2, bf16); report whether it finished
-    and, for skip 0, its gradients' largest relative error against the FA2 Triton backward."""
+def bisect_one(
+    skip: int, d: int = 128, causal: bool = False, shape: tuple[int, ...] = (1, 512, 512, 2, 2)
+) -> dict:
+    """Run the kernel once with ``skip`` on the GPU at ``shape`` (B, S_q, S_k, H, H_kv; bf16); report
+    whether it finished and, for skip 0, its gradients' largest relative error against the FA2
+    Triton backward."""
     from repro.fa4 import attention
 
+    b, s_q, s_k, h, h_kv = shape
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = (
-        torch.randn(1, seqlen, 2, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4)
+        torch.randn(b, s, n, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        for s, n in ((s_q, h), (s_k, h_kv), (s_k, h_kv), (s_q, h))
     )
     scale = d**-0.5
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
     o = attention(*leaves, causal=causal, bwd="fa2")
     ref = torch.autograd.grad(o, leaves, do)
-    # the forward's base-2 log-sum-exp, from the reference softmax (fp32)
-    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * scale
-    if causal:
-        s = s.masked_fill(torch.ones(seqlen, seqlen, device="cuda").triu(1).bool(), float("-inf"))
+    # the forward's base-2 log-sum-exp [B, H, S_q], from the reference softmax (fp32)
+    kk = k.float().repeat_interleave(h // h_kv, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), kk) * scale
+    if causal:  # bottom-right aligned, as attention() does for S_q < S_k
+        s = s.masked_fill(torch.ones(s_q, s_k, device="cuda").triu(s_k - s_q + 1).bool(), float("-inf"))
     lse = torch.logsumexp(s, dim=-1) / math.log(2.0)
     got = gluon_attention_backward(do, q, k, v, o.detach(), lse.contiguous(), causal, scale, skip=skip)
     torch.cuda.synchronize()
@@ -565,15 +594,15 @@ def bisect_one(skip: int, d: int = 128, causal: bool = False, seqlen: int = 512)
     return {"skip": skip, "status": "ran", "rel_err": err}
 
 
-def bisect(out: str | None = None, timeout_s: float = 120.0) -> list[dict]:
+def bisect(out: str | None = None, timeout_s: float = 120.0, shape: str = "1,512,512,2,2") -> list[dict]:
     """Each BISECT variant in its own process (a fault leaves the CUDA context unusable), with a
-    time limit (a hang is a result too)."""
+    time limit (a hang is a result too), at ``shape`` "B,S_q,S_k,H,H_kv"."""
     import subprocess
     import sys
 
     rows = []
     for skip in BISECT:
-        cmd = [sys.executable, "-m", "repro.fa4.gluon_bwd", "--bisect-one", str(skip)]
+        cmd = [sys.executable, "-m", "repro.fa4.gluon_bwd", "--bisect-one", str(skip), shape]
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
             lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
@@ -596,8 +625,8 @@ def bisect(out: str | None = None, timeout_s: float = 120.0) -> list[dict]:
     return rows
 
 
-def sweep_one(d: int, causal: bool, dtype: str, fwd: str, start: int) -> None:
-    """The GPU matrix's shapes (tests/test_gpu_bwd.SHAPES) from index ``start`` on, through the public
+def sweep_one(d: int, causal: bool, dtype: str, fwd: str, start: int, shapes: list | None = None) -> None:
+    """The GPU matrix's shapes (tests/test_gpu_bwd.SHAPES, or ``shapes``) from index ``start`` on, through the public
     ``attention(..., bwd="gluon")``, one JSON line per shape as soon as it finishes: gradients'
     largest relative error against the FA2 Triton backward on the same forward. A fault kills the
     process after the last line it printed, which names the shape before the one that faulted."""
@@ -605,7 +634,7 @@ def sweep_one(d: int, causal: bool, dtype: str, fwd: str, start: int) -> None:
     from repro.fa4.tests.test_gpu_bwd import SHAPES
 
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    for i, (b, s_q, s_k, h, h_kv) in enumerate(SHAPES):
+    for i, (b, s_q, s_k, h, h_kv) in enumerate(shapes or SHAPES):
         if i < start or (causal and s_q > s_k):
             continue
         g = torch.Generator().manual_seed(i)
@@ -645,18 +674,36 @@ SWEEP_GROUPS = [
 ]
 
 
-def sweep(out: str | None = None, timeout_s: float = 90.0, budget_s: float = 300.0) -> list[dict]:
+#: The H100 sweep of 2026-11-25 (D = 128, behind the Gluon forward, bf16 and fp16, causal or not):
+#: every matrix shape with S_q in {1, 113} faulted ("an illegal instruction"), every one with S_q in
+#: {1000, 2048} ran (1e-5 to 1e-4 from the FA2 backward), whatever S_k, B and the GQA group. These
+#: shapes (B, S_q, S_k, H, H_kv) find the S_q boundary and whether the group size matters.
+BOUNDARY_SHAPES = [
+    *[(1, s, s, 2, 2) for s in (1, 64, 65, 113, 127, 128, 129, 192, 255, 256, 257, 384, 511)],
+    (1, 113, 113, 8, 2), (1, 256, 256, 8, 2), (1, 1000, 1000, 2, 2),
+]  # fmt: skip
+
+
+def sweep(
+    out: str | None = None,
+    timeout_s: float = 90.0,
+    budget_s: float = 300.0,
+    shapes: list | None = None,
+) -> list[dict]:
     """Every (head dim, causal, dtype, forward) group of the GPU matrix in its own process, shape by
     shape (``sweep_one``); where a process dies or hangs, the shape after its last line is recorded as
-    the one that faulted and the group goes on from the next shape in a new process."""
+    the one that faulted and the group goes on from the next shape in a new process. With ``shapes``,
+    those shapes in the first group only (D = 128, not causal, bf16, Gluon forward). ``out``: a
+    directory for the Report (``<device>-gluon-bwd-sweep.json`` or ``-boundary.json``)."""
     import subprocess
     import sys
     import time
 
-    from repro.fa4.tests.test_gpu_bwd import SHAPES
+    from repro.fa4.tests.test_gpu_bwd import SHAPES as MATRIX
 
+    SHAPES = [list(x) for x in shapes] if shapes else MATRIX
     rows, t_end = [], time.monotonic() + budget_s
-    for d, causal, dtype, fwd in SWEEP_GROUPS:
+    for d, causal, dtype, fwd in SWEEP_GROUPS[:1] if shapes else SWEEP_GROUPS:
         start = 0
         while start < len(SHAPES):
             if time.monotonic() > t_end:
@@ -664,13 +711,13 @@ def sweep(out: str | None = None, timeout_s: float = 90.0, budget_s: float = 300
                     {"d": d, "causal": causal, "dtype": dtype, "fwd": fwd, "status": "not run: budget"}
                 )
                 break
-            args = ["--sweep-one", str(d), str(int(causal)), dtype, fwd, str(start)]
+            args = ["--sweep-one", str(d), str(int(causal)), dtype, fwd, str(start), json.dumps(SHAPES)]
             cmd = [sys.executable, "-m", "repro.fa4.gluon_bwd", *args]
             try:
                 env = {**os.environ, "FA4_GLUON_BWD_TRY": "1"}  # for the module attention() dispatches to
                 r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
                 text, failed, status = r.stdout, r.returncode != 0, f"failed (exit {r.returncode})"
-                err = (r.stderr or "")[-400:]
+                err = (r.stderr or "")[-600:]
             except subprocess.TimeoutExpired as exc:
                 text = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
                 failed, status, err = True, f"timeout after {timeout_s:.0f} s", ""
@@ -693,9 +740,52 @@ def sweep(out: str | None = None, timeout_s: float = 90.0, budget_s: float = 300
             rows.append(bad)
             start = nxt + 1
     if out:
-        with open(out, "w") as f:
-            json.dump(rows, f, indent=1)
+        tag = "gluon-bwd-boundary" if shapes else "gluon-bwd-sweep"
+        sweep_report(rows, tag).write(tag=tag, out_dir=Path(out))
     return rows
+
+
+SWEEP_COLUMNS = [
+    "d",
+    "causal",
+    "dtype",
+    "fwd",
+    "shape",
+    "B",
+    "S_q",
+    "S_k",
+    "H",
+    "H_kv",
+    "status",
+    "rel_err_vs_fa2",
+]
+
+
+def sweep_report(rows: list[dict], what: str, measure_ceilings: bool = True):
+    """``sweep``'s rows as a paperclub Report (one row per shape: ran with its error against the FA2
+    backward, or the process's fault; groups the budget did not reach as one row each)."""
+    from paperclub.bench import Report
+
+    rep = Report(
+        package="fa4",
+        title=f"Gluon backward on the GPU matrix's shapes, one process per group ({what})",
+        columns=SWEEP_COLUMNS,
+        peer="the FA2 Triton backward on the same forward (rel_err_vs_fa2: largest over dq, dk, dv)",
+        notes="status 'failed (exit 1): an illegal instruction': the kernel faulted at that shape (the "
+        "process's stderr says so); 'not run: budget': the call's budget ended before that group",
+        measure_ceilings=measure_ceilings,
+    )
+    for r in rows:
+        b, s_q, s_k, h, h_kv = r.get("B_Sq_Sk_H_Hkv") or [None] * 5
+        status = r["status"]
+        err = r.get("error", "").lower().replace(" ", "")
+        if status.startswith("failed") and "illegalinstruction" in err:
+            status += ": an illegal instruction"
+        rep.add(
+            d=r["d"], causal=r["causal"], dtype=r["dtype"], fwd=r["fwd"], shape=r.get("shape"),
+            B=b, S_q=s_q, S_k=s_k, H=h, H_kv=h_kv, status=status, rel_err_vs_fa2=r.get("rel_err_vs_fa2"),
+        )  # fmt: skip
+    return rep
 
 
 if __name__ == "__main__":
@@ -703,24 +793,31 @@ if __name__ == "__main__":
 
     if (
         len(sys.argv) > 1 and sys.argv[1] == "--bisect"
-    ):  # on an H100: python -m repro.fa4.gluon_bwd --bisect [OUT]
+    ):  # on an H100: python -m repro.fa4.gluon_bwd --bisect [OUT [B,S_q,S_k,H,H_kv]]
         KNOWN_BROKEN_ON_GPU = False
-        bisect(sys.argv[2] if len(sys.argv) > 2 else None)
-    elif len(sys.argv) > 1 and sys.argv[1] == "--sweep":  # on an H100: --sweep [OUT [BUDGET_S]]
+        bisect(
+            sys.argv[2] if len(sys.argv) > 2 else None,
+            shape=sys.argv[3] if len(sys.argv) > 3 else "1,512,512,2,2",
+        )
+    elif (
+        len(sys.argv) > 1 and sys.argv[1] == "--sweep"
+    ):  # on an H100: --sweep [OUT_DIR [BUDGET_S [boundary]]]
         KNOWN_BROKEN_ON_GPU = False
         sweep(
             sys.argv[2] if len(sys.argv) > 2 else None,
             budget_s=float(sys.argv[3]) if len(sys.argv) > 3 else 300.0,
+            shapes=BOUNDARY_SHAPES if len(sys.argv) > 4 and sys.argv[4] == "boundary" else None,
         )
     elif len(sys.argv) > 6 and sys.argv[1] == "--sweep-one":
         import repro.fa4.gluon_bwd as dispatched  # the module attention(bwd="gluon") calls, not __main__
 
         dispatched.KNOWN_BROKEN_ON_GPU = False
         a = sys.argv[2:]
-        sweep_one(int(a[0]), bool(int(a[1])), a[2], a[3], int(a[4]))
+        sweep_one(int(a[0]), bool(int(a[1])), a[2], a[3], int(a[4]), json.loads(a[5]) if len(a) > 5 else None)
     elif len(sys.argv) > 2 and sys.argv[1] == "--bisect-one":
         KNOWN_BROKEN_ON_GPU = False
-        print(json.dumps(bisect_one(int(sys.argv[2]))), flush=True)
+        shp = tuple(int(x) for x in (sys.argv[3] if len(sys.argv) > 3 else "1,512,512,2,2").split(","))
+        print(json.dumps({**bisect_one(int(sys.argv[2]), shape=shp), "shape": list(shp)}), flush=True)
     else:
         # python -m repro.fa4.gluon_bwd [JSON list of [d, causal, dtype(, block_m, num_stages)]]: offline report
         cases = json.loads(sys.argv[1]) if len(sys.argv) > 1 else COMPILE_CASES

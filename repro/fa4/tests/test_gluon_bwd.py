@@ -137,3 +137,41 @@ GPU_CASES = [
 def test_gpu_gluon_backward_matrix(d, causal, dtype, fwd, monkeypatch):
     monkeypatch.setattr(gluon_bwd, "KNOWN_BROKEN_ON_GPU", False)  # reached only once it is fixed
     matrix.test_gpu_backward_matrix(d, causal, dtype, "gluon", fwd)
+
+
+def test_sweep_report_rows(tmp_path):
+    """The GPU sweep's rows become a Report: a fault is named as such, a shape that ran keeps its error,
+    a group the budget did not reach stays one row; the boundary shapes are valid matrix rows."""
+    rows = [
+        {"d": 128, "causal": False, "dtype": "bf16", "fwd": "gluon", "shape": 0, "B_Sq_Sk_H_Hkv": [1, 1, 1, 8, 2],
+         "status": "failed (exit 1)", "error": "...Search for `cudaErrorIllegalInstruction' in ..."},
+        {"d": 128, "causal": False, "dtype": "bf16", "fwd": "gluon", "shape": 2, "B_Sq_Sk_H_Hkv": [2, 1000, 1000, 8, 8],
+         "status": "ran", "rel_err_vs_fa2": 7.5e-5},
+        {"d": 64, "causal": True, "dtype": "fp16", "fwd": "gluon", "status": "not run: budget"},
+    ]  # fmt: skip
+    rep = gluon_bwd.sweep_report(rows, "test", measure_ceilings=False)
+    assert [r["status"] for r in rep.rows] == [
+        "failed (exit 1): an illegal instruction",
+        "ran",
+        "not run: budget",
+    ]
+    assert (
+        rep.rows[1]["S_q"] == 1000 and rep.rows[1]["rel_err_vs_fa2"] == 7.5e-5 and rep.rows[2]["S_q"] is None
+    )
+    assert all(len(s) == 5 and s[3] % s[4] == 0 for s in gluon_bwd.BOUNDARY_SHAPES)
+
+
+@pytest.mark.parametrize("s_q", [1, 64, 113, 1000, 2048])
+def test_pad_stats_aligns_every_tma_box(s_q):
+    """PAD_STATS: each head's LSE / delta row padded to whole 64-entry tiles, values kept, so that the
+    start (b H + h) S_stat + m of every 1-D TMA box is a multiple of 16 bytes; rows already whole are
+    passed through as they are."""
+    lse, delta = torch.randn(2, 3, s_q), torch.randn(2, 3, s_q)
+    lp, dp, s_stat = gluon_bwd.pad_stats(lse, delta, 64)
+    assert s_stat % 64 == 0 and s_stat - s_q < 64 and lp.shape == dp.shape == (2, 3, s_stat)
+    assert torch.equal(lp[..., :s_q], lse) and torch.equal(dp[..., :s_q], delta)
+    assert not lp[..., s_q:].any() and not dp[..., s_q:].any()
+    starts = [(bh * s_stat + m) * 4 for bh in range(6) for m in range(0, s_q, 64)]
+    assert all(x % 16 == 0 for x in starts)
+    if s_q % 64 == 0:
+        assert lp is lse and dp is delta
