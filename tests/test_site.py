@@ -250,3 +250,24 @@ def test_gpu_checks_are_shown_per_package(tmp_path):
     path.write_text("{not json")
     table = gpu_checks_table({"toy": content.repros["toy"]})
     assert "unreadable" in table and "gpu-checks.json" in table
+
+
+def test_a_benchmark_plot_is_drawn_once_per_build(monkeypatch):
+    """A result's plots appear on the benchmarks, reproduction and paper pages: each figure is drawn
+    once per site and reused, and a result whose numbers or plot spec differ is drawn afresh."""
+    from paperclub import sitegen
+
+    drawn = []
+    monkeypatch.setattr(sitegen, "render_plots", lambda doc, plot: drawn.append(1) or [("t", b"png")])
+    doc = {"_file": "repro/toy/results/h100.json", "rows": [{"n": 1, "ms": 2.0}]}
+    plot = {"x": "n", "y": "ms", "series": "impl"}
+    site = sitegen.Site()
+    for _ in range(3):
+        assert sitegen.cached_plots(site, doc, plot) == [("t", b"png")]
+    assert len(drawn) == 1
+    sitegen.cached_plots(site, {**doc, "rows": [{"n": 1, "ms": 3.0}]}, plot)
+    sitegen.cached_plots(site, doc, {**plot, "logx": True})
+    sitegen.cached_plots(site, {**doc, "_file": "repro/toy/results/h200.json"}, plot)
+    assert len(drawn) == 4
+    sitegen.cached_plots(sitegen.Site(), doc, plot)  # a new build draws again
+    assert len(drawn) == 5

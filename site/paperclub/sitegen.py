@@ -8,8 +8,10 @@ vendored assets are written as they are.
 from __future__ import annotations
 
 import ast
+import hashlib
 import html
 import io
+import json
 import posixpath
 import re
 from dataclasses import dataclass, field
@@ -38,6 +40,9 @@ class Site:
     pages: dict[str, str] = field(default_factory=dict)  # src_uri -> markdown
     files: dict[str, bytes | str] = field(default_factory=dict)  # src_uri -> content
     origin: dict[str, str] = field(default_factory=dict)  # src_uri -> repo path it was written from
+    # (result file, digest of its rows and the plot spec) -> rendered figures: a result's plots appear on
+    # the benchmarks page, its reproduction's page and its paper's page, and are drawn once per build
+    plots: dict[tuple[str, str], list[tuple[str, bytes]]] = field(default_factory=dict, repr=False)
 
 
 def cell(text: object) -> str:
@@ -636,7 +641,7 @@ def bench_sections(content: Content, repro: Repro, site: Site, from_uri: str, le
         if doc.get("notes"):
             out += [doc["notes"], ""]
         for i, plot in enumerate(doc.get("plots", [])):
-            for j, (label, png) in enumerate(render_plots(doc, plot)):
+            for j, (label, png) in enumerate(cached_plots(site, doc, plot)):
                 name = f"benchmarks/{repro.name}/{slug}-{i}-{j}.png"
                 site.files[name] = png
                 out += [f"![{cell(label)}]({rel_link(from_uri, name)}){{ .bench-plot }}", ""]
@@ -646,6 +651,18 @@ def bench_sections(content: Content, repro: Repro, site: Site, from_uri: str, le
 
 def indent(text: str, n: int) -> str:
     return "\n".join((" " * n + line) if line else line for line in text.splitlines())
+
+
+def cached_plots(site: Site, doc: dict, plot: dict) -> list[tuple[str, bytes]]:
+    """:func:`render_plots` of ``doc`` and ``plot``, drawn once per site however many pages show it.
+
+    Keyed by the result file and a digest of what the figures are drawn from (its rows and the plot
+    spec), so two results or two plots never share figures, and changed numbers are drawn afresh."""
+    spec = json.dumps({"rows": doc["rows"], "plot": plot}, sort_keys=True, default=str)
+    key = (doc.get("_file", ""), hashlib.sha256(spec.encode()).hexdigest())
+    if key not in site.plots:
+        site.plots[key] = render_plots(doc, plot)
+    return site.plots[key]
 
 
 def render_plots(doc: dict, plot: dict) -> list[tuple[str, bytes]]:
