@@ -189,6 +189,20 @@ class StaticDecoder:
         torch.rand(self.u_final.shape, generator=generator, out=self.u_final)
 
 
+def _weights_at(model) -> tuple:
+    """Where a model's weights live (pointer and dtype of each parameter); () for a function drafter."""
+    params = model.parameters() if isinstance(model, torch.nn.Module) else ()
+    return tuple((p.data_ptr(), p.dtype) for p in params)
+
+
+def graph_key(target: Target, drafter, block_size: int, temperature: float) -> tuple:
+    """What a captured decoder depends on: the drafter, block size and temperature, and where both
+    models' weights live, since a graph replays the addresses it captured: parameters replaced
+    (``.to``, ``.float``, a new ``nn.Parameter``) on either model mean a new capture. In-place
+    updates (``load_state_dict``, an optimizer step) keep the addresses and the graph sees them."""
+    return (id(drafter), block_size, float(temperature), _weights_at(target), _weights_at(drafter))
+
+
 def decoder_for(target: Target, drafter, block_size: int, temperature: float, graphs: bool) -> StaticDecoder:
     """A :class:`StaticDecoder`, kept on the target when its steps are CUDA graphs (capture once per
     drafter, block size and temperature, replay in every later call); built fresh otherwise."""
@@ -196,8 +210,7 @@ def decoder_for(target: Target, drafter, block_size: int, temperature: float, gr
     if not capture:
         return StaticDecoder(target, drafter, block_size, temperature, graphs=False)
     store = target.__dict__.setdefault("_static_decoders", {})
-    # parameters replaced (``.to``, ``.float``) invalidate a graph: key on where the weights live
-    key = (id(drafter), block_size, float(temperature), target.embed.weight.data_ptr(), target.dtype)
+    key = graph_key(target, drafter, block_size, temperature)
     dec = store.get(key)
     if dec is None or dec.drafter is not drafter:
         dec = store[key] = StaticDecoder(target, drafter, block_size, temperature, graphs=True)

@@ -144,3 +144,25 @@ def test_bad_mode():
     target = tiny_target(0)
     with pytest.raises(ValueError, match="mode must be one of"):
         generate(target, torch.tensor([1]), 2, mode="cuda-graphs")
+
+
+def test_graph_key_follows_where_weights_live():
+    """A captured decoder is reused only while both models' weights stay where the graph read them:
+    replacing the drafter's or the target's parameters (``.float()`` of these fp64 models) changes the key, an in-place
+    update does not, and a function drafter contributes no weights."""
+    from repro.dflash.static import graph_key
+
+    target = tiny_target(0, vocab=7, n_layers=2, d=16, heads=2)
+    drafter = make_drafter("dflash", target, 1)
+    key = graph_key(target, drafter, 4, 0.0)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(1.0)  # in place: same storage
+    assert graph_key(target, drafter, 4, 0.0) == key
+    assert graph_key(target, drafter, 5, 0.0) != key and graph_key(target, drafter, 4, 1.0) != key
+    drafter.float()
+    assert graph_key(target, drafter, 4, 0.0) != key
+    key2 = graph_key(target, drafter, 4, 0.0)
+    target.float()
+    assert graph_key(target, drafter, 4, 0.0) != key2
+    assert graph_key(target, make_drafter("random", target, 1), 4, 0.0)[-1] == ()
