@@ -392,7 +392,9 @@ KNOWN_BROKEN_ON_GPU = os.environ.get("FA4_GLUON_BWD_TRY", "") != "1"
 #: The suspected cause (a hypothesis, not yet tested on a GPU): the LSE and delta tiles are 1-D TMA
 #: copies of BLOCK_M entries from [B * H * S_q] vectors, starting at (b H + h) S_q + m. Every shape
 #: that faulted has S_q * 4 bytes not a multiple of 16 (S_q = 1, 113), every one that ran has it
-#: (512, 1000, 2048), so the boxes of every head but the first start off 16-byte alignment. With
+#: (512, 1000, 2048), so the boxes of every head but the first start off 16-byte alignment (a TMA
+#: load whose address after its coordinates is not 16-byte aligned ends in an illegal instruction:
+#: triton-lang/triton#7385). With
 #: PAD_STATS each head's row is padded to a multiple of BLOCK_M (copies of B * H * S_q floats, small
 #: beside the backward); FA4_GLUON_BWD_PAD_STATS=0 turns it off, so that the next GPU run can test
 #: the hypothesis both ways (``sweep`` with its boundary shapes).
