@@ -367,6 +367,8 @@ def decode_candidates(t: int, b: int, gen: torch.Generator):
 
 
 STAGES = ("cmp", "scores", "select", "slc", "win", "gate")
+#: timed beside the stages, not added into their sum: Eq. 5 as one Triton kernel (ops.FUSED_GATE)
+ALTERNATIVES = ("gate-fused",)
 BREAKDOWN_COLUMNS = ["stage", "T", "ms", "ms_min", "ms_max", "check", "share_of_whole"]
 
 
@@ -441,9 +443,16 @@ def breakdown_candidates(t: int, gen: torch.Generator) -> dict[str, Candidate]:
         want = ref.sliding_window_attention(qd[:, pos], kwd, vwd, cfg.window, q_pos=pos)
         assert_rel_close(win()[:, pos].float(), want, TOL, "window rows")
 
-    def gate():  # as ops.nsa_attention writes it
-        g = gl.to(ql.dtype)
-        return g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win
+    def gate():  # as ops.nsa_attention does it
+        return ops.gated_sum(gl, o_cmp, o_slc, o_win)
+
+    def gate_fused():
+        return ops.gated_sum_fused(gl, o_cmp, o_slc, o_win)
+
+    def check_gate_fused():
+        g = gl.detach().float()
+        want = g[..., 0:1] * o_cmp.float() + g[..., 1:2] * o_slc.float() + g[..., 2:3] * o_win.float()
+        assert_rel_close(gate_fused().float(), want.detach(), TOL, "fused gated sum")
 
     def check_gate():
         g = gl.detach().float()
@@ -460,7 +469,8 @@ def breakdown_candidates(t: int, gen: torch.Generator) -> dict[str, Candidate]:
         assert_rel_close(o.float(), gate().float(), TOL, "whole vs staged")
 
     fns = dict(cmp=(cmp, check_cmp), scores=(sc, check_sc), select=(select, check_select),
-               slc=(slc, check_slc), win=(win, check_win), gate=(gate, check_gate), whole=(whole, check_whole))  # fmt: skip
+               slc=(slc, check_slc), win=(win, check_win), gate=(gate, check_gate),
+               **{"gate-fused": (gate_fused, check_gate_fused)}, whole=(whole, check_whole))  # fmt: skip
     return {name: Candidate(fn=f, check=c) for name, (f, c) in fns.items()}
 
 

@@ -327,6 +327,24 @@ _scores_tuned = triton.autotune(
 
 
 @triton.jit
+def _gate_sum_kernel(G, A, B, C, O, ROWS, D: tl.constexpr, BR: tl.constexpr):
+    # Eq. 5 for BR rows (a row: one query head at one position): o = g0 a + g1 b + g2 c with the
+    # row's three gates G [ROWS, 3], summed in fp32 and rounded once (one read of each branch's
+    # output and one write, where the five PyTorch ops read and write four intermediates as well)
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    ok = rows < ROWS
+    r64 = rows.to(tl.int64)
+    off = r64[:, None] * D + tl.arange(0, D)[None, :]
+    g0 = tl.load(G + r64 * 3, mask=ok, other=0.0).to(tl.float32)[:, None]
+    g1 = tl.load(G + r64 * 3 + 1, mask=ok, other=0.0).to(tl.float32)[:, None]
+    g2 = tl.load(G + r64 * 3 + 2, mask=ok, other=0.0).to(tl.float32)[:, None]
+    a = tl.load(A + off, mask=ok[:, None], other=0.0).to(tl.float32)
+    b = tl.load(B + off, mask=ok[:, None], other=0.0).to(tl.float32)
+    c = tl.load(C + off, mask=ok[:, None], other=0.0).to(tl.float32)
+    tl.store(O + off, (g0 * a + g1 * b + g2 * c).to(O.dtype.element_ty), mask=ok[:, None])
+
+
+@triton.jit
 def _sort_picks_kernel(
     TOP_VAL, TOP_IDX, BI, ROWS, K_TOP, S, NS,
     BR: tl.constexpr, BSEL: tl.constexpr,

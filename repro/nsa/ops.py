@@ -482,9 +482,63 @@ def nsa_attention(
         check = True
     o_slc = selected_attention(q, k_slc, v_slc, block_indices, cfg.select_len, scale, check_indices=check)
     o_win = sliding_window_attention(q, k_win, v_win, cfg.window, scale)
-    g = gates.to(q.dtype)
-    o = g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win
-    return o, block_indices
+    return gated_sum(gates, o_cmp, o_slc, o_win), block_indices
+
+
+#: Eq. 5's gated sum as one Triton kernel (:func:`gated_sum_fused`) instead of five PyTorch ops.
+#: Off until it has run on a GPU: the 64k breakdown put the PyTorch ops at 6.1 ms of the 56 ms forward
+#: (they read and write 1 GB tensors eight times); the bench's ``gate-fused`` stage times the kernel.
+FUSED_GATE = False
+
+
+def gated_sum(
+    gates: torch.Tensor, o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win: torch.Tensor
+) -> torch.Tensor:
+    """Eq. 5: ``g_cmp o_cmp + g_slc o_slc + g_win o_win`` with gates [B, T, HQ, 3] and outputs
+    [B, T, HQ, D]; five PyTorch ops in the outputs' dtype, or the fused kernel with ``FUSED_GATE``."""
+    if FUSED_GATE:
+        return gated_sum_fused(gates, o_cmp, o_slc, o_win)
+    g = gates.to(o_cmp.dtype)
+    return g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win
+
+
+def gated_sum_fused(
+    gates: torch.Tensor, o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win: torch.Tensor
+) -> torch.Tensor:
+    """Eq. 5's gated sum in one Triton kernel (fp32 sum, one rounding to the outputs' dtype);
+    differentiable in the gates and the three outputs (the backward in PyTorch). Shapes as
+    :func:`gated_sum`; D a power of two."""
+    _check_gates("gated_sum_fused", gates, (*o_cmp.shape[:-1], 3), "[B, T, HQ, 3]")
+    for name, x in (("o_slc", o_slc), ("o_win", o_win)):
+        if x.shape != o_cmp.shape or x.dtype != o_cmp.dtype:
+            raise ValueError(
+                f"gated_sum_fused: {name} must match o_cmp ({tuple(o_cmp.shape)}, {o_cmp.dtype}), "
+                f"got {tuple(x.shape)}, {x.dtype}"
+            )
+    d = o_cmp.shape[-1]
+    if d & (d - 1):
+        raise ValueError(f"gated_sum_fused: head dim {d} is not a power of two")
+    return _GatedSum.apply(gates, o_cmp, o_slc, o_win)
+
+
+class _GatedSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gates, a, b, c):
+        gates, a, b, c = (x.contiguous() for x in (gates, a, b, c))
+        o = torch.empty_like(a)
+        rows, d = a.numel() // a.shape[-1], a.shape[-1]
+        br = 16 if _interp() else max(1, 2048 // d)
+        kn._gate_sum_kernel[(triton.cdiv(rows, br),)](gates, a, b, c, o, rows, D=d, BR=br, num_warps=4)
+        ctx.save_for_backward(gates, a, b, c)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        gates, a, b, c = ctx.saved_tensors
+        g = gates.to(do.dtype)
+        grads = [g[..., i : i + 1] * do for i in range(3)]
+        dg = torch.stack([(do.float() * x.float()).sum(-1) for x in (a, b, c)], -1).to(gates.dtype)
+        return (dg, *grads)
 
 
 def nsa_decode(

@@ -45,6 +45,9 @@ def cases(dt: str) -> list[tuple]:
         out.append((f"scores_masked[l={l},d={d}]", kn._scores_kernel, {"Q": p, "KC": p, "LSE": "*fp32", "SCORES": "*fp32"},
                     dict(STRIDE=d, BLOCK_LEN=l, SELECT_LEN=lp, D=128, BM=64, BJ=16, IEEE=fp32,
                          MASKED=True, N_INITIAL=1, N_LOCAL=2), 8, 2))  # fmt: skip
+    out.append(
+        ("gate_sum", kn._gate_sum_kernel, {"G": p, "A": p, "B": p, "C": p, "O": p}, dict(D=128, BR=32), 4, 1)
+    )
     out.append(("sort_picks", kn._sort_picks_kernel, {"TOP_VAL": "*fp32", "TOP_IDX": "*i64", "BI": "*i32"},
                 dict(BR=32, BSEL=16), 4, 1))  # fmt: skip
     slc = dict(D=128, BS=64, BG=16, IEEE=fp32)

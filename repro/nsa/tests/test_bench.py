@@ -146,8 +146,8 @@ def test_breakdown_times_every_stage_and_the_whole(tmp_path, monkeypatch):
     path = bench.run_breakdown(str(tmp_path), 40, torch.Generator().manual_seed(0))
     assert path.name.endswith("-breakdown.json")
     rows = {r["stage"]: r for r in json.loads(path.read_text())["rows"]}
-    assert list(rows) == [*bench.STAGES, "whole", "sum-of-stages"]
-    for stage in (*bench.STAGES, "whole"):
+    assert list(rows) == [*bench.STAGES, *bench.ALTERNATIVES, "whole", "sum-of-stages"]
+    for stage in (*bench.STAGES, *bench.ALTERNATIVES, "whole"):
         r = rows[stage]
         assert r["check"] == "ok" and r["ms"] > 0 and r["T"] == 40, stage
         assert r["ms_min"] <= r["ms"] <= r["ms_max"]

@@ -170,3 +170,23 @@ def test_gpu_decode_step_never_synchronises():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+
+
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+def test_gpu_fused_gated_sum_bf16():
+    """Eq. 5 as one kernel (ops.FUSED_GATE, off until this passes and is timed) at the paper's head
+    shape, bf16, T off the kernel's 16-row tile: output and gradients against the fp32 formula."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    xs = [_rand(gen, 1, 1000, 64, 128) for _ in range(3)]
+    gates = torch.rand(1, 1000, 64, 3, generator=gen, device="cuda").to(torch.bfloat16)
+    do = _rand(gen, 1, 1000, 64, 128)
+    leaves = [x.clone().requires_grad_() for x in (gates, *xs)]
+    o = ops.gated_sum_fused(*leaves)
+    got = _grads(o, leaves, do)
+    ref_leaves = [x.float().requires_grad_() for x in (gates, *xs)]
+    g, a, b, c = ref_leaves
+    want_o = g[..., 0:1] * a + g[..., 1:2] * b + g[..., 2:3] * c
+    want = _grads(want_o, ref_leaves, do.float())
+    assert_rel_close(o.float(), want_o.detach(), 2e-2, "gated sum")
+    for name, x, y in zip(("d gates", "d o_cmp", "d o_slc", "d o_win"), got, want, strict=True):
+        assert_rel_close(x.float(), y, 3e-2, name)

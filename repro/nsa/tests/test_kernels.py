@@ -259,3 +259,30 @@ def test_selected_kernel_half_precision(dtype):
     out = ops.selected_attention(*[x.to(DEVICE, dtype) for x in (q, k, v)], idx.to(DEVICE), block)
     assert out.dtype == dtype
     assert_rel_close(out.float().cpu(), ref.selected_attention(q, k, v, idx, block), 2e-2, "16-bit output")
+
+
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("t", [1, 37])
+def test_fused_gated_sum_equals_eq5(dtype, t):
+    """Eq. 5's gated sum as one kernel (ops.gated_sum_fused, behind ops.FUSED_GATE): output and the
+    gradients of the gates and the three branch outputs equal the PyTorch formula's in fp64, for row
+    counts on and off the kernel's row tile; mismatched shapes are refused by name."""
+    gen = torch.Generator().manual_seed(t)
+    xs = [randn(gen, 2, t, 3, 16) for _ in range(3)]
+    gates = torch.rand(2, t, 3, 3, generator=gen, dtype=torch.float64)
+    do = randn(gen, 2, t, 3, 16)
+    ours = [x.to(dtype).to(DEVICE).requires_grad_() for x in (gates, *xs)]
+    o = ops.gated_sum_fused(*ours)
+    got = torch.autograd.grad(o, ours, do.to(dtype).to(DEVICE))
+    want_leaves = [x.to(dtype).double().requires_grad_() for x in (gates, *xs)]
+    g, a, b, c = want_leaves
+    want_o = g[..., 0:1] * a + g[..., 1:2] * b + g[..., 2:3] * c
+    want = torch.autograd.grad(want_o, want_leaves, do.to(dtype).double())
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-6
+    assert o.dtype == dtype
+    assert_rel_close(o.double().cpu(), want_o.detach(), tol, "gated sum")
+    for name, x, y in zip(("d gates", "d o_cmp", "d o_slc", "d o_win"), got, want, strict=True):
+        assert_rel_close(x.double().cpu(), y, tol, name)
+    with pytest.raises(ValueError, match="o_win must match o_cmp"):
+        ops.gated_sum_fused(ours[0], ours[1], ours[2], ours[3][..., :8])
