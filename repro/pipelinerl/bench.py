@@ -200,7 +200,14 @@ def main(argv: list[str] | None = None) -> None:
         "--task", choices=sorted(TASKS), default="sort",
         help="sort (default) or sort-long: heavy-tailed list lengths; results file tagged with the task",
     )  # fmt: skip
+    ap.add_argument(
+        "--max-lag", type=int, default=None,
+        help="max_lag in samples for all three real runs and the as-run simulation (default 2 B); "
+        "a non-default value tags the results file (lag<N>)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
+    if args.max_lag is not None and args.max_lag < 0:
+        raise SystemExit(f"--max-lag must be >= 0 samples, got {args.max_lag}")
     t_begin = time.perf_counter()
     cuda = torch.cuda.is_available()
     if cuda:
@@ -210,6 +217,9 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(1)
     budget = args.budget_s * (0.5 if args.quick else 1.0)
     s = settings(cuda, args.quick, args.task)
+    default_lag = s["max_lag"]
+    if args.max_lag is not None:
+        s["max_lag"] = args.max_lag
     report = Report(
         package="pipelinerl",
         title="PipelineRL: conventional, async and pipeline RL on one device, and the simulator",
@@ -354,7 +364,11 @@ def main(argv: list[str] | None = None) -> None:
         title="simulated mean lag against samples/s (every actor count and lag)", x="samples_per_s", y="lag_mean",
         series="mode", where={"kind": "sim", "impl": "sweep"},
     )  # fmt: skip
-    report.write(tag="" if args.task == "sort" else args.task, out_dir=Path(args.out) if args.out else None)
+    tags = [
+        *([] if args.task == "sort" else [args.task]),
+        *([] if s["max_lag"] == default_lag else [f"lag{s['max_lag']}"]),
+    ]
+    report.write(tag="-".join(tags), out_dir=Path(args.out) if args.out else None)
 
 
 def _sim_cols(sm: dict) -> dict:

@@ -29,3 +29,10 @@ def test_bench_checks_pass_before_timing():
     train_rows(report, s, weights, rounds=1)
     assert [r["check"] for r in report.rows] == ["ok", "ok"]
     assert all(r["ms"] > 0 for r in report.rows)
+
+
+def test_bench_refuses_a_negative_max_lag():
+    from repro.pipelinerl.bench import main
+
+    with pytest.raises(SystemExit, match="--max-lag must be >= 0 samples, got -1"):
+        main(["--max-lag", "-1"])
