@@ -566,6 +566,14 @@ COMPILE_CASES = [[d, c, t] for d in GLUON_HEAD_DIMS for c in (False, True) for t
 BISECT = (0, 1, 2, 3, 4, 8, 16, 2 | 4, 2 | 4 | 8, 1 | 2 | 4 | 8 | 16)
 
 
+def max_rel_err(got, ref) -> float:
+    """The largest of ||a - r|| / ||r|| over matching gradients (fp32): the bisect's and sweep's measure."""
+    return max(
+        float((a.float() - r.float()).norm() / r.float().norm().clamp_min(1e-30))
+        for a, r in zip(got, ref, strict=True)
+    )
+
+
 def bisect_one(
     skip: int, d: int = 128, causal: bool = False, shape: tuple[int, ...] = (1, 512, 512, 2, 2)
 ) -> dict:
@@ -592,7 +600,7 @@ def bisect_one(
     lse = torch.logsumexp(s, dim=-1) / math.log(2.0)
     got = gluon_attention_backward(do, q, k, v, o.detach(), lse.contiguous(), causal, scale, skip=skip)
     torch.cuda.synchronize()
-    err = max(float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(got, ref, strict=True))
+    err = max_rel_err(got, ref)
     return {"skip": skip, "status": "ran", "rel_err": err}
 
 
@@ -651,10 +659,7 @@ def sweep_one(d: int, causal: bool, dtype: str, fwd: str, start: int, shapes: li
             out = attention(*leaves, causal=causal, bwd=bwd, gluon=fwd == "gluon")
             grads.append(torch.autograd.grad(out, leaves, do))
             torch.cuda.synchronize()
-        err = max(
-            float((a.float() - r.float()).norm() / r.float().norm().clamp_min(1e-30))
-            for a, r in zip(grads[1], grads[0], strict=True)
-        )
+        err = max_rel_err(grads[1], grads[0])
         row = {
             "d": d,
             "causal": causal,

@@ -449,15 +449,17 @@ def breakdown_candidates(t: int, gen: torch.Generator) -> dict[str, Candidate]:
     def gate_fused():
         return ops.gated_sum_fused(gl, o_cmp, o_slc, o_win)
 
-    def check_gate_fused():
+    def eq5_fp32():  # the check of both gated sums: Eq. 5 in fp32 on the same branch outputs
         g = gl.detach().float()
-        want = g[..., 0:1] * o_cmp.float() + g[..., 1:2] * o_slc.float() + g[..., 2:3] * o_win.float()
-        assert_rel_close(gate_fused().float(), want.detach(), TOL, "fused gated sum")
+        return (
+            g[..., 0:1] * o_cmp.float() + g[..., 1:2] * o_slc.float() + g[..., 2:3] * o_win.float()
+        ).detach()
+
+    def check_gate_fused():
+        assert_rel_close(gate_fused().float(), eq5_fp32(), TOL, "fused gated sum")
 
     def check_gate():
-        g = gl.detach().float()
-        want = g[..., 0:1] * o_cmp.float() + g[..., 1:2] * o_slc.float() + g[..., 2:3] * o_win.float()
-        assert_rel_close(gate().float(), want.detach(), TOL, "gated sum")
+        assert_rel_close(gate().float(), eq5_fp32(), TOL, "gated sum")
 
     def whole():
         return ops.nsa_attention(*leaves, cfg)[0]
