@@ -56,15 +56,13 @@ class Switches:
     bwd: which backward runs. "fa2": FA2's two kernels (dK/dV per key block, then dQ per query block;
         S and dP computed twice, 7 matmuls per tile pair, no atomics). "fused": FA3's one-pass schedule
         (``repro.fa4.bwd_fused``: one program per key block, dK/dV in registers, dQ by fp32 atomic adds,
-        5 matmuls; a preprocess kernel for delta = rowsum(dO * O)). "auto" (the default): "fused" when
-        causal, "fa2" otherwise, as measured on an H100 (results/*-bwd.json, 2026-11-25, D = 128,
-        bf16, S = 4k-16k, fwd+bwd behind the Gluon forward): causal, fused 0.68-0.77x cuDNN's speed
-        against fa2's 0.67-0.71x; non-causal, fa2 0.70-0.79x against fused 0.66-0.72x. "gluon": the
-        same 5-matmul schedule warp-specialised in Gluon (``repro.fa4.gluon_bwd``: a TMA load warp, two
-        consumer warpgroups of 64 keys each with asynchronous wgmma, dQ by fp32 atomics); Hopper
-        (sm_90) only, refused in the CPU interpreter; compiled offline for sm_90a; its first H100 run
-        ended in an illegal instruction, so it is refused on the GPU too until that is fixed
-        (``gluon_bwd.KNOWN_BROKEN_ON_GPU``).
+        5 matmuls; a preprocess kernel for delta = rowsum(dO * O)). "gluon": the same 5-matmul
+        schedule warp-specialised in Gluon (``repro.fa4.gluon_bwd``: a TMA load warp, two consumer
+        warpgroups of 64 keys each with asynchronous wgmma, dQ by fp32 atomics); Hopper (sm_90) only,
+        refused in the CPU interpreter. "auto" (the default, :func:`auto_backward`): "gluon" on
+        Hopper, else "fused" when causal and "fa2" otherwise. Measured on an H100 (results/*-bwd.json,
+        2026-11-25, D = 128, bf16, S = 4k-16k, fwd+bwd behind the Gluon forward, interleaved rounds):
+        gluon 0.77-0.83x cuDNN's speed; fused 0.67-0.75x; fa2 0.67-0.73x.
     bwd_block_m, bwd_block_n, bwd_num_warps, bwd_num_stages: the backward's launch shape (either
         backward); None picks BWD_DEFAULTS ("fa2") or bwd_fused.FUSED_DEFAULTS ("fused").
     bwd_tma: "fused" only: Q and dO tiles through TMA (tensor descriptors); None picks the default.
@@ -342,13 +340,31 @@ def _run(q, k, v, causal, scale, switches, dims, dtypes):
         )
     sw = Switches(**switches)
     if sw.bwd == "auto":
-        sw = replace(sw, bwd="fused" if causal else "fa2")
+        sw = replace(sw, bwd=auto_backward(q, causal))
     sw = _resolve(sw, d, interpreting())
     if sw.bwd == "gluon":  # refuse before the forward runs, not at the first backward
         from repro.fa4.gluon_bwd import check_device
 
         check_device(q)
     return _with_empty_rows(lambda qs: _Attention.apply(qs, k, v, bool(causal), scale, sw), q, k, causal)
+
+
+def auto_backward(q: torch.Tensor, causal: bool) -> str:
+    """The backward bwd="auto" runs for ``q``: "gluon" on a Hopper GPU (sm_90) where Triton has
+    Gluon and q is bf16/fp16 with D in {64, 128}, the fastest of ours there at every measured shape
+    (results/*-bwd.json, 2026-11-25, H100: forward + backward 0.77-0.83x cuDNN against 0.67-0.75x
+    for the Triton backwards); elsewhere (other GPUs, the CPU interpreter, D 16/32, fp32) "fused"
+    when causal and "fa2" otherwise, the faster Triton backward of each."""
+    if q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] in (64, 128):
+        from repro.fa4 import gluon_bwd
+
+        if (
+            gluon_bwd.HAS_GLUON
+            and not gluon_bwd.KNOWN_BROKEN_ON_GPU
+            and torch.cuda.get_device_capability(q.device) == (9, 0)
+        ):
+            return "gluon"
+    return "fused" if causal else "fa2"
 
 
 def _with_empty_rows(fn, q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:

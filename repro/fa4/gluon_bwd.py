@@ -379,25 +379,22 @@ def _layouts(d: int, block_m: int, gdt):
     )
 
 
-#: The first run on an H100 (2026-11-25, torch 2.11, Triton 3.6, CUDA 13) ended at the first case of
-#: the GPU matrix (D = 128, not causal, bf16, behind the Gluon forward) in "CUDA error: an illegal
-#: instruction was encountered", which leaves the process's CUDA context unusable. The bisect of the
-#: next run (S = 512, H = 2, D = 128, bf16, lse from the reference) ran every variant, the whole
-#: kernel included (1.2e-4 from the FA2 backward); ``sweep`` then found every matrix shape with
-#: S_q in {1, 113} faulting and every one with S_q in {1000, 2048} right (D = 128). Until that is
-#: understood, bwd="gluon" is refused on the GPU too (set False, or FA4_GLUON_BWD_TRY=1 in the
-#: environment, to run it while debugging) and its GPU tests are expected failures that are not run.
-KNOWN_BROKEN_ON_GPU = os.environ.get("FA4_GLUON_BWD_TRY", "") != "1"
+#: History: the first run on an H100 (2026-11-25, torch 2.11, Triton 3.6, CUDA 13) ended at the
+#: first case of the GPU matrix in "CUDA error: an illegal instruction was encountered". The bisect
+#: ran every variant at S = 512; ``sweep`` found every shape with S_q in {1, 113} faulting and every
+#: one with S_q in {1000, 2048} right. The cause: the LSE and delta tiles are 1-D TMA copies of
+#: BLOCK_M entries from [B * H * S_q] vectors, starting at (b H + h) S_q + m, so with S_q * 4 bytes
+#: not a multiple of 16 the boxes of every head but the first start off 16-byte alignment (a TMA
+#: load from an address that is not 16-byte aligned ends in an illegal instruction:
+#: triton-lang/triton#7385). Tested both ways on the next H100 run (results/*-gluon-bwd-boundary-pad-
+#: off.json / -pad-on.json, S_q in 1, 64, 65, 113, 127, 128, 129, 192, 255, 256, 257, 384, 511, 1000):
+#: without padding exactly the shapes with S_q % 4 != 0 faulted; with PAD_STATS (each head's row
+#: padded to a multiple of BLOCK_M, copies of B * H * S_q floats, small beside the backward) every
+#: one ran, and the GPU matrix passed (16 of 16) with compute-sanitizer clean. KNOWN_BROKEN_ON_GPU
+#: (FA4_GLUON_BWD_BROKEN=1) refuses it again, should a new fault appear.
+KNOWN_BROKEN_ON_GPU = os.environ.get("FA4_GLUON_BWD_BROKEN", "") == "1"
 
-#: The suspected cause (a hypothesis, not yet tested on a GPU): the LSE and delta tiles are 1-D TMA
-#: copies of BLOCK_M entries from [B * H * S_q] vectors, starting at (b H + h) S_q + m. Every shape
-#: that faulted has S_q * 4 bytes not a multiple of 16 (S_q = 1, 113), every one that ran has it
-#: (512, 1000, 2048), so the boxes of every head but the first start off 16-byte alignment (a TMA
-#: load whose address after its coordinates is not 16-byte aligned ends in an illegal instruction:
-#: triton-lang/triton#7385). With
-#: PAD_STATS each head's row is padded to a multiple of BLOCK_M (copies of B * H * S_q floats, small
-#: beside the backward); FA4_GLUON_BWD_PAD_STATS=0 turns it off, so that the next GPU run can test
-#: the hypothesis both ways (``sweep`` with its boundary shapes).
+#: FA4_GLUON_BWD_PAD_STATS=0 turns the padding off (to reproduce the fault: ``sweep`` boundary).
 PAD_STATS = os.environ.get("FA4_GLUON_BWD_PAD_STATS", "1") != "0"
 
 
@@ -418,9 +415,8 @@ def check_device(q: torch.Tensor) -> None:
         )
     if KNOWN_BROKEN_ON_GPU:
         raise RuntimeError(
-            "gluon backward: its first H100 run (2026-11-25) ended in 'an illegal instruction', which "
-            "leaves the CUDA context unusable; use bwd='fused' or 'fa2', or set "
-            "repro.fa4.gluon_bwd.KNOWN_BROKEN_ON_GPU = False to run it while debugging"
+            "gluon backward: refused (KNOWN_BROKEN_ON_GPU, set by FA4_GLUON_BWD_BROKEN=1); use bwd='fused' "
+            "or 'fa2', or unset it"
         )
 
 
@@ -721,8 +717,7 @@ def sweep(
             args = ["--sweep-one", str(d), str(int(causal)), dtype, fwd, str(start), json.dumps(SHAPES)]
             cmd = [sys.executable, "-m", "repro.fa4.gluon_bwd", *args]
             try:
-                env = {**os.environ, "FA4_GLUON_BWD_TRY": "1"}  # for the module attention() dispatches to
-                r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
                 text, failed, status = r.stdout, r.returncode != 0, f"failed (exit {r.returncode})"
                 err = (r.stderr or "")[-600:]
             except subprocess.TimeoutExpired as exc:

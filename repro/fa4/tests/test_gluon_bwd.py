@@ -18,7 +18,6 @@ from repro.fa4 import attention_any_d, gluon_bwd
 from repro.fa4.gluon_bwd import (
     BISECT,
     COMPILE_CASES,
-    KNOWN_BROKEN_ON_GPU,
     check_device,
     gluon_attention_backward,
 )
@@ -127,16 +126,36 @@ GPU_CASES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(
-    KNOWN_BROKEN_ON_GPU,
-    reason="first H100 run: 'an illegal instruction' at the first case (gluon_bwd.KNOWN_BROKEN_ON_GPU); "
-    "not run, since it leaves the worker's CUDA context unusable",
-    run=False,
-)
 @pytest.mark.parametrize("d, causal, dtype, fwd", GPU_CASES)
-def test_gpu_gluon_backward_matrix(d, causal, dtype, fwd, monkeypatch):
-    monkeypatch.setattr(gluon_bwd, "KNOWN_BROKEN_ON_GPU", False)  # reached only once it is fixed
+def test_gpu_gluon_backward_matrix(d, causal, dtype, fwd):
     matrix.test_gpu_backward_matrix(d, causal, dtype, "gluon", fwd)
+
+
+@pytest.mark.parametrize(
+    "device, cap, dtype, d, causal, want",
+    [
+        ("cuda", (9, 0), torch.bfloat16, 128, False, "gluon"),
+        ("cuda", (9, 0), torch.float16, 64, True, "gluon"),
+        ("cuda", (9, 0), torch.float32, 128, True, "fused"),  # fp32: the Triton backwards only
+        ("cuda", (9, 0), torch.bfloat16, 32, False, "fa2"),  # D 32: not a Gluon head dim
+        ("cuda", (8, 0), torch.bfloat16, 128, True, "fused"),  # not Hopper
+        ("cuda", (10, 0), torch.bfloat16, 128, False, "fa2"),
+        ("cpu", None, torch.bfloat16, 128, True, "fused"),  # the interpreter
+    ],
+)
+def test_auto_backward_picks_gluon_only_on_hopper(device, cap, dtype, d, causal, want, monkeypatch):
+    """bwd="auto" is the Gluon backward exactly where it runs (sm_90, bf16/fp16, D 64/128), else the
+    faster Triton backward by causality; FA4_GLUON_BWD_BROKEN's flag sends Hopper back to those."""
+    from types import SimpleNamespace
+
+    from repro.fa4 import auto_backward
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: cap)
+    monkeypatch.setattr(gluon_bwd, "HAS_GLUON", True)
+    q = SimpleNamespace(device=torch.device(device), dtype=dtype, shape=(1, 8, 2, d))
+    assert auto_backward(q, causal) == want
+    monkeypatch.setattr(gluon_bwd, "KNOWN_BROKEN_ON_GPU", True)
+    assert auto_backward(q, causal) == ("fused" if causal else "fa2")
 
 
 def test_sweep_report_rows(tmp_path):
