@@ -1,7 +1,7 @@
 """Benchmark: the dMoE layer's forward + backward against torch._grouped_mm, the capacity-factor MoE
 and the megablocks package, on one GPU.
 
-``python -m repro.megablocks.bench [--quick] [--out DIR] [--budget-s SECONDS]``
+``python -m repro.megablocks.bench [--quick] [--out DIR] [--budget-s SECONDS] [--tune-first]``
 
 Shapes (bf16, SwiGLU experts, as the MoE models of these sizes use):
 
@@ -29,9 +29,13 @@ a correctness check of its output against ``moe_per_expert`` in fp32 at that sha
 also stored in the JSON). ``tflops`` counts the useful work of the routed assignments for every row (fwd + bwd = 3 x forward;
 forward = 2 T k d f x 3 matmuls for SwiGLU), so a capacity row's padding or drops are not credited.
 
-With budget left after the main table, rows under ``64e-top8 (tuning)`` time our two paths with
-other tile settings (``repro.megablocks.kernels.GPU_CONFIG`` through ``kernel_config``; column
-``config``), balanced routing, beside torch._grouped_mm once.
+With budget left after the main table, rows under ``8e-top2 (tuning)`` and ``64e-top8 (tuning)``
+time our two paths with other tile settings (``repro.megablocks.kernels.GPU_CONFIG`` through
+``kernel_config``; column ``config``, ``tune:default`` being GPU_CONFIG as it stands), balanced
+routing, beside torch._grouped_mm once per shape (at the default). The variants go in the order of
+``TUNING``, each on both shapes, so that a short budget still compares the first ones;
+``group_m=1`` is the launch order before the grouped one (column tiles fastest). ``--tune-first``
+runs these rows before the main table (to compare settings within a short budget).
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ import torch
 
 from paperclub.bench import Candidate, Report, ceilings, measure
 from paperclub.testing import assert_rel_close
-from repro.megablocks.kernels import kernel_config
+from repro.megablocks.kernels import GPU_CONFIG, kernel_config
 from repro.megablocks.moe import _combine, dmoe_grouped, dmoe_sparse
 from repro.megablocks.reference import activation, capacity_moe, moe_per_expert
 from repro.megablocks.topology import permute
@@ -59,14 +63,19 @@ SHAPES = {
 }
 QUICK_TOKENS = {"64e-top8": 4096, "8e-top2": 2048}
 ROUTINGS = ("balanced", "skewed")
-# GPU_CONFIG variants timed after the main table while budget remains (the first is the default)
+# GPU_CONFIG variants timed after the main table while budget remains (the first is the default,
+# group_m=8), in this order, each on the TUNE_SHAPES
 TUNING = [
     {},
+    {"group_m": 1},
     {"dense_n": 256},
     {"num_stages": 4},
+    {"group_m": 16},
     {"num_warps": 4},
     {"gmm_m": 64},
 ]
+# 8e-top2 first: an expert's weight (117 MB) exceeds the L2, where the launch order matters most
+TUNE_SHAPES = ("8e-top2", "64e-top8")
 SKEW = 1.2
 MLP = "glu"
 TOL_BF16 = 2e-2  # bf16 outputs vs the fp32 per-expert reference: 8 mantissa bits, fp32 accumulation
@@ -346,12 +355,55 @@ def _with_pct(row: dict, ceil: dict) -> dict:
     return row
 
 
+def _tuning(report, quick: bool, start: float, budget_s: float, ceil: dict, notes: list) -> dict:
+    """The tuning rows (see the module docstring): every TUNING variant on each of TUNE_SHAPES
+    (those of this run: --quick has 64e-top8 only), while the budget lasts; a (variant, shape)
+    whose expected time (1.2 x the longest so far at that shape) does not fit is skipped, with a
+    note. Returns the longest time of a row at each shape."""
+    shapes = _shapes(quick)
+    tune_shapes = [s for s in TUNE_SHAPES if s in shapes]
+    notes.append(f"Tuning rows: tune:default is GPU_CONFIG = {dict(GPU_CONFIG)}.")
+    base_ms: dict[str, float] = {}  # torch_grouped_mm at the default, per shape
+    longest: dict[str, float] = {}
+    skipped = []
+    for variant in TUNING:
+        label = "tune:" + (",".join(f"{k}={v}" for k, v in variant.items()) or "default")
+        for shape in tune_shapes:
+            elapsed = time.perf_counter() - start
+            expect = longest.get(shape, max(longest.values(), default=0.0))
+            if elapsed + 1.2 * expect > budget_s - 15:
+                skipped.append(f"{shape} {label}")
+                continue
+            t0 = time.perf_counter()
+            try:
+                with kernel_config(**variant):
+                    for row in run_config(
+                        f"{shape} (tuning)", shapes[shape], "balanced", rounds=3, notes=notes,
+                        only=("ours_sparse", "ours_grouped", "torch_grouped_mm" if not variant else ""),
+                        config=label, base_ms=base_ms.get(shape),
+                    ):  # fmt: skip
+                        if row["impl"] == "torch_grouped_mm" and row.get("ms"):
+                            base_ms[shape] = row["ms"]
+                        report.add(**_with_pct(row, ceil))
+            except Exception as exc:  # a variant that does not compile or fit is a result, not a crash
+                notes.append(
+                    f"tuning {shape} {label}: {type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
+                )
+            torch.cuda.empty_cache()
+            longest[shape] = max(longest.get(shape, 0.0), time.perf_counter() - t0)
+            print(f"tuning {shape} {label} done in {time.perf_counter() - t0:.1f} s", flush=True)
+    if skipped:
+        notes.append(f"tuning rows skipped (budget {budget_s:.0f} s): {'; '.join(skipped)}")
+    return longest
+
+
 def main(argv=None) -> Path | None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller token counts, 64e-top8 only")
     ap.add_argument("--out", default=None, help="directory for the Report JSON")
     ap.add_argument("--budget-s", type=float, default=240.0, help="stop starting configurations near this")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tune-first", action="store_true", help="time the tuning rows before the main table")
     ap.add_argument("--probe-megablocks", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.probe_megablocks:
@@ -377,7 +429,12 @@ def main(argv=None) -> Path | None:
         ok, why = probe_megablocks(args.quick, timeout_s=max(60.0, args.budget_s / 3))
         notes.append(why)
         skip = () if ok else ("megablocks_sparse",)
-    longest = tune_longest = 0.0
+    if args.tune_first:
+        tune_times = _tuning(report, args.quick, start, args.budget_s, ceil, notes)
+        # the main table's configurations take about twice a tuning row (twice the candidates)
+        longest = 2.0 * max(tune_times.values(), default=0.0)
+    else:
+        longest = 0.0
     for shape, dims, routing in configs:
         elapsed = time.perf_counter() - start
         if elapsed + 1.2 * longest > args.budget_s - 15:  # leave time for the ceilings and the write
@@ -392,33 +449,8 @@ def main(argv=None) -> Path | None:
         torch.cuda.empty_cache()
         longest = max(longest, time.perf_counter() - t0)
         print(f"{shape}/{routing} done in {time.perf_counter() - t0:.1f} s", flush=True)
-    # with budget left: our kernels under other tile settings (kernel_config), on one shape, so that
-    # the next change to GPU_CONFIG rests on measurements; rows under shape "<shape> (tuning)"
-    tune_shape = "64e-top8"
-    tune_dims = _shapes(args.quick)[tune_shape]
-    tune_base_ms = None
-    for variant in TUNING:
-        label = "tune:" + (",".join(f"{k}={v}" for k, v in variant.items()) or "default")
-        elapsed = time.perf_counter() - start
-        if elapsed + 1.2 * tune_longest > args.budget_s - 15:
-            notes.append(f"tuning variants from {label} on skipped: budget")
-            break
-        t0 = time.perf_counter()
-        try:
-            with kernel_config(**variant):
-                for row in run_config(
-                    f"{tune_shape} (tuning)", tune_dims, "balanced", rounds=3, notes=notes,
-                    only=("ours_sparse", "ours_grouped", "torch_grouped_mm" if not variant else ""), config=label,
-                    base_ms=tune_base_ms,
-                ):  # fmt: skip
-                    if row["impl"] == "torch_grouped_mm":
-                        tune_base_ms = row["ms"]
-                    report.add(**_with_pct(row, ceil))
-        except Exception as exc:  # a variant that does not compile or fit is a result, not a crash
-            notes.append(f"tuning {label}: {type(exc).__name__}: {' '.join(str(exc).split())[:160]}")
-        torch.cuda.empty_cache()
-        tune_longest = max(tune_longest, time.perf_counter() - t0)
-        print(f"tuning {label} done in {time.perf_counter() - t0:.1f} s", flush=True)
+    if not args.tune_first:
+        _tuning(report, args.quick, start, args.budget_s, ceil, notes)
     report.notes = " ".join(
         [
             "Each row: forward + backward of the expert layer for a fixed routing (router excluded), median over "

@@ -13,6 +13,9 @@ Naming (§4.1, §5.1): the letters give output, left and right operand, S sparse
   its transpose.
 
 Every dense operand is passed with its strides, so ``x.t()`` costs nothing. Accumulation is fp32.
+Launch order: every kernel takes a 1-D grid in grouped order (``GPU_CONFIG["group_m"]``, see
+:func:`_grouped_order`): ``group_m`` row tiles against all column tiles, so that a weight tile
+read from HBM serves ``group_m`` row tiles from L2; SDD remaps its block index the same way.
 Kernels run on the GPU and, for tests, in Triton's CPU interpreter (small blocks).
 """
 
@@ -36,8 +39,15 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # k_step: inner-product step, 64 keeps a 128 x 64 and a 64 x 128 bf16 tile per stage (32 KB) in
 # shared memory; dense_n: the column tile of DSD/DDS and grouped-GEMM outputs; gmm_m: the grouped
 # GEMM's row tile (a tile never crosses a group: smaller tiles waste less on small groups).
-# The bench's --tune rows time variants of these through kernel_config().
-GPU_CONFIG = {"k_step": 64, "dense_n": 128, "gmm_m": 128, "num_warps": 8, "num_stages": 3}
+# group_m: the launch order (see _grouped_order): consecutive programs sweep group_m row tiles
+# (block-rows) against every column tile, so that a column tile of the weight, once read from
+# HBM, serves group_m row tiles from L2; 1 is the plain order (column tiles fastest), which
+# re-reads an expert's whole weight once per row tile when it does not fit in L2 (8e-top2: 117 MB).
+# Unlike the tile sizes it applies in the interpreter too, so the CPU tests cover the remapping.
+# The bench's tuning rows time variants of these through kernel_config().
+GPU_CONFIG = {
+    "k_step": 64, "dense_n": 128, "gmm_m": 128, "num_warps": 8, "num_stages": 3, "group_m": 8,
+}  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -65,6 +75,19 @@ def _dense_n() -> int:
     return 16 if interpreting() else GPU_CONFIG["dense_n"]
 
 
+def _group_m() -> int:
+    g = GPU_CONFIG["group_m"]
+    if not isinstance(g, int) or isinstance(g, bool) or g < 1:
+        raise ValueError(f"GPU_CONFIG['group_m'] must be an int >= 1, got {g!r}")
+    return g
+
+
+def _check_programs(n: int, what: str) -> None:
+    # a 1-D grid: CUDA allows up to 2**31 - 1 programs in its first dimension
+    if n >= 2**31:
+        raise ValueError(f"{n} programs for {what} exceed the 2**31 - 1 a launch allows: split the tokens")
+
+
 def _launch_opts() -> dict:
     if interpreting():
         return {}
@@ -82,13 +105,41 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _grouped_order(pid, num_m, num_n, GROUP_M: tl.constexpr):
+    """(m, n) of program ``pid`` (int64) over an ``num_m x num_n`` tile grid, in grouped order:
+    the programs of a group cover GROUP_M consecutive row tiles (fewer in the last group) times
+    all ``num_n`` column tiles, row tile fastest, so that programs running at the same time share
+    column tiles of the right operand (and row tiles of the left one) in L2. A bijection of
+    ``[0, num_m num_n)`` for every GROUP_M >= 1; GROUP_M = 1 gives ``m = pid // num_n``,
+    ``n = pid % num_n`` (column tiles fastest)."""
+    per_group = GROUP_M * num_n
+    group = pid // per_group
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    local = pid - group * per_group
+    return first_m + local % size_m, local // size_m
+
+
+@triton.jit
 def _sdd_kernel(
-    A, B, C, row_indices, column_indices, K,
+    A, B, C, row_indices, column_indices, K, num_rows, per_row,
     stride_am, stride_ak, stride_bk, stride_bn,
-    BLOCK: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
-    """C[p] = A[rows of block-row r] @ B[:, cols of block-col c] for the stored block p = (r, c)."""
-    p = tl.program_id(0).to(tl.int64)
+    """C[p] = A[rows of block-row r] @ B[:, cols of block-col c] for the stored block p = (r, c).
+
+    GROUP_M > 1 (the host passes it only when nnz = num_rows * per_row): p = i * per_row + j with
+    (i, j) the grouped order of the program id over num_rows x per_row, a permutation of the
+    blocks. When every block-row holds per_row blocks (the dMoE's topology), i is the block-row
+    and j the block's place in it, so GROUP_M block-rows of A meet the same block-columns of B in
+    L2; for other topologies it is just another order of the blocks, as correct as the identity.
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    if GROUP_M > 1:
+        i, j = _grouped_order(pid, num_rows, per_row, GROUP_M)
+        p = i * per_row + j
+    else:
+        p = pid
     r = tl.load(row_indices + p).to(tl.int64)
     c = tl.load(column_indices + p).to(tl.int64)
     rm = r * BLOCK + tl.arange(0, BLOCK)
@@ -110,10 +161,10 @@ def _sdd_kernel(
 
 @triton.jit
 def _dsd_kernel(
-    S, B, C, offsets, indices, block_offsets, N,
+    S, B, C, offsets, indices, block_offsets, N, block_rows, num_n,
     stride_bk, stride_bn, stride_cm, stride_cn,
     TRANS: tl.constexpr, S_SM: tl.constexpr, S_SK: tl.constexpr,
-    BLOCK: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """C[block-row r, column tile n] = sum over the blocks (r, kb) of op(S): op(S)[r, kb] @ B[kb, n].
 
@@ -122,10 +173,11 @@ def _dsd_kernel(
     its blocks (block_offsets -> data, indices = their block-rows in S = kb); each block is read
     with swapped strides.
     """
-    # column tiles vary fastest: consecutive programs reuse one block-row of S (in L2) against the
-    # column tiles of B, instead of re-reading S from memory once per column tile
-    n = tl.program_id(0)
-    r = tl.program_id(1).to(tl.int64)
+    # 1-D grid in grouped order: GROUP_M block-rows of S against every column tile of B, so that a
+    # column tile of B (an expert's weight in the dMoE) is read once per GROUP_M block-rows and a
+    # block-row of S once per group, both from L2 otherwise (GROUP_M = 1: column tiles fastest)
+    r, n = _grouped_order(tl.program_id(0).to(tl.int64), block_rows, num_n, GROUP_M)
+    n = n.to(tl.int32)  # < num_n: the column offsets stay 32-bit, as with a 2-D grid
     start = tl.load(offsets + r)
     end = tl.load(offsets + r + 1)
     rm = tl.arange(0, BLOCK)
@@ -154,14 +206,6 @@ def _dsd_kernel(
     tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=in_n[None, :])
 
 
-def _check_grid_y(n: int, what: str) -> None:
-    # CUDA limits the grid's second dimension to 65535 programs
-    if n > 65535:
-        raise ValueError(
-            f"{n} {what} exceed the 65535 a launch allows: split the tokens into smaller batches"
-        )
-
-
 def _check_dense(name: str, x: torch.Tensor, dim: int = 2) -> None:
     if x.dim() != dim:
         raise ValueError(f"{name} must be {dim}-D, got shape {tuple(x.shape)}")
@@ -179,10 +223,15 @@ def _sdd(a: torch.Tensor, b: torch.Tensor, topo: Topology) -> torch.Tensor:
     out = torch.empty(topo.nnz, bs, bs, device=a.device, dtype=a.dtype)
     if topo.nnz == 0:
         return out
+    _check_programs(topo.nnz, "the blocks of an SDD")
+    # the grouped order needs nnz = rows x per_row (no device sync to check more: any such
+    # factorisation gives a permutation of the blocks, the intended one for the dMoE's topology)
+    rows = topo.block_rows
+    group_m = _group_m() if rows and topo.nnz % rows == 0 else 1
     _sdd_kernel[(topo.nnz,)](
-        a, b, out, topo.row_indices, topo.column_indices, a.shape[1],
+        a, b, out, topo.row_indices, topo.column_indices, a.shape[1], rows, topo.nnz // max(rows, 1),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        BLOCK=bs, BK=_k_step(bs), IEEE=a.dtype == torch.float32, **_launch_opts(),
+        BLOCK=bs, BK=_k_step(bs), IEEE=a.dtype == torch.float32, GROUP_M=group_m, **_launch_opts(),
     )  # fmt: skip
     return out
 
@@ -198,11 +247,13 @@ def _dsd_into(data: torch.Tensor, topo: Topology, b: torch.Tensor, out: torch.Te
     if block_rows == 0 or N == 0:
         return
     BN = bs if interpreting() else GPU_CONFIG["dense_n"]
-    _check_grid_y(block_rows, "block-rows of the sparse operand")
-    _dsd_kernel[(triton.cdiv(N, BN), block_rows)](
-        data, b, out, offsets, indices, topo.block_offsets_t, N,
+    num_n = triton.cdiv(N, BN)
+    _check_programs(block_rows * num_n, "a DSD")
+    _dsd_kernel[(block_rows * num_n,)](
+        data, b, out, offsets, indices, topo.block_offsets_t, N, block_rows, num_n,
         b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-        TRANS=trans, S_SM=1 if trans else bs, S_SK=bs if trans else 1, BLOCK=bs, BN=BN, BK=_k_step(bs), IEEE=data.dtype == torch.float32, **_launch_opts(),
+        TRANS=trans, S_SM=1 if trans else bs, S_SK=bs if trans else 1, BLOCK=bs, BN=BN, BK=_k_step(bs), IEEE=data.dtype == torch.float32,
+        GROUP_M=_group_m(), **_launch_opts(),
     )  # fmt: skip
 
 
@@ -315,13 +366,15 @@ def dds(a: torch.Tensor, data: torch.Tensor, topo: Topology, *, transpose: bool 
 
 @triton.jit
 def _gmm_kernel(
-    X, W, Y, tile_group, tile_row, ends, N, K,
+    X, W, Y, tile_group, tile_row, ends, N, K, num_tiles, num_n,
     stride_xm, stride_xk, stride_wg, stride_wk, stride_wn, stride_ym, stride_yn,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """Y[rows of tile, n-tile] = X[rows of tile] @ W[g] for the tile's group g."""
-    n = tl.program_id(0)  # fastest: consecutive programs share the row tile of X (L2)
-    t = tl.program_id(1)
+    # 1-D grid in grouped order: GROUP_M row tiles against every n-tile, so that a column tile of
+    # W[g] serves GROUP_M row tiles from L2 (a group of tiles may span two experts: still correct)
+    t, n = _grouped_order(tl.program_id(0).to(tl.int64), num_tiles, num_n, GROUP_M)
+    n = n.to(tl.int32)
     g = tl.load(tile_group + t).to(tl.int64)
     row0 = tl.load(tile_row + t).to(tl.int64)
     end = tl.load(ends + g).to(tl.int64)
@@ -346,16 +399,20 @@ def _gmm_kernel(
 
 @triton.jit
 def _gmm_wgrad_kernel(
-    X, G, DW, starts, ends, K, N,
+    X, G, DW, starts, ends, K, N, num_kt, num_n,
     stride_xm, stride_xk, stride_gm, stride_gn, stride_dg, stride_dk, stride_dn,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """DW[g, k-tile, n-tile] = X[rows of g]^T @ G[rows of g]: a reduction over the group's rows."""
-    # n fastest, then k, then the group: consecutive programs share X's k-tile of the group, and the
-    # group's G stays in L2 across its k-tiles
-    n = tl.program_id(0)
-    kt = tl.program_id(1)
-    g = tl.program_id(2).to(tl.int64)
+    # 1-D grid, group by group; within a group (num_kt x num_n tiles) the grouped order: GROUP_M
+    # k-tiles (slices of the group's X) against every n-tile (slices of its G), so that programs
+    # running together share both from L2 (GROUP_M = 1: n fastest, then k, as a 3-D grid would)
+    pid = tl.program_id(0).to(tl.int64)
+    per_g = num_kt * num_n
+    g = pid // per_g
+    kt, n = _grouped_order(pid - g * per_g, num_kt, num_n, GROUP_M)
+    kt = kt.to(tl.int32)
+    n = n.to(tl.int32)
     start = tl.load(starts + g)
     end = tl.load(ends + g)
     rk = kt * BK + tl.arange(0, BK)
@@ -404,11 +461,12 @@ def _gmm(x: torch.Tensor, w: torch.Tensor, sched) -> torch.Tensor:
     if tile_group.numel() == 0 or N == 0:
         return y
     BN = _dense_n()
-    _check_grid_y(tile_group.numel(), "row tiles")
-    _gmm_kernel[(triton.cdiv(N, BN), tile_group.numel())](
-        x, w, y, tile_group, tile_row, ends, N, K,
+    num_tiles, num_n = tile_group.numel(), triton.cdiv(N, BN)
+    _check_programs(num_tiles * num_n, "a grouped GEMM")
+    _gmm_kernel[(num_tiles * num_n,)](
+        x, w, y, tile_group, tile_row, ends, N, K, num_tiles, num_n,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), y.stride(0), y.stride(1),
-        BM=BM, BN=BN, BK=_k_step(128), IEEE=x.dtype == torch.float32, **_launch_opts(),
+        BM=BM, BN=BN, BK=_k_step(128), IEEE=x.dtype == torch.float32, GROUP_M=_group_m(), **_launch_opts(),
     )  # fmt: skip
     return y
 
@@ -419,10 +477,14 @@ def _gmm_wgrad(x: torch.Tensor, g: torch.Tensor, sched, num_groups: int) -> torc
     dw = torch.empty(num_groups, K, N, device=x.device, dtype=x.dtype)
     BN = _dense_n()
     BK = 16 if interpreting() else 128  # the weight gradient's row tile (its K dim is the reduction)
-    _gmm_wgrad_kernel[(triton.cdiv(N, BN), triton.cdiv(K, BK), num_groups)](
-        x, g, dw, starts, ends, K, N,
+    num_kt, num_n = triton.cdiv(K, BK), triton.cdiv(N, BN)
+    if num_groups * num_kt * num_n == 0:
+        return dw
+    _check_programs(num_groups * num_kt * num_n, "a grouped weight gradient")
+    _gmm_wgrad_kernel[(num_groups * num_kt * num_n,)](
+        x, g, dw, starts, ends, K, N, num_kt, num_n,
         x.stride(0), x.stride(1), g.stride(0), g.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
-        BM=_k_step(128), BN=BN, BK=BK, IEEE=x.dtype == torch.float32, **_launch_opts(),
+        BM=_k_step(128), BN=BN, BK=BK, IEEE=x.dtype == torch.float32, GROUP_M=_group_m(), **_launch_opts(),
     )  # fmt: skip
     return dw
 

@@ -3,6 +3,8 @@ candidate once): routings, checks before timing, the rows it writes. Speed is no
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -89,15 +91,22 @@ def test_main_flow_with_budget(monkeypatch, tmp_path):
     main_rows = [s for s in seen if s[2] == "default"]
     assert [(s[0], s[1]) for s in main_rows] == [(sh, r) for sh in bench.SHAPES for r in bench.ROUTINGS]
     tune = [s for s in seen if s[2].startswith("tune:")]
-    assert [s[2] for s in tune] == [
-        "tune:default",
-        "tune:dense_n=256",
-        "tune:num_stages=4",
-        "tune:num_warps=4",
-        "tune:gmm_m=64",
+    labels = ["tune:default", "tune:group_m=1", "tune:dense_n=256", "tune:num_stages=4", "tune:group_m=16"]
+    labels += ["tune:num_warps=4", "tune:gmm_m=64"]
+    # each variant on both shapes (8e-top2 first), the variants in order
+    assert [(s[0], s[2]) for s in tune] == [
+        (f"{shape} (tuning)", label) for label in labels for shape in ("8e-top2", "64e-top8")
     ]
-    assert tune[1][3]["dense_n"] == 256 and kernels.GPU_CONFIG["dense_n"] == 128  # restored afterwards
-    assert tune[1][5] == 2.0  # the default variant's torch_grouped_mm time is the later baseline
+    by = {(s[0].split()[0], s[2]): s for s in tune}
+    assert by["8e-top2", "tune:default"][3]["group_m"] == 8  # the default is the grouped order
+    assert by["8e-top2", "tune:group_m=1"][3]["group_m"] == 1
+    assert by["64e-top8", "tune:dense_n=256"][3]["dense_n"] == 256
+    assert kernels.GPU_CONFIG["dense_n"] == 128 and kernels.GPU_CONFIG["group_m"] == 8  # restored
+    # torch_grouped_mm runs once per shape, at the default; its time is that shape's later baseline
+    assert all(("torch_grouped_mm" in s[4]) == (s[2] == "tune:default") for s in tune)
+    assert by["8e-top2", "tune:default"][5] is None and by["64e-top8", "tune:group_m=1"][5] == 2.0
+    assert tune[0] == seen[len(main_rows)]  # after the main table
+    assert "tune:default is GPU_CONFIG" in report.notes
     assert all(r["pct_of_matmul"] == 12.5 for r in report.rows)
     assert report.notes.count("megablocks: not installed") == 1
     # a budget too small for anything but the first configuration
@@ -105,6 +114,11 @@ def test_main_flow_with_budget(monkeypatch, tmp_path):
     bench.main(["--quick", "--budget-s", "15"])
     assert len(seen) == 0 or all(s[2] == "default" for s in seen)
     assert "skipped" in written["r"].notes
+    # --tune-first: the tuning rows come before the main table
+    seen.clear()
+    bench.main(["--tune-first", "--budget-s", "1000"])
+    assert seen[0][2] == "tune:default" and seen[-1][2] == "default"
+    assert len([s for s in seen if s[2].startswith("tune:")]) == 2 * len(labels)
 
 
 def test_megablocks_probe_reports_failure():
@@ -113,3 +127,33 @@ def test_megablocks_probe_reports_failure():
     ok, note = bench.probe_megablocks(quick=True, timeout_s=120)
     assert not ok
     assert "megablocks probe failed (exit 3)" in note and "import megablocks failed" in note
+
+
+def test_tuning_budget_cut(monkeypatch):
+    """With each configuration taking 10 s (a fake clock) and a 100 s budget: the main table, then
+    the first two tuning variants on both shapes; the rest skipped with one note naming them."""
+    clock = [0.0]
+    seen = []
+
+    def fake_run_config(shape, dims, routing, *, notes, only=None, config="default", base_ms=None, **kw):
+        clock[0] += 10.0
+        seen.append((shape, config))
+        return [dict(shape=shape, routing=routing, impl="ours_sparse", config=config, ms=2.0, check="ok")]
+
+    written = {}
+    monkeypatch.setattr(bench, "run_config", fake_run_config)
+    monkeypatch.setattr(bench, "time", SimpleNamespace(perf_counter=lambda: clock[0]))  # bench's only
+    monkeypatch.setattr(bench, "ceilings", lambda: {})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bench.Report, "write", lambda self, out_dir=None, **kw: written.update(r=self))
+    bench.main(["--budget-s", "100"])
+    tune = [s for s in seen if s[1].startswith("tune:")]
+    assert len(seen) - len(tune) == len(bench.SHAPES) * len(bench.ROUTINGS)
+    assert tune == [
+        (f"{shape} (tuning)", label)
+        for label in ("tune:default", "tune:group_m=1")
+        for shape in ("8e-top2", "64e-top8")
+    ]
+    notes = written["r"].notes
+    assert "tuning rows skipped (budget 100 s): 8e-top2 tune:dense_n=256; 64e-top8 tune:dense_n=256" in notes
