@@ -266,6 +266,49 @@ def select_blocks(
     return idx
 
 
+def selection_shortfall(
+    picks: torch.Tensor,
+    scores: torch.Tensor,
+    n_select: int = 16,
+    select_len: int = 64,
+    n_initial: int = 1,
+    n_local: int = 2,
+    q_pos: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """How far a selection ``picks [B, Tq, H, n]`` (block indices, -1 for none, any order) falls short
+    of Eq. 11's top-n under ``scores [B, Tq, H, Ns]`` (the reference's), per row [B, Tq, H]: the
+    largest relative gap between the k-th best score among the picks and the k-th best of the
+    true top-n. 0 where the picks are a top-n (ties in any order); inf where a forced block is
+    missing, a future block is picked or the count is wrong. Two correct kernels that round the
+    scores differently pick differently only among near-ties, so their shortfall stays at the
+    scores' rounding level (about 1e-3 relative for tf32 or bf16 scores)."""
+    b, tq, h, ns = scores.shape
+    q_pos = _default_pos(tq, scores.device) if q_pos is None else q_pos
+    own = (q_pos // select_len)[:, None]
+    j = torch.arange(ns, device=scores.device)[None, :]
+    forced = (j < n_initial) | ((j <= own) & (j > own - n_local))
+    s = scores.double().masked_fill(forced[None, :, None, :], float("inf"))
+    s = s.masked_fill((j > own)[None, :, None, :], float("-inf"))
+    k = min(n_select, ns)
+    best = s.topk(k, dim=-1).values  # descending; -inf where fewer than k blocks exist
+    idx = picks.long()
+    valid = (idx >= 0) & (idx < ns)
+    got = torch.where(valid, s.gather(-1, idx.clamp(0, ns - 1)), float("-inf"))
+    if got.shape[-1] < k:
+        got = torch.cat([got, got.new_full((*got.shape[:-1], k - got.shape[-1]), float("-inf"))], -1)
+    got = got.sort(dim=-1, descending=True).values[..., :k]
+    extra = (valid.sum(-1) > k) | (
+        valid.sum(-1) != torch.isfinite(best).sum(-1) + torch.isposinf(best).sum(-1)
+    )
+    srt = idx.sort(-1).values
+    dup = (srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)
+    same_inf = (torch.isinf(best) | torch.isinf(got)) & (got == best)
+    finite = torch.isfinite(best) & torch.isfinite(got)
+    gap = torch.where(finite, (best - got).clamp_min(0) / best.abs().clamp_min(1e-30), 0.0)
+    gap = torch.where(finite | same_inf, gap, float("inf")).amax(-1)
+    return torch.where(extra | dup.any(-1), float("inf"), gap)
+
+
 def selected_mask(block_indices: torch.Tensor, block_size: int, tk: int, q_pos: torch.Tensor) -> torch.Tensor:
     """[B, Tq, H, Tk] bool: key s is read by the query when its block is selected and s <= t."""
     b, tq, h, _ = block_indices.shape

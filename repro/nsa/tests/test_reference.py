@@ -227,3 +227,40 @@ def test_config_validation():
         ref.NSAConfig(block_len=32, stride=16, select_len=40).validate()
     with pytest.raises(ValueError, match=r"forced blocks must be at most n_select = 2"):
         ref.NSAConfig(n_select=2, n_initial=1, n_local=2).validate()
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), t=st.integers(70, 400))
+def test_selection_shortfall_zero_for_top_n_and_flags_every_error(seed, t):
+    """The benchmark's selection check (reference.selection_shortfall): 0 for Eq. 11's own picks in
+    any order; the relative score gap when one free pick is swapped for the worst free block; inf
+    for a missing forced block, a future block or a duplicate."""
+    gen = torch.Generator().manual_seed(seed)
+    n, lp = 4, 16
+    ns = -(-t // lp)
+    scores = torch.rand(1, t, 2, ns, generator=gen, dtype=torch.float64) + 0.5
+    picks = ref.select_blocks(scores, n, lp, 1, 1)
+    short = ref.selection_shortfall(picks.flip(-1), scores, n, lp, 1, 1)
+    assert short.shape == (1, t, 2) and not short.any()
+
+    row, own = t - 1, (t - 1) // lp  # the last query: blocks 0 (initial) and own (local) are forced
+    chosen = picks[0, row, 0].tolist()
+    free_picks = [j for j in chosen if j not in (0, own)]
+    others = [j for j in range(1, own) if j not in chosen]
+    s = scores[0, row, 0]
+    worst, victim = min(others, key=lambda j: s[j].item()), min(free_picks, key=lambda j: s[j].item())
+
+    def with_pick(old, new):
+        p = picks.clone()
+        p[0, row, 0, chosen.index(old)] = new
+        return ref.selection_shortfall(p, scores, n, lp, 1, 1)
+
+    got = with_pick(victim, worst)
+    assert got[0, :row].eq(0).all() and got[0, row, 1] == 0
+    assert torch.isclose(got[0, row, 0], (s[victim] - s[worst]) / s[victim])
+    assert with_pick(0, worst)[0, row, 0] == float("inf")  # the initial block dropped
+    assert with_pick(own, worst)[0, row, 0] == float("inf")  # the local block dropped
+    assert with_pick(victim, free_picks[-1] if free_picks[-1] != victim else 0)[0, row, 0] == float("inf")
+    early = picks.clone()
+    early[0, 0, 0, 1] = 1  # query 0 sees only block 0: a future block
+    assert ref.selection_shortfall(early, scores, n, lp, 1, 1)[0, 0, 0] == float("inf")
