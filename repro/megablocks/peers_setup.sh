@@ -42,7 +42,7 @@ if [ -n "$prebuilt_mb" ] && [ -n "$prebuilt_stk" ] && [ "${MEGABLOCKS_SETUP_DRY:
   log "installing the prebuilt (patched) wheels $(basename "$prebuilt_stk") $(basename "$prebuilt_mb")"
   timeout 120 "$PY" -m pip install --no-deps "$prebuilt_stk" "$prebuilt_mb" >> "$LOG" 2>&1 \
     || soft_fail "pip install of the prebuilt wheels"
-  timeout 60 "$PY" -c "import megablocks_ops, megablocks.layers.dmoe; print('megablocks imports')" >> "$LOG" 2>&1 \
+  timeout 60 "$PY" -c "import torch, megablocks_ops, megablocks.layers.dmoe; print('megablocks imports')" >> "$LOG" 2>&1 \
     || soft_fail "import megablocks from the prebuilt wheel (built for another torch/CUDA/Python?)"
   log "megablocks 0.10.0 + stanford-stk 0.7.1 installed from prebuilt wheels and importable"
   exit 0
@@ -97,7 +97,7 @@ else
     || soft_fail "pip install megablocks after $(( $(date +%s) - start )) s"
 fi
 log "built in $(( $(date +%s) - start )) s"
-timeout 60 "$PY" -c "import megablocks_ops, megablocks.layers.dmoe; print('megablocks imports')" >> "$LOG" 2>&1 \
+timeout 60 "$PY" -c "import torch, megablocks_ops, megablocks.layers.dmoe; print('megablocks imports')" >> "$LOG" 2>&1 \
   || soft_fail "import megablocks after the build"
 log "megablocks 0.10.0 + stanford-stk 0.7.1 installed and importable"
 rm -rf "$work"
