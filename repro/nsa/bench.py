@@ -342,13 +342,16 @@ def _peer_candidates(t, fla, q, ks, vs, gates, leaves, pos):
         from fla.ops.nsa.parallel import parallel_nsa_topk
         from fla.ops.utils.pooling import mean_pooling
 
+        # parallel_nsa fills in scale = D^-1/2 before these calls; its kernels do not take None
+        # (the first run with scale=None ended in a CompilationError of fla's top-n kernel)
+        scale = ql.shape[-1] ** -0.5
         with torch.no_grad():
             qd, kd, vd = ql.detach(), kl.detach(), vl.detach()
             kc, vc = mean_pooling(kd, fs.select_len, None), mean_pooling(vd, fs.select_len, None)
-            _, lse = parallel_nsa_compression(q=qd, k=kc, v=vc, TK=t, block_size=fs.select_len, scale=None,
+            _, lse = parallel_nsa_compression(q=qd, k=kc, v=vc, TK=t, block_size=fs.select_len, scale=scale,
                                               cu_seqlens=None)  # fmt: skip
             return parallel_nsa_topk(q=qd, k=kc, lse=lse, TK=t, block_counts=fs.n_select,
-                                     block_size=fs.select_len, scale=None, cu_seqlens=None)  # fmt: skip
+                                     block_size=fs.select_len, scale=scale, cu_seqlens=None)  # fmt: skip
 
     def fla_slc():
         return parallel_nsa(ql, kl, vl, block_indices=indices(), block_counts=cfg.n_select,
