@@ -91,8 +91,8 @@ def test_main_flow_with_budget(monkeypatch, tmp_path):
     main_rows = [s for s in seen if s[2] == "default"]
     assert [(s[0], s[1]) for s in main_rows] == [(sh, r) for sh in bench.SHAPES for r in bench.ROUTINGS]
     tune = [s for s in seen if s[2].startswith("tune:")]
-    labels = ["tune:default", "tune:group_m=1", "tune:dense_n=256", "tune:num_stages=4", "tune:group_m=16"]
-    labels += ["tune:num_warps=4", "tune:gmm_m=64"]
+    labels = ["tune:default", "tune:group_m=1", "tune:dense_n=256", "tune:num_warps=4,num_stages=4"]
+    labels += ["tune:k_step=32,num_warps=4,num_stages=4", "tune:dense_n=256,num_stages=4", "tune:num_warps=4"]
     # each variant on both shapes (8e-top2 first), the variants in order
     assert [(s[0], s[2]) for s in tune] == [
         (f"{shape} (tuning)", label) for label in labels for shape in ("8e-top2", "64e-top8")
