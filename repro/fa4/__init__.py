@@ -10,7 +10,9 @@ q: [B, S_q, H, D]; k, v: [B, S_k, H_kv, D] with H_kv dividing H (grouped-query a
 D in {64, 128}; causal masks are bottom-right aligned (query i sees keys j <= i + S_k - S_q; with
 S_q > S_k the first S_q - S_k queries see no key and get zero output and zero gradient, as in
 flash-attn). Forward and backward run through Triton kernels (``repro.fa4.kernels``, the fused
-backward in ``repro.fa4.bwd_fused``); ``repro.fa4.reference`` is the ground truth.
+backward in ``repro.fa4.bwd_fused``) or, on Hopper, warp-specialised Gluon kernels: the forward with
+``gluon=True`` (``repro.fa4.gluon_fwd``), the backward ``repro.fa4.gluon_bwd``, which the default
+``bwd="auto"`` picks there (:func:`auto_backward`); ``repro.fa4.reference`` is the ground truth.
 
 :func:`attention_any_d` is the internal entry point the CPU tests use: it also takes D in
 {16, 32} and float32 (for the Triton interpreter, where bf16 matmuls are slow).
@@ -46,9 +48,10 @@ class Switches:
     tma: load K and V tiles with the TMA copy engine (tensor descriptors) instead of pointer loads.
     gluon: run the forward as the warp-specialised Gluon kernel (``repro.fa4.gluon_fwd``: a TMA load
         warp filling a K/V ring guarded by mbarriers, two consumer warpgroups on their own 64-row
-        query tiles with asynchronous wgmma, FA3's schedule); Hopper (sm_90) only. The backward stays
-        the Triton one. lazy_rescale / rescale_threshold apply (row by row there); soft_exp, pingpong,
-        persistent and warp_specialize do not exist in it (an error), the forward launch shape
+        query tiles with asynchronous wgmma, FA3's schedule); Hopper (sm_90) only. The backward is
+        whichever ``bwd`` picks (with "auto", the Gluon backward on Hopper). lazy_rescale /
+        rescale_threshold apply (row by row there); soft_exp, pingpong, persistent and
+        warp_specialize do not exist in it (an error), the forward launch shape
         (block_m, block_n, num_warps, num_stages) is ignored; it launches with GLUON_LAUNCH. Measured
         on an H100 (results/*-gluon-combos.json, *-peer.json): 0.98-1.13x cuDNN's forward at S = 4k-16k
         (1.30-1.50x the Triton kernel with tma=True); lazy_rescale costs nothing there (within 0.6%).
@@ -63,8 +66,9 @@ class Switches:
         Hopper, else "fused" when causal and "fa2" otherwise. Measured on an H100 (results/*-bwd.json,
         2026-11-25, D = 128, bf16, S = 4k-16k, fwd+bwd behind the Gluon forward, interleaved rounds):
         gluon 0.77-0.83x cuDNN's speed; fused 0.67-0.75x; fa2 0.67-0.73x.
-    bwd_block_m, bwd_block_n, bwd_num_warps, bwd_num_stages: the backward's launch shape (either
-        backward); None picks BWD_DEFAULTS ("fa2") or bwd_fused.FUSED_DEFAULTS ("fused").
+    bwd_block_m, bwd_block_n, bwd_num_warps, bwd_num_stages: the launch shape of the Triton
+        backwards ("fa2", "fused"; the Gluon backward launches with gluon_bwd.GLUON_BWD_DEFAULTS);
+        None picks BWD_DEFAULTS ("fa2") or bwd_fused.FUSED_DEFAULTS ("fused").
     bwd_tma: "fused" only: Q and dO tiles through TMA (tensor descriptors); None picks the default.
     bwd_dq_tma: "fused" only: dQ tiles added by TMA bulk reductions from shared memory (FA3's way)
         instead of one atomic add per element; not in the CPU interpreter. None picks the default.
@@ -96,7 +100,7 @@ class Switches:
     bwd_dq_tma: bool | None = None
 
 
-#: The backwards behind Switches.bwd ("auto" picks one of them by causality, see Switches).
+#: The backwards behind Switches.bwd ("auto" picks one of them by device and causality: auto_backward).
 BACKWARDS = ("auto", "fa2", "fused", "gluon")
 # Tuned on one H100 (repro/fa4/results/*-autotune.json, S = 8192): (block_m, block_n, num_warps, num_stages).
 FWD_DEFAULTS = {64: (128, 128, 8, 3), 128: (128, 128, 8, 3)}

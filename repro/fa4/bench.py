@@ -518,7 +518,8 @@ FA4_DISTRIBUTIONS = [
 #: Our fastest forward in results/nvidia-h100-80gb-hbm3.json (S = 4k-16k): TMA on, default launch shape.
 OURS_BEST = {"tma": True}
 #: The warp-specialised Gluon forward (repro.fa4.gluon_fwd; sm_90 only, launched with
-#: repro.fa4.GLUON_LAUNCH), Triton backward.
+#: repro.fa4.GLUON_LAUNCH) and the backward bwd="auto" picks: the Gluon one on Hopper since
+#: 2026-11-25 (the committed peer file, of 2026-11-23, ran the FA2 Triton backward).
 OURS_GLUON = {"gluon": True}
 #: (B, S, H, D) of the smoke test: small enough for a float64 reference with gradients.
 SMOKE_SHAPE = (2, 512, HEADS, HEAD_DIM)

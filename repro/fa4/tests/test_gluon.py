@@ -3,7 +3,8 @@
 Gluon kernels do not run under TRITON_INTERPRET, so the CPU check is an offline compile for sm_90a
 (Triton's compiler and the bundled ptxas need no GPU): every variant must compile, fit the H100's
 227 KiB of shared memory per block and not spill. The tests marked ``gpu`` run it on an H100
-against the float64 reference: output, log-sum-exp and the gradients through the Triton backward.
+against the float64 reference: output, log-sum-exp and the gradients through the backward
+``bwd="auto"`` picks (on Hopper the Gluon backward; the Triton one before 2026-11-25).
 """
 
 from __future__ import annotations
@@ -151,7 +152,7 @@ def test_gpu_gluon_matches_reference(shape, causal, lazy):
     ref = attention_exact(q, k, v, causal=causal)
     assert_rel_close(o, ref, 1.5e-2, "output")
     torch.testing.assert_close(lse.double(), _lse_exact(q, k, causal), atol=2e-2, rtol=1e-3)
-    # Through the public API: the Gluon forward's O and LSE feed the Triton backward.
+    # Through the public API: the Gluon forward's O and LSE feed the backward bwd="auto" picks.
     out = attention(q, k, v, causal=causal, gluon=True, lazy_rescale=lazy)
     assert_rel_close(out, ref, 1.5e-2, "output (attention, gluon=True)")
     do = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.device, out.dtype)
