@@ -659,7 +659,7 @@ def peer(out_dir: Path | None, seqlens, use_fa4: bool = True) -> None:
         notes=(
             "TFLOP/s as in the main result file (4 B H S^2 D forward, halved when causal, x3.5 for forward+backward). "
             "All timed in one process: for each shape and pass, fa4-cute, sdpa-cudnn, fa4-triton-tma and "
-            "fa4-gluon (ours with the warp-specialised Gluon forward, Triton backward) in turn, PEER_ROUNDS rounds, "
+            "fa4-gluon (ours with the warp-specialised Gluon forward and the default backward, bwd='auto': the Gluon backward on Hopper) in turn, PEER_ROUNDS rounds, "
             "each row the median (the note gives the range); rel.err is against cuDNN's output on the same inputs."
         ),
     )
@@ -1140,7 +1140,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--gluon-bwd",
         action="store_true",
-        help="with --bwd: also time the Gluon backward (not yet validated on a GPU: run its GPU tests first)",
+        help="with --bwd: also time the Gluon backward explicitly (fa4-gluon-gluonbwd; GPU-tested on an H100, 2026-11-25)",
     )
     parser.add_argument(
         "--bwd-sweep",

@@ -15,7 +15,9 @@ Naming (§4.1, §5.1): the letters give output, left and right operand, S sparse
 Every dense operand is passed with its strides, so ``x.t()`` costs nothing. Accumulation is fp32.
 Launch order: every kernel takes a 1-D grid in grouped order (``GPU_CONFIG["group_m"]``, see
 :func:`_grouped_order`): ``group_m`` row tiles against all column tiles, so that a weight tile
-read from HBM serves ``group_m`` row tiles from L2; SDD remaps its block index the same way.
+read from HBM serves ``group_m`` row tiles from L2; SDD remaps its block index the same way when
+nnz = block-rows x blocks per row (the dMoE's topology; the remap is a permutation of the blocks for
+any topology, so other ones stay correct, in another order).
 Kernels run on the GPU and, for tests, in Triton's CPU interpreter (small blocks).
 """
 
