@@ -414,9 +414,11 @@ def decode_candidates(t: int, b: int, gen: torch.Generator):
 
 
 STAGES = ("cmp", "scores", "select", "slc", "win", "gate")
-#: timed beside the stages, not added into their sum: Eq. 5 as one Triton kernel (ops.gated_sum_fused)
-#: and as the five PyTorch ops; the ``gate`` stage is whichever ops.FUSED_GATE makes nsa_attention run
-ALTERNATIVES = ("gate-fused", "gate-torch")
+#: timed beside the stages, not added into their sum: Eq. 11's top-n and sort as one Triton kernel
+#: (ops.topk_blocks_fused; the ``select`` stage is whichever ops.FUSED_TOPK makes topk_blocks run), and
+#: Eq. 5 as one Triton kernel (ops.gated_sum_fused) and as the five PyTorch ops; the ``gate`` stage is
+#: whichever ops.FUSED_GATE makes nsa_attention run
+ALTERNATIVES = ("select-fused", "gate-fused", "gate-torch")
 BREAKDOWN_COLUMNS = ["stage", "T", "ms", "ms_min", "ms_max", "check", "share_of_whole"]
 
 
@@ -424,8 +426,8 @@ def breakdown_candidates(t: int, gen: torch.Generator) -> dict[str, Candidate]:
     """The stages of ``ops.nsa_attention``'s forward at the paper's configuration, each alone on the
     inputs the stage before it produced (computed once here), and the whole forward: ``cmp``
     (compressed attention and its lse), ``scores`` (Eqs. 8-10 with Eq. 11's masks, one kernel),
-    ``select`` (torch.topk and the sort kernel), ``slc`` (selected branch), ``win`` (sliding
-    window), ``gate`` (Eq. 5's gated sum), ``whole``. Leaves require grad as in the ``nsa`` rows, so
+    ``select`` (ops.topk_blocks: torch.topk and the sort kernel unless ops.FUSED_TOPK), ``slc`` (selected branch), ``win`` (sliding
+    window), ``gate`` (Eq. 5's gated sum), ``whole``, and beside them the ALTERNATIVES. Leaves require grad as in the ``nsa`` rows, so
     each stage saves what its backward needs, as it does there."""
     cfg = PAPER
     q, (kc_raw, vc_raw, ks, vs, kw, vw), gates = train_inputs(t)
@@ -477,6 +479,16 @@ def breakdown_candidates(t: int, gen: torch.Generator) -> dict[str, Candidate]:
         if not torch.equal(select()[:, pos], want):
             raise AssertionError("topk_blocks differs from reference.select_blocks on the sampled rows")
 
+    def select_fused():
+        return ops.topk_blocks_fused(scores, cfg.n_select)
+
+    def check_select_fused():  # a top-n of the same scores, masks undone (ties may pick other blocks)
+        sub = scores[:, pos].nan_to_num(posinf=0.0, neginf=0.0)
+        short = ref.selection_shortfall(select_fused()[:, pos], sub, cfg.n_select, cfg.select_len,
+                                        cfg.n_initial, cfg.n_local, q_pos=pos)  # fmt: skip
+        if not (short == 0).all():
+            raise AssertionError("topk_blocks_fused is not a top-n on the sampled rows")
+
     def slc():
         return ops.selected_attention(ql, ksl, vsl, bi, cfg.select_len, check_indices=False)
 
@@ -527,7 +539,7 @@ def breakdown_candidates(t: int, gen: torch.Generator) -> dict[str, Candidate]:
 
     fns = dict(cmp=(cmp, check_cmp), scores=(sc, check_sc), select=(select, check_select),
                slc=(slc, check_slc), win=(win, check_win), gate=(gate, check_gate),
-               **{"gate-fused": (gate_fused, check_gate_fused), "gate-torch": (gate_torch, check_gate_torch)}, whole=(whole, check_whole))  # fmt: skip
+               **{"select-fused": (select_fused, check_select_fused), "gate-fused": (gate_fused, check_gate_fused), "gate-torch": (gate_torch, check_gate_torch)}, whole=(whole, check_whole))  # fmt: skip
     return {name: Candidate(fn=f, check=c) for name, (f, c) in fns.items()}
 
 
@@ -574,7 +586,8 @@ def run_breakdown(out: str | None, t: int, gen: torch.Generator) -> Path:
         "Each stage of ops.nsa_attention's forward alone, on the previous stages' outputs computed once "
         "(paper configuration: l=32, d=16, l'=64, n=16 with 1 initial + 2 local blocks, w=512; compressed "
         "keys given). cmp: compressed attention + lse; scores: Eqs. 8-10 with Eq. 11's masks in one kernel; "
-        "select: torch.topk + the sort kernel; slc: selected branch; win: sliding window; gate: Eq. 5's "
+        f"select: topk_blocks (ops.FUSED_TOPK = {ops.FUSED_TOPK}: torch.topk + the sort kernel when False); "
+        "select-fused: ops.topk_blocks_fused, the top-n and sort in one kernel, beside the stages; slc: selected branch; win: sliding window; gate: Eq. 5's "
         f"sum as nsa_attention runs it (ops.FUSED_GATE = {ops.FUSED_GATE}); gate-fused / gate-torch: the one "
         "Triton kernel / the five PyTorch ops, beside the stages (not in their sum); whole: nsa_attention. Every stage is checked at this shape first (sampled rows against "
         "the reference; select exactly), then all are timed interleaved (paperclub.bench.measure). "

@@ -361,10 +361,47 @@ def _sort_picks_kernel(
     val = tl.load(TOP_VAL + at, mask=picked, other=float("-inf"))
     key = tl.load(TOP_IDX + at, mask=picked, other=0).to(tl.int32)
     key = tl.where(val == float("-inf"), NS, key)  # none sorts after every real block
+    blocks = _ascending_blocks(key, slot, NS)
+    tl.store(BI + rows64[:, None] * S + slot[None, :], blocks, mask=row_ok[:, None] & (slot[None, :] < S))
+
+
+@triton.jit
+def _ascending_blocks(key, slot, NS):
+    """Picks ``key [BR, BSEL]`` (distinct blocks, ``NS`` for none) sorted ascending per row, none last
+    as -1."""
     # the real picks are distinct blocks: a pick's place in ascending order is how many picks are smaller
     rank = tl.sum((key[:, None, :] < key[:, :, None]).to(tl.int32), 2)  # [BR, BSEL]
     blocks = tl.min(tl.where(rank[:, None, :] == slot[None, :, None], key[:, None, :], NS), 2)
-    blocks = tl.where(blocks == NS, -1, blocks)
+    return tl.where(blocks == NS, -1, blocks)
+
+
+@triton.jit
+def _topn_rows_kernel(
+    SCORES, BI, ROWS, NS, K_TOP, S,
+    BR: tl.constexpr, NS_POW2: tl.constexpr, BSEL: tl.constexpr,
+):  # fmt: skip
+    # Eq. 11's top-n and its sort in one pass over BR rows of masked scores SCORES [ROWS, NS] float32
+    # (forced blocks +inf, future blocks -inf; NaN-free: a NaN would be neither picked nor skipped
+    # reliably): K_TOP = min(n, NS) rounds of a row-wise max (leftmost on ties), each pick's column
+    # then set to -inf; a pick of -inf is none. The picks sorted ascending, none last as -1, padded
+    # to S, written to BI [ROWS, S] int32, as torch.topk + _sort_picks_kernel give them.
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    row_ok = rows < ROWS
+    rows64 = rows.to(tl.int64)
+    cols = tl.arange(0, NS_POW2)
+    x = tl.load(
+        SCORES + rows64[:, None] * NS + cols[None, :],
+        mask=row_ok[:, None] & (cols[None, :] < NS),
+        other=float("-inf"),
+    )
+    slot = tl.arange(0, BSEL)
+    key = tl.full([BR, BSEL], NS, tl.int32)
+    for i in range(K_TOP):
+        best, at = tl.max(x, 1, return_indices=True, return_indices_tie_break_left=True)
+        at = at.to(tl.int32)
+        key = tl.where(slot[None, :] == i, tl.where(best == float("-inf"), NS, at)[:, None], key)
+        x = tl.where(cols[None, :] == at[:, None], float("-inf"), x)  # not picked again
+    blocks = _ascending_blocks(key, slot, NS)
     tl.store(BI + rows64[:, None] * S + slot[None, :], blocks, mask=row_ok[:, None] & (slot[None, :] < S))
 
 

@@ -290,17 +290,59 @@ def masked_selection_scores(
     )
 
 
+#: Eq. 11's top-n and sort as one Triton kernel (:func:`topk_blocks_fused`) in :func:`topk_blocks`
+#: where Ns <= FUSED_TOPK_MAX_NS and n <= FUSED_TOPK_MAX_N. Off until it has run on a GPU: the CPU
+#: interpreter tests show it picks what torch.topk does, not that it is faster or compiles to no spills.
+FUSED_TOPK = False
+FUSED_TOPK_MAX_NS = 4096  # one program holds its rows' Ns scores in registers: BR * Ns <= 8192
+FUSED_TOPK_MAX_N = 64  # the sort holds BR x n x n ranks
+
+
+def _check_topk(fn: str, masked_scores, n_select: int) -> None:
+    _check_tensor(fn, "masked_scores", masked_scores, 4, "[B, T, H, Ns]")
+    if n_select < 1:
+        raise ValueError(f"{fn}: n_select must be >= 1, got {n_select}")
+    if masked_scores.device.type != "cuda" and not _interp():
+        raise RuntimeError(f"{fn}: needs a CUDA device, or TRITON_INTERPRET=1 for the CPU interpreter")
+
+
+def topk_blocks_fused(masked_scores: torch.Tensor, n_select: int) -> torch.Tensor:
+    """:func:`topk_blocks` as one Triton kernel (``kn._topn_rows_kernel``): each program reads BR rows
+    of the scores once and picks n times the row's largest (leftmost on ties), then sorts the picks
+    ascending with -1 for none (a pick of -inf), padded to n. The same contract as :func:`topk_blocks`:
+    with no ties the same tensor; with ties a top-n too, maybe another one. Scores must be NaN-free
+    (the masked scores kernel writes none). Ns <= FUSED_TOPK_MAX_NS, n <= FUSED_TOPK_MAX_N."""
+    _check_topk("topk_blocks_fused", masked_scores, n_select)
+    b, t, h, ns = masked_scores.shape
+    if ns > FUSED_TOPK_MAX_NS or n_select > FUSED_TOPK_MAX_N:
+        raise ValueError(
+            f"topk_blocks_fused: needs Ns <= {FUSED_TOPK_MAX_NS} and n <= {FUSED_TOPK_MAX_N}, got Ns = {ns}, "
+            f"n = {n_select}"
+        )
+    scores = masked_scores.float().contiguous()
+    bi = torch.empty(b, t, h, n_select, device=masked_scores.device, dtype=torch.int32)
+    rows = b * t * h
+    if rows == 0:
+        return bi
+    ns_pow2 = triton.next_power_of_2(max(ns, 1))
+    bsel = triton.next_power_of_2(n_select)
+    br = max(1, min(64, 8192 // ns_pow2, 8192 // (bsel * bsel)))
+    kn._topn_rows_kernel[(triton.cdiv(rows, br),)](
+        scores, bi, rows, ns, min(n_select, ns), n_select,
+        BR=br, NS_POW2=ns_pow2, BSEL=bsel, num_warps=4,
+    )  # fmt: skip
+    return bi
+
+
 def topk_blocks(masked_scores: torch.Tensor, n_select: int) -> torch.Tensor:
     """Eq. 11's top-n on scores from :func:`masked_selection_scores`: one ``torch.topk`` and one small
     Triton kernel that drops the picks of -inf (future blocks), sorts the rest ascending and pads with
-    -1, as ``reference.select_blocks`` returns them. masked_scores [B, T, H, Ns] float32. Returns
-    [B, T, H, n] int32."""
-    _check_tensor("topk_blocks", "masked_scores", masked_scores, 4, "[B, T, H, Ns]")
-    if n_select < 1:
-        raise ValueError(f"topk_blocks: n_select must be >= 1, got {n_select}")
-    if masked_scores.device.type != "cuda" and not _interp():
-        raise RuntimeError("topk_blocks: needs a CUDA device, or TRITON_INTERPRET=1 for the CPU interpreter")
+    -1, as ``reference.select_blocks`` returns them (or :func:`topk_blocks_fused` where ``FUSED_TOPK``
+    and the shape allow). masked_scores [B, T, H, Ns] float32. Returns [B, T, H, n] int32."""
+    _check_topk("topk_blocks", masked_scores, n_select)
     b, t, h, ns = masked_scores.shape
+    if FUSED_TOPK and 0 < ns <= FUSED_TOPK_MAX_NS and n_select <= FUSED_TOPK_MAX_N:
+        return topk_blocks_fused(masked_scores, n_select)
     top_val, top_idx = masked_scores.topk(min(n_select, ns), dim=-1)
     bi = torch.empty(b, t, h, n_select, device=masked_scores.device, dtype=torch.int32)
     rows = b * t * h

@@ -50,6 +50,9 @@ def cases(dt: str) -> list[tuple]:
     )
     out.append(("sort_picks", kn._sort_picks_kernel, {"TOP_VAL": "*fp32", "TOP_IDX": "*i64", "BI": "*i32"},
                 dict(BR=32, BSEL=16), 4, 1))  # fmt: skip
+    # ops.topk_blocks_fused at Ns = 1024 (T = 65536, l' = 64), n = 16: 8 rows of 1024 scores a program
+    out.append(("topn_rows[Ns=1024,n=16]", kn._topn_rows_kernel, {"SCORES": "*fp32", "BI": "*i32"},
+                dict(BR=8, NS_POW2=1024, BSEL=16), 4, 1))  # fmt: skip
     slc = dict(D=128, BS=64, BG=16, IEEE=fp32)
     out.append(
         (

@@ -190,3 +190,27 @@ def test_gpu_fused_gated_sum_bf16():
     assert_rel_close(o.float(), want_o.detach(), 2e-2, "gated sum")
     for name, x, y in zip(("d gates", "d o_cmp", "d o_slc", "d o_win"), got, want, strict=True):
         assert_rel_close(x.float(), y, 3e-2, name)
+
+
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+def test_gpu_fused_topk_is_a_top_n(monkeypatch):
+    """ops.topk_blocks_fused (behind ops.FUSED_TOPK, off until this passes) at a long-sequence shape:
+    B = 1, T = 16384, H = 4, l' = 64 (Ns = 256), n = 16, random scores with Eq. 11's masks. Every row
+    a top-n (selection_shortfall 0), and the same blocks as the torch.topk path wherever no two
+    scores tie (random floats: nearly every row)."""
+    b, t, h, lp, n = 1, 16384, 4, 64, 16
+    ns = t // lp
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    plain = torch.randn(b, t, h, ns, generator=gen, device="cuda")
+    own = (torch.arange(t, device="cuda") // lp)[:, None]
+    j = torch.arange(ns, device="cuda")[None, :]
+    forced = ((j < 1) | ((j <= own) & (j > own - 2))) & ~(j > own)
+    masked = plain.masked_fill(forced[None, :, None, :], float("inf"))
+    masked = masked.masked_fill((j > own)[None, :, None, :], float("-inf"))
+    got = ops.topk_blocks_fused(masked, n)
+    short = ref.selection_shortfall(got, plain, n, lp, 1, 2)
+    assert (short == 0).all(), f"{int((short != 0).sum())} rows are not a top-n"
+    monkeypatch.setattr(ops, "FUSED_TOPK", False)
+    want = ops.topk_blocks(masked, n)
+    same = (got == want).all(-1).float().mean().item()
+    assert same > 0.999, f"only {same:.4%} of rows pick the torch path's blocks"

@@ -150,3 +150,108 @@ def test_scores_equal_at_every_tile_width(t, monkeypatch):
         ]
         upto_own = upto_own.expand_as(want)
         torch.testing.assert_close(got[upto_own], want[upto_own], rtol=1e-5, atol=1e-6, msg=f"BJ={bj}")
+
+
+# The fused top-n (ops.topk_blocks_fused, kn._topn_rows_kernel): against topk_blocks' torch path, and a
+# valid Eq. 11 selection by reference.selection_shortfall. Interpreter tiles: BR = 64 rows for Ns <= 128
+# (n <= 8), 16 rows at Ns = 300 (512 columns): rows not a multiple of BR, several programs.
+
+
+def _torch_path(masked: torch.Tensor, n: int) -> torch.Tensor:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ops, "FUSED_TOPK", False)
+        return ops.topk_blocks(masked, n)
+
+
+def _check_fused(masked, plain, n, lp, n_init, n_local, exact=True):
+    got = ops.topk_blocks_fused(masked.to(DEVICE), n).cpu()
+    assert got.dtype == torch.int32 and got.shape == (*masked.shape[:3], n)
+    short = ref.selection_shortfall(got, plain, n, lp, n_init, n_local)
+    assert (short == 0).all(), f"{int((short != 0).sum())} rows are not a top-n"
+    # the picks ascending, none last as -1
+    real = got >= 0
+    assert not (~real[..., :-1] & real[..., 1:]).any()
+    assert (torch.where(real[..., 1:], got[..., 1:] > got[..., :-1], True)).all()
+    if exact:
+        assert torch.equal(got, _torch_path(masked.to(DEVICE), n).cpu())
+
+
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.parametrize(
+    ("cfg", "t", "b", "h", "g", "n"),
+    [
+        (SMALL, 1, 1, 1, 1, 3),  # one block: n > Ns, every row short of n
+        (SMALL, 17, 1, 1, 1, 3),  # Ns = 2 < n
+        (SMALL, 49, 2, 2, 1, 3),  # Ns = 4, early rows with fewer than n visible blocks
+        (TINY, 81, 1, 2, 2, 5),  # Ns = 21 (not a power of two), 162 rows: three 64-row programs
+        (TINY, 81, 2, 1, 1, 8),
+        (PAPERLIKE, 129, 2, 1, 3, 4),
+    ],
+)
+def test_fused_topk_equals_torch_path_on_masked_scores(cfg, t, b, h, g, n):
+    gen = torch.Generator().manual_seed(t + n)
+    q, k_cmp, lse = _scores(gen, b, t, h * g, h, cfg)
+    ns = -(-t // cfg.select_len)
+    plain = ops.selection_scores(q, k_cmp, lse, ns, cfg.block_len, cfg.stride, cfg.select_len).cpu()
+    masked = ops.masked_selection_scores(q, k_cmp, lse, cfg)
+    _check_fused(masked.cpu(), plain, n, cfg.select_len, cfg.n_initial, cfg.n_local)
+
+
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.parametrize(("b", "t", "h", "lp", "n"), [(1, 1199, 1, 4, 16), (2, 37, 3, 1, 16)])
+def test_fused_topk_many_blocks(b, t, h, lp, n):
+    """Ns = 300 (512 columns, 16-row programs) and Ns = 37 at l' = 1: random float scores, no ties."""
+    gen = torch.Generator().manual_seed(t)
+    ns = -(-t // lp)
+    plain = torch.randn(b, t, h, ns, generator=gen)
+    forced, future = _masks(t, ns, lp, 1, 2)
+    masked = plain.masked_fill(forced[None, :, None, :], float("inf"))
+    masked = masked.masked_fill(future[None, :, None, :], float("-inf"))
+    _check_fused(masked, plain, n, lp, 1, 2)
+
+
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@settings(max_examples=6, deadline=None)
+@given(
+    seed=seeds,
+    t=st.integers(1, 70),
+    lp=st.sampled_from([1, 4, 16]),
+    n=st.integers(1, 9),
+    n_init=st.integers(0, 2),
+    n_local=st.integers(0, 3),
+    levels=st.sampled_from([2, 5, None]),
+)
+def test_fused_topk_is_a_top_n(seed, t, lp, n, n_init, n_local, levels):
+    """Any scores: with many ties (few levels) a top-n, maybe not torch.topk's; with random floats
+    (levels None) the torch path's picks exactly."""
+    gen = torch.Generator().manual_seed(seed)
+    b, h, ns = 2, 3, -(-t // lp)
+    if levels is None:
+        plain = torch.randn(b, t, h, ns, generator=gen)
+    else:
+        plain = torch.randint(0, levels, (b, t, h, ns), generator=gen).float()
+    forced, future = _masks(t, ns, lp, n_init, n_local)
+    masked = plain.masked_fill(forced[None, :, None, :], float("inf"))
+    masked = masked.masked_fill(future[None, :, None, :], float("-inf"))
+    _check_fused(masked, plain, n, lp, n_init, n_local, exact=levels is None)
+
+
+def test_topk_blocks_dispatches_the_fused_kernel_behind_its_flag(monkeypatch):
+    """ops.FUSED_TOPK: one launch and no torch op over the scores; Ns above FUSED_TOPK_MAX_NS keeps
+    torch.topk and the sort kernel. Off (the default) until it has run on a GPU."""
+    gen = torch.Generator().manual_seed(2)
+    q, k_cmp, lse = _scores(gen, 1, 40, 4, 2, SMALL)
+    masked = ops.masked_selection_scores(q, k_cmp, lse, SMALL)
+    want = ops.topk_blocks(masked, SMALL.n_select)
+    monkeypatch.setattr(ops, "FUSED_TOPK", True)
+    names = ("_topn_rows_kernel", "_sort_picks_kernel")
+    with dispatched(kn, names) as (recorded, launches):
+        got = ops.topk_blocks(masked, SMALL.n_select)
+    assert launches == ["_topn_rows_kernel"] and torch.equal(got, want)
+    assert [op for op in recorded if op not in FREE_OPS] == []
+    monkeypatch.setattr(ops, "FUSED_TOPK_MAX_NS", masked.shape[-1] - 1)
+    with dispatched(kn, names) as (recorded, launches):
+        got = ops.topk_blocks(masked, SMALL.n_select)
+    assert launches == ["_sort_picks_kernel"] and torch.equal(got, want)
+    with pytest.raises(ValueError, match="Ns <="):
+        ops.topk_blocks_fused(masked, SMALL.n_select)
