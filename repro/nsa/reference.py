@@ -235,6 +235,18 @@ def selection_scores(
     return p @ w  # Eq. 9
 
 
+def _eq11_masked(scores: torch.Tensor, select_len: int, n_initial: int, n_local: int, q_pos) -> torch.Tensor:
+    """``scores [B, Tq, H, Ns]`` with Eq. 11's masks: the ``n_initial`` first blocks and the ``n_local``
+    blocks ending at the query's own +inf (kept), the blocks after the query's -inf (never picked)."""
+    tq, ns = scores.shape[1], scores.shape[-1]
+    q_pos = _default_pos(tq, scores.device) if q_pos is None else q_pos
+    own = (q_pos // select_len)[:, None]  # the block that holds the query
+    j = torch.arange(ns, device=scores.device)[None, :]
+    forced = (j < n_initial) | ((j <= own) & (j > own - n_local))
+    s = scores.masked_fill(forced[None, :, None, :], float("inf"))
+    return s.masked_fill((j > own)[None, :, None, :], float("-inf"))
+
+
 def select_blocks(
     scores: torch.Tensor,
     n_select: int = 16,
@@ -250,12 +262,7 @@ def select_blocks(
     (no block) last when fewer than n blocks exist yet.
     """
     b, tq, h, ns = scores.shape
-    q_pos = _default_pos(tq, scores.device) if q_pos is None else q_pos
-    own = (q_pos // select_len)[:, None]  # the block that holds the query
-    j = torch.arange(ns, device=scores.device)[None, :]
-    forced = (j < n_initial) | ((j <= own) & (j > own - n_local))
-    s = scores.float().masked_fill(forced[None, :, None, :], float("inf"))
-    s = s.masked_fill((j > own)[None, :, None, :], float("-inf"))
+    s = _eq11_masked(scores.float(), select_len, n_initial, n_local, q_pos)
     k = min(n_select, ns)
     vals, idx = s.topk(k, dim=-1)
     idx = torch.where(torch.isneginf(vals), ns, idx)  # no block: sort after the real ones
@@ -282,13 +289,8 @@ def selection_shortfall(
     missing, a future block is picked or the count is wrong. Two correct kernels that round the
     scores differently pick differently only among near-ties, so their shortfall stays at the
     scores' rounding level (about 1e-3 relative for tf32 or bf16 scores)."""
-    b, tq, h, ns = scores.shape
-    q_pos = _default_pos(tq, scores.device) if q_pos is None else q_pos
-    own = (q_pos // select_len)[:, None]
-    j = torch.arange(ns, device=scores.device)[None, :]
-    forced = (j < n_initial) | ((j <= own) & (j > own - n_local))
-    s = scores.double().masked_fill(forced[None, :, None, :], float("inf"))
-    s = s.masked_fill((j > own)[None, :, None, :], float("-inf"))
+    ns = scores.shape[-1]
+    s = _eq11_masked(scores.double(), select_len, n_initial, n_local, q_pos)
     k = min(n_select, ns)
     best = s.topk(k, dim=-1).values  # descending; -inf where fewer than k blocks exist
     idx = picks.long()
