@@ -9,7 +9,8 @@ without CUDA the ``tiny`` config, for a smoke run), then decode held-out prompts
 
 * ``target``: plain decoding with a KV cache (one target forward per token, no host syncs);
 * ``dflash``: :func:`repro.dflash.speculative_generate` with the DFlash drafter, block sizes 4..16;
-* ``ar``: the same loop with the autoregressive drafter (block_size - 1 drafter forwards per round).
+* ``ar``: the same loop with the autoregressive drafter (block_size - 1 drafter forwards per round),
+  block sizes 2..16 (2 and 3 so that some AR block drafts as cheaply as one DFlash forward).
 
 Each of the three runs in two modes (column ``mode``): ``eager``, the host-driven loops, and
 ``graphs``, the static steps of ``static.py`` captured as CUDA graphs (on a CPU they run eagerly):
@@ -25,7 +26,16 @@ is host-driven, so device events would miss the host's share). Columns: ``tau`` 
 verification), ``tokens_per_s``, ``speedup`` over eager target-only decoding at the same
 temperature, and rows ``component:*`` with the time of one target verification, one DFlash draft
 and one AR step (which explain the speedups: at this size each forward costs its kernel launches,
-not its FLOPs), eager and as graph replays (``component:verify_step``: the whole verify step).
+not its FLOPs), eager and as graph replays (``component:verify_step``: the whole verify step);
+``component:ar_draft`` times the block_size - 1 greedy AR steps of one round as one call.
+
+Drafting cost (column ``draft_ms``, on the dflash and ar rows): milliseconds of drafter work per
+verification round, taken from those component timings, not from the timed decoding runs: for DFlash
+one draft forward (``component:dflash_draft`` of the row's mode and block), for the AR drafter its
+block_size - 1 steps (``component:ar_draft``, eager in both modes since it always drafts eagerly).
+Rows ``ar_at_dflash_cost`` compare at equal drafting cost (:func:`equal_cost_pairs`): at each
+DFlash block, the AR drafter's tau at the largest AR block whose ``draft_ms`` is at most DFlash's
+(``ar_block``, ``ar_draft_ms``; block 2 when none is that cheap, which then costs more).
 
 Models run in fp32 at inference (TF32 off), so that the verification of a block and the one-token
 steps of target-only decoding round alike enough for greedy equality.
@@ -74,9 +84,49 @@ def heldout_prompts(text: torch.Tensor, n: int, length: int, seed: int) -> list[
     return [text[int(s) : int(s) + length].long() for s in pick]
 
 
+def equal_cost_pairs(rows: list[dict], mode: str, temperature: float) -> list[dict]:
+    """DFlash against the AR drafter at equal or lower drafting cost, one dict per DFlash block.
+
+    rows: the Report's rows (``impl``, ``mode``, ``block_size``, ``temperature``, ``tau``, ``draft_ms``,
+    ``check``); only checked rows with a tau and a ``draft_ms`` of the given mode and temperature count.
+    For each DFlash block b with drafting cost c_D(b), the AR row at the largest block whose cost is
+    <= c_D(b) (no interpolation); when no AR block is that cheap, AR block 2 (``ar_costs_more``).
+    Returns dicts with ``block_size``, ``tau``, ``draft_ms`` (DFlash's) and ``ar_block``, ``ar_tau``,
+    ``ar_draft_ms``, ``ar_costs_more`` (all None when there is no AR row to compare with).
+    """
+
+    def usable(r, impl):
+        return (r.get("impl") == impl and r.get("mode") == mode and r.get("temperature") == temperature
+                and r.get("check") == "ok" and r.get("tau") is not None and r.get("draft_ms") is not None)  # fmt: skip
+
+    ar = {r["block_size"]: r for r in rows if usable(r, "ar")}
+    out = []
+    for d in sorted((r for r in rows if usable(r, "dflash")), key=lambda r: r["block_size"]):
+        within = [b for b, r in ar.items() if r["draft_ms"] <= d["draft_ms"]]
+        b_ar = max(within) if within else (2 if 2 in ar else None)
+        a = ar.get(b_ar, {})
+        out.append(
+            {
+                "block_size": d["block_size"],
+                "tau": d["tau"],
+                "draft_ms": d["draft_ms"],
+                "ar_block": b_ar,
+                "ar_tau": a.get("tau"),
+                "ar_draft_ms": a.get("draft_ms"),
+                "ar_costs_more": None if b_ar is None else not within,
+            }
+        )
+    return out
+
+
 def decode_rows(report, notes, temperature, target, drafter, ar, prompts, new_tokens, blocks, ar_blocks, rounds,
-                seed, left, modes=("eager", "graphs")) -> None:  # fmt: skip
-    """Check, then time target-only, DFlash and AR decoding of all prompts at one temperature."""
+                seed, left, draft_ms, reserve_rounds=0.0, modes=("eager", "graphs")) -> None:  # fmt: skip
+    """Check, then time target-only, DFlash and AR decoding of all prompts at one temperature.
+
+    draft_ms: ``{(impl, mode, block): ms}`` of drafting per round, copied into the rows. Rounds: the
+    check and one timed round always; more (up to ``rounds``) while the measured round time leaves
+    ``reserve_rounds`` such rounds of the budget for what comes after.
+    """
     dev = target.device
     gen = torch.Generator(device=dev)
     stats: dict[str, float] = {}
@@ -128,12 +178,27 @@ def decode_rows(report, notes, temperature, target, drafter, ar, prompts, new_to
                     fn=lambda m=model, B=B, n=name, mode=mode: run_spec(m, B, n, mode),
                     check=lambda m=model, B=B, n=name, mode=mode: check_spec(m, B, n, mode),
                 )
-    # a candidate costs about one target-only run per call: one call per round (the check warmed it up)
-    n_rounds = rounds
-    while n_rounds > 1 and est_target * len(cands) * (n_rounds + 1) > left() - 15:
-        n_rounds -= 1
-    notes.append(f"temperature {temperature}: {n_rounds} rounds (one target-only run {est_target:.2f} s)")
-    res = measure(cands, rounds=n_rounds, warmup=0, rep=1, timer=wall_ms)
+    # the check and one interleaved round; then more rounds (same interleaving, checked candidates
+    # only) as far as the measured time of a round allows, merged into the same medians
+    res = measure(cands, rounds=1, warmup=0, rep=1, timer=wall_ms)
+    round_s = sum(m.median_ms for m in res.values() if m.ok) / 1e3
+    extra = 0
+    while extra < rounds - 1 and round_s * (extra + 1 + reserve_rounds) < left() - 15:
+        extra += 1
+    if extra:
+        more = measure({n: cands[n].fn for n, m in res.items() if m.ok}, rounds=extra, warmup=0, rep=1,
+                       timer=wall_ms)  # fmt: skip
+        for n, m in more.items():
+            if not m.ok:  # failed while timing: recorded as such
+                res[n] = m
+                continue
+            r = res[n]
+            r.rounds += m.rounds
+            r.median_ms, r.min_ms, r.max_ms = statistics.median(r.rounds), min(r.rounds), max(r.rounds)
+    notes.append(
+        f"temperature {temperature}: {1 + extra} rounds (one round of all {len(cands)} candidates "
+        f"{round_s:.1f} s; one eager target-only run {est_target:.2f} s)"
+    )
     base = res["target:eager"].median_ms  # speedups are over eager target-only decoding, in every mode
     total_tokens = len(prompts) * new_tokens
     for name, m in res.items():
@@ -148,6 +213,7 @@ def decode_rows(report, notes, temperature, target, drafter, ar, prompts, new_to
             tau=round(stats[name], 3) if name in stats else (1.0 if impl == "target" else None),
             tokens_per_s=round(tps, 1) if tps else None,
             speedup=round(base / m.median_ms, 3) if (base and m.median_ms) else None,
+            draft_ms=draft_ms.get((impl, mode, int(b) if b else 1)),
             **m.row(),
         )
 
@@ -171,7 +237,7 @@ def main(argv=None) -> Path:
         tc = CONFIGS["gpu"]
         n_prompts, new_tokens = (2, 96) if args.quick else (4, 96)
         blocks = [4, 8, 16] if args.quick else [4, 8, 12, 16]
-        ar_blocks = [4, 8] if args.quick else [4, 8, 16]
+        ar_blocks = [2, 4, 8] if args.quick else [2, 3, 4, 8, 16]
         rounds = 2 if args.quick else 3
         # wall-clock caps on training, as shares of the budget (the same for both drafters); decoding
         # gets the rest (about half)
@@ -182,7 +248,7 @@ def main(argv=None) -> Path:
         )
     else:  # CPU smoke run: the tiny config, cut short
         tc = replace(CONFIGS["tiny"], target_steps=30, drafter_steps=20, ar_steps=20)
-        n_prompts, new_tokens, blocks, ar_blocks, rounds = 2, 24, [4, 8], [4], 1
+        n_prompts, new_tokens, blocks, ar_blocks, rounds = 2, 24, [4, 8], [2, 4], 1
         share = {"target": 0.2, "dflash": 0.15, "ar": 0.1}
     notes: list[str] = []
     corpus = load_corpus(tc.corpus_bytes)
@@ -222,11 +288,15 @@ def main(argv=None) -> Path:
             "ms_min",
             "ms_max",
             "check",
+            "draft_ms",
+            "ar_block",
+            "ar_draft_ms",
         ],  # fmt: skip
         peer="target-only decoding and a 1-layer autoregressive drafter (ours)",
     )
 
     # one verification / draft / drafter step, each timed alone: what a round costs
+    draft_ms: dict[tuple[str, str, int], float] = {}  # (impl, mode, block) -> drafting ms per round
     with torch.no_grad():
         for B in sorted(set(blocks) | {1}):
             ids = prompts[0][None, :]
@@ -243,12 +313,9 @@ def main(argv=None) -> Path:
         _, feats = target(prompts[0][None, :], feature_layers=drafter.feature_layers)
         drafter.extend_context(dcache, feats)
         for B in blocks:
-            report.add(
-                impl="component:dflash_draft",
-                mode="eager",
-                block_size=B,
-                ms=time_ms(lambda B=B: drafter.draft_logits(dcache, prompts[0][-1], B)),
-            )
+            ms = time_ms(lambda B=B: drafter.draft_logits(dcache, prompts[0][-1], B))
+            report.add(impl="component:dflash_draft", mode="eager", block_size=B, ms=ms)
+            draft_ms[("dflash", "eager", B)] = round(ms, 4)
         acache = ar.new_cache()
         ar(prompts[0][None, :], acache)
         one = prompts[0][None, -1:]
@@ -258,6 +325,20 @@ def main(argv=None) -> Path:
             acache.crop(PROMPT_LEN)
 
         report.add(impl="component:ar_step", mode="eager", block_size=1, ms=time_ms(ar_step))
+
+        def ar_draft(B):
+            # one round's drafting: B - 1 greedy steps, each fed the previous step's token
+            tok = one
+            for _ in range(B - 1):
+                logits, _ = ar(tok, acache)
+                tok = logits[:, -1:].argmax(-1)
+            acache.crop(PROMPT_LEN)
+
+        for B in ar_blocks:
+            ms = time_ms(lambda B=B: ar_draft(B))
+            report.add(impl="component:ar_draft", mode="eager", block_size=B, ms=ms)
+            for mode in ("eager", "graphs"):  # the AR drafter drafts eagerly in both modes
+                draft_ms[("ar", mode, B)] = round(ms, 4)
 
     # the same parts as captured static steps (mode "graphs"): a whole verification step (target
     # forward, acceptance, token writes, DFlash's padded context update), a DFlash draft, and one
@@ -284,16 +365,42 @@ def main(argv=None) -> Path:
                 dec.steps["verify"]()
 
             report.add(impl="component:verify_step", mode="graphs", block_size=B, ms=time_ms(graph_verify))
-            report.add(
-                impl="component:dflash_draft", mode="graphs", block_size=B, ms=time_ms(dec.steps["draft"])
-            )
+            ms = time_ms(dec.steps["draft"])
+            report.add(impl="component:dflash_draft", mode="graphs", block_size=B, ms=ms)
+            draft_ms[("dflash", "graphs", B)] = round(ms, 4)
 
     for temperature in (0.0, 1.0):
         if left() < 20:
             notes.append(f"temperature {temperature}: skipped, budget spent")
             break
+        # at temperature 0, keep room for temperature 1's check and first round (each about twice
+        # a round at temperature 0)
         decode_rows(report, notes, temperature, target, drafter, ar, prompts, new_tokens, blocks, ar_blocks,
-                    rounds, args.seed, left)  # fmt: skip
+                    rounds, args.seed, left, draft_ms, reserve_rounds=4.0 if temperature == 0 else 0.0)  # fmt: skip
+
+    # equal drafting cost: at each DFlash block, the AR drafter at the largest block that drafts as
+    # cheaply (the claim's comparison; tau is the same in both modes, the costs are not)
+    for temperature in (0.0, 1.0):
+        for mode in ("eager", "graphs"):
+            pairs = equal_cost_pairs(report.rows, mode, temperature)
+            for p in pairs:
+                report.add(impl="ar_at_dflash_cost", mode=mode, block_size=p["block_size"],
+                           temperature=temperature, tau=p["ar_tau"], draft_ms=p["draft_ms"],
+                           ar_block=p["ar_block"], ar_draft_ms=p["ar_draft_ms"])  # fmt: skip
+            if pairs:
+                notes.append(
+                    f"equal drafting cost ({mode}, temperature {temperature:g}): "
+                    + "; ".join(
+                        f"DFlash block {p['block_size']} tau {p['tau']} at {p['draft_ms']:.2f} ms vs "
+                        + (
+                            "no AR row"
+                            if p["ar_block"] is None
+                            else f"AR block {p['ar_block']} tau {p['ar_tau']} at {p['ar_draft_ms']:.2f} ms"
+                            + (" (costs more: no AR block is as cheap)" if p["ar_costs_more"] else "")
+                        )
+                        for p in pairs
+                    )
+                )
     notes.append(
         "tau at temperature 1 is from the last timed call (seeded generator, same draws every call). "
         "What limits the speedup here: every forward of these few-million-parameter models costs its "
@@ -301,12 +408,21 @@ def main(argv=None) -> Path:
         "takes about the same time), and each round has one host sync to read the accepted length. "
         "Rows with mode 'graphs' run the static steps of static.py replayed as CUDA graphs (draft and "
         "verification one replay each, still one host read of the accepted length per round); "
-        "speedups are over eager target-only decoding."
+        "speedups are over eager target-only decoding. draft_ms: drafting time per verification round "
+        "from the component timings (not from the timed runs): DFlash one draft forward "
+        "(component:dflash_draft of the row's mode; its argmax not included), AR block_size - 1 greedy "
+        "steps timed as one call (component:ar_draft, eager in both modes: the AR drafter drafts eagerly; "
+        "at temperature 1 its sampling costs a little more). Rows ar_at_dflash_cost: at each DFlash block "
+        "(block_size, draft_ms), the AR drafter's tau at ar_block, the largest AR block with ar_draft_ms "
+        "<= draft_ms (block 2 when none is that cheap)."
     )
     report.notes = " | ".join(notes)
     for t in (0.0, 1.0):
+        # tau is the same in both modes (same tokens), so the eager rows carry it
         report.plot(title=f"acceptance length tau vs block size, temperature {t:g}", x="block_size", y="tau",
-                    series="impl", where={"temperature": t})  # fmt: skip
+                    series="impl", where={"temperature": t, "mode": "eager"})  # fmt: skip
+        report.plot(title=f"tau vs drafting time per round (eager, ms), temperature {t:g}", x="draft_ms",
+                    y="tau", series="impl", where={"temperature": t, "mode": "eager"})  # fmt: skip
         report.plot(title=f"speedup over target-only decoding, temperature {t:g}", x="block_size", y="speedup",
                     series="impl", where={"temperature": t})  # fmt: skip
     if not cuda:

@@ -43,7 +43,7 @@ def test_train_command_saves_loadable_models(tmp_path):
 
 def test_bench_smoke_on_cpu(tmp_path):
     """The benchmark runs through on a CPU (tiny models, few steps) and writes a report whose
-    speculative rows passed the greedy-equality check."""
+    speculative rows passed the greedy-equality check, with drafting costs and equal-cost rows."""
     from repro.dflash.bench import main
 
     path = main(["--out", str(tmp_path), "--budget-s", "60", "--quick"])
@@ -52,3 +52,8 @@ def test_bench_smoke_on_cpu(tmp_path):
     assert rows and all(r["check"] == "ok" for r in rows)
     assert {"dflash", "ar", "target"} <= {r["impl"] for r in rows}
     assert all(r["tau"] >= 1 for r in rows if r["temperature"] == 0.0)
+    # drafting cost per round on the eager rows, and the equal-cost comparison built from it
+    assert all(r["draft_ms"] > 0 for r in rows if r["impl"] != "target" and r["mode"] == "eager")
+    pairs = [r for r in doc["rows"] if r["impl"] == "ar_at_dflash_cost"]
+    assert {r["temperature"] for r in pairs} == {0.0, 1.0}
+    assert all(r["ar_block"] is not None and r["tau"] is not None for r in pairs)
