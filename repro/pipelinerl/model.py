@@ -117,16 +117,76 @@ class Policy(nn.Module):
 
 
 def flat_weights(model: nn.Module) -> torch.Tensor:
-    """All parameters in one fp32 vector (the payload of a weight broadcast)."""
+    """All parameters in one fp32 vector ``[N]`` (the payload of a weight broadcast).
+
+    Layout: ``model.parameters()`` in order, each flattened; :func:`flatten_parameters_` lays its
+    buffer out the same way."""
     return torch.nn.utils.parameters_to_vector(model.parameters()).detach().float()
 
 
-def load_flat_weights(model: nn.Module, flat: torch.Tensor) -> None:
-    """Copy a vector from :func:`flat_weights` into ``model``'s parameters in place."""
-    n = sum(p.numel() for p in model.parameters())
+def flatten_parameters_(model: nn.Module) -> torch.Tensor:
+    """Make every parameter of ``model`` a view into one contiguous buffer ``[N]``; return the buffer.
+
+    The buffer has :func:`flat_weights`'s layout, so a weight vector is loaded with one
+    ``buffer.copy_`` (:func:`load_flat_weights`): on a GPU one host-to-device copy instead of one per
+    parameter. The ``Parameter`` objects stay (an optimizer holding them keeps working), with their
+    dtype, shape and ``requires_grad``; only their storage moves, once, here. Call it before capturing
+    a CUDA graph: captured kernels read the parameters' addresses, and in-place loads keep them.
+    Calling it again returns the same buffer. Needs one dtype and one device for all parameters."""
+    buf = flat_buffer(model)
+    if buf is not None:
+        return buf
+    params = list(model.parameters())
+    if not params:
+        raise ValueError("flatten_parameters_: the model has no parameters")
+    kinds = {(p.dtype, p.device) for p in params}
+    if len(kinds) != 1:
+        raise ValueError(
+            f"flatten_parameters_: all parameters must share one dtype and device, got {sorted(map(str, kinds))}"
+        )
+    buf = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+    with torch.no_grad():
+        offset = 0
+        for p in params:
+            view = buf[offset : offset + p.numel()].view(p.shape)
+            view.copy_(p)
+            p.data = view  # same Parameter, new storage: a view of the buffer
+            offset += p.numel()
+    model._flat_buffer = buf  # a plain attribute: not in state_dict, not moved by .to()
+    return buf
+
+
+def flat_buffer(model: nn.Module) -> torch.Tensor | None:
+    """The buffer of :func:`flatten_parameters_` if every parameter still views it in order, else None.
+
+    (``model.to(...)``, ``model.double()`` or a deep copy give the parameters new storage; then the
+    model is no longer flat and loads go parameter by parameter.)"""
+    buf = model.__dict__.get("_flat_buffer")
+    if buf is None:
+        return None
+    base, size, offset = buf.data_ptr(), buf.element_size(), 0
+    for p in model.parameters():
+        if p.dtype != buf.dtype or p.data_ptr() != base + offset * size or not p.is_contiguous():
+            return None
+        offset += p.numel()
+    return buf if offset == buf.numel() else None
+
+
+def load_flat_weights(model: nn.Module, flat: torch.Tensor, *, non_blocking: bool = False) -> None:
+    """Copy a vector from :func:`flat_weights` into ``model``'s parameters in place.
+
+    The parameters keep their storage (CUDA graphs keep working). A flattened model
+    (:func:`flatten_parameters_`) takes one copy into its buffer; ``non_blocking`` makes that copy
+    asynchronous on the current stream when it crosses host and GPU (the caller then must not change
+    ``flat`` until the stream has run the copy). Any other model takes one copy per parameter."""
+    buf = flat_buffer(model)
+    n = buf.numel() if buf is not None else sum(p.numel() for p in model.parameters())
     if flat.numel() != n:
         raise ValueError(f"load_flat_weights: the model has {n} parameters, the vector {flat.numel()}")
-    with torch.no_grad():  # in place: the parameters keep their storage (CUDA graphs keep working)
+    with torch.no_grad():
+        if buf is not None:
+            buf.copy_(flat.reshape(-1), non_blocking=non_blocking)
+            return
         flat = flat.to(next(model.parameters()).device)
         offset = 0
         for p in model.parameters():

@@ -15,7 +15,10 @@ host buffer. Why threads and gloo rather than one process per role with NCCL:
 
 The broadcast is a real collective: the trainer blocks until every actor's receiver thread has
 the weights, the in-flight-update pause of piche2025pipelinerl's in-flight update (the actor itself only stops
-for the copy into its model).
+to issue the copy into its model). On a GPU the host side of both ends is pinned and persistent: the
+trainer stages each payload with one device-to-host copy into one buffer, the receiver takes it
+into one of two buffers, and the actor's swap is one asynchronous host-to-device copy into its
+engine's flat parameter buffer (``WeightReceiver`` says why that never races).
 
 ``run(Config(...))`` returns a :class:`RunResult` with per-step curves (reward, throughput, lag,
 ESS), every trained sample's token versions (for the lag claims) and the engines' step timings
@@ -177,7 +180,8 @@ def run(config: Config) -> RunResult:
     shared = Shared(mode=config.mode, batch_size=config.batch_size, max_lag=config.max_lag)
     numel = sum(p.numel() for p in model.parameters())
     pgs = make_groups(config.actors + 1)
-    receivers = [WeightReceiver(pgs[a + 1], numel).start() for a in range(config.actors)]
+    receivers = [WeightReceiver(pgs[a + 1], numel, pin=cuda).start() for a in range(config.actors)]
+    host = torch.zeros(numel, pin_memory=True) if cuda else None  # the trainer's staging buffer
     engines = [
         Engine(
             copy.deepcopy(model).eval(),
@@ -223,7 +227,7 @@ def run(config: Config) -> RunResult:
     stream = torch.cuda.Stream(device) if cuda else None
     try:
         with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
-            broadcast_weights(pgs[0], model, 0)
+            broadcast_weights(pgs[0], model, 0, host)
             for k in range(config.steps):
                 if config.time_budget_s is not None and time.perf_counter() - t0 > config.time_budget_s:
                     break
@@ -260,7 +264,7 @@ def run(config: Config) -> RunResult:
                 trained += config.batch_size
                 bcast_s = 0.0
                 if config.mode != "conventional" or trained % (shared.rounds * config.batch_size) == 0:
-                    bcast_s = broadcast_weights(pgs[0], model, trained)  # conventional: once per round
+                    bcast_s = broadcast_weights(pgs[0], model, trained, host)  # conventional: once per round
                 now = time.perf_counter() - t0
                 steps.append(
                     {

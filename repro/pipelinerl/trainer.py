@@ -86,11 +86,35 @@ def rl_step(
     }
 
 
-def broadcast_weights(pg, model: Policy, version: int) -> float:
-    """Send ``model``'s weights as ``version`` to every actor; returns the seconds it took."""
+def broadcast_weights(pg, model: Policy, version: int, host: torch.Tensor | None = None) -> float:
+    """Send ``model``'s weights as ``version`` to every actor; returns the seconds it took.
+
+    ``host``: a persistent fp32 host buffer ``[N]`` to stage the payload in (pinned when the model is
+    on a GPU): the weights are gathered into one vector on the device, copied into it with one
+    device-to-host copy that overlaps the header's broadcast, and no host memory is allocated per
+    step. Without it a fresh host vector is made each time. Either way the payload is a
+    ``torch.distributed`` broadcast of a host tensor (gloo); it returns once the payload has been
+    sent, so ``host`` may be rewritten by the next call."""
     t0 = time.perf_counter()
-    flat = flat_weights(model).cpu()
+    ready = None
+    if host is None:
+        flat = flat_weights(model).cpu()
+    else:
+        n = sum(p.numel() for p in model.parameters())
+        if host.device.type != "cpu" or host.dtype != torch.float32 or host.shape != (n,):
+            raise ValueError(
+                f"broadcast_weights: host must be a CPU float32 tensor of shape ({n},), got "
+                f"{host.device.type} {host.dtype} {tuple(host.shape)}"
+            )
+        flat = host
+        weights = flat_weights(model)  # on the model's device: one concatenation
+        host.copy_(weights, non_blocking=weights.is_cuda)
+        if weights.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record()
     pg.broadcast([torch.tensor([version, 0])], broadcast_options()).wait()
+    if ready is not None:
+        ready.synchronize()  # the device-to-host copy has landed before gloo reads the buffer
     pg.broadcast([flat], broadcast_options()).wait()
     return time.perf_counter() - t0
 
