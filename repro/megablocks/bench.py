@@ -63,19 +63,20 @@ SHAPES = {
 }
 QUICK_TOKENS = {"64e-top8": 4096, "8e-top2": 2048}
 ROUTINGS = ("balanced", "skewed")
-# GPU_CONFIG variants timed after the main table while budget remains (the first is the default,
-# group_m=8), in this order, each on the TUNE_SHAPES
-# After the first H100 run of the grouped order (results/*.json, 2026-11-25): single changes that won
-# there (256-wide tiles for the grouped path at 8 experts; 4 warps, 4 stages for the sparse path)
-# are combined, with stk's own setting (32-deep k steps, 4 warps, 4 stages) beside them.
+# GPU_CONFIG variants timed after the main table while budget remains (the first is the default),
+# in this order, each on the TUNE_SHAPES.
+# History: the first H100 run of the grouped order found single wins (256-wide grouped tiles at 8
+# experts; 4 warps, 4 stages for the sparse kernels); the run of 2026-11-25 13:45 UTC timed them
+# combined and found each path's winner on both shapes, now the per-path defaults (see
+# kernels.GPU_CONFIG). Next: the grouped path's stages and row tile, the sparse path's k step.
 TUNING = [
     {},
-    {"group_m": 1},
-    {"dense_n": 256},
-    {"num_warps": 4, "num_stages": 4},
-    {"k_step": 32, "num_warps": 4, "num_stages": 4},
-    {"dense_n": 256, "num_stages": 4},
-    {"num_warps": 4},
+    {"gmm_stages": 4},
+    {"gmm_m": 64},
+    {"gmm_n": 256, "gmm_warps": 4, "gmm_stages": 4},
+    {"k_step": 32},
+    {"group_m": 4},
+    {"dense_n": 256, "num_warps": 8, "num_stages": 3},
 ]
 # 8e-top2 first: an expert's weight (117 MB) exceeds the L2, where the launch order matters most
 TUNE_SHAPES = ("8e-top2", "64e-top8")

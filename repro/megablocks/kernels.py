@@ -47,8 +47,14 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # re-reads an expert's whole weight once per row tile when it does not fit in L2 (8e-top2: 117 MB).
 # Unlike the tile sizes it applies in the interpreter too, so the CPU tests cover the remapping.
 # The bench's tuning rows time variants of these through kernel_config().
+# Per path since the H100 tuning run of 2026-11-25 (13:45 UTC, results/*.json, rows tune:*): the
+# sparse kernels (SDD, DSD, DDS) take num_warps / num_stages and dense_n, the grouped GEMM and its
+# weight gradient gmm_n / gmm_warps / gmm_stages. Each path's winner on both tuned shapes: sparse
+# 4 warps, 4 stages (39.7 / 26.4 ms against 43.1 / 27.1 at 8 warps, 3 stages); grouped 256-wide
+# column tiles (36.2 / 21.4 ms against 39.7 / 22.3 at 128), which made the sparse path slower.
 GPU_CONFIG = {
-    "k_step": 64, "dense_n": 128, "gmm_m": 128, "num_warps": 8, "num_stages": 3, "group_m": 8,
+    "k_step": 64, "dense_n": 128, "num_warps": 4, "num_stages": 4, "group_m": 8,
+    "gmm_m": 128, "gmm_n": 256, "gmm_warps": 8, "gmm_stages": 3,
 }  # fmt: skip
 
 
@@ -91,9 +97,21 @@ def _check_programs(n: int, what: str) -> None:
 
 
 def _launch_opts() -> dict:
+    """Warps and pipeline stages of the sparse kernels (SDD, DSD, DDS)."""
     if interpreting():
         return {}
     return {"num_warps": GPU_CONFIG["num_warps"], "num_stages": GPU_CONFIG["num_stages"]}
+
+
+def _gmm_launch_opts() -> dict:
+    """Warps and pipeline stages of the grouped GEMM and its weight gradient."""
+    if interpreting():
+        return {}
+    return {"num_warps": GPU_CONFIG["gmm_warps"], "num_stages": GPU_CONFIG["gmm_stages"]}
+
+
+def _gmm_n() -> int:
+    return 16 if interpreting() else GPU_CONFIG["gmm_n"]
 
 
 @triton.jit
@@ -462,13 +480,13 @@ def _gmm(x: torch.Tensor, w: torch.Tensor, sched) -> torch.Tensor:
     y = torch.empty(x.shape[0], N, device=x.device, dtype=x.dtype)
     if tile_group.numel() == 0 or N == 0:
         return y
-    BN = _dense_n()
+    BN = _gmm_n()
     num_tiles, num_n = tile_group.numel(), triton.cdiv(N, BN)
     _check_programs(num_tiles * num_n, "a grouped GEMM")
     _gmm_kernel[(num_tiles * num_n,)](
         x, w, y, tile_group, tile_row, ends, N, K, num_tiles, num_n,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), y.stride(0), y.stride(1),
-        BM=BM, BN=BN, BK=_k_step(128), IEEE=x.dtype == torch.float32, GROUP_M=_group_m(), **_launch_opts(),
+        BM=BM, BN=BN, BK=_k_step(128), IEEE=x.dtype == torch.float32, GROUP_M=_group_m(), **_gmm_launch_opts(),
     )  # fmt: skip
     return y
 
@@ -477,7 +495,7 @@ def _gmm_wgrad(x: torch.Tensor, g: torch.Tensor, sched, num_groups: int) -> torc
     BM, _, _, starts, ends = sched
     K, N = x.shape[1], g.shape[1]
     dw = torch.empty(num_groups, K, N, device=x.device, dtype=x.dtype)
-    BN = _dense_n()
+    BN = _gmm_n()
     BK = 16 if interpreting() else 128  # the weight gradient's row tile (its K dim is the reduction)
     num_kt, num_n = triton.cdiv(K, BK), triton.cdiv(N, BN)
     if num_groups * num_kt * num_n == 0:
@@ -486,7 +504,7 @@ def _gmm_wgrad(x: torch.Tensor, g: torch.Tensor, sched, num_groups: int) -> torc
     _gmm_wgrad_kernel[(num_groups * num_kt * num_n,)](
         x, g, dw, starts, ends, K, N, num_kt, num_n,
         x.stride(0), x.stride(1), g.stride(0), g.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
-        BM=_k_step(128), BN=BN, BK=BK, IEEE=x.dtype == torch.float32, GROUP_M=_group_m(), **_launch_opts(),
+        BM=_k_step(128), BN=BN, BK=BK, IEEE=x.dtype == torch.float32, GROUP_M=_group_m(), **_gmm_launch_opts(),
     )  # fmt: skip
     return dw
 

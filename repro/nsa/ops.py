@@ -291,9 +291,10 @@ def masked_selection_scores(
 
 
 #: Eq. 11's top-n and sort as one Triton kernel (:func:`topk_blocks_fused`) in :func:`topk_blocks`
-#: where Ns <= FUSED_TOPK_MAX_NS and n <= FUSED_TOPK_MAX_N. Off until it has run on a GPU: the CPU
-#: interpreter tests show it picks what torch.topk does, not that it is faster or compiles to no spills.
-FUSED_TOPK = False
+#: where Ns <= FUSED_TOPK_MAX_NS and n <= FUSED_TOPK_MAX_N (else torch.topk and the sort kernel).
+#: On since the H100 run of 2026-11-25 (13:35 UTC): test_gpu_fused_topk_is_a_top_n passed, and the
+#: breakdown at T = 64k timed it at 2.74 ms against 7.70 ms for torch.topk + the sort kernel.
+FUSED_TOPK = True
 FUSED_TOPK_MAX_NS = 4096  # one program holds its rows' Ns scores in registers: BR * Ns <= 8192
 FUSED_TOPK_MAX_N = 64  # the sort holds BR x n x n ranks
 

@@ -194,7 +194,7 @@ def test_gpu_fused_gated_sum_bf16():
 
 @pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
 def test_gpu_fused_topk_is_a_top_n(monkeypatch):
-    """ops.topk_blocks_fused (behind ops.FUSED_TOPK, off until this passes) at a long-sequence shape:
+    """ops.topk_blocks_fused (what ops.topk_blocks runs where ops.FUSED_TOPK, on by default) at a long-sequence shape:
     B = 1, T = 16384, H = 4, l' = 64 (Ns = 256), n = 16, random scores with Eq. 11's masks. Every row
     a top-n (selection_shortfall 0), and the same blocks as the torch.topk path wherever no two
     scores tie (random floats: nearly every row)."""

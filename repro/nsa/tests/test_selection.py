@@ -100,25 +100,28 @@ def test_masked_scores_and_topk_equal_reference(seed, t, b, h, g):
     levels=st.sampled_from([2, 5, 1000]),
 )
 def test_topk_blocks_equals_reference_with_ties(seed, t, lp, n, n_init, n_local, levels):
-    """The sort kernel on any scores (few distinct levels: many ties; -inf picks when fewer blocks than
-    n exist; n larger than Ns): the same [B, T, H, n] as reference.select_blocks."""
+    """The torch path (torch.topk + the sort kernel, ops.FUSED_TOPK off) on any scores (few distinct
+    levels: many ties; -inf picks when fewer blocks than n exist; n larger than Ns): the same
+    [B, T, H, n] as reference.select_blocks. (The fused path breaks ties leftmost: a top-n, maybe
+    not torch.topk's; test_fused_topk_is_a_top_n checks it on the same kind of scores.)"""
     gen = torch.Generator().manual_seed(seed)
     b, h, ns = 2, 3, -(-t // lp)
     scores = torch.randint(0, levels, (b, t, h, ns), generator=gen).float()
     forced, future = _masks(t, ns, lp, n_init, n_local)
     masked = scores.masked_fill(forced[None, :, None, :], float("inf"))
     masked = masked.masked_fill(future[None, :, None, :], float("-inf"))
-    idx = ops.topk_blocks(masked.to(DEVICE), n).cpu()
+    idx = _torch_path(masked.to(DEVICE), n).cpu()
     assert torch.equal(idx, ref.select_blocks(scores, n, lp, n_init, n_local))
 
 
-def test_selection_is_two_kernels_and_one_topk():
-    """nsa_attention's selection dispatches, besides its two Triton launches (masked scores, sort), one
+def test_selection_is_two_kernels_and_one_topk(monkeypatch):
+    """With ops.FUSED_TOPK off, nsa_attention's selection dispatches, besides its two Triton launches (masked scores, sort), one
     torch.topk and allocations: no PyTorch pass over the [B, T, H, Ns] scores for masks or sorting
     (selection_scores + reference.select_blocks, the path before, dispatches 21 aten ops: two
     masked_fill passes over the scores, topk, sort and 17 small ones)."""
     gen = torch.Generator().manual_seed(1)
     q, k_cmp, lse = _scores(gen, 1, 40, 4, 2, SMALL)
+    monkeypatch.setattr(ops, "FUSED_TOPK", False)
     with dispatched(kn, ("_scores_kernel", "_sort_picks_kernel")) as (recorded, launches):
         idx = ops.topk_blocks(ops.masked_selection_scores(q, k_cmp, lse, SMALL), SMALL.n_select)
     assert launches == ["_scores_kernel", "_sort_picks_kernel"]
@@ -238,11 +241,12 @@ def test_fused_topk_is_a_top_n(seed, t, lp, n, n_init, n_local, levels):
 
 def test_topk_blocks_dispatches_the_fused_kernel_behind_its_flag(monkeypatch):
     """ops.FUSED_TOPK: one launch and no torch op over the scores; Ns above FUSED_TOPK_MAX_NS keeps
-    torch.topk and the sort kernel. Off (the default) until it has run on a GPU."""
+    torch.topk and the sort kernel. On by default since its GPU test passed on an H100."""
     gen = torch.Generator().manual_seed(2)
     q, k_cmp, lse = _scores(gen, 1, 40, 4, 2, SMALL)
     masked = ops.masked_selection_scores(q, k_cmp, lse, SMALL)
-    want = ops.topk_blocks(masked, SMALL.n_select)
+    want = _torch_path(masked, SMALL.n_select)
+    assert ops.FUSED_TOPK  # the default
     monkeypatch.setattr(ops, "FUSED_TOPK", True)
     names = ("_topn_rows_kernel", "_sort_picks_kernel")
     with dispatched(kn, names) as (recorded, launches):
