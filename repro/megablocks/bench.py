@@ -67,16 +67,17 @@ ROUTINGS = ("balanced", "skewed")
 # in this order, each on the TUNE_SHAPES.
 # History: the first H100 run of the grouped order found single wins (256-wide grouped tiles at 8
 # experts; 4 warps, 4 stages for the sparse kernels); the run of 2026-11-25 13:45 UTC timed them
-# combined and found each path's winner on both shapes, now the per-path defaults (see
-# kernels.GPU_CONFIG). Next: the grouped path's stages and row tile, the sparse path's k step.
+# combined and found each path's winner on both shapes, split into per-path settings in
+# kernels.GPU_CONFIG. The second row is that candidate default (waiting for its GPU tests); then
+# the grouped path's stages and row tile, the sparse path's k step, the launch order.
+CANDIDATE = {"num_warps": 4, "num_stages": 4, "gmm_n": 256}
 TUNING = [
     {},
-    {"gmm_stages": 4},
-    {"gmm_m": 64},
-    {"gmm_n": 256, "gmm_warps": 4, "gmm_stages": 4},
-    {"k_step": 32},
-    {"group_m": 4},
-    {"dense_n": 256, "num_warps": 8, "num_stages": 3},
+    CANDIDATE,
+    {**CANDIDATE, "gmm_stages": 4},
+    {**CANDIDATE, "gmm_m": 64},
+    {**CANDIDATE, "k_step": 32},
+    {**CANDIDATE, "group_m": 4},
 ]
 # 8e-top2 first: an expert's weight (117 MB) exceeds the L2, where the launch order matters most
 TUNE_SHAPES = ("8e-top2", "64e-top8")

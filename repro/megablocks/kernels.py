@@ -47,14 +47,16 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # re-reads an expert's whole weight once per row tile when it does not fit in L2 (8e-top2: 117 MB).
 # Unlike the tile sizes it applies in the interpreter too, so the CPU tests cover the remapping.
 # The bench's tuning rows time variants of these through kernel_config().
-# Per path since the H100 tuning run of 2026-11-25 (13:45 UTC, results/*.json, rows tune:*): the
-# sparse kernels (SDD, DSD, DDS) take num_warps / num_stages and dense_n, the grouped GEMM and its
-# weight gradient gmm_n / gmm_warps / gmm_stages. Each path's winner on both tuned shapes: sparse
-# 4 warps, 4 stages (39.7 / 26.4 ms against 43.1 / 27.1 at 8 warps, 3 stages); grouped 256-wide
-# column tiles (36.2 / 21.4 ms against 39.7 / 22.3 at 128), which made the sparse path slower.
+# Per path: the sparse kernels (SDD, DSD, DDS) take num_warps / num_stages and dense_n, the grouped
+# GEMM and its weight gradient gmm_n / gmm_warps / gmm_stages. The H100 tuning run of 2026-11-25
+# (13:45 UTC, results/*.json, rows tune:*) found each path's winner on both tuned shapes: sparse
+# 4 warps, 4 stages (39.7 / 26.4 ms against 43.1 / 27.1 here); grouped 256-wide column tiles
+# (36.2 / 21.4 ms against 39.7 / 22.3), which made the sparse path slower, hence the split. They
+# become the defaults once the GPU tests pass with them (bench TUNING's "candidate" row; the first
+# try ran out of its call's time while compiling): until then the values GPU-tested so far.
 GPU_CONFIG = {
-    "k_step": 64, "dense_n": 128, "num_warps": 4, "num_stages": 4, "group_m": 8,
-    "gmm_m": 128, "gmm_n": 256, "gmm_warps": 8, "gmm_stages": 3,
+    "k_step": 64, "dense_n": 128, "num_warps": 8, "num_stages": 3, "group_m": 8,
+    "gmm_m": 128, "gmm_n": 128, "gmm_warps": 8, "gmm_stages": 3,
 }  # fmt: skip
 
 

@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> None:
         ratio = (
             results["pipeline"].summary["samples_per_s"] / results["conventional"].summary["samples_per_s"]
         )
-        notes.append(f"real run: pipeline / conventional samples per second = {ratio:.2f} (target 1.5)")
+        notes.append(f"real run: pipeline / conventional samples per second = {ratio:.3f} (target 1.5)")
     if "async" in results and "conventional" in results:
         ratio = results["async"].summary["samples_per_s"] / results["conventional"].summary["samples_per_s"]
         notes.append(f"real run: async / conventional samples per second = {ratio:.2f} (overlap alone)")
