@@ -1,6 +1,6 @@
 """Benchmark: the three modes as real runs on one device, then the simulator's sweep.
 
-``python -m repro.pipelinerl.bench --out DIR --budget-s N [--quick]``
+``python -m repro.pipelinerl.bench --out DIR --budget-s N [--quick] [--task sort-long] [--seeds N]``
 
 1. Pre-train the policy once on noisy demonstrations (every mode starts from the same weights).
 2. Correctness before timing, through ``paperclub.bench.measure``: the engine step is timed (CUDA
@@ -11,14 +11,20 @@
    behaviour log-probs are the current ones.
 3. Real runs of conventional, async and pipeline mode at the same ``max_lag``, each for the same
    wall-clock share of the budget: reward against wall-clock and against samples, samples/s, lag,
-   ESS, engine utilisation. The version bookkeeping is asserted on each run's log (``check``).
+   ESS, engine utilisation, and where the trainer's time went (waiting for complete groups,
+   training, broadcasting: per step and as shares of the run's wall-clock) and the actor's swaps.
+   The version bookkeeping is asserted on each run's log (``check``). ``--seeds N`` repeats the
+   three runs for seeds ``0..N-1`` (sampling streams; the pre-trained weights are shared), the
+   mode order rotated by one per seed so that no mode always runs first; the notes give the
+   pipeline / conventional and async / conventional samples/s ratio per seed, their mean and min.
 4. The simulator, its time model fitted to the conventional run (engine step time against busy
    slots, train step, broadcast, swap) and the runs' sequence lengths: one row at the real
    configuration (simulated against measured), then a sweep over actor counts (one engine per
    device) and lags.
 
 On a GPU the actor and trainer threads share it (see ``pipeline.py``); without one a tiny CPU
-configuration runs. Rows carry ``kind``: engine | train | run | curve | sim.
+configuration runs. Rows carry ``kind``: engine | train | run | curve | sim; run and curve rows
+carry the ``seed`` of their run (the plots show seed 0).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import torch
 from paperclub.bench import Candidate, Report, measure
 from repro.pipelinerl.actor import Engine
 from repro.pipelinerl.model import ModelConfig, Policy, flat_weights, load_flat_weights, pretrain
-from repro.pipelinerl.pipeline import Config, run
+from repro.pipelinerl.pipeline import Config, RunResult, run
 from repro.pipelinerl.reference import (
     check_version_log,
     generate_reference,
@@ -44,11 +50,47 @@ from repro.pipelinerl.sim import SimConfig, fit_time_model, simulate
 from repro.pipelinerl.task import TASKS, TaskConfig, make_prompt, sampling_uniforms, sft_batch
 
 COLUMNS = [
-    "kind", "mode", "impl", "actors", "slots", "max_lag", "time_s", "samples", "reward",
+    "kind", "mode", "seed", "impl", "actors", "slots", "max_lag", "time_s", "samples", "reward",
     "reward_eq_samples", "samples_per_s", "tokens_per_s", "lag_mean", "lag_max", "ess",
-    "engine_busy", "slot_utilisation", "dropped", "ms", "ms_min", "ms_max", "check",
+    "engine_busy", "slot_utilisation", "dropped", "ms_per_step", "trainer_wait_ms", "trainer_train_ms",
+    "trainer_bcast_ms", "trainer_wait_share", "trainer_train_share", "trainer_bcast_share", "swap_s",
+    "swap_share", "ms", "ms_min", "ms_max", "check",
 ]  # fmt: skip
 MODES = ("conventional", "async", "pipeline")
+
+
+def mode_order(seed: int) -> list[str]:
+    """The order the real runs of ``seed`` go in: ``MODES`` rotated by ``seed`` (seed 0: as listed)."""
+    k = seed % len(MODES)
+    return [*MODES[k:], *MODES[:k]]
+
+
+def trainer_cols(res: RunResult) -> dict:
+    """Where a run's wall-clock went, from its per-step records and the actors' swap log.
+
+    ``ms_per_step``: the run's span over its steps; ``trainer_{wait,train,bcast}_ms``: the mean per
+    step of waiting for a batch of complete groups, the optimizer step (synchronised on a GPU) and
+    the weight broadcast (0 on the steps of a conventional round that do not broadcast);
+    ``trainer_*_share``: their totals over the span (what is left is the trainer's bookkeeping
+    between them and the first broadcast); ``swap_s``: the actors' total pause to take new weights,
+    ``swap_share`` the same over span x actors."""
+    steps, span = res.steps, res.summary["seconds"]
+    if not steps or not span > 0:
+        return {}
+    n = len(steps)
+    tot = {k: sum(r[k] for r in steps) for k in ("wait_s", "train_s", "broadcast_s")}
+    swap = sum(dt for lg in res.swaps for _, _, dt in lg)
+    return {
+        "ms_per_step": 1e3 * span / n,
+        "trainer_wait_ms": 1e3 * tot["wait_s"] / n,
+        "trainer_train_ms": 1e3 * tot["train_s"] / n,
+        "trainer_bcast_ms": 1e3 * tot["broadcast_s"] / n,
+        "trainer_wait_share": tot["wait_s"] / span,
+        "trainer_train_share": tot["train_s"] / span,
+        "trainer_bcast_share": tot["broadcast_s"] / span,
+        "swap_s": swap,
+        "swap_share": swap / (span * res.config.actors),
+    }
 
 
 def settings(cuda: bool, quick: bool, task_name: str = "sort") -> dict:
@@ -185,6 +227,113 @@ def train_rows(report: Report, s: dict, weights: torch.Tensor, rounds: int) -> N
     report.add(kind="train", impl="truncated-IS", samples=s["batch_size"], **res["truncated-IS"].row())
 
 
+def real_runs(
+    report: Report, s: dict, weights: torch.Tensor, per_mode: float, *, seeds: int = 1, steps: int = 10**6
+) -> tuple[dict[int, dict[str, RunResult]], list[str]]:
+    """The three modes for ``per_mode`` seconds each (or ``steps`` steps), for seeds ``0..seeds-1``
+    in the order ``mode_order(seed)``; adds run and curve rows; returns ``{seed: {mode: result}}``
+    and notes (CUDA graph failures)."""
+    results: dict[int, dict[str, RunResult]] = {}
+    run_notes: list[str] = []
+    for seed in range(seeds):
+        results[seed] = {}
+        for mode in mode_order(seed):
+            cfg = Config(
+                mode=mode, max_lag=s["max_lag"], batch_size=s["batch_size"], attempts=s["attempts"],
+                slots=s["slots"], steps=steps, lr=s["lr"], task=s["task"], model=s["model"], device=s["device"],
+                init_weights=weights, time_budget_s=per_mode, seed=seed,
+            )  # fmt: skip
+            try:
+                res = run(cfg)
+            except Exception as exc:  # record and carry on with the other modes
+                report.add(
+                    kind="run", mode=mode, seed=seed, check=f"failed: {type(exc).__name__}: {exc}"[:300]
+                )
+                continue
+            results[seed][mode] = res
+            try:
+                check_version_log(res.used, cfg.max_lag, mode, cfg.batch_size)
+                verdict = "ok"
+            except AssertionError as exc:
+                verdict = f"failed: {exc}"[:300]
+            sm = res.summary
+            if sm.get("cuda_graph_error"):
+                run_notes.append(
+                    f"{mode}{f' seed {seed}' if seeds > 1 else ''}: CUDA graph capture failed, ran eager "
+                    f"({sm['cuda_graph_error']})"
+                )
+            rw = [r["reward"] for r in res.steps]
+            tail = rw[-max(1, len(rw) // 5) :]
+            tc = trainer_cols(res)
+            report.add(
+                kind="run", mode=mode, seed=seed, impl="graph" if sm.get("cuda_graph") else "eager", actors=1,
+                slots=cfg.slots, max_lag=cfg.max_lag, time_s=sm["seconds"], samples=sm["samples"],
+                reward=mean(tail), samples_per_s=sm["samples_per_s"], tokens_per_s=sm["tokens_per_s"],
+                lag_mean=sm["lag_mean"], lag_max=sm["lag_max"], ess=sm["ess_mean"], engine_busy=sm["engine_busy"],
+                slot_utilisation=sm["slot_utilisation"], dropped=sm["dropped"], check=verdict, **tc,
+            )  # fmt: skip
+            stride = max(1, len(res.steps) // 60)  # at most about 60 points per curve
+            width = max(stride, len(res.steps) // 15)  # trailing mean over about a fifteenth of the run
+            for k in range(0, len(res.steps), stride):
+                window = res.steps[max(0, k - width + 1) : k + 1]
+                report.add(
+                    kind="curve", mode=mode, seed=seed, max_lag=cfg.max_lag, time_s=res.steps[k]["time_s"],
+                    samples=res.steps[k]["samples"], reward=mean([r["reward"] for r in window]),
+                    samples_per_s=res.steps[k]["samples_per_s"], lag_mean=res.steps[k]["lag_mean"],
+                    lag_max=res.steps[k]["lag_max"], ess=mean([r["ess"] for r in window]),
+                )  # fmt: skip
+            shares = (
+                f"; trainer {tc['ms_per_step']:.1f} ms/step: wait {tc['trainer_wait_share']:.0%}, "
+                f"train {tc['trainer_train_share']:.0%}, broadcast {tc['trainer_bcast_share']:.0%}; "
+                f"engine busy {sm['engine_busy']:.0%}, swaps {tc['swap_s']:.2f} s"
+                if tc
+                else ""
+            )
+            print(
+                f"{mode}{f' (seed {seed})' if seeds > 1 else ''}: {sm['samples']} samples in {sm['seconds']:.1f} s, "
+                f"{sm['samples_per_s']:.1f} samples/s{shares}"
+            )
+        # reward at equal samples: each mode's mean reward over the same window of this seed's samples
+        if results[seed]:
+            s_min = min(r.summary["samples"] for r in results[seed].values())
+            for row in report.rows:
+                if row["kind"] == "run" and row["seed"] == seed and row["mode"] in results[seed]:
+                    used = results[seed][row["mode"]].used
+                    row["reward_eq_samples"] = mean([u["reward"] for u in used[int(0.75 * s_min) : s_min]])
+    return results, run_notes
+
+
+def ratio_notes(results: dict[int, dict[str, RunResult]]) -> list[str]:
+    """Pipeline / conventional and async / conventional samples/s: one seed as before; several
+    seeds per seed (3 places), their mean and min."""
+
+    def ratios(mode: str) -> dict[int, float]:
+        return {
+            seed: rs[mode].summary["samples_per_s"] / rs["conventional"].summary["samples_per_s"]
+            for seed, rs in results.items()
+            if mode in rs and "conventional" in rs and rs["conventional"].summary["samples_per_s"] > 0
+        }
+
+    notes = []
+    what = {"pipeline": "target 1.5", "async": "overlap alone"}
+    if len(results) <= 1:
+        for mode, fmt in (("pipeline", ".3f"), ("async", ".2f")):
+            for r in ratios(mode).values():
+                notes.append(f"real run: {mode} / conventional samples per second = {r:{fmt}} ({what[mode]})")
+        return notes
+    for mode in ("pipeline", "async"):
+        r = ratios(mode)
+        if not r:
+            continue
+        per = ", ".join(f"seed {k} {v:.3f}" for k, v in r.items())
+        notes.append(
+            f"real runs, {len(r)} of {len(results)} seeds (mode order rotated per seed): {mode} / conventional "
+            f"samples per second {per}; mean {mean(list(r.values())):.3f}, min {min(r.values()):.3f} "
+            f"({what[mode]})"
+        )
+    return notes
+
+
 def mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
@@ -205,7 +354,14 @@ def main(argv: list[str] | None = None) -> None:
         help="max_lag in samples for all three real runs and the as-run simulation (default 2 B); "
         "a non-default value tags the results file (lag<N>)",
     )  # fmt: skip
+    ap.add_argument(
+        "--seeds", type=int, default=1,
+        help="real runs for seeds 0..N-1 (mode order rotated per seed), the budget shared among them; "
+        "the notes give the samples/s ratios per seed, their mean and min (default 1)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
+    if args.seeds < 1:
+        raise SystemExit(f"--seeds must be >= 1, got {args.seeds}")
     if args.max_lag is not None and args.max_lag < 0:
         raise SystemExit(f"--max-lag must be >= 0 samples, got {args.max_lag}")
     t_begin = time.perf_counter()
@@ -243,75 +399,32 @@ def main(argv: list[str] | None = None) -> None:
     engine_rows(report, s, weights, rounds)
     train_rows(report, s, weights, rounds)
 
-    # 3. real runs, equal wall-clock each
+    # 3. real runs, equal wall-clock each (and for every seed)
     sim_reserve = 0.12 * budget
-    per_mode = max(5.0, (budget - (time.perf_counter() - t_begin) - sim_reserve) / len(MODES) - 3.0)
-    results = {}
-    run_notes: list[str] = []
-    for mode in MODES:
-        cfg = Config(
-            mode=mode, max_lag=s["max_lag"], batch_size=s["batch_size"], attempts=s["attempts"], slots=s["slots"],
-            steps=10**6, lr=s["lr"], task=s["task"], model=s["model"], device=s["device"], init_weights=weights,
-            time_budget_s=per_mode, seed=0,
-        )  # fmt: skip
-        try:
-            res = run(cfg)
-        except Exception as exc:  # record and carry on with the other modes
-            report.add(kind="run", mode=mode, check=f"failed: {type(exc).__name__}: {exc}"[:300])
-            continue
-        results[mode] = res
-        try:
-            check_version_log(res.used, cfg.max_lag, mode, cfg.batch_size)
-            verdict = "ok"
-        except AssertionError as exc:
-            verdict = f"failed: {exc}"[:300]
-        sm = res.summary
-        if sm.get("cuda_graph_error"):
-            run_notes.append(f"{mode}: CUDA graph capture failed, ran eager ({sm['cuda_graph_error']})")
-        rw = [r["reward"] for r in res.steps]
-        tail = rw[-max(1, len(rw) // 5) :]
-        report.add(
-            kind="run", mode=mode, impl="graph" if sm.get("cuda_graph") else "eager", actors=1, slots=cfg.slots,
-            max_lag=cfg.max_lag, time_s=sm["seconds"], samples=sm["samples"], reward=mean(tail),
-            samples_per_s=sm["samples_per_s"], tokens_per_s=sm["tokens_per_s"], lag_mean=sm["lag_mean"],
-            lag_max=sm["lag_max"], ess=sm["ess_mean"], engine_busy=sm["engine_busy"],
-            slot_utilisation=sm["slot_utilisation"], dropped=sm["dropped"], check=verdict,
-        )  # fmt: skip
-        stride = max(1, len(res.steps) // 60)  # at most about 60 points per curve
-        width = max(stride, len(res.steps) // 15)  # trailing mean over about a fifteenth of the run
-        for k in range(0, len(res.steps), stride):
-            window = res.steps[max(0, k - width + 1) : k + 1]
-            report.add(
-                kind="curve", mode=mode, max_lag=cfg.max_lag, time_s=res.steps[k]["time_s"],
-                samples=res.steps[k]["samples"], reward=mean([r["reward"] for r in window]),
-                samples_per_s=res.steps[k]["samples_per_s"], lag_mean=res.steps[k]["lag_mean"],
-                lag_max=res.steps[k]["lag_max"], ess=mean([r["ess"] for r in window]),
-            )  # fmt: skip
-        print(
-            f"{mode}: {sm['samples']} samples in {sm['seconds']:.1f} s, {sm['samples_per_s']:.1f} samples/s"
-        )
+    n_runs = len(MODES) * args.seeds
+    per_mode = max(5.0, (budget - (time.perf_counter() - t_begin) - sim_reserve) / n_runs - 3.0)
+    results, run_notes = real_runs(report, s, weights, per_mode, seeds=args.seeds)
 
-    # reward at equal samples: each mode's mean reward over the same window of samples
-    if results:
-        s_min = min(r.summary["samples"] for r in results.values())
-        for row in report.rows:
-            if row["kind"] == "run" and row["mode"] in results:
-                used = results[row["mode"]].used
-                row["reward_eq_samples"] = mean([u["reward"] for u in used[int(0.75 * s_min) : s_min]])
-
-    # 4. simulator, fitted to the conventional run
+    # 4. simulator, fitted to the conventional run (of the first seed)
     notes = [
         f"device settings: {s['model']}, {s['task']}, slots {s['slots']}, B {s['batch_size']} samples "
         f"(groups of {s['attempts']}), max_lag {s['max_lag']} samples for every mode, lr {s['lr']}, "
         f"truncation cap 1.2; pre-training {pre['steps']} steps ({pre['seconds']:.1f} s, loss {pre['loss']:.3f}); "
-        f"{per_mode:.0f} s of wall-clock per mode."
+        f"{per_mode:.0f} s of wall-clock per mode"
+        + (
+            f" and seed, {args.seeds} seeds (mode order rotated per seed; the plots show seed 0)."
+            if args.seeds > 1
+            else "."
+        )
     ]
     notes += run_notes
-    base = results.get("conventional") or next(iter(results.values()), None)
+    first = next((rs for rs in results.values() if rs), {})  # the first seed with a run
+    base = first.get("conventional") or next(iter(first.values()), None)
     if base is not None:
         try:
             tm, lengths = fit_time_model(base)
-            notes.append(f"fitted time model (from the {base.config.mode} run): {tm}")
+            of_seed = f", seed {base.config.seed}" if args.seeds > 1 else ""
+            notes.append(f"fitted time model (from the {base.config.mode} run{of_seed}): {tm}")
             B, L = s["batch_size"], s["max_lag"]
             for mode in MODES:  # the real configuration, simulated
                 sim = simulate(SimConfig(mode=mode, max_lag=L, batch_size=B, attempts=s["attempts"], slots=s["slots"],
@@ -333,25 +446,15 @@ def main(argv: list[str] | None = None) -> None:
                                **_sim_cols(sim.summary))  # fmt: skip
         except Exception as exc:  # the runs' rows are written whatever happens to the simulator
             notes.append(f"simulator skipped: {type(exc).__name__}: {exc}"[:300])
-    if "pipeline" in results and "conventional" in results:
-        ratio = (
-            results["pipeline"].summary["samples_per_s"] / results["conventional"].summary["samples_per_s"]
-        )
-        notes.append(f"real run: pipeline / conventional samples per second = {ratio:.3f} (target 1.5)")
-    if "async" in results and "conventional" in results:
-        ratio = results["async"].summary["samples_per_s"] / results["conventional"].summary["samples_per_s"]
-        notes.append(f"real run: async / conventional samples per second = {ratio:.2f} (overlap alone)")
+    notes += ratio_notes(results)
+    for line in ratio_notes(results):
+        print(line)
     report.notes = " ".join(notes)
-    report.plot(
-        title="reward against wall-clock", x="time_s", y="reward", series="mode", where={"kind": "curve"}
-    )
-    report.plot(
-        title="reward against samples", x="samples", y="reward", series="mode", where={"kind": "curve"}
-    )
-    report.plot(
-        title="token lag (mean, samples)", x="samples", y="lag_mean", series="mode", where={"kind": "curve"}
-    )
-    report.plot(title="ESS", x="samples", y="ess", series="mode", where={"kind": "curve"})
+    curves = {"kind": "curve"} if args.seeds == 1 else {"kind": "curve", "seed": 0}
+    report.plot(title="reward against wall-clock", x="time_s", y="reward", series="mode", where=curves)
+    report.plot(title="reward against samples", x="samples", y="reward", series="mode", where=curves)
+    report.plot(title="token lag (mean, samples)", x="samples", y="lag_mean", series="mode", where=curves)
+    report.plot(title="ESS", x="samples", y="ess", series="mode", where=curves)
     report.plot(
         title=f"simulated samples/s against actors (max_lag {2 * s['batch_size']})", x="actors", y="samples_per_s",
         series="mode", where={"kind": "sim", "impl": "sweep", "max_lag": 2 * s["batch_size"]}, logx=True,
