@@ -154,6 +154,22 @@ def test_sanitizer_summary_parsing():
     assert sanitizer_errors("no summary here") is None
 
 
+def test_partial_summary_of_a_run_cut_before_its_summary():
+    """A pytest run stopped after its tests but before its closing line (an xdist teardown past the
+    budget, 2026-11-25): the detail counts the outcomes its verbose lines reported, both layouts."""
+    from paperclub.gpu import _partial_summary
+
+    text = (
+        "[gw0] [ 50%] PASSED repro/x/tests/test_gpu.py::test_a\n"
+        "repro/x/tests/test_gpu.py::test_b \n"
+        "repro/x/tests/test_gpu.py::test_b FAILED [100%]\n"
+        "repro/x/tests/test_gpu.py::test_c PASSED\n"
+        "    waiter.acquire()\nKeyboardInterrupt\n"
+    )
+    assert _partial_summary(text) == "cut off before pytest's summary; reported so far: 2 passed, 1 failed"
+    assert _partial_summary("    waiter.acquire()\nKeyboardInterrupt\n") == ""
+
+
 def test_budget_shares():
     # equal parts without shares
     assert package_share(600, ["a", "b", "c"], {}) == 200

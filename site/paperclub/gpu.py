@@ -167,8 +167,23 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 
 
 def _tail(log: Path, n: int = 3) -> str:
-    lines = [ln for ln in log.read_text(encoding="utf-8", errors="replace").splitlines() if ln.strip()]
+    lines = [ln.strip() for ln in log.read_text(encoding="utf-8", errors="replace").splitlines() if ln.strip()]
     return " | ".join(lines[-n:])[-400:]
+
+
+def _partial_summary(text: str) -> str:
+    """For a pytest run cut off before its closing line: the outcomes its verbose lines reported so
+    far (``path::test PASSED`` or xdist's ``[gw0] ... PASSED path::test``), or '' if none."""
+    counts: dict[str, int] = {}
+    for ln in text.splitlines():
+        if "::" not in ln:
+            continue
+        m = re.search(r"\b(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b", ln)
+        if m:
+            counts[m.group(1).lower()] = counts.get(m.group(1).lower(), 0) + 1
+    if not counts:
+        return ""
+    return "cut off before pytest's summary; reported so far: " + ", ".join(f"{v} {k}" for k, v in counts.items())
 
 
 def sanitizer_errors(text: str) -> int | None:
@@ -276,7 +291,7 @@ def run_job(
                     step.detail = f"compute-sanitizer errors: {errs if errs is not None else 'no summary'}; "
                     if step.exit_code == 5:  # pytest: nothing collected (no gpu tests)
                         step.status = "ok"
-                step.detail += _pytest_summary(text) or _tail(log)
+                step.detail += _pytest_summary(text) or _partial_summary(text) or _tail(log)
                 if step_name == "tests" and step.exit_code == 5:
                     step.status, step.detail = "ok", "no gpu-marked tests"
             step.log = str(log.relative_to(stage))
