@@ -69,11 +69,13 @@ ROUTINGS = ("balanced", "skewed")
 # experts; 4 warps, 4 stages for the sparse kernels); the run of 2026-11-25 13:45 UTC timed them
 # combined and found each path's winner on both shapes, split into per-path settings in
 # kernels.GPU_CONFIG. The second row is that candidate default (waiting for its GPU tests); then
-# the grouped path's stages and row tile, the sparse path's k step, the launch order.
+# the candidate with the grouped GEMM's TMA loads (gmm_tma; forward and data gradient, not yet run
+# on a GPU), the grouped path's stages and row tile, the sparse path's k step, the launch order.
 CANDIDATE = {"num_warps": 4, "num_stages": 4, "gmm_n": 256}
 TUNING = [
     {},
     CANDIDATE,
+    {**CANDIDATE, "gmm_tma": True},
     {**CANDIDATE, "gmm_stages": 4},
     {**CANDIDATE, "gmm_m": 64},
     {**CANDIDATE, "k_step": 32},

@@ -13,6 +13,8 @@ Naming (§4.1, §5.1): the letters give output, left and right operand, S sparse
   its transpose.
 
 Every dense operand is passed with its strides, so ``x.t()`` costs nothing. Accumulation is fp32.
+The grouped GEMM's forward / data-gradient kernel has a TMA variant for Hopper (``GPU_CONFIG["gmm_tma"]``,
+off by default: :func:`_gmm_tma_kernel`), loading through tensor descriptors instead of masked pointers.
 Launch order: every kernel takes a 1-D grid in grouped order (``GPU_CONFIG["group_m"]``, see
 :func:`_grouped_order`): ``group_m`` row tiles against all column tiles, so that a weight tile
 read from HBM serves ``group_m`` row tiles from L2; SDD remaps its block index the same way when
@@ -28,6 +30,7 @@ import contextlib
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from paperclub.triton_compat import interpreting, patch_interpreter
 from repro.megablocks.topology import Topology
@@ -54,9 +57,13 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # (36.2 / 21.4 ms against 39.7 / 22.3), which made the sparse path slower, hence the split. They
 # become the defaults once the GPU tests pass with them (bench TUNING's "candidate" row; the first
 # try ran out of its call's time while compiling): until then the values GPU-tested so far.
+# gmm_tma: the grouped GEMM's forward / data-gradient kernel with TMA loads (_gmm_tma_kernel, Hopper
+# tensor descriptors) instead of masked pointer loads: False (default) never; True where the inputs
+# allow it (see _gmm_tma_unsupported), the pointer kernel otherwise (same values); "require" raises
+# a ValueError naming the reason instead of falling back (tests, and to be sure what a bench times).
 GPU_CONFIG = {
     "k_step": 64, "dense_n": 128, "num_warps": 8, "num_stages": 3, "group_m": 8,
-    "gmm_m": 128, "gmm_n": 128, "gmm_warps": 8, "gmm_stages": 3,
+    "gmm_m": 128, "gmm_n": 128, "gmm_warps": 8, "gmm_stages": 3, "gmm_tma": False,
 }  # fmt: skip
 
 
@@ -419,6 +426,50 @@ def _gmm_kernel(
     tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=in_m[:, None] & in_n[None, :])
 
 
+# The TMA variant (GPU_CONFIG["gmm_tma"]). Host-side descriptors (triton.tools.tensor_descriptor.
+# TensorDescriptor, kernel arguments): Triton 3.6 supports them on sm_90 (its launcher encodes a
+# CUtensorMap per launch) and in the CPU interpreter, and they need no scratch memory; device-side
+# tl.make_tensor_descriptor (also in 3.6) needs triton.set_allocator, a process-wide setting, and
+# each program would write its descriptors to global memory before using them. W's descriptor is
+# 3-D: its K tail zero-fills within w[g], where a 2-D [G K, N] view would read w[g + 1]'s first rows
+# (then multiplied by x's zero-filled columns: harmless for finite weights, NaN for infinite ones).
+# Offline for sm_90a (python -m repro.megablocks.tests.sm90_gmm; bf16, 8 warps, 3 stages, BM 128,
+# BK 64), registers / spill bytes for w [G, K, N] and for the transposed view, pointer vs TMA kernel:
+# BN 128: 115 / 0 and 219 / 0 vs 92 / 0 and 92 / 0; BN 256: 209 / 0 and 255 / 328 vs 191 / 0 and
+# 197 / 0 (shared memory about equal: 96 KB at BN 128, 144 KB at BN 256, but the pointer kernel's
+# transposed view takes 64 / 80 KB). Both layouts feed wgmma from shared memory. Not yet run on a GPU.
+@triton.jit
+def _gmm_tma_kernel(
+    X, W, Y, tile_group, tile_row, ends, N, K, num_tiles, num_n, stride_ym, stride_yn,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, W_T: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """_gmm_kernel with TMA loads: X is a tensor descriptor of x [M, K] (block [BM, BK]); W one of
+    w [G, K, N] (block [1, BK, BN]) or, W_T, of w's memory order [G, N, K] (block [1, BN, BK]: the
+    dMoE's transposed W1 views, read as stored and transposed in shared memory for the dot).
+
+    No load masks: the descriptors zero-fill past each dimension's end (rows past M, columns past
+    K, and, the descriptor being 3-D, W's rows past K within group g and columns past N), and rows
+    of the tile past its group's end are real rows of the next group, loaded but never stored: the
+    store is masked to the group's rows as in _gmm_kernel. Offsets are int32 (TMA coordinates)."""
+    t, n = _grouped_order(tl.program_id(0).to(tl.int64), num_tiles, num_n, GROUP_M)
+    n = n.to(tl.int32)
+    g = tl.load(tile_group + t)
+    row0 = tl.load(tile_row + t)
+    end = tl.load(ends + g)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        x = X.load([row0, k0])
+        if W_T:
+            w = W.load([g, n * BN, k0]).reshape(BN, BK).T
+        else:
+            w = W.load([g, k0, n * BN]).reshape(BK, BN)
+        acc = tl.dot(x, w, acc)
+    rm = row0.to(tl.int64) + tl.arange(0, BM)
+    rn = n * BN + tl.arange(0, BN)
+    y_ptrs = Y + rm[:, None] * stride_ym + rn[None, :] * stride_yn
+    tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=(rm < end)[:, None] & (rn < N)[None, :])
+
+
 @triton.jit
 def _gmm_wgrad_kernel(
     X, G, DW, starts, ends, K, N, num_kt, num_n,
@@ -476,6 +527,50 @@ def _gmm_tiles(counts: torch.Tensor):
     return BM, tile_group.to(i32), tile_row.to(i32), starts.to(i32), ends.to(i32)
 
 
+def _gmm_tma_unsupported(x: torch.Tensor, w: torch.Tensor) -> str | None:
+    """Why _gmm_tma_kernel cannot take ``x [M, K] @ w [G, K, N]``, or None if it can. TMA needs a
+    Hopper GPU (sm_90+; the CPU interpreter emulates it), a 16-byte aligned base, 16-byte aligned
+    strides but the last and a contiguous last dimension: x row-major, w [G, K, N] with N or K
+    contiguous (the dMoE's weights and their transposed views); every dimension non-empty. fp32 is
+    left to the pointer kernel (its IEEE fp32 products are not what TMA tiles are for)."""
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {x.dtype} (TMA path: bf16 or fp16)"
+    if not interpreting():
+        if x.device.type != "cuda":
+            return f"device {x.device} (TMA path: CUDA)"
+        major, minor = torch.cuda.get_device_capability(x.device)
+        if major < 9:
+            return f"GPU sm_{major}{minor} (TMA path: sm_90 or newer)"
+    if min(x.shape) == 0 or min(w.shape) == 0:
+        return f"an empty dimension (x {tuple(x.shape)}, w {tuple(w.shape)})"
+    size = x.element_size()
+    if x.stride(1) != 1:
+        return f"x strides {x.stride()} (TMA path: x's last dimension contiguous)"
+    if w.stride(2) == 1:
+        outer = (w.stride(0), w.stride(1))
+    elif w.stride(1) == 1:
+        outer = (w.stride(0), w.stride(2))
+    else:
+        return f"w strides {w.stride()} (TMA path: w's K or N dimension contiguous)"
+    if any(s * size % 16 for s in (x.stride(0), *outer)):
+        return f"strides x {x.stride()}, w {w.stride()} (TMA path: 16-byte multiples but the last)"
+    if x.data_ptr() % 16 or w.data_ptr() % 16:
+        return "a base address not 16-byte aligned (TMA path)"
+    return None
+
+
+def _use_gmm_tma(x: torch.Tensor, w: torch.Tensor) -> bool:
+    mode = GPU_CONFIG["gmm_tma"]
+    if mode is False:
+        return False
+    if mode is not True and mode != "require":
+        raise ValueError(f"GPU_CONFIG['gmm_tma'] must be False, True or 'require', got {mode!r}")
+    reason = _gmm_tma_unsupported(x, w)
+    if reason is not None and mode == "require":
+        raise ValueError(f"gmm: GPU_CONFIG['gmm_tma'] = 'require' but the TMA kernel cannot take {reason}")
+    return reason is None
+
+
 def _gmm(x: torch.Tensor, w: torch.Tensor, sched) -> torch.Tensor:
     BM, tile_group, tile_row, _, ends = sched
     K, N = w.shape[1], w.shape[2]
@@ -485,6 +580,20 @@ def _gmm(x: torch.Tensor, w: torch.Tensor, sched) -> torch.Tensor:
     BN = _gmm_n()
     num_tiles, num_n = tile_group.numel(), triton.cdiv(N, BN)
     _check_programs(num_tiles * num_n, "a grouped GEMM")
+    if _use_gmm_tma(x, w):
+        BK = _k_step(128)
+        w_t = w.stride(2) != 1  # then w.stride(1) == 1 (_gmm_tma_unsupported): describe [G, N, K]
+        w_desc = (
+            TensorDescriptor(w, [w.shape[0], N, K], [w.stride(0), w.stride(2), 1], [1, BN, BK])
+            if w_t
+            else TensorDescriptor(w, list(w.shape), list(w.stride()), [1, BK, BN])
+        )
+        _gmm_tma_kernel[(num_tiles * num_n,)](
+            TensorDescriptor(x, list(x.shape), list(x.stride()), [BM, BK]), w_desc, y,
+            tile_group, tile_row, ends, N, K, num_tiles, num_n, y.stride(0), y.stride(1),
+            BM=BM, BN=BN, BK=BK, W_T=w_t, GROUP_M=_group_m(), **_gmm_launch_opts(),
+        )  # fmt: skip
+        return y
     _gmm_kernel[(num_tiles * num_n,)](
         x, w, y, tile_group, tile_row, ends, N, K, num_tiles, num_n,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), y.stride(0), y.stride(1),

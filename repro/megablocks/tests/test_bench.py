@@ -92,8 +92,8 @@ def test_main_flow_with_budget(monkeypatch, tmp_path):
     assert [(s[0], s[1]) for s in main_rows] == [(sh, r) for sh in bench.SHAPES for r in bench.ROUTINGS]
     tune = [s for s in seen if s[2].startswith("tune:")]
     c = "num_warps=4,num_stages=4,gmm_n=256"  # bench.CANDIDATE
-    labels = ["tune:default", f"tune:{c}", f"tune:{c},gmm_stages=4", f"tune:{c},gmm_m=64"]
-    labels += [f"tune:{c},k_step=32", f"tune:{c},group_m=4"]
+    labels = ["tune:default", f"tune:{c}", f"tune:{c},gmm_tma=True", f"tune:{c},gmm_stages=4"]
+    labels += [f"tune:{c},gmm_m=64", f"tune:{c},k_step=32", f"tune:{c},group_m=4"]
     # each variant on both shapes (8e-top2 first), the variants in order
     assert [(s[0], s[2]) for s in tune] == [
         (f"{shape} (tuning)", label) for label in labels for shape in ("8e-top2", "64e-top8")
@@ -103,6 +103,8 @@ def test_main_flow_with_budget(monkeypatch, tmp_path):
     assert by["8e-top2", f"tune:{c},group_m=4"][3]["group_m"] == 4
     assert by["64e-top8", f"tune:{c}"][3]["gmm_n"] == 256 and by["64e-top8", f"tune:{c}"][3]["num_warps"] == 4
     assert by["64e-top8", f"tune:{c},gmm_m=64"][3]["gmm_m"] == 64
+    assert by["8e-top2", f"tune:{c},gmm_tma=True"][3]["gmm_tma"] is True
+    assert by["8e-top2", f"tune:{c}"][3]["gmm_tma"] is False  # the default stays the pointer kernel
     assert kernels.GPU_CONFIG["dense_n"] == 128 and kernels.GPU_CONFIG["group_m"] == 8  # restored
     assert kernels.GPU_CONFIG["gmm_n"] == 128 and kernels.GPU_CONFIG["num_warps"] == 8
     # torch_grouped_mm runs once per shape, at the default; its time is that shape's later baseline
@@ -159,4 +161,6 @@ def test_tuning_budget_cut(monkeypatch):
         for shape in ("8e-top2", "64e-top8")
     ]
     notes = written["r"].notes
-    assert "tuning rows skipped (budget 100 s): 8e-top2 tune:num_warps=4,num_stages=4,gmm_n=256,gmm_stages=4; 64e-top8 tune:num_warps=4,num_stages=4,gmm_n=256,gmm_stages=4" in notes
+    c = "tune:num_warps=4,num_stages=4,gmm_n=256"
+    skipped = f"tuning rows skipped (budget 100 s): 8e-top2 {c},gmm_tma=True; 64e-top8 {c},gmm_tma=True; "
+    assert skipped + f"8e-top2 {c},gmm_stages=4; 64e-top8 {c},gmm_stages=4; " in notes

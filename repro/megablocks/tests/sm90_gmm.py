@@ -1,0 +1,79 @@
+"""``python -m repro.megablocks.tests.sm90_gmm ['<cases as JSON>']``: the grouped GEMM's forward / data-gradient kernels
+(the pointer one, _gmm_kernel, and the TMA one, _gmm_tma_kernel, both weight layouts) compiled
+offline for sm_90a (no GPU: Triton's compiler and its bundled ptxas), at the bf16 tile settings of
+GPU_CONFIG and of the bench's candidate. Prints one row per kernel and setting (shared memory,
+ptxas registers and spills via ``repro.fa4.gluon_fwd.ptxas_usage``, wgmma and TMA instructions in
+the PTX) and, last, all rows as JSON. Arguments are specialised as a launch at the 8e-top2 shape
+would (pointers, N, K and the row stride divisible by 16, the unit stride a constant)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from repro.megablocks import kernels as kn  # noqa: E402
+
+#: (name, BM, BN, BK, num_warps, num_stages): GPU_CONFIG's defaults and bench.CANDIDATE's gmm_n = 256
+SETTINGS = [("default", 128, 128, 64, 8, 3), ("gmm_n=256", 128, 256, 64, 8, 3)]
+DIVISIBLE = {"X", "W", "Y", "tile_group", "tile_row", "ends", "N", "K", "stride_xm", "stride_wg",
+             "stride_wk", "stride_ym"}  # fmt: skip
+
+
+def compile_gmm(tma: bool, w_t: bool, bm: int, bn: int, bk: int, warps: int, stages: int, dt: str = "bf16"):
+    """One kernel compiled for sm_90a; returns Triton's CompiledKernel. The pointer kernel's w_t
+    means w's K dimension is the contiguous one (its unit stride specialised as at a launch)."""
+    fn = kn._gmm_tma_kernel if tma else kn._gmm_kernel
+    if tma:
+        w_block = [1, bn, bk] if w_t else [1, bk, bn]
+        constexprs = dict(BM=bm, BN=bn, BK=bk, W_T=w_t, GROUP_M=8, stride_yn=1)
+        types = {"X": f"tensordesc<{dt}[{bm}, {bk}]>", "W": f"tensordesc<{dt}{w_block}>"}
+    else:
+        unit = "stride_wk" if w_t else "stride_wn"
+        constexprs = dict(BM=bm, BN=bn, BK=bk, IEEE=False, GROUP_M=8, stride_xk=1, stride_yn=1, **{unit: 1})
+        types = {"X": f"*{dt}", "W": f"*{dt}"}
+    types.update(Y=f"*{dt}", tile_group="*i32", tile_row="*i32", ends="*i32")
+    signature = {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a in DIVISIBLE}
+    src = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(
+        src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages)
+    )
+
+
+def report(cases: list | None = None) -> list[dict]:
+    """One row per case ``[setting name, "tma" | "pointer", w_t]`` (default: all of them)."""
+    from repro.fa4.gluon_fwd import ptxas_usage
+
+    settings = {name: rest for name, *rest in SETTINGS}
+    if cases is None:
+        cases = [[name, k, w_t] for name in settings for k in ("pointer", "tma") for w_t in (False, True)]
+    rows = []
+    for name, kernel, w_t in cases:
+        row = dict(kernel=kernel, w="[G,N,K] (w_t)" if w_t else "[G,K,N]", setting=name)
+        try:
+            c = compile_gmm(kernel == "tma", w_t, *settings[name])
+            ptx = c.asm["ptx"]
+            row.update(
+                shared=c.metadata.shared,
+                wgmma=len(re.findall(r"wgmma\.mma_async", ptx)),
+                tma_loads=len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
+                **ptxas_usage(ptx),
+            )
+        except Exception as exc:  # reported, the test decides
+            row["error"] = f"{type(exc).__name__}: {exc}"[-2000:]
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    # python -m repro.megablocks.tests.sm90_gmm ['<cases as JSON>']: the rows, then all as JSON
+    print(json.dumps(report(json.loads(sys.argv[1]) if len(sys.argv) > 1 else None)))
