@@ -299,7 +299,7 @@ def compile_report(configs=None, dims=(128, 64)) -> list[dict]:
     ptxas registers and spills, and whether the PTX has wgmma, TMA loads and vector atomics."""
     import re
 
-    from repro.fa4.gluon_fwd import ptxas_usage
+    from paperclub.triton_compat import ptxas_usage
 
     rows = []
     for name, cfg in (configs or FUSED_CONFIGS).items():

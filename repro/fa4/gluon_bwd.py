@@ -523,7 +523,7 @@ def compile_report(cases) -> list[dict]:
     and the consumers 240), setmaxnreg values, and counts of wgmma, TMA loads and atomics in the PTX."""
     import re
 
-    from repro.fa4.gluon_fwd import ptxas_usage
+    from paperclub.triton_compat import ptxas_usage
 
     rows = []
     for case in cases:

@@ -38,6 +38,8 @@ import math
 
 import torch
 
+from paperclub.triton_compat import ptxas_usage
+
 try:  # Gluon ships with Triton >= 3.5; without it only the launcher's error message is left.
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -620,41 +622,6 @@ def compile_for_sm90(
     }
     src = GluonASTSource(_gluon_fwd_kernel, signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=4))
-
-
-def ptxas_usage(ptx: str) -> dict:
-    """Registers and spill bytes of the kernel in ``ptx``, from Triton's bundled ``ptxas -v`` for sm_90a
-    (empty if this Triton has no bundled ptxas). Registers are the launch allocation: the partitions
-    then move them with setmaxnreg (load warp LOAD_REGS, consumers the rest)."""
-    import re
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
-    import triton
-
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    if not ptxas.exists():
-        return {}
-    with tempfile.TemporaryDirectory() as tmp:
-        f = Path(tmp) / "k.ptx"
-        f.write_text(ptx)
-        r = subprocess.run(
-            [str(ptxas), "-v", "--gpu-name", "sm_90a", str(f), "-o", str(Path(tmp) / "k.cubin")],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-    if r.returncode != 0:
-        return {"ptxas_error": (r.stdout + r.stderr)[-2000:]}
-    text = r.stdout + r.stderr
-    regs = re.search(r"Used (\d+) registers", text)
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
-    return {
-        "registers": int(regs.group(1)) if regs else None,
-        "spill_stores": int(spills.group(1)) if spills else None,
-        "spill_loads": int(spills.group(2)) if spills else None,
-    }
 
 
 def compile_report(cases) -> list[dict]:

@@ -1,6 +1,6 @@
 """``python -m repro.nsa.sm90_check [bf16|fp16|fp32]``: compile every NSA kernel offline for sm_90a (no GPU
 needed) at the launch shapes ``ops.py`` uses for D = 128, and print shared memory, registers and
-spills from Triton's bundled ptxas (``repro.fa4.gluon_fwd.ptxas_usage``). A compile error here is one
+spills from Triton's bundled ptxas (``paperclub.triton_compat.ptxas_usage``). A compile error here is one
 the GPU would hit too."""
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def signature(fn, pointers: dict, constexprs: dict) -> dict:
 
 
 def main() -> int:
-    from repro.fa4.gluon_fwd import ptxas_usage
+    from paperclub.triton_compat import ptxas_usage
 
     dt = sys.argv[1] if len(sys.argv) > 1 else "bf16"
     failed = 0

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -282,3 +283,37 @@ def _fix_interpreter_bf16() -> None:
             setattr(cls, name, reduce_in_float32(getattr(cls, name)))
 
     builder_cls._paperclub_bf16_fixed = True
+
+
+def ptxas_usage(ptx: str) -> dict:
+    """Registers and spill bytes of the kernel in ``ptx``, from Triton's bundled ``ptxas -v`` for sm_90a
+    (empty if this Triton has no bundled ptxas; ``ptxas_error`` if it fails). Registers are the
+    launch allocation (warp-specialised kernels then move them with setmaxnreg). Offline: no GPU."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        return {}
+    with tempfile.TemporaryDirectory() as tmp:
+        f = Path(tmp) / "k.ptx"
+        f.write_text(ptx)
+        r = subprocess.run(
+            [str(ptxas), "-v", "--gpu-name", "sm_90a", str(f), "-o", str(Path(tmp) / "k.cubin")],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    if r.returncode != 0:
+        return {"ptxas_error": (r.stdout + r.stderr)[-2000:]}
+    text = r.stdout + r.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    return {
+        "registers": int(regs.group(1)) if regs else None,
+        "spill_stores": int(spills.group(1)) if spills else None,
+        "spill_loads": int(spills.group(2)) if spills else None,
+    }

@@ -2,7 +2,7 @@
 (the pointer one, _gmm_kernel, and the TMA one, _gmm_tma_kernel, both weight layouts) compiled
 offline for sm_90a (no GPU: Triton's compiler and its bundled ptxas), at the bf16 tile settings of
 GPU_CONFIG and of the bench's candidate. Prints one row per kernel and setting (shared memory,
-ptxas registers and spills via ``repro.fa4.gluon_fwd.ptxas_usage``, wgmma and TMA instructions in
+ptxas registers and spills via ``paperclub.triton_compat.ptxas_usage``, wgmma and TMA instructions in
 the PTX) and, last, all rows as JSON. Arguments are specialised as a launch at the 8e-top2 shape
 would (pointers, N, K and the row stride divisible by 16, the unit stride a constant)."""
 
@@ -50,7 +50,7 @@ def compile_gmm(tma: bool, w_t: bool, bm: int, bn: int, bk: int, warps: int, sta
 
 def report(cases: list | None = None) -> list[dict]:
     """One row per case ``[setting name, "tma" | "pointer", w_t]`` (default: all of them)."""
-    from repro.fa4.gluon_fwd import ptxas_usage
+    from paperclub.triton_compat import ptxas_usage
 
     settings = {name: rest for name, *rest in SETTINGS}
     if cases is None:
