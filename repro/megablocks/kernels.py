@@ -55,15 +55,19 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # (13:45 UTC, results/*.json, rows tune:*) found each path's winner on both tuned shapes: sparse
 # 4 warps, 4 stages (39.7 / 26.4 ms against 43.1 / 27.1 here); grouped 256-wide column tiles
 # (36.2 / 21.4 ms against 39.7 / 22.3), which made the sparse path slower, hence the split. They
-# become the defaults once the GPU tests pass with them (bench TUNING's "candidate" row; the first
-# try ran out of its call's time while compiling): until then the values GPU-tested so far.
+# are the defaults since the GPU run of 2026-11-25 16:05 UTC (18 GPU tests passed with them, 0
+# compute-sanitizer errors).
 # gmm_tma: the grouped GEMM's forward / data-gradient kernel with TMA loads (_gmm_tma_kernel, Hopper
 # tensor descriptors) instead of masked pointer loads: False (default) never; True where the inputs
 # allow it (see _gmm_tma_unsupported), the pointer kernel otherwise (same values); "require" raises
 # a ValueError naming the reason instead of falling back (tests, and to be sure what a bench times).
+# fused_glue: the layer's gather into expert order, its SwiGLU and its weighted scatter back as the
+# fused kernels of repro/megablocks/glue.py (True) or as PyTorch indexing and elementwise ops (False,
+# the earlier path; the torch._grouped_mm row of the bench keeps those). In the interpreter too.
 GPU_CONFIG = {
-    "k_step": 64, "dense_n": 128, "num_warps": 8, "num_stages": 3, "group_m": 8,
-    "gmm_m": 128, "gmm_n": 128, "gmm_warps": 8, "gmm_stages": 3, "gmm_tma": False,
+    "k_step": 64, "dense_n": 128, "num_warps": 4, "num_stages": 4, "group_m": 8,
+    "gmm_m": 128, "gmm_n": 256, "gmm_warps": 8, "gmm_stages": 3, "gmm_tma": False,
+    "fused_glue": True,
 }  # fmt: skip
 
 

@@ -12,7 +12,8 @@ import math
 import torch
 from torch import nn
 
-from repro.megablocks.kernels import dsd, gmm, grouped_schedule, sdd
+from repro.megablocks.glue import combine, expand, slot_rows, swiglu
+from repro.megablocks.kernels import GPU_CONFIG, dsd, gmm, grouped_schedule, sdd
 from repro.megablocks.reference import MLPS, activation, route
 from repro.megablocks.topology import check_block_size, moe_topology, permute
 
@@ -53,6 +54,29 @@ def _combine(y_sorted: torch.Tensor, perm, weights: torch.Tensor, T: int) -> tor
     return y_sorted.new_zeros(T, y_sorted.shape[1]).index_add(0, perm.token, y_sorted * w_sorted[:, None])
 
 
+def _act(h1: torch.Tensor, h3: torch.Tensor | None, mlp: str) -> torch.Tensor:
+    """The expert nonlinearity: the fused SwiGLU kernel where GPU_CONFIG['fused_glue'] is on."""
+    if mlp == "glu" and GPU_CONFIG["fused_glue"]:
+        return swiglu(h1, h3)
+    return activation(h1, h3, mlp)
+
+
+def _gather(x: torch.Tensor, perm, padded: bool):
+    """``(x in expert order, rows [T, k] or None)``: fused or through PyTorch indexing."""
+    if GPU_CONFIG["fused_glue"]:
+        rows = slot_rows(perm.order, perm.dest, x.shape[0], perm.top_k)
+        return expand(x, rows, perm.padded_rows), rows
+    if padded:
+        return x.new_zeros(perm.padded_rows, x.shape[1]).index_put((perm.dest,), x[perm.token]), None
+    return x[perm.token], None
+
+
+def _scatter(y: torch.Tensor, perm, rows, weights: torch.Tensor, T: int) -> torch.Tensor:
+    if rows is not None:
+        return combine(y, rows, weights)
+    return _combine(y[perm.dest] if y.shape[0] != perm.dest.numel() else y, perm, weights, T)
+
+
 def dmoe_sparse(
     x: torch.Tensor,
     weights: torch.Tensor,
@@ -74,12 +98,12 @@ def dmoe_sparse(
         perm = permute(indices, num_experts, block_size)
         topo = moe_topology(perm.padded_counts, ffn, block_size)
     # gather into expert order, each expert's group padded with zero rows to a multiple of b
-    x_pad = x.new_zeros(perm.padded_rows, x.shape[1]).index_put((perm.dest,), x[perm.token])
+    x_pad, rows = _gather(x, perm, padded=True)
     h1 = sdd(x_pad, w1.t(), topo)  # [nnz, b, b]: only the block-diagonal blocks of X W1
     h3 = sdd(x_pad, w3.t(), topo) if mlp == "glu" else None
-    a = activation(h1, h3, mlp)  # on the stored blocks only
+    a = _act(h1, h3, mlp)  # on the stored blocks only
     y_pad = dsd(a, w2, topo)  # [P, d]
-    return _combine(y_pad[perm.dest], perm, weights, T)
+    return _scatter(y_pad, perm, rows, weights, T)
 
 
 def dmoe_grouped(
@@ -99,11 +123,11 @@ def dmoe_grouped(
     with torch.no_grad():
         perm = permute(indices, E, 1)
         sched = grouped_schedule(perm.counts)
-    xs = x[perm.token]
+    xs, rows = _gather(x, perm, padded=False)
     h1 = gmm(xs, w1.view(E, ffn, d).transpose(1, 2), perm.counts, sched)
     h3 = gmm(xs, w3.view(E, ffn, d).transpose(1, 2), perm.counts, sched) if mlp == "glu" else None
-    y = gmm(activation(h1, h3, mlp), w2.view(E, ffn, d), perm.counts, sched)
-    return _combine(y, perm, weights, x.shape[0])
+    y = gmm(_act(h1, h3, mlp), w2.view(E, ffn, d), perm.counts, sched)
+    return _scatter(y, perm, rows, weights, x.shape[0])
 
 
 class dMoE(nn.Module):  # noqa: N801 (the paper's name)

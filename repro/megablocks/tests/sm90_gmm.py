@@ -21,7 +21,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from repro.megablocks import kernels as kn  # noqa: E402
 
-#: (name, BM, BN, BK, num_warps, num_stages): GPU_CONFIG's defaults and bench.CANDIDATE's gmm_n = 256
+#: (name, BM, BN, BK, num_warps, num_stages): the earlier defaults (gmm_n 128) and GPU_CONFIG's gmm_n = 256
 SETTINGS = [("default", 128, 128, 64, 8, 3), ("gmm_n=256", 128, 256, 64, 8, 3)]
 DIVISIBLE = {"X", "W", "Y", "tile_group", "tile_row", "ends", "N", "K", "stride_xm", "stride_wg",
              "stride_wk", "stride_ym"}  # fmt: skip

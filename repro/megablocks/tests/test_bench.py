@@ -91,25 +91,24 @@ def test_main_flow_with_budget(monkeypatch, tmp_path):
     main_rows = [s for s in seen if s[2] == "default"]
     assert [(s[0], s[1]) for s in main_rows] == [(sh, r) for sh in bench.SHAPES for r in bench.ROUTINGS]
     tune = [s for s in seen if s[2].startswith("tune:")]
-    c = "num_warps=4,num_stages=4,gmm_n=256"  # bench.CANDIDATE
-    labels = ["tune:default", f"tune:{c}", f"tune:{c},gmm_tma=True", f"tune:{c},gmm_stages=4"]
-    labels += [f"tune:{c},gmm_m=64", f"tune:{c},k_step=32", f"tune:{c},group_m=4"]
+    prev = "num_warps=8,num_stages=3,gmm_n=128"  # bench.PREVIOUS_DEFAULT
+    labels = ["tune:default", "tune:gmm_tma=True", "tune:fused_glue=False", f"tune:{prev}"]
     # each variant on both shapes (8e-top2 first), the variants in order
     assert [(s[0], s[2]) for s in tune] == [
         (f"{shape} (tuning)", label) for label in labels for shape in ("8e-top2", "64e-top8")
     ]
     by = {(s[0].split()[0], s[2]): s for s in tune}
     assert by["8e-top2", "tune:default"][3]["group_m"] == 8  # the default is the grouped order
-    assert by["8e-top2", f"tune:{c},group_m=4"][3]["group_m"] == 4
-    assert by["64e-top8", f"tune:{c}"][3]["gmm_n"] == 256 and by["64e-top8", f"tune:{c}"][3]["num_warps"] == 4
-    assert by["64e-top8", f"tune:{c},gmm_m=64"][3]["gmm_m"] == 64
-    assert by["8e-top2", f"tune:{c},gmm_tma=True"][3]["gmm_tma"] is True
-    assert by["8e-top2", f"tune:{c}"][3]["gmm_tma"] is False  # the default stays the pointer kernel
+    assert by["64e-top8", f"tune:{prev}"][3]["gmm_n"] == 128 and by["64e-top8", f"tune:{prev}"][3]["num_warps"] == 8
+    assert by["8e-top2", "tune:gmm_tma=True"][3]["gmm_tma"] is True
+    assert by["8e-top2", "tune:fused_glue=False"][3]["fused_glue"] is False
+    assert by["8e-top2", "tune:default"][3]["gmm_tma"] is False  # the default stays the pointer kernel
     assert kernels.GPU_CONFIG["dense_n"] == 128 and kernels.GPU_CONFIG["group_m"] == 8  # restored
-    assert kernels.GPU_CONFIG["gmm_n"] == 128 and kernels.GPU_CONFIG["num_warps"] == 8
+    assert kernels.GPU_CONFIG["gmm_n"] == 256 and kernels.GPU_CONFIG["num_warps"] == 4
+    assert kernels.GPU_CONFIG["fused_glue"] is True
     # torch_grouped_mm runs once per shape, at the default; its time is that shape's later baseline
     assert all(("torch_grouped_mm" in s[4]) == (s[2] == "tune:default") for s in tune)
-    assert by["8e-top2", "tune:default"][5] is None and by["64e-top8", f"tune:{c}"][5] == 2.0
+    assert by["8e-top2", "tune:default"][5] is None and by["64e-top8", f"tune:{prev}"][5] == 2.0
     assert tune[0] == seen[len(main_rows)]  # after the main table
     assert "tune:default is GPU_CONFIG" in report.notes
     assert all(r["pct_of_matmul"] == 12.5 for r in report.rows)
@@ -157,10 +156,9 @@ def test_tuning_budget_cut(monkeypatch):
     assert len(seen) - len(tune) == len(bench.SHAPES) * len(bench.ROUTINGS)
     assert tune == [
         (f"{shape} (tuning)", label)
-        for label in ("tune:default", "tune:num_warps=4,num_stages=4,gmm_n=256")
+        for label in ("tune:default", "tune:gmm_tma=True")
         for shape in ("8e-top2", "64e-top8")
     ]
     notes = written["r"].notes
-    c = "tune:num_warps=4,num_stages=4,gmm_n=256"
-    skipped = f"tuning rows skipped (budget 100 s): 8e-top2 {c},gmm_tma=True; 64e-top8 {c},gmm_tma=True; "
-    assert skipped + f"8e-top2 {c},gmm_stages=4; 64e-top8 {c},gmm_stages=4; " in notes
+    skipped = "tuning rows skipped (budget 100 s): 8e-top2 tune:fused_glue=False; 64e-top8 tune:fused_glue=False; "
+    assert skipped + "8e-top2 tune:num_warps=8,num_stages=3,gmm_n=128; " in notes
