@@ -70,10 +70,10 @@ def test_tma_kernel_equals_pointer_kernel(dtype, w_t):
 
 
 def test_flag_dispatches_to_tma_kernel():
-    """gmm_tma False: the pointer kernel (the default); True: the TMA kernel for the forward and the
+    """gmm_tma False: the pointer kernel; True (the default): the TMA kernel for the forward and the
     data gradient; True on fp32 (not a TMA input): the pointer kernel, silently and correctly;
     'require' on fp32, or a value other than False / True / 'require': a ValueError."""
-    assert kn.GPU_CONFIG["gmm_tma"] is False
+    assert kn.GPU_CONFIG["gmm_tma"] is True
     counts, x, w, g = _problem([20, 0, 12], 24, 16, True, torch.bfloat16)
     names = ["_gmm_kernel", "_gmm_tma_kernel"]
     for mode, dtype, want in [
