@@ -54,12 +54,16 @@ def slot_rows(order: torch.Tensor, dest: torch.Tensor, T: int, k: int) -> torch.
 
 def _check_rows(rows: torch.Tensor, T: int, what: str) -> None:
     if rows.dim() != 2 or rows.shape[0] != T or rows.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{what}: rows must be an integer [T={T}, k] tensor, got {rows.dtype} {tuple(rows.shape)}")
+        raise ValueError(
+            f"{what}: rows must be an integer [T={T}, k] tensor, got {rows.dtype} {tuple(rows.shape)}"
+        )
 
 
 def _check_float(name: str, t: torch.Tensor, dim: int) -> None:
     if t.dtype not in _DTYPES or t.dim() != dim:
-        raise ValueError(f"{name} must be a {dim}-D float32/float16/bfloat16 tensor, got {t.dtype} {tuple(t.shape)}")
+        raise ValueError(
+            f"{name} must be a {dim}-D float32/float16/bfloat16 tensor, got {t.dtype} {tuple(t.shape)}"
+        )
 
 
 # ------------------------------------------------------------------------------------- expand
@@ -180,7 +184,9 @@ class _Combine(torch.autograd.Function):
             if k == 0:
                 out.zero_()
             else:
-                _combine_kernel[(T,)](y, rows, w, out, d, y.stride(0), out.stride(0), K=k, BD=_block_d(d), **_opts())
+                _combine_kernel[(T,)](
+                    y, rows, w, out, d, y.stride(0), out.stride(0), K=k, BD=_block_d(d), **_opts()
+                )
         ctx.save_for_backward(y, rows, w)
         return out
 
