@@ -17,6 +17,13 @@ when it admits new sequences and when it takes new weights (the paper's comparis
 * ``conventional``: generate a round of ``G * B`` samples (``G = max_lag / B + 1``), wait until the
   trainer has taken ``G`` steps on them, swap, start the next round.
 
+One rule is the same in every mode and is ours, not the released code's (``abort_stale``, on by
+default): a sequence whose oldest token is more than ``max_lag`` samples behind the engine's weights
+is *doomed* (the trainer's version only grows, so ``take_batch`` would drop its group), and the
+actor stops decoding it and the rest of its group at once (:func:`abort_doomed`); the truncated
+samples go to the trainer, which drops the group on its usual stale path. Only pipeline mode ever
+triggers it: async and conventional engines change weights with every slot idle.
+
 Weights arrive through :class:`WeightReceiver`, a thread that joins the trainer's
 ``torch.distributed`` broadcasts and keeps the newest version in a host buffer (pinned on a GPU).
 The swap is one copy from that buffer into the engine's flat parameter buffer: on a GPU a single
@@ -51,6 +58,17 @@ class Sample:
     actor: int = 0
     t_start: float = 0.0
     t_end: float = 0.0
+    truncated: bool = False  # aborted as doomed (abort_doomed): never trained on, always dropped
+
+
+def doomed(oldest: int | None, engine_version: int, max_lag: int) -> bool:
+    """True when a sample whose oldest token has version ``oldest`` can no longer be trained on.
+
+    The trainer drops a group whose oldest token is more than ``max_lag`` behind ``trained``
+    (``take_batch``). An engine's version is weights the trainer has already made, so ``trained >=
+    engine_version`` now and forever after: once ``engine_version - oldest > max_lag`` the drop is
+    certain. ``oldest`` None: no completion token yet (its first will carry a current version)."""
+    return oldest is not None and engine_version - oldest > max_lag
 
 
 class Engine:
@@ -62,7 +80,9 @@ class Engine:
     step touches is allocated once and updated in place, so on a GPU the step can be captured as a
     CUDA graph (:meth:`capture`) and replayed with one launch. The model's parameters are made views
     of one flat buffer here, before any capture (:func:`model.flatten_parameters_`): new weights are
-    one copy into that buffer, the same storage the captured graph reads, so it runs them too."""
+    one copy into that buffer, the same storage the captured graph reads, so it runs them too.
+    :meth:`abort` stops sequences before they finish (doomed ones, :func:`abort_doomed`), judged by
+    the host-side :attr:`oldest` version per slot."""
 
     def __init__(
         self,
@@ -102,6 +122,13 @@ class Engine:
         self.free: list[int] = list(range(slots))
         self.version = 0
         self.graph = None
+        # Host-side copies of what the step writes on the device, so that the doomed check needs no
+        # device read: the step count, and per slot the step it was filled at and the version of its
+        # first completion token (its oldest: versions never decrease along a sequence).
+        self.n_steps = 0
+        self.added_at = [0] * slots
+        self.oldest: list[int | None] = [None] * slots
+        self._first_due: dict[int, list[tuple[int, int]]] = {}  # step -> (slot, sample index)
 
     @property
     def n_active(self) -> int:
@@ -133,6 +160,9 @@ class Engine:
             lens[k] = len(prompt)
             us[k] = sampling_uniforms(self.task, self.seed, i)
             self.meta[s] = (i, prompt, now)
+            self.added_at[s], self.oldest[s] = self.n_steps, None
+            # the prompt is fed one token per step: step n_steps + len(prompt) - 1 samples the first token
+            self._first_due.setdefault(self.n_steps + len(prompt) - 1, []).append((s, i))
         idx = torch.tensor(slots, device=self.device)
         self.buf[idx] = rows.to(self.device)
         self.prompt_len[idx] = lens.to(self.device)
@@ -201,10 +231,14 @@ class Engine:
     @torch.no_grad()
     def step(self) -> list[Sample]:
         """Decode one token in every busy slot; return the samples that finished (EOS or length)."""
+        for s, i in self._first_due.pop(self.n_steps, ()):
+            if self.meta[s] is not None and self.meta[s][0] == i:  # not aborted meanwhile
+                self.oldest[s] = self.version
         if self.graph is not None:
             self.graph.replay()
         else:
             self._compute()
+        self.n_steps += 1
         done = self._done.nonzero().flatten()
         if done.numel() == 0:
             return []
@@ -239,6 +273,45 @@ class Engine:
             self.meta[s] = None
             self.free.append(s)
         return finished
+
+    def active_slots(self) -> list[int]:
+        return [s for s in range(self.slots) if self.meta[s] is not None]
+
+    def generated(self, slot: int) -> int:
+        """Completion tokens slot ``slot`` has sampled so far (0 while its prompt is being fed)."""
+        prompt = self.meta[slot][1]
+        return min(max(0, self.n_steps - self.added_at[slot] - (len(prompt) - 1)), self.task.max_new_tokens)
+
+    @torch.no_grad()
+    def abort(self, slots: list[int]) -> list[Sample]:
+        """Stop the sequences in ``slots`` and free the slots; return them as truncated samples.
+
+        Each keeps the tokens, log-probs and versions sampled so far (possibly none) and is marked
+        ``truncated`` with reward 0: it exists only so that the trainer sees its group complete and
+        drops it (see :func:`abort_doomed`)."""
+        if not slots:
+            return []
+        if any(self.meta[s] is None for s in slots):
+            raise RuntimeError(f"Engine.abort: slots {[s for s in slots if self.meta[s] is None]} are idle")
+        idx = torch.tensor(slots, device=self.device)
+        toks, lps, vers = self.buf[idx].cpu(), self.logp[idx].cpu(), self.vers[idx].cpu()
+        self.active[idx] = False
+        self.pos[idx] = 0
+        now = time.perf_counter()
+        out = []
+        for k, s in enumerate(slots):
+            index, prompt, t0 = self.meta[s]
+            n, p0 = self.generated(s), len(prompt)
+            out.append(
+                Sample(
+                    index=index, prompt=prompt, tokens=toks[k, p0 : p0 + n].tolist(), logprobs=lps[k, :n].tolist(),
+                    versions=vers[k, :n].tolist(), reward=0.0, actor=self.actor_id, t_start=t0, t_end=now,
+                    truncated=True,
+                )
+            )  # fmt: skip
+            self.meta[s], self.oldest[s] = None, None
+            self.free.append(s)
+        return out
 
 
 def broadcast_options(root: int = 0) -> dist.BroadcastOptions:
@@ -345,10 +418,13 @@ class Shared:
     mode: str
     batch_size: int
     max_lag: int
+    abort_stale: bool = True  # stop decoding doomed groups (abort_doomed); False: the released code's rule
     lock: threading.Lock = field(default_factory=threading.Lock)
     started: int = 0  # samples admitted by all actors so far (the next sample index)
     consumed: int = 0  # samples the trainer has taken off the queue (trained on or dropped)
     dropped: int = 0  # of which dropped as too stale
+    aborted: int = 0  # samples handed over truncated as doomed (the trainer drops every one of them)
+    doomed: set = field(default_factory=set)  # groups (index // attempts) known to be doomed
     stop: threading.Event = field(default_factory=threading.Event)
     finished: list = field(default_factory=list)  # Samples waiting for the trainer
     cond: threading.Condition | None = None
@@ -379,7 +455,45 @@ class Shared:
         if samples:
             with self.cond:
                 self.finished.extend(samples)
+                self.aborted += sum(s.truncated for s in samples)
                 self.cond.notify_all()
+
+
+def abort_doomed(shared: Shared, engine: Engine) -> list[Sample]:
+    """Stop what ``engine`` decodes for doomed groups; return the truncated samples.
+
+    A group is doomed once one member holds a token with :func:`doomed` true against the engine's
+    version. Every member the engine is decoding then stops (:meth:`Engine.abort`): the doomed ones,
+    the rest of their group, and members of groups other engines found doomed (``shared.doomed``).
+    Handed to the trainer, they complete the group on the queue, whatever members had already
+    finished, and ``take_batch`` drops it as stale (the engine's version is at most the trainer's),
+    crediting the admission window. Host-side only (the engine's per-slot oldest versions): no
+    device read unless something is aborted."""
+    A = engine.attempts
+    mine = engine.active_slots()
+    new = {engine.meta[s][0] // A for s in mine if doomed(engine.oldest[s], engine.version, shared.max_lag)}
+    with shared.lock:
+        shared.doomed |= new
+        stop = [s for s in mine if engine.meta[s][0] // A in shared.doomed]
+    return engine.abort(stop)
+
+
+def skip_doomed(shared: Shared, engine: Engine, admitted: list[int]) -> tuple[list[int], list[Sample]]:
+    """Split just-admitted sample indices into those to start and empty truncated samples for the
+    members of already doomed groups (a group admitted in two parts), which need no decoding."""
+    A = engine.attempts
+    with shared.lock:
+        skip = {i for i in admitted if i // A in shared.doomed}
+    if not skip:
+        return admitted, []
+    now = time.perf_counter()
+    out = [
+        Sample(
+            i, make_prompt(engine.task, engine.seed, i // A), [], [], [], 0.0, engine.actor_id, now, now, True
+        )
+        for i in sorted(skip)
+    ]
+    return [i for i in admitted if i not in skip], out
 
 
 def actor_loop(
@@ -393,7 +507,8 @@ def actor_loop(
     """Run one actor until ``shared.stop``; appends timings to ``log['steps']`` and ``log['swaps']``.
 
     ``log['steps']``: ``(t, seconds, busy slots)`` per engine step; ``log['swaps']``: ``(t, version,
-    seconds)`` per weight load. Times are ``perf_counter`` seconds."""
+    seconds)`` per weight load; ``log['aborts']``: ``(t, version, samples)`` per :func:`abort_doomed`
+    that stopped anything. Times are ``perf_counter`` seconds."""
     try:
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with ctx:
@@ -420,16 +535,24 @@ def _actor_loop(shared: Shared, engine: Engine, receiver: WeightReceiver, log: d
     receiver.received.wait()  # the trainer's version-0 weights
     _swap(engine, receiver, log)
     mode = shared.mode
+    seen_doomed = 0  # len(shared.doomed) at this engine's last check
     while not shared.stop.is_set():
         idle = engine.n_active == 0
+        swapped = False
         if mode == "pipeline":
-            _swap(engine, receiver, log)  # mid-sequence, KV cache kept
+            swapped = _swap(engine, receiver, log)  # mid-sequence, KV cache kept
         elif idle:
             # async: between sequences. conventional: the trainer broadcasts only at the end of a
             # round, so newer weights are the next round's. (Not "trained on every sample started
             # so far": with several actors, the first to start the new round would lock the others
             # out of it.)
-            _swap(engine, receiver, log)
+            swapped = _swap(engine, receiver, log)
+        aborted: list[Sample] = []
+        # Only a new version can doom a slot (new tokens carry the current one), and otherwise only
+        # another engine's find can doom a group decoding here: check on those events, not every step.
+        if shared.abort_stale and (swapped or len(shared.doomed) != seen_doomed):
+            seen_doomed = len(shared.doomed)  # read first: a find racing with this check is seen next time
+            aborted = abort_doomed(shared, engine)
         draining = mode == "async" and receiver.newest_version() > engine.version
         admitted = []
         while not draining and len(admitted) < len(engine.free):
@@ -437,6 +560,12 @@ def _actor_loop(shared: Shared, engine: Engine, receiver: WeightReceiver, log: d
             if index is None:
                 break
             admitted.append(index)
+        if shared.abort_stale and shared.doomed and admitted:
+            admitted, skipped = skip_doomed(shared, engine, admitted)
+            aborted += skipped
+        if aborted:
+            log["aborts"].append((time.perf_counter(), engine.version, len(aborted)))
+            shared.put(aborted)
         engine.add_many(admitted)
         if engine.n_active == 0:
             time.sleep(0.0005)  # nothing admitted: wait for the trainer

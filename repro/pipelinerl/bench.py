@@ -1,6 +1,7 @@
 """Benchmark: the three modes as real runs on one device, then the simulator's sweep.
 
-``python -m repro.pipelinerl.bench --out DIR --budget-s N [--quick] [--task sort-long] [--seeds N]``
+``python -m repro.pipelinerl.bench --out DIR --budget-s N [--quick] [--task sort-long] [--seeds N]
+[--no-abort-stale]``
 
 1. Pre-train the policy once on noisy demonstrations (every mode starts from the same weights).
 2. Correctness before timing, through ``paperclub.bench.measure``: the engine step is timed (CUDA
@@ -17,6 +18,9 @@
    three runs for seeds ``0..N-1`` (sampling streams; the pre-trained weights are shared), the
    mode order rotated by one per seed so that no mode always runs first; the notes give the
    pipeline / conventional and async / conventional samples/s ratio per seed, their mean and min.
+   Every mode runs with the actors' early abort of doomed groups (``Config.abort_stale``, our
+   addition) unless ``--no-abort-stale``; run rows count ``dropped`` samples and, of those,
+   ``aborted`` ones (stopped before they finished).
 4. The simulator, its time model fitted to the conventional run (engine step time against busy
    slots, train step, broadcast, swap) and the runs' sequence lengths: one row at the real
    configuration (simulated against measured), then a sweep over actor counts (one engine per
@@ -52,7 +56,7 @@ from repro.pipelinerl.task import TASKS, TaskConfig, make_prompt, sampling_unifo
 COLUMNS = [
     "kind", "mode", "seed", "impl", "actors", "slots", "max_lag", "time_s", "samples", "reward",
     "reward_eq_samples", "samples_per_s", "tokens_per_s", "lag_mean", "lag_max", "ess",
-    "engine_busy", "slot_utilisation", "dropped", "ms_per_step", "trainer_wait_ms", "trainer_train_ms",
+    "engine_busy", "slot_utilisation", "dropped", "aborted", "ms_per_step", "trainer_wait_ms", "trainer_train_ms",
     "trainer_bcast_ms", "trainer_wait_share", "trainer_train_share", "trainer_bcast_share", "swap_s",
     "swap_share", "ms", "ms_min", "ms_max", "check",
 ]  # fmt: skip
@@ -241,7 +245,7 @@ def real_runs(
             cfg = Config(
                 mode=mode, max_lag=s["max_lag"], batch_size=s["batch_size"], attempts=s["attempts"],
                 slots=s["slots"], steps=steps, lr=s["lr"], task=s["task"], model=s["model"], device=s["device"],
-                init_weights=weights, time_budget_s=per_mode, seed=seed,
+                init_weights=weights, time_budget_s=per_mode, seed=seed, abort_stale=s.get("abort_stale", True),
             )  # fmt: skip
             try:
                 res = run(cfg)
@@ -270,7 +274,8 @@ def real_runs(
                 slots=cfg.slots, max_lag=cfg.max_lag, time_s=sm["seconds"], samples=sm["samples"],
                 reward=mean(tail), samples_per_s=sm["samples_per_s"], tokens_per_s=sm["tokens_per_s"],
                 lag_mean=sm["lag_mean"], lag_max=sm["lag_max"], ess=sm["ess_mean"], engine_busy=sm["engine_busy"],
-                slot_utilisation=sm["slot_utilisation"], dropped=sm["dropped"], check=verdict, **tc,
+                slot_utilisation=sm["slot_utilisation"], dropped=sm["dropped"], aborted=sm["aborted"], check=verdict,
+                **tc,
             )  # fmt: skip
             stride = max(1, len(res.steps) // 60)  # at most about 60 points per curve
             width = max(stride, len(res.steps) // 15)  # trailing mean over about a fifteenth of the run
@@ -291,7 +296,7 @@ def real_runs(
             )
             print(
                 f"{mode}{f' (seed {seed})' if seeds > 1 else ''}: {sm['samples']} samples in {sm['seconds']:.1f} s, "
-                f"{sm['samples_per_s']:.1f} samples/s{shares}"
+                f"{sm['samples_per_s']:.1f} samples/s, dropped {sm['dropped']} (aborted {sm['aborted']}){shares}"
             )
         # reward at equal samples: each mode's mean reward over the same window of this seed's samples
         if results[seed]:
@@ -359,6 +364,11 @@ def main(argv: list[str] | None = None) -> None:
         help="real runs for seeds 0..N-1 (mode order rotated per seed), the budget shared among them; "
         "the notes give the samples/s ratios per seed, their mean and min (default 1)",
     )  # fmt: skip
+    ap.add_argument(
+        "--abort-stale", action=argparse.BooleanOptionalAction, default=True,
+        help="stop decoding a group once a token is more than max_lag behind the actor's weights (default on, "
+        "every mode); --no-abort-stale: the released code's behaviour, results file tagged noabort",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     if args.seeds < 1:
         raise SystemExit(f"--seeds must be >= 1, got {args.seeds}")
@@ -376,6 +386,7 @@ def main(argv: list[str] | None = None) -> None:
     default_lag = s["max_lag"]
     if args.max_lag is not None:
         s["max_lag"] = args.max_lag
+    s["abort_stale"] = args.abort_stale
     report = Report(
         package="pipelinerl",
         title="PipelineRL: conventional, async and pipeline RL on one device, and the simulator",
@@ -408,7 +419,8 @@ def main(argv: list[str] | None = None) -> None:
     # 4. simulator, fitted to the conventional run (of the first seed)
     notes = [
         f"device settings: {s['model']}, {s['task']}, slots {s['slots']}, B {s['batch_size']} samples "
-        f"(groups of {s['attempts']}), max_lag {s['max_lag']} samples for every mode, lr {s['lr']}, "
+        f"(groups of {s['attempts']}), max_lag {s['max_lag']} samples for every mode, "
+        f"early abort of doomed groups {'on' if s['abort_stale'] else 'off'}, lr {s['lr']}, "
         f"truncation cap 1.2; pre-training {pre['steps']} steps ({pre['seconds']:.1f} s, loss {pre['loss']:.3f}); "
         f"{per_mode:.0f} s of wall-clock per mode"
         + (
@@ -428,7 +440,7 @@ def main(argv: list[str] | None = None) -> None:
             B, L = s["batch_size"], s["max_lag"]
             for mode in MODES:  # the real configuration, simulated
                 sim = simulate(SimConfig(mode=mode, max_lag=L, batch_size=B, attempts=s["attempts"], slots=s["slots"],
-                                         steps=60, time=tm, lengths=lengths))  # fmt: skip
+                                         steps=60, time=tm, lengths=lengths, abort_stale=s["abort_stale"]))  # fmt: skip
                 report.add(kind="sim", mode=mode, impl="as-run", actors=1, slots=s["slots"], max_lag=L,
                            **_sim_cols(sim.summary))  # fmt: skip
             actors = [1, 2, 4, 8] if args.quick else [1, 2, 4, 8, 16]
@@ -441,7 +453,8 @@ def main(argv: list[str] | None = None) -> None:
                     break
                 for mode in MODES:
                     sim = simulate(SimConfig(mode=mode, max_lag=lag, batch_size=B, attempts=s["attempts"],
-                                             actors=a, slots=s["slots"], steps=40, time=tm, lengths=lengths))  # fmt: skip
+                                             actors=a, slots=s["slots"], steps=40, time=tm, lengths=lengths,
+                                             abort_stale=s["abort_stale"]))  # fmt: skip
                     report.add(kind="sim", mode=mode, impl="sweep", actors=a, slots=s["slots"], max_lag=lag,
                                **_sim_cols(sim.summary))  # fmt: skip
         except Exception as exc:  # the runs' rows are written whatever happens to the simulator
@@ -470,6 +483,7 @@ def main(argv: list[str] | None = None) -> None:
     tags = [
         *([] if args.task == "sort" else [args.task]),
         *([] if s["max_lag"] == default_lag else [f"lag{s['max_lag']}"]),
+        *([] if s["abort_stale"] else ["noabort"]),
     ]
     report.write(tag="-".join(tags), out_dir=Path(args.out) if args.out else None)
 
@@ -478,7 +492,7 @@ def _sim_cols(sm: dict) -> dict:
     return {
         "time_s": sm["seconds"], "samples": sm["samples"], "samples_per_s": sm["samples_per_s"],
         "lag_mean": sm["lag_mean"], "lag_max": sm["lag_max"], "engine_busy": sm["engine_busy"],
-        "slot_utilisation": sm["slot_utilisation"],
+        "slot_utilisation": sm["slot_utilisation"], "dropped": sm["dropped"], "aborted": sm["aborted"],
     }  # fmt: skip
 
 

@@ -53,7 +53,10 @@ class Config:
     ``batch_size`` B samples per optimizer step, in groups of ``attempts`` samples per prompt;
     ``max_lag``: the oldest token the trainer may use is ``max_lag`` samples behind its weights
     (conventional mode: rounds of ``G = max_lag / B + 1`` steps); ``slots``: sequences each actor
-    decodes at once; ``is_cap``: the importance-weight truncation ``c``."""
+    decodes at once; ``is_cap``: the importance-weight truncation ``c``; ``abort_stale``: stop
+    decoding a group as soon as one of its tokens is more than ``max_lag`` behind the actor's
+    weights (``actor.abort_doomed``; ours, not the released code's; False: decode it to the end and
+    let the trainer drop it, the released code's behaviour)."""
 
     mode: str = "pipeline"
     max_lag: int = 8
@@ -73,6 +76,7 @@ class Config:
     pretrain_noise: float = 0.1
     time_budget_s: float | None = None
     cuda_graph: bool = True
+    abort_stale: bool = True
     progress: bool = False
     init_weights: torch.Tensor | None = field(default=None, repr=False)
 
@@ -96,6 +100,8 @@ class Config:
                 f"Config.max_lag ({self.max_lag}) must be a multiple of batch_size ({self.batch_size}) in "
                 "conventional mode: a round of G steps has lag up to (G - 1) * batch_size"
             )
+        if not isinstance(self.abort_stale, bool):
+            raise ValueError(f"Config.abort_stale must be True or False, got {self.abort_stale!r}")
         if not self.is_cap > 0:
             raise ValueError(f"Config.is_cap must be > 0, got {self.is_cap}")
         if self.task.max_seq_len > self.model.max_len:
@@ -117,6 +123,8 @@ class RunResult:
     actor_steps: list[list[tuple[float, float, int]]]  # per actor: (t, seconds, busy slots)
     swaps: list[list[tuple[float, int, float]]]  # per actor: (t, version, seconds)
     summary: dict
+    # per actor: (t, version, samples) per early abort of doomed groups (actor.abort_doomed)
+    aborts: list[list[tuple[float, int, int]]] = field(default_factory=list)
 
     def to_json(self) -> dict:
         """Curves and summary (not the per-sample logs): what ``train.py`` writes."""
@@ -177,7 +185,9 @@ def run(config: Config) -> RunResult:
     cuda = device.type == "cuda"
     model = initial_model(config)
     opt = torch.optim.Adam(model.parameters(), lr=config.lr, fused=cuda)  # one kernel per step on a GPU
-    shared = Shared(mode=config.mode, batch_size=config.batch_size, max_lag=config.max_lag)
+    shared = Shared(
+        mode=config.mode, batch_size=config.batch_size, max_lag=config.max_lag, abort_stale=config.abort_stale
+    )
     numel = sum(p.numel() for p in model.parameters())
     pgs = make_groups(config.actors + 1)
     receivers = [WeightReceiver(pgs[a + 1], numel, pin=cuda).start() for a in range(config.actors)]
@@ -194,7 +204,7 @@ def run(config: Config) -> RunResult:
         )  # fmt: skip
         for a in range(config.actors)
     ]
-    logs = [{"steps": [], "swaps": []} for _ in range(config.actors)]
+    logs = [{"steps": [], "swaps": [], "aborts": []} for _ in range(config.actors)]
     graphs, graph_error = False, ""
     if cuda and config.cuda_graph:  # one launch per engine step instead of ~100 (see Engine.capture)
         try:
@@ -223,6 +233,7 @@ def run(config: Config) -> RunResult:
     used: list[dict] = []
     trained = 0
     dropped_total = 0
+    aborted_total = 0  # of the dropped, samples the actors had aborted (truncated)
     gen_tokens = 0
     stream = torch.cuda.Stream(device) if cuda else None
     try:
@@ -238,6 +249,7 @@ def run(config: Config) -> RunResult:
                             raise RuntimeError(f"an actor failed: {shared.error!r}") from shared.error
                         batch, dropped = take_batch(shared, config.attempts, trained, config.batch_size)
                         dropped_total += len(dropped)
+                        aborted_total += sum(s.truncated for s in dropped)
                         if batch is not None:
                             break
                         shared.cond.wait(timeout=0.05)
@@ -269,7 +281,7 @@ def run(config: Config) -> RunResult:
                 steps.append(
                     {
                         "step": k + 1, "time_s": now, "samples": trained, "started": started,
-                        "dropped": dropped_total, "samples_per_s": trained / now, **stats,
+                        "dropped": dropped_total, "aborted": aborted_total, "samples_per_s": trained / now, **stats,
                         "lag_max": max(lags), "lag_mean": sum(lags) / len(lags),
                         "wait_s": wait_s, "train_s": train_s, "broadcast_s": bcast_s,
                     }
@@ -286,7 +298,7 @@ def run(config: Config) -> RunResult:
     if config.progress:
         print()
     elapsed = time.perf_counter() - t0
-    summary = _summary(config, steps, used, logs, elapsed, dropped_total, gen_tokens)
+    summary = _summary(config, steps, used, logs, elapsed, dropped_total, aborted_total, gen_tokens)
     summary["cuda_graph"] = graphs
     if graph_error:
         summary["cuda_graph_error"] = graph_error
@@ -297,6 +309,7 @@ def run(config: Config) -> RunResult:
         actor_steps=[lg["steps"] for lg in logs],
         swaps=[lg["swaps"] for lg in logs],
         summary=summary,
+        aborts=[lg["aborts"] for lg in logs],
     )
 
 
@@ -310,7 +323,7 @@ def _progress(config: Config, row: dict) -> None:
     )
 
 
-def _summary(config, steps, used, logs, elapsed, dropped, gen_tokens) -> dict:
+def _summary(config, steps, used, logs, elapsed, dropped, aborted, gen_tokens) -> dict:
     versions = [v for u in used for v in u["versions"]]
     lags = [u["used_at"] - v for u in used for v in u["versions"]]
     busy_s = sum(dt for lg in logs for _, dt, _ in lg["steps"])
@@ -321,6 +334,7 @@ def _summary(config, steps, used, logs, elapsed, dropped, gen_tokens) -> dict:
         "steps": len(steps),
         "samples": len(used),
         "dropped": dropped,
+        "aborted": aborted,  # of the dropped: stopped early by the actors (abort_stale)
         "seconds": span,
         "samples_per_s": len(used) / span if steps else 0.0,
         "tokens_per_s": gen_tokens / span if steps else 0.0,

@@ -9,6 +9,12 @@ lengths, e.g. those a real run produced. :func:`fit_time_model` fits these const
 run's logs. Actors and trainer sit on disjoint devices, as in piche2025pipelinerl: the question
 the simulator answers is the paper's throughput comparison: samples per second and lag for given actor
 counts and lags, beyond what one GPU can run.
+
+``abort_stale`` (on by default, as in :class:`~repro.pipelinerl.pipeline.Config`) applies the real
+actor's early abort with the same rule (``actor.doomed``) at the same points of the actor's loop:
+after a weight swap, or when another engine found a group doomed, every sequence of a doomed group
+stops and goes to the trainer truncated; members of a doomed group admitted later are handed over
+empty. Off, the simulation is event for event what it was before the option existed.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import random
 import statistics
 from dataclasses import dataclass, field
 
-from repro.pipelinerl.actor import Sample, Shared
+from repro.pipelinerl.actor import Sample, Shared, doomed
 from repro.pipelinerl.trainer import take_batch
 
 
@@ -54,12 +60,15 @@ class SimConfig:
     time: TimeModel = field(default_factory=TimeModel)
     lengths: list[tuple[int, int]] = field(default_factory=lambda: [(3, 2), (4, 4), (6, 8), (8, 16)])
     seed: int = 0
+    abort_stale: bool = True  # the actors' early abort of doomed groups (see the module docstring)
 
     def validate(self) -> None:
         from repro.pipelinerl.pipeline import MODES
 
         if self.mode not in MODES:
             raise ValueError(f"SimConfig.mode must be one of {MODES}, got '{self.mode}'")
+        if not isinstance(self.abort_stale, bool):
+            raise ValueError(f"SimConfig.abort_stale must be True or False, got {self.abort_stale!r}")
         for name in ("batch_size", "attempts", "actors", "slots", "steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SimConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -84,7 +93,7 @@ class SimResult:
     trainer: list[tuple[float, float]]  # (start, end) of each optimizer step incl. broadcast
     actor_steps: list[list[tuple[float, float, int, int]]]  # per actor: (start, end, busy, version)
     summary: dict
-    sequences: list[dict] = field(default_factory=list)  # every finished sample, for timelines
+    sequences: list[dict] = field(default_factory=list)  # every finished or aborted sample, for timelines
 
 
 @dataclass
@@ -103,7 +112,9 @@ def simulate(cfg: SimConfig) -> SimResult:
     cfg.validate()
     tm = cfg.time
     rng = random.Random(cfg.seed)
-    shared = Shared(mode=cfg.mode, batch_size=cfg.batch_size, max_lag=cfg.max_lag)
+    shared = Shared(
+        mode=cfg.mode, batch_size=cfg.batch_size, max_lag=cfg.max_lag, abort_stale=cfg.abort_stale
+    )
     round_size = shared.rounds * cfg.batch_size  # conventional: samples per round, G B
     group_len: dict[int, tuple[int, int]] = {}  # samples of one prompt share its length
 
@@ -122,6 +133,9 @@ def simulate(cfg: SimConfig) -> SimResult:
     trained = 0
     trainer_busy = False
     dropped = 0
+    aborted = 0  # of the dropped, samples the actors aborted (truncated)
+    seen_doomed = [0] * cfg.actors  # len(shared.doomed) at each engine's last check
+    A = cfg.attempts
     events: list[tuple[float, int, str, int]] = []  # (time, tie-break, kind, actor)
     counter = 0
     used: list[dict] = []
@@ -132,6 +146,21 @@ def simulate(cfg: SimConfig) -> SimResult:
         nonlocal counter
         counter += 1
         heapq.heappush(events, (t, counter, kind, a))
+
+    def abort_doomed(a: int, t: float) -> list[Sample]:
+        """``actor.abort_doomed`` on engine ``a``: stop every sequence of a doomed group."""
+        for s in active[a]:  # versions[0]: the oldest token (versions never decrease along a sequence)
+            if doomed(s.versions[0] if s.versions else None, version[a], cfg.max_lag):
+                shared.doomed.add(s.index // A)
+        stop = [s for s in active[a] if s.index // A in shared.doomed]
+        active[a] = [s for s in active[a] if s.index // A not in shared.doomed]
+        for s in stop:
+            free[a].append(s.slot)
+            sequences.append(
+                {"index": s.index, "actor": a, "slot": s.slot, "t_start": s.t_start, "t_end": t,
+                 "times": s.times, "versions": s.versions, "aborted": True}
+            )  # fmt: skip
+        return [Sample(s.index, [], [], [], s.versions, 0.0, a, s.t_start, t, truncated=True) for s in stop]
 
     def actor_tick(a: int, t: float) -> None:
         if stepping[a]:
@@ -144,13 +173,26 @@ def simulate(cfg: SimConfig) -> SimResult:
             swap = latest // round_size * round_size > version[a]
         if swap:
             version[a] = latest if cfg.mode != "conventional" else latest // round_size * round_size
+        handed: list[Sample] = []  # the real actor's abort_doomed, then skip_doomed
+        if cfg.abort_stale and (swap or len(shared.doomed) != seen_doomed[a]):
+            seen_doomed[a] = len(shared.doomed)
+            handed = abort_doomed(a, t)
         draining = cfg.mode == "async" and latest > version[a]
-        while not draining and len(active[a]) < cfg.slots:
+        admitted = []
+        while not draining and len(admitted) < cfg.slots - len(active[a]):
             index = shared.try_admit(version[a])
             if index is None:
                 break
+            admitted.append(index)
+        for index in admitted:
+            if cfg.abort_stale and index // A in shared.doomed:  # a doomed group admitted in two parts
+                handed.append(Sample(index, [], [], [], [], 0.0, a, t, t, truncated=True))
+                continue
             p, n = lengths_of(index)
             active[a].append(_Seq(index, p - 1, n, t_start=t, slot=free[a].pop(0)))
+        if handed:
+            shared.finished.extend(handed)
+            push(t, "wake")  # the real trainer is woken by the queue: it may drop the group now
         if not active[a]:
             return  # woken by the trainer
         dt = tm.step_s + tm.step_s_per_seq * len(active[a]) + (tm.swap_s if swap else 0.0)
@@ -173,7 +215,7 @@ def simulate(cfg: SimConfig) -> SimResult:
                 free[a].append(s.slot)
                 sequences.append(
                     {"index": s.index, "actor": a, "slot": s.slot, "t_start": s.t_start, "t_end": t,
-                     "times": s.times, "versions": s.versions}
+                     "times": s.times, "versions": s.versions, "aborted": False}
                 )  # fmt: skip
             else:
                 still.append(s)
@@ -182,11 +224,12 @@ def simulate(cfg: SimConfig) -> SimResult:
         actor_tick(a, t)
 
     def trainer_try(t: float) -> None:
-        nonlocal trainer_busy, dropped
+        nonlocal trainer_busy, dropped, aborted
         if trainer_busy or len(trainer_log) >= cfg.steps:
             return
         batch, stale = take_batch(shared, cfg.attempts, trained, cfg.batch_size)
         dropped += len(stale)
+        aborted += sum(s.truncated for s in stale)
         for a in range(cfg.actors):  # consumed (or dropped) samples may open the admission window
             actor_tick(a, t)
         if batch is None:
@@ -221,10 +264,13 @@ def simulate(cfg: SimConfig) -> SimResult:
         t, _, kind, a = heapq.heappop(events)
         if kind == "actor":
             actor_step_end(a, t)
+        elif kind == "wake":
+            trainer_try(t)
         else:
             trainer_done(t)
     summary = _summary(cfg, used, trainer_log, actor_log)
     summary["dropped"] = dropped
+    summary["aborted"] = aborted
     summary["dropped_fraction"] = dropped / (dropped + len(used))
     return SimResult(cfg, used, trainer_log, actor_log, summary, sequences)
 
@@ -389,11 +435,13 @@ def study(
     slots: int = 128,
     steps: int = 60,
     seed: int = 0,
+    abort_stale: bool = True,
 ) -> list[dict]:
     """Pipeline against conventional at equal ``max_lag`` over length distributions, lags, actors.
 
     One row per (lengths, max_lag, actors): both modes' samples/s and trained tokens/s, their
-    ratios, pipeline's dropped fraction and mean lag, and the generation-to-training cost ratio."""
+    ratios, pipeline's dropped fraction (and aborted samples) and mean lag, and the
+    generation-to-training cost ratio."""
     rows = []
     for name, lens in lengths.items():
         for lag in lags:
@@ -402,7 +450,7 @@ def study(
                 n_steps = max(G, steps // G * G)  # whole conventional rounds
                 cfg = SimConfig(
                     mode="pipeline", max_lag=lag, batch_size=batch_size, attempts=attempts, actors=a, slots=slots,
-                    steps=n_steps, time=time, lengths=lens, seed=seed,
+                    steps=n_steps, time=time, lengths=lens, seed=seed, abort_stale=abort_stale,
                 )  # fmt: skip
                 pipe = simulate(cfg).summary
                 conv = simulate(SimConfig(**{**cfg.__dict__, "mode": "conventional"})).summary
@@ -414,7 +462,8 @@ def study(
                         "conv_samples_per_s": conv["samples_per_s"], "pipe_samples_per_s": pipe["samples_per_s"],
                         "ratio": pipe["samples_per_s"] / conv["samples_per_s"],
                         "token_ratio": pipe["tokens_per_s"] / conv["tokens_per_s"],
-                        "pipe_dropped": pipe["dropped_fraction"], "pipe_lag_mean": pipe["lag_mean"],
+                        "pipe_dropped": pipe["dropped_fraction"], "pipe_aborted": pipe["aborted"],
+                        "pipe_lag_mean": pipe["lag_mean"],
                         "conv_lag_mean": conv["lag_mean"],
                     }
                 )  # fmt: skip
@@ -429,6 +478,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--actors", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--train-scale", type=float, default=1.0, help="multiply train_s and broadcast_s")
     ap.add_argument("--tasks", nargs="*", default=["sort", "sort-long"], help="real task presets to include")
+    ap.add_argument(
+        "--abort-stale", action=argparse.BooleanOptionalAction, default=True,
+        help="the actors' early abort of doomed groups (default on)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     from repro.pipelinerl.task import TASKS
 
@@ -445,8 +498,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for name, lens in lengths.items():  # row by row, as they come
         for r in study(
-            {name: lens}, time=tm, lags=tuple(args.lags), actors=tuple(args.actors), steps=args.steps
-        ):
+            {name: lens}, time=tm, lags=tuple(args.lags), actors=tuple(args.actors), steps=args.steps,
+            abort_stale=args.abort_stale,
+        ):  # fmt: skip
             rows.append(r)
             print(
                 f"| {r['lengths']} | {r['steps_per_sample']:.1f} | {r['gen_train']:.2f} | {r['max_lag']} "

@@ -2,7 +2,7 @@
 
 Prints a progress line per optimizer step and writes ``--out`` (default
 ``pipelinerl-<mode>.json``): the config, a summary (samples/s, tokens/s, reward, ESS, lag, engine
-utilisation) and per-step curves (reward, samples/s, lag max/mean, ESS, truncated fraction, wait
+utilisation, dropped and aborted samples) and per-step curves (reward, samples/s, lag max/mean, ESS, truncated fraction, wait
 and train and broadcast seconds)."""
 
 from __future__ import annotations
@@ -44,6 +44,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pretrain-steps", type=int, default=200)
     p.add_argument("--pretrain-noise", type=float, default=0.1)
     p.add_argument("--time-budget-s", type=float, default=None)
+    p.add_argument(
+        "--abort-stale", action=argparse.BooleanOptionalAction, default=True,
+        help="stop decoding a group as soon as one of its tokens is more than --max-lag behind the actor's "
+        "weights (default on); --no-abort-stale decodes it to the end and lets the trainer drop it",
+    )  # fmt: skip
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads on CPU")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     p.add_argument("--out", default=None, help="JSON file (default pipelinerl-<mode>.json)")
@@ -63,7 +68,7 @@ def config_from(args: argparse.Namespace) -> Config:
         temperature=args.temperature, seed=args.seed, device=args.device, task=task,
         model=ModelConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads, max_len=task.max_seq_len),
         pretrain_steps=args.pretrain_steps, pretrain_noise=args.pretrain_noise,
-        time_budget_s=args.time_budget_s, progress=not args.quiet,
+        time_budget_s=args.time_budget_s, abort_stale=args.abort_stale, progress=not args.quiet,
     )  # fmt: skip
 
 

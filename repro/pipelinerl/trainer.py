@@ -4,7 +4,9 @@
 :func:`trainer_loop` is the thread around it: it takes whole groups (all ``attempts`` samples of a
 prompt) off the shared queue in the order they completed, drops any group with a token older than
 ``max_lag`` samples (so every token it trains on respects the bound), steps, and broadcasts the new
-weights to the actors through ``torch.distributed`` (rank 0 is the trainer).
+weights to the actors through ``torch.distributed`` (rank 0 is the trainer). Groups the actors
+aborted as doomed (``actor.abort_doomed``) arrive with truncated members and leave by the same
+stale-group path; a truncated sample is never trained on.
 
 Versions are counted in samples, as the released code counts them: the weights after ``k`` steps
 of ``B`` samples have version ``k * B``, and a token of version ``v`` used when the trainer has
@@ -143,15 +145,24 @@ def take_batch(
     A group is stale when one of its tokens has version below ``trained - max_lag``; stale groups
     leave the queue at once (they only get staler) and count as consumed, so the actors' admission
     window moves on. In conventional mode a round's ``G * B`` samples must all be there first.
-    Returns ``(batch or None when not enough fresh samples are ready, dropped)``."""
+    A group with a truncated (aborted) member must be stale: the actor aborted it only once its
+    oldest token was more than ``max_lag`` behind weights the trainer had made; AssertionError
+    otherwise. Returns ``(batch or None when not enough fresh samples are ready, dropped)``."""
     ready = _ready_groups(shared.finished, attempts)
     dropped: list[Sample] = []
     fresh: list[tuple[int, list[Sample]]] = []
     for key, group in ready.items():
-        oldest = min(min(s.versions) for s in group)
+        # truncated members may hold no token; the aborted group's doomed member holds the oldest
+        oldest = min((v for s in group for v in s.versions), default=trained)
         if trained - oldest > shared.max_lag:
             dropped.extend(group)
         else:
+            if any(s.truncated for s in group):  # explicit, not `assert`: must hold under python -O too
+                raise AssertionError(
+                    f"take_batch: group {key} holds truncated samples "
+                    f"{[s.index for s in group if s.truncated]} but is fresh (oldest token {oldest}, "
+                    f"trained {trained}, max_lag {shared.max_lag}): an aborted sample would be trained on"
+                )
             fresh.append((key, group))
     available = sum(len(g) for _, g in fresh)
     enough = available >= need

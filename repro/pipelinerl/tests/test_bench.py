@@ -64,6 +64,7 @@ def test_bench_real_runs_per_seed(pretrained):
     assert mode_order(1)[0] != mode_order(0)[0]
     for r in runs:
         assert r["check"] == "ok" and r["samples"] == 12 and r["reward_eq_samples"] is not None
+        assert 0 <= r["aborted"] <= r["dropped"]
         assert r["ms_per_step"] > 0 and r["trainer_train_ms"] > 0 and r["swap_s"] >= 0
         shares = [r[f"trainer_{k}_share"] for k in ("wait", "train", "bcast")]
         assert all(0 <= x <= 1 for x in shares) and sum(shares) <= 1 + 1e-9

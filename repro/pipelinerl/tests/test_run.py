@@ -94,6 +94,8 @@ def test_train_cli_writes_curves(tmp_path, pretrained):
         ({"mode": "conventional", "max_lag": 6}, r"multiple of batch_size \(4\) in conventional mode"),
         ({"is_cap": 0.0}, r"is_cap must be > 0"),
         ({"slots": 0}, r"Config.slots must be >= 1"),
+        ({"abort_stale": "yes"}, r"Config.abort_stale must be True or False, got 'yes'"),
+        ({"abort_stale": 1}, r"Config.abort_stale must be True or False, got 1"),
     ],
 )
 def test_bad_config(kw, match):

@@ -97,3 +97,5 @@ def test_sim_config_errors():
         TimeModel(train_s=-1.0)
     with pytest.raises(ValueError, match=r"lengths must be a non-empty list"):
         simulate(SimConfig(lengths=[]))
+    with pytest.raises(ValueError, match=r"SimConfig.abort_stale must be True or False, got None"):
+        simulate(SimConfig(abort_stale=None))
