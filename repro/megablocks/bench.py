@@ -75,12 +75,15 @@ ROUTINGS = ("balanced", "skewed")
 # instead of the fused kernels (what the fused ones save); the defaults before 16:05 (8 warps,
 # 3 stages, 128-wide grouped tiles). Since 16:32 UTC the TMA grouped GEMM is the default (its row
 # was the best grouped row at both shapes), so its row is now the pointer kernel's (gmm_tma False).
+# Last, the weight gradient's TMA kernel (gmm_wgrad_tma True, off by default until a GPU run has
+# tested and timed it; the wgrad was 10.6 ms of the grouped path's ~29 ms GEMM time at 8 experts).
 PREVIOUS_DEFAULT = {"num_warps": 8, "num_stages": 3, "gmm_n": 128}
 TUNING = [
     {},
     {"gmm_tma": False},
     {"fused_glue": False},
     PREVIOUS_DEFAULT,
+    {"gmm_wgrad_tma": True},
 ]
 # 8e-top2 first: an expert's weight (117 MB) exceeds the L2, where the launch order matters most
 TUNE_SHAPES = ("8e-top2", "64e-top8")

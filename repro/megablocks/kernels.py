@@ -15,7 +15,8 @@ Naming (§4.1, §5.1): the letters give output, left and right operand, S sparse
 Every dense operand is passed with its strides, so ``x.t()`` costs nothing. Accumulation is fp32.
 The grouped GEMM's forward / data-gradient kernel has a TMA variant for Hopper (``GPU_CONFIG["gmm_tma"]``,
 on by default where the inputs allow it: :func:`_gmm_tma_kernel`), loading through tensor descriptors
-instead of masked pointers.
+instead of masked pointers; its weight gradient has one too (``GPU_CONFIG["gmm_wgrad_tma"]``, off by
+default until run on a GPU: :func:`_gmm_wgrad_tma_kernel`).
 Launch order: every kernel takes a 1-D grid in grouped order (``GPU_CONFIG["group_m"]``, see
 :func:`_grouped_order`): ``group_m`` row tiles against all column tiles, so that a weight tile
 read from HBM serves ``group_m`` row tiles from L2; SDD remaps its block index the same way when
@@ -63,13 +64,16 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # of 2026-11-25 16:32 UTC: 33.0 / 16.2 ms against 35.8 / 17.0 for the pointer kernel at 8 / 64
 # experts) where the inputs allow it (see _gmm_tma_unsupported), the pointer kernel otherwise (same
 # values; fp32 always); "require" raises a ValueError naming the reason instead of falling back.
+# gmm_wgrad_tma: the same three values for the weight gradient's kernel (_gmm_wgrad_tma_kernel against
+# _gmm_wgrad_kernel; see _gmm_wgrad_tma_unsupported). False by default: tested in the CPU interpreter
+# and compiled offline for sm_90a only, not yet run on a GPU.
 # fused_glue: the layer's gather into expert order, its SwiGLU and its weighted scatter back as the
 # fused kernels of repro/megablocks/glue.py (True) or as PyTorch indexing and elementwise ops (False,
 # the earlier path; the torch._grouped_mm row of the bench keeps those). In the interpreter too.
 GPU_CONFIG = {
     "k_step": 64, "dense_n": 128, "num_warps": 4, "num_stages": 4, "group_m": 8,
     "gmm_m": 128, "gmm_n": 256, "gmm_warps": 8, "gmm_stages": 3, "gmm_tma": True,
-    "fused_glue": True,
+    "gmm_wgrad_tma": False, "fused_glue": True,
 }  # fmt: skip
 
 
@@ -518,6 +522,51 @@ def _gmm_wgrad_kernel(
     tl.store(d_ptrs, acc.to(DW.dtype.element_ty), mask=in_k[:, None] & in_n[None, :])
 
 
+# The weight gradient's TMA variant (GPU_CONFIG["gmm_wgrad_tma"]), host-side descriptors as above.
+# Its reduction runs over a group's rows [start, end) in steps of BM from start, so a box of BM rows
+# can reach past end into group g + 1's rows: real data, not zero-filled (TMA fills only past the
+# tensor's last row, M). The kernel zeroes those rows of X's tile in registers (tl.where against end)
+# and leaves G's tile as loaded. One operand suffices: every term of DW[g][k, n] = sum_m X[m, k] G[m, n]
+# has a factor from each operand in the same row m, so a zero row of X makes each term of a foreign
+# row 0 * G[m, n] = 0 (exactly, and the fp32 accumulator unchanged), for finite G; a non-finite value in
+# group g + 1's rows of G would give NaN here (0 * inf), where the pointer kernel, masking both, gives
+# none (the forward's W note above has the same caveat). X rather than G: X^T is the dot's left
+# operand, which wgmma takes from registers (ldmatrix from the TMA tile, then the select), whereas a
+# masked G, the right operand, is written back to shared memory for wgmma.
+# Offline for sm_90a (python -m repro.megablocks.tests.sm90_gmm; bf16, 8 warps, 3 stages, a [128, BN]
+# tile of DW, 64 rows per step), registers / spill bytes / shared memory, pointer vs TMA kernel:
+# BN 128: 106 / 0 / 96 KB vs 121 / 0 / 88 KB; BN 256: 173 / 0 / 144 KB vs 180 / 0 / 136 KB (masking G
+# instead: 95 / 0 / 96 KB and 187 / 0 / 144 KB). Not yet run on a GPU, hence off by default.
+@triton.jit
+def _gmm_wgrad_tma_kernel(
+    X, G, DW, starts, ends, K, N, num_kt, num_n, stride_dg, stride_dk, stride_dn,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """_gmm_wgrad_kernel with TMA loads: X a tensor descriptor of x [M, K] (block [BM, BK], read as
+    stored and transposed for the dot, as the forward's W_T), G one of g [M, N] (block [BM, BN]).
+    Zero fill covers columns past K and N and rows past M; rows past the group's end are zeroed in
+    X's tile (see above). TMA coordinates are int32; the store's offsets int64, as in the pointer kernel."""
+    pid = tl.program_id(0).to(tl.int64)
+    per_g = num_kt * num_n
+    g = pid // per_g
+    kt, n = _grouped_order(pid - g * per_g, num_kt, num_n, GROUP_M)
+    kt = kt.to(tl.int32)
+    n = n.to(tl.int32)
+    start = tl.load(starts + g)
+    end = tl.load(ends + g)
+    rm = tl.arange(0, BM)
+    acc = tl.zeros((BK, BN), dtype=tl.float32)
+    for m0 in range(start, end, BM):
+        x = X.load([m0, kt * BK])
+        x = tl.where(((m0 + rm) < end)[:, None], x, tl.zeros_like(x))
+        gg = G.load([m0, n * BN])
+        acc = tl.dot(x.T, gg, acc)
+    rk = kt.to(tl.int64) * BK + tl.arange(0, BK)
+    rn = n.to(tl.int64) * BN + tl.arange(0, BN)
+    d_ptrs = DW + g * stride_dg + rk[:, None] * stride_dk + rn[None, :] * stride_dn
+    tl.store(d_ptrs, acc.to(DW.dtype.element_ty), mask=(rk < K)[:, None] & (rn < N)[None, :])
+
+
 def _gmm_tiles(counts: torch.Tensor):
     """Tile schedule: tile_group, tile_row [tiles], starts/ends [G]; host sync only for the count."""
     BM = 16 if interpreting() else GPU_CONFIG["gmm_m"]
@@ -533,12 +582,8 @@ def _gmm_tiles(counts: torch.Tensor):
     return BM, tile_group.to(i32), tile_row.to(i32), starts.to(i32), ends.to(i32)
 
 
-def _gmm_tma_unsupported(x: torch.Tensor, w: torch.Tensor) -> str | None:
-    """Why _gmm_tma_kernel cannot take ``x [M, K] @ w [G, K, N]``, or None if it can. TMA needs a
-    Hopper GPU (sm_90+; the CPU interpreter emulates it), a 16-byte aligned base, 16-byte aligned
-    strides but the last and a contiguous last dimension: x row-major, w [G, K, N] with N or K
-    contiguous (the dMoE's weights and their transposed views); every dimension non-empty. fp32 is
-    left to the pointer kernel (its IEEE fp32 products are not what TMA tiles are for)."""
+def _tma_target_unsupported(x: torch.Tensor) -> str | None:
+    """Why x's dtype or device rules out the TMA kernels, or None."""
     if x.dtype not in (torch.bfloat16, torch.float16):
         return f"dtype {x.dtype} (TMA path: bf16 or fp16)"
     if not interpreting():
@@ -547,6 +592,18 @@ def _gmm_tma_unsupported(x: torch.Tensor, w: torch.Tensor) -> str | None:
         major, minor = torch.cuda.get_device_capability(x.device)
         if major < 9:
             return f"GPU sm_{major}{minor} (TMA path: sm_90 or newer)"
+    return None
+
+
+def _gmm_tma_unsupported(x: torch.Tensor, w: torch.Tensor) -> str | None:
+    """Why _gmm_tma_kernel cannot take ``x [M, K] @ w [G, K, N]``, or None if it can. TMA needs a
+    Hopper GPU (sm_90+; the CPU interpreter emulates it), a 16-byte aligned base, 16-byte aligned
+    strides but the last and a contiguous last dimension: x row-major, w [G, K, N] with N or K
+    contiguous (the dMoE's weights and their transposed views); every dimension non-empty. fp32 is
+    left to the pointer kernel (its IEEE fp32 products are not what TMA tiles are for)."""
+    reason = _tma_target_unsupported(x)
+    if reason is not None:
+        return reason
     if min(x.shape) == 0 or min(w.shape) == 0:
         return f"an empty dimension (x {tuple(x.shape)}, w {tuple(w.shape)})"
     size = x.element_size()
@@ -565,16 +622,44 @@ def _gmm_tma_unsupported(x: torch.Tensor, w: torch.Tensor) -> str | None:
     return None
 
 
-def _use_gmm_tma(x: torch.Tensor, w: torch.Tensor) -> bool:
-    mode = GPU_CONFIG["gmm_tma"]
+def _gmm_wgrad_tma_unsupported(x: torch.Tensor, g: torch.Tensor) -> str | None:
+    """Why _gmm_wgrad_tma_kernel cannot take ``x [M, K]^T @ g [M, N]`` (per group), or None if it can:
+    as :func:`_gmm_tma_unsupported`, both operands row-major (last dimension contiguous, 16-byte
+    aligned base and row stride), of one dtype, every dimension non-empty."""
+    reason = _tma_target_unsupported(x)
+    if reason is not None:
+        return reason
+    if g.dtype != x.dtype:
+        return f"dtypes x {x.dtype}, g {g.dtype} (TMA path: one dtype)"
+    if min(x.shape) == 0 or min(g.shape) == 0:
+        return f"an empty dimension (x {tuple(x.shape)}, g {tuple(g.shape)})"
+    if x.stride(1) != 1 or g.stride(1) != 1:
+        return f"strides x {x.stride()}, g {g.stride()} (TMA path: both last dimensions contiguous)"
+    if (x.stride(0) * x.element_size()) % 16 or (g.stride(0) * g.element_size()) % 16:
+        return f"strides x {x.stride()}, g {g.stride()} (TMA path: 16-byte multiples but the last)"
+    if x.data_ptr() % 16 or g.data_ptr() % 16:
+        return "a base address not 16-byte aligned (TMA path)"
+    return None
+
+
+def _use_tma(setting: str, caller: str, unsupported) -> bool:
+    """GPU_CONFIG[setting] (False, True or "require") applied to ``unsupported()``, the reason the
+    TMA kernel cannot take this call's inputs (None if it can)."""
+    mode = GPU_CONFIG[setting]
     if mode is False:
         return False
     if mode is not True and mode != "require":
-        raise ValueError(f"GPU_CONFIG['gmm_tma'] must be False, True or 'require', got {mode!r}")
-    reason = _gmm_tma_unsupported(x, w)
+        raise ValueError(f"GPU_CONFIG['{setting}'] must be False, True or 'require', got {mode!r}")
+    reason = unsupported()
     if reason is not None and mode == "require":
-        raise ValueError(f"gmm: GPU_CONFIG['gmm_tma'] = 'require' but the TMA kernel cannot take {reason}")
+        raise ValueError(
+            f"{caller}: GPU_CONFIG['{setting}'] = 'require' but the TMA kernel cannot take {reason}"
+        )
     return reason is None
+
+
+def _use_gmm_tma(x: torch.Tensor, w: torch.Tensor) -> bool:
+    return _use_tma("gmm_tma", "gmm", lambda: _gmm_tma_unsupported(x, w))
 
 
 def _gmm(x: torch.Tensor, w: torch.Tensor, sched) -> torch.Tensor:
@@ -618,10 +703,19 @@ def _gmm_wgrad(x: torch.Tensor, g: torch.Tensor, sched, num_groups: int) -> torc
     if num_groups * num_kt * num_n == 0:
         return dw
     _check_programs(num_groups * num_kt * num_n, "a grouped weight gradient")
+    BM_step = _k_step(128)  # rows of the reduction per step
+    if _use_tma("gmm_wgrad_tma", "gmm weight gradient", lambda: _gmm_wgrad_tma_unsupported(x, g)):
+        _gmm_wgrad_tma_kernel[(num_groups * num_kt * num_n,)](
+            TensorDescriptor(x, list(x.shape), list(x.stride()), [BM_step, BK]),
+            TensorDescriptor(g, list(g.shape), list(g.stride()), [BM_step, BN]),
+            dw, starts, ends, K, N, num_kt, num_n, dw.stride(0), dw.stride(1), dw.stride(2),
+            BM=BM_step, BN=BN, BK=BK, GROUP_M=_group_m(), **_gmm_launch_opts(),
+        )  # fmt: skip
+        return dw
     _gmm_wgrad_kernel[(num_groups * num_kt * num_n,)](
         x, g, dw, starts, ends, K, N, num_kt, num_n,
         x.stride(0), x.stride(1), g.stride(0), g.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
-        BM=_k_step(128), BN=BN, BK=BK, IEEE=x.dtype == torch.float32, GROUP_M=_group_m(), **_gmm_launch_opts(),
+        BM=BM_step, BN=BN, BK=BK, IEEE=x.dtype == torch.float32, GROUP_M=_group_m(), **_gmm_launch_opts(),
     )  # fmt: skip
     return dw
 

@@ -1,5 +1,6 @@
 """``python -m repro.megablocks.tests.sm90_gmm ['<cases as JSON>']``: the grouped GEMM's forward / data-gradient kernels
-(the pointer one, _gmm_kernel, and the TMA one, _gmm_tma_kernel, both weight layouts) compiled
+(the pointer one, _gmm_kernel, and the TMA one, _gmm_tma_kernel, both weight layouts) and its weight
+gradient's (_gmm_wgrad_kernel, _gmm_wgrad_tma_kernel: kernels "wgrad_pointer", "wgrad_tma") compiled
 offline for sm_90a (no GPU: Triton's compiler and its bundled ptxas), at the bf16 tile settings of
 GPU_CONFIG and of the bench's candidate. Prints one row per kernel and setting (shared memory,
 ptxas registers and spills via ``paperclub.triton_compat.ptxas_usage``, wgmma and TMA instructions in
@@ -25,6 +26,19 @@ from repro.megablocks import kernels as kn  # noqa: E402
 SETTINGS = [("default", 128, 128, 64, 8, 3), ("gmm_n=256", 128, 256, 64, 8, 3)]
 DIVISIBLE = {"X", "W", "Y", "tile_group", "tile_row", "ends", "N", "K", "stride_xm", "stride_wg",
              "stride_wk", "stride_ym"}  # fmt: skip
+WGRAD_DIVISIBLE = {
+    "X",
+    "G",
+    "DW",
+    "starts",
+    "ends",
+    "K",
+    "N",
+    "stride_xm",
+    "stride_gm",
+    "stride_dg",
+    "stride_dk",
+}
 
 
 def compile_gmm(tma: bool, w_t: bool, bm: int, bn: int, bk: int, warps: int, stages: int, dt: str = "bf16"):
@@ -48,18 +62,48 @@ def compile_gmm(tma: bool, w_t: bool, bm: int, bn: int, bk: int, warps: int, sta
     )
 
 
+def compile_wgrad(tma: bool, bm: int, bn: int, bk: int, warps: int, stages: int, dt: str = "bf16"):
+    """The weight gradient's kernel compiled for sm_90a at a setting of SETTINGS: its DW tile is
+    [setting's BM, BN] (the kernel's BK x BN) and it reduces the setting's BK rows per step (the
+    kernel's BM), as _gmm_wgrad launches it (BK 128, _k_step(128) = 64 rows)."""
+    fn = kn._gmm_wgrad_tma_kernel if tma else kn._gmm_wgrad_kernel
+    step, tile = bk, bm
+    if tma:
+        constexprs = dict(BM=step, BN=bn, BK=tile, GROUP_M=8, stride_dn=1)
+        types = {"X": f"tensordesc<{dt}[{step}, {tile}]>", "G": f"tensordesc<{dt}[{step}, {bn}]>"}
+    else:
+        constexprs = dict(
+            BM=step, BN=bn, BK=tile, IEEE=False, GROUP_M=8, stride_xk=1, stride_gn=1, stride_dn=1
+        )
+        types = {"X": f"*{dt}", "G": f"*{dt}"}
+    types.update(DW=f"*{dt}", starts="*i32", ends="*i32")
+    signature = {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a in WGRAD_DIVISIBLE}
+    src = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(
+        src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages)
+    )
+
+
 def report(cases: list | None = None) -> list[dict]:
-    """One row per case ``[setting name, "tma" | "pointer", w_t]`` (default: all of them)."""
+    """One row per case ``[setting name, kernel, w_t]``, kernel "tma", "pointer", "wgrad_tma" or
+    "wgrad_pointer" (w_t ignored for the weight gradient, whose operands are row-major in both of
+    _GMM.backward's call forms); default: all of them."""
     from paperclub.triton_compat import ptxas_usage
 
     settings = {name: rest for name, *rest in SETTINGS}
     if cases is None:
         cases = [[name, k, w_t] for name in settings for k in ("pointer", "tma") for w_t in (False, True)]
+        cases += [[name, k, False] for name in settings for k in ("wgrad_pointer", "wgrad_tma")]
     rows = []
     for name, kernel, w_t in cases:
-        row = dict(kernel=kernel, w="[G,N,K] (w_t)" if w_t else "[G,K,N]", setting=name)
+        wgrad = kernel.startswith("wgrad_")
+        row = dict(kernel=kernel, w="-" if wgrad else "[G,N,K] (w_t)" if w_t else "[G,K,N]", setting=name)
         try:
-            c = compile_gmm(kernel == "tma", w_t, *settings[name])
+            if wgrad:
+                c = compile_wgrad(kernel == "wgrad_tma", *settings[name])
+            else:
+                c = compile_gmm(kernel == "tma", w_t, *settings[name])
             ptx = c.asm["ptx"]
             row.update(
                 shared=c.metadata.shared,

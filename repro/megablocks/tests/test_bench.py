@@ -92,17 +92,29 @@ def test_main_flow_with_budget(monkeypatch, tmp_path):
     assert [(s[0], s[1]) for s in main_rows] == [(sh, r) for sh in bench.SHAPES for r in bench.ROUTINGS]
     tune = [s for s in seen if s[2].startswith("tune:")]
     prev = "num_warps=8,num_stages=3,gmm_n=128"  # bench.PREVIOUS_DEFAULT
-    labels = ["tune:default", "tune:gmm_tma=False", "tune:fused_glue=False", f"tune:{prev}"]
+    labels = [
+        "tune:default",
+        "tune:gmm_tma=False",
+        "tune:fused_glue=False",
+        f"tune:{prev}",
+        "tune:gmm_wgrad_tma=True",
+    ]
     # each variant on both shapes (8e-top2 first), the variants in order
     assert [(s[0], s[2]) for s in tune] == [
         (f"{shape} (tuning)", label) for label in labels for shape in ("8e-top2", "64e-top8")
     ]
     by = {(s[0].split()[0], s[2]): s for s in tune}
     assert by["8e-top2", "tune:default"][3]["group_m"] == 8  # the default is the grouped order
-    assert by["64e-top8", f"tune:{prev}"][3]["gmm_n"] == 128 and by["64e-top8", f"tune:{prev}"][3]["num_warps"] == 8
+    assert (
+        by["64e-top8", f"tune:{prev}"][3]["gmm_n"] == 128
+        and by["64e-top8", f"tune:{prev}"][3]["num_warps"] == 8
+    )
     assert by["8e-top2", "tune:gmm_tma=False"][3]["gmm_tma"] is False
     assert by["8e-top2", "tune:fused_glue=False"][3]["fused_glue"] is False
     assert by["8e-top2", "tune:default"][3]["gmm_tma"] is True  # the default is the TMA kernel
+    assert by["8e-top2", "tune:default"][3]["gmm_wgrad_tma"] is False  # the wgrad's TMA kernel is not
+    assert by["64e-top8", "tune:gmm_wgrad_tma=True"][3]["gmm_wgrad_tma"] is True
+    assert kernels.GPU_CONFIG["gmm_wgrad_tma"] is False  # restored
     assert kernels.GPU_CONFIG["dense_n"] == 128 and kernels.GPU_CONFIG["group_m"] == 8  # restored
     assert kernels.GPU_CONFIG["gmm_n"] == 256 and kernels.GPU_CONFIG["num_warps"] == 4
     assert kernels.GPU_CONFIG["fused_glue"] is True
@@ -160,5 +172,9 @@ def test_tuning_budget_cut(monkeypatch):
         for shape in ("8e-top2", "64e-top8")
     ]
     notes = written["r"].notes
-    skipped = "tuning rows skipped (budget 100 s): 8e-top2 tune:fused_glue=False; 64e-top8 tune:fused_glue=False; "
+    skipped = (
+        "tuning rows skipped (budget 100 s): 8e-top2 tune:fused_glue=False; 64e-top8 tune:fused_glue=False; "
+    )
     assert skipped + "8e-top2 tune:num_warps=8,num_stages=3,gmm_n=128; " in notes
+    assert "64e-top8 tune:num_warps=8,num_stages=3,gmm_n=128; 8e-top2 tune:gmm_wgrad_tma=True; " in notes
+    assert notes.count("64e-top8 tune:gmm_wgrad_tma=True") == 1

@@ -4,7 +4,8 @@ kernel and an fp64 per-group product.
 On CPU, Triton 3.6's interpreter emulates the host-side tensor descriptors (zero fill past each
 dimension included), with 16 x 16 tiles: groups that are empty, smaller than a tile and off the
 tile size, K off the k-step, both weight layouts the dMoE passes (w [G, K, N] and its transposed
-views), bf16 and fp16, forward and the data gradient (the weight gradient stays the pointer kernel).
+views), bf16 and fp16, forward and the data gradient (the weight gradient's TMA kernel,
+gmm_wgrad_tma, is tested in test_gmm_wgrad_tma.py).
 There both kernels compute each tile with the same products in the same order, so their outputs
 are bitwise equal; against fp64, 1e-2 relative for bf16 (8 mantissa bits) and 2e-3 for fp16.
 On the GPU: the 8e-top2 layer's dims (d 4096, ffn 14336, 8 experts) at 1024 routed rows.
