@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from paperclub.bench import Candidate, Report, measure
+from paperclub.bench import Candidate, Report, kernel_times, measure
 from paperclub.testing import rel_error
 
 H, K, V = 16, 128, 128
@@ -333,8 +333,6 @@ def breakdown(B: int = 8, T: int = 2048, names: tuple[str, ...] = ("ours", "fla_
     Runs each implementation three times under torch.profiler (after a warm-up) and prints, for
     each, the kernels sorted by time per call: where the time goes, to compare launch by launch
     with the peer. Returns ``{impl: {pass: [(kernel, us_per_call), ...]}}``."""
-    from torch.profiler import ProfilerActivity, profile
-
     fns = impls()
     inputs = make_inputs(B, T)
     do = torch.randn_like(inputs[2])
@@ -354,16 +352,7 @@ def breakdown(B: int = 8, T: int = 2048, names: tuple[str, ...] = ("ours", "fla_
 
         out[name] = {}
         for label, f in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
-            f()
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(reps):
-                    f()
-                torch.cuda.synchronize()
-            rows = sorted(
-                ((e.key, e.device_time_total / reps) for e in prof.key_averages() if e.device_time_total > 0),
-                key=lambda r: -r[1],
-            )
+            rows = [(k, ms * 1000) for k, ms, _ in kernel_times(f, reps=reps)]
             total = sum(us for _, us in rows)
             print(f"\n{name} {label} B={B} T={T}: {total / 1000:.3f} ms of kernel time per call")
             for kname, us in rows[:14]:

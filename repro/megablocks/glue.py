@@ -79,19 +79,6 @@ def _expand_kernel(x_ptr, rows_ptr, out_ptr, d, sx, so, K: tl.constexpr, BD: tl.
             tl.store(out_ptr + r * so + offs, v, mask=m)
 
 
-@triton.jit
-def _gather_sum_kernel(g_ptr, rows_ptr, out_ptr, d, sg, so, K: tl.constexpr, BD: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    for d0 in range(0, d, BD):
-        offs = d0 + tl.arange(0, BD)
-        m = offs < d
-        acc = tl.zeros([BD], dtype=tl.float32)
-        for j in tl.static_range(K):
-            r = tl.load(rows_ptr + t * K + j).to(tl.int64)
-            acc += tl.load(g_ptr + r * sg + offs, mask=m).to(tl.float32)
-        tl.store(out_ptr + t * so + offs, acc.to(out_ptr.dtype.element_ty), mask=m)
-
-
 def _expand(x: torch.Tensor, rows: torch.Tensor, padded_rows: int) -> torch.Tensor:
     T, d = x.shape
     k = rows.shape[1]
@@ -110,7 +97,10 @@ def _gather_sum(g: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     if T and d:
         if k == 0:
             return out.zero_()
-        _gather_sum_kernel[(T,)](g, rows, out, d, g.stride(0), out.stride(0), K=k, BD=_block_d(d), **_opts())
+        # dx[t] = sum_j dxs[rows[t, j]]: the combine with unit weights
+        _combine_kernel[(T,)](
+            g, rows, rows, out, d, g.stride(0), out.stride(0), K=k, BD=_block_d(d), WEIGHTED=False, **_opts()
+        )
     return out
 
 
@@ -138,7 +128,10 @@ def expand(x: torch.Tensor, rows: torch.Tensor, padded_rows: int) -> torch.Tenso
 
 # ------------------------------------------------------------------------------------ combine
 @triton.jit
-def _combine_kernel(y_ptr, rows_ptr, w_ptr, out_ptr, d, sy, so, K: tl.constexpr, BD: tl.constexpr):
+def _combine_kernel(
+    y_ptr, rows_ptr, w_ptr, out_ptr, d, sy, so, K: tl.constexpr, BD: tl.constexpr, WEIGHTED: tl.constexpr
+):
+    """out[t] = sum_j w[t, j] y[rows[t, j]] (WEIGHTED; else the plain sum, expand's backward)."""
     t = tl.program_id(0).to(tl.int64)
     for d0 in range(0, d, BD):
         offs = d0 + tl.arange(0, BD)
@@ -146,8 +139,10 @@ def _combine_kernel(y_ptr, rows_ptr, w_ptr, out_ptr, d, sy, so, K: tl.constexpr,
         acc = tl.zeros([BD], dtype=tl.float32)
         for j in tl.static_range(K):
             r = tl.load(rows_ptr + t * K + j).to(tl.int64)
-            wj = tl.load(w_ptr + t * K + j).to(tl.float32)
-            acc += wj * tl.load(y_ptr + r * sy + offs, mask=m).to(tl.float32)
+            v = tl.load(y_ptr + r * sy + offs, mask=m).to(tl.float32)
+            if WEIGHTED:
+                v *= tl.load(w_ptr + t * K + j).to(tl.float32)
+            acc += v
         tl.store(out_ptr + t * so + offs, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
@@ -185,7 +180,17 @@ class _Combine(torch.autograd.Function):
                 out.zero_()
             else:
                 _combine_kernel[(T,)](
-                    y, rows, w, out, d, y.stride(0), out.stride(0), K=k, BD=_block_d(d), **_opts()
+                    y,
+                    rows,
+                    w,
+                    out,
+                    d,
+                    y.stride(0),
+                    out.stride(0),
+                    K=k,
+                    BD=_block_d(d),
+                    WEIGHTED=True,
+                    **_opts(),
                 )
         ctx.save_for_backward(y, rows, w)
         return out

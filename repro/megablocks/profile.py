@@ -14,8 +14,8 @@ import math
 import sys
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
+from paperclub.bench import kernel_times
 from repro.megablocks import bench
 from repro.megablocks.moe import dmoe_grouped, dmoe_sparse
 
@@ -50,19 +50,10 @@ def profile_shape(shape: str, iters: int = 3, top: int = 14) -> None:
     else:
         print(f"{shape}: megablocks not profiled: {why}")
     for name, (forward, params) in impls.items():
-        step = bench._fwd_bwd(forward, params, grad_out)
-        for _ in range(iters):
-            step()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(iters):
-                step()
-            torch.cuda.synchronize()
-        events = prof.key_averages()
-        total = sum(e.device_time_total for e in events) / iters / 1000
-        print(f"\n=== {shape} {name}: {total:.2f} ms GPU per iteration")
-        for e in sorted(events, key=lambda e: -e.device_time_total)[:top]:
-            print(f"  {e.device_time_total / iters / 1000:7.2f} ms  x{e.count // iters:<3} {e.key[:110]}")
+        rows = kernel_times(bench._fwd_bwd(forward, params, grad_out), reps=iters, warmup=iters)
+        print(f"\n=== {shape} {name}: {sum(ms for _, ms, _ in rows):.2f} ms GPU per iteration")
+        for kernel, ms, launches in rows[:top]:
+            print(f"  {ms:7.2f} ms  x{launches:<3} {kernel[:110]}")
 
 
 def main(argv: list[str] | None = None) -> None:

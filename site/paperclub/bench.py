@@ -132,6 +132,29 @@ def time_ms(fn: Callable[[], object], *, warmup: int = 10, rep: int = 50) -> flo
     return statistics.median(times)
 
 
+def kernel_times(fn: Callable[[], object], *, reps: int = 3, warmup: int = 1) -> list[tuple[str, float, int]]:
+    """Where ``fn()``'s GPU time goes: ``(kernel, ms per call, launches per call)`` for every kernel
+    with device time, most expensive first, from ``torch.profiler`` over ``reps`` calls after
+    ``warmup`` calls (which also compile). For reading, not for the numbers a benchmark reports:
+    the profiler adds its own overhead, and nothing here is checked or interleaved."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    rows = [
+        (e.key, e.device_time_total / reps / 1000, e.count // reps)
+        for e in prof.key_averages()
+        if e.device_time_total > 0
+    ]
+    return sorted(rows, key=lambda r: -r[1])
+
+
 @dataclass
 class Candidate:
     """One thing to time, with the check that its result is right at the shape being timed.
