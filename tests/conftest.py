@@ -129,3 +129,12 @@ def built_site(tmp_path_factory) -> Path:
         if not (cache / f.name).exists():
             shutil.copy2(f, cache / f.name)
     return out
+
+
+def pytest_collection_modifyitems(items):
+    """Whichever test first asks for the built site pays for the build (notebooks executed, about three
+    minutes on two cores, once slower than the suite's 600 s per-test limit on a loaded machine): the
+    tests that use it get twice that limit, as the build's own subprocess timeout (900 s) allows."""
+    for item in items:
+        if "built_site" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.timeout(1200))
