@@ -481,6 +481,16 @@ def _gmm_tma_kernel(
 
 
 @triton.jit
+def _wgrad_tile(starts, ends, num_kt, num_n, GROUP_M: tl.constexpr):
+    """This program's (group, k-tile, n-tile) of a weight gradient and the group's rows [start, end)."""
+    pid = tl.program_id(0).to(tl.int64)
+    per_g = num_kt * num_n
+    g = pid // per_g
+    kt, n = _grouped_order(pid - g * per_g, num_kt, num_n, GROUP_M)
+    return g, kt.to(tl.int32), n.to(tl.int32), tl.load(starts + g), tl.load(ends + g)
+
+
+@triton.jit
 def _gmm_wgrad_kernel(
     X, G, DW, starts, ends, K, N, num_kt, num_n,
     stride_xm, stride_xk, stride_gm, stride_gn, stride_dg, stride_dk, stride_dn,
@@ -490,14 +500,7 @@ def _gmm_wgrad_kernel(
     # 1-D grid, group by group; within a group (num_kt x num_n tiles) the grouped order: GROUP_M
     # k-tiles (slices of the group's X) against every n-tile (slices of its G), so that programs
     # running together share both from L2 (GROUP_M = 1: n fastest, then k, as a 3-D grid would)
-    pid = tl.program_id(0).to(tl.int64)
-    per_g = num_kt * num_n
-    g = pid // per_g
-    kt, n = _grouped_order(pid - g * per_g, num_kt, num_n, GROUP_M)
-    kt = kt.to(tl.int32)
-    n = n.to(tl.int32)
-    start = tl.load(starts + g)
-    end = tl.load(ends + g)
+    g, kt, n, start, end = _wgrad_tile(starts, ends, num_kt, num_n, GROUP_M)
     rk = kt * BK + tl.arange(0, BK)
     rn = n * BN + tl.arange(0, BN)
     rm = tl.arange(0, BM)
@@ -546,14 +549,7 @@ def _gmm_wgrad_tma_kernel(
     stored and transposed for the dot, as the forward's W_T), G one of g [M, N] (block [BM, BN]).
     Zero fill covers columns past K and N and rows past M; rows past the group's end are zeroed in
     X's tile (see above). TMA coordinates are int32; the store's offsets int64, as in the pointer kernel."""
-    pid = tl.program_id(0).to(tl.int64)
-    per_g = num_kt * num_n
-    g = pid // per_g
-    kt, n = _grouped_order(pid - g * per_g, num_kt, num_n, GROUP_M)
-    kt = kt.to(tl.int32)
-    n = n.to(tl.int32)
-    start = tl.load(starts + g)
-    end = tl.load(ends + g)
+    g, kt, n, start, end = _wgrad_tile(starts, ends, num_kt, num_n, GROUP_M)
     rm = tl.arange(0, BM)
     acc = tl.zeros((BK, BN), dtype=tl.float32)
     for m0 in range(start, end, BM):
