@@ -136,21 +136,14 @@ def test_module_shapes_and_router(impl):
 # ---- GPU: block 128 (the default), bf16 and fp32, model-like widths -------------------------
 
 
-@pytest.mark.gpu
-@pytest.mark.claim(CLAIM, section=SECTION)
-@pytest.mark.parametrize("impl", ["sparse", "grouped"])
-@pytest.mark.parametrize("mlp", ["mlp", "glu"])
-@pytest.mark.parametrize("routing", ["random", "one-expert"])
-def test_dmoe_bf16_on_gpu(impl, mlp, routing):
-    """bf16 at block 128, d = 320 (not a multiple of the 128 tile), f = 256, 8 experts top-2, T = 1000,
-    against the fp32 dense reference on the GPU fed the same rounded inputs: 2e-2 for outputs and
-    gradients (bf16 intermediates, 8 mantissa bits; fp32 sums over up to 320 products). fp32 at 1e-4
-    (IEEE products in the kernels; the reference's matmuls in full fp32, PyTorch's default)."""
+def _check_on_gpu(impl, mlp, routing, dtype_tols):
+    """The dMoE at block 128 against the fp32 dense reference on the GPU, fed the same rounded
+    inputs (so the tolerance covers the kernels only), for each (dtype, tolerance): output and the
+    gradients of x, router weights, w1, w2 (w3)."""
     case = make_case(seed=3, T=1000, d=320, f=256, E=8, k=2, routing=routing)
     idx = case.indices.cuda()
-    for dtype, tol in ((torch.bfloat16, 2e-2), (torch.float32, 1e-4)):
+    for dtype, tol in dtype_tols:
         ours = [t.cuda().detach().requires_grad_(True) for t in case.tensors(dtype)]
-        # the reference gets the same (rounded) inputs in fp32: the tolerance covers the kernels only
         ref = [t.detach().float().requires_grad_(True) for t in ours]
         w3o, w3r = (ours[4], ref[4]) if mlp == "glu" else (None, None)
         y = _run(impl, ours[0], ours[1], idx, ours[2], ours[3], w3o, 8, mlp, block_size=128)
@@ -165,6 +158,39 @@ def test_dmoe_bf16_on_gpu(impl, mlp, routing):
             strict=False,
         ):
             assert_rel_close(a, b, tol, f"{dtype} d{name}")
+
+
+@pytest.mark.gpu
+@pytest.mark.claim(CLAIM, section=SECTION)
+@pytest.mark.parametrize("impl", ["sparse", "grouped"])
+@pytest.mark.parametrize("mlp", ["mlp", "glu"])
+@pytest.mark.parametrize("routing", ["random", "one-expert"])
+def test_dmoe_bf16_on_gpu(impl, mlp, routing):
+    """bf16 at block 128, d = 320 (not a multiple of the 128 tile), f = 256, 8 experts top-2, T = 1000,
+    against the fp32 dense reference on the GPU fed the same rounded inputs: 2e-2 for outputs and
+    gradients (bf16 intermediates, 8 mantissa bits; fp32 sums over up to 320 products). fp32 at 1e-4
+    (IEEE products in the kernels; the reference's matmuls in full fp32, PyTorch's default)."""
+    _check_on_gpu(impl, mlp, routing, ((torch.bfloat16, 2e-2), (torch.float32, 1e-4)))
+
+
+@pytest.mark.gpu
+@pytest.mark.claim(CLAIM, section=SECTION)
+@pytest.mark.parametrize("impl", ["sparse", "grouped"])
+@pytest.mark.parametrize("mlp", ["mlp", "glu"])
+def test_dmoe_fp16_on_gpu(impl, mlp):
+    """fp16, the other dtype the default kernels take (the grouped path's TMA GEMM included), at the
+    same shape as the bf16 test: 5e-3 against the fp32 reference fed the same fp16 inputs (11-bit
+    mantissa, intermediates stored in fp16, fp32 accumulation; the CPU fp16 test's bound). The
+    grouped path must run the TMA kernel (the default for fp16 with these 16-byte-aligned rows): a
+    silent fall-back to the pointer kernel would leave that path untested, so its launches are
+    counted."""
+    from repro.megablocks import kernels as kn
+    from repro.nsa.tests.helpers import dispatched
+
+    with dispatched(kn, ["_gmm_tma_kernel"]) as (_, launches):
+        _check_on_gpu(impl, mlp, "random", ((torch.float16, 5e-3),))
+    if impl == "grouped":
+        assert launches, "the grouped path did not run the TMA GEMM in fp16"
 
 
 @pytest.mark.gpu
