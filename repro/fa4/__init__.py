@@ -70,8 +70,12 @@ class Switches:
         backwards ("fa2", "fused"; the Gluon backward launches with gluon_bwd.GLUON_BWD_DEFAULTS);
         None picks BWD_DEFAULTS ("fa2") or bwd_fused.FUSED_DEFAULTS ("fused").
     bwd_tma: "fused" only: Q and dO tiles through TMA (tensor descriptors); None picks the default.
-    bwd_dq_tma: "fused" only: dQ tiles added by TMA bulk reductions from shared memory (FA3's way)
-        instead of one atomic add per element; not in the CPU interpreter. None picks the default.
+    bwd_dq_tma: "fused" and "gluon": dQ tiles added by TMA bulk reductions from shared memory (FA3's
+        way) instead of one atomic add per element; not in the CPU interpreter. None picks the default
+        ("gluon": gluon_bwd.DQ_TMA, off; written and compiled offline, not yet run on a GPU).
+    bwd_dq_defer: "gluon" only: each step's dQ product one step later, off the barrier on which the
+        two consumer warpgroups exchange dS^T halves. None picks gluon_bwd.DQ_DEFER (off; not yet run
+        on a GPU).
 
     Measured on one H100 (results/nvidia-h100-80gb-hbm3.json, forward, S = 4k-16k): tma=True is
     the fastest single change (up to +9%); lazy_rescale=False is 3-8% faster than the default here
@@ -98,6 +102,7 @@ class Switches:
     bwd: str = "auto"
     bwd_tma: bool | None = None
     bwd_dq_tma: bool | None = None
+    bwd_dq_defer: bool | None = None
 
 
 #: The backwards behind Switches.bwd ("auto" picks one of them by device and causality: auto_backward).
@@ -151,9 +156,11 @@ def _resolve(sw: Switches, d: int, interpret: bool) -> Switches:
         )
     if sw.bwd not in BACKWARDS:
         raise ValueError(f"attention: bwd must be one of {list(BACKWARDS)}, got {sw.bwd!r}")
-    for name in ("bwd_tma", "bwd_dq_tma"):
-        if getattr(sw, name) and sw.bwd != "fused":
-            raise ValueError(f"attention: {name} applies to bwd='fused' only, got bwd={sw.bwd!r}")
+    takes_by_name = {"bwd_tma": ("fused",), "bwd_dq_tma": ("fused", "gluon"), "bwd_dq_defer": ("gluon",)}
+    for name, takes in takes_by_name.items():
+        if getattr(sw, name) and sw.bwd not in takes:
+            allowed = " or ".join(repr(t) for t in takes)
+            raise ValueError(f"attention: {name} applies to bwd={allowed} only, got bwd={sw.bwd!r}")
     if sw.bwd == "gluon" and interpret:
         raise ValueError(
             "attention: bwd='gluon' is a Gluon kernel for Hopper GPUs (sm_90a); Gluon kernels do not run in "
@@ -168,7 +175,8 @@ def _resolve(sw: Switches, d: int, interpret: bool) -> Switches:
         )
     else:
         bbm, bbn, bnw, bns = BWD_DEFAULTS.get(d, (16, 16, 4, 1)) if not interpret else (16, 16, 4, 1)
-        btma = bdq = False
+        btma = False
+        bdq = None if sw.bwd == "gluon" else False  # "gluon": None takes gluon_bwd.DQ_TMA
     if sw.pingpong and sw.block_m is None:
         bm = max(16, bm // 2)  # two tiles per program: keep the rows per program the same
     if sw.soft_exp == 1 and sw.num_stages is None:
@@ -279,7 +287,9 @@ def _backward(do, q, k, v, o, lse, causal: bool, scale: float, sw: Switches):
     if sw.bwd == "gluon":
         from repro.fa4.gluon_bwd import gluon_attention_backward
 
-        return gluon_attention_backward(do, q, k, v, o, lse, causal, scale)
+        return gluon_attention_backward(
+            do, q, k, v, o, lse, causal, scale, dq_tma=sw.bwd_dq_tma, dq_defer=sw.bwd_dq_defer
+        )
     if sw.bwd == "fused":
         from repro.fa4.bwd_fused import backward_fused
 

@@ -22,7 +22,9 @@ Modes:
               causal and not: ours with the fa2, the fused and the Gluon backward (Gluon forward; and the
               Triton forward + fused), cuDNN and FA2 (SDPA); each checked against cuDNN's gradients at
               that shape, then timed in interleaved rounds -> <device>-bwd.json. The default run does
-              this first, then the table above.
+              this first, then the table above. With --gluon-bwd-dq: the current Gluon backward and its
+              dQ variants (GLUON_BWD_DQ_IMPLS: TMA bulk reductions, deferred dQ product, both) beside
+              cuDNN and FA2 instead -> <device>-bwd-gluon-dq.json
   --bwd-sweep the fused backward's launch configurations (bench.BWD_SWEEP over bwd_fused.FUSED_CONFIGS)
               at S = 8k beside cuDNN, causal and not, backward alone and forward + backward; prints the
               best -> <device>-bwd-sweep.json
@@ -749,6 +751,21 @@ BWD_IMPLS: dict[str, dict] = {
 #: on a GPU: timed only with --gluon-bwd, after its GPU tests have passed (a wrong result is recorded
 #: as its rows' check, but a hang or a memory fault would take the other rows of the run with it).
 GLUON_BWD_IMPLS: dict[str, dict] = {"fa4-gluon-gluonbwd": {"gluon": True, "bwd": "gluon"}}
+#: The Gluon backward's dQ variants (repro.fa4.gluon_bwd.DQ_VARIANTS; off by default, written and
+#: compiled offline, not yet run on a GPU), timed beside the current Gluon backward and cuDNN with
+#: --gluon-bwd-dq (run ``python -m repro.fa4.gluon_bwd --sweep - 300 matrix <variant>`` first: a fault
+#: here takes the whole run down). -dqtma: dQ by TMA bulk reductions; -dqdefer: the dQ product a step
+#: later, off the dS^T exchange's barrier; -dqtma-defer: both (FA3's way).
+GLUON_BWD_DQ_IMPLS: dict[str, dict] = {
+    "fa4-gluon-gluonbwd-dqtma": {"gluon": True, "bwd": "gluon", "bwd_dq_tma": True, "bwd_dq_defer": False},
+    "fa4-gluon-gluonbwd-dqdefer": {"gluon": True, "bwd": "gluon", "bwd_dq_tma": False, "bwd_dq_defer": True},
+    "fa4-gluon-gluonbwd-dqtma-defer": {
+        "gluon": True,
+        "bwd": "gluon",
+        "bwd_dq_tma": True,
+        "bwd_dq_defer": True,
+    },
+}
 #: Configurations the --bwd-sweep times (most promising first, by the first H100 sweep in
 #: results/*-bwd-smoke.json: a budget cut drops the tail).
 BWD_SWEEP = [
@@ -855,14 +872,14 @@ def _bwd_rows(report, res, errs, fixed: dict, b, s, causal, passes, extra=None) 
 
 
 def bwd_compare(
-    out_dir: Path | None, seqlens=BWD_SEQLENS, deadline: float | None = None, impls=None
+    out_dir: Path | None, seqlens=BWD_SEQLENS, deadline: float | None = None, impls=None, tag: str = "bwd"
 ) -> Report:
     """Forward + backward and backward alone: our backwards (BWD_IMPLS) beside cuDNN and FA2 (SDPA).
 
     At each shape every candidate's output and gradients are checked once against cuDNN's on the same
     values (tolerance: 3x FA2's own distance from cuDNN, at least 2e-2); candidates that pass are
     timed in BWD_ROUNDS interleaved rounds through ``paperclub.bench.measure``. Writes
-    ``<device>-bwd.json``; shapes past the deadline are left out and named in the notes.
+    ``<device>-<tag>.json``; shapes past the deadline are left out and named in the notes.
     """
     impls = BWD_IMPLS if impls is None else impls
     report = Report(
@@ -881,7 +898,9 @@ def bwd_compare(
             "from cuDNN (at least 2e-2). fa4-gluon = Gluon forward + fa2 backward (the previous default "
             "pairing); fa4-gluon-fused = Gluon forward + fused backward (FUSED_DEFAULTS); "
             "fa4-triton-tma-fused = Triton forward (TMA) + fused backward; fa4-gluon-gluonbwd (only with --gluon-bwd) = Gluon forward + "
-            f"the warp-specialised Gluon backward (repro.fa4.gluon_bwd). Interleaved: {BWD_ROUNDS} rounds."
+            "the warp-specialised Gluon backward (repro.fa4.gluon_bwd); fa4-gluon-gluonbwd-dq* (only with --gluon-bwd-dq) = "
+            "the same with its dQ variants (dqtma: TMA bulk reductions; dqdefer: dQ product a step later; both). "
+            f"Interleaved: {BWD_ROUNDS} rounds."
         ),
     )
     skipped = []
@@ -914,14 +933,14 @@ def bwd_compare(
                 del cands, res
             del mine, ref, ours_leaves, sdpa_leaves, grad, grad_t
             torch.cuda.empty_cache()
-            _quiet_write(report, "bwd", out_dir)
+            _quiet_write(report, tag, out_dir)
     if skipped:
         report.notes += f" Not measured (time budget of the run): {', '.join(skipped)}."
     for causal in (False, True):
         for passes in ("fwd+bwd", "bwd"):
             report.plot(title=f"{passes} TFLOP/s, causal={causal}", x="S", y="tflops", series="impl",
                         where={"pass": passes, "causal": causal}, logx=True)  # fmt: skip
-    report.write(tag="bwd", out_dir=out_dir)
+    report.write(tag=tag, out_dir=out_dir)
     return report
 
 
@@ -1143,6 +1162,12 @@ def main(argv: list[str] | None = None) -> None:
         help="with --bwd: also time the Gluon backward explicitly (fa4-gluon-gluonbwd; GPU-tested on an H100, 2026-11-25)",
     )
     parser.add_argument(
+        "--gluon-bwd-dq",
+        action="store_true",
+        help="with --bwd: the current Gluon backward and its dQ variants (GLUON_BWD_DQ_IMPLS; not yet run on a GPU) "
+        "beside cuDNN, instead of BWD_IMPLS",
+    )
+    parser.add_argument(
         "--bwd-sweep",
         action="store_true",
         help="the fused backward's launch configurations at S=8k (-> <device>-bwd-sweep.json)",
@@ -1178,7 +1203,10 @@ def main(argv: list[str] | None = None) -> None:
             ncu_target(use_fa4=not args.no_fa4)
         elif args.bwd:
             impls = {**BWD_IMPLS, **GLUON_BWD_IMPLS} if args.gluon_bwd else None
-            bwd_compare(out, (8192,) if args.quick else BWD_SEQLENS, deadline=deadline, impls=impls)
+            if args.gluon_bwd_dq:
+                impls = {**GLUON_BWD_IMPLS, **GLUON_BWD_DQ_IMPLS}
+            bwd_compare(out, (8192,) if args.quick else BWD_SEQLENS, deadline=deadline, impls=impls,
+                        tag="bwd-gluon-dq" if args.gluon_bwd_dq else "bwd")  # fmt: skip
         elif args.bwd_sweep:
             bwd_sweep(out, deadline=deadline)
         else:

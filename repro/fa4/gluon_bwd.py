@@ -29,12 +29,32 @@ tile spills (630-780 bytes, offline sm_90a compile). This kernel gives warps rol
   each computes half of dQ's columns from the whole tile (A = dS, the tile read transposed; B =
   K's column half), FA3's split of the dQ matmul over its two warpgroups.
 
-dQ accumulation: fp32 atomic adds (``gl.atomic_add``, relaxed: ``red.global.add``) into the buffer
-that ``bwd_fused``'s preprocess kernel zeroes, cast by the caller. FA3 stages dQ in shared memory
-and adds whole tiles by TMA bulk reductions (``cp.reduce.async.bulk``), which bought 10% in the
-Triton kernel (``bwd_dq_tma``); Gluon in Triton 3.6 exposes no TMA reduction on Hopper (its
-``hopper.tma`` has copies and stores only), so this kernel uses the per-element adds, which each
-consumer issues for its own [BLOCK_M, D/2] half, no two consumers adding the same element.
+dQ accumulation (the default): fp32 atomic adds (``gl.atomic_add``, relaxed: ``red.global.add``)
+into the buffer that ``bwd_fused``'s preprocess kernel zeroes, cast by the caller; each consumer
+issues them for its own [BLOCK_M, D/2] half, no two consumers adding the same element.
+
+Two dQ variants, off by default (DQ_TMA, DQ_DEFER; written and compiled offline, not yet run on a GPU):
+
+* DQ_TMA, FA3's way: each consumer writes its scaled dQ half into a [BLOCK_M, D/2] fp32 staging tile
+  in shared memory and one thread adds the tile to the dQ buffer with a TMA bulk reduction
+  (``cp.reduce.async.bulk.tensor.2d.global.shared::cta.add``), which bought 10% in the Triton kernel
+  (``bwd_dq_tma``). Gluon's public ``hopper.tma`` in Triton 3.6 has copies and stores only, but the
+  op exists below it (``ttng.async_tma_reduce``, which ``tl`` descriptors' ``atomic_add`` lowers to)
+  and the Gluon IR builder exposes it (``create_async_tma_reduce``): ``_tma_reduce_add`` is a
+  ten-line ``@builtin`` over it, written as Gluon's own ``async_copy_shared_to_global`` is. Before the
+  tile is rewritten the next step waits for the reduction's reads (``tma.store_wait(0)``, i.e.
+  ``cp.async.bulk.wait_group.read 0``) and a warpgroup barrier; after writing it, a
+  ``fence.proxy.async`` and a barrier, then the reduction and its bulk-group commit. At D = 128 the
+  box's 64 fp32 columns exceed the 128-byte swizzle, so Triton issues two [64, 32] reductions per
+  tile from two warps (the host descriptor gets the same box from the compiled metadata). The
+  staging tiles add 32 KiB of shared memory (D = 128: 193 KiB in all).
+* DQ_DEFER: the dQ product of step it waits for the other consumer's dS^T half at the start of step
+  it + 1 (before that step's S^T), not right after this consumer's own arrival, so the exchange's
+  mbarrier is off the step's critical path (by then the other consumer has normally arrived). The
+  deferred dQ tile is taken out of the registers (staged or added) before dP^T is issued; held longer,
+  beside S^T, dP^T, dK and dV, it spilled about 1 KB at D = 128. As it is, D = 128 still spills
+  360-660 bytes (offline compile; 360-372 with DQ_TMA), against 44-92 for the default: the GPU decides whether the
+  barrier it hides is worth more.
 
 Causal (bottom-right aligned, diag = S_K - S_Q): query tiles before the first row that sees key n0
 are skipped (the load warp never loads them); a consumer masks a tile only where its keys cross the
@@ -60,8 +80,10 @@ import torch.nn.functional as F
 from repro.fa4.gluon_fwd import GLUON_DTYPES, GLUON_ERROR, GLUON_HEAD_DIMS, HAS_GLUON
 
 if HAS_GLUON:
+    from triton._C.libtriton import ir as _triton_ir
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language._core import builtin as _gluon_builtin
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
@@ -89,8 +111,64 @@ NUM_CONSUMERS = 2
 LOAD_REGS = 24
 CONSUMER_REGS = 240
 
+#: The dQ variants (off by default; written and compiled offline for sm_90a, not yet run on a GPU).
+#: DQ_TMA: each consumer stages its [BLOCK_M, D/2] part of a step's dQ in shared memory and adds it to
+#: the fp32 buffer with one TMA bulk reduction (``cp.reduce.async.bulk.tensor ... add``), FA3's way,
+#: instead of BLOCK_M * D/2 per-element ``red.global.add``. DQ_DEFER: a step's dQ product waits for
+#: the other consumer's dS^T half one step later (software pipelining), so the ds_ready barrier is
+#: no longer on each step's critical path. ``gluon_attention_backward(dq_tma=, dq_defer=)`` and
+#: ``attention(bwd="gluon", bwd_dq_tma=, bwd_dq_defer=)`` choose per call; None there takes these
+#: (environment FA4_GLUON_BWD_DQ_TMA=1 / FA4_GLUON_BWD_DQ_DEFER=1, for the per-process GPU sweeps).
+DQ_TMA = os.environ.get("FA4_GLUON_BWD_DQ_TMA", "") == "1"
+DQ_DEFER = os.environ.get("FA4_GLUON_BWD_DQ_DEFER", "") == "1"
+
 
 if HAS_GLUON:
+
+    @_gluon_builtin
+    def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+        """Add the shared-memory tile ``src`` into global memory at ``coord`` of ``tensor_desc`` with one
+        TMA bulk reduction (``cp.reduce.async.bulk.tensor.*.global.shared::cta.add``, asynchronous:
+        ``tma.store_wait`` before ``src`` is written again). Triton 3.6 builds this op
+        (``ttng.async_tma_reduce``, what ``tl`` descriptors' ``atomic_add`` lowers to) and its Gluon
+        builder has ``create_async_tma_reduce``, but ``gluon.language.nvidia.hopper.tma`` exports no
+        wrapper for it: this is that wrapper, written as ``tma.async_copy_shared_to_global`` is."""
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(
+            _triton_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle
+        )
+
+    @gluon.jit
+    def _dq_bulk_add(dq_desc, dq_stage, dq, row, col):
+        """One consumer warpgroup's [BLOCK_M, D/2] dQ part (fp32, scaled) added to the dQ buffer by a
+        TMA bulk reduction from its staging tile. The previous reduction must have finished reading the
+        tile (the wait is on the thread that issued it, so a barrier follows it), and every thread's
+        writes must be visible to the TMA unit (the async proxy) before the one issuing thread starts."""
+        tma.store_wait(0)
+        gl.thread_barrier()
+        dq_stage.store(dq)
+        fence_async_shared()
+        gl.thread_barrier()
+        _tma_reduce_add(dq_desc, [row, col], dq_stage)
+
+    @gluon.jit
+    def _dq_add(DQACC, dq_stage, dq, sm_scale, off_b, m, off_h, S_Q, H, dq_row_offs, dq_cols, dq_rows0,
+                CONSUMER: gl.constexpr, D: gl.constexpr, DQ_TMA: gl.constexpr):  # fmt: skip
+        """Add one consumer's dQ part, times sm_scale (rows [m, + BLOCK_M) of query head off_h, its D/2 columns)
+        to the fp32 dQ buffer: by a TMA bulk reduction (DQ_TMA; DQACC a descriptor) or by per-element
+        relaxed atomics (``red.global.add``; DQACC a pointer), rows past S_Q masked."""
+        if DQ_TMA:
+            _dq_bulk_add(DQACC, dq_stage, dq * sm_scale, off_b * S_Q + m, off_h * D + CONSUMER * (D // 2))
+        else:
+            # a 64-bit scalar base, a row pointer per row and the columns as immediates (a 64-bit
+            # offset per element held 64 more registers and spilled)
+            dq_base = DQACC + ((off_b * S_Q + m).to(gl.int64) * H + off_h) * D
+            gl.atomic_add(
+                (dq_base + dq_row_offs) + gl.expand_dims(dq_cols, 0),
+                dq * sm_scale,
+                mask=gl.expand_dims(dq_rows0 < S_Q - m, 1),
+                sem="relaxed",
+            )
 
     @gluon.jit
     def _bwd_load_partition(
@@ -139,17 +217,31 @@ if HAS_GLUON:
 
     @gluon.jit
     def _bwd_consume(
-        q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem,
+        q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem,
         kv_ready, q_ready, do_ready, empty, ds_ready,
         DQACC, DK, DV, off_b, h0, off_hk, H, H_KV, S_Q, S_K, n0, m_lo, total,
         qk_scale, sm_scale,
         CONSUMER: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, SKIP: gl.constexpr,
+        DQ_TMA: gl.constexpr, DQ_DEFER: gl.constexpr,
     ):  # fmt: skip
         """Consumer warpgroup CONSUMER: keys [n0 + CONSUMER * HALF, + HALF) of the block, and columns
         [CONSUMER * D/2, + D/2) of each step's dQ tile. SKIP (0 in use) leaves parts out, to locate a
         fault on the GPU (results then wrong): 1 the dQ atomics, 2 the dS^T exchange and the dQ
-        product, 4 the dK product, 8 the dV product (see BISECT)."""
+        product, 4 the dK product, 8 the dV product (see BISECT).
+
+        DQ_TMA: DQACC is a tensor descriptor of the fp32 dQ buffer viewed as [B * S_Q, H * D] with box
+        [BLOCK_M, D/2]; this consumer's dQ part goes through its staging tile dq_smem[CONSUMER] and one
+        bulk reduction (``_dq_bulk_add``). Rows past S_Q in a tile hold exact zeros (P^T was masked to 0
+        there, so dS^T is 0): the reduction adds +-0 to the next batch's rows, which changes nothing,
+        and the TMA unit drops rows past the buffer's end.
+        DQ_DEFER: step it issues the dQ product of step it - 1 first (its dS^T tile, buffer (it - 1) % 2,
+        was completed by both consumers during step it - 1), then this step's S^T and dP^T; the dQ of
+        the last step follows the loop. Step 0 issues one on the never-written buffer 1 (a fresh
+        mbarrier passes parity 1 at once) and drops its result. Buffer reuse stays safe: a consumer
+        writes buffer it % 2 at step it only after waiting for the other's dS^T of step it - 1, which
+        the other stored after its dQ product of step it - 2 (the last reader of that buffer) had
+        completed. SKIP must be 0, 1 or 16 (the dQ products move; the other bits stay default-only)."""
         HALF: gl.constexpr = BLOCK_N // 2
         DQ_COLS: gl.constexpr = D // 2
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -180,22 +272,42 @@ if HAS_GLUON:
         dq_rows0 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
         dq_cols = CONSUMER * DQ_COLS + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
         dq_row_offs = gl.expand_dims(dq_rows0 * (H * D), 1)
+        dq_stage = dq_smem.index(CONSUMER)
         mbarrier.wait(kv_ready, 0)
 
         start_m = m_lo
         off_h = h0
+        prev_m = m_lo  # DQ_DEFER: the query tile and head of the step before
+        prev_h = h0
         for it in range(total):
             st = it % NUM_STAGES
             ph = (it // NUM_STAGES) & 1
             buf = it % 2
+            if DQ_DEFER:
+                # dS^T of step it - 1 complete (both halves): its buffer's ((it - 1) // 2)-th completion,
+                # parity ((it + 1) // 2 + 1) & 1, which for it = 0 is 1 and passes at once
+                mbarrier.wait(ds_ready.index((it + 1) % 2), ((it + 1) // 2 + 1) & 1)
+                dq_tok = warpgroup_mma(
+                    ds_smem.index((it + 1) % 2).permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True
+                )
             mbarrier.wait(q_ready.index(st), ph)
             q_tile = q_smem.index(st)
             s_tok = warpgroup_mma(k_mine, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            if DQ_DEFER:
+                # dQ of the step before and this S^T land together; dQ leaves the registers (to shared
+                # memory or as atomics) before dP^T is issued: with dQ, S^T and dP^T in flight at once
+                # beside dK and dV, D = 128 spilled about 1 KB (offline compile)
+                sT, dq = warpgroup_mma_wait(0, deps=(s_tok, dq_tok))
+                if it > 0:
+                    if SKIP & 1 == 0:
+                        _dq_add(DQACC, dq_stage, dq, sm_scale, off_b, prev_m, prev_h, S_Q, H,
+                                dq_row_offs, dq_cols, dq_rows0, CONSUMER, D, DQ_TMA)  # fmt: skip
             mbarrier.wait(do_ready.index(st), ph)
             do_tile = do_smem.index(st)
             dp_tok = warpgroup_mma(v_mine, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             lse = lse_smem.index(st).load(col_s)
-            sT = warpgroup_mma_wait(1, deps=(s_tok,))
+            if not DQ_DEFER:
+                sT = warpgroup_mma_wait(1, deps=(s_tok,))
             pT = gl.exp2(sT * qk_scale - gl.expand_dims(lse, 0))
             # Mask where this consumer's keys cross the diagonal, the keys end or the queries end:
             # rows past S_Q hold the next batch's Q (and the next head's LSE), keys past S_K the next
@@ -234,7 +346,9 @@ if HAS_GLUON:
                     )  # P^T's registers are free once dV lands
             elif SKIP & 8 == 0:
                 dv, _ = warpgroup_mma_wait(0, deps=(dv_tok, pT_op))
-            if SKIP & 2 == 0:
+            if DQ_DEFER:  # this step's dQ product waits for the next step (or the loop's end)
+                dk, _ = warpgroup_mma_wait(0, deps=(dk_tok, dsT_op))
+            elif SKIP & 2 == 0:
                 mbarrier.wait(ds_ready.index(buf), (it // 2) & 1)  # both halves of dS^T written
                 dq_tok = warpgroup_mma(
                     ds_smem.index(buf).permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True
@@ -248,21 +362,30 @@ if HAS_GLUON:
                 if SKIP & 4 == 0:
                     dk, _ = warpgroup_mma_wait(0, deps=(dk_tok, dsT_op))
             mbarrier.arrive(empty.index(st), count=1)  # Q, dO, LSE, delta of this stage are free
-            # this step's part of dQ rows [start_m, + BLOCK_M) of query head off_h: a 64-bit scalar
-            # base, a row pointer per row and the columns as immediates (a 64-bit offset per element
-            # held 64 more registers and spilled)
-            if SKIP & 1 == 0:
-                dq_base = DQACC + ((off_b * S_Q + start_m).to(gl.int64) * H + off_h) * D
-                gl.atomic_add(
-                    (dq_base + dq_row_offs) + gl.expand_dims(dq_cols, 0),
-                    dq * sm_scale,
-                    mask=gl.expand_dims(dq_rows0 < S_Q - start_m, 1),
-                    sem="relaxed",
-                )
+            # this step's part of dQ rows [start_m, + BLOCK_M) of query head off_h (DQ_DEFER: next step)
+            if DQ_DEFER:
+                prev_m = start_m
+                prev_h = off_h
+            elif SKIP & 1 == 0:
+                _dq_add(DQACC, dq_stage, dq, sm_scale, off_b, start_m, off_h, S_Q, H,
+                        dq_row_offs, dq_cols, dq_rows0, CONSUMER, D, DQ_TMA)  # fmt: skip
             start_m += BLOCK_M
             if start_m >= S_Q:
                 start_m = m_lo
                 off_h += 1
+
+        if DQ_DEFER:  # the last step's dQ
+            last = total - 1
+            mbarrier.wait(ds_ready.index(last % 2), (last // 2) & 1)
+            dq_tok = warpgroup_mma(
+                ds_smem.index(last % 2).permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True
+            )
+            dq = warpgroup_mma_wait(0, deps=(dq_tok,))
+            if SKIP & 1 == 0:
+                _dq_add(DQACC, dq_stage, dq, sm_scale, off_b, prev_m, prev_h, S_Q, H,
+                        dq_row_offs, dq_cols, dq_rows0, CONSUMER, D, DQ_TMA)  # fmt: skip
+        if DQ_TMA:
+            tma.store_wait(0)  # the staging tile is read before the block's shared memory is released
 
         # dK, dV of this consumer's keys (summed over the group's query heads), rows past S_K left alone.
         rows_k = gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
@@ -279,6 +402,7 @@ if HAS_GLUON:
         H, H_KV, GROUP, S_Q, S_K, S_STAT, qk_scale, sm_scale,
         D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
         CAUSAL: gl.constexpr, LOAD_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, SKIP: gl.constexpr = 0,
+        DQ_TMA: gl.constexpr = False, DQ_DEFER: gl.constexpr = False,
     ):  # fmt: skip
         n_block = gl.program_id(0)  # causal: low key blocks see the most queries and launch first
         bhk = gl.program_id(1)
@@ -302,6 +426,10 @@ if HAS_GLUON:
         v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D], v_desc.layout)
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
         ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+        if DQ_TMA:  # each consumer's dQ staging tile [BLOCK_M, D/2] fp32 (DQACC is then a descriptor)
+            dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, D // 2], DQACC.layout)
+        else:
+            dq_smem = ds_smem  # not used
         bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
         kv_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
         q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
@@ -322,10 +450,10 @@ if HAS_GLUON:
         gl.warp_specialize(
             [
                 (_bwd_consume, (
-                    q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem,
+                    q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem,
                     kv_ready, q_ready, do_ready, empty, ds_ready,
                     DQACC, DK, DV, off_b, off_hk * GROUP, off_hk, H, H_KV, S_Q, S_K, n0, m_lo, total,
-                    qk_scale, sm_scale, 0, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, SKIP,
+                    qk_scale, sm_scale, 0, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, SKIP, DQ_TMA, DQ_DEFER,
                 )),
                 (_bwd_load_partition, (
                     q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc,
@@ -335,10 +463,10 @@ if HAS_GLUON:
                     D, BLOCK_M, NUM_STAGES, SKIP,
                 )),
                 (_bwd_consume, (
-                    q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem,
+                    q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem,
                     kv_ready, q_ready, do_ready, empty, ds_ready,
                     DQACC, DK, DV, off_b, off_hk * GROUP, off_hk, H, H_KV, S_Q, S_K, n0, m_lo, total,
-                    qk_scale, sm_scale, 1, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, SKIP,
+                    qk_scale, sm_scale, 1, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, SKIP, DQ_TMA, DQ_DEFER,
                 )),
             ],
             [1, 4],
@@ -347,7 +475,13 @@ if HAS_GLUON:
 
 
 def _constexprs(
-    d: int, causal: bool, block_m: int | None = None, num_stages: int | None = None, skip: int = 0
+    d: int,
+    causal: bool,
+    block_m: int | None = None,
+    num_stages: int | None = None,
+    skip: int = 0,
+    dq_tma: bool = False,
+    dq_defer: bool = False,
 ) -> dict:
     """The kernel's constexpr arguments, shared by the launcher and the offline compile."""
     if d not in GLUON_BWD_DEFAULTS:
@@ -363,8 +497,45 @@ def _constexprs(
         raise ValueError(f"gluon backward: num_stages must be >= 1, got {ns}")
     if not 0 <= skip < 32:
         raise ValueError(f"gluon backward: skip is a bit mask of 1, 2, 4, 8, 16 (see BISECT), got {skip}")
+    for name, flag in (("dq_tma", dq_tma), ("dq_defer", dq_defer)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"gluon backward: {name} must be True or False, got {flag!r}")
+    if dq_defer and skip not in DEFER_SKIPS:
+        raise ValueError(
+            f"gluon backward: with dq_defer, skip must be one of {DEFER_SKIPS} (1 the dQ adds, 16 the "
+            f"LSE / delta copies; the dQ product moves, so the other bits are the default's only), got {skip}"
+        )
     return dict(D=d, BLOCK_M=bm, BLOCK_N=BLOCK_N, NUM_STAGES=ns, CAUSAL=bool(causal),
-                LOAD_REGS=LOAD_REGS, CONSUMER_REGS=CONSUMER_REGS, SKIP=int(skip))  # fmt: skip
+                LOAD_REGS=LOAD_REGS, CONSUMER_REGS=CONSUMER_REGS, SKIP=int(skip),
+                DQ_TMA=dq_tma, DQ_DEFER=dq_defer)  # fmt: skip
+
+
+#: SKIP bits the deferred-dQ variant takes (BISECT's subset for it).
+DEFER_SKIPS = (0, 1, 16, 17)
+
+#: The dQ variants by name: (dq_tma, dq_defer). "atomic" is the default kernel (per-element atomics,
+#: dQ product right after the dS^T exchange); the others are off by default, not yet run on a GPU.
+DQ_VARIANTS = {
+    "atomic": (False, False),
+    "tma": (True, False),
+    "defer": (False, True),
+    "tma-defer": (True, True),
+}
+
+
+def variant_env(variant: str) -> dict:
+    """The environment that makes ``attention(bwd="gluon")`` run dQ variant ``variant`` in a fresh
+    process (the module flags DQ_TMA / DQ_DEFER are read at import)."""
+    if variant not in DQ_VARIANTS:
+        raise ValueError(f"gluon backward: dQ variant must be one of {list(DQ_VARIANTS)}, got {variant!r}")
+    tma_on, defer_on = DQ_VARIANTS[variant]
+    return {"FA4_GLUON_BWD_DQ_TMA": str(int(tma_on)), "FA4_GLUON_BWD_DQ_DEFER": str(int(defer_on))}
+
+
+def _dq_layout(d: int, block_m: int):
+    """Shared-memory layout of a consumer's dQ staging tile [block_m, D/2] fp32 (DQ_TMA): the default
+    NVMMA swizzle, 128 B (a row of D/2 fp32 is 128 B at D = 64, 256 B at D = 128)."""
+    return gl.NVMMASharedLayout.get_default_for([block_m, d // 2], gl.float32)
 
 
 def _layouts(d: int, block_m: int, gdt):
@@ -443,6 +614,8 @@ def gluon_attention_backward(
     block_m: int | None = None,
     num_stages: int | None = None,
     skip: int = 0,
+    dq_tma: bool | None = None,
+    dq_defer: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of attention from the forward's output ``o`` and base-2 log-sum-exp ``lse``.
 
@@ -450,6 +623,9 @@ def gluon_attention_backward(
     lse: [B, H, S_q] float32 (either forward's). Causal needs S_q <= S_k. Hopper (sm_90) only.
     delta = rowsum(dO * O) and the zeroed fp32 dQ buffer come from ``bwd_fused``'s preprocess kernel.
     ``skip``: parts left out to locate a fault (BISECT; the gradients are then wrong), 0 in use.
+    ``dq_tma``: dQ added by TMA bulk reductions from shared memory instead of per-element atomics;
+    ``dq_defer``: each step's dQ product one step later, off the dS^T exchange's barrier (module flags
+    DQ_TMA / DQ_DEFER when None; both off by default, not yet run on a GPU).
     """
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -462,7 +638,10 @@ def gluon_attention_backward(
     s_k, h_kv = k.shape[1], k.shape[2]
     if causal and s_q > s_k:
         raise ValueError(f"gluon backward: causal needs S_q <= S_k, got S_q = {s_q}, S_k = {s_k}")
-    cx = _constexprs(d, causal, block_m, num_stages, skip)
+    cx = _constexprs(
+        d, causal, block_m, num_stages, skip,
+        DQ_TMA if dq_tma is None else dq_tma, DQ_DEFER if dq_defer is None else dq_defer,
+    )  # fmt: skip
     bm = cx["BLOCK_M"]
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
     delta, dq_acc = preprocess(o, do)
@@ -479,8 +658,10 @@ def gluon_attention_backward(
     q_desc, do_desc = (desc(t.view(b * s_q, h * d), [bm, d], qo_layout) for t in (q, do))
     k_desc, v_desc = (desc(t.view(b * s_k, h_kv * d), [BLOCK_N, d], kv_layout) for t in (k, v))
     lse_desc, delta_desc = (desc(t.view(-1), [bm], vec_layout) for t in (lse, delta))
+    # DQ_TMA: the fp32 dQ buffer [B, S_q, H, D] as [B * S_q, H * D], one consumer's part per box
+    dq_arg = desc(dq_acc.view(b * s_q, h * d), [bm, d // 2], _dq_layout(d, bm)) if cx["DQ_TMA"] else dq_acc
     _gluon_bwd_kernel[(-(-s_k // BLOCK_N), b * h_kv)](
-        q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, dq_acc, dk, dv,
+        q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, dq_arg, dk, dv,
         h, h_kv, h // h_kv, s_q, s_k, s_stat, scale / math.log(2.0), scale, **cx, num_warps=4,
     )  # fmt: skip
     return dq_acc.to(q.dtype), dk, dv
@@ -492,13 +673,14 @@ def gluon_attention_backward(
 
 
 def compile_for_sm90(d: int, causal: bool, dtype: str = "bf16", block_m: int | None = None,
-                     num_stages: int | None = None, skip: int = 0):  # fmt: skip
+                     num_stages: int | None = None, skip: int = 0, dq_tma: bool = False,
+                     dq_defer: bool = False):  # fmt: skip
     """The kernel compiled for sm_90a without a GPU; returns Triton's CompiledKernel."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    cx = _constexprs(d, causal, block_m, num_stages, skip)
+    cx = _constexprs(d, causal, block_m, num_stages, skip, dq_tma, dq_defer)
     bm = cx["BLOCK_M"]
     qo_layout, kv_layout, vec_layout = _layouts(d, bm, {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype])
     signature = {
@@ -508,7 +690,8 @@ def compile_for_sm90(d: int, causal: bool, dtype: str = "bf16", block_m: int | N
         "delta_desc": f"tensordesc<fp32[{bm}],{vec_layout!r}>",
         "k_desc": f"tensordesc<{dtype}[{BLOCK_N}, {d}],{kv_layout!r}>",
         "v_desc": f"tensordesc<{dtype}[{BLOCK_N}, {d}],{kv_layout!r}>",
-        "DQACC": "*fp32", "DK": f"*{dtype}", "DV": f"*{dtype}",
+        "DQACC": f"tensordesc<fp32[{bm}, {d // 2}],{_dq_layout(d, bm)!r}>" if dq_tma else "*fp32",
+        "DK": f"*{dtype}", "DV": f"*{dtype}",
         "H": "i32", "H_KV": "i32", "GROUP": "i32", "S_Q": "i32", "S_K": "i32", "S_STAT": "i32",
         "qk_scale": "fp32", "sm_scale": "fp32",
         **{name: "constexpr" for name in cx},
@@ -518,9 +701,11 @@ def compile_for_sm90(d: int, causal: bool, dtype: str = "bf16", block_m: int | N
 
 
 def compile_report(cases) -> list[dict]:
-    """Offline sm_90a compile of each (d, causal, dtype[, block_m, num_stages[, skip]]): shared memory (bytes),
-    warps, ptxas registers and spills (the launch allocation; setmaxnreg then gives the load warp 24
-    and the consumers 240), setmaxnreg values, and counts of wgmma, TMA loads and atomics in the PTX."""
+    """Offline sm_90a compile of each (d, causal, dtype[, block_m, num_stages[, skip[, dq_tma[, dq_defer]]]]):
+    shared memory (bytes), warps, ptxas registers and spills (the launch allocation; setmaxnreg then
+    gives the load warp 24 and the consumers 240), setmaxnreg values, and counts in the PTX of wgmma,
+    TMA loads, atomics, TMA bulk reductions (``cp.reduce.async.bulk``, each with its reduce kind and
+    type), bulk-group commits and waits, mbarrier waits and named-barrier syncs."""
     import re
 
     from paperclub.triton_compat import ptxas_usage
@@ -530,9 +715,11 @@ def compile_report(cases) -> list[dict]:
         d, causal, dtype = case[:3]
         bm, ns = (list(case[3:5]) + [None, None])[:2]
         skip = int(case[5]) if len(case) > 5 else 0
-        row = dict(d=d, causal=causal, dtype=dtype, block_m=bm, num_stages=ns, skip=skip)
+        dq_tma, dq_defer = (bool(x) for x in (list(case[6:8]) + [False, False])[:2])
+        row = dict(d=d, causal=causal, dtype=dtype, block_m=bm, num_stages=ns, skip=skip,
+                   dq_tma=dq_tma, dq_defer=dq_defer)  # fmt: skip
         try:
-            c = compile_for_sm90(d, causal, dtype, bm, ns, skip)
+            c = compile_for_sm90(d, causal, dtype, bm, ns, skip, dq_tma, dq_defer)
             ptx = c.asm["ptx"]
             row.update(
                 shared=c.metadata.shared,
@@ -541,6 +728,14 @@ def compile_report(cases) -> list[dict]:
                 wgmma=len(re.findall(r"wgmma\.mma_async", ptx)),
                 tma_loads=len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
                 atomics=sorted(set(re.findall(r"\b(?:red|atom)\.global[\w.]*", ptx))),
+                atomic_count=len(re.findall(r"\b(?:red|atom)\.global", ptx)),
+                bulk_reduce=len(re.findall(r"cp\.reduce\.async\.bulk", ptx)),
+                bulk_reduce_kinds=sorted(set(re.findall(r"cp\.reduce\.async\.bulk[\w.:]*", ptx))),
+                bulk_commit=len(re.findall(r"cp\.async\.bulk\.commit_group", ptx)),
+                bulk_wait=len(re.findall(r"cp\.async\.bulk\.wait_group", ptx)),
+                mbarrier_waits=len(re.findall(r"mbarrier\.try_wait", ptx)),
+                bar_syncs=len(re.findall(r"\bbar(?:rier)?\.sync", ptx)),
+                ptx_sha=__import__("hashlib").sha256(ptx.encode()).hexdigest()[:16],
                 setmaxnreg=sorted(
                     {int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}
                 ),
@@ -554,12 +749,23 @@ def compile_report(cases) -> list[dict]:
 
 #: The variants compiled by ``python -m repro.fa4.gluon_bwd`` and tests/test_gluon_bwd.py.
 COMPILE_CASES = [[d, c, t] for d in GLUON_HEAD_DIMS for c in (False, True) for t in ("bf16", "fp16")]
+#: The dQ variants' offline compiles in tests/test_gluon_bwd.py: "tma-defer" (FA3's way, both changes)
+#: at every head dim, causality and dtype; each change alone at D = 128, causal, bf16 and D = 64, fp16.
+VARIANT_COMPILE_CASES = [
+    *[[d, c, t, None, None, 0, True, True] for d, c, t in COMPILE_CASES],
+    *[[d, c, t, None, None, 0, *DQ_VARIANTS[v]] for v in ("tma", "defer")
+      for d, c, t in ((128, True, "bf16"), (64, False, "fp16"))],
+]  # fmt: skip
 
 #: Parts left out, one run each, to find which one ends the kernel in "an illegal instruction" (the
 #: first H100 run): bits of SKIP, 1 the dQ atomics, 2 the dS^T exchange between the consumers and
 #: the dQ product, 4 the dK product, 8 the dV product, 16 the LSE / delta TMA copies. A variant
 #: that runs where 0 does not points at what it left out.
 BISECT = (0, 1, 2, 3, 4, 8, 16, 2 | 4, 2 | 4 | 8, 1 | 2 | 4 | 8 | 16)
+#: The bisect of a dQ variant other than "atomic": the variant whole, without its dQ adds (1: the bulk
+#: reductions or atomics), without the LSE / delta copies (16), and the default kernel (variant
+#: "atomic", skip 0) run in the same way beside it.
+VARIANT_BISECT = (0, 1, 16)
 
 
 def max_rel_err(got, ref) -> float:
@@ -571,11 +777,15 @@ def max_rel_err(got, ref) -> float:
 
 
 def bisect_one(
-    skip: int, d: int = 128, causal: bool = False, shape: tuple[int, ...] = (1, 512, 512, 2, 2)
+    skip: int,
+    d: int = 128,
+    causal: bool = False,
+    shape: tuple[int, ...] = (1, 512, 512, 2, 2),
+    variant: str = "atomic",
 ) -> dict:
-    """Run the kernel once with ``skip`` on the GPU at ``shape`` (B, S_q, S_k, H, H_kv; bf16); report
-    whether it finished and, for skip 0, its gradients' largest relative error against the FA2
-    Triton backward."""
+    """Run the kernel once with ``skip`` and dQ variant ``variant`` (DQ_VARIANTS) on the GPU at ``shape``
+    (B, S_q, S_k, H, H_kv; bf16); report whether it finished and its gradients' largest relative
+    error against the FA2 Triton backward (meaningful for skip 0)."""
     from repro.fa4 import attention
 
     b, s_q, s_k, h, h_kv = shape
@@ -594,21 +804,40 @@ def bisect_one(
     if causal:  # bottom-right aligned, as attention() does for S_q < S_k
         s = s.masked_fill(torch.ones(s_q, s_k, device="cuda").triu(s_k - s_q + 1).bool(), float("-inf"))
     lse = torch.logsumexp(s, dim=-1) / math.log(2.0)
-    got = gluon_attention_backward(do, q, k, v, o.detach(), lse.contiguous(), causal, scale, skip=skip)
+    dq_tma, dq_defer = DQ_VARIANTS[variant]
+    got = gluon_attention_backward(
+        do, q, k, v, o.detach(), lse.contiguous(), causal, scale, skip=skip, dq_tma=dq_tma, dq_defer=dq_defer
+    )
     torch.cuda.synchronize()
     err = max_rel_err(got, ref)
-    return {"skip": skip, "status": "ran", "rel_err": err}
+    return {"skip": skip, "dq": variant, "status": "ran", "rel_err": err}
 
 
-def bisect(out: str | None = None, timeout_s: float = 120.0, shape: str = "1,512,512,2,2") -> list[dict]:
-    """Each BISECT variant in its own process (a fault leaves the CUDA context unusable), with a
-    time limit (a hang is a result too), at ``shape`` "B,S_q,S_k,H,H_kv"."""
+def bisect_plan(variants=("atomic",)) -> list[tuple[str, int]]:
+    """(variant, skip) runs of ``bisect``: BISECT for "atomic", VARIANT_BISECT for any other, each
+    other variant's runs after a plain run of the default kernel."""
+    plan = []
+    for v in variants:
+        if v not in DQ_VARIANTS:
+            raise ValueError(f"gluon backward: dQ variant must be one of {list(DQ_VARIANTS)}, got {v!r}")
+        if v == "atomic":
+            plan += [("atomic", s) for s in BISECT]
+        else:
+            plan += [("atomic", 0)] * (("atomic", 0) not in plan) + [(v, s) for s in VARIANT_BISECT]
+    return plan
+
+
+def bisect(
+    out: str | None = None, timeout_s: float = 120.0, shape: str = "1,512,512,2,2", variants=("atomic",)
+) -> list[dict]:
+    """Each (variant, skip) of ``bisect_plan(variants)`` in its own process (a fault leaves the CUDA
+    context unusable), with a time limit (a hang is a result too), at ``shape`` "B,S_q,S_k,H,H_kv"."""
     import subprocess
     import sys
 
     rows = []
-    for skip in BISECT:
-        cmd = [sys.executable, "-m", "repro.fa4.gluon_bwd", "--bisect-one", str(skip), shape]
+    for variant, skip in bisect_plan(variants):
+        cmd = [sys.executable, "-m", "repro.fa4.gluon_bwd", "--bisect-one", str(skip), shape, variant]
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
             lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
@@ -617,12 +846,13 @@ def bisect(out: str | None = None, timeout_s: float = 120.0, shape: str = "1,512
                 if r.returncode == 0 and lines
                 else {
                     "skip": skip,
+                    "dq": variant,
                     "status": f"failed (exit {r.returncode})",
                     "error": (r.stderr or r.stdout)[-600:],
                 }
             )
         except subprocess.TimeoutExpired:
-            row = {"skip": skip, "status": f"timeout after {timeout_s:.0f} s (a hang)"}
+            row = {"skip": skip, "dq": variant, "status": f"timeout after {timeout_s:.0f} s (a hang)"}
         print(json.dumps(row), flush=True)
         rows.append(row)
     if out:
@@ -661,10 +891,16 @@ def sweep_one(d: int, causal: bool, dtype: str, fwd: str, start: int, shapes: li
             "causal": causal,
             "dtype": dtype,
             "fwd": fwd,
+            "dq": _variant_name(),
             "shape": i,
             "B_Sq_Sk_H_Hkv": [b, s_q, s_k, h, h_kv],
         }
         print(json.dumps({**row, "status": "ran", "rel_err_vs_fa2": err}), flush=True)
+
+
+def _variant_name() -> str:
+    """The DQ_VARIANTS name of this process's module flags (what attention(bwd="gluon") runs)."""
+    return next(n for n, flags in DQ_VARIANTS.items() if flags == (DQ_TMA, DQ_DEFER))
 
 
 #: behind the Gluon forward first (the pairing that faulted, and the one the benchmark times), D = 128 first
@@ -692,18 +928,22 @@ def sweep(
     timeout_s: float = 90.0,
     budget_s: float = 300.0,
     shapes: list | None = None,
+    variant: str = "atomic",
 ) -> list[dict]:
     """Every (head dim, causal, dtype, forward) group of the GPU matrix in its own process, shape by
     shape (``sweep_one``); where a process dies or hangs, the shape after its last line is recorded as
     the one that faulted and the group goes on from the next shape in a new process. With ``shapes``,
-    those shapes in the first group only (D = 128, not causal, bf16, Gluon forward). ``out``: a
-    directory for the Report (``<device>-gluon-bwd-sweep.json`` or ``-boundary.json``)."""
+    those shapes in the first group only (D = 128, not causal, bf16, Gluon forward). ``variant``: the
+    dQ variant (DQ_VARIANTS) the processes run, by their environment (``variant_env``). ``out``: a
+    directory for the Report (``<device>-gluon-bwd-sweep.json`` or ``-boundary.json``; other variants
+    ``-sweep-<variant>.json``)."""
     import subprocess
     import sys
     import time
 
     from repro.fa4.tests.test_gpu_bwd import SHAPES as MATRIX
 
+    env = {**os.environ, **variant_env(variant)}
     SHAPES = [list(x) for x in shapes] if shapes else MATRIX
     rows, t_end = [], time.monotonic() + budget_s
     for d, causal, dtype, fwd in SWEEP_GROUPS[:1] if shapes else SWEEP_GROUPS:
@@ -711,13 +951,20 @@ def sweep(
         while start < len(SHAPES):
             if time.monotonic() > t_end:
                 rows.append(
-                    {"d": d, "causal": causal, "dtype": dtype, "fwd": fwd, "status": "not run: budget"}
+                    {
+                        "d": d,
+                        "causal": causal,
+                        "dtype": dtype,
+                        "fwd": fwd,
+                        "dq": variant,
+                        "status": "not run: budget",
+                    }
                 )
                 break
             args = ["--sweep-one", str(d), str(int(causal)), dtype, fwd, str(start), json.dumps(SHAPES)]
             cmd = [sys.executable, "-m", "repro.fa4.gluon_bwd", *args]
             try:
-                r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
                 text, failed, status = r.stdout, r.returncode != 0, f"failed (exit {r.returncode})"
                 err = (r.stderr or "")[-600:]
             except subprocess.TimeoutExpired as exc:
@@ -736,13 +983,15 @@ def sweep(
             )
             if nxt is None:
                 break
-            bad = {"d": d, "causal": causal, "dtype": dtype, "fwd": fwd, "shape": nxt,
+            bad = {"d": d, "causal": causal, "dtype": dtype, "fwd": fwd, "dq": variant, "shape": nxt,
                    "B_Sq_Sk_H_Hkv": list(SHAPES[nxt]), "status": status, "error": err}  # fmt: skip
             print(json.dumps(bad), flush=True)
             rows.append(bad)
             start = nxt + 1
     if out:
-        tag = "gluon-bwd-boundary" if shapes else "gluon-bwd-sweep"
+        tag = ("gluon-bwd-boundary" if shapes else "gluon-bwd-sweep") + (
+            "" if variant == "atomic" else f"-{variant}"
+        )
         sweep_report(rows, tag).write(tag=tag, out_dir=Path(out))
     return rows
 
@@ -752,6 +1001,7 @@ SWEEP_COLUMNS = [
     "causal",
     "dtype",
     "fwd",
+    "dq",
     "shape",
     "B",
     "S_q",
@@ -784,7 +1034,7 @@ def sweep_report(rows: list[dict], what: str, measure_ceilings: bool = True):
         if status.startswith("failed") and "illegalinstruction" in err:
             status += ": an illegal instruction"
         rep.add(
-            d=r["d"], causal=r["causal"], dtype=r["dtype"], fwd=r["fwd"], shape=r.get("shape"),
+            d=r["d"], causal=r["causal"], dtype=r["dtype"], fwd=r["fwd"], dq=r.get("dq", "atomic"), shape=r.get("shape"),
             B=b, S_q=s_q, S_k=s_k, H=h, H_kv=h_kv, status=status, rel_err_vs_fa2=r.get("rel_err_vs_fa2"),
         )  # fmt: skip
     return rep
@@ -795,20 +1045,22 @@ if __name__ == "__main__":
 
     if (
         len(sys.argv) > 1 and sys.argv[1] == "--bisect"
-    ):  # on an H100: python -m repro.fa4.gluon_bwd --bisect [OUT [B,S_q,S_k,H,H_kv]]
+    ):  # on an H100: python -m repro.fa4.gluon_bwd --bisect [OUT [B,S_q,S_k,H,H_kv [VARIANT,...]]]
         KNOWN_BROKEN_ON_GPU = False
         bisect(
-            sys.argv[2] if len(sys.argv) > 2 else None,
+            sys.argv[2] if len(sys.argv) > 2 and sys.argv[2] != "-" else None,
             shape=sys.argv[3] if len(sys.argv) > 3 else "1,512,512,2,2",
+            variants=tuple(sys.argv[4].split(",")) if len(sys.argv) > 4 else ("atomic",),
         )
     elif (
         len(sys.argv) > 1 and sys.argv[1] == "--sweep"
-    ):  # on an H100: --sweep [OUT_DIR [BUDGET_S [boundary]]]
+    ):  # on an H100: --sweep [OUT_DIR [BUDGET_S [boundary|matrix [VARIANT]]]]
         KNOWN_BROKEN_ON_GPU = False
         sweep(
-            sys.argv[2] if len(sys.argv) > 2 else None,
+            sys.argv[2] if len(sys.argv) > 2 and sys.argv[2] != "-" else None,
             budget_s=float(sys.argv[3]) if len(sys.argv) > 3 else 300.0,
             shapes=BOUNDARY_SHAPES if len(sys.argv) > 4 and sys.argv[4] == "boundary" else None,
+            variant=sys.argv[5] if len(sys.argv) > 5 else "atomic",
         )
     elif len(sys.argv) > 6 and sys.argv[1] == "--sweep-one":
         import repro.fa4.gluon_bwd as dispatched  # the module attention(bwd="gluon") calls, not __main__
@@ -819,7 +1071,11 @@ if __name__ == "__main__":
     elif len(sys.argv) > 2 and sys.argv[1] == "--bisect-one":
         KNOWN_BROKEN_ON_GPU = False
         shp = tuple(int(x) for x in (sys.argv[3] if len(sys.argv) > 3 else "1,512,512,2,2").split(","))
-        print(json.dumps({**bisect_one(int(sys.argv[2]), shape=shp), "shape": list(shp)}), flush=True)
+        var = sys.argv[4] if len(sys.argv) > 4 else "atomic"
+        print(
+            json.dumps({**bisect_one(int(sys.argv[2]), shape=shp, variant=var), "shape": list(shp)}),
+            flush=True,
+        )
     else:
         # python -m repro.fa4.gluon_bwd [JSON list of [d, causal, dtype(, block_m, num_stages)]]: offline report
         cases = json.loads(sys.argv[1]) if len(sys.argv) > 1 else COMPILE_CASES

@@ -194,3 +194,141 @@ def test_pad_stats_aligns_every_tma_box(s_q):
     assert all(x % 16 == 0 for x in starts)
     if s_q % 64 == 0:
         assert lp is lse and dp is delta
+
+
+# --------------------------------------------------------------------------------------------
+# The dQ variants (gluon_bwd.DQ_VARIANTS: TMA bulk reductions, deferred dQ product; off by default)
+# --------------------------------------------------------------------------------------------
+
+#: Spilled bytes allowed for the variants, as compiled on 2026-11-26 (Triton 3.6): dq_tma alone spills
+#: about as much as the default at D = 128 (24 / causal 96 bytes against 44 / 92); the deferred dQ
+#: product holds its dQ tile beside S^T, dK and dV and spills 360-660 bytes at D = 128, which the GPU
+#: timing has to pay for. None at D = 64.
+VARIANT_SPILL_BUDGET = {(64, False): 0, (64, True): 0, (128, False): 128, (128, True): 768}
+
+
+def _variant_id(case):
+    d, causal, dtype, _, _, _, tma_on, defer_on = case
+    name = next(n for n, f in gluon_bwd.DQ_VARIANTS.items() if f == (tma_on, defer_on))
+    return f"{name}-d{d}-{'causal' if causal else 'full'}-{dtype}"
+
+
+@pytest.fixture(scope="module")
+def variant_rows(tmp_path_factory) -> dict:
+    """gluon_bwd.VARIANT_COMPILE_CASES compiled offline for sm_90a in one subprocess."""
+    cases = gluon_bwd.VARIANT_COMPILE_CASES
+    rows = compile_offline("repro.fa4.gluon_bwd", cases, tmp_path_factory.mktemp("triton-cache-dq"))
+    return {_variant_id(c): r for c, r in zip(cases, rows, strict=True)}
+
+
+@needs_gluon
+@pytest.mark.parametrize(
+    "case", gluon_bwd.VARIANT_COMPILE_CASES, ids=[_variant_id(c) for c in gluon_bwd.VARIANT_COMPILE_CASES]
+)
+def test_dq_variant_compiles_for_sm90(variant_rows, compile_rows, case):
+    """Each dQ variant compiles for sm_90a and does what it says in the PTX. dq_tma: every dQ add is a
+    TMA tensor bulk reduction (``cp.reduce.async.bulk.tensor ... add``, at least one per consumer, each
+    committed as a bulk group and waited on before its staging tile is rewritten) and no
+    ``red``/``atom.global`` is left; without it the per-element fp32 atomics stay. dq_defer: one more dQ
+    product (the last step's, after the loop) than the default kernel, so more wgmma. Fails if the
+    reduction falls back to atomics, is never waited on, or the deferral does not happen; and, as the
+    default's test, on a compile error, more than 227 KiB of shared memory or spills over budget."""
+    d, causal, dtype, _, _, _, tma_on, defer_on = case
+    row = variant_rows[_variant_id(case)]
+    base = compile_rows[(d, causal, dtype)]
+    print(row)
+    assert "error" not in row, row["error"]
+    assert row["target_ok"] and row["wgmma"] > 0 and row["tma_loads"] > 0, row
+    assert 24 in row["setmaxnreg"], row
+    assert 0 < row["shared"] <= H100_SMEM_PER_BLOCK, f"shared memory {row['shared']} B > 227 KiB"
+    if tma_on:
+        assert row["atomic_count"] == 0 and row["atomics"] == [], (
+            f"atomics left beside the bulk reductions: {row}"
+        )
+        assert row["bulk_reduce"] >= 2, row
+        kinds = row["bulk_reduce_kinds"]
+        assert all(".tensor." in k and ".add" in k and "global.shared::cta" in k for k in kinds), row
+        assert row["bulk_commit"] >= row["bulk_reduce"] and row["bulk_wait"] > row["bulk_reduce"], row
+        # the staging tiles: 2 consumers x BLOCK_M x D/2 fp32 beyond the default's shared memory
+        assert row["shared"] >= base["shared"] + 2 * 64 * (d // 2) * 4, (row["shared"], base["shared"])
+    else:
+        assert row["bulk_reduce"] == 0 and any(a.endswith("add.f32") for a in row["atomics"]), row
+    if defer_on:
+        assert row["wgmma"] > base["wgmma"], (row["wgmma"], base["wgmma"])
+    else:
+        assert row["wgmma"] == base["wgmma"], (row["wgmma"], base["wgmma"])
+    if "ptxas_error" in row:
+        pytest.fail(f"ptxas: {row['ptxas_error']}")
+    if "spill_stores" not in row:
+        pytest.skip("this Triton bundles no ptxas: registers and spills not checked")
+    assert row["spill_stores"] <= VARIANT_SPILL_BUDGET[(d, defer_on)], row
+
+
+def test_dq_variant_options_and_errors():
+    """The variants' options: named consistently (DQ_VARIANTS, variant_env), off by default, checked
+    (a non-bool flag, a skip bit the deferred variant does not take, an unknown variant name all raise,
+    naming the argument); the bisect plan runs each variant beside a plain default run; the public
+    switches reach only the backwards they apply to. Fails if a default flips or a check goes."""
+    assert gluon_bwd.DQ_VARIANTS["atomic"] == (False, False)
+    assert not gluon_bwd.DQ_TMA and not gluon_bwd.DQ_DEFER  # off unless the environment asks
+    cx = gluon_bwd._constexprs(128, True)
+    assert cx["DQ_TMA"] is False and cx["DQ_DEFER"] is False
+    assert gluon_bwd._constexprs(64, False, dq_tma=True, dq_defer=True)["DQ_DEFER"] is True
+    with pytest.raises(TypeError, match="dq_tma must be True or False"):
+        gluon_bwd._constexprs(128, False, dq_tma=1)
+    with pytest.raises(ValueError, match="with dq_defer, skip must be one of"):
+        gluon_bwd._constexprs(128, False, skip=2, dq_defer=True)
+    assert gluon_bwd._constexprs(128, False, skip=17, dq_defer=True)["SKIP"] == 17
+    assert gluon_bwd.variant_env("tma-defer") == {"FA4_GLUON_BWD_DQ_TMA": "1", "FA4_GLUON_BWD_DQ_DEFER": "1"}
+    with pytest.raises(ValueError, match="dQ variant must be one of"):
+        gluon_bwd.variant_env("bulk")
+    plan = gluon_bwd.bisect_plan(("atomic", "tma", "tma-defer"))
+    assert plan[: len(BISECT)] == [("atomic", s) for s in BISECT]
+    assert plan[len(BISECT) :] == [("tma", s) for s in gluon_bwd.VARIANT_BISECT] + [
+        ("tma-defer", s) for s in gluon_bwd.VARIANT_BISECT
+    ]
+    assert gluon_bwd.bisect_plan(("defer",))[0] == ("atomic", 0)
+    assert all(s in gluon_bwd.DEFER_SKIPS for s in gluon_bwd.VARIANT_BISECT)
+    q = torch.randn(1, 16, 2, 64)
+    with pytest.raises(ValueError, match="bwd_dq_defer applies to bwd='gluon' only"):
+        attention_any_d(q, q, q, bwd="fused", bwd_dq_defer=True)
+    with pytest.raises(ValueError, match="bwd_dq_tma applies to bwd='fused' or 'gluon' only"):
+        attention_any_d(q, q, q, bwd="fa2", bwd_dq_tma=True)
+
+
+def test_sweep_report_names_the_dq_variant():
+    """The sweep's rows say which dQ variant ran (rows from before the variants: the default)."""
+    rows = [
+        {"d": 128, "causal": True, "dtype": "bf16", "fwd": "gluon", "dq": "tma-defer", "shape": 1,
+         "B_Sq_Sk_H_Hkv": [2, 113, 113, 8, 2], "status": "ran", "rel_err_vs_fa2": 1e-4},
+        {"d": 64, "causal": False, "dtype": "fp16", "fwd": "gluon", "status": "not run: budget"},
+    ]  # fmt: skip
+    rep = gluon_bwd.sweep_report(rows, "test", measure_ceilings=False)
+    assert [r["dq"] for r in rep.rows] == ["tma-defer", "atomic"]
+
+
+def test_bench_dq_rows_use_valid_switches():
+    """The bench's --gluon-bwd-dq rows: the three variants, each a valid ``attention`` switch set with
+    bwd="gluon" (an unknown switch name would fail here, not on the GPU)."""
+    from repro.fa4 import Switches
+    from repro.fa4.bench import GLUON_BWD_DQ_IMPLS
+
+    flags = {(sw["bwd_dq_tma"], sw["bwd_dq_defer"]) for sw in GLUON_BWD_DQ_IMPLS.values()}
+    assert flags == {f for n, f in gluon_bwd.DQ_VARIANTS.items() if n != "atomic"}
+    for sw in GLUON_BWD_DQ_IMPLS.values():
+        assert Switches(**sw).bwd == "gluon"
+
+
+@pytest.mark.gpu
+@matrix.FUSED_CLAIM
+@pytest.mark.parametrize("variant", ["tma", "defer", "tma-defer"])
+@pytest.mark.parametrize("d, causal, dtype, fwd", GPU_CASES)
+def test_gpu_gluon_backward_dq_variant_matrix(d, causal, dtype, fwd, variant, monkeypatch):
+    """test_gpu_bwd's matrix (same shapes, fp64 reference, cuDNN's error beside ours, same tolerances)
+    with bwd="gluon" running dQ variant ``variant`` (the module flags that attention() takes when its
+    switches leave them None). Fails if the bulk reductions add a tile twice, miss one or add the next
+    batch's rows, or the deferred product pairs a step's dS with another step's rows."""
+    tma_on, defer_on = gluon_bwd.DQ_VARIANTS[variant]
+    monkeypatch.setattr(gluon_bwd, "DQ_TMA", tma_on)
+    monkeypatch.setattr(gluon_bwd, "DQ_DEFER", defer_on)
+    matrix.test_gpu_backward_matrix(d, causal, dtype, "gluon", fwd)
