@@ -456,16 +456,22 @@ def _slc_fwd_kernel(
 
 @triton.jit
 def _slc_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, BI, DQ,
+    Q, K, V, DO, O, LSE, DELTA, BI, DQ,
     sqb, sqt, sqh, skb, skt, skh,
     T, H, G, S, scale_log2, scale,
     D: tl.constexpr, BS: tl.constexpr, BG: tl.constexpr, IEEE: tl.constexpr,
+    FUSE_DELTA: tl.constexpr = False,
 ):  # fmt: skip
+    # FUSE_DELTA: delta = rowsum(dO * O) computed here from the [BG, D] rows this program loads anyway
+    # and stored to DELTA for the dK/dV kernel that runs after it (else DELTA is an input and O unused)
     t = tl.program_id(0)
     b, h, HQ, offs_d, g_ok, hq, row_base, row_off, kv_base = _slc_prologue(
         t, tl.program_id(1), H, G, sqb, sqt, sqh, skb, skh, BG, D
     )
     q, do = _load_pair(Q, DO, row_base, row_off, g_ok)
+    if FUSE_DELTA:
+        o = tl.load(O + row_base + row_off, mask=g_ok[:, None], other=0.0)
+        tl.store(DELTA + (b * T + t) * HQ + hq, tl.sum(do.to(tl.float32) * o.to(tl.float32), 1), mask=g_ok)
     lse2, delta = _row_stats(LSE, DELTA, b * T + t, HQ, hq, g_ok)
     dq = tl.zeros([BG, D], tl.float32)
     bi_base = BI + ((b * T + t) * H + h) * S
@@ -549,6 +555,76 @@ def _slc_bwd_dkdv_kernel(
             acc_dk += _dot(ds_t.to(q.dtype), q, IEEE)
     if cur >= 0:
         _slc_flush(DK, DV, acc_dk, acc_dv, cur, NB, H, T, sdb, sdt, sdh, scale, D, BS)
+
+
+@triton.jit
+def _slc_bwd_dkdv_tiled_kernel(
+    Q, K, V, DO, LSE, DELTA, QIDX, OFFS, ITEM_SEG, FIRST_ITEM, DK, DV,
+    sqb, sqt, sqh, skb, skt, skh, sdb, sdt, sdh,
+    T, H, G, NB, NSEG, scale_log2, scale,
+    D: tl.constexpr, BS: tl.constexpr, BGP: tl.constexpr, BQ: tl.constexpr, CHUNK: tl.constexpr,
+    IEEE: tl.constexpr,
+):  # fmt: skip
+    """dK, dV of the selected branch, block-major: one program per work item = up to CHUNK queries of
+    one segment (KV block ``blk`` of KV head ``h`` in batch ``b``; segment = (b H + h) NB + blk).
+
+    The inverted selection (``ops.invert_block_indices``): QIDX holds, segment after segment, the
+    positions t of the queries that selected the segment's block, ascending, and OFFS [NSEG + 1] where
+    each segment's list starts. A segment of c queries is ceil(c / CHUNK) work items; ITEM_SEG maps a
+    program to its segment (NSEG: no work, the grid is an upper bound known without reading the
+    counts back), FIRST_ITEM [NSEG] to the segment's first item.
+
+    The program keeps the block's K, V ([BS, D]) and fp32 dK, dV in registers and walks its queries
+    BQ at a time: the tile's rows are BQ queries x BGP (G padded to a power of two) heads, gathered
+    from q and dO by position, so dV += P^T dO and dK += dS^T Q are matmuls with inner dimension
+    BQ BGP (64 on the GPU) instead of G. A segment that fits one item stores dK, dV (no other program
+    writes those rows); a longer one (the first block, read by every query, and early blocks that
+    random inputs favour) adds its items' partial sums with fp32 atomics into the zeroed output.
+    """
+    pid = tl.program_id(0)
+    seg = tl.load(ITEM_SEG + pid)
+    if seg < NSEG:
+        lo = tl.load(OFFS + seg)
+        hi = tl.load(OFFS + seg + 1)
+        start = lo + (pid - tl.load(FIRST_ITEM + seg)) * CHUNK
+        end = tl.minimum(start + CHUNK, hi)
+        bh = seg // NB
+        blk = seg % NB
+        b = (bh // H).to(tl.int64)
+        h = bh % H
+        HQ = H * G
+        offs_d = tl.arange(0, D)
+        kpos = blk * BS + tl.arange(0, BS)
+        k, v = _load_pair(K, V, b * skb + h * skh, kpos[:, None] * skt + offs_d[None, :], kpos < T)
+        rows = tl.arange(0, BQ * BGP)
+        slot = rows // BGP  # which of the tile's BQ queries a row belongs to
+        hq = h * G + rows % BGP
+        g_ok = rows % BGP < G
+        dk = tl.zeros([BS, D], tl.float32)
+        dv = tl.zeros([BS, D], tl.float32)
+        for e0 in range(start, end, BQ):
+            e = e0 + slot
+            ok = (e < end) & g_ok
+            t = tl.load(QIDX + e, mask=e < end, other=0)
+            row_off = t[:, None] * sqt + hq[:, None] * sqh + offs_d[None, :]
+            q, do = _load_pair(Q, DO, b * sqb, row_off, ok)
+            lse2, delta = _row_stats(LSE, DELTA, b * T + t, HQ, hq, ok)
+            s_t = _dot(k, tl.trans(q), IEEE) * scale_log2  # [BS, BQ BGP]
+            valid_t = (kpos[:, None] <= t[None, :]) & ok[None, :]  # causal inside the query's own block
+            p_t = tl.where(valid_t, tl.exp2(s_t - lse2[None, :]), 0.0)
+            dv += _dot(p_t.to(do.dtype), do, IEEE)
+            dp_t = _dot(v, tl.trans(do), IEEE)
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk += _dot(ds_t.to(q.dtype), q, IEEE)
+        d_off = kpos[:, None] * sdt + offs_d[None, :]
+        d_base = b * sdb + h * sdh
+        d_ok = (kpos < T)[:, None]
+        if hi - lo > CHUNK:
+            tl.atomic_add(DK + d_base + d_off, dk * scale, mask=d_ok)
+            tl.atomic_add(DV + d_base + d_off, dv, mask=d_ok)
+        else:
+            tl.store(DK + d_base + d_off, dk * scale, mask=d_ok)
+            tl.store(DV + d_base + d_off, dv, mask=d_ok)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -415,7 +415,7 @@ def _slc_bwd(do, q, k, v, o, lse, bi, block_size, scale):
     nw = 4  # a [G, l'] = [16, 64] tile per step: more warps would idle
     ns = 2 if not _interp() else 1
     kn._slc_bwd_dq_kernel[(t, b * h)](
-        q, k, v, do, lse, delta, bi, dq,
+        q, k, v, do, o, lse, delta, bi, dq,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         t, h, g, s, scale * kn.LOG2E, scale,
         D=d, BS=block_size, BG=bg, IEEE=_ieee(q), num_warps=nw, num_stages=ns,
@@ -445,6 +445,118 @@ def _slc_bwd(do, q, k, v, o, lse, bi, block_size, scale):
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
+#: The selected branch's backward as :func:`_slc_bwd_tiled` (block-major dK/dV over the inverted
+#: selection, BQ queries x G heads per matmul; delta fused into the dQ kernel) instead of
+#: :func:`_slc_bwd` (dK/dV one (block, query) pair at a time, atomics at every block change). Off until
+#: its GPU tests pass and the bench times it (``python -m repro.nsa.bench --slc-bwd ...``); CPU-tested.
+TILED_SLC_BWD = False
+#: queries per work item of the tiled dK/dV kernel on the GPU: a block read by more queries (the
+#: first block, by all T of them) is split over several programs whose partial sums meet in fp32
+#: atomics; 1024 = n l' (16 x 64), the average number of queries per block at the paper's setting
+SLC_TILED_CHUNK = 1024
+#: rows of the tiled dK/dV kernel's query tile on the GPU, BQ x next_pow2(G): the inner dimension of
+#: its dV and dK matmuls (64 = one [64, 128] bf16 tile of q and of dO beside K, V and two fp32
+#: [l', D] accumulators; see sm90_check for registers)
+SLC_TILED_ROWS = 64
+
+
+def invert_block_indices(
+    bi: torch.Tensor, num_blocks: int, chunk: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The selection turned around, on the device with no host synchronisation: for each segment
+    (b, h, block), segment = (b H + h) num_blocks + block, the positions t of the queries whose row of
+    ``bi`` [B, T, H, S] (int, -1 = none) holds that block. Returns ``(qidx, offsets, item_seg,
+    first_item, grid)``: qidx int32 lists the queries segment after segment, ascending within one
+    (one sort of B T H S keys); offsets [NSEG + 1] int64, where each segment's list starts (NSEG: the
+    end of the valid pairs); the work items of the tiled dK/dV kernel, ``chunk`` queries at most, as
+    item_seg [grid] int32 (the item's segment, NSEG past the last real item) and first_item [NSEG]
+    (a segment's first item). ``grid`` = NSEG + B T H S // chunk bounds the number of items (a
+    segment of c queries has ceil(c / chunk) <= c / chunk + 1 of them) without reading c back."""
+    fn = "invert_block_indices"
+    _check_tensor(fn, "bi", bi, 4, "[B, T, H, S]")
+    if bi.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{fn}: bi must be int32 or int64, got {bi.dtype}")
+    if chunk < 1 or num_blocks < 1:
+        raise ValueError(
+            f"{fn}: chunk and num_blocks must be >= 1, got chunk = {chunk}, num_blocks = {num_blocks}"
+        )
+    b, t, h, s = bi.shape
+    nseg = b * h * num_blocks
+    dev = bi.device
+    wide = nseg * t >= 2**31 - 1  # int32 keys sort faster; 64-bit only when the keys need it
+    kdt = torch.int64 if wide else torch.int32
+    seg = (torch.arange(b, device=dev, dtype=kdt)[:, None, None, None] * h
+           + torch.arange(h, device=dev, dtype=kdt)[None, None, :, None]) * num_blocks + bi.to(kdt)  # fmt: skip
+    pos = torch.arange(t, device=dev, dtype=kdt)[None, :, None, None]
+    keys = torch.where(bi >= 0, seg * t + pos, nseg * t).flatten().sort().values
+    bounds = torch.arange(nseg + 1, device=dev, dtype=kdt) * t
+    offsets = torch.searchsorted(keys, bounds)  # int64; offsets[NSEG] = number of valid pairs
+    qidx = (keys % t).to(torch.int32)
+    items = (offsets.diff() + (chunk - 1)) // chunk
+    last = items.cumsum(0)
+    grid = nseg + b * t * h * s // chunk
+    item_seg = torch.searchsorted(last, torch.arange(grid, device=dev, dtype=last.dtype), right=True)
+    return qidx, offsets, item_seg.to(torch.int32), last - items, grid
+
+
+def _slc_bwd_tiled(do, q, k, v, o, lse, bi, block_size, scale, chunk=None, rows=None):
+    """The selected branch's backward, block-major (``TILED_SLC_BWD``).
+
+    Why this split. dQ stays query-major (``kn._slc_bwd_dq_kernel``, one program per (t, KV head)):
+    its accumulator is the query's own [G, D] rows, its matmuls have inner dimensions D and l', and
+    a query's blocks are its own (neighbouring queries select different ones), so taking several
+    queries per program would only add masked blocks; moving dQ into the block-major pass would add
+    a [G, D] atomic per (query, block) pair (8.6e9 fp32 atomics at 64k). What dQ's kernel does
+    differently here: it also computes delta = rowsum(dO * O) from the rows it loads
+    (``FUSE_DELTA``), where :func:`_slc_bwd` builds it with PyTorch from three [B, T, HQ, D] fp32
+    temporaries (2 GB each at 64k). dK, dV go block-major (``kn._slc_bwd_dkdv_tiled_kernel``): the
+    selection inverted once (:func:`invert_block_indices`, a sort of B T H S int keys and two
+    searchsorted), then per KV block its queries BQ at a time, so the two accumulating matmuls have an
+    inner dimension of BQ x G = ``SLC_TILED_ROWS`` rather than G, and K, V are loaded once per work
+    item rather than at each change of block in a chunk of pairs.
+
+    Costs: memory for a few [B, T, H, S] int temporaries (the keys, their sort, qidx: 17 MB each at
+    64k, H = 4, S = 16, int32 keys), offsets and the item map (NSEG + grid ints, under 0.1 MB);
+    launches: the sort, two searchsorted and a few elementwise ops (all on the stream, no host
+    synchronisation), dQ, dK/dV, and the fp32 -> input dtype casts of dK, dV. Atomics only where a
+    block is read by more than ``chunk`` queries, one [l', D] add per work item, so the summation
+    order (and the last bits of dK, dV) of those blocks may change between runs; the rest is
+    deterministic.
+    """
+    b, t, hq, d = q.shape
+    h = k.shape[2]
+    g = hq // h
+    bg = max(16, triton.next_power_of_2(g))
+    interp = _interp()
+    ns = 2 if not interp else 1
+    do = do.contiguous()
+    delta = torch.empty(b, t, hq, device=q.device, dtype=torch.float32)  # written by the dQ kernel
+    dq = torch.empty_like(q)
+    kn._slc_bwd_dq_kernel[(t, b * h)](
+        q, k, v, do, o, lse, delta, bi, dq,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        t, h, g, bi.shape[-1], scale * kn.LOG2E, scale,
+        D=d, BS=block_size, BG=bg, IEEE=_ieee(q), FUSE_DELTA=True, num_warps=4, num_stages=ns,
+    )  # fmt: skip
+    nb = triton.cdiv(t, block_size)
+    chunk = chunk or (SLC_TILED_CHUNK if not interp else 16)
+    rows = rows or (SLC_TILED_ROWS if not interp else 16)
+    bgp = triton.next_power_of_2(g)
+    bq = max(1, rows // bgp)
+    qidx, offsets, item_seg, first_item, grid = invert_block_indices(bi, nb, chunk)
+    dk = torch.zeros(b, t, h, d, device=q.device, dtype=torch.float32)
+    dv = torch.zeros_like(dk)
+    kn._slc_bwd_dkdv_tiled_kernel[(grid,)](
+        q, k, v, do, lse, delta, qidx, offsets, item_seg, first_item, dk, dv,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        dk.stride(0), dk.stride(1), dk.stride(2),
+        t, h, g, nb, b * h * nb, scale * kn.LOG2E, scale,
+        D=d, BS=block_size, BGP=bgp, BQ=bq, CHUNK=chunk, IEEE=_ieee(q),
+        num_warps=8 if d >= 64 and not interp else 4, num_stages=ns,
+    )  # fmt: skip
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
 class _SelectedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bi, block_size, scale):
@@ -457,7 +569,8 @@ class _SelectedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse, bi = ctx.saved_tensors
-        dq, dk, dv = _slc_bwd(do, q, k, v, o, lse, bi, *ctx.args)
+        bwd = _slc_bwd_tiled if TILED_SLC_BWD else _slc_bwd
+        dq, dk, dv = bwd(do, q, k, v, o, lse, bi, *ctx.args)
         return dq, dk, dv, None, None, None
 
 

@@ -1,4 +1,5 @@
-"""``python -m repro.nsa.sm90_check [bf16|fp16|fp32]``: compile every NSA kernel offline for sm_90a (no GPU
+"""``python -m repro.nsa.sm90_check [bf16|fp16|fp32] [NAME]``: compile every NSA kernel (or those whose case
+name contains NAME) offline for sm_90a (no GPU
 needed) at the launch shapes ``ops.py`` uses for D = 128, and print shared memory, registers and
 spills from Triton's bundled ptxas (``paperclub.triton_compat.ptxas_usage``). A compile error here is one
 the GPU would hit too."""
@@ -25,6 +26,7 @@ def cases(dt: str) -> list[tuple]:
         "K": p,
         "V": p,
         "DO": p,
+        "O": p,
         "LSE": "*fp32",
         "DELTA": "*fp32",
         "DQ": p,
@@ -66,6 +68,16 @@ def cases(dt: str) -> list[tuple]:
     )
     out.append(("slc_dq", kn._slc_bwd_dq_kernel, {**grads, "BI": "*i32"}, slc, 4, 2))
     out.append(("slc_dkdv", kn._slc_bwd_dkdv_kernel, {**grads, "KEYS": "*i64"}, {**slc, "CHUNK": 256}, 8, 1))
+    # ops.TILED_SLC_BWD: the dQ kernel with delta fused, and the block-major dK/dV kernel at G = 16
+    # (BGP = 16) with BQ queries per tile: the launch ops.py uses (BQ BGP = SLC_TILED_ROWS = 64, 8
+    # warps, 2 stages) first, then the shapes it was chosen against
+    out.append(("slc_dq[fuse_delta]", kn._slc_bwd_dq_kernel, {**grads, "BI": "*i32"}, {**slc, "FUSE_DELTA": True},
+                4, 2))  # fmt: skip
+    tiled_ptrs = {**grads, "QIDX": "*i32", "OFFS": "*i64", "ITEM_SEG": "*i32", "FIRST_ITEM": "*i64"}
+    for bq, warps, stages in ((4, 8, 2), (4, 8, 1), (4, 4, 2), (2, 4, 2), (2, 8, 2), (8, 8, 2), (8, 8, 1)):
+        tiled = dict(D=128, BS=64, BGP=16, BQ=bq, CHUNK=1024, IEEE=fp32)
+        out.append((f"slc_dkdv_tiled[rows={bq * 16},w={warps},st={stages}]", kn._slc_bwd_dkdv_tiled_kernel,
+                    tiled_ptrs, tiled, warps, stages))  # fmt: skip
     out.append(("decode_cmp", kn._decode_cmp_kernel,
                 {"Q": p, "KC": p, "VC": p, "OC": "*fp32", "LOGITS": "*fp32", "SCORES": "*fp32", "COUNTS": "*i32"},
                 dict(STRIDE=16, BLOCK_LEN=32, SELECT_LEN=64, N_INITIAL=1, N_LOCAL=2, D=128, BN=64, BG=16,
@@ -95,8 +107,11 @@ def main() -> int:
     from paperclub.triton_compat import ptxas_usage
 
     dt = sys.argv[1] if len(sys.argv) > 1 else "bf16"
+    only = sys.argv[2] if len(sys.argv) > 2 else ""  # compile only the cases whose name contains this
     failed = 0
     for name, fn, pointers, constexprs, warps, stages in cases(dt):
+        if only not in name:
+            continue
         try:
             src = ASTSource(fn, signature(fn, pointers, constexprs), constexprs=constexprs)
             k = triton.compile(
