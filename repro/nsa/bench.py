@@ -26,6 +26,10 @@ the report, so a run that is killed keeps what it measured. A step is not starte
 spent (from the process's start) plus its predicted cost, compile included, passes ``--budget-s``;
 the notes list the steps not reached. Progress goes to stdout, flushed, line by line.
 
+``--slc-bwd T,T,...`` times only the selected branch's backwards (:func:`run_slc_backward`): the
+query-major one, the block-major one (``ops.TILED_SLC_BWD``) at a few launch shapes and fla's, each
+checked against the query-major gradients, in ``results/<device>-slc-bwd.json``.
+
 ``--breakdown after`` (or ``only``) then times the forward's stages one by one at ``--breakdown-t``
 (default 64k; :func:`run_breakdown`): compressed attention, block scores, block selection, selected
 branch, window, gated sum and the whole, checked and interleaved like the rest, in
@@ -44,7 +48,7 @@ from pathlib import Path
 import torch
 
 from paperclub.bench import Candidate, Report, measure
-from paperclub.testing import assert_rel_close
+from paperclub.testing import assert_rel_close, rel_error
 from repro.nsa import ops
 from repro.nsa import reference as ref
 
@@ -54,6 +58,7 @@ PAPER = ref.NSAConfig()
 FLA_SETUP = ref.NSAConfig(block_len=64, stride=64, select_len=64, n_select=16, n_initial=1, n_local=2)
 TABLE4 = {8192: 2048, 16384: 2560, 32768: 3584, 65536: 5632}
 TOL = 2e-2  # bf16 output against an fp32 reference: a few bf16 roundings (2^-8 each)
+GRAD_TOL = 3e-2  # bf16 gradients of two backwards: dK, dV sum bf16-rounded products over many queries
 # A selection (block indices) against Eq. 11's top-n under the reference's float64 scores: the k-th
 # best picked block may score at most this much (relative) below the k-th best block. Two correct
 # kernels with tf32 or bf16 scores pick differently among near-ties only (the bench's random inputs
@@ -596,6 +601,184 @@ def run_breakdown(out: str | None, t: int, gen: torch.Generator) -> Path:
     return report.write(tag="breakdown", out_dir=Path(out) if out else None)
 
 
+SLC_BWD_COLUMNS = ["impl", "pass", "T", "ms", "ms_min", "ms_max", "check", "vs_fla"]
+#: the selected branch's backward, timed by ``--slc-bwd``: impl -> (ops.TILED_SLC_BWD, SLC_TILED_ROWS,
+#: SLC_TILED_STAGES); None keeps ops' value. ``ours-slc`` is the query-major backward (the default),
+#: ``ours-slc-tiled`` the block-major one at ops' launch shape, the others its alternatives in sm90_check
+SLC_BWD_IMPLS = {
+    "ours-slc": (False, None, None),
+    "ours-slc-tiled": (True, None, None),
+    "ours-slc-tiled-r64s1": (True, 64, 1),
+    "ours-slc-tiled-r32s1": (True, 32, 1),
+}
+
+
+class _backward_settings:
+    """Within the block, ops' selected-branch backward flags set to ``setting`` (SLC_BWD_IMPLS' form);
+    restored afterwards."""
+
+    def __init__(self, setting):
+        self.values = dict(zip(("TILED_SLC_BWD", "SLC_TILED_ROWS", "SLC_TILED_STAGES"), setting, strict=True))
+
+    def __enter__(self):
+        self.saved = {name: getattr(ops, name) for name in self.values}
+        for name, value in self.values.items():
+            if value is not None:
+                setattr(ops, name, value)
+
+    def __exit__(self, *exc):
+        for name, value in self.saved.items():
+            setattr(ops, name, value)
+
+
+def slc_backward_candidates(t: int, fla, gen: torch.Generator) -> dict[tuple[str, str], Candidate]:
+    """{(impl, pass): Candidate} for the selected branch alone at length ``t`` on the indices the paper
+    configuration selects for the bench's inputs: each of SLC_BWD_IMPLS and fla's ``parallel_nsa``,
+    ``bwd`` (the backward of one retained forward, with a fixed cotangent) and ``fwd+bwd``. The checks:
+    our query-major backward's forward rows against the reference (as the ``ours-slc`` rows), every
+    other of ours its dQ, dK, dV against the query-major backward's within GRAD_TOL, fla its output
+    against ours (its gradients' errors against ours are logged)."""
+    cfg = PAPER
+    q, (kc_raw, vc_raw, ks, vs, kw, vw), gates = train_inputs(t)
+    k_cmp = ref.compress(kc_raw, ref.mean_pool, cfg.block_len, cfg.stride).contiguous()
+    v_cmp = ref.compress(vc_raw, ref.mean_pool, cfg.block_len, cfg.stride).contiguous()
+    with torch.no_grad():
+        idx = ops.nsa_attention(q, k_cmp, v_cmp, ks, vs, kw, vw, gates, cfg)[1]
+    del kc_raw, vc_raw, kw, vw, gates, k_cmp, v_cmp
+    leaves = tuple(x.detach().clone().requires_grad_() for x in (q, ks, vs))
+    do = torch.randn(q.shape, device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(t)).to(
+        DTYPE
+    )
+    pos = sample_rows(t, gen)
+    parallel_nsa, why = fla
+    forwards = {
+        impl: (lambda: ops.selected_attention(*leaves, idx, cfg.select_len, check_indices=False), setting)
+        for impl, setting in SLC_BWD_IMPLS.items()
+    }
+    if parallel_nsa is not None:
+        forwards["fla-slc"] = (
+            lambda: parallel_nsa(
+                *leaves,
+                block_indices=idx,
+                block_counts=cfg.n_select,
+                block_size=cfg.select_len,
+                window_size=0,
+            ),  # fmt: skip
+            (None, None, None),
+        )
+    cache: dict = {}
+
+    def grads_of(impl):
+        f, setting = forwards[impl]
+        with _backward_settings(setting):
+            return torch.autograd.grad(f(), leaves, do)
+
+    def check(impl):
+        def run():
+            if impl == "ours-slc":
+                f, _ = forwards[impl]
+                want = ref.selected_attention(leaves[0].detach()[:, pos], leaves[1].detach(), leaves[2].detach(),
+                                              idx[:, pos], cfg.select_len, q_pos=pos)  # fmt: skip
+                assert_rel_close(f()[:, pos].detach().float(), want, TOL, "ours slc rows")
+                return
+            if "base" not in cache:
+                cache["base"] = grads_of("ours-slc")
+            got = grads_of(impl)
+            if impl == "fla-slc":  # fla's forward must agree; its gradients are logged, not required
+                with torch.no_grad():
+                    a, r = forwards[impl][0](), forwards["ours-slc"][0]()
+                assert_rel_close(a.float(), r.float(), TOL, "fla slc vs ours")
+                errs = [rel_error(x.float(), y.float()) for x, y in zip(got, cache["base"], strict=True)]
+                log(f"slc-bwd T={t}: fla's dq, dk, dv against ours: " + ", ".join(f"{e:.2e}" for e in errs))
+                return
+            for name, a, r in zip("qkv", got, cache["base"], strict=True):
+                assert_rel_close(
+                    a.float(), r.float(), GRAD_TOL, f"{impl} d{name} vs the query-major backward"
+                )
+
+        return run
+
+    cands = {}
+    for impl, (f, setting) in forwards.items():
+
+        def both(f=f, setting=setting):
+            with _backward_settings(setting):
+                torch.autograd.grad(f(), leaves, do)
+
+        def bwd(f=f, setting=setting, impl=impl):
+            with _backward_settings(setting):
+                if impl not in cache:
+                    cache[impl] = f()  # the forward, once; its graph is kept for every timed backward
+                torch.autograd.grad(cache[impl], leaves, do, retain_graph=True)
+
+        cands[(impl, "bwd")] = Candidate(fn=bwd, check=check(impl))
+        cands[(impl, "fwd+bwd")] = Candidate(fn=both, check=check(impl))
+    if parallel_nsa is None:
+        missing = _failing(why)
+        for p in ("bwd", "fwd+bwd"):
+            cands[("fla-slc", p)] = Candidate(fn=missing, check=missing)
+    return cands
+
+
+def run_slc_backward(out: str | None, lengths: list[int], fla, gen: torch.Generator) -> Path:
+    """Time the selected branch's backwards (:func:`slc_backward_candidates`) at each length, every
+    candidate of one (length, pass) checked and then timed interleaved, and write
+    ``<device>-slc-bwd.json`` after each length: the rows the next GPU session reads to decide
+    ``ops.TILED_SLC_BWD``'s default (and the tiled kernel's launch shape)."""
+    from paperclub.bench import time_ms
+
+    report = Report(
+        package="nsa",
+        title="NSA selected branch backward (64 query heads, 4 KV heads, D = 128, bf16)",
+        columns=SLC_BWD_COLUMNS,
+        peer="flash-linear-attention (fla-core), parallel_nsa",
+        packages=["fla-core", "flash-linear-attention"],
+        measure_ceilings=False,
+    )
+    report.notes = (
+        "The selected branch alone on the paper configuration's block indices for the bench's inputs "
+        "(l'=64, n=16). bwd: the backward of one retained forward; fwd+bwd: both. ours-slc: the "
+        "query-major backward (dK/dV one (block, query) pair at a time); ours-slc-tiled*: the block-major "
+        "backward (ops.TILED_SLC_BWD) at ops' launch shape and the alternatives named (rows of the query "
+        "tile, pipelining stages); fla-slc: parallel_nsa. Checked first: ours-slc's forward rows against "
+        "the reference, our other candidates' dQ, dK, dV against ours-slc's (GRAD_TOL), fla's output "
+        "against ours (its gradients' relative errors against ours are in the log); then each "
+        "(T, pass) timed interleaved. vs_fla: fla's time over the row's (above 1: faster than fla)."
+    )
+    path = None
+    for t in lengths:
+        log(f"slc-bwd T={t}: building inputs and candidates")
+        cands = slc_backward_candidates(t, fla, gen)
+        for p in ("bwd", "fwd+bwd"):
+            names, named = {}, {}
+            for (impl, pp), c in cands.items():
+                if pp != p:
+                    continue
+                fn = lambda f=c.fn: f()  # noqa: E731 (a closure of its own: the timer names it by id)
+                names[id(fn)] = impl
+                named[impl] = Candidate(fn=fn, check=c.check)
+
+            def timer(fn, warmup, rep, names=names, p=p, t=t):
+                ms = (TIMER or time_ms)(fn, warmup=warmup, rep=rep)
+                log(f"slc-bwd T={t} {p}: timed {names[id(fn)]}: {ms:.3f} ms")
+                return ms
+
+            res = measure(named, rounds=_rounds(t), warmup=WARMUP, rep=REP, timer=timer)
+            fla_ms = res["fla-slc"].median_ms if "fla-slc" in res else None
+            for impl, m in res.items():
+                vs = fla_ms / m.median_ms if fla_ms and m.median_ms else None
+                report.add(impl=impl, T=t, vs_fla=vs, **{"pass": p}, **m.row())
+                log(
+                    f"slc-bwd T={t} {p}: {impl}: "
+                    + (f"{m.median_ms:.3f} ms" if m.median_ms else m.row()["check"])
+                )
+        del cands
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+        path = report.write(tag="slc-bwd", out_dir=Path(out) if out else None)
+    return path
+
+
 @dataclass(frozen=True)
 class Step:
     """One unit of the plan: candidates built, checked, timed and written together."""
@@ -843,9 +1026,16 @@ def main() -> None:
                     help="time the forward's stages at --breakdown-t (own file, <device>-breakdown.json): "
                     "after the plan (if the budget is not spent) or instead of it")  # fmt: skip
     ap.add_argument("--breakdown-t", type=int, default=65536)
+    ap.add_argument("--slc-bwd", default="", metavar="T,T,...",
+                    help="instead of the plan: time the selected branch's backwards (ours query-major, "
+                    "ours block-major with ops.TILED_SLC_BWD, fla) at these lengths, <device>-slc-bwd.json")  # fmt: skip
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("repro.nsa.bench needs a CUDA GPU")
+    if args.slc_bwd:
+        run_slc_backward(args.out, [int(x) for x in args.slc_bwd.split(",") if x], load_fla(),
+                         torch.Generator().manual_seed(2))  # fmt: skip
+        return
     lengths = [int(x) for x in args.lengths.split(",") if x] or ([8192] if args.quick else sorted(TABLE4))
     if args.breakdown != "only":
         run(args.out, args.budget_s, args.quick, sorted(lengths), args.decode_batch)

@@ -14,7 +14,9 @@ Three families:
   streams only the n selected KV blocks; the backward's dK/dV walks the (block, query) pairs sorted
   by block (a CSR list, as flash-linear-attention's kernel does), in fixed-size chunks so that the
   always-selected first block does not serialise on one program; a chunk adds its partial sums
-  with atomics when it moves to the next block.
+  with atomics when it moves to the next block. ``_slc_bwd_dkdv_tiled_kernel`` (``ops.TILED_SLC_BWD``,
+  off until it runs on a GPU) is the block-major alternative: per KV block its list of queries, BQ
+  queries x G heads per matmul, atomics only for blocks split over several programs.
 
 Numerics: logits in base 2 (``scale * log2(e)`` folded in), log-sum-exp stored in natural log,
 fp32 accumulation. A row that sees no key gets o = 0 and lse = -inf.

@@ -458,6 +458,8 @@ SLC_TILED_CHUNK = 1024
 #: its dV and dK matmuls (64 = one [64, 128] bf16 tile of q and of dO beside K, V and two fp32
 #: [l', D] accumulators; see sm90_check for registers)
 SLC_TILED_ROWS = 64
+#: software-pipelining stages of its query loop (2: the next tile's gathers in flight; 1 spills less)
+SLC_TILED_STAGES = 2
 
 
 def invert_block_indices(
@@ -467,11 +469,12 @@ def invert_block_indices(
     (b, h, block), segment = (b H + h) num_blocks + block, the positions t of the queries whose row of
     ``bi`` [B, T, H, S] (int, -1 = none) holds that block. Returns ``(qidx, offsets, item_seg,
     first_item, grid)``: qidx int32 lists the queries segment after segment, ascending within one
-    (one sort of B T H S keys); offsets [NSEG + 1] int64, where each segment's list starts (NSEG: the
-    end of the valid pairs); the work items of the tiled dK/dV kernel, ``chunk`` queries at most, as
-    item_seg [grid] int32 (the item's segment, NSEG past the last real item) and first_item [NSEG]
-    (a segment's first item). ``grid`` = NSEG + B T H S // chunk bounds the number of items (a
-    segment of c queries has ceil(c / chunk) <= c / chunk + 1 of them) without reading c back."""
+    (one sort of B T H S keys); offsets [NSEG + 1], where each segment's list starts (offsets[NSEG]:
+    the number of valid pairs); the work items of the tiled dK/dV kernel, ``chunk`` queries at most,
+    as item_seg [grid] int32 (the item's segment, NSEG past the last real item) and first_item [NSEG]
+    (a segment's first item); offsets and first_item are int32 unless B T H S needs 64 bits.
+    ``grid`` = NSEG + B T H S // chunk bounds the number of items (a segment of c queries has
+    ceil(c / chunk) <= c / chunk + 1 of them) without reading c back."""
     fn = "invert_block_indices"
     _check_tensor(fn, "bi", bi, 4, "[B, T, H, S]")
     if bi.dtype not in (torch.int32, torch.int64):
@@ -490,13 +493,16 @@ def invert_block_indices(
     pos = torch.arange(t, device=dev, dtype=kdt)[None, :, None, None]
     keys = torch.where(bi >= 0, seg * t + pos, nseg * t).flatten().sort().values
     bounds = torch.arange(nseg + 1, device=dev, dtype=kdt) * t
-    offsets = torch.searchsorted(keys, bounds)  # int64; offsets[NSEG] = number of valid pairs
+    small = b * t * h * s < 2**31 - 1  # 32-bit offsets (fewer registers in the kernel's loop) when they fit
+    offsets = torch.searchsorted(keys, bounds, out_int32=small)  # offsets[NSEG] = number of valid pairs
     qidx = (keys % t).to(torch.int32)
     items = (offsets.diff() + (chunk - 1)) // chunk
-    last = items.cumsum(0)
+    last = items.cumsum(0).to(offsets.dtype)
     grid = nseg + b * t * h * s // chunk
-    item_seg = torch.searchsorted(last, torch.arange(grid, device=dev, dtype=last.dtype), right=True)
-    return qidx, offsets, item_seg.to(torch.int32), last - items, grid
+    item_seg = torch.searchsorted(
+        last, torch.arange(grid, device=dev, dtype=last.dtype), right=True, out_int32=True
+    )
+    return qidx, offsets, item_seg, last - items, grid
 
 
 def _slc_bwd_tiled(do, q, k, v, o, lse, bi, block_size, scale, chunk=None, rows=None):
@@ -540,7 +546,9 @@ def _slc_bwd_tiled(do, q, k, v, o, lse, bi, block_size, scale, chunk=None, rows=
     )  # fmt: skip
     nb = triton.cdiv(t, block_size)
     chunk = chunk or (SLC_TILED_CHUNK if not interp else 16)
-    rows = rows or (SLC_TILED_ROWS if not interp else 16)
+    # fp32 (twice the bytes per tile): 16 rows, one stage; 64 rows spill 29 KB per thread (sm90_check)
+    wide = q.element_size() > 2
+    rows = rows or (SLC_TILED_ROWS if not (interp or wide) else 16)
     bgp = triton.next_power_of_2(g)
     bq = max(1, rows // bgp)
     qidx, offsets, item_seg, first_item, grid = invert_block_indices(bi, nb, chunk)
@@ -552,7 +560,8 @@ def _slc_bwd_tiled(do, q, k, v, o, lse, bi, block_size, scale, chunk=None, rows=
         dk.stride(0), dk.stride(1), dk.stride(2),
         t, h, g, nb, b * h * nb, scale * kn.LOG2E, scale,
         D=d, BS=block_size, BGP=bgp, BQ=bq, CHUNK=chunk, IEEE=_ieee(q),
-        num_warps=8 if d >= 64 and not interp else 4, num_stages=ns,
+        num_warps=8 if d >= 64 and not interp else 4,
+        num_stages=SLC_TILED_STAGES if not (interp or wide) else 1,
     )  # fmt: skip
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 

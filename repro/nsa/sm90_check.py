@@ -70,11 +70,14 @@ def cases(dt: str) -> list[tuple]:
     out.append(("slc_dkdv", kn._slc_bwd_dkdv_kernel, {**grads, "KEYS": "*i64"}, {**slc, "CHUNK": 256}, 8, 1))
     # ops.TILED_SLC_BWD: the dQ kernel with delta fused, and the block-major dK/dV kernel at G = 16
     # (BGP = 16) with BQ queries per tile: the launch ops.py uses (BQ BGP = SLC_TILED_ROWS = 64, 8
-    # warps, 2 stages) first, then the shapes it was chosen against
+    # warps, SLC_TILED_STAGES = 2) first, then the alternatives the bench's --slc-bwd rows time
+    # (4 warps spill 0.7-1.2 KB at 32-64 rows, 128 rows 0.55 KB at 8 warps: left out)
     out.append(("slc_dq[fuse_delta]", kn._slc_bwd_dq_kernel, {**grads, "BI": "*i32"}, {**slc, "FUSE_DELTA": True},
                 4, 2))  # fmt: skip
-    tiled_ptrs = {**grads, "QIDX": "*i32", "OFFS": "*i64", "ITEM_SEG": "*i32", "FIRST_ITEM": "*i64"}
-    for bq, warps, stages in ((4, 8, 2), (4, 8, 1), (4, 4, 2), (2, 4, 2), (2, 8, 2), (8, 8, 2), (8, 8, 1)):
+    tiled_ptrs = {**grads, "QIDX": "*i32", "OFFS": "*i32", "ITEM_SEG": "*i32", "FIRST_ITEM": "*i32"}
+    # fp32 tiles are twice the bytes: ops.py takes 16 rows and 1 stage there (64 rows spill 29 KB)
+    shapes = ((1, 8, 1),) if fp32 else ((4, 8, 2), (4, 8, 1), (2, 8, 2), (2, 8, 1))
+    for bq, warps, stages in shapes:
         tiled = dict(D=128, BS=64, BGP=16, BQ=bq, CHUNK=1024, IEEE=fp32)
         out.append((f"slc_dkdv_tiled[rows={bq * 16},w={warps},st={stages}]", kn._slc_bwd_dkdv_tiled_kernel,
                     tiled_ptrs, tiled, warps, stages))  # fmt: skip

@@ -69,13 +69,13 @@ def test_inversion_lists_every_pair_once(seed, b, t, h, s, block, chunk, hot):
         got = qidx[offsets[seg] : offsets[seg + 1]].tolist()
         assert got == want.get(seg, []), f"segment {seg}: {got} against {want.get(seg, [])}"
     # the items: segment seg owns items first_item[seg] .. first_item[seg] + ceil(c / chunk) - 1
-    counts = offsets.diff()
+    counts = offsets.long().diff()
     n_items = (counts + chunk - 1) // chunk
     assert int(n_items.sum()) <= grid
     expect = torch.repeat_interleave(torch.arange(nseg), n_items)
     assert torch.equal(item_seg[: len(expect)].long(), expect)
     assert (item_seg[len(expect) :] == nseg).all()
-    assert torch.equal(first_item, n_items.cumsum(0) - n_items)
+    assert torch.equal(first_item.long(), n_items.cumsum(0) - n_items)
 
 
 def _inputs(gen, b, t, h, g, d, s, block):
