@@ -63,3 +63,24 @@ def test_bad_arguments():
         measure({"a": lambda: 0}, rounds=0)
     with pytest.raises(TypeError, match="candidate 'a'"):
         measure({"a": 3})
+
+
+def test_report_stores_the_ceilings_its_rows_used(tmp_path, monkeypatch):
+    """A bench that computes a percentage of the machine's ceiling before its rows hands that
+    measurement to the Report, which stores it as given (not a second probe taken at write time,
+    which would not be the rows' denominator); without it the Report measures when it writes.
+    Fails if write() ignores ceilings_used or measures again."""
+    import json
+
+    import paperclub.bench as pb
+
+    probes = []
+    monkeypatch.setattr(pb, "ceilings", lambda: probes.append(1) or {"matmul_bf16_tflops": 664.0})
+    used = {"matmul_bf16_tflops": 773.0, "copy_tbps": 3.0}
+    report = pb.Report(package="kda", title="t", columns=["tflops"], ceilings_used=used)
+    report.add(tflops=400.0)
+    doc = json.loads(report.write(out_dir=tmp_path, env={"device": "test device"}).read_text())
+    assert doc["ceilings"] == used and probes == []
+    plain = pb.Report(package="kda", title="t", columns=["tflops"])
+    doc = json.loads(plain.write(out_dir=tmp_path, tag="x", env={"device": "test device"}).read_text())
+    assert doc["ceilings"] == {"matmul_bf16_tflops": 664.0} and probes == [1]

@@ -431,6 +431,7 @@ def main(argv=None) -> Path | None:
         peer="torch._grouped_mm; megablocks 0.10.0 where it builds",
         columns=COLUMNS,
         packages=["megablocks", "stanford-stk", "triton"],
+        ceilings_used=ceil,  # pct_of_matmul's denominator, stored with the rows
     )
     configs = [(shape, dims, r) for shape, dims in _shapes(args.quick).items() for r in ROUTINGS]
     # megablocks runs in this process beside the others; a fault in its kernels would end the CUDA

@@ -291,6 +291,10 @@ class Report:
     rows: list[dict] = field(default_factory=list)
     plots: list[Plot] = field(default_factory=list)
     measure_ceilings: bool = True
+    #: ceilings the rows were already computed against (a bench that reports a percentage of the
+    #: machine's ceiling measures it before its rows): stored as they are, so that the file's
+    #: percentages can be recomputed from it; None measures them when the report is written
+    ceilings_used: dict[str, float] | None = None
 
     def add(self, **row) -> None:
         unknown = set(row) - set(self.columns)
@@ -318,7 +322,11 @@ class Report:
             "device": env.get("device"),
             "device_count": env.get("device_count", 1),
             "environment": env,
-            "ceilings": ceilings() if self.measure_ceilings else {},
+            "ceilings": (
+                dict(self.ceilings_used)
+                if self.ceilings_used is not None
+                else (ceilings() if self.measure_ceilings else {})
+            ),
             "peer": self.peer,
             "columns": list(self.columns),
             "rows": self.rows,
