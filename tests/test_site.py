@@ -163,6 +163,9 @@ def test_claim_records_keep_cpu_and_gpu_apart(tmp_path):
     assert (cpu_only.status, cpu_only.cpu, cpu_only.gpu) == ("passed", "passed", "not run")
     checked = content.record(content.claims["toy/gpu-checked"])
     assert (checked.status, checked.cpu, checked.gpu) == ("passed", "passed", "passed")
+    # a GPU test written after the GPU run (skipped on CPUs, no GPU outcome) is counted as pending;
+    # test_exact_on_gpu, skipped on CPUs too but run on the GPU, is not
+    assert (checked.gpu_pending, exact.gpu_pending, cpu_only.gpu_pending) == (1, 0, 0)
     assert content.status(content.claims["toy/big-machine"])[0] == "not reproducible"
 
 
@@ -191,7 +194,9 @@ def test_dashboard_shows_where_each_claim_was_checked(tmp_path):
     assert (
         "status-passed" in cells["toy/gpu-checked"][2]
         and "on NVIDIA H100 80GB HBM3" in cells["toy/gpu-checked"][2]
+        and "1 case not yet run on a GPU" in cells["toy/gpu-checked"][2]
     )
+    assert "not yet run on a GPU" not in cells["toy/exact"][2]
     assert "status-failed" in cells["toy/exact"][2] and "status-passed" in cells["toy/exact"][1]
     # parametrised cases are grouped under their function, with a count and the worst outcome, folded
     exact = cells["toy/exact"][3]
@@ -214,7 +219,7 @@ def test_paperclub_claims_prints_cpu_and_gpu(tmp_path):
     lines = {
         line.split()[1]: line for line in out.stdout.splitlines() if line.startswith(("passed", "failed"))
     }
-    assert "passed on NVIDIA H100 80GB HBM3" in lines["toy/gpu-checked"]
+    assert "passed on NVIDIA H100 80GB HBM3 (1 not yet run on a GPU)" in lines["toy/gpu-checked"]
     assert "passed    not run" in lines["toy/cpu-only"]
     assert "failed on NVIDIA H100 80GB HBM3" in lines["toy/exact"]
     assert re.search(

@@ -303,6 +303,17 @@ class ClaimRecord:
     groups: list[FunctionGroup] = field(default_factory=list)
 
     @property
+    def gpu_pending(self) -> int:
+        """Cases skipped on CPUs with no GPU outcome: GPU tests written but not yet run on a GPU (or
+        opt-in tests never run). A claim's GPU status counts only the cases that ran there, so a
+        'passed' beside new, unrun GPU tests says how many are still to run."""
+        return sum(
+            c.gpu is None and c.cpu is not None and c.cpu.get("outcome") == "skipped"
+            for g in self.groups
+            for c in g.cases
+        )
+
+    @property
     def gpu_devices(self) -> list[str]:
         return sorted({d for g in self.groups for d in g.devices("gpu")})
 

@@ -99,6 +99,8 @@ def cmd_claims(args: argparse.Namespace) -> int:
             print(f"{rec.status:17s} {claim.id:45s} {claim.section}: {claim.reason}")
             continue
         gpu = rec.gpu if rec.gpu == NOT_RUN else f"{rec.gpu} on {', '.join(rec.gpu_devices)}"
+        if rec.gpu != NOT_RUN and rec.gpu_pending:
+            gpu += f" ({rec.gpu_pending} not yet run on a GPU)"
         print(f"{rec.status:17s} {claim.id:45s} {rec.cpu:9s} {gpu}   {claim.section}")
         if args.brief:
             continue

@@ -371,18 +371,24 @@ def claims_table(content: Content, claims: list, from_uri: str) -> str:
             gpu, checked = "—", cell(c.reason)
         else:
             cpu = status_html(rec.cpu) if rec.groups else "—"
-            gpu = gpu_html(rec.gpu, rec.gpu_devices) if rec.groups else "—"
+            gpu = gpu_html(rec.gpu, rec.gpu_devices, rec.gpu_pending) if rec.groups else "—"
             checked = "".join(group_html(content, g, from_uri) for g in rec.groups) or "no recorded run yet"
         rows.append(f"| {claim} | {cpu} | {gpu} | {checked} |")
     return "\n".join([*rows, "", "</div>"])
 
 
-def gpu_html(status: str, devices: list[str]) -> str:
-    """A GPU outcome with the device it ran on; 'not run on a GPU' reads apart from a CPU-only pass."""
+def gpu_html(status: str, devices: list[str], pending: int = 0) -> str:
+    """A GPU outcome with the device it ran on; 'not run on a GPU' reads apart from a CPU-only pass;
+    ``pending`` cases (skipped on CPUs, no GPU outcome yet) are counted beside an outcome."""
     if status == NOT_RUN:
         return '<span class="status-not-run">not run on a GPU</span>'
     on = f'<br><span class="claim-device">on {cell(", ".join(devices))}</span>' if devices else ""
-    return status_html(status) + on
+    later = (
+        f'<br><span class="status-not-run">{pending} case{"s" if pending > 1 else ""} not yet run on a GPU</span>'
+        if pending
+        else ""
+    )
+    return status_html(status) + on + later
 
 
 def _case_html(outcome: dict | None, where: str) -> str:
