@@ -70,6 +70,27 @@ SDPA_BACKENDS = {"sdpa-flash": "FLASH_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION
 FA4_MAX_T = 16384  # fa4 rows up to this length (its backward at 32k+ takes longer than the rest)
 WARMUP, REP = 5, 20  # per time_ms call (ms for triton's do_bench)
 TIMER = None  # measure's default timer (paperclub.bench.time_ms); a test puts a fast one here
+
+
+def _measure_logged(cands: dict, label: str, rounds: int) -> dict:
+    """``measure`` over ``cands`` ({name: Candidate}) with each timing logged as ``label: timed NAME``.
+    Each candidate's fn is wrapped in a closure of its own so that the timer can name it by id."""
+    from paperclub.bench import time_ms
+
+    names, named = {}, {}
+    for name, c in cands.items():
+        fn = lambda f=c.fn: f()  # noqa: E731
+        names[id(fn)] = name
+        named[name] = Candidate(fn=fn, check=c.check)
+
+    def timer(fn, warmup, rep):
+        ms = (TIMER or time_ms)(fn, warmup=warmup, rep=rep)
+        log(f"{label}: timed {names[id(fn)]}: {ms:.3f} ms")
+        return ms
+
+    return measure(named, rounds=rounds, warmup=WARMUP, rep=REP, timer=timer)
+
+
 # The predicted cost of a step whose pass has not run yet, as a multiple of the first forward core
 # step (which includes compiling the forward kernels): fwd+bwd compiles about twice as many kernels
 # (dQ and dK/dV per branch), peers compile fa4 and fla (whose parallel_nsa autotunes 12-16 launch
@@ -552,23 +573,8 @@ def run_breakdown(out: str | None, t: int, gen: torch.Generator) -> Path:
     """Time each stage of the forward (:func:`breakdown_candidates`) interleaved at one length and write
     ``<device>-breakdown.json``: a row per stage and ``whole``, with its share of ``whole``'s time, and
     a ``sum-of-stages`` row (the stages' medians added, not timed)."""
-    from paperclub.bench import time_ms
-
     log(f"breakdown T={t}: building inputs and the stages")
-    cands = breakdown_candidates(t, gen)
-    names = {}
-    named = {}
-    for stage, c in cands.items():
-        fn = lambda f=c.fn: f()  # noqa: E731 (a closure of its own: the timer names it by id)
-        names[id(fn)] = stage
-        named[stage] = Candidate(fn=fn, check=c.check)
-
-    def timer(fn, warmup, rep):
-        ms = (TIMER or time_ms)(fn, warmup=warmup, rep=rep)
-        log(f"breakdown T={t}: timed {names[id(fn)]}: {ms:.3f} ms")
-        return ms
-
-    res = measure(named, rounds=_rounds(t), warmup=WARMUP, rep=REP, timer=timer)
+    res = _measure_logged(breakdown_candidates(t, gen), f"breakdown T={t}", _rounds(t))
     report = Report(
         package="nsa",
         title=f"NSA forward by stage at T = {t} (64 query heads, 4 KV heads, D = 128, bf16)",
@@ -725,8 +731,6 @@ def run_slc_backward(out: str | None, lengths: list[int], fla, gen: torch.Genera
     candidate of one (length, pass) checked and then timed interleaved, and write
     ``<device>-slc-bwd.json`` after each length: the rows the next GPU session reads to decide
     ``ops.TILED_SLC_BWD``'s default (and the tiled kernel's launch shape)."""
-    from paperclub.bench import time_ms
-
     report = Report(
         package="nsa",
         title="NSA selected branch backward (64 query heads, 4 KV heads, D = 128, bf16)",
@@ -750,20 +754,8 @@ def run_slc_backward(out: str | None, lengths: list[int], fla, gen: torch.Genera
         log(f"slc-bwd T={t}: building inputs and candidates")
         cands = slc_backward_candidates(t, fla, gen)
         for p in ("bwd", "fwd+bwd"):
-            names, named = {}, {}
-            for (impl, pp), c in cands.items():
-                if pp != p:
-                    continue
-                fn = lambda f=c.fn: f()  # noqa: E731 (a closure of its own: the timer names it by id)
-                names[id(fn)] = impl
-                named[impl] = Candidate(fn=fn, check=c.check)
-
-            def timer(fn, warmup, rep, names=names, p=p, t=t):
-                ms = (TIMER or time_ms)(fn, warmup=warmup, rep=rep)
-                log(f"slc-bwd T={t} {p}: timed {names[id(fn)]}: {ms:.3f} ms")
-                return ms
-
-            res = measure(named, rounds=_rounds(t), warmup=WARMUP, rep=REP, timer=timer)
+            of_pass = {impl: c for (impl, pp), c in cands.items() if pp == p}
+            res = _measure_logged(of_pass, f"slc-bwd T={t} {p}", _rounds(t))
             fla_ms = res["fla-slc"].median_ms if "fla-slc" in res else None
             for impl, m in res.items():
                 vs = fla_ms / m.median_ms if fla_ms and m.median_ms else None
@@ -835,8 +827,6 @@ def _rounds(t: int) -> int:
 def run_step(step: Step, fla, backends: dict, gen: torch.Generator) -> tuple[dict, dict, float, float]:
     """Build, check and time one step's candidates. Returns ({impl: Measured}, decode counts,
     build + check seconds, timing seconds)."""
-    from paperclub.bench import time_ms
-
     t_start = time.perf_counter()
     log(f"{step.name}: building inputs and candidates")
     counted: dict = {}
@@ -847,7 +837,6 @@ def run_step(step: Step, fla, backends: dict, gen: torch.Generator) -> tuple[dic
     else:
         cands, counted = decode_candidates(step.t, step.b, gen)
     spent = {"check": 0.0}
-    names: dict[int, str] = {}
 
     def wrap_check(impl, check):
         def run():
@@ -867,22 +856,15 @@ def run_step(step: Step, fla, backends: dict, gen: torch.Generator) -> tuple[dic
 
         return run
 
-    named = {}
-    for impl, c in cands.items():
-        fn = lambda f=c.fn: f()  # noqa: E731 (a closure of its own: the timer names it by id)
-        names[id(fn)] = impl
-        named[impl] = Candidate(fn=fn, check=wrap_check(impl, c.check) if c.check else None)
+    named = {
+        impl: Candidate(fn=c.fn, check=wrap_check(impl, c.check) if c.check else None)
+        for impl, c in cands.items()
+    }
     rounds = _rounds(step.t)
-
-    def timer(fn, warmup, rep):
-        ms = (TIMER or time_ms)(fn, warmup=warmup, rep=rep)
-        log(f"{step.name}: timed {names[id(fn)]}: {ms:.3f} ms")
-        return ms
-
     build_s = time.perf_counter() - t_start
     log(f"{step.name}: {len(named)} candidates ({', '.join(named)}) built in {build_s:.1f} s; checking, then "
         f"{rounds} interleaved timing rounds")  # fmt: skip
-    res = measure(named, rounds=rounds, warmup=WARMUP, rep=REP, timer=timer)
+    res = _measure_logged(named, step.name, rounds)
     total = time.perf_counter() - t_start
     check_s = build_s + spent["check"]
     return res, counted, check_s, max(0.0, total - check_s)
