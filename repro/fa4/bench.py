@@ -53,6 +53,7 @@ from pathlib import Path
 import torch
 
 from paperclub.bench import Candidate, Report, measure, time_ms
+from repro.fa4.gluon_bwd import DQ_VARIANTS
 
 HEADS = 16
 HEAD_DIM = 128
@@ -757,14 +758,14 @@ GLUON_BWD_IMPLS: dict[str, dict] = {"fa4-gluon-gluonbwd": {"gluon": True, "bwd":
 #: here takes the whole run down). -dqtma: dQ by TMA bulk reductions; -dqdefer: the dQ product a step
 #: later, off the dS^T exchange's barrier; -dqtma-defer: both (FA3's way).
 GLUON_BWD_DQ_IMPLS: dict[str, dict] = {
-    "fa4-gluon-gluonbwd-dqtma": {"gluon": True, "bwd": "gluon", "bwd_dq_tma": True, "bwd_dq_defer": False},
-    "fa4-gluon-gluonbwd-dqdefer": {"gluon": True, "bwd": "gluon", "bwd_dq_tma": False, "bwd_dq_defer": True},
-    "fa4-gluon-gluonbwd-dqtma-defer": {
+    f"fa4-gluon-gluonbwd-dq{variant}": {
         "gluon": True,
         "bwd": "gluon",
-        "bwd_dq_tma": True,
-        "bwd_dq_defer": True,
-    },
+        "bwd_dq_tma": tma,
+        "bwd_dq_defer": defer,
+    }
+    for variant, (tma, defer) in DQ_VARIANTS.items()
+    if variant != "atomic"  # the current Gluon backward: GLUON_BWD_IMPLS' row
 }
 #: Configurations the --bwd-sweep times (most promising first, by the first H100 sweep in
 #: results/*-bwd-smoke.json: a budget cut drops the tail).
