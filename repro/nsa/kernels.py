@@ -103,13 +103,18 @@ def _load_pair(X, Y, base, off, ok):
 
 
 @triton.jit
-def _row_stats(LSE, DELTA, pos, HQ, hq, ok):
-    """A backward tile's per-row statistics, [B T, HQ] at (``pos`` = b T + t, ``hq``): the log-sum-exp
-    in base 2 (0 where the row saw no key) and delta = rowsum(dO * O)."""
+def _lse2(LSE, pos, HQ, hq, ok):
+    """The log-sum-exp of [B T, HQ] rows at (``pos`` = b T + t, ``hq``) in base 2, 0 where the row
+    saw no key."""
     lse = tl.load(LSE + pos * HQ + hq, mask=ok, other=0.0)
-    lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+    return tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+
+
+@triton.jit
+def _row_stats(LSE, DELTA, pos, HQ, hq, ok):
+    """A backward tile's per-row statistics: :func:`_lse2` and delta = rowsum(dO * O)."""
     delta = tl.load(DELTA + pos * HQ + hq, mask=ok, other=0.0)
-    return lse2, delta
+    return _lse2(LSE, pos, HQ, hq, ok), delta
 
 
 @triton.jit
@@ -472,9 +477,15 @@ def _slc_bwd_dq_kernel(
     )
     q, do = _load_pair(Q, DO, row_base, row_off, g_ok)
     if FUSE_DELTA:
+        # kept in registers: re-reading DELTA here would read what other threads of this program
+        # stored with no barrier between (torch.empty's garbage on the GPU; the CPU interpreter,
+        # sequential, cannot show it)
         o = tl.load(O + row_base + row_off, mask=g_ok[:, None], other=0.0)
-        tl.store(DELTA + (b * T + t) * HQ + hq, tl.sum(do.to(tl.float32) * o.to(tl.float32), 1), mask=g_ok)
-    lse2, delta = _row_stats(LSE, DELTA, b * T + t, HQ, hq, g_ok)
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+        tl.store(DELTA + (b * T + t) * HQ + hq, delta, mask=g_ok)
+        lse2 = _lse2(LSE, b * T + t, HQ, hq, g_ok)
+    else:
+        lse2, delta = _row_stats(LSE, DELTA, b * T + t, HQ, hq, g_ok)
     dq = tl.zeros([BG, D], tl.float32)
     bi_base = BI + ((b * T + t) * H + h) * S
     for si in range(S):
