@@ -163,7 +163,7 @@ def test_slc_backward_rows_are_checked_timed_and_written(tmp_path, monkeypatch):
     timed ``bwd`` and ``fwd+bwd`` row (the block-major one checked against the query-major gradients),
     the absent fla a failed check; the file is <device>-slc-bwd.json. Fails if the settings do not
     reach the backward (a candidate left on the default path would still pass its check, so the test
-    also counts the tiled kernel's launches), or a row is missing."""
+    also counts each backward's dK/dV launches), or a row is missing."""
     from repro.nsa import kernels as kn
     from repro.nsa.tests.helpers import dispatched
 
@@ -171,13 +171,15 @@ def test_slc_backward_rows_are_checked_timed_and_written(tmp_path, monkeypatch):
     monkeypatch.setattr(
         bench, "SLC_BWD_IMPLS", {k: bench.SLC_BWD_IMPLS[k] for k in ("ours-slc", "ours-slc-tiled")}
     )
+    default = bench.ops.TILED_SLC_BWD
     with dispatched(kn, ("_slc_bwd_dkdv_kernel", "_slc_bwd_dkdv_tiled_kernel")) as (_, launches):
         path = bench.run_slc_backward(
             str(tmp_path), [24], (None, "fla left out"), torch.Generator().manual_seed(0)
         )
     assert path.name.endswith("-slc-bwd.json")
     assert launches.count("_slc_bwd_dkdv_tiled_kernel") >= 4  # check + timing of both tiled rows
-    assert bench.ops.TILED_SLC_BWD is False  # restored after each call
+    assert launches.count("_slc_bwd_dkdv_kernel") >= 2  # and of the query-major rows
+    assert bench.ops.TILED_SLC_BWD is default  # restored after each call
     rows = {(r["impl"], r["pass"]): r for r in json.loads(path.read_text())["rows"]}
     for impl in ("ours-slc", "ours-slc-tiled"):
         for p in ("bwd", "fwd+bwd"):

@@ -217,25 +217,28 @@ def test_gpu_fused_topk_is_a_top_n(monkeypatch):
     assert same > 0.999, f"only {same:.4%} of rows pick the torch path's blocks"
 
 
-# The block-major backward (off by default) last: a fault in a kernel not yet run on a GPU ends the
-# process's CUDA context, and every test after it in the same process would fail with it.
+# The block-major backward (the default since its 2026-11-27 H100 run) last: a fault in a kernel
+# ends the process's CUDA context, and every test after it in the same process would fail with it.
 
 
 @pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
-@pytest.mark.parametrize("hq, h, d, t", [(64, 4, 128, 1000), (64, 4, 128, 2113), (3, 1, 128, 200)])
-def test_gpu_selected_tiled_backward_bf16(hq, h, d, t, monkeypatch):
-    """The block-major backward (ops.TILED_SLC_BWD, off by default until this passes on a GPU) at the
-    paper's head shape, bf16, T off the 64-token block: dQ, dK, dV against the fp32 reference (3e-2)
-    and against the query-major backward (3e-2). Every row also selects block 0, so at T = 2113 its
-    list (2113 queries) spans three work items of SLC_TILED_CHUNK = 1024 whose partial sums meet in
-    atomics; G = 3 pads the tile's heads to 4."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(
+    "b, hq, h, d, t", [(1, 64, 4, 128, 1000), (1, 64, 4, 128, 2113), (1, 3, 1, 128, 200), (2, 16, 1, 64, 333)]
+)
+def test_gpu_selected_tiled_backward(b, hq, h, d, t, dtype, monkeypatch):
+    """The block-major backward (ops.TILED_SLC_BWD, the default) at the paper's head shape, T off the
+    64-token block, bf16 and fp16: dQ, dK, dV against the fp32 reference (3e-2) and against the
+    query-major backward (3e-2). Every row also selects block 0, so at T = 2113 its list (2113
+    queries) spans three work items of SLC_TILED_CHUNK = 1024 whose partial sums meet in atomics;
+    G = 3 pads the tile's heads to 4; B = 2 with D = 64 and G = 16 checks the batch offsets."""
     gen = torch.Generator(device="cuda").manual_seed(t)
     block, s = 64, 16
-    q, k, v = _rand(gen, 1, t, hq, d), _rand(gen, 1, t, h, d), _rand(gen, 1, t, h, d)
-    idx = random_block_indices(torch.Generator().manual_seed(t), 1, t, h, s, block)
+    q, k, v = (_rand(gen, b, t, n, d, dtype=dtype) for n in (hq, h, h))
+    idx = random_block_indices(torch.Generator().manual_seed(t), b, t, h, s, block)
     idx[..., 0] = torch.where((idx == 0).any(-1), idx[..., 0], 0)  # block 0 in every row, once
     idx = idx.cuda()
-    do = _rand(gen, 1, t, hq, d)
+    do = _rand(gen, b, t, hq, d, dtype=dtype)
     got = {}
     for tiled in (True, False):
         monkeypatch.setattr(ops, "TILED_SLC_BWD", tiled)
@@ -244,7 +247,7 @@ def test_gpu_selected_tiled_backward_bf16(hq, h, d, t, monkeypatch):
     leaves_ref = [x.float().requires_grad_() for x in (q, k, v)]
     want = _grads(ref.selected_attention(*leaves_ref, idx, block), leaves_ref, do.float())
     for name, a, o, r in zip("qkv", got[True], got[False], want, strict=True):
-        assert a.dtype == torch.bfloat16
+        assert a.dtype == dtype
         assert_rel_close(a.float(), r, 3e-2, f"tiled d{name} vs reference")
         assert_rel_close(a.float(), o.float(), 3e-2, f"tiled d{name} vs query-major")
 

@@ -1,4 +1,4 @@
-"""The selected branch's block-major backward (``ops.TILED_SLC_BWD``, off by default): the inverted
+"""The selected branch's block-major backward (``ops.TILED_SLC_BWD``, the default): the inverted
 selection (``ops.invert_block_indices``) and the gradients of ``ops._slc_bwd_tiled`` against the
 query-major backward (``ops._slc_bwd``) and the float64 reference, on the CPU interpreter.
 
