@@ -767,6 +767,19 @@ GLUON_BWD_DQ_IMPLS: dict[str, dict] = {
     for variant, (tma, defer) in DQ_VARIANTS.items()
     if variant != "atomic"  # the current Gluon backward: GLUON_BWD_IMPLS' row
 }
+
+
+def gluon_bwd_dq_impls(names: str) -> dict[str, dict]:
+    """The rows of GLUON_BWD_DQ_IMPLS for comma-separated dQ variant names (``tma,defer``); an
+    unknown name is an error naming the known ones."""
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    known = [k.removeprefix("fa4-gluon-gluonbwd-dq") for k in GLUON_BWD_DQ_IMPLS]
+    bad = [n for n in wanted if n not in known]
+    if bad or not wanted:
+        raise SystemExit(f"--gluon-bwd-dq: unknown variant(s) {bad or names!r}; known: {', '.join(known)}")
+    return {f"fa4-gluon-gluonbwd-dq{n}": GLUON_BWD_DQ_IMPLS[f"fa4-gluon-gluonbwd-dq{n}"] for n in wanted}
+
+
 #: Configurations the --bwd-sweep times (most promising first, by the first H100 sweep in
 #: results/*-bwd-smoke.json: a budget cut drops the tail).
 BWD_SWEEP = [
@@ -1164,9 +1177,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--gluon-bwd-dq",
-        action="store_true",
-        help="with --bwd: the current Gluon backward and its dQ variants (GLUON_BWD_DQ_IMPLS; not yet run on a GPU) "
-        "beside cuDNN, instead of BWD_IMPLS",
+        nargs="?",
+        const=",".join(v for v in DQ_VARIANTS if v != "atomic"),
+        default=None,
+        metavar="VARIANT,...",
+        help="with --bwd: the current Gluon backward and its dQ variants (GLUON_BWD_DQ_IMPLS; all, or those "
+        "named, e.g. tma,defer) beside cuDNN, instead of BWD_IMPLS",
     )
     parser.add_argument(
         "--bwd-sweep",
@@ -1205,7 +1221,7 @@ def main(argv: list[str] | None = None) -> None:
         elif args.bwd:
             impls = {**BWD_IMPLS, **GLUON_BWD_IMPLS} if args.gluon_bwd else None
             if args.gluon_bwd_dq:
-                impls = {**GLUON_BWD_IMPLS, **GLUON_BWD_DQ_IMPLS}
+                impls = {**GLUON_BWD_IMPLS, **gluon_bwd_dq_impls(args.gluon_bwd_dq)}
             bwd_compare(out, (8192,) if args.quick else BWD_SEQLENS, deadline=deadline, impls=impls,
                         tag="bwd-gluon-dq" if args.gluon_bwd_dq else "bwd")  # fmt: skip
         elif args.bwd_sweep:

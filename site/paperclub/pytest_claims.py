@@ -141,7 +141,42 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem) -> None:
         torch.cuda.empty_cache()  # not after every test: under compute-sanitizer each cudaMalloc is slow
     left = torch.cuda.memory_allocated()
     if left > _LEFT_ALLOCATED_REPORT:
-        print(f"\n[paperclub] {item.nodeid} left {left / 2**30:.2f} GiB allocated on the GPU", file=sys.stderr)
+        lines = [f"[paperclub] {item.nodeid} left {left / 2**30:.2f} GiB allocated on the GPU"]
+        lines += _large_cuda_tensors(torch, gc)
+        # pytest captures stdout and stderr during teardown (shown only for failures): the terminal
+        # reporter writes past the capture
+        reporter = item.config.pluginmanager.get_plugin("terminalreporter")
+        for line in lines:
+            if reporter is not None:
+                reporter.write_line(line)
+            else:  # pragma: no cover - run without a terminal
+                print(line, file=sys.__stderr__)
+
+
+def _large_cuda_tensors(torch, gc, min_bytes: int = 64 << 20, limit: int = 8) -> list[str]:
+    """The live CUDA tensors over ``min_bytes`` that the garbage collector can see, largest first,
+    each with the types of what refers to it: where a test's memory is held."""
+    import warnings
+
+    found = []
+    with warnings.catch_warnings():  # isinstance on deprecated module attributes warns
+        warnings.simplefilter("ignore")
+        for obj in gc.get_objects():
+            try:
+                if isinstance(obj, torch.Tensor) and obj.is_cuda and obj.nbytes >= min_bytes:
+                    found.append(obj)
+            except Exception:  # noqa: BLE001 - objects that fail isinstance or attribute access
+                continue
+    found.sort(key=lambda t: -t.nbytes)
+    out = []
+    for t in found[:limit]:
+        refs = sorted({type(r).__name__ for r in gc.get_referrers(t) if r is not found})
+        out.append(
+            f"    {tuple(t.shape)} {t.dtype} {t.nbytes / 2**20:.0f} MiB, held by {', '.join(refs) or '?'}"
+        )
+    if len(found) > limit:
+        out.append(f"    ... {len(found) - limit} more over {min_bytes >> 20} MiB")
+    return out
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

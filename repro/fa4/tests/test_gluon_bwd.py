@@ -321,6 +321,22 @@ def test_bench_dq_rows_use_valid_switches():
         assert Switches(**sw).bwd == "gluon"
 
 
+def test_bench_dq_rows_can_be_chosen_by_name():
+    """``--gluon-bwd-dq tma,defer`` times those two variants only (a variant whose GPU sweep has not
+    passed stays out of the process: a fault would take every row down); an unknown name stops the
+    bench with the known ones listed."""
+    from repro.fa4.bench import gluon_bwd_dq_impls
+
+    assert list(gluon_bwd_dq_impls("tma, defer")) == [
+        "fa4-gluon-gluonbwd-dqtma",
+        "fa4-gluon-gluonbwd-dqdefer",
+    ]
+    with pytest.raises(SystemExit, match="unknown variant.*'fast'.*known: tma, defer, tma-defer"):
+        gluon_bwd_dq_impls("tma,fast")
+    with pytest.raises(SystemExit, match="unknown variant"):
+        gluon_bwd_dq_impls(",")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(
     os.environ.get("FA4_GLUON_BWD_DQ_TRY") != "1",
