@@ -167,7 +167,9 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 
 
 def _tail(log: Path, n: int = 3) -> str:
-    lines = [ln.strip() for ln in log.read_text(encoding="utf-8", errors="replace").splitlines() if ln.strip()]
+    lines = [
+        ln.strip() for ln in log.read_text(encoding="utf-8", errors="replace").splitlines() if ln.strip()
+    ]
     return " | ".join(lines[-n:])[-400:]
 
 
@@ -183,7 +185,9 @@ def _partial_summary(text: str) -> str:
             counts[m.group(1).lower()] = counts.get(m.group(1).lower(), 0) + 1
     if not counts:
         return ""
-    return "cut off before pytest's summary; reported so far: " + ", ".join(f"{v} {k}" for k, v in counts.items())
+    return "cut off before pytest's summary; reported so far: " + ", ".join(
+        f"{v} {k}" for k, v in counts.items()
+    )
 
 
 def sanitizer_errors(text: str) -> int | None:

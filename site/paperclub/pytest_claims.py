@@ -22,6 +22,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import sys
 from pathlib import Path
 
 import pytest
@@ -129,7 +130,6 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem) -> None:
     allocated is named, with the amount, on stderr (the job's log)."""
     if item.get_closest_marker("gpu") is None:
         return
-    import sys
 
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
@@ -169,8 +169,11 @@ def _large_cuda_tensors(torch, gc, min_bytes: int = 64 << 20, limit: int = 8) ->
                 continue
     found.sort(key=lambda t: -t.nbytes)
     out = []
-    for t in found[:limit]:
-        refs = sorted({type(r).__name__ for r in gc.get_referrers(t) if r is not found})
+    top, here = found[:limit], sys._getframe()
+    for t in top:
+        refs = sorted(
+            {type(r).__name__ for r in gc.get_referrers(t) if not any(r is x for x in (found, top, here))}
+        )
         out.append(
             f"    {tuple(t.shape)} {t.dtype} {t.nbytes / 2**20:.0f} MiB, held by {', '.join(refs) or '?'}"
         )
