@@ -72,10 +72,10 @@ class Switches:
     bwd_tma: "fused" only: Q and dO tiles through TMA (tensor descriptors); None picks the default.
     bwd_dq_tma: "fused" and "gluon": dQ tiles added by TMA bulk reductions from shared memory (FA3's
         way) instead of one atomic add per element; not in the CPU interpreter. None picks the default
-        ("gluon": gluon_bwd.DQ_TMA, off; written and compiled offline, not yet run on a GPU).
+        ("gluon": gluon_bwd.DQ_TMA, on since its H100 run of 2026-11-27).
     bwd_dq_defer: "gluon" only: each step's dQ product one step later, off the barrier on which the
-        two consumer warpgroups exchange dS^T halves. None picks gluon_bwd.DQ_DEFER (off; not yet run
-        on a GPU).
+        two consumer warpgroups exchange dS^T halves. None picks gluon_bwd.DQ_DEFER (off: wrong
+        results on an H100).
 
     Measured on one H100 (results/nvidia-h100-80gb-hbm3.json, forward, S = 4k-16k): tma=True is
     the fastest single change (up to +9%); lazy_rescale=False is 3-8% faster than the default here

@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 
 from paperclub.bench import Candidate, Report, measure, time_ms
-from repro.fa4.gluon_bwd import DQ_VARIANTS
+from repro.fa4.gluon_bwd import DQ_DEFER, DQ_TMA, DQ_VARIANTS
 
 HEADS = 16
 HEAD_DIM = 128
@@ -765,7 +765,7 @@ GLUON_BWD_DQ_IMPLS: dict[str, dict] = {
         "bwd_dq_defer": defer,
     }
     for variant, (tma, defer) in DQ_VARIANTS.items()
-    if variant != "atomic"  # the current Gluon backward: GLUON_BWD_IMPLS' row
+    if (tma, defer) != (DQ_TMA, DQ_DEFER)  # the default Gluon backward: GLUON_BWD_IMPLS' row
 }
 
 
@@ -1178,7 +1178,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--gluon-bwd-dq",
         nargs="?",
-        const=",".join(v for v in DQ_VARIANTS if v != "atomic"),
+        const=",".join(k.removeprefix("fa4-gluon-gluonbwd-dq") for k in GLUON_BWD_DQ_IMPLS),
         default=None,
         metavar="VARIANT,...",
         help="with --bwd: the current Gluon backward and its dQ variants (GLUON_BWD_DQ_IMPLS; all, or those "
