@@ -1155,6 +1155,7 @@ def _units(rows: list[list[str]], header: list[str], column: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    global BWD_ROUNDS  # --bwd-rounds
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -1174,6 +1175,12 @@ def main(argv: list[str] | None = None) -> None:
         "--gluon-bwd",
         action="store_true",
         help="with --bwd: also time the Gluon backward explicitly (fa4-gluon-gluonbwd; GPU-tested on an H100, 2026-11-25)",
+    )
+    parser.add_argument(
+        "--bwd-rounds",
+        type=int,
+        default=BWD_ROUNDS,
+        help=f"interleaved rounds of --bwd and --bwd-sweep (default {BWD_ROUNDS})",
     )
     parser.add_argument(
         "--gluon-bwd-dq",
@@ -1197,6 +1204,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)  # fmt: skip
+    if args.bwd_rounds < 1:
+        parser.error(f"--bwd-rounds must be at least 1, got {args.bwd_rounds}")
+    BWD_ROUNDS = args.bwd_rounds
     deadline = None if args.budget_s is None else time.monotonic() + args.budget_s
     if args.ncu_summary is not None:  # reads a file: no GPU needed
         print_ncu_summary(args.ncu_summary.read_text(encoding="utf-8", errors="replace"))
