@@ -71,7 +71,9 @@ def test_record_of_a_removed_test_goes(pytester, toy):
         '@pytest.mark.claim("toy/exact", section="§2, Eq. 3")\ndef test_kept():\n    assert True\n',
     )
     pytester.runpytest_subprocess().assert_outcomes(passed=1, failed=1)
-    write_test(toy, '@pytest.mark.claim("toy/exact", section="§2, Eq. 3")\ndef test_new():\n    assert True\n')
+    write_test(
+        toy, '@pytest.mark.claim("toy/exact", section="§2, Eq. 3")\ndef test_new():\n    assert True\n'
+    )
     pytester.runpytest_subprocess().assert_outcomes(passed=1)
     record = json.loads(toy.joinpath("results", "claims.json").read_text())["tests"]
     assert set(record) == {"repro/toy/test_toy.py::test_new"}
@@ -108,3 +110,42 @@ def test_a_skip_does_not_erase_a_recorded_outcome(pytester, toy):
     pytester.runpytest_subprocess().assert_outcomes(skipped=1)
     record = json.loads(toy.joinpath("results", "claims.json").read_text())["tests"]
     assert record["repro/toy/test_toy.py::test_gpu"]["outcome"] == "passed"
+
+
+def test_leak_report_names_large_tensors_and_their_holders(monkeypatch):
+    """The GPU-test teardown's report (run only with a CUDA GPU) lists the large live tensors, largest
+    first, with what holds them and not its own bookkeeping; small ones are left out. On a CPU the
+    tensors are made to look like CUDA ones."""
+    import torch
+
+    from paperclub.pytest_claims import _large_cuda_tensors
+
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    held = {"big": torch.zeros(3 << 20), "bigger": torch.zeros(5 << 20), "small": torch.zeros(10)}
+    lines = [ln for ln in _large_cuda_tensors(torch, min_bytes=12 << 20) if "MiB" in ln]
+    mine = [ln for ln in lines if "(3145728,)" in ln or "(5242880,)" in ln]
+    assert [ln.split()[0] for ln in mine] == ["(5242880,)", "(3145728,)"], lines
+    assert all(ln.endswith("held by dict") for ln in mine), mine
+    assert not any("(10,)" in ln for ln in lines)
+    assert held  # kept alive until here
+
+
+def test_rel_error_in_chunks_equals_the_whole_norm(monkeypatch):
+    """rel_error sums in float64 chunks (memory): the same value as the whole-tensor norms, for sizes
+    on and off the chunk, non-contiguous inputs, and inf for a non-finite output in any chunk."""
+    import torch
+
+    from paperclub import testing
+
+    monkeypatch.setattr(testing, "_CHUNK", 1000)
+    gen = torch.Generator().manual_seed(0)
+    for shape in [(7,), (1000,), (33, 101), (64, 50)]:
+        ref = torch.randn(*shape, generator=gen)
+        out = ref + 1e-3 * torch.randn(*shape, generator=gen)
+        whole = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+        assert abs(testing.rel_error(out, ref) - whole) <= 1e-12 * whole, shape
+    a = torch.randn(50, 64, generator=gen)
+    assert abs(testing.rel_error(a.t(), a.t().contiguous() * 1.5) - 1 / 3) < 1e-6  # fp32 products
+    bad = torch.randn(3000, generator=gen)
+    bad[2500] = float("nan")
+    assert testing.rel_error(bad, torch.ones(3000)) == float("inf")

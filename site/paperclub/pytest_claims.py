@@ -19,10 +19,12 @@ Loaded for every run through ``addopts = -p paperclub.pytest_claims`` in pyproje
 from __future__ import annotations
 
 import datetime as _dt
+import gc
 import json
 import os
 import platform
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -118,31 +120,30 @@ def pytest_runtest_makereport(item: pytest.Item, call):
 
 _CLAIM_PROPERTY = "paperclub_claim"
 
-#: a GPU test that leaves more than this allocated after its teardown is named on stderr
+#: a GPU test that leaves more than this allocated after its teardown is named in the run's output
 _LEFT_ALLOCATED_REPORT = 1 << 30
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem) -> None:
     """After each ``gpu`` test: collect reference cycles (and hand the caching allocator's free blocks
-    back once it holds half the GPU), so that one process running every GPU test in turn (the GPU job's compute-sanitizer pass,
-    without pytest-xdist) holds no more than the test at hand; a test that still leaves over 1 GiB
-    allocated is named, with the amount, on stderr (the job's log)."""
+    back once it holds half the GPU), so that one process running every GPU test in turn (the GPU
+    job's compute-sanitizer pass, without pytest-xdist) holds no more than the test at hand; a test
+    that still leaves over 1 GiB allocated is named in the run's output (the job's log), with the
+    amount and the largest live tensors."""
     if item.get_closest_marker("gpu") is None:
         return
 
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return
-    import gc
-
     gc.collect()
     if torch.cuda.memory_reserved() > torch.cuda.get_device_properties(0).total_memory // 2:
         torch.cuda.empty_cache()  # not after every test: under compute-sanitizer each cudaMalloc is slow
     left = torch.cuda.memory_allocated()
     if left > _LEFT_ALLOCATED_REPORT:
         lines = [f"[paperclub] {item.nodeid} left {left / 2**30:.2f} GiB allocated on the GPU"]
-        lines += _large_cuda_tensors(torch, gc)
+        lines += _large_cuda_tensors(torch)
         # pytest captures stdout and stderr during teardown (shown only for failures): the terminal
         # reporter writes past the capture
         reporter = item.config.pluginmanager.get_plugin("terminalreporter")
@@ -153,11 +154,9 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem) -> None:
                 print(line, file=sys.__stderr__)
 
 
-def _large_cuda_tensors(torch, gc, min_bytes: int = 64 << 20, limit: int = 8) -> list[str]:
+def _large_cuda_tensors(torch, min_bytes: int = 64 << 20, limit: int = 8) -> list[str]:
     """The live CUDA tensors over ``min_bytes`` that the garbage collector can see, largest first,
     each with the types of what refers to it: where a test's memory is held."""
-    import warnings
-
     found = []
     with warnings.catch_warnings():  # isinstance on deprecated module attributes warns
         warnings.simplefilter("ignore")
