@@ -726,19 +726,24 @@ def slc_backward_candidates(t: int, fla, gen: torch.Generator) -> dict[tuple[str
     return cands
 
 
+def _fla_report(what: str, columns: list[str]) -> Report:
+    """A Report of this bench at the paper's shape, fla's parallel_nsa the peer."""
+    return Report(
+        package="nsa",
+        title=f"{what} (64 query heads, 4 KV heads, D = 128, bf16)",
+        columns=columns,
+        peer="flash-linear-attention (fla-core) 0.6.0, parallel_nsa",
+        packages=["fla-core", "flash-linear-attention"],
+        measure_ceilings=False,
+    )
+
+
 def run_slc_backward(out: str | None, lengths: list[int], fla, gen: torch.Generator) -> Path:
     """Time the selected branch's backwards (:func:`slc_backward_candidates`) at each length, every
     candidate of one (length, pass) checked and then timed interleaved, and write
     ``<device>-slc-bwd.json`` after each length: the rows the next GPU session reads to decide
     ``ops.TILED_SLC_BWD``'s default (and the tiled kernel's launch shape)."""
-    report = Report(
-        package="nsa",
-        title="NSA selected branch backward (64 query heads, 4 KV heads, D = 128, bf16)",
-        columns=SLC_BWD_COLUMNS,
-        peer="flash-linear-attention (fla-core), parallel_nsa",
-        packages=["fla-core", "flash-linear-attention"],
-        measure_ceilings=False,
-    )
+    report = _fla_report("NSA selected branch backward", SLC_BWD_COLUMNS)
     report.notes = (
         "The selected branch alone on the paper configuration's block indices for the bench's inputs "
         "(l'=64, n=16). bwd: the backward of one retained forward; fwd+bwd: both. ours-slc: the "
@@ -881,14 +886,7 @@ def run(out: str | None, budget_s: float, quick: bool, lengths: list[int], decod
     log("importing fla (the peer)")
     fla = load_fla()
     log("fla: " + ("imported" if fla[0] is not None else fla[1]))
-    report = Report(
-        package="nsa",
-        title="NSA forward, backward and decode (64 query heads, 4 KV heads, D = 128, bf16)",
-        columns=COLUMNS,
-        peer="flash-linear-attention (fla-core) 0.6.0, parallel_nsa",
-        packages=["fla-core", "flash-linear-attention"],
-        measure_ceilings=False,
-    )
+    report = _fla_report("NSA forward, backward and decode", COLUMNS)
     for p in ("fwd", "fwd+bwd"):
         report.plot(title=f"{p} time", x="T", y="ms", series="impl", where={"section": "train", "pass": p},
                     logx=True, logy=True)  # fmt: skip
