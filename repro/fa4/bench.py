@@ -886,13 +886,18 @@ def _bwd_rows(report, res, errs, fixed: dict, b, s, causal, passes, extra=None) 
 
 
 def bwd_compare(
-    out_dir: Path | None, seqlens=BWD_SEQLENS, deadline: float | None = None, impls=None, tag: str = "bwd"
+    out_dir: Path | None,
+    seqlens=BWD_SEQLENS,
+    deadline: float | None = None,
+    impls=None,
+    tag: str = "bwd",
+    rounds: int = BWD_ROUNDS,
 ) -> Report:
     """Forward + backward and backward alone: our backwards (BWD_IMPLS) beside cuDNN and FA2 (SDPA).
 
     At each shape every candidate's output and gradients are checked once against cuDNN's on the same
     values (tolerance: 3x FA2's own distance from cuDNN, at least 2e-2); candidates that pass are
-    timed in BWD_ROUNDS interleaved rounds through ``paperclub.bench.measure``. Writes
+    timed in ``rounds`` interleaved rounds through ``paperclub.bench.measure``. Writes
     ``<device>-<tag>.json``; shapes past the deadline are left out and named in the notes.
     """
     impls = BWD_IMPLS if impls is None else impls
@@ -914,7 +919,7 @@ def bwd_compare(
             "fa4-triton-tma-fused = Triton forward (TMA) + fused backward; fa4-gluon-gluonbwd (only with --gluon-bwd) = Gluon forward + "
             "the warp-specialised Gluon backward (repro.fa4.gluon_bwd); fa4-gluon-gluonbwd-dq* (only with --gluon-bwd-dq) = "
             "the same with its dQ variants (dqtma: TMA bulk reductions; dqdefer: dQ product a step later; both). "
-            f"Interleaved: {BWD_ROUNDS} rounds."
+            f"Interleaved: {rounds} rounds."
         ),
     )
     skipped = []
@@ -942,7 +947,7 @@ def bwd_compare(
                         cands[name] = Candidate(fn=lambda: None, check=_failed(bad[name]))
                     else:
                         cands[name] = Candidate(fn=_timer(f, ours_leaves, grad, passes))
-                res = measure(cands, rounds=BWD_ROUNDS)
+                res = measure(cands, rounds=rounds)
                 _bwd_rows(report, res, errs, dict(group="bwd"), b, s, causal, passes)
                 del cands, res
             del mine, ref, ours_leaves, sdpa_leaves, grad, grad_t
@@ -958,7 +963,9 @@ def bwd_compare(
     return report
 
 
-def bwd_sweep(out_dir: Path | None, deadline: float | None = None, s: int = 8192, configs=None) -> Report:
+def bwd_sweep(
+    out_dir: Path | None, deadline: float | None = None, s: int = 8192, configs=None, rounds: int = BWD_ROUNDS
+) -> Report:
     """The fused backward's launch configurations (BWD_SWEEP) at S = ``s`` beside cuDNN, causal and not:
     the backward alone and forward + backward (Gluon forward), checked against cuDNN's gradients,
     interleaved rounds. Writes ``<device>-bwd-sweep.json`` and prints the best configuration per case."""
@@ -998,7 +1005,7 @@ def bwd_sweep(out_dir: Path | None, deadline: float | None = None, s: int = 8192
                     cands[name] = Candidate(fn=lambda: None, check=_failed(bad[name]))
                 else:
                     cands[name] = Candidate(fn=_timer(f, ours_leaves, grad, passes))
-            res = measure(cands, rounds=BWD_ROUNDS)
+            res = measure(cands, rounds=rounds)
             _bwd_rows(report, res, errs, dict(group="bwd-sweep"), b, s, causal, passes,
                       extra=lambda n: {"config": "" if n == "sdpa-cudnn" else n})  # fmt: skip
             cudnn_ms = res["sdpa-cudnn"].median_ms
@@ -1155,7 +1162,6 @@ def _units(rows: list[list[str]], header: list[str], column: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    global BWD_ROUNDS  # --bwd-rounds
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -1206,7 +1212,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)  # fmt: skip
     if args.bwd_rounds < 1:
         parser.error(f"--bwd-rounds must be at least 1, got {args.bwd_rounds}")
-    BWD_ROUNDS = args.bwd_rounds
     deadline = None if args.budget_s is None else time.monotonic() + args.budget_s
     if args.ncu_summary is not None:  # reads a file: no GPU needed
         print_ncu_summary(args.ncu_summary.read_text(encoding="utf-8", errors="replace"))
@@ -1233,16 +1238,19 @@ def main(argv: list[str] | None = None) -> None:
             if args.gluon_bwd_dq:
                 impls = {**GLUON_BWD_IMPLS, **gluon_bwd_dq_impls(args.gluon_bwd_dq)}
             bwd_compare(out, (8192,) if args.quick else BWD_SEQLENS, deadline=deadline, impls=impls,
+                        rounds=args.bwd_rounds,
                         tag="bwd-gluon-dq" if args.gluon_bwd_dq else "bwd")  # fmt: skip
         elif args.bwd_sweep:
-            bwd_sweep(out, deadline=deadline)
+            bwd_sweep(out, deadline=deadline, rounds=args.bwd_rounds)
         else:
             # the backward comparison first (the GPU job's budget may not reach the end of the table)
             if args.budget_s is None:
                 bwd_deadline = None
             else:
                 bwd_deadline = time.monotonic() + 0.6 * args.budget_s
-            bwd_compare(out, (8192,) if args.quick else BWD_SEQLENS, deadline=bwd_deadline)
+            bwd_compare(
+                out, (8192,) if args.quick else BWD_SEQLENS, deadline=bwd_deadline, rounds=args.bwd_rounds
+            )
             full(out, (2048, 8192) if args.quick else SEQLENS, deadline=deadline)
     except Exception:
         traceback.print_exc()
