@@ -141,12 +141,56 @@ def _normalise(acc, m_i, l_i):
 
 
 @triton.jit
+def _interior(t_first, t_last, start, end, NK, STRIDE: tl.constexpr, OFFSET: tl.constexpr,
+              WINDOW: tl.constexpr, BN: tl.constexpr):  # fmt: skip
+    """The key tiles [a, b) within [start, end) (BN-aligned from ``start``) that every query
+    t_first..t_last sees, so that they need no mask: key position <= t_first and, with a window,
+    > t_last - WINDOW. start <= a <= b <= end; empty (a = b) when no tile qualifies."""
+    hi = tl.where(t_first >= OFFSET, (t_first - OFFSET) // STRIDE + 1, 0)  # keys seen by the first row
+    hi = tl.minimum(hi, NK)
+    lo = start
+    if WINDOW > 0:
+        first = t_last - WINDOW + 1 - OFFSET  # the last row's first visible key position
+        lo = tl.maximum(tl.where(first > 0, (first + STRIDE - 1) // STRIDE, 0), start)
+    a = tl.minimum(start + ((lo - start + BN - 1) // BN) * BN, end)
+    b = start + ((tl.maximum(hi, start) - start) // BN) * BN
+    b = tl.maximum(tl.minimum(b, end), a)
+    return a, b
+
+
+@triton.jit
+def _strided_fwd_tile(q, Kb, Vb, i0, offs_m, offs_d, NK, skt, m_i, l_i, acc, scale_log2,
+                      STRIDE: tl.constexpr, OFFSET: tl.constexpr, WINDOW: tl.constexpr,
+                      BN: tl.constexpr, MASK: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+    """One key tile of the strided forward; MASK = False for tiles :func:`_interior` proved fully visible
+    (no bounds check, no mask)."""
+    offs_n = i0 + tl.arange(0, BN)
+    kv_off = offs_n[:, None] * skt + offs_d[None, :]
+    if MASK:
+        k = tl.load(Kb + kv_off, mask=offs_n[:, None] < NK, other=0.0)
+        v = tl.load(Vb + kv_off, mask=offs_n[:, None] < NK, other=0.0)
+        vis = _visible(offs_m, offs_n, NK, STRIDE, OFFSET, WINDOW)
+        _, m_i, l_i, acc = _online_update(q, k, v, vis, m_i, l_i, acc, scale_log2, IEEE)
+    else:
+        k = tl.load(Kb + kv_off)
+        v = tl.load(Vb + kv_off)
+        s = _dot(q, tl.trans(k), IEEE) * scale_log2
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _strided_fwd_kernel(
     Q, K, V, O, LSE,
     sqb, sqt, sqh, skb, skt, skh,
     T, NK, HQ, G, scale_log2,
     STRIDE: tl.constexpr, OFFSET: tl.constexpr, WINDOW: tl.constexpr,
-    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr,
+    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     b, hq, h = _query_head(tl.program_id(1), HQ, G)
@@ -160,13 +204,21 @@ def _strided_fwd_kernel(
     acc = tl.zeros([BM, D], tl.float32)
     t_last = tl.minimum(pid_m * BM + BM, T) - 1
     start, end = _key_range(pid_m * BM, t_last, NK, STRIDE, OFFSET, WINDOW, BN)
-    for i0 in range(start, end, BN):
-        offs_n = i0 + tl.arange(0, BN)
-        kv_off = offs_n[:, None] * skt + offs_d[None, :]
-        k = tl.load(Kb + kv_off, mask=offs_n[:, None] < NK, other=0.0)
-        v = tl.load(Vb + kv_off, mask=offs_n[:, None] < NK, other=0.0)
-        vis = _visible(offs_m, offs_n, NK, STRIDE, OFFSET, WINDOW)
-        _, m_i, l_i, acc = _online_update(q, k, v, vis, m_i, l_i, acc, scale_log2, IEEE)
+    if SPLIT:  # masked edge tiles, the unmasked interior, masked tiles at the diagonal
+        a, b_ = _interior(pid_m * BM, t_last, start, end, NK, STRIDE, OFFSET, WINDOW, BN)
+        for i0 in range(start, a, BN):
+            m_i, l_i, acc = _strided_fwd_tile(q, Kb, Vb, i0, offs_m, offs_d, NK, skt, m_i, l_i, acc,
+                                              scale_log2, STRIDE, OFFSET, WINDOW, BN, True, IEEE)  # fmt: skip
+        for i0 in range(a, b_, BN):
+            m_i, l_i, acc = _strided_fwd_tile(q, Kb, Vb, i0, offs_m, offs_d, NK, skt, m_i, l_i, acc,
+                                              scale_log2, STRIDE, OFFSET, WINDOW, BN, False, IEEE)  # fmt: skip
+        for i0 in range(b_, end, BN):
+            m_i, l_i, acc = _strided_fwd_tile(q, Kb, Vb, i0, offs_m, offs_d, NK, skt, m_i, l_i, acc,
+                                              scale_log2, STRIDE, OFFSET, WINDOW, BN, True, IEEE)  # fmt: skip
+    else:
+        for i0 in range(start, end, BN):
+            m_i, l_i, acc = _strided_fwd_tile(q, Kb, Vb, i0, offs_m, offs_d, NK, skt, m_i, l_i, acc,
+                                              scale_log2, STRIDE, OFFSET, WINDOW, BN, True, IEEE)  # fmt: skip
     o, lse = _normalise(acc, m_i, l_i)
     tl.store(O + b * sqb + hq * sqh + offs_m[:, None] * sqt + offs_d[None, :], o.to(O.dtype.element_ty),
              mask=row_ok[:, None])  # fmt: skip

@@ -112,17 +112,30 @@ def _check_gates(fn: str, gates: torch.Tensor, shape: tuple, hint: str) -> None:
 # Strided causal attention: the compressed branch and the sliding window
 
 
+# The strided forward walks its key tiles in three loops: the masked tiles at the window's lower edge,
+# the interior every query of the tile sees (no mask, no bounds check), the masked tiles at the diagonal.
+# False: one masked loop over every tile (the kernel before 2026-11-27). fp32 inputs on a GPU keep the
+# one loop: their smaller tile already spills at D = 128 and the three loops double the spills
+# (sm90_check); under the interpreter every dtype takes the split, so the CPU tests cover it.
+STRIDED_SPLIT = False
+# Tile override of the strided forward on a GPU ({"BM", "BN", "num_warps", "num_stages"}), for sweeps;
+# None takes _launch's shape.
+STRIDED_FWD_TILE: dict | None = None
+
+
 def _strided_fwd(q, k, v, scale, stride, offset, window):
     b, t, hq, d = q.shape
     nk, h = k.shape[1], k.shape[2]
     o = torch.empty_like(q)
     lse = torch.empty(b, t, hq, device=q.device, dtype=torch.float32)
     cfg = _launch(d, itemsize=q.element_size())
+    if STRIDED_FWD_TILE is not None and not _interp():
+        cfg = dict(STRIDED_FWD_TILE)
     kn._strided_fwd_kernel[(triton.cdiv(t, cfg["BM"]), b * hq)](
         q, k, v, o, lse,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         t, nk, hq, hq // h, scale * kn.LOG2E,
-        STRIDE=stride, OFFSET=offset, WINDOW=window, D=d, IEEE=_ieee(q), **cfg,
+        STRIDE=stride, OFFSET=offset, WINDOW=window, D=d, IEEE=_ieee(q), SPLIT=STRIDED_SPLIT and (q.element_size() == 2 or _interp()), **cfg,
     )  # fmt: skip
     return o, lse
 

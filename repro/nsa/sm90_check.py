@@ -37,8 +37,10 @@ def cases(dt: str) -> list[tuple]:
     for name, win, stride, off in (("compressed", 0, 16, 31), ("window", 512, 1, 0)):
         geo = dict(STRIDE=stride, OFFSET=off, WINDOW=win, D=128, IEEE=fp32)
         fwd = (dict(BM=64, BN=64), 8, 2) if fp32 else (dict(BM=128, BN=64), 8, 3)
-        out.append((f"strided_fwd[{name}]", kn._strided_fwd_kernel, {"Q": p, "K": p, "V": p, "O": p, "LSE": "*fp32"},
-                    {**geo, **fwd[0]}, fwd[1], fwd[2]))  # fmt: skip
+        for split in (False, True):  # ops.STRIDED_SPLIT: one masked loop, or edge / interior / diagonal loops
+            out.append((f"strided_fwd[{name}{',split' if split else ''}]", kn._strided_fwd_kernel,
+                        {"Q": p, "K": p, "V": p, "O": p, "LSE": "*fp32"}, {**geo, **fwd[0], "SPLIT": split},
+                        fwd[1], fwd[2]))  # fmt: skip
         for kname, kern in (("dq", kn._strided_bwd_dq_kernel), ("dkdv", kn._strided_bwd_dkdv_kernel)):
             out.append((f"strided_{kname}[{name}]", kern, grads, {**geo, "BM": 64, "BN": 64}, 8, 2))
     for l, d, lp in ((32, 16, 64), (64, 64, 64)):

@@ -49,30 +49,43 @@ def test_gpu_selected_bf16(hq, h, d, t):
 
 
 @pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
-def test_gpu_compressed_and_window(dtype=torch.bfloat16):
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    t, hq, h, d = 1100, 64, 4, 128
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("branch, t", [("compressed", 1100), ("compressed", 4100), ("window", 1100)])
+def test_gpu_compressed_and_window(branch, t, dtype, split, monkeypatch):
+    """Both strided branches, forward and gradients, with the forward's key tiles in one masked loop
+    and split (ops.STRIDED_SPLIT). At T = 4100 the compressed branch has unmasked interior tiles (from
+    t = 1024 + 31 on, 64 compressed keys a tile); the window at T = 1100 has them from its second
+    query tile. The window's reference is dense ([T, T] per head), hence its shorter length."""
+    monkeypatch.setattr(ops, "STRIDED_SPLIT", split)
+    gen = torch.Generator(device="cuda").manual_seed(t)
+    hq, h, d = 64, 4, 128
     cfg = ref.NSAConfig()
     q, k, v = (
         _rand(gen, 1, t, hq, d, dtype=dtype),
         _rand(gen, 1, t, h, d, dtype=dtype),
         _rand(gen, 1, t, h, d, dtype=dtype),
     )
-    kc = ref.compress(k, ref.mean_pool, cfg.block_len, cfg.stride).contiguous()
-    vc = ref.compress(v, ref.mean_pool, cfg.block_len, cfg.stride).contiguous()
-    for name, fn, fn_ref, keys in (
-        ("compressed", lambda a, b, c: ops.compressed_attention(a, b, c)[0], lambda a, b, c: ref.compressed_attention(a, b, c)[0], (kc, vc)),
-        ("window", lambda a, b, c: ops.sliding_window_attention(a, b, c, cfg.window), lambda a, b, c: ref.sliding_window_attention(a, b, c, cfg.window), (k, v)),
-    ):  # fmt: skip
-        leaves = [x.clone().requires_grad_() for x in (q, *keys)]
-        leaves_ref = [x.float().requires_grad_() for x in (q, *keys)]
-        out, out_ref = fn(*leaves), fn_ref(*leaves_ref)
-        assert_rel_close(out.float(), out_ref, 2e-2, f"{name} output")
-        do = _rand(gen, *out.shape, dtype=dtype)
-        for g, a, r in zip(
-            "qkv", _grads(out, leaves, do), _grads(out_ref, leaves_ref, do.float()), strict=True
-        ):
-            assert_rel_close(a.float(), r, 3e-2, f"{name} d{g}")
+    if branch == "compressed":
+        keys = (
+            ref.compress(k, ref.mean_pool, cfg.block_len, cfg.stride).contiguous(),
+            ref.compress(v, ref.mean_pool, cfg.block_len, cfg.stride).contiguous(),
+        )
+        fn, fn_ref = (
+            (lambda a, b, c: ops.compressed_attention(a, b, c)[0]),
+            (lambda a, b, c: ref.compressed_attention(a, b, c)[0]),
+        )
+    else:
+        keys = (k, v)
+        fn = lambda a, b, c: ops.sliding_window_attention(a, b, c, cfg.window)  # noqa: E731
+        fn_ref = lambda a, b, c: ref.sliding_window_attention(a, b, c, cfg.window)  # noqa: E731
+    leaves = [x.clone().requires_grad_() for x in (q, *keys)]
+    leaves_ref = [x.float().requires_grad_() for x in (q, *keys)]
+    out, out_ref = fn(*leaves), fn_ref(*leaves_ref)
+    assert_rel_close(out.float(), out_ref, 2e-2, f"{branch} output")
+    do = _rand(gen, *out.shape, dtype=dtype)
+    for g, a, r in zip("qkv", _grads(out, leaves, do), _grads(out_ref, leaves_ref, do.float()), strict=True):
+        assert_rel_close(a.float(), r, 3e-2, f"{branch} d{g}")
 
 
 @pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")

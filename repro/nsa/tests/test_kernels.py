@@ -286,3 +286,39 @@ def test_fused_gated_sum_equals_eq5(dtype, t):
         assert_rel_close(x.double().cpu(), y, tol, name)
     with pytest.raises(ValueError, match="o_win must match o_cmp"):
         ops.gated_sum_fused(ours[0], ours[1], ours[2], ours[3][..., :8])
+
+
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize(
+    "t, stride, block_len, window",
+    [
+        (1, 16, 32, 0),  # no query sees a compressed token
+        (47, 16, 32, 0),  # one interior tile at most (interpreter tiles are 16 x 16)
+        (100, 4, 8, 0),  # many compressed tokens per query tile: interior and diagonal tiles
+        (100, 1, 1, 16),  # window = the tile width
+        (100, 1, 1, 17),  # window one past it: an edge tile on both sides
+        (100, 1, 1, 40),
+        (64, 1, 1, 1),  # a window of one key: no interior tile
+    ],
+)
+def test_strided_forward_split_loops_equal_reference(split, t, stride, block_len, window, monkeypatch):
+    """ops.STRIDED_SPLIT walks the key tiles every query of a tile sees without a mask; the edge and
+    diagonal tiles keep it. Both ways equal the reference (output and lse) at lengths around the tile."""
+    monkeypatch.setattr(ops, "STRIDED_SPLIT", split)
+    gen = torch.Generator().manual_seed(t + 7 * window + stride)
+    d = 16
+    if window:
+        q, k, v = randn(gen, 1, t, 4, d), randn(gen, 1, t, 2, d), randn(gen, 1, t, 2, d)
+        out = ops.sliding_window_attention(*(leaf(x) for x in (q, k, v)), window)
+        out_ref = ref.sliding_window_attention(q, k, v, window)
+    else:
+        nc = max(1, ref.num_compressed(t, block_len, stride))
+        q, k, v = randn(gen, 1, t, 4, d), randn(gen, 1, nc, 2, d), randn(gen, 1, nc, 2, d)
+        out, lse = ops.compressed_attention(*(leaf(x) for x in (q, k, v)), block_len, stride)
+        out_ref, lse_ref = ref.compressed_attention(q, k, v, block_len, stride)
+        seen = ~torch.isinf(lse_ref)
+        assert torch.equal(torch.isinf(lse.detach().cpu()), ~seen)
+        if seen.any():
+            assert_rel_close(lse.detach().cpu()[seen], lse_ref[seen], FP32_TOL, "compressed lse")
+    assert_rel_close(out.detach().cpu(), out_ref, FP32_TOL, f"strided output (split={split})")
