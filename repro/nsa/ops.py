@@ -29,16 +29,24 @@ def _interp() -> bool:
     return interpreting()
 
 
-def _launch(d: int, backward: bool = False, itemsize: int = 2) -> dict:
+def _launch(d: int, backward: bool = False, itemsize: int = 2, window: bool = False) -> dict:
     """Tile sizes of the strided kernels: 16 under the interpreter (small tests). On a GPU the forward
     takes FlashAttention-2's Hopper shape, 128 queries x 64 keys with 8 warps and 3 stages (two K/V
     tiles of 64 x 128 bf16 per stage fit shared memory), the backward 64 x 64 with 8 warps: with 4,
     ptxas (sm_90a, offline) spills 0.4-1 KB per thread at D = 128 (two fp32 64 x 128 accumulators
-    beside K and V); with 8 it spills at most 124 bytes."""
+    beside K and V); with 8 it spills at most 124 bytes.
+
+    The sliding window's forward takes 64 x 64 tiles with 4 warps and 3 stages: a 128-query tile reads
+    639 keys for 512 a query (the tile's rows are 127 positions apart), a 64-query tile 575. Measured
+    on an H100 at T = 64k, w = 512, bf16 (2026-11-27, 5 interleaved rounds): 3.83 ms against 4.79 ms
+    with the 128 x 64 shape; the compressed branch keeps 128 x 64 (10.1 ms split against 11.1 ms at
+    64 x 64; 128 x 128 and 64 x 128 were slower for both)."""
     if _interp():
         return {"BM": 16, "BN": 16, "num_warps": 4, "num_stages": 1}
     if backward or itemsize > 2:  # fp32 tiles are twice the bytes: the smaller shape fits at D = 128
         return {"BM": 64, "BN": 64, "num_warps": 8 if d >= 64 else 4, "num_stages": 2}
+    if window:
+        return {"BM": 64, "BN": 64, "num_warps": 4, "num_stages": 3}
     return {"BM": 128 if d >= 64 else 64, "BN": 64, "num_warps": 8 if d >= 64 else 4, "num_stages": 3}
 
 
@@ -112,30 +120,37 @@ def _check_gates(fn: str, gates: torch.Tensor, shape: tuple, hint: str) -> None:
 # Strided causal attention: the compressed branch and the sliding window
 
 
-# The strided forward walks its key tiles in three loops: the masked tiles at the window's lower edge,
-# the interior every query of the tile sees (no mask, no bounds check), the masked tiles at the diagonal.
-# False: one masked loop over every tile (the kernel before 2026-11-27). fp32 inputs on a GPU keep the
-# one loop: their smaller tile already spills at D = 128 and the three loops double the spills
-# (sm90_check); under the interpreter every dtype takes the split, so the CPU tests cover it.
-STRIDED_SPLIT = False
+# The compressed branch's forward walks its key tiles in three loops: the masked tiles at the window's
+# lower edge (none without a window), the interior every query of the tile sees (no mask, no bounds
+# check), the masked tiles at the diagonal. False: one masked loop over every tile (the kernel before
+# 2026-11-27). On an H100 at T = 64k (bf16, 2026-11-27, 5 interleaved rounds) the compressed branch
+# took 10.1 ms split against 12.5 ms in one loop, the whole forward 43.3 against 46.6 ms.
+# The sliding window keeps one loop: split, it took the same time (3.88 against 3.83 ms at its 64 x 64
+# tile, within the rounds' range) and spills more (784 against 284 bytes, sm90_check). fp32 inputs on
+# a GPU keep one loop too: their tile already spills at D = 128 and the three loops double that. Under
+# the interpreter the compressed branch splits in every dtype, so the CPU tests cover the GPU's path.
+STRIDED_SPLIT = True
 # Tile override of the strided forward on a GPU ({"BM", "BN", "num_warps", "num_stages"}), for sweeps;
 # None takes _launch's shape.
 STRIDED_FWD_TILE: dict | None = None
 
 
-def _strided_fwd(q, k, v, scale, stride, offset, window):
+def _strided_fwd(q, k, v, scale, stride, offset, window, split=None):
+    """The strided forward; ``split`` None takes the rule above, True/False forces it (tests, sweeps)."""
     b, t, hq, d = q.shape
     nk, h = k.shape[1], k.shape[2]
     o = torch.empty_like(q)
     lse = torch.empty(b, t, hq, device=q.device, dtype=torch.float32)
-    cfg = _launch(d, itemsize=q.element_size())
+    cfg = _launch(d, itemsize=q.element_size(), window=window > 0)
     if STRIDED_FWD_TILE is not None and not _interp():
         cfg = dict(STRIDED_FWD_TILE)
+    if split is None:
+        split = STRIDED_SPLIT and window == 0 and (q.element_size() == 2 or _interp())
     kn._strided_fwd_kernel[(triton.cdiv(t, cfg["BM"]), b * hq)](
         q, k, v, o, lse,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         t, nk, hq, hq // h, scale * kn.LOG2E,
-        STRIDE=stride, OFFSET=offset, WINDOW=window, D=d, IEEE=_ieee(q), SPLIT=STRIDED_SPLIT and (q.element_size() == 2 or _interp()), **cfg,
+        STRIDE=stride, OFFSET=offset, WINDOW=window, D=d, IEEE=_ieee(q), SPLIT=bool(split), **cfg,
     )  # fmt: skip
     return o, lse
 

@@ -36,7 +36,7 @@ def cases(dt: str) -> list[tuple]:
     out = []
     for name, win, stride, off in (("compressed", 0, 16, 31), ("window", 512, 1, 0)):
         geo = dict(STRIDE=stride, OFFSET=off, WINDOW=win, D=128, IEEE=fp32)
-        fwd = (dict(BM=64, BN=64), 8, 2) if fp32 else (dict(BM=128, BN=64), 8, 3)
+        fwd = (dict(BM=64, BN=64), 8, 2) if fp32 else (dict(BM=64 if win else 128, BN=64), 4 if win else 8, 3)
         for split in (False, True):  # ops.STRIDED_SPLIT: one masked loop, or edge / interior / diagonal loops
             out.append((f"strided_fwd[{name}{',split' if split else ''}]", kn._strided_fwd_kernel,
                         {"Q": p, "K": p, "V": p, "O": p, "LSE": "*fp32"}, {**geo, **fwd[0], "SPLIT": split},

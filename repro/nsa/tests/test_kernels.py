@@ -302,23 +302,24 @@ def test_fused_gated_sum_equals_eq5(dtype, t):
         (64, 1, 1, 1),  # a window of one key: no interior tile
     ],
 )
-def test_strided_forward_split_loops_equal_reference(split, t, stride, block_len, window, monkeypatch):
-    """ops.STRIDED_SPLIT walks the key tiles every query of a tile sees without a mask; the edge and
-    diagonal tiles keep it. Both ways equal the reference (output and lse) at lengths around the tile."""
-    monkeypatch.setattr(ops, "STRIDED_SPLIT", split)
+def test_strided_forward_split_loops_equal_reference(split, t, stride, block_len, window):
+    """The strided forward with its key tiles in one masked loop, or split into edge, interior (no
+    mask) and diagonal loops (ops.STRIDED_SPLIT: the compressed branch's default; the window's split
+    is kept general and checked here): output and lse equal the reference at lengths around the tile."""
     gen = torch.Generator().manual_seed(t + 7 * window + stride)
-    d = 16
+    d, nk = 16, (t if window else max(1, ref.num_compressed(t, block_len, stride)))
+    q, k, v = randn(gen, 1, t, 4, d), randn(gen, 1, nk, 2, d), randn(gen, 1, nk, 2, d)
+    offset = 0 if window else block_len - 1
+    kq, kk, kv = (x.to(DEVICE, torch.float32) for x in (q, k, v))
+    out, lse = ops._strided_fwd(kq, kk, kv, d**-0.5, stride, offset, window, split=split)
     if window:
-        q, k, v = randn(gen, 1, t, 4, d), randn(gen, 1, t, 2, d), randn(gen, 1, t, 2, d)
-        out = ops.sliding_window_attention(*(leaf(x) for x in (q, k, v)), window)
-        out_ref = ref.sliding_window_attention(q, k, v, window)
+        s = torch.arange(t)
+        mask = ((s[None, :] <= s[:, None]) & (s[None, :] > s[:, None] - window))[None, :, None, :]
+        out_ref, lse_ref = ref.masked_attention(q, k, v, mask)
     else:
-        nc = max(1, ref.num_compressed(t, block_len, stride))
-        q, k, v = randn(gen, 1, t, 4, d), randn(gen, 1, nc, 2, d), randn(gen, 1, nc, 2, d)
-        out, lse = ops.compressed_attention(*(leaf(x) for x in (q, k, v)), block_len, stride)
         out_ref, lse_ref = ref.compressed_attention(q, k, v, block_len, stride)
-        seen = ~torch.isinf(lse_ref)
-        assert torch.equal(torch.isinf(lse.detach().cpu()), ~seen)
-        if seen.any():
-            assert_rel_close(lse.detach().cpu()[seen], lse_ref[seen], FP32_TOL, "compressed lse")
-    assert_rel_close(out.detach().cpu(), out_ref, FP32_TOL, f"strided output (split={split})")
+    seen = ~torch.isinf(lse_ref)
+    assert torch.equal(torch.isinf(lse.cpu()), ~seen)
+    if seen.any():
+        assert_rel_close(lse.cpu()[seen], lse_ref[seen], FP32_TOL, "strided lse")
+    assert_rel_close(out.cpu(), out_ref, FP32_TOL, f"strided output (split={split})")
