@@ -875,7 +875,9 @@ def run_step(step: Step, fla, backends: dict, gen: torch.Generator) -> tuple[dic
     return res, counted, check_s, max(0.0, total - check_s)
 
 
-def run(out: str | None, budget_s: float, quick: bool, lengths: list[int], decode_batch: int) -> Path:
+def run(
+    out: str | None, budget_s: float, quick: bool, lengths: list[int], decode_batch: int, tag: str = ""
+) -> Path:
     from torch.nn.attention import SDPBackend
 
     device = torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
@@ -924,7 +926,7 @@ def run(out: str | None, budget_s: float, quick: bool, lengths: list[int], decod
         report.notes = " ".join([*parts, fixed])
         if final:
             report.measure_ceilings = not quick and elapsed() < budget_s
-        return report.write(out_dir=Path(out) if out else None)
+        return report.write(tag=tag, out_dir=Path(out) if out else None)
 
     finished: list[Step] = []
     for i, step in enumerate(steps):
@@ -1002,6 +1004,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="T = 8k only")
     ap.add_argument("--lengths", default="", help="comma-separated T values (default 8k,16k,32k,64k)")
     ap.add_argument("--decode-batch", type=int, default=16)
+    ap.add_argument("--tag", default="",
+                    help="suffix of the plan's result file, <device>-<tag>.json (a run at some lengths "
+                    "beside the file of a run at every length)")  # fmt: skip
     ap.add_argument("--breakdown", choices=("no", "after", "only"), default="no",
                     help="time the forward's stages at --breakdown-t (own file, <device>-breakdown.json): "
                     "after the plan (if the budget is not spent) or instead of it")  # fmt: skip
@@ -1018,7 +1023,7 @@ def main() -> None:
         return
     lengths = [int(x) for x in args.lengths.split(",") if x] or ([8192] if args.quick else sorted(TABLE4))
     if args.breakdown != "only":
-        run(args.out, args.budget_s, args.quick, sorted(lengths), args.decode_batch)
+        run(args.out, args.budget_s, args.quick, sorted(lengths), args.decode_batch, args.tag)
     if args.breakdown != "no":
         if elapsed() >= args.budget_s:
             log(f"breakdown not started: {elapsed():.0f} s spent, budget {args.budget_s:g} s")

@@ -126,9 +126,11 @@ def test_every_step_at_toy_size_is_checked_timed_and_written(tmp_path, monkeypat
         return real(self, **kw)
 
     monkeypatch.setattr(bench.Report, "write", write)
-    bench.run(str(tmp_path), budget_s=1e9, quick=True, lengths=[32], decode_batch=2)
+    bench.run(str(tmp_path), budget_s=1e9, quick=True, lengths=[32], decode_batch=2, tag="toy")
     assert writes[:-1] == sorted(writes[:-1]) and len(writes) == 6  # 5 steps, then the final write
-    rows = json.loads(next(tmp_path.glob("*.json")).read_text())["rows"]
+    (written,) = tmp_path.glob("*.json")
+    assert written.name.endswith("-toy.json"), written.name  # --tag names the file
+    rows = json.loads(written.read_text())["rows"]
     got = {(r["impl"], r["pass"]): r for r in rows}
     for impl in ("nsa", "sdpa-math", "ours-cmp+slc", "ours-slc"):
         for p in ("fwd", "fwd+bwd"):
