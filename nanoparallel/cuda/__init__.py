@@ -94,6 +94,20 @@ AUTO_ALL_TO_ALL = (
     (COPY_ENGINE_ALL_TO_ALL_MIN_BYTES, "copy_engine"),
 )
 AUTO_COPY_ENGINE = ((0, "direct"), (COPY_ENGINE_MIN_BYTES, "copy_engine"))
+# From three GPUs on, from the 4 x H100 sweep of 2026-11-27 (nanoparallel/results/
+# nvidia-h100-80gb-hbm3-cuda-x4.json; 3 and 5-8 GPUs are not measured and take the same tables).
+# all-reduce: one_shot up to ONE_SHOT_MAX_BYTES, two_shot above (0.99x NCCL's time at 4 MiB, 144 vs
+# 176 us for the ring at 16 MiB), the ring from 64 MiB (421.7 / 1461 / 5586 us against two_shot's
+# 506.4 / 1978 / 7987 at 64 MiB / 256 MiB / 1 GiB: 0.80-0.82x NCCL's busbw against 0.57-0.66x).
+# all-to-all: push_pipelined stays above 64 MiB (964.6 / 3898 us at 256 MiB / 1 GiB) where the copy
+# engine, the 2-GPU choice, took 1171 / 4369 us.
+RING_ALL_REDUCE_MIN_BYTES = 64 << 20
+AUTO_ALL_REDUCE_MORE_GPUS = (
+    (0, "one_shot"),
+    (ONE_SHOT_MAX_BYTES + 1, "two_shot"),
+    (RING_ALL_REDUCE_MIN_BYTES, "ring"),
+)
+AUTO_ALL_TO_ALL_MORE_GPUS = AUTO_ALL_TO_ALL[:-1]
 # reduce-scatter: direct up to 64 MiB, pipelined from there. Measured on 2 x H200
 # (nanoparallel/results/nvidia-h200-cuda-x2-rs.json): pipelined 1.20/1.37/1.26x NCCL's busbw at
 # 64 MiB/256 MiB/1 GiB where direct gave 1.06/0.99/0.89; at 8 B it is the slower one (27.3 vs 16.7 us).
@@ -536,11 +550,11 @@ class CudaPeerBackend:
             if collective == "all_reduce":
                 if self.world_size <= 2:
                     return pick(AUTO_ALL_REDUCE_TWO_GPUS, nbytes)
-                return "one_shot" if nbytes <= ONE_SHOT_MAX_BYTES else "two_shot"
+                return pick(AUTO_ALL_REDUCE_MORE_GPUS, nbytes)
             if collective in ("all_gather", "broadcast"):
                 return pick(AUTO_COPY_ENGINE, nbytes)
             if collective == "all_to_all":
-                return pick(AUTO_ALL_TO_ALL, nbytes)
+                return pick(AUTO_ALL_TO_ALL if self.world_size <= 2 else AUTO_ALL_TO_ALL_MORE_GPUS, nbytes)
             if collective == "reduce_scatter":
                 return pick(AUTO_REDUCE_SCATTER, nbytes)
             return names[0]

@@ -1,6 +1,6 @@
 """The GPU backend's choice for algorithm="auto", and its argument checks that need no GPU.
 
-The thresholds come from the 2 x H200 sweep; these tests pin the rule (which algorithm at which
+The thresholds come from the 2 x H200 sweep (and, from three GPUs on, the 4 x H100 one); these tests pin the rule (which algorithm at which
 size and rank count) so a change to it is deliberate. The backend is built without __init__ (that
 needs GPUs); only the pure methods are exercised.
 """
@@ -21,6 +21,7 @@ from nanoparallel.cuda import (
     PIPELINED_ALL_TO_ALL_MIN_BYTES,
     PIPELINED_REDUCE_SCATTER_MIN_BYTES,
     PUSH_ALL_TO_ALL_MIN_BYTES,
+    RING_ALL_REDUCE_MIN_BYTES,
     CudaPeerBackend,
     SplitCache,
     check_splits,
@@ -56,9 +57,22 @@ def test_auto_all_reduce_two_gpus(nbytes, expected):
 
 @pytest.mark.parametrize("world", [3, 4, 8])
 def test_auto_all_reduce_more_gpus(world):
+    # measured on 4 x H100: two_shot up to 16 MiB, the ring 0.80-0.82x NCCL's busbw from 64 MiB
     be = backend(world)
     assert be._algorithm("all_reduce", "auto", ONE_SHOT_MAX_BYTES) == "one_shot"
     assert be._algorithm("all_reduce", "auto", ONE_SHOT_MAX_BYTES + 1) == "two_shot"
+    assert be._algorithm("all_reduce", "auto", RING_ALL_REDUCE_MIN_BYTES - 1) == "two_shot"
+    assert be._algorithm("all_reduce", "auto", RING_ALL_REDUCE_MIN_BYTES) == "ring"
+    assert be._algorithm("all_reduce", "auto", 1 << 30) == "ring"
+
+
+@pytest.mark.parametrize("world", [3, 4, 8])
+def test_auto_all_to_all_more_gpus_keeps_the_pipelined_push(world):
+    # measured on 4 x H100: the copy engine (the 2-GPU choice from 256 MiB) was slower there
+    be = backend(world)
+    assert be._algorithm("all_to_all", "auto", PUSH_ALL_TO_ALL_MIN_BYTES) == "push"
+    for nbytes in (PIPELINED_ALL_TO_ALL_MIN_BYTES, COPY_ENGINE_ALL_TO_ALL_MIN_BYTES, 1 << 30):
+        assert be._algorithm("all_to_all", "auto", nbytes) == "push_pipelined"
 
 
 def test_auto_other_collectives():
