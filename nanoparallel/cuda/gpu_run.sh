@@ -42,7 +42,8 @@ step() {  # step NAME LIMIT_S COMMAND...: run with the smaller of LIMIT_S and th
   nvidia-smi topo -m 2>&1 | head -n 4
 } >"$OUT/gpu_run.log"
 
-step check 220 "$PY" -m nanoparallel.cuda.check --world-size "$WORLD"
+# the full check grows with the ranks (broadcast roots, references): 220 s did not cover 4 H100s
+step check $((110 * WORLD)) "$PY" -m nanoparallel.cuda.check --world-size "$WORLD"
 step diagnose 150 "$PY" -m nanoparallel.cuda.diagnose --world-size "$WORLD" --out "$OUT"
 # the sweep checks again in its own job (quick: the full check ran in step 1) so its JSON says so
 step sweep 200 "$PY" -m nanoparallel.cuda.sweep --world-size "$WORLD" --min-bytes 16 --step 4 --tag "cuda-x$WORLD" \
