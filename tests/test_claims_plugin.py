@@ -149,3 +149,22 @@ def test_rel_error_in_chunks_equals_the_whole_norm(monkeypatch):
     bad = torch.randn(3000, generator=gen)
     bad[2500] = float("nan")
     assert testing.rel_error(bad, torch.ones(3000)) == float("inf")
+
+
+def test_a_function_recorded_in_its_other_form_drops_its_old_ids(pytester, toy):
+    """A test that gains parameters leaves no record under its plain id, and one that loses them none
+    under its parametrised ids: the function still exists, so only this rule removes them (a plain id
+    beside parametrised ones once broke the claims page's markup)."""
+    claim = '@pytest.mark.claim("toy/exact", section="§2, Eq. 3")\n'
+    write_test(toy, claim + "def test_x():\n    assert True\n")
+    pytester.runpytest_subprocess().assert_outcomes(passed=1)
+    path = toy.joinpath("results", "claims.json")
+    write_test(toy, claim + '@pytest.mark.parametrize("n", [1, 2])\ndef test_x(n):\n    assert n\n')
+    pytester.runpytest_subprocess().assert_outcomes(passed=2)
+    assert set(json.loads(path.read_text())["tests"]) == {
+        "repro/toy/test_toy.py::test_x[1]",
+        "repro/toy/test_toy.py::test_x[2]",
+    }
+    write_test(toy, claim + "def test_x():\n    assert True\n")
+    pytester.runpytest_subprocess().assert_outcomes(passed=1)
+    assert set(json.loads(path.read_text())["tests"]) == {"repro/toy/test_toy.py::test_x"}

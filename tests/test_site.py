@@ -212,6 +212,26 @@ def test_dashboard_shows_where_each_claim_was_checked(tmp_path):
     )
 
 
+def test_case_ids_that_would_break_markdown_stay_inside_their_cell(tmp_path):
+    """A plain id beside parametrised ones (params '') and an id holding a backtick: each renders as
+    its own <code>, and the claims after them still render as HTML (a markdown code span opened by
+    '``' once swallowed the rest of the claims page)."""
+    root = gpu_claims_repo(tmp_path)
+    path = root / "repro/toy/results/claims.json"
+    record = json.loads(path.read_text())
+    base = dict(record["tests"]["repro/toy/tests/test_toy.py::test_exact[1]"])
+    record["tests"]["repro/toy/tests/test_toy.py::test_exact"] = base
+    record["tests"]["repro/toy/tests/test_toy.py::test_exact[a`b]"] = base
+    path.write_text(json.dumps(record))
+    content, problems = load(root)
+    assert not problems, problems
+    page = render(claims_dashboard(content))
+    assert "&lt;span" not in page and "`" not in page
+    assert "<code>(no parameters)</code>" in page and "<code>a&#96;b</code>" in page
+    rows = [row for row in re.findall(r"<tr>(.*?)</tr>", page, re.S) if "toy/" in row]
+    assert len(rows) == len(content.claims)
+
+
 def test_paperclub_claims_prints_cpu_and_gpu(tmp_path):
     root = gpu_claims_repo(tmp_path)
     out = paperclub("--root", str(root), "claims")

@@ -220,8 +220,19 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         if _on_gpu():
             path = path.with_name(GPU_RESULTS_NAME)
         old = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {"tests": {}}
-        # a record of a test whose file or function is gone (removed, renamed) goes with it
-        tests = {nid: t for nid, t in old.get("tests", {}).items() if _test_exists(root, nid)}
+        # a record of a test whose file or function is gone (removed, renamed) goes with it, and so
+        # does one of a function recorded now in the other form: its plain id once it is
+        # parametrised, its parametrised ids once it is not (the function exists in either case)
+        recorded = {_relative_nodeid(nid, Path(session.config.rootpath), root) for nid in mine}
+        now_param = {r.split("[")[0] for r in recorded if "[" in r}
+        now_plain = {r for r in recorded if "[" not in r}
+        tests = {
+            nid: t
+            for nid, t in old.get("tests", {}).items()
+            if _test_exists(root, nid)
+            and not ("[" not in nid and nid in now_param)
+            and not ("[" in nid and nid.split("[")[0] in now_plain)
+        }
         changed = len(tests) != len(old.get("tests", {}))
         for nid, (cid, outcome, _file) in mine.items():
             rel = _relative_nodeid(nid, Path(session.config.rootpath), root)

@@ -50,6 +50,12 @@ def cell(text: object) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
+def code_html(text: object) -> str:
+    """``text`` as a table-safe <code> element that markdown leaves alone: HTML-escaped, backticks as
+    entities (markdown would open a code span at one, even inside inline HTML)."""
+    return f"<code>{cell(html.escape(str(text)).replace('`', '&#96;'))}</code>"
+
+
 def rel_link(from_uri: str, to_uri: str) -> str:
     return posixpath.relpath(to_uri, posixpath.dirname(from_uri) or ".")
 
@@ -405,13 +411,15 @@ def group_html(content: Content, group: FunctionGroup, from_uri: str) -> str:
     link = f"[`{cell(group.name)}`]({rel_link(from_uri, 'source/' + group.file + '.md')})"
     if len(group.cases) == 1:
         case = group.cases[0]
-        params = f" `[{cell(case.params)}]`" if case.params else ""
+        params = f" {code_html(f'[{case.params}]')}" if case.params else ""
         detail = f"{_case_html(case.cpu, 'CPU')} · {_case_html(case.gpu, 'GPU')}"
         return f'<span class="claim-test">{link}{params}<br>{detail}</span>'
     statuses = f"CPU {status_html(summary(group, 'cpu'))} · GPU {status_html(summary(group, 'gpu'))}"
     on_gpu = bool(group.records("gpu"))  # GPU per case only where some case ran on one
+    # the case's id as HTML, not a markdown code span: an empty or backtick-holding id would open a
+    # span that the next cell's backticks close, and the rest of the table would render as code
     cases = "<br>".join(
-        f"`{cell(c.params)}` {_case_html(c.cpu, 'CPU')}"
+        f"{code_html(c.params or '(no parameters)')} {_case_html(c.cpu, 'CPU')}"
         + (f" · {_case_html(c.gpu, 'GPU')}" if on_gpu else "")
         for c in group.cases
     )
