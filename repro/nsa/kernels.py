@@ -5,7 +5,8 @@ Three families:
 * ``_strided_*``: attention over keys that sit at positions ``i * STRIDE + OFFSET``, causal, with an
   optional window. The compressed branch is STRIDE = d, OFFSET = l - 1 (a compressed token is
   visible once its block's last token is, §3.3.1); the sliding window is STRIDE = 1, OFFSET = 0,
-  WINDOW = w (§3.3.3). FlashAttention-2 tiling: a tile of BM queries of one head per program.
+  WINDOW = w (§3.3.3). FlashAttention-2 tiling: a tile of BM queries of one head per program; the
+  forward may walk the key tiles every query of its tile sees without a mask (``SPLIT``).
 * ``_scores_kernel``: the block importance of Eqs. 8-10, recomputing p_cmp from the stored
   log-sum-exp, summing it over the query heads of a group, and into selection blocks with two small
   matmuls per tile (Eq. 9 as [BC, BJ] overlap matrices: this tile's blocks and the next's).
@@ -15,7 +16,7 @@ Three families:
   by block (a CSR list, as flash-linear-attention's kernel does), in fixed-size chunks so that the
   always-selected first block does not serialise on one program; a chunk adds its partial sums
   with atomics when it moves to the next block. ``_slc_bwd_dkdv_tiled_kernel`` (``ops.TILED_SLC_BWD``,
-  off until it runs on a GPU) is the block-major alternative: per KV block its list of queries, BQ
+  the default since 2026-11-27) is the block-major alternative: per KV block its list of queries, BQ
   queries x G heads per matmul, atomics only for blocks split over several programs.
 
 Numerics: logits in base 2 (``scale * log2(e)`` folded in), log-sum-exp stored in natural log,
