@@ -107,7 +107,7 @@ AUTO_ALL_REDUCE_MORE_GPUS = (
     (ONE_SHOT_MAX_BYTES + 1, "two_shot"),
     (RING_ALL_REDUCE_MIN_BYTES, "ring"),
 )
-AUTO_ALL_TO_ALL_MORE_GPUS = AUTO_ALL_TO_ALL[:-1]
+AUTO_ALL_TO_ALL_MORE_GPUS = tuple(row for row in AUTO_ALL_TO_ALL if row[1] != "copy_engine")
 # reduce-scatter: direct up to 64 MiB, pipelined from there. Measured on 2 x H200
 # (nanoparallel/results/nvidia-h200-cuda-x2-rs.json): pipelined 1.20/1.37/1.26x NCCL's busbw at
 # 64 MiB/256 MiB/1 GiB where direct gave 1.06/0.99/0.89; at 8 B it is the slower one (27.3 vs 16.7 us).

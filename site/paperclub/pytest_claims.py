@@ -223,9 +223,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         # a record of a test whose file or function is gone (removed, renamed) goes with it, and so
         # does one of a function recorded now in the other form: its plain id once it is
         # parametrised, its parametrised ids once it is not (the function exists in either case)
-        recorded = {_relative_nodeid(nid, Path(session.config.rootpath), root) for nid in mine}
-        now_param = {r.split("[")[0] for r in recorded if "[" in r}
-        now_plain = {r for r in recorded if "[" not in r}
+        rel_ids = {nid: _relative_nodeid(nid, Path(session.config.rootpath), root) for nid in mine}
+        now_param = {r.split("[")[0] for r in rel_ids.values() if "[" in r}
+        now_plain = {r for r in rel_ids.values() if "[" not in r}
         tests = {
             nid: t
             for nid, t in old.get("tests", {}).items()
@@ -235,7 +235,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         }
         changed = len(tests) != len(old.get("tests", {}))
         for nid, (cid, outcome, _file) in mine.items():
-            rel = _relative_nodeid(nid, Path(session.config.rootpath), root)
+            rel = rel_ids[nid]
             prev = tests.get(rel)
             if prev and prev.get("outcome") == outcome and prev.get("claim") == cid:
                 continue
