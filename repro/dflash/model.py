@@ -49,13 +49,22 @@ class DrafterConfig:
     """Size of a :class:`DFlashDrafter`; width and heads are the target's.
 
     ``feature_layers``: which target layers' outputs are read (None: ``n_features`` layers spread
-    evenly over the target's depth, see :func:`spread_layers`).
+    evenly over the target's depth, see :func:`spread_layers`). ``injection``: see below.
     """
 
     n_layers: int = 2
     n_features: int = 3
     feature_layers: tuple[int, ...] | None = None
     max_block: int = 16
+    # where the fused target features enter: "kv", the paper's KV injection (every layer projects
+    # them into its own keys and values); "input", the ablation of chen2026dflash §5.5.5 (EAGLE-3
+    # style input fusion: the features are the context positions' input to the first layer and go
+    # through the drafter's layers like tokens, so deeper layers see them only as processed there)
+    injection: str = "kv"
+
+    def __post_init__(self):
+        if self.injection not in ("kv", "input"):
+            raise ValueError(f"DrafterConfig: injection must be 'kv' or 'input', got {self.injection!r}")
 
 
 def spread_layers(n_target_layers: int, k: int) -> tuple[int, ...]:
@@ -328,6 +337,22 @@ class DraftLayer(nn.Module):
         k, v = self.kv(c).view(b, n, 2, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
         return rope(k), v
 
+    def context_qkv(self, x: torch.Tensor, rope: Rope):
+        """Input injection only: the context stream's queries, keys and values ``[b, H, n, Dh]`` (q, k
+        rotated) from its hidden states x ``[b, n, d]``, the same projections as a block's."""
+        b, n, d = x.shape
+        h = self.n_heads
+        hn = self.attn_norm(x)
+        q = rope(self.q(hn).view(b, n, h, d // h).transpose(1, 2))
+        k, v = self.kv(hn).view(b, n, 2, h, d // h).permute(2, 0, 3, 1, 4)
+        return q, rope(k), v
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Residual update of x ``[b, t, d]`` with the attention output ``[b, H, t, Dh]``, then the MLP."""
+        b, t, d = x.shape
+        x = x + self.out(attn.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.mlp_norm(x))
+
     def forward(self, x, rope, k_ctx=None, v_ctx=None, attn_mask=None, cache=None, layer=None):
         """x ``[b, t, d]`` block hidden states; the context's keys and values either given (k_ctx,
         v_ctx ``[b, H, n, Dh]``, already rotated) or the first ``cache.length`` positions of ``cache``
@@ -435,10 +460,20 @@ class DFlashDrafter(nn.Module):
         n = cache.length
         c = self.fuse_features(features)
         rope = self.rotary.at(torch.arange(n, n + m, device=features.device), c.dtype)
+        x = c  # input injection: the context stream, causal over the cached context
         for i, layer in enumerate(self.layers):
-            k, v = layer.context_kv(c, rope)
+            if self.cfg.injection == "kv":
+                k, v = layer.context_kv(c, rope)
+            else:
+                q, k, v = layer.context_qkv(x, rope)
             cache.k[i, :, :, n : n + m] = k
             cache.v[i, :, :, n : n + m] = v
+            if self.cfg.injection == "input":
+                mask = causal_offset_mask(n, m, c.device)
+                attn = F.scaled_dot_product_attention(
+                    q, cache.k[i, :, :, : n + m], cache.v[i, :, :, : n + m], attn_mask=mask
+                )
+                x = layer.finish(x, attn)
         cache.length += m
 
     def draft_logits(self, cache: KVCache, anchor: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -468,6 +503,13 @@ class DFlashDrafter(nn.Module):
         positions = start + torch.arange(m, device=features.device)
         c = self.fuse_features(features)
         rope = self.rotary.at(positions, c.dtype)
+        if self.cfg.injection == "input":  # the context stream through the layers, causal
+            cols = torch.arange(cache.max_len, device=features.device)
+            mask, x = cols[None, :] <= positions[:, None], c
+            for i, layer in enumerate(self.layers):
+                q, k, v = layer.context_qkv(x, rope)
+                x = layer.finish(x, _attend_cache(q, k, v, cache, i, positions, mask))
+            return
         for i, layer in enumerate(self.layers):
             k, v = layer.context_kv(c, rope)
             cache.k[i].index_copy_(2, positions, k)
@@ -511,8 +553,13 @@ class DFlashDrafter(nn.Module):
         mask = training_mask(anchors, block_sizes, T, B)[:, None]  # [b, 1, m*B, T + m*B]
         ctx_rope = self.rotary.at(torch.arange(T, device=ids.device), c.dtype)
         blk_rope = self.rotary.at(pos, x.dtype)
+        x_ctx = c  # input injection: the context stream, causal, through the same layers
         for layer in self.layers:
-            k_ctx, v_ctx = layer.context_kv(c, ctx_rope)
+            if self.cfg.injection == "kv":
+                k_ctx, v_ctx = layer.context_kv(c, ctx_rope)
+            else:
+                q, k_ctx, v_ctx = layer.context_qkv(x_ctx, ctx_rope)
+                x_ctx = layer.finish(x_ctx, F.scaled_dot_product_attention(q, k_ctx, v_ctx, is_causal=True))
             x = layer(x, blk_rope, k_ctx, v_ctx, attn_mask=mask)
         return self.logits(x).view(b, m, B, -1)
 

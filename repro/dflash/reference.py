@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from repro.dflash.eagle import EagleDrafter
 from repro.dflash.model import DFlashDrafter, Target
 
 
@@ -90,6 +91,27 @@ def _draft_reference(drafter, target: Target, seq: list[int], gamma: int, temper
         q = probabilities(logits, temperature)
         u = torch.tensor(_rand(gamma, generator, dev), device=dev)
         return sample_inverse_cdf(q, u).tolist(), q
+    if isinstance(drafter, EagleDrafter):
+        # pairs (g_j, e(x_{j+1})) of every verified position j < n - 1, from a fresh target forward;
+        # then each drafted token's pair (a, e(d_i)), a the previous output; the whole causal
+        # forward recomputed for every token
+        _, feats = target(torch.tensor([seq[:-1]], device=dev), feature_layers=drafter.feature_layers)
+        h = drafter.fuse_features(feats)  # [1, n - 1, d]
+        toks = torch.tensor([seq[1:]], device=dev)
+        u = torch.tensor(_rand(gamma, generator, dev), device=dev) if temperature > 0 else None
+        tokens, rows = [], []
+        for i in range(gamma):
+            a = drafter(h, toks)[:, -1:]  # no cache: positions 0 .. n - 2 + i
+            logits = drafter.logits(a[0])
+            if temperature == 0:
+                tok = logits.argmax(-1)
+            else:
+                q = probabilities(logits, temperature)
+                tok = sample_inverse_cdf(q, u[i : i + 1])
+                rows.append(q[0])
+            tokens.append(int(tok))
+            h, toks = torch.cat([h, a], 1), torch.cat([toks, tok[None]], 1)
+        return tokens, (torch.stack(rows) if rows else None)
     if isinstance(drafter, Target):  # classic autoregressive drafter, one token per full forward
         tokens, rows = [], []
         for _ in range(gamma):

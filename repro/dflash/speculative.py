@@ -1,26 +1,31 @@
-"""Speculative decoding with KV caches: DFlash's single-pass drafting, the autoregressive baseline,
-and plain target decoding.
+"""Speculative decoding with KV caches: DFlash's single-pass drafting, the EAGLE-3-style and the
+plain autoregressive baselines, and plain target decoding.
 
-One round (chen2026dflash, Figure "draft-verify"; leviathan2022fast §2.3):
+One round (chen2026dflash §3.1 and Figure 2; leviathan2022fast §2.3):
 
 1. the drafter proposes ``gamma = block_size - 1`` tokens after the anchor (the last emitted token):
-   DFlash in **one** forward over ``[anchor, MASK x gamma]``, the autoregressive drafter in gamma
-   forwards;
+   DFlash in **one** forward over ``[anchor, MASK x gamma]``; the EAGLE-3-style drafter
+   (``eagle.py``) and the autoregressive one in gamma forwards (a chain, no tree);
 2. the target runs **one** forward over ``[anchor, d_1 .. d_gamma]`` on top of its KV cache, which
-   gives ``p_1 .. p_{gamma+1}`` and, for DFlash, the hidden states of the new positions;
+   gives ``p_1 .. p_{gamma+1}`` and, for the feature-conditioned drafters, the hidden states of the
+   new positions;
 3. :func:`accept_tokens` keeps ``a`` draft tokens and adds one target token (greedy or by
-   rejection sampling), so every round emits ``a + 1 >= 1`` tokens;
-4. both caches roll back: the target's to the accepted prefix (``KVCache.crop``); DFlash's context
+   rejection sampling), so every round emits ``a + 1 >= 1`` tokens: the same verify step for
+   every drafter;
+4. the caches roll back: the target's to the accepted prefix (``KVCache.crop``); DFlash's context
    cache holds the block's keys and values only during the draft (written behind ``length``, which
    does not advance: append-then-crop) and then receives the features of the accepted positions;
-   the autoregressive drafter's cache is cropped to the accepted prefix.
+   the EAGLE-style drafter's cache is cropped to the pairs with target features, and the accepted
+   positions' features wait for its next draft; the autoregressive drafter's cache is cropped to
+   the accepted prefix.
 
 Invariant between rounds: the target cache holds every emitted token but the last (the anchor).
 
-Random numbers at temperature > 0 (same order in ``reference.py``): one uniform for the token that
-follows the prompt; then per round the drafter's (DFlash: gamma at once; autoregressive: one per
-step; :class:`FunctionDrafter`: gamma at once), then gamma for the acceptance tests and one for the
-emitted target token. All are float64 from ``generator`` (on the target's device).
+Random numbers at temperature > 0 (same order in ``reference.py`` and ``static.py``): one uniform
+for the token that follows the prompt; then per round the drafter's (DFlash, EAGLE-style and
+:class:`FunctionDrafter`: gamma at once; autoregressive: one per step), then gamma for the
+acceptance tests and one for the emitted target token. All are float64 from ``generator`` (on the
+target's device).
 """
 
 from __future__ import annotations
@@ -31,9 +36,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from repro.dflash.eagle import EagleDrafter
 from repro.dflash.model import DFlashDrafter, KVCache, Target
 from repro.dflash.reference import probabilities, sample_inverse_cdf
 from repro.dflash.static import decoder_for
+from repro.dflash.verify import accept_tokens
 
 
 @dataclass
@@ -54,39 +61,6 @@ class SpecOutput:
     def tau(self) -> float:
         """Mean acceptance length: tokens emitted per verification (accepted + the target's one)."""
         return sum(a + 1 for a in self.accepted) / max(len(self.accepted), 1)
-
-
-def accept_tokens(
-    draft: torch.Tensor,
-    target_logits: torch.Tensor,
-    draft_probs: torch.Tensor | None,
-    temperature: float,
-    u: torch.Tensor | None = None,
-    u_final: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The acceptance rule for a batch of verifications, on the device, without host syncs.
-
-    draft ``[N, gamma]``; target_logits ``[N, gamma + 1, V]`` (row i scores draft[:, i]);
-    draft_probs ``[N, gamma, V]`` (temperature > 0); u ``[N, gamma]`` and u_final ``[N]`` uniforms.
-    Returns a ``[N]`` (accepted count) and the emitted target token ``[N]``. Same rule as
-    :func:`repro.dflash.reference.accept_reference` (leviathan2022fast Algorithm 1).
-    """
-    n, gamma = draft.shape
-    if temperature == 0:
-        best = target_logits.argmax(-1)  # [N, gamma + 1]
-        ok = draft == best[:, :gamma]
-        a = ok.long().cumprod(-1).sum(-1)  # length of the agreeing prefix
-        return a, best.gather(1, a[:, None])[:, 0]
-    p = probabilities(target_logits, temperature)
-    q = draft_probs.to(p.dtype)
-    pd = p[:, :gamma].gather(-1, draft[..., None])[..., 0]
-    qd = q.gather(-1, draft[..., None])[..., 0]
-    ok = u.to(p.dtype) * qd < pd  # u < p/q, i.e. accept with probability min(1, p/q); qd > 0 as d ~ q
-    a = ok.long().cumprod(-1).sum(-1)
-    # the emitted token's distribution: the residual at the first rejection, or p_{gamma+1}
-    rows = torch.cat([(p[:, :gamma] - q).clamp_min(0), p[:, gamma:]], dim=1)  # [N, gamma + 1, V]
-    chosen = rows.gather(1, a[:, None, None].expand(n, 1, rows.shape[-1]))[:, 0]
-    return a, sample_inverse_cdf(chosen, u_final)
 
 
 class FunctionDrafter:
@@ -139,6 +113,53 @@ class _DFlashSession(_Session):
         self.drafter.extend_context(self.cache, features)
 
 
+class _EagleSession(_Session):
+    """The EAGLE-3-style drafter (``eagle.py``): the pairs verified last round, then its own outputs.
+
+    ``pending`` holds the target features of the positions the last verification accepted (the
+    anchor's and the accepted drafts'; after the prefill: every prompt position), whose pairs the
+    next draft processes first; the cache holds the pairs before them."""
+
+    def __init__(self, drafter: EagleDrafter):
+        self.drafter = drafter
+        self.feature_layers = drafter.feature_layers
+        self.cache = drafter.new_cache()
+        self.pending: torch.Tensor | None = None
+
+    def start(self, prompt_len, features):
+        self.pending = (
+            features  # g_0 .. g_{P-1}: pairs (g_j, e(x_{j+1})), the last one's x is the first token
+        )
+
+    def propose(self, committed, gamma, temperature, generator):
+        m = self.pending.shape[1]
+        h = self.drafter.fuse_features(self.pending)
+        u = None
+        if temperature > 0:  # the draft's uniforms at once, as DFlash's (same order in reference.py)
+            u = torch.rand(gamma, generator=generator, device=h.device, dtype=torch.float64)
+        a = self.drafter(h, committed[-m:][None], self.cache)[:, -1:]  # forward 1: the verified pairs
+        tokens, rows = [], []
+        for i in range(gamma):
+            if i > 0:  # forward i + 1: the previous output stands in for the unverified feature
+                a = self.drafter(a, tokens[-1][None], self.cache)
+            logits = self.drafter.logits(a[0])  # [1, V]
+            if temperature == 0:
+                tokens.append(logits.argmax(-1))
+            else:
+                q = probabilities(logits, temperature)
+                tokens.append(sample_inverse_cdf(q, u[i : i + 1]))
+                rows.append(q[0])
+        self.forwards += gamma
+        return torch.cat(tokens), (torch.stack(rows) if rows else None)
+
+    def commit(self, n_valid, features):
+        # pairs before the anchor's stay (real features); the drafted ones go; the accepted
+        # positions' features wait for the next draft
+        m = features.shape[1]
+        self.cache.crop(n_valid - m)
+        self.pending = features
+
+
 class _ARSession(_Session):
     """Classic speculative decoding with a small autoregressive LM (same tokenizer) and its own cache."""
 
@@ -170,15 +191,17 @@ class _ARSession(_Session):
 
 
 class _FunctionSession(_Session):
-    def __init__(self, drafter: FunctionDrafter):
+    def __init__(self, drafter: FunctionDrafter, vocab_size: int):
         self.fn = drafter.fn
+        self.vocab_size = vocab_size
 
     def propose(self, committed, gamma, temperature, generator):
         q = self.fn(committed, gamma)
         self.forwards += 1
-        if q.shape[0] != gamma:
+        if q.dim() != 2 or q.shape[0] != gamma or q.shape[1] != self.vocab_size:
             raise ValueError(
-                f"FunctionDrafter: fn must return [gamma={gamma}, V] probabilities, got {tuple(q.shape)}"
+                f"FunctionDrafter: fn must return [gamma={gamma}, vocab_size={self.vocab_size}] "
+                f"probabilities, got {tuple(q.shape)}"
             )
         if temperature == 0:
             return q.argmax(-1), None
@@ -186,17 +209,42 @@ class _FunctionSession(_Session):
         return sample_inverse_cdf(q, u), q
 
 
-def _session(drafter) -> _Session:
+DRAFTERS = "a DFlashDrafter, an EagleDrafter, a Target (autoregressive drafter) or a FunctionDrafter"
+
+
+def _session(drafter, vocab_size: int) -> _Session:
     if isinstance(drafter, DFlashDrafter):
         return _DFlashSession(drafter)
+    if isinstance(drafter, EagleDrafter):
+        return _EagleSession(drafter)
     if isinstance(drafter, Target):
         return _ARSession(drafter)
     if isinstance(drafter, FunctionDrafter):
-        return _FunctionSession(drafter)
-    raise TypeError(
-        f"drafter must be a DFlashDrafter, a Target (autoregressive drafter) or a FunctionDrafter, "
-        f"got {type(drafter).__name__}"
-    )
+        return _FunctionSession(drafter, vocab_size)
+    raise TypeError(f"drafter must be {DRAFTERS}, got {type(drafter).__name__}")
+
+
+def _check_drafter(target: Target, drafter, block_size) -> None:
+    """block_size, and that the drafter fits the target (same model, vocabulary, length)."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2:
+        raise ValueError(f"block_size must be an int >= 2 (anchor + at least one draft), got {block_size!r}")
+    if not isinstance(drafter, (DFlashDrafter, EagleDrafter, Target, FunctionDrafter)):
+        raise TypeError(f"drafter must be {DRAFTERS}, got {type(drafter).__name__}")
+    if isinstance(drafter, (DFlashDrafter, EagleDrafter)) and drafter.target is not target:
+        raise ValueError(f"drafter: this {type(drafter).__name__} was built for another target model")
+    if isinstance(drafter, DFlashDrafter) and block_size > drafter.cfg.max_block:
+        raise ValueError(f"block_size={block_size} exceeds the drafter's max_block={drafter.cfg.max_block}")
+    if isinstance(drafter, Target):
+        if drafter.cfg.vocab_size != target.cfg.vocab_size:
+            raise ValueError(
+                f"drafter: the autoregressive drafter's vocab_size={drafter.cfg.vocab_size} differs from "
+                f"the target's vocab_size={target.cfg.vocab_size}; both must share one tokenizer"
+            )
+        if drafter.cfg.max_len < target.cfg.max_len:
+            raise ValueError(
+                f"drafter: the autoregressive drafter's max_len={drafter.cfg.max_len} is below the "
+                f"target's max_len={target.cfg.max_len}"
+            )
 
 
 def _check_args(target, prompt_ids, max_new_tokens, temperature, extra: int) -> None:
@@ -209,7 +257,7 @@ def _check_args(target, prompt_ids, max_new_tokens, temperature, extra: int) -> 
         raise ValueError(f"prompt_ids must hold integer token ids, got dtype {prompt_ids.dtype}")
     if int(prompt_ids.min()) < 0 or int(prompt_ids.max()) >= target.cfg.vocab_size:
         raise ValueError(f"prompt_ids must lie in [0, vocab_size={target.cfg.vocab_size})")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
@@ -224,7 +272,7 @@ def _check_args(target, prompt_ids, max_new_tokens, temperature, extra: int) -> 
 @torch.inference_mode()
 def speculative_generate(
     target: Target,
-    drafter: DFlashDrafter | Target | FunctionDrafter,
+    drafter: DFlashDrafter | EagleDrafter | Target | FunctionDrafter,
     prompt_ids: torch.Tensor,
     max_new_tokens: int,
     *,
@@ -240,28 +288,22 @@ def speculative_generate(
     output is distributed as the target's). mode: ``"eager"`` (this loop), ``"static"`` (the
     capturable steps of ``static.py``, run eagerly), ``"graphs"`` (those steps as CUDA graphs on a
     CUDA target, eagerly elsewhere) or ``"auto"`` (the default: graphs on a CUDA target, 2.5-3.5x
-    eager's tokens/s at temperature 0 on an H100 in ``bench``; eager elsewhere); all give the same tokens from the
-    same random numbers.
+    eager's tokens/s at temperature 0 on an H100 in ``bench``; eager elsewhere); all give the same
+    tokens from the same random numbers. In the static modes DFlash and EAGLE-style drafters draft
+    in a static step too; autoregressive and function drafters draft eagerly.
+    Raises ValueError (TypeError for a wrong kind of model) naming the argument, before any forward.
     Returns a :class:`SpecOutput`.
     """
+    if not isinstance(target, Target):
+        raise TypeError(f"target must be a repro.dflash.Target, got {type(target).__name__}")
+    _check_drafter(target, drafter, block_size)
     _check_args(target, prompt_ids, max_new_tokens, temperature, block_size)
     mode = _resolve_mode(mode, target)
-    if not isinstance(block_size, int) or block_size < 2:
-        raise ValueError(f"block_size must be an int >= 2 (anchor + at least one draft), got {block_size!r}")
-    if isinstance(drafter, DFlashDrafter):
-        if drafter.target is not target:
-            raise ValueError("drafter: this DFlashDrafter was built for another target model")
-        if block_size > drafter.cfg.max_block:
-            raise ValueError(
-                f"block_size={block_size} exceeds the drafter's max_block={drafter.cfg.max_block}"
-            )
-    if isinstance(drafter, Target) and drafter.cfg.max_len < target.cfg.max_len:
-        raise ValueError("drafter: the autoregressive drafter's max_len is below the target's")
     if mode != "eager":
         return _speculative_static(
             target, drafter, prompt_ids, max_new_tokens, block_size, temperature, generator, mode == "graphs"
         )
-    session = _session(drafter)
+    session = _session(drafter, target.cfg.vocab_size)
     dev = target.device
     gamma = block_size - 1
     p_len = prompt_ids.numel()
@@ -315,7 +357,7 @@ def _speculative_static(target, drafter, prompt_ids, max_new_tokens, block_size,
     buffer. The host reads the accepted length once per round, to know when to stop."""
     dec = decoder_for(target, drafter, block_size, temperature, graphs)
     dec.prefill(prompt_ids, generator)
-    session = None if dec.dflash else _session(drafter)
+    session = None if dec.static_draft else _session(drafter, target.cfg.vocab_size)
     p_len, gamma = prompt_ids.numel(), block_size - 1
     out = SpecOutput(tokens=torch.empty(0, dtype=torch.long), target_forwards=1, block_size=block_size)
     n = p_len + 1  # host copy of dec.n, kept from the accepted lengths read below
@@ -337,7 +379,7 @@ def _speculative_static(target, drafter, prompt_ids, max_new_tokens, block_size,
         out.accepted.append(a)
         out.target_forwards += 1
     out.tokens = dec.tokens[p_len : p_len + max_new_tokens].cpu()
-    out.drafter_forwards = len(out.accepted) if session is None else session.forwards
+    out.drafter_forwards = dec.draft_forwards * len(out.accepted) if session is None else session.forwards
     return out
 
 

@@ -32,8 +32,10 @@ from __future__ import annotations
 
 import torch
 
+from repro.dflash.eagle import EagleDrafter
 from repro.dflash.model import DFlashDrafter, Target
 from repro.dflash.reference import probabilities, sample_inverse_cdf
+from repro.dflash.verify import accept_tokens
 
 
 class GraphedStep:
@@ -81,15 +83,22 @@ class StaticDecoder:
         self.target, self.drafter = target, drafter
         self.block_size, self.temperature = block_size, float(temperature)
         self.dflash = isinstance(drafter, DFlashDrafter)
-        self.feature_layers = drafter.feature_layers if self.dflash else ()
+        self.eagle = isinstance(drafter, EagleDrafter)
+        self.static_draft = self.dflash or self.eagle  # the draft is a static step too
+        self.feature_layers = drafter.feature_layers if self.static_draft else ()
         self.capture = bool(graphs) and dev.type == "cuda"
         gamma = max(block_size - 1, 1)
+        # drafter forwards per round: DFlash one, the EAGLE-style drafter one per drafted token
+        self.draft_forwards = gamma if self.eagle else 1
         V = target.cfg.vocab_size
         f64 = dict(device=dev, dtype=torch.float64)
         self.tokens = torch.zeros(target.cfg.max_len + block_size, dtype=torch.long, device=dev)
         self.n = torch.ones(1, dtype=torch.long, device=dev)
         self.cache = target.new_cache()
-        self.dcache = drafter.new_cache() if self.dflash else None
+        self.dcache = drafter.new_cache() if self.static_draft else None
+        if self.eagle:  # the last verification's features (anchor and drafts), for the next draft
+            width = len(self.feature_layers) * target.cfg.d_model
+            self.features = torch.zeros(gamma + 1, width, device=dev, dtype=target.dtype)
         self.draft = torch.zeros(gamma, dtype=torch.long, device=dev)
         self.draft_probs = torch.full((gamma, V), 1.0 / V, **f64)
         self.u_draft, self.u, self.u_final = (
@@ -99,16 +108,21 @@ class StaticDecoder:
         )
         self.accepted = torch.zeros(1, dtype=torch.long, device=dev)
         self.offsets = torch.arange(gamma, device=dev)
+        self.pair_offsets = torch.arange(gamma + 1, device=dev)
         # one memory pool for the decoder's graphs: no tensor made inside a step outlives it (results
         # are copied into the buffers above), so the graphs may share it whatever the replay order
         pool = torch.cuda.graph_pool_handle() if self.capture else None
-        reset = lambda: self.n.fill_(1)  # noqa: E731
+        if self.eagle:  # the EAGLE draft reads position n - accepted - 2: keep it >= 0 in the warm-up
+            reset = lambda: (self.n.fill_(2), self.accepted.zero_())  # noqa: E731
+        else:
+            reset = lambda: self.n.fill_(1)  # noqa: E731
         self.steps = {}
         if block_size == 1:
             self.steps["step"] = GraphedStep(self._step, self.capture, pool, reset)
         else:
-            if self.dflash:
-                self.steps["draft"] = GraphedStep(self._draft, self.capture, pool, reset)
+            if self.static_draft:
+                draft = self._draft_eagle if self.eagle else self._draft
+                self.steps["draft"] = GraphedStep(draft, self.capture, pool, reset)
             self.steps["verify"] = GraphedStep(self._verify, self.capture, pool, reset)
         self.n.fill_(1)  # undo the warm-up's writes (the caches' contents past n are never read)
 
@@ -126,10 +140,30 @@ class StaticDecoder:
             self.draft.copy_(sample_inverse_cdf(q, self.u_draft))
             self.draft_probs.copy_(q)
 
+    def _draft_eagle(self) -> None:
+        """The EAGLE-style drafter's ``gamma`` forwards (``eagle.py``): first the pairs of the last
+        verified block, padded to all ``gamma + 1`` positions from the previous anchor's (the
+        accepted ones carry real features; the rest are overwritten next round, never read before),
+        whose output at the last accepted position gives ``d_1``; then one position per token on its
+        own outputs."""
+        gamma = self.block_size - 1
+        prev = self.n - self.accepted - 2  # the previous anchor's position: its pair comes first
+        h = self.drafter.fuse_features(self.features[None])  # [1, gamma + 1, d]
+        tokens = self.tokens.index_select(0, prev + 1 + self.pair_offsets)[None]
+        a = self.drafter.forward_static(h, tokens, self.dcache, prev).index_select(1, self.accepted)
+        for i in range(gamma):
+            if i > 0:  # pair (a, e(d_i)) at position n - 2 + i
+                a = self.drafter.forward_static(a, self.draft[i - 1 : i][None], self.dcache, self.n - 2 + i)
+            logits = self.drafter.logits(a[0])  # [1, V]
+            if self.temperature == 0:
+                self.draft[i : i + 1].copy_(logits.argmax(-1))
+            else:
+                q = probabilities(logits, self.temperature)
+                self.draft[i : i + 1].copy_(sample_inverse_cdf(q, self.u_draft[i : i + 1]))
+                self.draft_probs[i : i + 1].copy_(q)
+
     def _verify(self) -> None:
         """Verify ``[anchor, draft]``, emit the accepted prefix and the target's token, advance n."""
-        from repro.dflash.speculative import accept_tokens
-
         start = self.n - 1
         block = torch.cat([self.tokens.index_select(0, start), self.draft])
         logits, feats = self.target.forward_static(block[None], self.cache, start, self.feature_layers)
@@ -143,6 +177,8 @@ class StaticDecoder:
         self.tokens.index_copy_(0, self.n + a, nxt)
         if self.dflash:  # padded context update: all block positions, from the anchor's on
             self.drafter.extend_context_static(self.dcache, feats, start)
+        if self.eagle:  # the EAGLE drafter reads them in its next draft
+            self.features.copy_(feats[0])
         self.accepted.copy_(a)
         self.n.add_(a + 1)
 
@@ -177,13 +213,19 @@ class StaticDecoder:
         self.n.fill_(p_len + 1)
         if self.dflash:
             self.drafter.extend_context_static(self.dcache, feats, zero)
+        if self.eagle:  # pairs 0 .. P-2 now; the last prompt position's pair, as if just verified
+            if p_len > 1:
+                h = self.drafter.fuse_features(feats[:, : p_len - 1])
+                self.drafter.forward_static(h, self.tokens[None, 1:p_len], self.dcache, zero)
+            self.features[:1].copy_(feats[0, p_len - 1 :])
+            self.accepted.zero_()
 
     def draw_uniforms(self, generator) -> None:
         """The round's uniforms, in the eager loop's order: the drafter's (DFlash only; a
         FunctionDrafter or AR drafter draws its own), the acceptance tests', the emitted token's."""
         if self.temperature == 0:
             return
-        if self.dflash:
+        if self.static_draft:
             torch.rand(self.u_draft.shape, generator=generator, out=self.u_draft)
         torch.rand(self.u.shape, generator=generator, out=self.u)
         torch.rand(self.u_final.shape, generator=generator, out=self.u_final)

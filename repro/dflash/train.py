@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from repro.dflash.data import Corpus, load_corpus, random_windows
+from repro.dflash.eagle import EagleConfig, EagleDrafter
 from repro.dflash.model import DFlashDrafter, DrafterConfig, Target, TargetConfig
 
 
@@ -54,6 +55,8 @@ class TrainConfig:
     # target predicts, which the paper gets by training on target-generated text
     distill: bool = False
     seconds: dict = field(default_factory=dict)  # optional wall-clock cap per model
+    # the EAGLE-3-style baseline (eagle.py): trained by train_eagle on the same windows as DFlash
+    eagle: EagleConfig = field(default_factory=EagleConfig)
 
 
 CONFIGS = {
@@ -61,6 +64,7 @@ CONFIGS = {
     "tiny": TrainConfig(
         target=TargetConfig(d_model=48, n_layers=3, n_heads=4, max_len=512),
         drafter=DrafterConfig(n_layers=1, n_features=2, max_block=8),
+        eagle=EagleConfig(n_layers=1, n_features=2, ttt_steps=4),
         ar=TargetConfig(d_model=48, n_layers=1, n_heads=4, max_len=512),
         corpus_bytes=300_000,
         seq_len=96,
@@ -80,6 +84,7 @@ CONFIGS = {
         # target's cost and the drafter (2 layers) stays small beside it, as with 36-layer targets
         target=TargetConfig(d_model=256, n_layers=12, n_heads=4, max_len=1024),
         drafter=DrafterConfig(n_layers=2, n_features=3, max_block=16),
+        eagle=EagleConfig(n_layers=1, n_features=3, ttt_steps=5),  # EAGLE-3: one layer, 5 TTT steps
         ar=TargetConfig(d_model=256, n_layers=1, n_heads=4, max_len=1024),
         corpus_bytes=None,
         seq_len=256,
@@ -292,6 +297,69 @@ def train_drafter(
 
     drafter.train()
     _loop("dflash", list(drafter.parameters()), loss_fn, steps, tc.lr, tc.warmup, max_seconds, log, show)
+    return drafter.eval().requires_grad_(False)
+
+
+def eagle_loss(
+    drafter: EagleDrafter,
+    ids: torch.Tensor,
+    loss_decay: float,
+    distill: bool = False,
+    steps: int | None = None,
+) -> torch.Tensor:
+    """Training-time-test loss of the EAGLE-style drafter on windows ``ids [b, T]`` (target frozen).
+
+    Step s's prediction at pair position j is of ``x_{j+2}`` (its (s+1)-th draft token when j is the
+    anchor's pair minus s); weighted by ``exp(-s / loss_decay)``, the weight DFlash gives its block
+    position s + 1, so that both drafters are trained to the same profile over draft positions.
+    Labels: the bytes, or with ``distill`` the target's distribution of ``x_{j+2}`` (its logits at
+    position j + 1)."""
+    target = drafter.target
+    with torch.no_grad(), _autocast(ids.device):
+        t_logits, feats = target(ids, feature_layers=drafter.feature_layers)
+    with _autocast(ids.device):
+        logits = drafter.forward_train(feats, ids, steps)  # [S, b, T - 1, V]
+    S, b, N, V = logits.shape
+    logits = _fp32(logits)
+    j = torch.arange(N, device=ids.device)
+    s = torch.arange(S, device=ids.device)
+    # a chain of s drafter outputs behind it (j >= s) and a label inside the window (j + 2 < T)
+    valid = (j[None, :] >= s[:, None]) & (j[None, :] <= N - 2)
+    decay = torch.exp(-s.to(logits.dtype) / loss_decay)
+    w = (decay[:, None] * valid)[:, None, :].expand(S, b, N)
+    if distill:
+        soft = torch.softmax(_fp32(t_logits[:, 1:]), -1)  # row j: the target's distribution of x_{j+2}
+        nll = F.cross_entropy(logits.reshape(-1, V), soft.expand(S, b, N, V).reshape(-1, V), reduction="none")
+    else:
+        labels = ids[:, 2:].clone()
+        labels = torch.cat([labels, labels[:, -1:]], 1)  # pad row N - 1 (weight 0)
+        nll = F.cross_entropy(logits.reshape(-1, V), labels.expand(S, b, N).reshape(-1), reduction="none")
+    nll = nll.view(S, b, N)
+    return (nll * w).sum() / w.sum()
+
+
+def train_eagle(
+    target: Target, tc: TrainConfig, corpus: Corpus, steps: int, device, seed: int, log: TrainLog,
+    show: bool = True, max_seconds: float | None = None,
+) -> EagleDrafter:  # fmt: skip
+    """Train an :class:`EagleDrafter` on the frozen target with training-time test: the same windows
+    in the same order as :func:`train_drafter` (the same generator, stepped alike), the same
+    learning-rate schedule, position weights and labels."""
+    torch.manual_seed(seed + 3)
+    target.eval().requires_grad_(False)
+    drafter = EagleDrafter(target, tc.eagle).to(device)
+    gen = torch.Generator().manual_seed(seed + 1)  # train_drafter's: the same windows
+    block = tc.drafter.max_block
+
+    def loss_fn():
+        ids = random_windows(corpus.train, tc.batch, tc.seq_len, gen).to(device)
+        sample_anchors(
+            tc.batch, tc.seq_len, tc.n_anchors, block, tc.min_block, gen
+        )  # keep the stream in step
+        return eagle_loss(drafter, ids, tc.loss_decay, tc.distill)
+
+    drafter.train()
+    _loop("eagle", list(drafter.parameters()), loss_fn, steps, tc.lr, tc.warmup, max_seconds, log, show)
     return drafter.eval().requires_grad_(False)
 
 

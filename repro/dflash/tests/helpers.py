@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import torch
 
-from repro.dflash import DFlashDrafter, DrafterConfig, FunctionDrafter, Target, TargetConfig, generate
+from repro.dflash import (
+    DFlashDrafter,
+    DrafterConfig,
+    EagleConfig,
+    EagleDrafter,
+    FunctionDrafter,
+    Target,
+    TargetConfig,
+    generate,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -34,6 +43,12 @@ def tiny_dflash(
 ) -> DFlashDrafter:
     n_feat = min(2, target.cfg.n_layers)
     d = DFlashDrafter(target, DrafterConfig(n_layers=n_layers, n_features=n_feat, max_block=max_block))
+    return randomize(d.to(target.dtype), seed, scale).to(target.device).eval()
+
+
+def tiny_eagle(target: Target, seed: int, n_layers: int = 1, scale: float = 2.0) -> EagleDrafter:
+    n_feat = min(3, target.cfg.n_layers)
+    d = EagleDrafter(target, EagleConfig(n_layers=n_layers, n_features=n_feat))
     return randomize(d.to(target.dtype), seed, scale).to(target.device).eval()
 
 
@@ -82,6 +97,8 @@ def make_drafter(kind: str, target: Target, seed: int):
     V = target.cfg.vocab_size
     if kind == "dflash":
         return tiny_dflash(target, seed)
+    if kind == "eagle":
+        return tiny_eagle(target, seed)
     if kind == "ar":
         return tiny_ar(target, seed)
     if kind == "random":
@@ -93,4 +110,4 @@ def make_drafter(kind: str, target: Target, seed: int):
     raise ValueError(kind)
 
 
-DRAFTER_KINDS = ["dflash", "ar", "random", "constant", "oracle0", "oracle2"]
+DRAFTER_KINDS = ["dflash", "eagle", "ar", "random", "constant", "oracle0", "oracle2"]

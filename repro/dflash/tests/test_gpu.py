@@ -19,13 +19,15 @@ pytestmark = pytest.mark.gpu
 SEEDS, NEW = (range(1), 12) if sanitizing() else (range(3), 40)
 
 
-@pytest.mark.claim("dflash/lossless-greedy", section="Method: lossless verification")
+@pytest.mark.claim("dflash/lossless-greedy", section="Abstract; §3.1")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("kind", ["dflash", "ar", "random", "oracle1"])
+@pytest.mark.parametrize("kind", ["dflash", "eagle", "ar", "random", "oracle1"])
 @pytest.mark.parametrize("mode", ["eager", "auto"])  # auto, the default: CUDA graphs on a CUDA target
 def test_gpu_greedy_equals_target(kind, dtype, mode):
     if sanitizing() and (dtype == torch.float64 or kind in ("random", "oracle1")):
-        pytest.skip("sanitizer pass: the fp32 DFlash and AR paths cover every kernel this test launches")
+        pytest.skip(
+            "sanitizer pass: the fp32 DFlash, EAGLE and AR paths cover every kernel this test launches"
+        )
     for seed in SEEDS:
         target = tiny_target(seed, vocab=11, n_layers=3, d=32, heads=4, device="cuda", dtype=dtype)
         drafter = make_drafter(kind, target, seed + 1)
@@ -36,10 +38,8 @@ def test_gpu_greedy_equals_target(kind, dtype, mode):
             assert torch.equal(out.tokens, expected), (kind, B, mode)
 
 
-@pytest.mark.claim(
-    "dflash/cache-equals-recompute", section="Method: target context features and KV injection"
-)
-@pytest.mark.parametrize("kind", ["dflash", "ar"])
+@pytest.mark.claim("dflash/cache-equals-recompute", section="§4.1, Conditioning via KV injection; §A.3")
+@pytest.mark.parametrize("kind", ["dflash", "eagle", "ar"])
 @pytest.mark.parametrize("mode", ["eager", "auto"])
 def test_gpu_sampling_equals_recompute(kind, mode):
     target = tiny_target(5, vocab=9, n_layers=2, d=32, heads=4, device="cuda")
@@ -57,9 +57,9 @@ def test_gpu_sampling_equals_recompute(kind, mode):
         assert torch.equal(out.tokens, ref) and out.accepted == accepted
 
 
-@pytest.mark.claim("dflash/lossless-greedy", section="Method: lossless verification")
+@pytest.mark.claim("dflash/lossless-greedy", section="Abstract; §3.1")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("kind", ["dflash", "ar", "random"])
+@pytest.mark.parametrize("kind", ["dflash", "eagle", "ar", "random"])
 def test_gpu_graphs_equal_eager(kind, dtype):
     """The CUDA-graph path (static steps captured once, replayed every round) gives the target's
     greedy tokens and the eager loop's accepted lengths; a second call replays the same graphs."""
@@ -85,7 +85,7 @@ def test_gpu_graphs_equal_eager(kind, dtype):
                 assert out.accepted == eager.accepted, (kind, B)
 
 
-@pytest.mark.parametrize("kind", ["dflash", "ar"])
+@pytest.mark.parametrize("kind", ["dflash", "eagle", "ar"])
 def test_gpu_graphs_sampling_equal_eager(kind):
     """Temperature 1, fp64: the graph path draws the same uniforms in the same order as the eager loop."""
     if sanitizing() and kind == "ar":
@@ -109,22 +109,26 @@ def test_gpu_graph_steps_do_not_sync():
     """Replaying the captured draft/verify/step graphs under sync debug mode "error": a host sync
     inside a step would raise (capture itself would already have failed on one)."""
     from repro.dflash.static import StaticDecoder
-    from repro.dflash.tests.helpers import tiny_dflash
+    from repro.dflash.tests.helpers import tiny_dflash, tiny_eagle
 
     target = tiny_target(1, vocab=11, n_layers=2, d=32, heads=4, device="cuda", dtype=torch.float32)
-    drafter = tiny_dflash(target, 2)
     with torch.inference_mode():
-        spec = StaticDecoder(target, drafter, 6, 0.0, graphs=True)
+        specs = [
+            StaticDecoder(target, make(target, 2), 6, 0.0, graphs=True) for make in (tiny_dflash, tiny_eagle)
+        ]
         plain = StaticDecoder(target, None, 1, 0.0, graphs=True)
-        assert spec.steps["verify"].graph is not None and plain.steps["step"].graph is not None
-        for dec in (spec, plain):
+        assert (
+            all(s.steps["draft"].graph is not None for s in specs) and plain.steps["step"].graph is not None
+        )
+        for dec in (*specs, plain):
             dec.prefill(torch.tensor([1, 2, 3], device="cuda"), None)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
             for _ in range(4):
-                spec.steps["draft"]()
-                spec.steps["verify"]()
+                for spec in specs:
+                    spec.steps["draft"]()
+                    spec.steps["verify"]()
                 plain.steps["step"]()
         finally:
             torch.cuda.set_sync_debug_mode("default")

@@ -21,12 +21,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from repro.dflash import accept_tokens, generate, speculative_generate
-from repro.dflash.reference import accept_reference, probabilities
-from repro.dflash.tests.helpers import DRAFTER_KINDS, make_drafter, tiny_dflash, tiny_target
+from repro.dflash.reference import accept_reference, probabilities, sample_inverse_cdf
+from repro.dflash.tests.helpers import DRAFTER_KINDS, make_drafter, tiny_dflash, tiny_eagle, tiny_target
 
 ALPHA = 1e-3
-SECTION_GREEDY = "Method: lossless verification"
-SECTION_SAMPLING = "Method: lossless verification"
+SECTION_GREEDY = "Abstract; §3.1"
+SECTION_SAMPLING = "Abstract; §5.1, Table 1 (temperature = 1)"
 
 
 @pytest.mark.claim("dflash/lossless-greedy", section=SECTION_GREEDY)
@@ -129,31 +129,107 @@ def test_batched_rule_equals_reference(seed, vocab, gamma, temperature):
         assert (int(a[i]), int(nxt[i])) == (ra, rn)
 
 
-@pytest.mark.claim("dflash/lossless-sampling", section=SECTION_SAMPLING)
-def test_speculative_sampling_matches_target_distribution():
-    """End to end: 3 new tokens from a vocabulary of 2 (8 outcomes) by speculative sampling with an
-    untrained DFlash drafter and block size 3 (the first token from the prefill, the next two from
-    one draft-verify round), against the target's exact joint distribution computed by enumeration;
-    500 runs, chi-square at alpha = 1e-3. The drafter must be rejected and accepted often enough
-    that both branches of the rule are exercised."""
-    V, new, N = 2, 3, 500
-    target = tiny_target(7, vocab=V, scale=1.5)
-    drafter = tiny_dflash(target, 8, scale=3.0)
-    prompt = torch.tensor([0, 1])
-    exact = torch.zeros(V**new, dtype=torch.float64)
-    for i, seq in enumerate(itertools.product(range(V), repeat=new)):
+# End to end: the joint distribution of 5 sampled tokens over a 2-token vocabulary (32 outcomes)
+# against the target's, computed exactly by enumerating the 32 sequences. Block size 3: the first
+# token comes from the prefill, the other four from at least two draft-verify rounds, so the test
+# covers the second round (drafts made after a rollback) and positions behind accepted drafts, not
+# only the first token. The drafters are untrained and peaked (weights of scale 3): they are
+# rejected about half the time, so both branches of the rule (accept; resample from the residual)
+# are exercised at every position.
+#
+# Power, and why N = 800: Pearson's chi-square at alpha = 1e-3, cells with expected count < 5 pooled
+# (about 24 cells left at N = 800, df ~ 23, critical value ~ 49.7). Against an alternative with
+# effect size w^2 = sum((p1 - p0)^2 / p0) the statistic is about noncentral chi-square(df, N w^2).
+# Measured with 4000 samples each (seed 1; the noise floor of that estimate is 31/4000 = 0.008):
+# resampling from p instead of the residual at a rejection gives w^2 = 0.13 with the DFlash drafter
+# and 0.22 with the EAGLE-style one; an EAGLE-style drafter that reports its first row's q for every
+# drafted token (a stale q, the bug a chain drafter invites) gives w^2 = 2.5. At N = 800 the
+# noncentrality is >= 100 for all three, so the power is > 0.999 (noncentral chi-square(23, 100)
+# exceeds 49.7 with probability 0.9998), and the two negative controls below must be rejected at the
+# same N. The correct paths give p-values above 1e-3 at every generator seed tried (0-29), as they
+# must for all but about 1 seed in 1000: the seeds are fixed, so CI is deterministic.
+SAMPLES, NEW, V_SMALL, BLOCK = 800, 5, 2, 3
+
+
+def _exact_joint(target, prompt: torch.Tensor) -> torch.Tensor:
+    """The target's probability of each of the V^NEW continuations ``[V^NEW]`` (row-major order)."""
+    exact = torch.zeros(V_SMALL**NEW, dtype=torch.float64)
+    for i, seq in enumerate(itertools.product(range(V_SMALL), repeat=NEW)):
         with torch.no_grad():
             logits, _ = target(torch.tensor([prompt.tolist() + list(seq)]))
-        p = probabilities(logits[0, len(prompt) - 1 : -1], 1.0)  # rows predicting seq[0..new-1]
+        p = probabilities(logits[0, len(prompt) - 1 : -1], 1.0)  # rows predicting seq[0 .. NEW-1]
         exact[i] = torch.stack([p[j, s] for j, s in enumerate(seq)]).prod()
-    gen = torch.Generator().manual_seed(1234)
-    counts = torch.zeros(V**new, dtype=torch.long)
-    rejected = accepted = 0
-    for _ in range(N):
-        out = speculative_generate(target, drafter, prompt, new, block_size=3, temperature=1.0, generator=gen)
-        t = out.tokens.tolist()
-        counts[(t[0] * V + t[1]) * V + t[2]] += 1
-        rejected += out.accepted[0] < 2
-        accepted += out.accepted[0] > 0
-    assert rejected > 20 and accepted > 20, (rejected, accepted)
+    return exact
+
+
+def _sampled_joint(kind: str, seed: int = 1234):
+    """(counts of the continuations over SAMPLES speculative samples ``[V^NEW]``, the exact joint,
+    draft tokens accepted, verifications)."""
+    target = tiny_target(7, vocab=V_SMALL, scale=1.5)
+    drafter = tiny_dflash(target, 8, scale=3.0) if kind == "dflash" else tiny_eagle(target, 8, scale=3.0)
+    prompt = torch.tensor([0, 1])
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(V_SMALL**NEW, dtype=torch.long)
+    accepted = rounds = 0
+    for _ in range(SAMPLES):
+        out = speculative_generate(
+            target, drafter, prompt, NEW, block_size=BLOCK, temperature=1.0, generator=gen
+        )
+        counts[int("".join(map(str, out.tokens.tolist())), V_SMALL)] += 1
+        accepted += sum(out.accepted)
+        rounds += len(out.accepted)
+    return counts, _exact_joint(target, prompt), accepted, rounds
+
+
+def _check_joint(kind: str) -> None:
+    counts, exact, accepted, rounds = _sampled_joint(kind)
+    assert rounds >= 2 * SAMPLES  # at least two rounds per sample
+    # both branches of the rule at every position: some drafts accepted, many rejected
+    assert 0.2 * rounds < accepted < 0.8 * (BLOCK - 1) * rounds, (accepted, rounds)
     assert _chi_square_pvalue(counts, exact) > ALPHA
+
+
+@pytest.mark.claim("dflash/lossless-sampling", section=SECTION_SAMPLING)
+def test_speculative_sampling_matches_target_distribution():
+    """DFlash path: the joint of 5 sampled tokens is the target's (chi-square, alpha = 1e-3)."""
+    _check_joint("dflash")
+
+
+@pytest.mark.claim("dflash/eagle-lossless", section="§4, Metrics")
+def test_eagle_sampling_matches_target_distribution():
+    """EAGLE-style path, through the same verify step: the joint of 5 sampled tokens is the target's."""
+    _check_joint("eagle")
+
+
+def _resample_from_p(draft, target_logits, draft_probs, temperature, u=None, u_final=None):
+    """A wrong rule: at the first rejection, resample from p instead of norm(max(0, p - q))."""
+    n, gamma = draft.shape
+    p = probabilities(target_logits, temperature)
+    q = draft_probs.to(p.dtype)
+    pd = p[:, :gamma].gather(-1, draft[..., None])[..., 0]
+    qd = q.gather(-1, draft[..., None])[..., 0]
+    a = (u.to(p.dtype) * qd < pd).long().cumprod(-1).sum(-1)
+    return a, sample_inverse_cdf(p.gather(1, a[:, None, None].expand(n, 1, p.shape[-1]))[:, 0], u_final)
+
+
+@pytest.mark.parametrize("bug", ["rule-resamples-from-p", "eagle-stale-q"])
+def test_sampling_test_rejects_biased_implementations(monkeypatch, bug):
+    """Negative controls: the test above, at the same N and seed, rejects a wrong acceptance rule
+    (with the DFlash drafter) and an EAGLE-style drafter that reports a stale q (the first drafted
+    token's distribution for all of them), so passing it means something."""
+    from repro.dflash import speculative
+
+    if bug == "rule-resamples-from-p":
+        monkeypatch.setattr(speculative, "accept_tokens", _resample_from_p)
+        kind = "dflash"
+    else:
+        propose = speculative._EagleSession.propose
+
+        def stale(self, *args, **kwargs):
+            tokens, q = propose(self, *args, **kwargs)
+            return tokens, q[:1].expand_as(q).clone()
+
+        monkeypatch.setattr(speculative._EagleSession, "propose", stale)
+        kind = "eagle"
+    counts, exact, _, _ = _sampled_joint(kind)
+    assert _chi_square_pvalue(counts, exact) < ALPHA

@@ -16,9 +16,16 @@ from hypothesis import strategies as st
 
 from repro.dflash import Target, TargetConfig, generate, speculative_generate
 from repro.dflash.static import StaticDecoder
-from repro.dflash.tests.helpers import DRAFTER_KINDS, make_drafter, randomize, tiny_dflash, tiny_target
+from repro.dflash.tests.helpers import (
+    DRAFTER_KINDS,
+    make_drafter,
+    randomize,
+    tiny_dflash,
+    tiny_eagle,
+    tiny_target,
+)
 
-SECTION = "Method: lossless verification"
+SECTION = "Abstract; §3.1"
 
 
 @pytest.mark.claim("dflash/lossless-greedy", section=SECTION)
@@ -50,7 +57,7 @@ def test_static_greedy_equals_eager_and_target(seed, new, block_size, kind, mode
 @given(
     seed=st.integers(0, 10_000),
     block_size=st.integers(2, 7),
-    kind=st.sampled_from(["dflash", "ar", "random"]),
+    kind=st.sampled_from(["dflash", "eagle", "ar", "random"]),
 )
 def test_static_sampling_equals_eager(seed, block_size, kind):
     """Temperature 1: the same uniforms in the same order give the same tokens and accepted lengths."""
@@ -74,7 +81,7 @@ def test_static_sampling_equals_eager(seed, block_size, kind):
 
 
 @pytest.mark.claim("dflash/lossless-greedy", section=SECTION)
-@pytest.mark.parametrize("kind", ["dflash", "oracle1", "constant"])
+@pytest.mark.parametrize("kind", ["dflash", "eagle", "oracle1", "constant"])
 def test_static_fills_the_cache(kind):
     """prompt + new tokens + block = max_len exactly: the last verification writes the cache's last
     positions, and the padded DFlash context update too; still the target's greedy output."""
@@ -118,10 +125,11 @@ class _NoHostReads:
         return fail
 
 
+@pytest.mark.parametrize("kind", ["dflash", "eagle"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_static_steps_make_no_host_reads(monkeypatch, temperature):
+def test_static_steps_make_no_host_reads(monkeypatch, temperature, kind):
     target = tiny_target(11, vocab=9)
-    drafter = tiny_dflash(target, 12)
+    drafter = tiny_dflash(target, 12) if kind == "dflash" else tiny_eagle(target, 12)
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         spec = StaticDecoder(target, drafter, 5, temperature, graphs=True)
