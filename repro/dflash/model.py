@@ -9,7 +9,11 @@
   by a linear layer and RMSNorm into one context vector per position; every draft layer projects
   them with its own K/V weights and puts them in front of the block's keys and values (KV
   injection); the block ``[anchor, MASK x (B-1)]`` attends to them and to itself without a causal
-  mask; the target's embedding and LM head are shared and frozen.
+  mask; the target's embedding and LM head are shared and frozen. ``DrafterConfig.injection =
+  "input"`` builds the ablation of chen2026dflash §5.5.5 instead (the features enter only as the
+  context's input to the first layer and go through the layers causally, like tokens).
+
+The EAGLE-3-style baseline drafter is in ``eagle.py``; it reuses :class:`Block` and :class:`KVCache`.
 
 Shapes: token ids ``[b, T]``; hidden ``[b, T, d]``; keys/values ``[b, H, T, d/H]``.
 """

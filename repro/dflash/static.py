@@ -16,14 +16,18 @@ that never asks the host for a value. So every step here:
   the accepted length.
 
 Steps: ``draft`` (DFlash: one drafter forward over ``[anchor, MASK x gamma]``, then argmax or an
-inverse-CDF draw), ``verify`` (one target forward over ``[anchor, draft]``, the acceptance rule, the
-token writes, DFlash's context update and ``n += a + 1``), and ``step`` (target-only decoding: one
-token). On CUDA, with ``graphs=True``, each is captured once per decoder (one decoder per target,
-drafter, block size, temperature; batch 1) and replayed; elsewhere the same functions run eagerly.
+inverse-CDF draw; the EAGLE-style drafter of ``eagle.py``: gamma forwards, the first over the last
+verified block's pairs padded to ``gamma + 1`` positions, the others one position each on its own
+outputs), ``verify`` (one target forward over ``[anchor, draft]``, the acceptance rule, the token
+writes, DFlash's context update or a copy of the features for the EAGLE drafter's next draft, and
+``n += a + 1``), and ``step`` (target-only decoding: one token). On CUDA, with ``graphs=True``,
+each is captured once per decoder (one decoder per target, drafter, block size, temperature; batch
+1) and replayed; elsewhere the same functions run eagerly.
 
 What still runs on the host per round: drawing the round's uniforms (temperature > 0; three
-``torch.rand(out=...)`` calls in the order of ``speculative.py``), a drafter that is not DFlash
-(autoregressive or :class:`FunctionDrafter`: proposed eagerly, then copied into the draft buffer),
+``torch.rand(out=...)`` calls in the order of ``speculative.py``), a drafter that is neither DFlash
+nor EAGLE-style (autoregressive or :class:`FunctionDrafter`: proposed eagerly, then copied into the
+draft buffer),
 and **one host read per round**: the accepted length, which decides when to stop (and fills
 ``SpecOutput.accepted``). Target-only decoding reads nothing until the end.
 """

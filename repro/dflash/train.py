@@ -1,5 +1,6 @@
 """Training: the target on the standard library's source, the DFlash drafter on the frozen target's
-features, and the autoregressive baseline drafter.
+features, and the two baselines: the EAGLE-3-style drafter (:func:`train_eagle`) and the
+autoregressive drafter.
 
 ``python -m repro.dflash.train [--config tiny|gpu] [--out DIR] [--seed 0]`` trains all three and
 saves them (``target.pt``, ``dflash.pt``, ``ar.pt``, a few MB each in the gpu config) with a progress
@@ -13,6 +14,11 @@ All blocks of a window go through the drafter in one pass under :func:`model.tra
 lengths are drawn per anchor in ``[min_block, max_block]`` so that one drafter serves every block
 size. The cross-entropy at block position k (1-based among the masked ones) is weighted by
 ``exp(-(k - 1) / loss_decay)``: acceptance stops at the first wrong token, so early positions count more.
+
+EAGLE-style training (li2025eagle3 §3.2, ``eagle.py``): training-time test over ``ttt_steps`` steps on
+the same windows as DFlash, in the same order; step s is weighted as DFlash's block position s + 1.
+``train_all`` trains target, DFlash and AR drafters (the walkthrough's three); the bench adds the
+EAGLE one with :func:`train_eagle`, for DFlash's step count.
 """
 
 from __future__ import annotations

@@ -138,16 +138,17 @@ def test_batched_rule_equals_reference(seed, vocab, gamma, temperature):
 # are exercised at every position.
 #
 # Power, and why N = 800: Pearson's chi-square at alpha = 1e-3, cells with expected count < 5 pooled
-# (about 24 cells left at N = 800, df ~ 23, critical value ~ 49.7). Against an alternative with
-# effect size w^2 = sum((p1 - p0)^2 / p0) the statistic is about noncentral chi-square(df, N w^2).
-# Measured with 4000 samples each (seed 1; the noise floor of that estimate is 31/4000 = 0.008):
-# resampling from p instead of the residual at a rejection gives w^2 = 0.13 with the DFlash drafter
-# and 0.22 with the EAGLE-style one; an EAGLE-style drafter that reports its first row's q for every
-# drafted token (a stale q, the bug a chain drafter invites) gives w^2 = 2.5. At N = 800 the
-# noncentrality is >= 100 for all three, so the power is > 0.999 (noncentral chi-square(23, 100)
-# exceeds 49.7 with probability 0.9998), and the two negative controls below must be rejected at the
-# same N. The correct paths give p-values above 1e-3 at every generator seed tried (0-29), as they
-# must for all but about 1 seed in 1000: the seeds are fixed, so CI is deterministic.
+# (23 cells left at N = 800: df = 22, critical value 48.3). Against an alternative with effect size
+# w^2 = sum((p1 - p0)^2 / p0) the statistic is about noncentral chi-square(df, N w^2). Measured with
+# 4000 samples each (seed 1; the noise floor of that estimate is 31/4000 = 0.008): resampling from p
+# instead of the residual at a rejection gives w^2 = 0.13 with the DFlash drafter and 0.22 with the
+# EAGLE-style one; an EAGLE-style drafter that reports its first row's q for every drafted token (a
+# stale q, the bug a chain drafter invites) gives w^2 = 2.5. At N = 800 the noncentrality is >= 100
+# for all three, where the power is 0.99999 (simulated: noncentral chi-square(22, 100) exceeds 48.3
+# in all but 9 of 10^6 draws; at 63, i.e. N = 500, it would be 0.992). The two negative controls
+# below are rejected at this N and seed (and at seeds 0-9: p <= 5e-8); the correct paths give
+# p-values above 1e-3 at every seed tried (0-29; smallest 0.012), as they must for all but about one
+# seed in 1000. The seeds are fixed, so CI is deterministic.
 SAMPLES, NEW, V_SMALL, BLOCK = 800, 5, 2, 3
 
 
