@@ -31,7 +31,7 @@ def _count_calls(module: torch.nn.Module) -> list[int]:
     seed=st.integers(0, 10_000),
     new=st.integers(1, 16),
     block_size=st.integers(2, 8),
-    kind=st.sampled_from(["dflash", "ar", "random", "constant"]),
+    kind=st.sampled_from(["dflash", "eagle", "ar", "random", "constant"]),
     temperature=st.sampled_from([0.0, 1.0]),
 )
 def test_every_verification_emits_a_token(seed, new, block_size, kind, temperature):
