@@ -1,0 +1,1184 @@
+"""USP on several GPUs: ``python3 -m torch.distributed.run --nproc-per-node G -m repro.usp.dist_bench --mode M``.
+
+Modes (comma-separated, run in order in one process; one failing mode is logged and the next runs):
+
+* ``selfcheck``: outputs and gradients of every factorisation, layout and mask against one-device
+  attention (:func:`repro.usp.selfcheck.run_checks`), bf16 and fp32.
+* ``timeline``: one forward + backward per configuration under torch.profiler on every rank
+  (:mod:`repro.usp.timeline`): the traces, a summary (busy time per kind, communication left exposed)
+  and the square-wave picture.
+* ``sweep``: weak and strong scaling and every (ulysses, ring) split. The G ranks run 1-GPU
+  replicas (each rank alone), 2-GPU replicas (rank pairs) and the whole world at once, so one process
+  measures 1, 2 and G GPUs in interleaved rounds; blocks of S per GPU = 16k, the strong-scaling
+  length (128k total), 64k and 32k, causal and not; zigzag against contiguous; local kernels.
+* ``peers``: torch's context parallel (load balancing on for causal, off otherwise) and yunchang
+  (forward only: its PyTorch attention types have no backward) at the same shapes, interleaved with ours.
+* ``dpsp``: a global batch of G sequences: data parallel (each GPU one sequence) against sequence
+  parallel (every split) and the hybrid.
+* ``comm``: bytes per rank of one forward and backward, MHA against GQA: counted by our layer,
+  the paper's formulas, NCCL's own record of the calls (NCCL_DEBUG=INFO log, read by ``comm-report``
+  after the run) and the NVLink counters.
+
+Every rank runs the same configurations and the same number of calls: repeat counts come from the
+slowest rank's first call (an all-reduce), and the budget decisions from rank 0 (a broadcast), so no
+collective is left unpaired. Each configuration is checked (output and gradients against one-device
+attention computed shard by shard, :func:`shard_reference`) before it is timed; a failed check is
+recorded and not timed. Results: paperclub.bench Report JSON in ``--out``, written after every block.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from paperclub.bench import Report, environment
+from paperclub.testing import rel_error
+from repro.usp import count_bytes, make_groups, positions, shard, usp_attention
+from repro.usp.cost import bytes_per_rank
+
+COLUMNS = [
+    "impl", "gpus", "ulysses", "ring", "layout", "backend", "head_groups", "causal", "S", "S_per_gpu",
+    "B", "H", "H_kv", "D", "pass", "ms", "ms_min", "ms_max", "reps", "check", "err", "tflops_per_gpu",
+    "tokens_per_s", "mem_gib", "note",
+]  # fmt: skip
+TOL = 2e-2  # bf16: O and each gradient round to ~4e-3; sums over blocks add a little
+PACKAGES = ["yunchang"]
+TITLES = {
+    "sweep": "USP on several GPUs: weak and strong scaling, every (ulysses, ring) split",
+    "peers": "USP against torch context parallel and yunchang on several GPUs",
+    "dpsp": "Data parallel against sequence parallel at equal global batch",
+}
+
+
+def attention_flops(b: int, s: int, h: int, d: int, causal: bool, passes: str) -> float:
+    """Useful FLOPs of softmax attention: 4 B S^2 H D forward (QK^T and PV), 2.5x that backward,
+    halved by a causal mask."""
+    fwd = 4.0 * b * s * s * h * d * (0.5 if causal else 1.0)
+    return fwd * (3.5 if passes == "fwd+bwd" else 1.0)
+
+
+# --------------------------------------------------------------------------------------- the world
+
+
+@dataclass
+class Ctx:
+    """This rank's view of the run: device, shapes, budget, cached groups."""
+
+    device: torch.device
+    dtype: torch.dtype
+    out: Path
+    budget_s: float
+    smoke: bool
+    H: int = 32
+    H_kv: int = 8
+    D: int = 128
+    t0: float = field(default_factory=time.monotonic)
+    _groups: dict = field(default_factory=dict)
+    _sp: dict = field(default_factory=dict)
+
+    @property
+    def world(self) -> int:
+        return dist.get_world_size()
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def all_max(self, x: float) -> float:
+        t = torch.tensor([x], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    def left(self) -> float:
+        """Seconds left of the budget, rank 0's clock, the same on every rank (a broadcast)."""
+        t = torch.tensor(
+            [self.budget_s - (time.monotonic() - self.t0)], dtype=torch.float64, device=self.device
+        )
+        dist.broadcast(t, 0)
+        return float(t.item())
+
+    def groups(self, pu: int, pr: int):
+        """(ulysses group, ring group) of this rank for a P_u x P_r mesh (replicated over the world)."""
+        if (pu, pr) not in self._groups:
+            self._groups[pu, pr] = make_groups(pu, pr)
+        return self._groups[pu, pr]
+
+    def sp_group(self, p: int):
+        """The process group of this rank's replica of p consecutive ranks (None for p = 1)."""
+        if p == 1:
+            return None
+        if p == self.world:
+            return dist.group.WORLD
+        if p not in self._sp:
+            mine = None
+            for base in range(0, self.world, p):
+                g = dist.new_group(list(range(base, base + p)))
+                if base <= self.rank < base + p:
+                    mine = g
+            self._sp[p] = mine
+        return self._sp[p]
+
+    def mem_reset(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+
+    def mem_gib(self) -> float | None:
+        return self.all_max(torch.cuda.max_memory_allocated() / 2**30) if self.cuda else None
+
+
+def init(device: str) -> Ctx:
+    """Join the torchrun world: NCCL on the local GPU, or gloo on CPU."""
+    timeout = timedelta(seconds=int(os.environ.get("USP_PG_TIMEOUT_S", "180")))
+    if device == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        dev = torch.device("cuda", local)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl", device_id=dev, timeout=timeout)
+        return Ctx(device=dev, dtype=torch.bfloat16, out=Path("."), budget_s=0, smoke=False)
+    torch.set_num_threads(1)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=timeout)
+    return Ctx(device=torch.device("cpu"), dtype=torch.float32, out=Path("."), budget_s=0, smoke=True)
+
+
+def time_ms(ctx: Ctx, fn, reps: int) -> float:
+    """Mean ms of ``reps`` calls of ``fn`` on every rank after a barrier; the slowest rank's (all ranks
+    get the same number, and every rank makes the same calls)."""
+    ctx.sync()
+    dist.barrier()
+    if ctx.cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        ms = start.elapsed_time(end) / reps
+    else:
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        ms = (time.perf_counter() - t) * 1e3 / reps
+    return ctx.all_max(ms)
+
+
+# --------------------------------------------------------------------------------------- inputs, reference
+
+
+def make_inputs(ctx: Ctx, B: int, S: int, h_kv: int | None = None, seed: int = 0) -> list[torch.Tensor]:
+    """Full q, k, v, dO [B, S, H(_kv), D], the same on every rank."""
+    gen = torch.Generator(device=ctx.device).manual_seed(seed)
+    h_kv = ctx.H_kv if h_kv is None else h_kv
+    return [
+        torch.randn(B, S, h, ctx.D, device=ctx.device, dtype=ctx.dtype, generator=gen)
+        for h in (ctx.H, h_kv, h_kv, ctx.H)
+    ]
+
+
+def _expand(t: torch.Tensor, h: int) -> torch.Tensor:
+    return t if t.shape[2] == h else t.repeat_interleave(h // t.shape[2], dim=2)
+
+
+def _runs(pos: torch.Tensor) -> list[tuple[int, int]]:
+    """Maximal runs of consecutive positions: [(start, length)]."""
+    p = pos.tolist()
+    out, start = [], 0
+    for i in range(1, len(p) + 1):
+        if i == len(p) or p[i] != p[i - 1] + 1:
+            out.append((p[start], i - start))
+            start = i
+    return out
+
+
+def shard_reference(ctx: Ctx, full, P: int, layout: str, causal: bool) -> dict[str, torch.Tensor]:
+    """One-device attention for this rank's shard of an SP replica of P ranks: o and dQ of its own
+    queries, and its share of dK/dV summed over the replica (an all-reduce), each as this rank's
+    shard [B, S/P, ...]. Computed with PyTorch's SDPA (the causal prefix of each chunk with a
+    lower-right causal mask), not with any code of this package."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    q, k, v, do = full
+    B, S, H, D = q.shape
+    sp = ctx.rank % P
+    pos = positions(S, P, sp, layout).to(ctx.device)
+    kf = _expand(k, H).detach().requires_grad_(True)
+    vf = _expand(v, H).detach().requires_grad_(True)
+    os_, dqs = [], []
+    for a, c in _runs(pos.cpu()):
+        qc = q[:, a : a + c].detach().requires_grad_(True)
+        end = a + c if causal else S
+        qt, kt, vt = qc.transpose(1, 2), kf[:, :end].transpose(1, 2), vf[:, :end].transpose(1, 2)
+        mask = causal_lower_right(c, end) if (causal and end != c) else None
+        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, is_causal=causal and mask is None)
+        o = o.transpose(1, 2)
+        o.backward(do[:, a : a + c])
+        os_.append(o.detach())
+        dqs.append(qc.grad)
+    h_kv = k.shape[2]
+    dk = kf.grad.float().view(B, S, h_kv, H // h_kv, D).sum(3)
+    dv = vf.grad.float().view(B, S, h_kv, H // h_kv, D).sum(3)
+    del kf, vf
+    g = ctx.sp_group(P)
+    if g is not None:
+        dist.all_reduce(dk, group=g)
+        dist.all_reduce(dv, group=g)
+    return {"o": torch.cat(os_, 1), "dq": torch.cat(dqs, 1), "dk": dk[:, pos], "dv": dv[:, pos]}
+
+
+def full_reference(ctx: Ctx, ref: dict, P: int, layout: str) -> dict[str, torch.Tensor]:
+    """The whole sequence's reference on every rank of a replica, gathered from the shards."""
+    g = ctx.sp_group(P)
+    out = {}
+    for name, t in ref.items():
+        parts = [torch.empty_like(t) for _ in range(P)]
+        if g is None:
+            parts = [t]
+        else:
+            dist.all_gather(parts, t.contiguous(), group=g)
+        B, s = t.shape[:2]
+        full = t.new_empty(B, s * P, *t.shape[2:])
+        for r, part in enumerate(parts):
+            full[:, positions(s * P, P, r, layout).to(t.device)] = part
+        out[name] = full
+    return out
+
+
+# --------------------------------------------------------------------------------------- candidates
+
+
+@dataclass
+class Entry:
+    """One thing to time at one shape: its row, its call and its check."""
+
+    row: dict
+    run: object  # () -> None, one timed call
+    check: object  # () -> float, the worst relative error on this rank
+    flops_per_gpu: float
+    tokens: int
+    times: list = field(default_factory=list)
+    reps: int = 1
+    first: float = 0.0
+    context: object = None  # () -> context manager around its calls (torch CP)
+
+
+def _grad(out, leaves, do):
+    return torch.autograd.grad(out, leaves, do)
+
+
+def usp_entry(ctx, full, ref, *, P, pu, pr, layout, causal, passes="fwd+bwd", backend="auto",
+              head_groups=1, impl=None, note="") -> Entry:  # fmt: skip
+    """usp_attention on a P_u x P_r mesh (replicated over the world), this rank's shards."""
+    ug, rg = ctx.groups(pu, pr)
+    sp = ctx.rank % P
+    B, S = full[0].shape[:2]
+    q, k, v, do = (shard(t, P, sp, layout).contiguous() for t in full)
+    leaves = [t.detach().clone().requires_grad_(passes == "fwd+bwd") for t in (q, k, v)]
+
+    def fwd():
+        return usp_attention(
+            *leaves, causal=causal, ulysses_group=ug, ring_group=rg, layout=layout, backend=backend,
+            head_groups=head_groups,
+        )  # fmt: skip
+
+    def run():
+        if passes == "fwd+bwd":
+            _grad(fwd(), leaves, do)
+        else:
+            with torch.no_grad():
+                fwd()
+
+    def check():
+        o = fwd()
+        errs = [rel_error(o.detach().float(), ref["o"].float())]
+        if passes == "fwd+bwd":
+            for name, g in zip(("dq", "dk", "dv"), _grad(o, leaves, do), strict=True):
+                errs.append(rel_error(g.float(), ref[name].float()))
+        return max(errs)
+
+    name = impl or (
+        f"usp {pu}x{pr}" + (" contiguous" if layout == "contiguous" and pr > 1 else "")
+        + (f" hg{head_groups}" if head_groups > 1 else "") + (f" ({backend})" if backend != "auto" else "")
+    )  # fmt: skip
+    row = dict(impl=name, gpus=P, ulysses=pu, ring=pr, layout=layout, backend=backend, head_groups=head_groups,
+               S=S, S_per_gpu=S // P, B=B, note=note)  # fmt: skip
+    return Entry(row, run, check, attention_flops(B, S, ctx.H, ctx.D, causal, passes) / P, B * S)
+
+
+def sdpa_entry(ctx, full, ref, *, causal, passes="fwd+bwd") -> Entry:
+    """One F.scaled_dot_product_attention call over the whole local sequence (K/V expanded to H heads
+    inside the call, as a model without GQA kernels does): the one-GPU baseline, with the backend
+    SDPA picks (recorded)."""
+    q, k, v, do = full
+    B, S = q.shape[:2]
+    leaves = [t.detach().clone().requires_grad_(passes == "fwd+bwd") for t in (q, k, v)]
+
+    def fwd():
+        kk, vv = _expand(leaves[1], ctx.H), _expand(leaves[2], ctx.H)
+        o = F.scaled_dot_product_attention(
+            leaves[0].transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2), is_causal=causal
+        )
+        return o.transpose(1, 2)
+
+    def run():
+        if passes == "fwd+bwd":
+            _grad(fwd(), leaves, do)
+        else:
+            with torch.no_grad():
+                fwd()
+
+    def check():
+        o = fwd()
+        errs = [rel_error(o.detach().float(), ref["o"].float())]
+        if passes == "fwd+bwd":
+            for name, g in zip(("dq", "dk", "dv"), _grad(o, leaves, do), strict=True):
+                errs.append(rel_error(g.float(), ref[name].float()))
+        return max(errs)
+
+    row = dict(impl="full sdpa", gpus=1, ulysses=1, ring=1, layout="-", backend=_sdpa_choice(ctx, q, causal),
+               head_groups=1, S=S, S_per_gpu=S, B=B, note="one call, K/V expanded inside it")  # fmt: skip
+    return Entry(row, run, check, attention_flops(B, S, ctx.H, ctx.D, causal, passes), B * S)
+
+
+def _sdpa_choice(ctx, q, causal) -> str:
+    """The kernel F.scaled_dot_product_attention picks for these inputs (cuDNN or flash on an H100)."""
+    try:
+        from torch.nn.attention import SDPBackend
+
+        t = q.transpose(1, 2)  # metadata only: no kernel runs
+        return "sdpa:" + SDPBackend(torch._fused_sdp_choice(t, t, t, None, 0.0, causal)).name.lower()
+    except Exception as exc:  # private API: record that we do not know
+        return f"sdpa:unknown ({type(exc).__name__})"
+
+
+def splits(ctx: Ctx, P: int) -> list[tuple[int, int]]:
+    """Every (P_u, P_r) with P_u P_r = P and P_u dividing H."""
+    return [(u, P // u) for u in range(1, P + 1) if P % u == 0 and ctx.H % u == 0]
+
+
+# --------------------------------------------------------------------------------------- the timing loop
+
+
+def run_block(ctx: Ctx, report: Report, specs: list, *, causal: bool, passes: str = "fwd+bwd",
+              target_s: float = 0.3, max_reps: int = 20, base: dict | None = None) -> None:  # fmt: skip
+    """Build, check and time a block of entries in interleaved rounds; add their rows to ``report``.
+
+    ``specs``: builders (``lazy(fn, **meta)``: fn() -> Entry); the entries of one block share their
+    rounds. Every rank runs the same sequence of calls: a failed build or check is all-reduced, so
+    every rank drops the same entries."""
+    live, done = [], []
+    for builder in specs:
+        ctx.mem_reset()
+        try:
+            e = builder()
+            err = e.check()
+            msg = ""
+        except Exception as exc:  # recorded; the rest of the block goes on
+            e, err, msg = None, float("inf"), f"{type(exc).__name__}: {' '.join(str(exc).split())[:240]}"
+            if ctx.rank == 0:
+                traceback.print_exc()
+        err = ctx.all_max(err)
+        if e is None or not (err <= TOL):
+            row = dict(e.row) if e is not None else dict(getattr(builder, "meta", {}))
+            check = f"failed: {msg}" if msg else f"failed: relative error {err:.3g} > {TOL}"
+            done.append({**row, "check": check, "err": None if math.isinf(err) else err})
+            continue
+        e.row.update(check="ok", err=err, mem_gib=ctx.mem_gib())
+        with e.context() if e.context else _nullcontext():
+            e.first = time_ms(ctx, e.run, 1)  # also the warm-up after the check
+        e.reps = max(1, min(max_reps, int(target_s * 1e3 / max(e.first, 1e-3))))
+        live.append(e)
+    rounds = 3 if all(e.first < 400 for e in live) else 2
+    for _ in range(rounds):
+        if ctx.left() < 0:
+            break
+        for e in live:
+            with e.context() if e.context else _nullcontext():
+                e.times.append(time_ms(ctx, e.run, e.reps))
+    for e in live:
+        if not e.times:
+            done.append({**e.row, "check": "ok (not timed: out of budget)"})
+            continue
+        ms = sorted(e.times)[len(e.times) // 2]
+        done.append({
+            **e.row, "ms": ms, "ms_min": min(e.times), "ms_max": max(e.times), "reps": e.reps,
+            "tflops_per_gpu": e.flops_per_gpu / (ms * 1e-3) / 1e12, "tokens_per_s": e.tokens / (ms * 1e-3),
+        })  # fmt: skip
+    for row in done:
+        report.add(**{**(base or {}), "causal": causal, "pass": passes, **row})
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def lazy(fn, **meta):
+    """A builder: ``fn()`` makes the Entry when its block runs; ``meta`` names its row if it fails."""
+    fn.meta = meta
+    return fn
+
+
+# --------------------------------------------------------------------------------------- modes
+
+
+def _blocks(ctx: Ctx, args) -> list[tuple[str, list[tuple[int, int]], bool]]:
+    """(name, [(gpus, S)], first) in priority order: S per GPU = the first length at 1, 2, 4 GPUs;
+    then strong scaling at one S; then the other lengths per GPU (points already measured skipped)."""
+    world = ctx.world
+    ps = [p for p in (1, 2, 4, 8) if p <= world and world % p == 0]
+    s_list = args.s_per_gpu or ([1024, 2048] if ctx.smoke else [16384, 65536, 32768])
+    strong = args.strong or (4096 if ctx.smoke else 131072)
+    seen: set = set()
+    blocks = []
+
+    def add(name, pts, first):
+        pts = [pt for pt in pts if pt not in seen and pt[1] % (2 * pt[0]) == 0]
+        seen.update(pts)
+        if pts:
+            blocks.append((name, pts, first))
+
+    add(f"S/GPU = {s_list[0]}", [(p, s_list[0] * p) for p in ps], True)
+    add(f"strong S = {strong}", [(p, strong) for p in ps], False)
+    for s in s_list[1:]:
+        add(f"S/GPU = {s}", [(p, s * p) for p in ps], False)
+    return blocks
+
+
+def mode_sweep(ctx: Ctx, args) -> None:
+    """Weak scaling (S per GPU fixed, 1 -> 2 -> G GPUs), strong scaling (S fixed), every split."""
+    report = _report(
+        ctx,
+        "sweep",
+        notes=(
+            f"bf16, B = 1, H = {ctx.H}, H_kv = {ctx.H_kv}, D = {ctx.D}, fwd+bwd. All GPUs of the machine run at "
+            "once: gpus = 1 rows are one-GPU replicas on every GPU, gpus = 2 rows pairs of GPUs (each pair "
+            "its own sequence), so every row is measured with the machine equally busy. ms: the slowest "
+            "rank, median over interleaved rounds within a block (the rows of one S per GPU and one mask, "
+            "or of the strong-scaling S). tflops_per_gpu: useful attention FLOPs (4 B S^2 H D forward, "
+            "x3.5 with the backward, /2 causal) per GPU. Every row was checked (output and gradients "
+            "against one-device SDPA, shard by shard; err = worst relative error) before it was timed. "
+            "usp n=1 is usp_attention without groups (one local attention call)."
+        ),
+    )
+    for name, pts, first in _blocks(ctx, args):
+        for causal in (True, False):
+            est = (
+                sum(attention_flops(1, S, ctx.H, ctx.D, causal, "fwd+bwd") / p for p, S in pts) * 14 / 300e12
+            )
+            left = ctx.left()
+            if left < est:
+                _say(ctx, f"[sweep] skip {name} causal={causal}: estimated {est:.0f} s, {left:.0f} s left")
+                continue
+            _say(ctx, f"[sweep] {name} causal={causal} (estimated {est:.0f} s, {left:.0f} s left)")
+            specs, keep = [], []
+            for p, S in pts:
+                full = make_inputs(ctx, 1, S)
+                ref_for = _ref_cache(ctx, full, p, causal)
+                keep.append(full)
+                if p == 1:
+                    specs.append(lazy(lambda full=full, ref_for=ref_for, causal=causal: sdpa_entry(
+                        ctx, full, ref_for("contiguous"), causal=causal), impl="full sdpa", gpus=1, S=S))  # fmt: skip
+                    for be in ["auto", "sdpa", "fa4_gluon"] if (first and ctx.cuda) else ["auto"]:
+                        impl = "usp n=1" + ("" if be == "auto" else f" ({be})")
+                        specs.append(lazy(lambda full=full, ref_for=ref_for, be=be, impl=impl, causal=causal: usp_entry(
+                            ctx, full, ref_for("zigzag"), P=1, pu=1, pr=1, layout="zigzag", causal=causal,
+                            backend=be, impl=impl), impl=impl, gpus=1, S=S))  # fmt: skip
+                    continue
+                for pu, pr in splits(ctx, p):
+                    variants = [("zigzag", 1, "auto")]
+                    if first and causal and pr > 1:
+                        variants.append(("contiguous", 1, "auto"))
+                    if first and pr == 1 and _groups_for(ctx, 2, pu) > 1:
+                        variants.append(("zigzag", 2, "auto"))
+                    if first and pu > 1 and pr > 1 and ctx.cuda:
+                        variants.append(("zigzag", 1, "sdpa"))
+                    for layout, hg, be in variants:
+                        specs.append(lazy(lambda full=full, ref_for=ref_for, p=p, pu=pu, pr=pr, layout=layout, hg=hg, be=be, causal=causal: usp_entry(
+                            ctx, full, ref_for(layout), P=p, pu=pu, pr=pr, layout=layout, causal=causal,
+                            backend=be, head_groups=hg), impl=f"usp {pu}x{pr}", gpus=p, S=S))  # fmt: skip
+            run_block(ctx, report, specs, causal=causal, base=dict(H=ctx.H, H_kv=ctx.H_kv, D=ctx.D),
+                      target_s=0.05 if ctx.smoke else 0.3)  # fmt: skip
+            del specs, keep
+            _free(ctx)
+            _write(ctx, report, "sweep")
+
+
+def _groups_for(ctx: Ctx, requested: int, pu: int) -> int:
+    """The head groups the Ulysses pipeline would use (:func:`repro.usp.ulysses.head_groups_for`)."""
+    from repro.usp.ulysses import head_groups_for
+    from repro.usp.usp import kv_heads_after_replication
+
+    return head_groups_for(requested, kv_heads_after_replication(ctx.H_kv, pu), pu)
+
+
+def _ref_cache(ctx: Ctx, full, p: int, causal: bool):
+    """layout -> this rank's shard reference, computed on first use."""
+    refs: dict = {}
+
+    def get(layout):
+        if layout not in refs:
+            refs[layout] = shard_reference(ctx, full, p, layout, causal)
+        return refs[layout]
+
+    return get
+
+
+def _say(ctx: Ctx, msg: str) -> None:
+    if ctx.rank == 0:
+        print(msg, flush=True)
+
+
+def _free(ctx: Ctx) -> None:
+    import gc
+
+    gc.collect()
+    if ctx.cuda:
+        torch.cuda.empty_cache()
+
+
+def _report(ctx: Ctx, mode: str, notes: str) -> Report:
+    return Report(
+        package="usp",
+        title=TITLES.get(mode, f"USP {mode}"),
+        peer="torch context_parallel; yunchang 0.6.4" if mode == "peers" else "",
+        columns=COLUMNS,
+        packages=PACKAGES,
+        measure_ceilings=False,
+        notes=notes + f" World of {ctx.world} ranks.",
+    )
+
+
+def _write(ctx: Ctx, report: Report, tag: str) -> None:
+    if ctx.rank == 0:
+        report.write(out_dir=ctx.out, tag=f"{tag}-{ctx.world}gpu", env=_env(ctx))
+
+
+_ENV: dict = {}
+
+
+def _env(ctx: Ctx) -> dict:
+    if not _ENV:
+        _ENV.update(environment(PACKAGES))
+        if ctx.cuda:
+            _ENV["world_size"] = ctx.world
+    return _ENV
+
+
+# --------------------------------------------------------------------------------------- selfcheck, timeline
+
+
+def mode_selfcheck(ctx: Ctx, args) -> None:
+    """Every factorisation, layout and mask against one-device attention, bf16 and fp32 (small S)."""
+    from repro.usp.selfcheck import run_checks
+
+    lines, failed = [], 0
+    for dtype, hg in ((torch.bfloat16, 1), (torch.bfloat16, 2), (torch.float32, 1)):
+        if dtype == torch.float32 and ctx.cuda:
+            torch.backends.cuda.matmul.allow_tf32 = False
+        rows, f = run_checks(
+            dtype=dtype, seq=64 * ctx.world, backend="auto", device=ctx.device, head_groups=hg
+        )
+        lines += [f"{str(dtype)[6:]:9s} hg{hg} {r}" for r in rows]
+        failed += f
+    if ctx.rank == 0:
+        ctx.out.mkdir(parents=True, exist_ok=True)
+        text = (
+            f"USP selfcheck, world {ctx.world}, backend auto\n" + "\n".join(lines) + f"\nfailed: {failed}\n"
+        )
+        (ctx.out / f"selfcheck-{ctx.world}gpu.txt").write_text(text)
+        print(text, flush=True)
+
+
+def _timeline_configs(ctx: Ctx) -> list[dict]:
+    """What the timeline profiles: the hybrid causal and not (both kinds of traffic), the ring, Ulysses
+    with and without the head-group pipeline, and the hybrid with the old local kernel (flash)."""
+    w = ctx.world
+    pu = 2 if w >= 4 else 1
+    cfgs = [
+        dict(pu=pu, pr=w // pu, causal=True, head_groups=1, backend="auto"),
+        dict(pu=pu, pr=w // pu, causal=False, head_groups=1, backend="auto"),
+        dict(pu=1, pr=w, causal=True, head_groups=1, backend="auto"),
+        dict(pu=w, pr=1, causal=True, head_groups=1, backend="auto"),
+        dict(pu=w, pr=1, causal=True, head_groups=2, backend="auto"),
+    ]
+    if ctx.cuda:
+        cfgs.append(dict(pu=pu, pr=w // pu, causal=True, head_groups=1, backend="sdpa"))
+    seen, out = set(), []
+    for c in cfgs:
+        key = tuple(sorted(c.items()))
+        if key not in seen and ctx.H % c["pu"] == 0:
+            seen.add(key)
+            out.append(c)
+    return out
+
+
+def config_name(c: dict, S: int) -> str:
+    return (
+        f"usp {c['pu']}x{c['pr']} {'causal' if c['causal'] else 'non-causal'}"
+        + (f" hg{c['head_groups']}" if c["head_groups"] > 1 else "")
+        + (f" ({c['backend']})" if c["backend"] != "auto" else "")
+        + (f" S={S // 1024}k" if S >= 1024 else f" S={S}")
+    )
+
+
+def mode_timeline(ctx: Ctx, args) -> None:
+    """One fwd+bwd per configuration under torch.profiler on every rank: traces, summary, picture."""
+    from repro.usp import timeline
+
+    s = args.timeline_s_per_gpu or (1024 if ctx.smoke else 16384)
+    S = s * ctx.world
+    summary = Report(
+        package="usp", title="USP timeline: where one forward + backward spends its time, per rank",
+        columns=["config", "rank", "step_ms", "compute_ms", "attention_ms", "other_compute_ms", "all_to_all_ms",
+                 "ring_ms", "comm_other_ms", "comm_ms", "exposed_comm_ms", "overlap_pct", "idle_ms", "kernels"],
+        measure_ceilings=False, packages=PACKAGES,
+        notes=(f"torch.profiler (CPU + CUDA activity), one fwd+bwd step after 2 warm-up steps, world {ctx.world}, "
+               f"S = {S} ({s} per GPU), bf16, H = {ctx.H}, H_kv = {ctx.H_kv}, D = {ctx.D}. Busy times are unions of "
+               "device intervals; exposed_comm_ms is communication during which no compute kernel ran; "
+               "overlap_pct the share of communication hidden behind compute. NCCL kernels are filed as "
+               "all-to-all or ring P2P by the usp: range that launched them. Traces: usp-raw/traces/."),
+    )  # fmt: skip
+    waves = Report(
+        package="usp", title="USP timeline picture: busy (high) and idle (low), per kind, per rank",
+        columns=["config", "rank", "lane", "lane_index", "t_ms", "level"], measure_ceilings=False, packages=PACKAGES,
+        notes=("Square waves from the same traces: lane 0 compute (attention and the rest), 1 all-to-all, "
+               "2 ring P2P; high while at least one kernel of that kind runs. Gaps shorter than 0.5% of the "
+               "step (doubled until a lane has at most 16 pulses) are merged. Time from the rank's first kernel."),
+    )  # fmt: skip
+    full = make_inputs(ctx, 1, S)
+    for c in _timeline_configs(ctx):
+        if ctx.left() < 5:
+            break
+        name = config_name(c, S)
+        try:
+            ug, rg = ctx.groups(c["pu"], c["pr"])
+            q, k, v, do = (shard(t, ctx.world, ctx.rank, "zigzag").contiguous() for t in full)
+            leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+
+            def step(leaves=leaves, ug=ug, rg=rg, c=c, do=do):
+                o = usp_attention(*leaves, causal=c["causal"], ulysses_group=ug, ring_group=rg, layout="zigzag",
+                                  backend=c["backend"], head_groups=c["head_groups"])  # fmt: skip
+                _grad(o, leaves, do)
+
+            slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+            path = ctx.out / "traces" / f"{slug}-rank{ctx.rank}.json.gz"
+            timeline.profile_step(step, path, warmup=2, sync=ctx.sync, barrier=dist.barrier)
+            ivs = timeline.parse_trace(timeline.load_trace(path))
+            mine = {"summary": timeline.summarize(ivs), "waves": timeline.wave_rows(ivs), "n": len(ivs)}
+        except Exception as exc:
+            traceback.print_exc()
+            mine = {"error": f"{type(exc).__name__}: {exc}"}
+        got = [None] * ctx.world
+        dist.all_gather_object(got, mine)
+        if ctx.rank == 0:
+            for r, m in enumerate(got):
+                if "error" in m:
+                    summary.add(config=name, rank=r, kernels=None, step_ms=None)
+                    print(f"[timeline] {name} rank {r}: {m['error']}", flush=True)
+                    continue
+                summary.add(config=name, rank=r, kernels=m["n"], **m["summary"])
+                for row in m["waves"]:
+                    waves.add(config=name, rank=r, **row)
+    if ctx.rank == 0:
+        names = list(dict.fromkeys(r["config"] for r in waves.rows))
+        for n in names[:2]:  # the picture of the hybrid, causal and not; the others are in the table
+            waves.plot(
+                title=f"timeline: {n}", x="t_ms", y="level", series="lane", where={"config": n}, facet="rank"
+            )
+        waves.rows = [r for r in waves.rows if r["config"] in names[:2]]
+        summary.write(out_dir=ctx.out, tag=f"timeline-{ctx.world}gpu", env=_env(ctx))
+        waves.write(out_dir=ctx.out, tag=f"timeline-picture-{ctx.world}gpu", env=_env(ctx))
+
+
+# --------------------------------------------------------------------------------------- peers
+
+
+def cp_entry(ctx, full, fullref, *, P, causal, rotate="allgather", backend="cudnn") -> Entry:
+    """torch.distributed.tensor.experimental.context_parallel over a replica of P ranks (ring attention
+    over SDPA; load balancing on for causal, off otherwise: it refuses non-causal with it on)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import (
+        _cp_options,
+        context_parallel_unshard,
+        set_rotate_method,
+    )
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    key = ("cp", P)
+    if key not in ctx._groups:
+        mesh = init_device_mesh(ctx.device.type, (ctx.world // P, P), mesh_dim_names=("dp", "cp"))
+        ctx._groups[key] = mesh["cp"]
+    mesh = ctx._groups[key]
+    q, k, v, do = full
+    B, S = q.shape[:2]
+    # its SDPA has no GQA here: K/V expanded to H heads (outside the timed call), as a model would
+    pristine = [t.transpose(1, 2).contiguous() for t in (q, _expand(k, ctx.H), _expand(v, ctx.H), do)]
+    kernel = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[backend]
+    state = {}
+
+    class _Ctx:
+        def __enter__(self):
+            _cp_options.enable_load_balance = causal
+            set_rotate_method(rotate)
+            bufs = [t.clone() for t in pristine]
+            self.k = sdpa_kernel(kernel)
+            self.c = context_parallel(
+                mesh, buffers=bufs, buffer_seq_dims=[2] * 4, no_restore_buffers=set(bufs)
+            )
+            self.k.__enter__()
+            self.c.__enter__()
+            state["leaves"] = [b.detach().requires_grad_(True) for b in bufs[:3]]
+            state["do"] = bufs[3]
+            return self
+
+        def __exit__(self, *exc):
+            self.c.__exit__(*exc)
+            self.k.__exit__(*exc)
+            state.clear()
+            return False
+
+    def fwd():
+        return F.scaled_dot_product_attention(*state["leaves"], is_causal=causal)
+
+    def run():
+        _grad(fwd(), state["leaves"], state["do"])
+
+    def check():
+        with _Ctx():
+            o = fwd()
+            grads = _grad(o, state["leaves"], state["do"])
+            got = context_parallel_unshard(mesh, [o.detach(), *grads], [2] * 4)
+        o_f, dq_f, dk_f, dv_f = (t.transpose(1, 2).float() for t in got)
+        h_kv = full[1].shape[2]
+        fold = lambda g: g.reshape(B, S, h_kv, ctx.H // h_kv, ctx.D).sum(3)  # noqa: E731
+        return max(rel_error(o_f, fullref["o"].float()), rel_error(dq_f, fullref["dq"].float()),
+                   rel_error(fold(dk_f), fullref["dk"].float()), rel_error(fold(dv_f), fullref["dv"].float()))  # fmt: skip
+
+    row = dict(impl=f"torch context_parallel ({rotate}, {backend})", gpus=P, ulysses=1, ring=P,
+               layout="zigzag" if causal else "contiguous", backend=backend, head_groups=1, S=S, S_per_gpu=S // P,
+               B=B, note="K/V expanded to H heads; load balancing " + ("on" if causal else "off"))  # fmt: skip
+    return Entry(
+        row, run, check, attention_flops(B, S, ctx.H, ctx.D, causal, "fwd+bwd") / P, B * S, context=_Ctx
+    )
+
+
+_YC_PG: dict = {}
+
+
+def yunchang_entry(ctx, full, fullref, *, P, pu, pr, causal, attn="torch_cudnn") -> Entry:
+    """yunchang's LongContextAttention (the authors' USP) on a P_u x P_r mesh, forward only (its
+    PyTorch attention types have no backward); zigzag ring for causal, basic otherwise; its own
+    sharding (yunchang's extract functions), checked against the reference at those positions."""
+    import yunchang
+    from yunchang import EXTRACT_FUNC_DICT, LongContextAttention, set_seq_parallel_pg
+    from yunchang.globals import PROCESS_GROUP
+    from yunchang.kernels import AttnType
+
+    if (pu, pr) not in _YC_PG:
+        set_seq_parallel_pg(pu, pr, ctx.rank, ctx.world)
+        _YC_PG[pu, pr] = (PROCESS_GROUP.ULYSSES_PG, PROCESS_GROUP.RING_PG)
+    PROCESS_GROUP.ULYSSES_PG, PROCESS_GROUP.RING_PG = _YC_PG[pu, pr]
+    impl_type = "zigzag" if causal else "basic"
+    attn_mod = LongContextAttention(ring_impl_type=impl_type, attn_type=AttnType.from_string(attn))
+    extract = EXTRACT_FUNC_DICT[impl_type]
+    sp = ctx.rank % P
+    q, k, v, _ = full
+    B, S = q.shape[:2]
+    loc = [extract(t, sp, P, rd=pr, ud=pu).contiguous() for t in (q, _expand(k, ctx.H), _expand(v, ctx.H))]
+    pos = extract(torch.arange(S, device=ctx.device).view(1, S, 1), sp, P, rd=pr, ud=pu).view(-1)
+
+    def run():
+        with torch.no_grad():
+            attn_mod(*loc, causal=causal)
+
+    def check():
+        with torch.no_grad():
+            o = attn_mod(*loc, causal=causal)
+        return rel_error(o.float(), fullref["o"][:, pos].float())
+
+    row = dict(impl=f"yunchang {yunchang.__version__} {attn} {pu}x{pr}", gpus=P, ulysses=pu, ring=pr,
+               layout=impl_type, backend=attn, head_groups=1, S=S, S_per_gpu=S // P, B=B,
+               note="forward only; K/V expanded to H heads")  # fmt: skip
+    return Entry(row, run, check, attention_flops(B, S, ctx.H, ctx.D, causal, "fwd") / P, B * S)
+
+
+def mode_peers(ctx: Ctx, args) -> None:
+    """Ours, torch CP and yunchang at the same shapes, in the same interleaved rounds."""
+    report = _report(
+        ctx,
+        "peers",
+        notes=(
+            f"bf16, B = 1, H = {ctx.H}, H_kv = {ctx.H_kv}, D = {ctx.D}. Ours, torch's context_parallel (fwd+bwd) and "
+            "yunchang (forward only: without flash-attn its PyTorch attention types have no backward) at the same "
+            "shapes, checked against one-device SDPA, in interleaved rounds (pass says fwd+bwd or fwd). torch CP "
+            "runs with load balancing on for causal masks and off otherwise (it refuses non-causal with it on). "
+            "yunchang's torch_cudnn type returns a zero LSE, so its ring merge is only right at ring degree 1; "
+            "its torch_flash type returns the real LSE."
+        ),
+    )
+    world = ctx.world
+    s_list = args.s_per_gpu or ([1024] if ctx.smoke else [16384, 32768])
+    ps = [p for p in (world, 2) if p <= world and world % p == 0 and (p > 1)]
+    ps = list(dict.fromkeys(ps))
+    have_yc = _importable("yunchang")
+    for i, s in enumerate(s_list):
+        for p in ps if i == 0 else ps[:1]:
+            S = s * p
+            for causal in (True, False):
+                est = attention_flops(1, S, ctx.H, ctx.D, causal, "fwd+bwd") / p * 60 / 300e12
+                if ctx.left() < est:
+                    _say(ctx, f"[peers] skip S={S} gpus={p} causal={causal}: {est:.0f} s estimated")
+                    continue
+                _say(ctx, f"[peers] S={S} gpus={p} causal={causal}")
+                full = make_inputs(ctx, 1, S)
+                ref_for = _ref_cache(ctx, full, p, causal)
+                fullref_box: dict = {}
+
+                def fullref(ref_for=ref_for, p=p, box=fullref_box):
+                    if not box:
+                        box.update(full_reference(ctx, ref_for("zigzag"), p, "zigzag"))
+                    return box
+
+                for passes in ("fwd+bwd", "fwd"):
+                    specs = []
+                    for pu, pr in splits(ctx, p):
+                        specs.append(lazy(lambda full=full, ref_for=ref_for, p=p, pu=pu, pr=pr, passes=passes, causal=causal: usp_entry(
+                            ctx, full, ref_for("zigzag"), P=p, pu=pu, pr=pr, layout="zigzag", causal=causal,
+                            passes=passes), impl=f"usp {pu}x{pr}", gpus=p, S=S))  # fmt: skip
+                    if passes == "fwd+bwd" and ctx.cuda:
+                        rotates = ["allgather", "alltoall"] if i == 0 else ["allgather"]
+                        for rot in rotates:
+                            for be in ["cudnn", "flash"] if i == 0 and rot == "allgather" else ["cudnn"]:
+                                specs.append(lazy(lambda full=full, p=p, rot=rot, be=be, causal=causal, fullref=fullref: cp_entry(
+                                    ctx, full, fullref(), P=p, causal=causal, rotate=rot, backend=be),
+                                    impl=f"torch context_parallel ({rot}, {be})", gpus=p, S=S))  # fmt: skip
+                    if passes == "fwd" and have_yc and ctx.cuda:
+                        for pu, pr in splits(ctx, p):
+                            for attn in ("torch_cudnn", "torch_flash") if pr > 1 else ("torch_cudnn",):
+                                specs.append(lazy(lambda full=full, p=p, pu=pu, pr=pr, attn=attn, causal=causal, fullref=fullref: yunchang_entry(
+                                    ctx, full, fullref(), P=p, pu=pu, pr=pr, causal=causal, attn=attn),
+                                    impl=f"yunchang {attn} {pu}x{pr}", gpus=p, S=S))  # fmt: skip
+                    run_block(ctx, report, specs, causal=causal, passes=passes,
+                              base=dict(H=ctx.H, H_kv=ctx.H_kv, D=ctx.D), target_s=0.05 if ctx.smoke else 0.25)  # fmt: skip
+                    if passes == "fwd" and not have_yc:
+                        report.add(impl="yunchang", causal=causal, **{"pass": "fwd"}, gpus=p, S=S,
+                                   check="failed: yunchang is not installed")  # fmt: skip
+                del full, fullref_box
+                _free(ctx)
+                _write(ctx, report, "peers")
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+# --------------------------------------------------------------------------------------- data vs sequence parallel
+
+
+def mode_dpsp(ctx: Ctx, args) -> None:
+    """A global batch of G sequences of length S on G GPUs: data parallel (each GPU its own sequences,
+    no communication), sequence parallel over all G (every split), and the hybrids (DP x SP)."""
+    report = _report(
+        ctx,
+        "dpsp",
+        notes=(
+            f"bf16, H = {ctx.H}, H_kv = {ctx.H_kv}, D = {ctx.D}, fwd+bwd, a global batch of {ctx.world} (and "
+            f"{2 * ctx.world}) sequences of length S on {ctx.world} GPUs. gpus = the size of one replica: gpus = 1 is "
+            "data parallel (each GPU B = global / G sequences alone), gpus = G sequence parallel (B = global on "
+            "every SP group), in between the hybrid. tokens_per_s is per replica; the machine's is "
+            "tokens_per_s x G / gpus (ingest: global_tokens_per_s). mem_gib: peak per GPU."
+        ),
+    )
+    world = ctx.world
+    S = args.dpsp_s or (1024 if ctx.smoke else 32768)
+    ps = [p for p in (1, 2, 4, 8) if p <= world and world % p == 0]
+    for causal in (True, False):
+        for gb in (world, 2 * world):
+            if ctx.left() < attention_flops(gb, S, ctx.H, ctx.D, causal, "fwd+bwd") / world * 40 / 300e12:
+                continue
+            _say(ctx, f"[dpsp] S={S} global batch {gb} causal={causal}")
+            specs, keep = [], []
+            for p in ps:
+                B = gb * p // world
+                full = make_inputs(ctx, B, S)
+                keep.append(full)
+                ref_for = _ref_cache(ctx, full, p, causal)
+                for pu, pr in splits(ctx, p):
+                    specs.append(lazy(lambda full=full, ref_for=ref_for, p=p, pu=pu, pr=pr, causal=causal, gb=gb: usp_entry(
+                        ctx, full, ref_for("zigzag"), P=p, pu=pu, pr=pr, layout="zigzag", causal=causal,
+                        impl=("data parallel" if p == 1 else f"usp {pu}x{pr}") + f" (global batch {gb})"),
+                        impl=f"usp {pu}x{pr}", gpus=p, S=S))  # fmt: skip
+            run_block(ctx, report, specs, causal=causal, base=dict(H=ctx.H, H_kv=ctx.H_kv, D=ctx.D),
+                      target_s=0.05 if ctx.smoke else 0.3)  # fmt: skip
+            del specs, keep
+            _free(ctx)
+            _write(ctx, report, "dpsp")
+
+
+# --------------------------------------------------------------------------------------- communication volume
+
+_MARK_BASE = 7919  # all-reduce element counts that mark the measured region in NCCL's log
+
+
+def _nvlink_tx_bytes(ctx: Ctx) -> int | None:
+    """Bytes this GPU has sent over NVLink so far (the data counters of ``nvidia-smi nvlink -gt d``),
+    or None where they cannot be read."""
+    if not ctx.cuda:
+        return None
+    try:
+        props = torch.cuda.get_device_properties(ctx.device)
+        bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+        out = subprocess.run(["nvidia-smi", "nvlink", "-gt", "d", "-i", bus], capture_output=True, text=True,
+                             timeout=20).stdout  # fmt: skip
+        vals = [int(x) for x in re.findall(r"Data Tx:\s*(\d+)\s*KiB", out)]
+        return sum(vals) * 1024 if vals else None
+    except Exception:
+        return None
+
+
+def mode_comm(ctx: Ctx, args) -> None:
+    """Bytes sent per rank by one forward and one backward, for every split of the world and for MHA
+    (H_kv = H) against GQA: counted, the formulas, NVLink counters; NCCL's log is read afterwards."""
+    S = args.comm_s or (1024 if ctx.smoke else 32768)
+    records = []
+    i = 0
+    for pu, pr in splits(ctx, ctx.world):
+        for h_kv in dict.fromkeys((ctx.H, ctx.H_kv)):
+            if ctx.left() < 10:
+                break
+            full = make_inputs(ctx, 1, S, h_kv=h_kv)
+            ug, rg = ctx.groups(pu, pr)
+            q, k, v, do = (shard(t, ctx.world, ctx.rank, "zigzag").contiguous() for t in full)
+            leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+            fwd = lambda leaves=leaves, ug=ug, rg=rg: usp_attention(  # noqa: E731
+                *leaves, causal=True, ulysses_group=ug, ring_group=rg, layout="zigzag"
+            )
+            _grad(fwd(), leaves, do)  # warm-up: lazy NCCL communicators are created outside the region
+            ctx.sync()
+            marks = [_MARK_BASE + 3 * i + j for j in range(3)]
+            tx0 = _nvlink_tx_bytes(ctx)
+            dist.all_reduce(torch.zeros(marks[0], device=ctx.device))
+            with count_bytes() as sent_fwd:
+                o = fwd()
+                ctx.sync()
+            dist.all_reduce(torch.zeros(marks[1], device=ctx.device))
+            with count_bytes() as sent_bwd:
+                _grad(o, leaves, do)
+                ctx.sync()
+            dist.all_reduce(torch.zeros(marks[2], device=ctx.device))
+            ctx.sync()
+            tx1 = _nvlink_tx_bytes(ctx)
+            formula = bytes_per_rank(B=1, S=S, H=ctx.H, H_kv=h_kv, D=ctx.D, ulysses_degree=pu, ring_degree=pr,
+                                     elem=full[0].element_size(), acc=4)  # fmt: skip
+            ms = time_ms(ctx, lambda fwd=fwd, leaves=leaves, do=do: _grad(fwd(), leaves, do), 3)
+            records.append(dict(
+                split=f"{pu}x{pr}", ulysses=pu, ring=pr, H_kv=h_kv, S=S, marks=marks, rank=ctx.rank, pid=os.getpid(),
+                counted_fwd=sum(sent_fwd.values()), counted_bwd=sum(sent_bwd.values()),
+                counted=dict(sent_fwd) | {k2: v2 for k2, v2 in sent_bwd.items()},
+                formula_fwd=formula["ulysses/fwd"] + formula["ring/fwd"], formula_bwd=formula["ulysses/bwd"] + formula["ring/bwd"],
+                nvlink_tx=None if tx0 is None or tx1 is None else tx1 - tx0, ms=ms,
+            ))  # fmt: skip
+            i += 1
+            del full, leaves
+            _free(ctx)
+    got = [None] * ctx.world
+    dist.all_gather_object(got, records)
+    if ctx.rank == 0:
+        ctx.out.mkdir(parents=True, exist_ok=True)
+        doc = {"world": ctx.world, "H": ctx.H, "D": ctx.D, "ranks": got,
+               "nccl_debug_file": os.environ.get("NCCL_DEBUG_FILE"), "env": _env(ctx)}  # fmt: skip
+        (ctx.out / f"comm-raw-{ctx.world}gpu.json").write_text(json.dumps(doc, indent=1, default=str))
+        print(f"[comm] {len(records)} configurations per rank recorded", flush=True)
+
+
+_NCCL_SIZES = {0: 1, 1: 1, 2: 4, 3: 4, 4: 8, 5: 8, 6: 2, 7: 4, 8: 8, 9: 2, 10: 1, 11: 1}
+_COLL = re.compile(
+    r"(\w+): opCount \S+ sendbuff \S+ recvbuff \S+ count (\d+) datatype (\d+) op -?\d+ root (-?\d+) "
+    r"comm (0x[0-9a-f]+) \[nranks=(\d+)\]"
+)
+_INIT = re.compile(r"comm (0x[0-9a-f]+) rank (\d+) nranks (\d+)", re.IGNORECASE)
+
+
+def nccl_sent_bytes(lines: list[str], marks: list[int]) -> dict:
+    """Bytes NCCL was asked to send to other ranks between the marker all-reduces of ``marks``
+    (three counts: begin, between forward and backward, end), from an NCCL_DEBUG=INFO
+    (NCCL_DEBUG_SUBSYS=INIT,COLL) log: Send calls to a peer other than the caller's own rank in that
+    communicator, and AllToAll calls ((nranks - 1) x count elements). Returns fwd, bwd and the op
+    names seen; None values where the markers are missing."""
+    my_rank: dict[str, int] = {}
+    phase, sent, ops = None, {"fwd": 0, "bwd": 0}, set()
+    found = set()
+    for line in lines:
+        m = _INIT.search(line)
+        if m and "opCount" not in line:
+            my_rank[m.group(1)] = int(m.group(2))
+            continue
+        m = _COLL.search(line)
+        if not m:
+            continue
+        op, count, dtype, root, comm_ptr, nranks = m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4)), m.group(5), int(m.group(6))  # fmt: skip
+        if op == "AllReduce" and count in marks:
+            j = marks.index(count)
+            found.add(j)
+            phase = ("fwd", "bwd", None)[j]
+            continue
+        if phase is None:
+            continue
+        nbytes = count * _NCCL_SIZES.get(dtype, 0)
+        if op == "Send" and root != my_rank.get(comm_ptr, -1):
+            sent[phase] += nbytes
+            ops.add(op)
+        elif op.lower() == "alltoall":
+            sent[phase] += nbytes * (nranks - 1)
+            ops.add(op)
+        elif op not in ("Recv", "AllReduce", "Broadcast", "AllGather", "ReduceScatter", "Send"):
+            ops.add(op)
+    if found != {0, 1, 2}:
+        return {"fwd": None, "bwd": None, "ops": sorted(ops)}
+    return {**sent, "ops": sorted(ops)}
+
+
+def comm_report(out: Path, log_dir: Path | None) -> None:
+    """After the comm run: the Report of bytes per rank, ours against the formulas, NCCL's log and
+    the NVLink counters."""
+    raw = sorted(out.glob("comm-raw-*gpu.json"))
+    if not raw:
+        print("[comm-report] no comm-raw file", flush=True)
+        return
+    doc = json.loads(raw[-1].read_text())
+    logs = {}
+    if log_dir is not None:
+        for f in Path(log_dir).glob("nccl*"):
+            m = re.search(r"\.(\d+)(?:\.log)?$", f.name)
+            if m:
+                logs[int(m.group(1))] = f.read_text(errors="replace").splitlines()
+    report = Report(
+        package="usp", title="USP communication volume per rank: counted, the formulas, NCCL, NVLink",
+        columns=["split", "ulysses", "ring", "H", "H_kv", "S", "D", "rank", "pass", "counted_bytes", "formula_bytes",
+                 "nccl_bytes", "nvlink_tx_bytes", "ms", "note"],
+        measure_ceilings=False, packages=PACKAGES,
+        notes=("One causal zigzag forward and backward, bf16 (fp32 dK/dV accumulators on the ring), world "
+               f"{doc['world']}. counted: what repro.usp.comm sent (its count_bytes); formula: "
+               "repro.usp.cost.bytes_per_rank; nccl: the Send calls to other ranks that NCCL logged "
+               "(NCCL_DEBUG=INFO, COLL) between marker all-reduces, count x datatype size; nvlink: this GPU's "
+               "NVLink data Tx counters over the same region (nvidia-smi nvlink -gt d; includes the markers and "
+               "protocol overhead; empty where unreadable); ms: one fwd+bwd step (3 calls, slowest rank)."),
+    )  # fmt: skip
+    for recs in doc["ranks"]:
+        for rec in recs:
+            nccl = (
+                nccl_sent_bytes(logs.get(rec["pid"], []), rec["marks"])
+                if logs
+                else {"fwd": None, "bwd": None, "ops": []}
+            )
+            for passes in ("fwd", "bwd"):
+                report.add(split=rec["split"], ulysses=rec["ulysses"], ring=rec["ring"], H=doc["H"], H_kv=rec["H_kv"],
+                           S=rec["S"], D=doc["D"], rank=rec["rank"], **{"pass": passes},
+                           counted_bytes=rec[f"counted_{passes}"], formula_bytes=rec[f"formula_{passes}"],
+                           nccl_bytes=nccl[passes], nvlink_tx_bytes=rec["nvlink_tx"] if passes == "fwd" else None,
+                           ms=rec["ms"], note=("nvlink over fwd+bwd; " if passes == "fwd" and rec["nvlink_tx"] else "")
+                           + ("NCCL ops: " + ",".join(nccl["ops"]) if nccl["ops"] else ""))  # fmt: skip
+    env = doc.get("env") or None
+    report.write(out_dir=out, tag=f"comm-{doc['world']}gpu", env=env)
+
+
+# --------------------------------------------------------------------------------------- main
+
+MODES = {
+    "selfcheck": mode_selfcheck,
+    "timeline": mode_timeline,
+    "sweep": mode_sweep,
+    "peers": mode_peers,
+    "dpsp": mode_dpsp,
+    "comm": mode_comm,
+}
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mode", default="sweep", help=f"comma-separated, of {sorted(MODES)} (or comm-report)")
+    ap.add_argument("--out", type=Path, default=Path("usp-out"), help="directory for the results")
+    ap.add_argument("--budget-s", type=float, default=300.0, help="stop starting new blocks near this")
+    ap.add_argument(
+        "--device", default="cuda", help="cuda (NCCL) or cpu (gloo: a smoke run of the code paths)"
+    )
+    ap.add_argument("--smoke", action="store_true", help="toy sizes: every code path in seconds")
+    ap.add_argument("--s-per-gpu", type=int, nargs="*", default=None, help="sweep/peers: tokens per GPU")
+    ap.add_argument("--strong", type=int, default=None, help="sweep: the strong-scaling sequence length")
+    ap.add_argument("--timeline-s-per-gpu", type=int, default=None)
+    ap.add_argument("--dpsp-s", type=int, default=None)
+    ap.add_argument("--comm-s", type=int, default=None)
+    ap.add_argument("--heads", type=int, nargs=3, default=None, metavar=("H", "H_KV", "D"))
+    ap.add_argument(
+        "--nccl-log-dir", type=Path, default=None, help="comm-report: where NCCL_DEBUG_FILE wrote"
+    )
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    modes = [m.strip() for m in args.mode.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES and m != "comm-report"]
+    if bad:
+        raise SystemExit(
+            f"dist_bench: unknown mode(s) {bad}; expected some of {sorted(MODES)} or comm-report"
+        )
+    if modes == ["comm-report"]:
+        comm_report(args.out, args.nccl_log_dir)
+        return 0
+    ctx = init(args.device)
+    ctx.out, ctx.budget_s, ctx.t0 = args.out, args.budget_s, time.monotonic()
+    ctx.smoke = ctx.smoke or args.smoke
+    if args.heads:
+        ctx.H, ctx.H_kv, ctx.D = args.heads
+    elif ctx.smoke:
+        ctx.H, ctx.H_kv, ctx.D = (8, 2, 128) if ctx.cuda else (4, 2, 16)
+    status = 0
+    for m in modes:
+        if m == "comm-report":
+            if ctx.rank == 0:
+                comm_report(args.out, args.nccl_log_dir)
+            continue
+        t = time.monotonic()
+        try:
+            MODES[m](ctx, args)
+            _say(ctx, f"[dist_bench] mode {m} done in {time.monotonic() - t:.0f} s")
+        except Exception:
+            status = 1
+            print(f"[dist_bench] rank {ctx.rank}: mode {m} failed", flush=True)
+            traceback.print_exc()
+        _free(ctx)
+    dist.destroy_process_group()
+    return status
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
