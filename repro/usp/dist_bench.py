@@ -447,8 +447,8 @@ def lazy(fn, **meta):
 
 
 def _blocks(ctx: Ctx, args) -> list[tuple[str, list[tuple[int, int]], bool]]:
-    """(name, [(gpus, S)], first) in priority order: S per GPU = the first length at 1, 2, 4 GPUs;
-    then strong scaling at one S; then the other lengths per GPU (points already measured skipped)."""
+    """(name, [(gpus, S)], first) in priority order: the first two lengths per GPU at 1, 2, 4 GPUs,
+    then strong scaling at one S, then the other lengths per GPU (points already measured skipped)."""
     world = ctx.world
     ps = [p for p in (1, 2, 4, 8) if p <= world and world % p == 0]
     s_list = args.s_per_gpu or ([1024, 2048] if ctx.smoke else [16384, 65536, 32768])
@@ -463,8 +463,10 @@ def _blocks(ctx: Ctx, args) -> list[tuple[str, list[tuple[int, int]], bool]]:
             blocks.append((name, pts, first))
 
     add(f"S/GPU = {s_list[0]}", [(p, s_list[0] * p) for p in ps], True)
+    for s in s_list[1:2]:
+        add(f"S/GPU = {s}", [(p, s * p) for p in ps], False)
     add(f"strong S = {strong}", [(p, strong) for p in ps], False)
-    for s in s_list[1:]:
+    for s in s_list[2:]:
         add(f"S/GPU = {s}", [(p, s * p) for p in ps], False)
     return blocks
 
@@ -1161,8 +1163,14 @@ def main(argv=None) -> int:
         ctx.H, ctx.H_kv, ctx.D = args.heads
     elif ctx.smoke:
         ctx.H, ctx.H_kv, ctx.D = (8, 2, 128) if ctx.cuda else (4, 2, 16)
+    own = {}
+    for item in args.mode_budget:
+        name, _, secs = item.partition("=")
+        own[name] = float(secs)
+    shared = (ctx.t0, ctx.budget_s)
     status = 0
     for m in modes:
+        ctx.t0, ctx.budget_s = (time.monotonic(), own[m]) if m in own else shared
         if m == "comm-report":
             if ctx.rank == 0:
                 comm_report(args.out, args.nccl_log_dir)
