@@ -1142,6 +1142,10 @@ def parse_args(argv=None):
     ap.add_argument(
         "--nccl-log-dir", type=Path, default=None, help="comm-report: where NCCL_DEBUG_FILE wrote"
     )
+    ap.add_argument(
+        "--mode-budget", action="append", default=[], metavar="MODE=SECONDS",
+        help="a budget of its own for one mode (from when it starts); the others share --budget-s",
+    )  # fmt: skip
     return ap.parse_args(argv)
 
 
