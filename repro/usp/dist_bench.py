@@ -85,6 +85,8 @@ class Ctx:
     H: int = 32
     H_kv: int = 8
     D: int = 128
+    rounds: int = 0  # 0: 3 rounds, 2 where one call takes over 0.4 s
+    max_reps: int = 20
     t0: float = field(default_factory=time.monotonic)
     _groups: dict = field(default_factory=dict)
     _sp: dict = field(default_factory=dict)
@@ -407,9 +409,9 @@ def run_block(ctx: Ctx, report: Report, specs: list, *, causal: bool, passes: st
         e.row.update(check="ok", err=err, mem_gib=ctx.mem_gib())
         with e.context() if e.context else _nullcontext():
             e.first = time_ms(ctx, e.run, 1)  # also the warm-up after the check
-        e.reps = max(1, min(max_reps, int(target_s * 1e3 / max(e.first, 1e-3))))
+        e.reps = max(1, min(max_reps, ctx.max_reps, int(target_s * 1e3 / max(e.first, 1e-3))))
         live.append(e)
-    rounds = 3 if all(e.first < 400 for e in live) else 2
+    rounds = ctx.rounds or (3 if all(e.first < 400 for e in live) else 2)
     for _ in range(rounds):
         if ctx.left() < 0:
             break
@@ -1142,6 +1144,8 @@ def parse_args(argv=None):
     ap.add_argument(
         "--nccl-log-dir", type=Path, default=None, help="comm-report: where NCCL_DEBUG_FILE wrote"
     )
+    ap.add_argument("--rounds", type=int, default=0, help="timing rounds (default 3, or 2 for slow calls)")
+    ap.add_argument("--max-reps", type=int, default=20, help="most calls per timing")
     ap.add_argument(
         "--mode-budget", action="append", default=[], metavar="MODE=SECONDS",
         help="a budget of its own for one mode (from when it starts); the others share --budget-s",
@@ -1163,6 +1167,7 @@ def main(argv=None) -> int:
     ctx = init(args.device)
     ctx.out, ctx.budget_s, ctx.t0 = args.out, args.budget_s, time.monotonic()
     ctx.smoke = ctx.smoke or args.smoke
+    ctx.rounds, ctx.max_reps = args.rounds, args.max_reps
     if args.heads:
         ctx.H, ctx.H_kv, ctx.D = args.heads
     elif ctx.smoke:

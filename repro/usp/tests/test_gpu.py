@@ -15,6 +15,7 @@ from repro.usp import shard, unshard, usp_attention
 from repro.usp.local import get_backend
 from repro.usp.reference import attention
 from repro.usp.ring import emulated_ring_attention
+from repro.usp.tests.sections import RING_SECTION
 
 TOL = 2e-2
 
@@ -52,7 +53,7 @@ def _emulated(backend, causal, layout, n=4, S=768, H=4, H_kv=2, D=128, dtype=tor
 
 
 @pytest.mark.gpu
-@pytest.mark.claim("usp/ring-exact", section="SP approaches: Ring-Attention")
+@pytest.mark.claim("usp/ring-exact", section=RING_SECTION)
 @pytest.mark.parametrize("backend", ["sdpa", "fa4"])
 @pytest.mark.parametrize("causal,layout", [(True, "zigzag"), (True, "contiguous"), (False, "zigzag")])
 def test_ring_backends_on_gpu(backend, causal, layout):
