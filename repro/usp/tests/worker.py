@@ -319,3 +319,28 @@ def run_dist_bench(ctx: dict, modes: str, out: str, extra: list[str]) -> dict:
         dist_bench.MODES[m](bctx, args)
     dist.barrier()
     return {p.name: json.loads(p.read_text()) for p in Path(out).glob("*.json")} if ctx["rank"] == 0 else {}
+
+
+def nccl_selfcheck_rank(rank: int, world: int, port: int, args, results) -> None:
+    """One rank of a real NCCL world (one GPU each): every factorisation, layout and mask against
+    one-device attention (repro.usp.selfcheck.run_checks); puts (rank, failures, table) on ``results``."""
+    import os
+
+    try:
+        from repro.usp.selfcheck import run_checks
+
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        torch.cuda.set_device(rank)
+        dev = torch.device("cuda", rank)
+        dist.init_process_group(
+            "nccl", rank=rank, world_size=world, device_id=dev, timeout=timedelta(seconds=120)
+        )
+        failed, rows = 0, []
+        for head_groups in (1, 2):
+            r, f = run_checks(dtype=torch.bfloat16, seq=args["seq"], backend=args["backend"], device=dev,
+                              head_groups=head_groups)  # fmt: skip
+            failed, rows = failed + f, rows + r
+        dist.destroy_process_group()
+        results.put((rank, failed, rows))
+    except Exception as exc:  # the parent stops at once instead of waiting for this rank
+        results.put((rank, -1, [f"{type(exc).__name__}: {exc}"]))
