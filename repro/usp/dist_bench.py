@@ -29,11 +29,9 @@ recorded and not timed. Results: paperclub.bench Report JSON in ``--out``, writt
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re
-import subprocess
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -46,8 +44,7 @@ import torch.nn.functional as F
 
 from paperclub.bench import Report, environment
 from paperclub.testing import rel_error
-from repro.usp import count_bytes, make_groups, positions, shard, usp_attention
-from repro.usp.cost import bytes_per_rank
+from repro.usp import make_groups, positions, shard, usp_attention
 
 COLUMNS = [
     "impl", "gpus", "ulysses", "ring", "layout", "backend", "head_groups", "causal", "S", "S_per_gpu",
@@ -719,191 +716,6 @@ def mode_timeline(ctx: Ctx, args) -> None:
         waves.write(out_dir=ctx.out, tag=f"timeline-picture-{ctx.world}gpu", env=_env(ctx))
 
 
-# --------------------------------------------------------------------------------------- peers
-
-
-def cp_entry(ctx, full, fullref, *, P, causal, rotate="allgather", backend="cudnn") -> Entry:
-    """torch.distributed.tensor.experimental.context_parallel over a replica of P ranks (ring attention
-    over SDPA; load balancing on for causal, off otherwise: it refuses non-causal with it on)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.experimental import context_parallel
-    from torch.distributed.tensor.experimental._attention import (
-        _cp_options,
-        context_parallel_unshard,
-        set_rotate_method,
-    )
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    key = ("cp", P)
-    if key not in ctx._groups:
-        mesh = init_device_mesh(ctx.device.type, (ctx.world // P, P), mesh_dim_names=("dp", "cp"))
-        ctx._groups[key] = mesh["cp"]
-    mesh = ctx._groups[key]
-    q, k, v, do = full
-    B, S = q.shape[:2]
-    # its SDPA has no GQA here: K/V expanded to H heads (outside the timed call), as a model would
-    pristine = [t.transpose(1, 2).contiguous() for t in (q, _expand(k, ctx.H), _expand(v, ctx.H), do)]
-    kernel = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[backend]
-    state = {}
-
-    class _Ctx:
-        def __enter__(self):
-            _cp_options.enable_load_balance = causal
-            set_rotate_method(rotate)
-            bufs = [t.clone() for t in pristine]
-            self.k = sdpa_kernel(kernel)
-            self.c = context_parallel(
-                mesh, buffers=bufs, buffer_seq_dims=[2] * 4, no_restore_buffers=set(bufs)
-            )
-            self.k.__enter__()
-            self.c.__enter__()
-            state["leaves"] = [b.detach().requires_grad_(True) for b in bufs[:3]]
-            state["do"] = bufs[3]
-            return self
-
-        def __exit__(self, *exc):
-            self.c.__exit__(*exc)
-            self.k.__exit__(*exc)
-            state.clear()
-            return False
-
-    def fwd():
-        return F.scaled_dot_product_attention(*state["leaves"], is_causal=causal)
-
-    def run():
-        _grad(fwd(), state["leaves"], state["do"])
-
-    def check():
-        with _Ctx():
-            o = fwd()
-            grads = _grad(o, state["leaves"], state["do"])
-            got = context_parallel_unshard(mesh, [o.detach(), *grads], [2] * 4)
-        o_f, dq_f, dk_f, dv_f = (t.transpose(1, 2).float() for t in got)
-        h_kv = full[1].shape[2]
-        fold = lambda g: g.reshape(B, S, h_kv, ctx.H // h_kv, ctx.D).sum(3)  # noqa: E731
-        return max(rel_error(o_f, fullref["o"].float()), rel_error(dq_f, fullref["dq"].float()),
-                   rel_error(fold(dk_f), fullref["dk"].float()), rel_error(fold(dv_f), fullref["dv"].float()))  # fmt: skip
-
-    row = dict(impl=f"torch context_parallel ({rotate}, {backend})", gpus=P, ulysses=1, ring=P,
-               layout="zigzag" if causal else "contiguous", backend=backend, head_groups=1, S=S, S_per_gpu=S // P,
-               B=B, note="K/V expanded to H heads; load balancing " + ("on" if causal else "off"))  # fmt: skip
-    return Entry(
-        row, run, check, attention_flops(B, S, ctx.H, ctx.D, causal, "fwd+bwd") / P, B * S, context=_Ctx
-    )
-
-
-_YC_PG: dict = {}
-
-
-def yunchang_entry(ctx, full, fullref, *, P, pu, pr, causal, attn="torch_cudnn") -> Entry:
-    """yunchang's LongContextAttention (the authors' USP) on a P_u x P_r mesh, forward only (its
-    PyTorch attention types have no backward); zigzag ring for causal, basic otherwise; its own
-    sharding (yunchang's extract functions), checked against the reference at those positions."""
-    import yunchang
-    from yunchang import EXTRACT_FUNC_DICT, LongContextAttention, set_seq_parallel_pg
-    from yunchang.globals import PROCESS_GROUP
-    from yunchang.kernels import AttnType
-
-    if (pu, pr) not in _YC_PG:
-        set_seq_parallel_pg(pu, pr, ctx.rank, ctx.world)
-        _YC_PG[pu, pr] = (PROCESS_GROUP.ULYSSES_PG, PROCESS_GROUP.RING_PG)
-    PROCESS_GROUP.ULYSSES_PG, PROCESS_GROUP.RING_PG = _YC_PG[pu, pr]
-    impl_type = "zigzag" if causal else "basic"
-    attn_mod = LongContextAttention(ring_impl_type=impl_type, attn_type=AttnType.from_string(attn))
-    extract = EXTRACT_FUNC_DICT[impl_type]
-    sp = ctx.rank % P
-    q, k, v, _ = full
-    B, S = q.shape[:2]
-    loc = [extract(t, sp, P, rd=pr, ud=pu).contiguous() for t in (q, _expand(k, ctx.H), _expand(v, ctx.H))]
-    pos = extract(torch.arange(S, device=ctx.device).view(1, S, 1), sp, P, rd=pr, ud=pu).view(-1)
-
-    def run():
-        with torch.no_grad():
-            attn_mod(*loc, causal=causal)
-
-    def check():
-        with torch.no_grad():
-            o = attn_mod(*loc, causal=causal)
-        return rel_error(o.float(), fullref["o"][:, pos].float())
-
-    row = dict(impl=f"yunchang {yunchang.__version__} {attn} {pu}x{pr}", gpus=P, ulysses=pu, ring=pr,
-               layout=impl_type, backend=attn, head_groups=1, S=S, S_per_gpu=S // P, B=B,
-               note="forward only; K/V expanded to H heads")  # fmt: skip
-    return Entry(row, run, check, attention_flops(B, S, ctx.H, ctx.D, causal, "fwd") / P, B * S)
-
-
-def mode_peers(ctx: Ctx, args) -> None:
-    """Ours, torch CP and yunchang at the same shapes, in the same interleaved rounds."""
-    report = _report(
-        ctx,
-        "peers",
-        notes=(
-            f"bf16, B = 1, H = {ctx.H}, H_kv = {ctx.H_kv}, D = {ctx.D}. Ours, torch's context_parallel (fwd+bwd) and "
-            "yunchang (forward only: without flash-attn its PyTorch attention types have no backward) at the same "
-            "shapes, checked against one-device SDPA, in interleaved rounds (pass says fwd+bwd or fwd). torch CP "
-            "runs with load balancing on for causal masks and off otherwise (it refuses non-causal with it on). "
-            "yunchang's torch_cudnn type returns a zero LSE, so its ring merge is only right at ring degree 1; "
-            "its torch_flash type returns the real LSE."
-        ),
-    )
-    world = ctx.world
-    s_list = args.s_per_gpu or ([1024] if ctx.smoke else [16384, 32768])
-    ps = [p for p in (world, 2) if p <= world and world % p == 0 and (p > 1)]
-    ps = list(dict.fromkeys(ps))
-    have_yc = _importable("yunchang")
-    for i, s in enumerate(s_list):
-        for p in ps if i == 0 else ps[:1]:
-            S = s * p
-            for causal in (True, False):
-                est = attention_flops(1, S, ctx.H, ctx.D, causal, "fwd+bwd") / p * 60 / 300e12
-                if ctx.left() < est:
-                    _say(ctx, f"[peers] skip S={S} gpus={p} causal={causal}: {est:.0f} s estimated")
-                    continue
-                _say(ctx, f"[peers] S={S} gpus={p} causal={causal}")
-                full = make_inputs(ctx, 1, S)
-                ref_for = _ref_cache(ctx, full, p, causal)
-                fullref_box: dict = {}
-
-                def fullref(ref_for=ref_for, p=p, box=fullref_box):
-                    if not box:
-                        box.update(full_reference(ctx, ref_for("zigzag"), p, "zigzag"))
-                    return box
-
-                for passes in ("fwd+bwd", "fwd"):
-                    specs = []
-                    for pu, pr in splits(ctx, p):
-                        specs.append(lazy(lambda full=full, ref_for=ref_for, p=p, pu=pu, pr=pr, passes=passes, causal=causal: usp_entry(
-                            ctx, full, ref_for("zigzag"), P=p, pu=pu, pr=pr, layout="zigzag", causal=causal,
-                            passes=passes), impl=f"usp {pu}x{pr}", gpus=p, S=S))  # fmt: skip
-                    if passes == "fwd+bwd" and ctx.cuda:
-                        rotates = ["allgather", "alltoall"] if i == 0 else ["allgather"]
-                        for rot in rotates:
-                            for be in ["cudnn", "flash"] if i == 0 and rot == "allgather" else ["cudnn"]:
-                                specs.append(lazy(lambda full=full, p=p, rot=rot, be=be, causal=causal, fullref=fullref: cp_entry(
-                                    ctx, full, fullref(), P=p, causal=causal, rotate=rot, backend=be),
-                                    impl=f"torch context_parallel ({rot}, {be})", gpus=p, S=S))  # fmt: skip
-                    if passes == "fwd" and have_yc and ctx.cuda:
-                        for pu, pr in splits(ctx, p):
-                            for attn in ("torch_cudnn", "torch_flash") if pr > 1 else ("torch_cudnn",):
-                                specs.append(lazy(lambda full=full, p=p, pu=pu, pr=pr, attn=attn, causal=causal, fullref=fullref: yunchang_entry(
-                                    ctx, full, fullref(), P=p, pu=pu, pr=pr, causal=causal, attn=attn),
-                                    impl=f"yunchang {attn} {pu}x{pr}", gpus=p, S=S))  # fmt: skip
-                    run_block(ctx, report, specs, causal=causal, passes=passes,
-                              base=dict(H=ctx.H, H_kv=ctx.H_kv, D=ctx.D), target_s=0.05 if ctx.smoke else 0.25)  # fmt: skip
-                    if passes == "fwd" and not have_yc:
-                        report.add(impl="yunchang", causal=causal, **{"pass": "fwd"}, gpus=p, S=S,
-                                   check="failed: yunchang is not installed")  # fmt: skip
-                del full, fullref_box
-                _free(ctx)
-                _write(ctx, report, "peers")
-
-
-def _importable(name: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(name) is not None
-
-
 # --------------------------------------------------------------------------------------- data vs sequence parallel
 
 
@@ -947,174 +759,34 @@ def mode_dpsp(ctx: Ctx, args) -> None:
             _write(ctx, report, "dpsp")
 
 
-# --------------------------------------------------------------------------------------- communication volume
-
-_MARK_BASE = 7919  # all-reduce element counts that mark the measured region in NCCL's log
+# --------------------------------------------------------------------------------------- main
 
 
-def _nvlink_tx_bytes(ctx: Ctx) -> int | None:
-    """Bytes this GPU has sent over NVLink so far (the data counters of ``nvidia-smi nvlink -gt d``),
-    or None where they cannot be read."""
-    if not ctx.cuda:
-        return None
-    try:
-        props = torch.cuda.get_device_properties(ctx.device)
-        bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
-        out = subprocess.run(["nvidia-smi", "nvlink", "-gt", "d", "-i", bus], capture_output=True, text=True,
-                             timeout=20).stdout  # fmt: skip
-        vals = [int(x) for x in re.findall(r"Data Tx:\s*(\d+)\s*KiB", out)]
-        return sum(vals) * 1024 if vals else None
-    except Exception:
-        return None
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+def mode_peers(ctx: Ctx, args) -> None:
+    """Ours, torch's context parallel and yunchang at the same shapes (:mod:`repro.usp.peers`)."""
+    from repro.usp.peers import mode_peers as run
+
+    run(ctx, args)
 
 
 def mode_comm(ctx: Ctx, args) -> None:
-    """Bytes sent per rank by one forward and one backward, for every split of the world and for MHA
-    (H_kv = H) against GQA: counted, the formulas, NVLink counters; NCCL's log is read afterwards."""
-    S = args.comm_s or (1024 if ctx.smoke else 32768)
-    records = []
-    i = 0
-    for pu, pr in splits(ctx, ctx.world):
-        for h_kv in dict.fromkeys((ctx.H, ctx.H_kv)):
-            if ctx.left() < 10:
-                break
-            full = make_inputs(ctx, 1, S, h_kv=h_kv)
-            ug, rg = ctx.groups(pu, pr)
-            q, k, v, do = (shard(t, ctx.world, ctx.rank, "zigzag").contiguous() for t in full)
-            leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
-            fwd = lambda leaves=leaves, ug=ug, rg=rg: usp_attention(  # noqa: E731
-                *leaves, causal=True, ulysses_group=ug, ring_group=rg, layout="zigzag"
-            )
-            _grad(fwd(), leaves, do)  # warm-up: lazy NCCL communicators are created outside the region
-            ctx.sync()
-            marks = [_MARK_BASE + 3 * i + j for j in range(3)]
-            tx0 = _nvlink_tx_bytes(ctx)
-            dist.all_reduce(torch.zeros(marks[0], device=ctx.device))
-            with count_bytes() as sent_fwd:
-                o = fwd()
-                ctx.sync()
-            dist.all_reduce(torch.zeros(marks[1], device=ctx.device))
-            with count_bytes() as sent_bwd:
-                _grad(o, leaves, do)
-                ctx.sync()
-            dist.all_reduce(torch.zeros(marks[2], device=ctx.device))
-            ctx.sync()
-            tx1 = _nvlink_tx_bytes(ctx)
-            formula = bytes_per_rank(B=1, S=S, H=ctx.H, H_kv=h_kv, D=ctx.D, ulysses_degree=pu, ring_degree=pr,
-                                     elem=full[0].element_size(), acc=4)  # fmt: skip
-            ms = time_ms(ctx, lambda fwd=fwd, leaves=leaves, do=do: _grad(fwd(), leaves, do), 3)
-            records.append(dict(
-                split=f"{pu}x{pr}", ulysses=pu, ring=pr, H_kv=h_kv, S=S, marks=marks, rank=ctx.rank, pid=os.getpid(),
-                counted_fwd=sum(sent_fwd.values()), counted_bwd=sum(sent_bwd.values()),
-                counted=dict(sent_fwd) | {k2: v2 for k2, v2 in sent_bwd.items()},
-                formula_fwd=formula["ulysses/fwd"] + formula["ring/fwd"], formula_bwd=formula["ulysses/bwd"] + formula["ring/bwd"],
-                nvlink_tx=None if tx0 is None or tx1 is None else tx1 - tx0, ms=ms,
-            ))  # fmt: skip
-            i += 1
-            del full, leaves
-            _free(ctx)
-    got = [None] * ctx.world
-    dist.all_gather_object(got, records)
-    if ctx.rank == 0:
-        ctx.out.mkdir(parents=True, exist_ok=True)
-        doc = {"world": ctx.world, "H": ctx.H, "D": ctx.D, "ranks": got,
-               "nccl_debug_file": os.environ.get("NCCL_DEBUG_FILE"), "env": _env(ctx)}  # fmt: skip
-        (ctx.out / f"comm-raw-{ctx.world}gpu.json").write_text(json.dumps(doc, indent=1, default=str))
-        print(f"[comm] {len(records)} configurations per rank recorded", flush=True)
+    """Bytes per rank: counted, formulas, NVLink; NCCL's log afterwards (:mod:`repro.usp.traffic`)."""
+    from repro.usp.traffic import mode_comm as run
 
-
-_NCCL_SIZES = {0: 1, 1: 1, 2: 4, 3: 4, 4: 8, 5: 8, 6: 2, 7: 4, 8: 8, 9: 2, 10: 1, 11: 1}
-_COLL = re.compile(
-    r"(\w+): opCount \S+ sendbuff \S+ recvbuff \S+ count (\d+) datatype (\d+) op -?\d+ root (-?\d+) "
-    r"comm (0x[0-9a-f]+) \[nranks=(\d+)\]"
-)
-_INIT = re.compile(r"comm (0x[0-9a-f]+) rank (\d+) nranks (\d+)", re.IGNORECASE)
-
-
-def nccl_sent_bytes(lines: list[str], marks: list[int]) -> dict:
-    """Bytes NCCL was asked to send to other ranks between the marker all-reduces of ``marks``
-    (three counts: begin, between forward and backward, end), from an NCCL_DEBUG=INFO
-    (NCCL_DEBUG_SUBSYS=INIT,COLL) log: Send calls to a peer other than the caller's own rank in that
-    communicator, and AllToAll calls ((nranks - 1) x count elements). Returns fwd, bwd and the op
-    names seen; None values where the markers are missing."""
-    my_rank: dict[str, int] = {}
-    phase, sent, ops = None, {"fwd": 0, "bwd": 0}, set()
-    found = set()
-    for line in lines:
-        m = _INIT.search(line)
-        if m and "opCount" not in line:
-            my_rank[m.group(1)] = int(m.group(2))
-            continue
-        m = _COLL.search(line)
-        if not m:
-            continue
-        op, count, dtype, root, comm_ptr, nranks = m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4)), m.group(5), int(m.group(6))  # fmt: skip
-        if op == "AllReduce" and count in marks:
-            j = marks.index(count)
-            found.add(j)
-            phase = ("fwd", "bwd", None)[j]
-            continue
-        if phase is None:
-            continue
-        nbytes = count * _NCCL_SIZES.get(dtype, 0)
-        if op == "Send" and root != my_rank.get(comm_ptr, -1):
-            sent[phase] += nbytes
-            ops.add(op)
-        elif op.lower() == "alltoall":
-            sent[phase] += nbytes * (nranks - 1)
-            ops.add(op)
-        elif op not in ("Recv", "AllReduce", "Broadcast", "AllGather", "ReduceScatter", "Send"):
-            ops.add(op)
-    if found != {0, 1, 2}:
-        return {"fwd": None, "bwd": None, "ops": sorted(ops)}
-    return {**sent, "ops": sorted(ops)}
+    run(ctx, args)
 
 
 def comm_report(out: Path, log_dir: Path | None) -> None:
-    """After the comm run: the Report of bytes per rank, ours against the formulas, NCCL's log and
-    the NVLink counters."""
-    raw = sorted(out.glob("comm-raw-*gpu.json"))
-    if not raw:
-        print("[comm-report] no comm-raw file", flush=True)
-        return
-    doc = json.loads(raw[-1].read_text())
-    logs = {}
-    if log_dir is not None:
-        for f in Path(log_dir).glob("nccl*"):
-            m = re.search(r"\.(\d+)(?:\.log)?$", f.name)
-            if m:
-                logs[int(m.group(1))] = f.read_text(errors="replace").splitlines()
-    report = Report(
-        package="usp", title="USP communication volume per rank: counted, the formulas, NCCL, NVLink",
-        columns=["split", "ulysses", "ring", "H", "H_kv", "S", "D", "rank", "pass", "counted_bytes", "formula_bytes",
-                 "nccl_bytes", "nvlink_tx_bytes", "ms", "note"],
-        measure_ceilings=False, packages=PACKAGES,
-        notes=("One causal zigzag forward and backward, bf16 (fp32 dK/dV accumulators on the ring), world "
-               f"{doc['world']}. counted: what repro.usp.comm sent (its count_bytes); formula: "
-               "repro.usp.cost.bytes_per_rank; nccl: the Send calls to other ranks that NCCL logged "
-               "(NCCL_DEBUG=INFO, COLL) between marker all-reduces, count x datatype size; nvlink: this GPU's "
-               "NVLink data Tx counters over the same region (nvidia-smi nvlink -gt d; includes the markers and "
-               "protocol overhead; empty where unreadable); ms: one fwd+bwd step (3 calls, slowest rank)."),
-    )  # fmt: skip
-    for recs in doc["ranks"]:
-        for rec in recs:
-            nccl = (
-                nccl_sent_bytes(logs.get(rec["pid"], []), rec["marks"])
-                if logs
-                else {"fwd": None, "bwd": None, "ops": []}
-            )
-            for passes in ("fwd", "bwd"):
-                report.add(split=rec["split"], ulysses=rec["ulysses"], ring=rec["ring"], H=doc["H"], H_kv=rec["H_kv"],
-                           S=rec["S"], D=doc["D"], rank=rec["rank"], **{"pass": passes},
-                           counted_bytes=rec[f"counted_{passes}"], formula_bytes=rec[f"formula_{passes}"],
-                           nccl_bytes=nccl[passes], nvlink_tx_bytes=rec["nvlink_tx"] if passes == "fwd" else None,
-                           ms=rec["ms"], note=("nvlink over fwd+bwd; " if passes == "fwd" and rec["nvlink_tx"] else "")
-                           + ("NCCL ops: " + ",".join(nccl["ops"]) if nccl["ops"] else ""))  # fmt: skip
-    env = doc.get("env") or None
-    report.write(out_dir=out, tag=f"comm-{doc['world']}gpu", env=env)
+    from repro.usp.traffic import comm_report as run
 
+    run(out, log_dir)
 
-# --------------------------------------------------------------------------------------- main
 
 MODES = {
     "selfcheck": mode_selfcheck,

@@ -111,12 +111,13 @@ if [ "$SMOKE" = 1 ]; then
   (timeout 45 python3 -m pytest repro/usp/tests/test_gpu.py -m gpu -q -p no:cacheprovider -x -k "auto or multi" \
      >"$RAW/logs/tests.log" 2>&1; echo "tests rc=$?" >>"$RAW/logs/tests.log") &
   TPID=$!
-  step all-modes 50 env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,COLL NCCL_DEBUG_FILE="$RAW/nccl/nccl.%h.%p" \
-    $RUN $DB --smoke --mode selfcheck,timeline,sweep,peers,dpsp,comm --budget-s 40
+  step all-modes 45 env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,COLL NCCL_DEBUG_FILE="$RAW/nccl/nccl.%h.%p" \
+    $RUN $DB --smoke --mode selfcheck,timeline,sweep,peers,dpsp,comm --budget-s 28
   wait $KPID $TPID
   STEPS+=("kernels|$(tail -1 "$RAW/logs/kernels.log")|-|45|beside the torchrun")
   STEPS+=("tests|$(tail -1 "$RAW/logs/tests.log")|-|45|$(grep -E 'passed|failed' "$RAW/logs/tests.log" | tail -1 | cut -c1-80)")
-  step comm-report 10 python3 -m repro.usp.dist_bench --mode comm-report --out "$RES" --nccl-log-dir "$RAW/nccl"
+  RESERVE=6
+  step comm-report 6 python3 -m repro.usp.dist_bench --mode comm-report --out "$RES" --nccl-log-dir "$RAW/nccl"
 else
   # dist_bench's --budget-s counts from after its start-up (imports, NCCL): about 15 s less than the step
   step setup 10 bash -c setup
@@ -134,7 +135,7 @@ fi
 
 # ingest (summaries), the claims record of the GPU tests, traces into the raw folder, pack
 RESERVE=0
-step ingest 6 python3 -m repro.usp.ingest "$RES"
+step ingest 5 python3 -m repro.usp.ingest "$RES"
 # the GPU tests' claims record, if this run wrote it
 if [ -f repro/usp/results/claims-gpu.json ] && [ "$(stat -c %Y repro/usp/results/claims-gpu.json)" -ge "$START" ]; then
   cp repro/usp/results/claims-gpu.json "$RES/"

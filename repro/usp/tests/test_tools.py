@@ -10,7 +10,7 @@ import torch
 
 from repro.usp import timeline
 from repro.usp.dist_bench import main as dist_bench_main
-from repro.usp.dist_bench import nccl_sent_bytes
+from repro.usp.traffic import nccl_sent_bytes
 from repro.usp.tests import worker
 
 
