@@ -10,8 +10,8 @@ import torch
 
 from repro.usp import timeline
 from repro.usp.dist_bench import main as dist_bench_main
-from repro.usp.traffic import nccl_sent_bytes
 from repro.usp.tests import worker
+from repro.usp.traffic import nccl_sent_bytes
 
 
 def _trace(events):
