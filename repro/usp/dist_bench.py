@@ -139,11 +139,18 @@ class Ctx:
         return self._sp[p]
 
     def mem_reset(self) -> None:
+        """Start measuring the memory a call allocates beyond what is resident now."""
         if self.cuda:
+            torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+            self._mem0 = torch.cuda.memory_allocated()
 
     def mem_gib(self) -> float | None:
-        return self.all_max(torch.cuda.max_memory_allocated() / 2**30) if self.cuda else None
+        """GiB the calls since :meth:`mem_reset` allocated at their peak, beyond what was resident then
+        (the largest over the ranks)."""
+        if not self.cuda:
+            return None
+        return self.all_max((torch.cuda.max_memory_allocated() - getattr(self, "_mem0", 0)) / 2**30)
 
 
 def init(device: str) -> Ctx:
@@ -388,9 +395,9 @@ def run_block(ctx: Ctx, report: Report, specs: list, *, causal: bool, passes: st
     every rank drops the same entries."""
     live, done = [], []
     for builder in specs:
-        ctx.mem_reset()
         try:
             e = builder()
+            ctx.mem_reset()  # after the builder: its inputs and the reference are not the call's memory
             err = e.check()
             msg = ""
         except Exception as exc:  # recorded; the rest of the block goes on
@@ -730,7 +737,7 @@ def mode_dpsp(ctx: Ctx, args) -> None:
             f"{2 * ctx.world}) sequences of length S on {ctx.world} GPUs. gpus = the size of one replica: gpus = 1 is "
             "data parallel (each GPU B = global / G sequences alone), gpus = G sequence parallel (B = global on "
             "every SP group), in between the hybrid. tokens_per_s is per replica; the machine's is "
-            "tokens_per_s x G / gpus (ingest: global_tokens_per_s). mem_gib: peak per GPU."
+            "tokens_per_s x G / gpus (ingest: global_tokens_per_s). mem_gib: the peak memory one call allocates per GPU beyond its resident inputs."
         ),
     )
     world = ctx.world

@@ -10,6 +10,7 @@
 # usp-raw/, packed into ONE file $OUT/usp.tgz with paths relative to the repository root:
 #     tar xzf usp.tgz                     # in the repository: results land in repro/usp/results/
 #     python -m repro.usp.ingest          # only if the plan's own ingest step did not run
+# The machine has no network: carry .whl/ (yunchang-0.6.4-py3-none-any.whl) with the call.
 # The last lines printed are a summary table of the steps.
 #
 # Steps of the full plan, in priority order, with the time each is given (estimated need in brackets):
