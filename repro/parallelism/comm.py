@@ -42,6 +42,10 @@ __all__ = [
 
 _counter: Counter | None = None
 
+# torch 2.13 renamed the flat collectives (the old names warn); the GPU machine's 2.11 has only the old ones
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @contextmanager
 def count_collectives() -> Iterator[Counter]:
@@ -85,7 +89,7 @@ def all_gather(x: torch.Tensor, group, pass_: str, dim: int = 0) -> torch.Tensor
         return x
     moved = x.movedim(dim, 0).contiguous()
     out = torch.empty((t * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, moved, group=group)
+    _all_gather_flat(out, moved, group=group)
     _count("all_gather", pass_)
     return out.movedim(0, dim)
 
@@ -101,7 +105,7 @@ def reduce_scatter(x: torch.Tensor, group, pass_: str, dim: int = 0) -> torch.Te
         )
     moved = x.movedim(dim, 0).contiguous()
     out = torch.empty((moved.shape[0] // t, *moved.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, moved, group=group)
+    _reduce_scatter_flat(out, moved, group=group)
     _count("reduce_scatter", pass_)
     return out.movedim(0, dim)
 

@@ -386,3 +386,54 @@ def run_pipeline(ctx: dict, case: PipelineCase) -> dict | None:
         hidden=case.h,
     )
     return {"stage": r, "dw": dw, "db": db, "loss": loss}
+
+
+# ---------------------------------------------------------------- on GPUs (test_gpu.py)
+
+
+def gpu_decomposition_rank(rank: int, world: int, port: int, args: dict, results) -> None:
+    """One rank per GPU (nanoparallel.launch.spawn_ranks), NCCL with NVLink multicast off: the
+    decomposed pairs and PyTorch's symmetric-memory async-TP ops against the plain pairs; puts
+    (rank, {name: relative error}, error text or None)."""
+    import os
+
+    from paperclub.testing import rel_error
+    from repro.parallelism.bench import MULTICAST_OFF, _torch_ops
+    from repro.parallelism.comm import all_gather, reduce_scatter
+
+    try:
+        os.environ.update(MULTICAST_OFF)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+        group = dist.group.WORLD
+        ops, name, why = _torch_ops(group)
+        errors = {"torch symm_mem": why}
+        for dtype in (torch.float32, torch.bfloat16):
+            gen = torch.Generator(device="cuda").manual_seed(99 + rank)
+            for s, h, n in args["shapes"]:
+                a_shard = torch.randn(s // world, h, device="cuda", dtype=dtype, generator=gen)
+                w = torch.randn(h, n, device="cuda", dtype=dtype, generator=gen)
+                a_row = torch.randn(s, n, device="cuda", dtype=dtype, generator=gen)
+                w_row = torch.randn(n, h, device="cuda", dtype=dtype, generator=gen)
+                plain_ag = all_gather(a_shard, group, "fwd") @ w
+                plain_rs = reduce_scatter(a_row @ w_row, group, "fwd")
+                key = f"{str(dtype).split('.')[-1]} s={s} h={h} n={n}"
+                ours_ag = async_tp.all_gather_matmul(a_shard, w, group, decomposed=True)[1]
+                ours_rs = async_tp.matmul_reduce_scatter(a_row, w_row, group, decomposed=True)
+                errors[f"ours ag {key}"] = rel_error(ours_ag.float(), plain_ag.float())
+                errors[f"ours rs {key}"] = rel_error(ours_rs.float(), plain_rs.float())
+                if ops is not None:
+                    try:  # the peer: a failure to run is recorded, not ours to fail on
+                        t_ag = ops.fused_all_gather_matmul(a_shard, [w], 0, name, return_A=False)[1][0]
+                        t_rs = ops.fused_matmul_reduce_scatter(a_row, w_row, "sum", 0, name)
+                        errors[f"torch ag {key}"] = rel_error(t_ag.float(), plain_ag.float())
+                        errors[f"torch rs {key}"] = rel_error(t_rs.float(), plain_rs.float())
+                    except Exception as exc:  # noqa: BLE001
+                        ops, errors["torch symm_mem"] = None, f"{type(exc).__name__}: {exc}"[:300]
+        torch.cuda.synchronize()
+        dist.barrier()
+        dist.destroy_process_group()
+        results.put((rank, errors, None))
+    except BaseException as exc:  # noqa: BLE001 - the parent stops the run with this text
+        results.put((rank, None, f"rank {rank}: {type(exc).__name__}: {exc}"))
