@@ -67,7 +67,8 @@ class SessionMeta(BaseModel):
     model_config = ConfigDict(extra="forbid", str_strip_whitespace=True)
 
     number: int | None = Field(default=None, ge=1)
-    archive_number: int | None = Field(default=None, ge=1)  # the session's number in the group's public archive
+    # the session's number in the group's public archive (which numbers sessions 1-18)
+    archive_number: int | None = Field(default=None, ge=1)
     title: str = Field(min_length=3)
     date: str | None = None
     date_known: Literal["exact", "approximate", "unknown", "planned"]

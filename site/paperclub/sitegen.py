@@ -231,7 +231,11 @@ def session_page(content: Content, s: Session) -> str:
     ]
     if m.number or m.archive_number:
         ours = f"#{m.number}" if m.number else "not numbered"
-        archive = f" (#{m.archive_number} in the group's [public archive]({ARCHIVE_URL}))" if m.archive_number else ""
+        archive = (
+            f" (#{m.archive_number} in the group's [public archive]({ARCHIVE_URL}))"
+            if m.archive_number
+            else ""
+        )
         rows.insert(0, ("Session", ours + archive))
     if m.recording:
         rows.append(("Recording", f"[{m.recording}]({m.recording})"))
