@@ -17,4 +17,12 @@ archive's sessions 3-12, one module each.
 
 Everything runs on torch.distributed process groups (gloo on CPU, NCCL on GPUs); group ``None`` is
 one rank. The layer layout is Megatron's [s, b, h].
+
+``pytest repro/parallelism`` checks the claims on one world of 4 CPU worker processes (about a minute
+on 2 cores); ``claims.yaml`` registers every claim of the eleven papers of those sessions, each with its
+paper, the ones no CPU test can check (cluster-scale throughput, serving, quantized LLMs, MoE kernels)
+as not reproducible with the reason. On GPUs, ``python -m repro.parallelism.bench`` (one rank per
+visible GPU, at least 2) times the async-TP decomposition against the plain pair and PyTorch's
+symmetric-memory ops, and ``tests/test_gpu.py`` checks it on NCCL: both are written and smoke-tested on
+CPU but have not run on a GPU yet, so nothing here is reproduced on a GPU.
 """

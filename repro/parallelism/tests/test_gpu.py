@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paperclub.testing import log_measure
+from paperclub.testing import log_measure, sanitizing
 from repro.parallelism.tests import worker
 
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
@@ -27,7 +27,9 @@ def test_decomposition_on_gpus():
     world = torch.cuda.device_count()
     if world < 2:
         pytest.skip(f"needs at least 2 GPUs, {world} visible")
-    shapes = [(8192, 4096, 16384 // world), (24 * world, 40, 72)]  # Llama-8B-like MLP shard; small, odd sizes
+    shapes = [(24 * world, 40, 72)]  # small, odd sizes
+    if not sanitizing():  # under compute-sanitizer the small shapes suffice (the values were checked before)
+        shapes.append((8192, 4096, 16384 // world))  # a Llama-8B-like MLP shard
     messages = spawn_ranks(
         world, worker.gpu_decomposition_rank, {"shapes": shapes}, timeout_s=300, crashed=lambda m: m[2]
     )
