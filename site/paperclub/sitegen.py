@@ -260,12 +260,14 @@ def session_page(content: Content, s: Session) -> str:
         statuses = [content.status(c)[0] for c in claimed if c.package in packages]
         testable = len(statuses) - statuses.count("not reproducible")
         where = ", ".join(f"[`{p}`](../repro/{p}.md)" for p in packages)
+        tested = (
+            f"{statuses.count('passed')} of {testable} testable pass" if testable else "none testable here"
+        )
         rows.append(
             (
                 "Claims",
-                f"{len(statuses)} claims of these papers, registered in {where}: {statuses.count('passed')} of "
-                f"{testable} testable pass; {statuses.count('not reproducible')} not reproducible here "
-                "(see each paper's page)",
+                f"{len(statuses)} claims of these papers, registered in {where}: {tested}; "
+                f"{statuses.count('not reproducible')} not reproducible here (see each paper's page)",
             )
         )
     if m.tags:
