@@ -29,6 +29,7 @@ from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from repro.parallelism import async_tp
 from repro.parallelism.comm import all_gather, group_size
@@ -122,6 +123,20 @@ def sequence_parallel_layer(
     return x1 + dropout(mlp + w.b_2, p_drop)
 
 
+class _LayerNormStats(TorchDispatchMode):
+    """Notes the storages of every layer norm's mean and 1/std as the op creates them."""
+
+    def __init__(self, storages: set[int]):
+        super().__init__()
+        self.storages = storages
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.native_layer_norm.default:
+            self.storages.update(t.untyped_storage().data_ptr() for t in out[1:])
+        return out
+
+
 def activation_bytes(s: int, b: int, h: int, a: int, t: int, sequence_parallel: bool) -> int:
     """korthikanti2022reducing's activation memory of one layer, in bytes (16-bit activations, 1-byte
     dropout masks; §4.1 Eq. 1 for t = 1, §4.2.1 Eq. 2, §4.2.2 Eq. 4), layer-norm statistics left out as
@@ -137,28 +152,34 @@ class SavedActivations:
     Every tensor saved for the backward (``torch.autograd.graph.saved_tensors_hooks``) is recorded;
     parameters (``exclude``) are not activations and are skipped. Bytes are counted per storage, each
     element once however many saved views cover it (Q, K and V are views of one projection output).
-    With ``norm_stats``, tensors of shape [..., 1] are the layer norms' per-token mean and 1/std, which
-    the paper's count leaves out: they are counted apart (``stats_elements``), ``bytes`` is the rest."""
+    With ``norm_stats``, the layer norms' per-token mean and 1/std (the second and third outputs of
+    ``aten.native_layer_norm``, recognised by their storage as the op returns them), which the paper's
+    count leaves out, are counted apart (``stats_elements``); ``bytes`` is the rest."""
 
     def __init__(self, exclude: list[torch.Tensor], norm_stats: bool = True):
         self._norm_stats = norm_stats
         self._excluded = {p.untyped_storage().data_ptr() for p in exclude}
+        self._stat_storages: set[int] = set()
         self._views: dict[int, list[torch.Tensor]] = defaultdict(list)
         self._stats: dict[int, list[torch.Tensor]] = defaultdict(list)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._mode = _LayerNormStats(self._stat_storages) if norm_stats else None
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         key = t.untyped_storage().data_ptr()
         if key not in self._excluded:
-            is_stats = self._norm_stats and t.dim() > 0 and t.shape[-1] == 1
-            (self._stats if is_stats else self._views)[key].append(t.detach())
+            (self._stats if key in self._stat_storages else self._views)[key].append(t.detach())
         return t
 
     def __enter__(self) -> SavedActivations:
         self._hooks.__enter__()
+        if self._mode is not None:
+            self._mode.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(*exc)
         self._hooks.__exit__(*exc)
 
     @staticmethod
