@@ -18,7 +18,7 @@ BROKEN = sorted(p.name for p in (FIXTURES / "broken").iterdir() if p.is_dir())
 def test_repository_content_passes_check():
     result = paperclub("check")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("ok: 17 sessions"), result.stdout
+    assert result.stdout.startswith("ok: 26 sessions"), result.stdout
 
 
 def test_valid_fixture_passes(tmp_path):

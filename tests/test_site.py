@@ -24,7 +24,7 @@ def test_strict_build_has_no_warnings(built_site):
 
 def test_every_session_has_a_page_and_appears_in_the_index(built_site):
     index = (built_site / "sessions" / "index.html").read_text()
-    assert len(CONTENT.sessions) == 17
+    assert len(CONTENT.sessions) == 26
     for s in CONTENT.sessions:
         assert (built_site / "sessions" / s.folder / "index.html").exists(), s.folder
         assert f'href="{s.folder}/"' in index, f"{s.folder} missing from the sessions index"

@@ -67,6 +67,8 @@ class SessionMeta(BaseModel):
     model_config = ConfigDict(extra="forbid", str_strip_whitespace=True)
 
     number: int | None = Field(default=None, ge=1)
+    # the session's number in the group's public archive (which numbers sessions 1-18)
+    archive_number: int | None = Field(default=None, ge=1)
     title: str = Field(min_length=3)
     date: str | None = None
     date_known: Literal["exact", "approximate", "unknown", "planned"]
@@ -259,7 +261,15 @@ class Content:
         return rec.status, rec.tests
 
     def sessions_newest_first(self) -> list[Session]:
-        return sorted(self.sessions, key=lambda s: s.sort_key, reverse=True)
+        """Planned first, then held sessions newest first. An undated session with a number sits where
+        its number puts it among the numbered ones (session 2, date unknown, between sessions 1 and 3)."""
+        ordered = sorted(self.sessions, key=lambda s: s.sort_key)  # oldest first
+        placed = [s for s in ordered if not (s.meta.number and s.sort_key[0] == 1)]
+        for s in [s for s in ordered if s.meta.number and s.sort_key[0] == 1]:
+            later = [i for i, t in enumerate(placed) if t.meta.number and t.meta.number > s.meta.number]
+            planned = [i for i, t in enumerate(placed) if t.meta.date_known == "planned"]
+            placed.insert(later[0] if later else planned[0] if planned else len(placed), s)
+        return placed[::-1]
 
     def sessions_for_paper(self, key: str) -> list[Session]:
         return [s for s in self.sessions_newest_first() if key in s.meta.papers]
@@ -297,6 +307,7 @@ SESSION_HINTS = {
     "presenters": "a list of names, e.g. [Ada Lovelace]",
     "papers": "a list of bib keys from bib/*.bib",
     "number": "the group's session number, a whole number",
+    "archive_number": "the session's number in the group's public archive, a whole number",
 }
 PAPER_HINTS = {"_fields": list(PaperMeta.model_fields), "bibkey": "the key of this paper in bib/*.bib"}
 
@@ -503,6 +514,8 @@ def load(root: Path = ROOT) -> tuple[Content, list[Problem]]:
         content.sessions.append(session)
         problems += _check_session(session, m, content, root, broken)
 
+    problems += _check_numbers(content.sessions, root)
+
     papers_dir = root / "papers"
     for path in sorted(papers_dir.glob("*.md")) if papers_dir.is_dir() else []:
         paper, probs = load_paper(path, root)
@@ -616,6 +629,28 @@ def _check_session(
                             "has no heading; start every slide with '# ' or '## '",
                         )
                     )
+    return out
+
+
+def _check_numbers(sessions: list[Session], root: Path) -> list[Problem]:
+    """A session number (ours, or the archive's) names one session."""
+    out: list[Problem] = []
+    for name in ("number", "archive_number"):
+        first: dict[int, str] = {}
+        for s in sorted(sessions, key=lambda s: s.folder):
+            value = getattr(s.meta, name)
+            if value is None:
+                continue
+            if value in first:
+                out.append(
+                    Problem(
+                        rel(s.path / "session.yaml", root),
+                        name,
+                        f"{value} is already the {name} of sessions/{first[value]}; each session has its own",
+                    )
+                )
+            else:
+                first[value] = s.folder
     return out
 
 

@@ -188,19 +188,25 @@ def paper_links(content: Content, keys: list[str], from_uri: str) -> str:
     return "<br>".join(out) or "—"
 
 
+ARCHIVE_URL = "https://github.com/danielvegamyhre/ml-perf-reading-group"  # the group's public slide archive
+
+
 def sessions_index(content: Content) -> str:
     uri = "sessions/index.md"
     lines = [
         "# Sessions",
         "",
         "Every meeting of the group, newest first. A *repro* badge marks the sessions whose paper we reproduce.",
+        f"*#* is the group's session number, *Archive* the number the group's [public archive]({ARCHIVE_URL})",
+        "gives the session (it numbers sessions 1-18).",
         "",
-        "| Date | Session | Presenters | Papers | Recording | Slides |",
-        "|---|---|---|---|---|---|",
+        "| Date | Archive | Session | Presenters | Papers | Recording | Slides |",
+        "|---|---|---|---|---|---|---|",
     ]
     for s in content.sessions_newest_first():
         m = s.meta
         num = f"#{m.number} " if m.number else ""
+        archive = f"{m.archive_number}" if m.archive_number else "—"
         rec = f"[video]({m.recording})" if m.recording else "—"
         slides = []
         if s.deck is not None:
@@ -208,7 +214,7 @@ def sessions_index(content: Content) -> str:
         if s.slides_url:
             slides.append(f"[presenter's]({s.slides_url})")
         lines.append(
-            f"| {s.display_date()} | {num}[{cell(m.title)}]({s.folder}.md){repro_badge(content, s, uri)} | "
+            f"| {s.display_date()} | {archive} | {num}[{cell(m.title)}]({s.folder}.md){repro_badge(content, s, uri)} | "
             f"{cell(', '.join(m.presenters) or '—')} | {paper_links(content, m.papers, uri)} | {rec} | {' · '.join(slides) or '—'} |"
         )
     return "\n".join(lines) + "\n"
@@ -223,8 +229,14 @@ def session_page(content: Content, s: Session) -> str:
         ("Presenters", ", ".join(m.presenters) or "not recorded"),
         ("Papers", paper_links(content, m.papers, uri)),
     ]
-    if m.number:
-        rows.insert(0, ("Session", f"#{m.number}"))
+    if m.number or m.archive_number:
+        ours = f"#{m.number}" if m.number else "not numbered"
+        archive = (
+            f" (#{m.archive_number} in the group's [public archive]({ARCHIVE_URL}))"
+            if m.archive_number
+            else ""
+        )
+        rows.insert(0, ("Session", ours + archive))
     if m.recording:
         rows.append(("Recording", f"[{m.recording}]({m.recording})"))
     slides = []
@@ -242,6 +254,22 @@ def session_page(content: Content, s: Session) -> str:
             rows.append(("Reproduction", f"[`repro/{m.repro}`](../repro/{m.repro}.md)"))
         else:
             rows.append(("Reproduction", f"`{m.repro}`: planned, not started yet"))
+    claimed = [c for c in content.claims.values() if c.paper in m.papers]
+    packages = sorted({c.package for c in claimed} - {m.repro})
+    if packages:  # claims of this session's papers that a package other than the session's repro checks
+        statuses = [content.status(c)[0] for c in claimed if c.package in packages]
+        testable = len(statuses) - statuses.count("not reproducible")
+        where = ", ".join(f"[`{p}`](../repro/{p}.md)" for p in packages)
+        tested = (
+            f"{statuses.count('passed')} of {testable} testable pass" if testable else "none testable here"
+        )
+        rows.append(
+            (
+                "Claims",
+                f"{len(statuses)} claims of these papers, registered in {where}: {tested}; "
+                f"{statuses.count('not reproducible')} not reproducible here (see each paper's page)",
+            )
+        )
     if m.tags:
         rows.append(("Tags", ", ".join(f"[{t}](../tags.md#{t})" for t in m.tags)))
     lines = [f"# {m.title}", ""]
