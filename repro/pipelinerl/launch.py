@@ -265,13 +265,13 @@ def lead_trainer(ctx: Ctx, cfg: Config, fault: tuple[str, int, int] | None, stal
     shared = Shared(mode=cfg.mode, batch_size=B, max_lag=cfg.max_lag, abort_stale=cfg.abort_stale)
     round_size = shared.rounds * B
     books = [ActorBook() for _ in range(A)]
-    state = {"latest": -1, "next": 0}  # newest weights version published; rotation of grants
+    state = {"latest": -1, "next": 0, "stopped": False}  # newest weights published; rotation of grants
     out = Outbox(ctx, ctx.groups["down"])
 
     def grant_locked() -> None:
         """Hand out the admission window to actors that asked, whole groups (under shared.lock)."""
-        if state["latest"] < 0:
-            return
+        if state["latest"] < 0 or state["stopped"]:
+            return  # nothing to grant before the first weights; nothing after the STOP (no one listens)
         limit = state["latest"] + shared.dropped + B + cfg.max_lag
         for k in range(A):
             a = (state["next"] + k) % A
@@ -328,7 +328,7 @@ def lead_trainer(ctx: Ctx, cfg: Config, fault: tuple[str, int, int] | None, stal
             raise RuntimeError(f"expected BYE from {ctx.name(j)}, got {channel.KIND_NAMES[msg.kind]}")
         followers[j] = channel.unpack_json(msg.ints)
 
-    trained = gen_tokens = dropped_total = aborted_total = 0
+    trained = gen_tokens = dropped_total = aborted_total = mixed = 0
     threads = [
         threading.Thread(target=guarded, args=(ctx, f"receiving from {ctx.name(ctx.actor_rank(a))}", receive, a),
                          daemon=True, name=f"receiver of {ctx.name(ctx.actor_rank(a))}")
@@ -407,6 +407,7 @@ def lead_trainer(ctx: Ctx, cfg: Config, fault: tuple[str, int, int] | None, stal
         for lag in lags:
             lag_hist[lag // B] += 1
         gen_tokens += sum(len(s.tokens) for s in batch)
+        mixed += sum(len(set(s.versions)) > 1 for s in batch)
         used_indices += [s.index for s in batch]
         reward = sum(s.reward for s in batch) / len(batch)
         trained += B
@@ -428,8 +429,10 @@ def lead_trainer(ctx: Ctx, cfg: Config, fault: tuple[str, int, int] | None, stal
 
     # stop everyone, collect the actors' and trainers' last words
     ctx.closing.set()
-    for a in range(A):
-        out.put(ctx.actor_rank(a), Message(STOP))
+    with shared.lock:  # no grant may follow the STOP: the actor's listener stops at it
+        state["stopped"] = True
+        for a in range(A):
+            out.put(ctx.actor_rank(a), Message(STOP))
     for j in range(1, T):
         out.put(j, Message(STOP))
     for t in threads:
@@ -471,6 +474,8 @@ def lead_trainer(ctx: Ctx, cfg: Config, fault: tuple[str, int, int] | None, stal
             "ess_p50": _quantile(ess, 0.5),
             "ess_p90": _quantile(ess, 0.9),
             "trainer_wait_share": sum(s["wait_s"] for s in steps) / max(span, 1e-9),
+            "mixed_version_samples": mixed,
+            "replicas_equal": all(f["weights"] == weights_digest(model) for f in followers.values()),
         },  # fmt: skip
         "lag_hist": {str(k_): c / max(1, n_tok) for k_, c in sorted(lag_hist.items())},
         "steps": [{k_: _round(v) for k_, v in s.items()} for s in steps],
@@ -478,6 +483,12 @@ def lead_trainer(ctx: Ctx, cfg: Config, fault: tuple[str, int, int] | None, stal
         "accounting": accounting,
         "version_check": version_error or "ok",
     }
+
+
+def weights_digest(model: Policy) -> list[float]:
+    """Two sums of the weights in float64: equal on data-parallel trainers that stayed in step."""
+    w = flat_weights(model).double()
+    return [float(w.sum()), float(w.abs().sum())]
 
 
 def account(
@@ -544,7 +555,10 @@ def follower_trainer(ctx: Ctx, cfg: Config) -> None:
             torch.cuda.current_stream().synchronize()
         busy_s += time.perf_counter() - ts
     window = time.perf_counter() - t0
-    record = {"busy": {"busy_s": busy_s, "window_s": window, "busy": busy_s / window}}
+    record = {
+        "busy": {"busy_s": busy_s, "window_s": window, "busy": busy_s / window},
+        "weights": weights_digest(model),
+    }
     channel.send(Message(BYE, ints=channel.pack_json(record)), 0, ctx.groups["up"])
 
 
