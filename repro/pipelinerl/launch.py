@@ -273,19 +273,25 @@ def lead_trainer(ctx: Ctx, cfg: Config, fault: tuple[str, int, int] | None, stal
         if state["latest"] < 0 or state["stopped"]:
             return  # nothing to grant before the first weights; nothing after the STOP (no one listens)
         limit = state["latest"] + shared.dropped + B + cfg.max_lag
-        for k in range(A):
-            a = (state["next"] + k) % A
-            bk = books[a]
-            n = min(bk.want - (bk.granted - bk.seen), limit - shared.started)
-            n -= n % cfg.attempts
-            if n <= 0:
-                continue
-            first = shared.started
-            shared.started += n
-            bk.granted += n
-            needed = max(0, first + n - shared.dropped - B - cfg.max_lag)
-            out.put(ctx.actor_rank(a), Message(GRANT, [first, n, needed]))
-            state["next"] = (a + 1) % A
+        # A fair share first (a conventional round spread over the actors, not 128 + 64 + 0), then
+        # whatever is left to whoever still asks.
+        share = -(-(limit - shared.started) // (A * cfg.attempts)) * cfg.attempts
+        for cap in (share, None):
+            for k in range(A):
+                a = (state["next"] + k) % A
+                bk = books[a]
+                n = min(bk.want - (bk.granted - bk.seen), limit - shared.started)
+                if cap is not None:
+                    n = min(n, cap)
+                n -= n % cfg.attempts
+                if n <= 0:
+                    continue
+                first = shared.started
+                shared.started += n
+                bk.granted += n
+                needed = max(0, first + n - shared.dropped - B - cfg.max_lag)
+                out.put(ctx.actor_rank(a), Message(GRANT, [first, n, needed]))
+                state["next"] = (a + 1) % A
 
     def snapshot_locked() -> dict:
         return {"started": shared.started, "consumed": shared.consumed, "dropped": shared.dropped,
@@ -440,6 +446,8 @@ def lead_trainer(ctx: Ctx, cfg: Config, fault: tuple[str, int, int] | None, stal
         if t.is_alive():
             fatal(ctx, f"{t.name}: no goodbye within {stall_s:.0f} s of the stop")
     out.close(stall_s)
+    if cuda:  # every actor joined the last broadcast before saying goodbye: it has completed
+        torch.cuda.synchronize()
     ctx.closing.clear()
 
     with shared.lock:
