@@ -10,7 +10,7 @@
 #
 # Steps (estimated times on 4 H100s at BUDGET_S=520; T = seconds of training per mode, about 45):
 #   1. pre-training on GPU 0 (28 s + start-up)  ||  the two fault launches (1+1, pipeline, a process
-#      SIGKILLed after step 20: an actor on GPUs 1,2; the lead trainer on GPUs 3,2), about 20 s each
+#      SIGKILLed after step 10: an actor on GPUs 1,2; the lead trainer on GPUs 3,2), about 20 s each
 #   2. placement 1+1 on GPUs 0,1 (3 T + ~15 s)  ||  the one-GPU runs on GPU 2 (three modes as threads of
 #      one process, 3 T + ~10 s; the simulator's fit and the half-batch trainer step come from here only)
 #   3. placement 1+3 on GPUs 0-3 (3 T + ~15 s)  ||  the simulator's predictions for 1+1, 1+3, 2+2 (CPU)
@@ -36,6 +36,8 @@ else
   SUB=placements-raw
   SFLAG=
 fi
+# PLAN_SIZES=smoke: the full schedule with the toy sizes (a dry run of this script's 4-GPU branch)
+[ "${PLAN_SIZES:-}" = "smoke" ] && SFLAG=--smoke
 OUT="${OUT:-$PWD/gpu-plan-out}"
 mkdir -p "$OUT"
 WORK=$(mktemp -d)
@@ -59,6 +61,8 @@ NG=${#GPUS[@]}
 g() { local IFS=,; local out=(); for i in "$@"; do out+=("${GPUS[$i]}"); done; echo "${out[*]}"; }
 
 left() { echo $(( BUDGET - ($(date +%s) - START) )); }
+now_ms() { echo $(( $(date +%s%N) / 1000000 )); }
+secs() { local ms=$(( $(now_ms) - $1 )); printf "%d.%03d" $(( ms / 1000 )) $(( ms % 1000 )); }  # since $1 (ms)
 log() { echo "[gpu_plan $(( $(date +%s) - START ))s] $*"; }
 printf "step\trc\tseconds\tlimit_s\n" > "$RAW/steps.tsv"
 
@@ -70,11 +74,11 @@ step() {
     log "$name: skipped, ${lim}s left for it"; printf "%s\tskipped\t0\t%s\n" "$name" "$lim" >> "$RAW/steps.tsv"; return 124
   fi
   log "$name: start (limit ${lim}s)"
-  local t0; t0=$(date +%s.%N)
+  local t0; t0=$(now_ms)
   timeout -k 5 "$lim" "$@" > "$RAW/$name.log" 2>&1
   local rc=$?
-  local dt; dt=$(echo "$(date +%s.%N) - $t0" | bc)
-  printf "%s\t%s\t%.1f\t%s\n" "$name" "$rc" "$dt" "$lim" >> "$RAW/steps.tsv"
+  local dt; dt=$(secs "$t0")
+  printf "%s\t%s\t%s\t%s\n" "$name" "$rc" "$dt" "$lim" >> "$RAW/steps.tsv"
   log "$name: exit $rc after ${dt}s"
   if [ "$rc" != 0 ]; then tail -n 15 "$RAW/$name.log" | sed "s/^/  [$name] /"; fi
   grep -h '^\[.* [a-z]*\] ' "$RAW/$name.log" 2>/dev/null | sed "s/^/  /"
@@ -84,12 +88,14 @@ step() {
 # fault NAME GPUS WHO EXPECT: a pipeline run killed mid-way; record whether it ended and named the process
 fault() {
   local name=$1 gpus=$2 who=$3 expect=$4 t0 rc
-  t0=$(date +%s.%N)
+  t0=$(now_ms)
+  # random initial weights (pre-training runs meanwhile): a large max_lag, so that the random policy's
+  # long sequences are not all dropped as stale before the fault's step comes
   CUDA_VISIBLE_DEVICES=$gpus step "fault-$name" "$FAULT_CAP" "$RESERVE" \
-    $RUN --nproc-per-node 2 $LAUNCH $ARGS --modes pipeline --time-per-mode 60 --fault "$who" --stall-s 30 \
-    --out "$RAW/run-fault-$name.json"
+    $RUN --nproc-per-node 2 $LAUNCH $ARGS --max-lag "$FAULT_LAG" --modes pipeline --time-per-mode 60 \
+    --fault "$who" --stall-s 30 --out "$RAW/run-fault-$name.json"
   rc=$?
-  $PY -m repro.pipelinerl.plan fault-record --case "$name" --rc "$rc" --seconds "$(echo "$(date +%s.%N) - $t0" | bc)" \
+  $PY -m repro.pipelinerl.plan fault-record --case "$name" --rc "$rc" --seconds "$(secs "$t0")" \
     --log "$RAW/fault-$name.log" --expect "$expect" --out "$RAW/fault-$name.json" || true
 }
 
@@ -101,9 +107,9 @@ ARGS=$($PY -m repro.pipelinerl.plan launch-args $SFLAG)
 # PRE_S: pre-training seconds; RESERVE: kept for the report and the archive; FIX: a launch's start-up
 # and per-mode overheads beyond 3 T; PRE_RESERVE: what step 1 must leave for steps 2-5
 if [ "$SMOKE" = "1" ]; then
-  PRE_S=3; FAULT_CAP=30; RESERVE=10; FAULT_STEP=3; FIX=14; PRE_RESERVE=30
+  PRE_S=3; FAULT_CAP=30; RESERVE=10; FAULT_STEP=3; FIX=14; PRE_RESERVE=30; FAULT_LAG=64
 else
-  PRE_S=28; FAULT_CAP=60; RESERVE=20; FAULT_STEP=20; FIX=20; PRE_RESERVE=300
+  PRE_S=28; FAULT_CAP=60; RESERVE=20; FAULT_STEP=10; FIX=20; PRE_RESERVE=80; FAULT_LAG=2048
 fi
 ARGS="$ARGS --stall-s 60"
 [ "${PLAN_DEVICE:-cuda}" = "cpu" ] && ARGS="$ARGS --device cpu"
@@ -122,7 +128,12 @@ PID_FT=$!
 CUDA_VISIBLE_DEVICES=$(g 0) step pretrain $(( PRE_S + 40 )) "$PRE_RESERVE" \
   $PY -m repro.pipelinerl.plan pretrain --out "$RAW" $SFLAG --budget-s $PRE_S
 wait $PID_FA $PID_FT
-if [ ! -f "$RAW/weights.pt" ]; then log "no pre-trained weights: the runs start from random weights"; WFLAG=; else WFLAG="--weights $RAW/weights.pt"; fi
+if [ -f "$RAW/weights.pt" ]; then
+  WFLAG="--weights $RAW/weights.pt"
+else  # random weights: with max_lag 128 a random policy's long sequences would nearly all go stale
+  log "no pre-trained weights: the runs start from random weights, at max_lag $FAULT_LAG"
+  WFLAG="--max-lag $FAULT_LAG"
+fi
 
 # ---- 2. placement 1+1 || one-GPU runs ----------------------------------------------------------
 if [ "$SMOKE" = "1" ]; then
@@ -130,7 +141,7 @@ if [ "$SMOKE" = "1" ]; then
 else
   T=$(( ( $(left) - (LATER + 1) * FIX - RESERVE - 10 ) / (3 * (LATER + 1)) )); [ "$T" -gt 60 ] && T=60; [ "$T" -lt 8 ] && T=8
 fi
-log "T = ${T}s of training per mode"
+log "T = ${T}s of training per mode; estimated: step 2 $(( 3 * T + FIX ))s, steps 3-4 $(( LATER * (3 * T + FIX) ))s, report and archive ~${RESERVE}s; left $(left)s"
 # the one-GPU runs share GPU 0 with the 1+1 trainer in the smoke run (two GPUs only); alone on GPU 2 otherwise
 if [ "$NG" -ge 3 ]; then OG=$(g 2); else OG=$(g 0); fi
 CUDA_VISIBLE_DEVICES=$OG step onegpu $(( 3 * T + 40 )) $(( RESERVE + LATER * (3 * T + FIX) )) \
