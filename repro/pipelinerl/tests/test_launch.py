@@ -272,3 +272,27 @@ def test_channel_round_trip():
     bad.versions = bad.versions[:-1]
     with pytest.raises(ValueError, match=r"sample 3 has 3 tokens, 3 log-probs and 2 versions"):
         pack_samples([bad])
+
+
+@pytest.mark.gpu
+@pytest.mark.claim("pipelinerl/disjoint-devices", section=SECTION)
+def test_gpu_launch_one_process_per_gpu(weights_file, tmp_path):
+    """The same job on two GPUs with NCCL (weights broadcast into the engine's flat buffer, CUDA
+    graphs): every mode trains its steps with the bookkeeping and accounting intact."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+    out = tmp_path / "launch-1+1.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--monitor-interval", "1", "-m", "repro.pipelinerl.launch", "--device", "cuda", *LAUNCH, "--trainers",
+           "1", "--modes", ",".join(MODES), "--steps", "12", "--time-per-mode", "60", "--weights", str(weights_file),
+           "--stall-s", "60", "--out", str(out)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'site'}{os.pathsep}{ROOT}", "NCCL_NVLS_ENABLE": "0",
+           "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0,1")}  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["backend"] == "nccl"
+    for mode in MODES:
+        res = doc["modes"][mode]
+        assert res["summary"]["steps"] == 12 and res["accounting"]["ok"] and res["version_check"] == "ok"
+    assert doc["modes"]["pipeline"]["summary"]["mixed_version_samples"] > 0
