@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from paperclub.testing import sanitizing
 from repro.pipelinerl.actor import Engine
 from repro.pipelinerl.launch import TINY
 from repro.pipelinerl.model import ModelConfig, Policy, flat_weights, load_flat_weights, pretrain
@@ -281,6 +282,8 @@ def test_gpu_launch_one_process_per_gpu(weights_file, tmp_path):
     graphs): every mode trains its steps with the bookkeeping and accounting intact."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA GPUs")
+    if sanitizing():  # child processes of torchrun: nothing of ours for memcheck to instrument here
+        pytest.skip("not under compute-sanitizer: the job runs in torchrun's child processes")
     out = tmp_path / "launch-1+1.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "--monitor-interval", "1", "-m", "repro.pipelinerl.launch", "--device", "cuda", *LAUNCH, "--trainers",
