@@ -69,8 +69,9 @@ def torchrun(nproc: int, *args: str) -> tuple[subprocess.CompletedProcess, float
 @pytest.fixture(scope="module")
 def three_modes(weights_file, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("launch") / "launch-1+2.json"
-    proc, _ = torchrun(3, "--trainers", "1", "--modes", ",".join(MODES), "--steps", "16", "--time-per-mode", "60",
-                       "--weights", str(weights_file), "--stall-s", "40", "--out", str(out))  # fmt: skip
+    # max_lag 3 B: up to 32 samples in flight on 16 slots, so that swaps find sequences in progress
+    proc, _ = torchrun(3, "--trainers", "1", "--modes", ",".join(MODES), "--steps", "20", "--max-lag", "24",
+                       "--time-per-mode", "60", "--weights", str(weights_file), "--stall-s", "40", "--out", str(out))  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -82,7 +83,7 @@ def test_one_trainer_two_actors_in_their_own_processes(three_modes, mode):
     assert (doc["trainers"], doc["actors"], doc["world"], doc["backend"]) == (1, 2, 3, "gloo")
     res = doc["modes"][mode]
     sm, acc = res["summary"], res["accounting"]
-    assert sm["steps"] == 16 and sm["samples"] == 16 * 8
+    assert sm["steps"] == 20 and sm["samples"] == 20 * 8
     assert res["version_check"] == "ok"
     assert acc["ok"], acc["problems"]
     assert acc["started"] == sum(acc[k] for k in ("trained", "dropped", "queued", "in_flight", "unstarted"))
@@ -94,8 +95,9 @@ def test_one_trainer_two_actors_in_their_own_processes(three_modes, mode):
         assert sm["mixed_version_samples"] == 0
     assert sm["lag_max"] <= doc["config"]["max_lag"]
     assert sorted(b["rank"] for b in res["busy"]) == [0, 1, 2]
-    for b in res["busy"]:
-        assert 0.0 < b["busy"] <= 1.0, b
+    for b in res["busy"]:  # (which actor gets how much of the work depends on timing: only bounds here)
+        assert 0.0 <= b["busy"] <= 1.0, b
+    assert res["busy"][0]["busy"] > 0 and sum(b["busy"] for b in res["busy"][1:]) > 0
     assert abs(sum(res["lag_hist"].values()) - 1.0) < 1e-9
 
 
@@ -175,16 +177,17 @@ def test_data_parallel_step_equals_one_step_on_the_whole_batch(weights_file):
     ids=["actor-dies", "trainer-dies"],
 )
 def test_a_dead_process_ends_the_run_with_its_name(weights_file, tmp_path, fault, named):
-    """SIGKILL after step 3 of a run that would otherwise train for 60 s: the job ends on its own, long
-    before that and long before its timeout, with a message naming the dead process (printed by the
-    survivor that saw its connection close) and a record of it next to ``--out``."""
+    """SIGKILL after step 3 of a run that would otherwise train for 600 s: the job ends on its own
+    (within the test's timeout, a quarter of that), with a message naming the dead process, printed
+    by the survivor that saw its connection close, and a record of it next to ``--out``. Had the
+    survivors hung, the 40 s stall guard would have ended the job with another message."""
     out = tmp_path / "run.json"
-    proc, seconds = torchrun(3, "--trainers", "1", "--modes", "pipeline", "--time-per-mode", "60", "--fault", fault,
-                             "--weights", str(weights_file), "--stall-s", "40", "--out", str(out))  # fmt: skip
+    proc, _ = torchrun(3, "--trainers", "1", "--modes", "pipeline", "--time-per-mode", "600", "--fault", fault,
+                       "--weights", str(weights_file), "--stall-s", "40", "--out", str(out))  # fmt: skip
     text = proc.stdout + proc.stderr
     assert proc.returncode != 0, text[-3000:]
     assert named in text, text[-3000:]
-    assert seconds < 60, f"took {seconds:.0f} s: the run did not stop at the fault"
+    assert "no batch for" not in text, text[-3000:]
     records = [json.loads(p.read_text()) for p in tmp_path.glob("run.error-rank*.json")]
     assert any(named in r["error"] for r in records), records
 
@@ -287,7 +290,7 @@ def test_gpu_launch_one_process_per_gpu(weights_file, tmp_path):
     out = tmp_path / "launch-1+1.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "--monitor-interval", "1", "-m", "repro.pipelinerl.launch", "--device", "cuda", *LAUNCH, "--trainers",
-           "1", "--modes", ",".join(MODES), "--steps", "12", "--time-per-mode", "60", "--weights", str(weights_file),
+           "1", "--modes", ",".join(MODES), "--steps", "20", "--max-lag", "24", "--time-per-mode", "60", "--weights", str(weights_file),
            "--stall-s", "60", "--out", str(out)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'site'}{os.pathsep}{ROOT}", "NCCL_NVLS_ENABLE": "0",
            "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0,1")}  # fmt: skip
@@ -297,5 +300,5 @@ def test_gpu_launch_one_process_per_gpu(weights_file, tmp_path):
     assert doc["backend"] == "nccl"
     for mode in MODES:
         res = doc["modes"][mode]
-        assert res["summary"]["steps"] == 12 and res["accounting"]["ok"] and res["version_check"] == "ok"
+        assert res["summary"]["steps"] == 20 and res["accounting"]["ok"] and res["version_check"] == "ok"
     assert doc["modes"]["pipeline"]["summary"]["mixed_version_samples"] > 0
