@@ -2,7 +2,9 @@
 # PipelineRL with actors and trainers on their own GPUs (issue #34): the whole GPU session in one script.
 #
 #   BUDGET_S=520 bash repro/pipelinerl/gpu_plan.sh   # 4 GPUs: placements 1+1, 1+3, 2+2, three modes each
-#   SMOKE=1 bash repro/pipelinerl/gpu_plan.sh        # 2 GPUs, toy sizes, every code path, <= 70 s
+#   SMOKE=1 bash repro/pipelinerl/gpu_plan.sh        # 2 GPUs, toy sizes, every code path, <= 70 s:
+#                                                    # pre-training, then 1+1, the one-GPU runs and both
+#                                                    # faults at once, 2 s per mode (~35 s on a GPU host)
 #
 # Run from the repository root. Writes ONE file, $OUT/pipelinerl.tgz (paths relative to the repository
 # root), and prints a summary table last. Back in the repository:
@@ -75,7 +77,7 @@ step() {
   fi
   log "$name: start (limit ${lim}s)"
   local t0; t0=$(now_ms)
-  timeout -k 5 "$lim" "$@" > "$RAW/$name.log" 2>&1
+  timeout -k 2 "$lim" "$@" > "$RAW/$name.log" 2>&1
   local rc=$?
   local dt; dt=$(secs "$t0")
   printf "%s\t%s\t%s\t%s\n" "$name" "$rc" "$dt" "$lim" >> "$RAW/steps.tsv"
@@ -107,7 +109,7 @@ ARGS=$($PY -m repro.pipelinerl.plan launch-args $SFLAG)
 # PRE_S: pre-training seconds; RESERVE: kept for the report and the archive; FIX: a launch's start-up
 # and per-mode overheads beyond 3 T; PRE_RESERVE: what step 1 must leave for steps 2-5
 if [ "$SMOKE" = "1" ]; then
-  PRE_S=3; FAULT_CAP=30; RESERVE=10; FAULT_STEP=3; FIX=14; PRE_RESERVE=30; FAULT_LAG=64
+  PRE_S=3; FAULT_CAP=40; RESERVE=14; FAULT_STEP=3; FIX=14; PRE_RESERVE=34; FAULT_LAG=64
 else
   PRE_S=28; FAULT_CAP=60; RESERVE=20; FAULT_STEP=10; FIX=20; PRE_RESERVE=80; FAULT_LAG=2048
 fi
@@ -119,15 +121,18 @@ if [ "$NG" -lt 2 ]; then
   log "needs at least 2 GPUs, found $NG"; exit 2
 fi
 
-# ---- 1. pre-training || faults -------------------------------------------------------------------
+# ---- 1. pre-training || faults (the smoke run starts the faults with step 2: its critical path) ----
 if [ "$SMOKE" = "1" ] || [ "$NG" -lt 4 ]; then FA=$(g 0 1); FT=$(g 1 0); else FA=$(g 1 2); FT=$(g 3 2); fi
-fault actor "$FA" "actor:0@$FAULT_STEP" "actor 0 (rank 1) died" &
-PID_FA=$!
-fault trainer "$FT" "trainer@$FAULT_STEP" "trainer 0 (rank 0) died" &
-PID_FT=$!
+start_faults() {
+  fault actor "$FA" "actor:0@$FAULT_STEP" "actor 0 (rank 1) died" &
+  PID_FA=$!
+  fault trainer "$FT" "trainer@$FAULT_STEP" "trainer 0 (rank 0) died" &
+  PID_FT=$!
+}
+[ "$SMOKE" != "1" ] && start_faults
 CUDA_VISIBLE_DEVICES=$(g 0) step pretrain $(( PRE_S + 40 )) "$PRE_RESERVE" \
   $PY -m repro.pipelinerl.plan pretrain --out "$RAW" $SFLAG --budget-s $PRE_S
-wait $PID_FA $PID_FT
+[ "$SMOKE" != "1" ] && wait $PID_FA $PID_FT
 if [ -f "$RAW/weights.pt" ]; then
   WFLAG="--weights $RAW/weights.pt"
 else  # random weights: with max_lag 128 a random policy's long sequences would nearly all go stale
@@ -142,6 +147,7 @@ else
   T=$(( ( $(left) - (LATER + 1) * FIX - RESERVE - 10 ) / (3 * (LATER + 1)) )); [ "$T" -gt 60 ] && T=60; [ "$T" -lt 8 ] && T=8
 fi
 log "T = ${T}s of training per mode; estimated: step 2 $(( 3 * T + FIX ))s, steps 3-4 $(( LATER * (3 * T + FIX) ))s, report and archive ~${RESERVE}s; left $(left)s"
+[ "$SMOKE" = "1" ] && start_faults   # on the same two GPUs as the rest: timings do not matter in the smoke run
 # the one-GPU runs share GPU 0 with the 1+1 trainer in the smoke run (two GPUs only); alone on GPU 2 otherwise
 if [ "$NG" -ge 3 ]; then OG=$(g 2); else OG=$(g 0); fi
 CUDA_VISIBLE_DEVICES=$OG step onegpu $(( 3 * T + 40 )) $(( RESERVE + LATER * (3 * T + FIX) )) \
@@ -171,6 +177,7 @@ else
   log "placements 1+3 and 2+2 need 4 GPUs: skipped"
 fi
 [ -n "$PID_PR" ] && wait "$PID_PR"
+[ "$SMOKE" = "1" ] && wait $PID_FA $PID_FT
 
 # ---- 5. report, archive, summary -------------------------------------------------------------------
 if [ "$SMOKE" = "1" ]; then TAG=placements-smoke; REP_DIR="$RAW"; else TAG=placements; REP_DIR="$RES"; fi
