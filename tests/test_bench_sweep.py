@@ -72,3 +72,15 @@ def test_sweep_refuses_what_it_cannot_do():
         sweep({"a": 1}, lambda c: lambda: None, peers={"a": lambda: None})
     with pytest.raises(ValueError, match="baseline 'z'"):
         sweep({"a": 1}, lambda c: lambda: None, baseline="z")
+
+
+def test_error_text_is_one_line_and_bounded():
+    from paperclub.bench import error_text
+
+    exc = RuntimeError("compile failed:\n  line 1\n\tline 2  " + "x" * 1000)
+    text = error_text(exc, limit=80)
+    assert "\n" not in text and "\t" not in text
+    assert text.startswith("RuntimeError: compile failed: line 1 line 2 x")
+    assert len(text) == 80 and text.endswith("...")
+    assert error_text(ValueError()) == "ValueError"
+    assert error_text(KeyError("k"), limit=400) == "KeyError: 'k'"

@@ -228,13 +228,14 @@ def ptx_counts(ptx: str) -> dict:
     }
 
 
-def compile_report(compiled, *, ptxas: bool = True, **fields) -> dict:
+def compile_report(compiled, *, ptxas: bool = True, sass: bool = True, **fields) -> dict:
     """One compiled kernel as a row (see the module docstring): ``fields`` first (what the caller
     names the case by), then ``kernel``, ``shared``, ``num_warps``, ``target_ok``, ``ptx_sha``,
-    ``sass_sha`` (None without nvdisasm), :func:`ptx_counts` and, with ``ptxas``, registers and
-    spills (:func:`paperclub.triton_compat.ptxas_usage`)."""
+    ``sass_sha`` (None without nvdisasm, or with ``sass=False``, which saves a disassembly per
+    kernel), :func:`ptx_counts` and, with ``ptxas``, registers and spills
+    (:func:`paperclub.triton_compat.ptxas_usage`)."""
     ptx = compiled.asm["ptx"]
-    sass = sass_text(compiled.asm["cubin"]) if "cubin" in compiled.asm else None
+    sass = sass_text(compiled.asm["cubin"]) if sass and "cubin" in compiled.asm else None
     row = dict(fields)
     row.update(
         kernel=compiled.metadata.name,
@@ -250,11 +251,11 @@ def compile_report(compiled, *, ptxas: bool = True, **fields) -> dict:
     return row
 
 
-def report_or_error(make: Callable[[], Any], *, ptxas: bool = True, **fields) -> dict:
+def report_or_error(make: Callable[[], Any], *, ptxas: bool = True, sass: bool = True, **fields) -> dict:
     """:func:`compile_report` of ``make()``, or the row ``{**fields, "error": ...}`` when compiling raises:
     a compile driver reports every case and lets the caller decide."""
     try:
-        return compile_report(make(), ptxas=ptxas, **fields)
+        return compile_report(make(), ptxas=ptxas, sass=sass, **fields)
     except Exception as exc:  # the compiler's error is the result for this case
         return {**fields, "error": f"{type(exc).__name__}: {exc}"[-3000:]}
 
