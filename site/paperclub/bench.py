@@ -415,9 +415,10 @@ def markdown_table(columns: Sequence[str], rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-def load_results(package: str) -> list[dict]:
-    """Every benchmark result file of a package (the claims records and GPU checks excluded), newest first."""
-    d = package_dir(package) / "results"
+def load_results(package: str, directory: Path | None = None) -> list[dict]:
+    """Every benchmark result file of a package (the claims records and GPU checks excluded), newest
+    first; ``directory`` reads another folder than ``<package>/results`` (a test's)."""
+    d = directory if directory is not None else package_dir(package) / "results"
     docs = []
     if d.is_dir():
         for f in sorted(d.glob("*.json")):
@@ -425,7 +426,7 @@ def load_results(package: str) -> list[dict]:
                 continue
             doc = json.loads(f.read_text(encoding="utf-8"))
             if doc.get("schema") == SCHEMA:
-                doc["_file"] = str(f.relative_to(ROOT))
+                doc["_file"] = str(f.relative_to(ROOT)) if f.is_relative_to(ROOT) else str(f)
                 docs.append(doc)
     return sorted(docs, key=lambda d: d.get("date", ""), reverse=True)
 
