@@ -117,12 +117,12 @@ def test_signature_of_fills_the_rest_and_refuses_unknown_names():
 
 
 def test_ncu_command_line():
-    cmd = lab.ncu_command(["python3", "-m", "repro.fa4.bench", "--ncu-target"], "/tmp/r.ncu-rep", ncu="/x/ncu",
+    cmd = lab.ncu_command(["python3", "-m", "repro.fa4.lab.ncu", "--target"], "/tmp/r.ncu-rep", ncu="/x/ncu",
                           metrics=("a.b", "c.d"), kernels="fwd|bwd")  # fmt: skip
     assert cmd[:5] == ["/x/ncu", "--profile-from-start", "off", "--clock-control", "none"]
     assert cmd[cmd.index("--metrics") + 1] == "a.b,c.d" and cmd[cmd.index("-k") + 1] == "regex:fwd|bwd"
     assert cmd.count("--section") == len(lab.NCU_SECTIONS)
-    assert cmd[-7:] == ["-f", "-o", "/tmp/r", "python3", "-m", "repro.fa4.bench", "--ncu-target"]
+    assert cmd[-7:] == ["-f", "-o", "/tmp/r", "python3", "-m", "repro.fa4.lab.ncu", "--target"]
     full = lab.ncu_command(["t"], "r", full=True)
     assert "--section" not in full and full[full.index("--set") + 1] == "full" and "--metrics" not in full
 

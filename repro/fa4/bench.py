@@ -163,7 +163,7 @@ def full(out_dir: Path | None, seqlens, ablate_passes=("fwd",), budget: Budget |
             "TFLOP/s: 4 B H S^2 D forward (halved when causal), x3.5 for forward+backward. group=compare: "
             "our default kernel, TMA on, the warp-specialised Gluon forward (fa4-gluon) and the SDPA backends; "
             "group=ablation: one switch of our kernel changed. "
-            "flash-attn-4 is not in this table: `--fa4-smoke` and `--peer` (gpu_run_peer.sh) measure it in a "
+            "flash-attn-4 is not in this table: `--only fa4-smoke` and `--only peer` (lab/gpu_run_peer.sh) measure it in a "
             "separate call, because its CuTe-DSL runtime wheel (92 MB) is carried in two halves."
         ),
     )

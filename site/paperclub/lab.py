@@ -36,7 +36,7 @@ define the kernels' signatures at import time. ``python -m paperclub.lab compile
 when ncu refuses a metric name, and export per-instruction SASS views of chosen kernels), and
 :func:`ncu_summary` (the raw page reduced to :data:`NCU_SUMMARY`'s metrics per kernel, in base units,
 with the largest warp stall reasons). ``python -m paperclub.lab ncu --out DIR -- python3 -m
-repro.fa4.bench --ncu-target`` and ``python -m paperclub.lab ncu-summary FILE.csv`` from a shell.
+repro.fa4.lab.ncu --target`` and ``python -m paperclub.lab ncu-summary FILE.csv`` from a shell.
 """
 
 from __future__ import annotations
@@ -351,8 +351,8 @@ def ncu_command(
     full: bool = False,
     from_start: bool = False,
 ) -> list[str]:
-    """The ncu command line that profiles ``target`` (a command, e.g. ``["python3", "-m", "repro.fa4.bench",
-    "--ncu-target"]``) into ``report`` (``.ncu-rep``): ``--profile-from-start off`` unless ``from_start``
+    """The ncu command line that profiles ``target`` (a command, e.g. ``["python3", "-m", "repro.fa4.lab.ncu",
+    "--target"]``) into ``report`` (``.ncu-rep``): ``--profile-from-start off`` unless ``from_start``
     (the target marks its region with :func:`profile_once`), clocks not locked (``--clock-control
     none``: compare kernels in cycles), ``--set full`` or the ``sections``, extra ``metrics``, and
     ``kernels`` a regex of kernel names to profile."""

@@ -14,9 +14,11 @@ A case is a dict naming the kernel and its launch, as the launchers in the fast 
 
 :func:`report` compiles each case with :func:`paperclub.lab.compile_sm90` and returns
 :func:`paperclub.lab.compile_report`'s row (the case's fields first; ``error`` where it does not
-compile). It must run without ``TRITON_INTERPRET``: from a test or a CPU shell use
+compile); :func:`checks` the same without the SASS fingerprint (what the CPU tests read). It must
+run without ``TRITON_INTERPRET``: from a test or a CPU shell use
 ``paperclub.lab.offline("repro.fa4.lab.compile:report", cases)``, or
-``python -m repro.fa4.lab.compile '<cases JSON>'``.
+``python -m repro.fa4.lab.compile ['<cases JSON>']`` (no cases: every kernel at the fast path's
+launches, ``lab/fingerprints.py``'s CASES).
 
 The kernels are found by name in the modules of issue #40's layout (``triton_fwd``, ``triton_bwd``,
 ``triton_bwd_fused``, ``gluon_fwd``, ``gluon_bwd``) and, failing that, in the modules before it
@@ -192,4 +194,9 @@ def checks(cases: list[dict]) -> list[dict]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(report(json.loads(sys.argv[1]))))
+    if len(sys.argv) > 1:
+        print(json.dumps(report(json.loads(sys.argv[1]))))
+    else:
+        from repro.fa4.lab.fingerprints import CASES
+
+        print(json.dumps(report(CASES)))
