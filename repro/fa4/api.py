@@ -235,7 +235,11 @@ def resolve(sw: Switches, d: int, interpret: bool) -> Switches:
     else:
         bbm, bbn, bnw, bns = BWD_DEFAULTS.get(d, BWD_INTERPRET) if not interpret else BWD_INTERPRET
         btma = False
-        bdq = None if sw.bwd == "gluon" else False  # "gluon": None takes gluon_bwd.DQ_TMA
+        bdq = False
+        if sw.bwd == "gluon":
+            from repro.fa4.gluon_bwd import DQ_TMA
+
+            bdq = DQ_TMA
     if sw.pingpong and sw.block_m is None:
         bm = max(16, bm // 2)  # two tiles per program: keep the rows per program the same
     if sw.soft_exp == 1 and sw.num_stages is None:

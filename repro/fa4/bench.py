@@ -179,7 +179,7 @@ def full(out_dir: Path | None, seqlens, ablate_passes=("fwd",), budget: Budget |
             for passes in ("fwd", "fwd+bwd"):
                 impls = [("compare", "fa4-triton", ours(q, k, v, causal, {}), (q, k, v))]
                 impls += [("compare", "fa4-triton-tma", ours(q, k, v, causal, {"tma": True}), (q, k, v))]
-                # the warp-specialised Gluon forward (its backward is the Triton one)
+                # the warp-specialised Gluon forward (its backward: what bwd="auto" picks, Gluon on Hopper)
                 impls += [("compare", "fa4-gluon", ours(q, k, v, causal, OURS_GLUON), (q, k, v))]
                 impls += [
                     ("compare", f"sdpa-{be}", sdpa(qt, kt, vt, causal, be), (qt, kt, vt))

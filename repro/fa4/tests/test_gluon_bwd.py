@@ -169,7 +169,7 @@ def test_auto_backward_picks_gluon_only_on_hopper(device, cap, dtype, d, causal,
 
 @pytest.mark.parametrize("s_q", [1, 64, 113, 1000, 2048])
 def test_pad_stats_aligns_every_tma_box(s_q):
-    """PAD_STATS: each head's LSE / delta row padded to whole 64-entry tiles, values kept, so that the
+    """pad_stats: each head's LSE / delta row padded to whole 64-entry tiles, values kept, so that the
     start (b H + h) S_stat + m of every 1-D TMA box is a multiple of 16 bytes; rows already whole are
     passed through as they are."""
     lse, delta = torch.randn(2, 3, s_q), torch.randn(2, 3, s_q)
