@@ -21,6 +21,7 @@ from paperclub.bench import load_results as load_bench_results
 from paperclub.bench import markdown_table
 from paperclub.claims import GPU_CHECKS_NAME, NOT_RUN, FunctionGroup, summary
 from paperclub.content import Content, Paper, Repro, Session, split_slides
+from paperclub.results_log import results_log_page
 from paperclub.slides import render_deck
 
 SOURCE_SUFFIXES = {".py", ".yaml", ".md"}
@@ -94,6 +95,7 @@ def generate(content: Content, *, render_notebook=None) -> Site:
         if repro.planned:
             continue
         site.pages[f"repro/{name}.md"] = repro_page(content, repro, site)
+        site.pages[f"repro/{name}/results-log.md"] = results_log_page(name, repro.path / "results")
         extra = sorted((root / "tests" / "nanoparallel").rglob("*")) if name == "nanoparallel" else []
         for path in sorted(repro.path.rglob("*")) + extra:
             if path.is_file() and path.suffix in SOURCE_SUFFIXES and "__pycache__" not in path.parts:
@@ -544,6 +546,7 @@ def repro_page(content: Content, repro: Repro, site: Site) -> str:
         lines += ["## Claims", "", claims_table(content, claims, uri), ""]
     bench = bench_sections(content, repro, site, uri, level=3)
     lines += ["## Benchmarks", "", bench or "No benchmark results have been committed yet.", ""]
+    lines += [f"The history of the runs, newest first: [results log]({repro.name}/results-log.md).", ""]
     if repro.walkthrough is not None:
         lines += ["## Walkthrough", "", f"[Open the walkthrough]({repro.name}/walkthrough.md).", ""]
     return "\n".join(lines) + "\n"
@@ -883,6 +886,8 @@ def _site_uri_for(repo_path: str, root: Path, known: set[str]) -> str | None:
         if repo_path.endswith(".ipynb"):
             candidates.append(f"repro/{parts[-2]}/walkthrough.md")
         name = "nanoparallel" if parts[0] == "nanoparallel" else (parts[1] if len(parts) > 1 else "")
+        if "results" in parts:  # the folder or a file in it: the results log names every file
+            candidates.append(f"repro/{name}/results-log.md")
         if (root / repo_path).is_dir() or len(parts) <= 2:
             candidates.append(f"repro/{name}.md")
         if parts[-1] == "results" or "results" in parts:

@@ -1,6 +1,7 @@
-"""Triton kernels: one attention forward with FA4's ideas as compile-time switches, and a backward.
+"""The Triton forward: one attention kernel with FA4's two forward ideas as compile-time switches
+(zadouri2026flashattention4, contribution 2), and its launcher.
 
-Forward (``_fwd_kernel``), per query tile of BLOCK_M rows, over key blocks of BLOCK_N:
+``_fwd_kernel``, per query tile of BLOCK_M rows, over key blocks of BLOCK_N:
     S = Q K^T * scale * log2(e)                      (base-2 logits, as FA2-4 do)
     m_cand = max(m, rowmax S)
     LAZY_RESCALE: move m (and multiply O, l by 2^(m - m_cand)) only if some row of the tile
@@ -12,20 +13,24 @@ Schedule switches (what Triton on Hopper can express):
     USE_TMA:  K/V tiles through the tensor-memory-accelerator copy engine (host tensor descriptors);
     PINGPONG: each program owns two query tiles and interleaves their softmax / matmuls over one
               load of K and V (FA3/FA4 ping-pong between warpgroups is not expressible: Triton gives
-              no named barriers or per-warpgroup roles; this is the closest single-program form);
+              no named barriers or per-warpgroup roles; this is the closest single-program form;
+              ``repro.fa4.gluon_fwd`` has the real one);
     WARP_SPEC: ``tl.range(..., warp_specialize=True)`` (Triton 3.6's automatic partitioning into
               load / MMA / softmax warps; on Hopper through its experimental pass);
     PERSISTENT: a grid of about one program per SM looping over tiles, heaviest causal tiles first;
     num_stages: the software-pipelining depth of K/V loads (launch option).
 Tensor memory, 2-CTA MMA and fully asynchronous tcgen05 MMA are Blackwell hardware: not here.
 
-Backward: FA2's two-kernel form recomputing P from the saved log-sum-exp (base 2): one kernel per
-key block accumulating dK, dV over all query heads of its KV group (no atomics for GQA), one per
-query block accumulating dQ. Layout is [B, S, H, D] everywhere; LSE is [B, H, S_q] float32.
+Layout is [B, S, H, D] everywhere; LSE is [B, H, S_q] float32 in base 2 (m + log2 l), what every
+backward of this package reads. :func:`triton_forward` launches the kernel with a resolved
+``repro.fa4.api.Switches`` (``api.resolve`` fills the launch shape from FWD_DEFAULTS).
 """
 
 from __future__ import annotations
 
+import math
+
+import torch
 import triton
 import triton.language as tl
 
@@ -37,6 +42,12 @@ _C1 = tl.constexpr(EXP2_POLY3[1])
 _C2 = tl.constexpr(EXP2_POLY3[2])
 _C3 = tl.constexpr(EXP2_POLY3[3])
 _XMIN = tl.constexpr(EXP2_MIN_INPUT)
+
+#: Launch shape per head dim, (block_m, block_n, num_warps, num_stages): tuned on one H100
+#: (repro/fa4/results/*-autotune.json, S = 8192; ``python -m repro.fa4.lab.tuning launch``).
+FWD_DEFAULTS = {64: (128, 128, 8, 3), 128: (128, 128, 8, 3)}
+#: The interpreter's launch (and any other head dim's): small tiles keep the CPU tests fast.
+FWD_INTERPRET = (16, 16, 4, 1)
 
 
 patch_interpreter()  # loops over run-time bounds and bf16 under the CPU interpreter
@@ -348,153 +359,47 @@ def _fwd_kernel(
         )  # fmt: skip
 
 
-# ---------------------------------------------------------------------------------------------
-# Backward
-# ---------------------------------------------------------------------------------------------
+_SM_COUNT: dict[int, int] = {}
 
 
-@triton.jit
-def _bwd_dkdv_kernel(
-    Q,
-    K,
-    V,
-    DO,
-    LSE,
-    DELTA,
-    DK,
-    DV,
-    stride_qb,
-    stride_qs,
-    stride_qh,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_dkb,
-    stride_dks,
-    stride_dkh,
-    H,
-    H_KV,
-    GROUP,
-    S_Q,
-    S_K,
-    qk_scale,
-    sm_scale,
-    D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
-):
-    """dV = sum_i P^T dO, dK = scale * sum_i dS^T Q for one key block, over every query head of the
-    KV group (GQA without atomics). Works on transposed tiles (keys as rows) to avoid transposes.
-    Q and DO share strides (both [B, S_q, H, D] contiguous); K, V, DK, DV share theirs."""
-    n_block = tl.program_id(0)
-    bhk = tl.program_id(1)
-    off_b = bhk // H_KV
-    off_hk = bhk % H_KV
-    offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D)
-    offs_m0 = tl.arange(0, BLOCK_M)
-    n_ok = offs_n[:, None] < S_K
-    kv_off = off_b * stride_kb + off_hk * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :]
-    k = tl.load(K + kv_off, mask=n_ok, other=0.0)
-    v = tl.load(V + kv_off, mask=n_ok, other=0.0)
-    dk = tl.zeros([BLOCK_N, D], tl.float32)
-    dv = tl.zeros([BLOCK_N, D], tl.float32)
-    diag = S_K - S_Q
-    # First query row that can see this key block (causal): i + diag >= n_block * BLOCK_N.
-    if CAUSAL:
-        m_lo = tl.maximum(n_block * BLOCK_N - diag, 0)
-        m_lo = (m_lo // BLOCK_M) * BLOCK_M
+def triton_forward(q, k, v, causal: bool, scale: float, sw, count: bool = False):
+    """Run ``_fwd_kernel``: returns (o [B, S_q, H, D], lse [B, H, S_q] fp32 base 2, counts int32).
+
+    q: [B, S_q, H, D], k, v: [B, S_k, H_kv, D]; ``sw`` a resolved Switches (launch shape filled in);
+    ``count``: the kernel also counts, per query tile, its key-block steps and rescales (counts has
+    2 entries per tile then, else 2 unused)."""
+    b, s_q, h, d = q.shape
+    s_k, h_kv = k.shape[1], k.shape[2]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    o = torch.empty_like(q)
+    lse = torch.empty(b, h, s_q, device=q.device, dtype=torch.float32)
+    tile = sw.block_m * (2 if sw.pingpong else 1)
+    n_m = triton.cdiv(s_q, tile)
+    counts = torch.zeros(2 * n_m * b * h if count else 2, device=q.device, dtype=torch.int32)
+    if sw.persistent:
+        if q.device.type == "cuda":
+            idx = q.device.index or 0
+            if idx not in _SM_COUNT:
+                _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+            n_prog = _SM_COUNT[idx]
+        else:
+            n_prog = 4
+        grid = (min(n_prog, n_m * b * h),)
     else:
-        m_lo = 0
-    for g in range(0, GROUP):
-        off_h = off_hk * GROUP + g
-        q_head = off_b * stride_qb + off_h * stride_qh
-        stat_base = (off_b * H + off_h) * S_Q
-        for start_m in range(m_lo, S_Q, BLOCK_M):
-            offs_m = start_m + offs_m0
-            m_ok = offs_m[None, :] < S_Q
-            qT = tl.load(Q + q_head + offs_m[None, :] * stride_qs + offs_d[:, None], mask=m_ok, other=0.0)
-            doT = tl.load(DO + q_head + offs_m[None, :] * stride_qs + offs_d[:, None], mask=m_ok, other=0.0)
-            lse = tl.load(LSE + stat_base + offs_m, mask=offs_m < S_Q, other=0.0)
-            delta = tl.load(DELTA + stat_base + offs_m, mask=offs_m < S_Q, other=0.0)
-            sT = tl.dot(k, qT) * qk_scale  # [BLOCK_N, BLOCK_M]
-            pT = tl.math.exp2(sT - lse[None, :])
-            ok = m_ok & n_ok
-            if CAUSAL:
-                ok = ok & (offs_n[:, None] <= offs_m[None, :] + diag)
-            pT = tl.where(ok, pT, 0.0)
-            dv = tl.dot(pT.to(doT.dtype), tl.trans(doT), dv)
-            dpT = tl.dot(v, doT)
-            dsT = pT * (dpT - delta[None, :])
-            dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk)
-    dk_off = off_b * stride_dkb + off_hk * stride_dkh + offs_n[:, None] * stride_dks + offs_d[None, :]
-    tl.store(DK + dk_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=n_ok)
-    tl.store(DV + dk_off, dv.to(DV.dtype.element_ty), mask=n_ok)
+        grid = (n_m, b * h)
+    kk, vv = k, v
+    if sw.tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
 
-
-@triton.jit
-def _bwd_dq_kernel(
-    Q,
-    K,
-    V,
-    DO,
-    LSE,
-    DELTA,
-    DQ,
-    stride_qb,
-    stride_qs,
-    stride_qh,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    H,
-    GROUP,
-    S_Q,
-    S_K,
-    qk_scale,
-    sm_scale,
-    D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
-):
-    """dQ = scale * sum_j dS K for one query block; dS = P * (dP - delta), dP = dO V^T.
-    Q, DO and DQ share strides; K and V share theirs."""
-    m_block = tl.program_id(0)
-    bh = tl.program_id(1)
-    off_b = bh // H
-    off_h = bh % H
-    off_hk = off_h // GROUP
-    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D)
-    offs_n0 = tl.arange(0, BLOCK_N)
-    m_ok = offs_m[:, None] < S_Q
-    q_off = off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :]
-    q = tl.load(Q + q_off, mask=m_ok, other=0.0)
-    do = tl.load(DO + q_off, mask=m_ok, other=0.0)
-    stat_base = (off_b * H + off_h) * S_Q
-    lse = tl.load(LSE + stat_base + offs_m, mask=offs_m < S_Q, other=0.0)
-    delta = tl.load(DELTA + stat_base + offs_m, mask=offs_m < S_Q, other=0.0)
-    dq = tl.zeros([BLOCK_M, D], tl.float32)
-    diag = S_K - S_Q
-    if CAUSAL:
-        hi = tl.minimum((m_block + 1) * BLOCK_M + diag, S_K)
-    else:
-        hi = S_K
-    kv_head = off_b * stride_kb + off_hk * stride_kh
-    for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + offs_n0
-        n_ok = offs_n[None, :] < S_K
-        kT = tl.load(K + kv_head + offs_n[None, :] * stride_ks + offs_d[:, None], mask=n_ok, other=0.0)
-        vT = tl.load(V + kv_head + offs_n[None, :] * stride_ks + offs_d[:, None], mask=n_ok, other=0.0)
-        s = tl.dot(q, kT) * qk_scale
-        p = tl.math.exp2(s - lse[:, None])
-        ok = m_ok & n_ok
-        if CAUSAL:
-            ok = ok & (offs_n[None, :] <= offs_m[:, None] + diag)
-        p = tl.where(ok, p, 0.0)
-        dp = tl.dot(do, vT)
-        ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq)
-    tl.store(DQ + q_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=m_ok)
+        kk, vv = (TensorDescriptor.from_tensor(t.view(b * s_k, h_kv * d), [sw.block_n, d]) for t in (k, v))
+    _fwd_kernel[grid](
+        q, kk, vv, o, lse, counts,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
+        b, h, h // h_kv, s_q, s_k, scale / math.log(2.0), n_m,
+        D=d, BLOCK_M=sw.block_m, BLOCK_N=sw.block_n, CAUSAL=causal,
+        LAZY_RESCALE=sw.lazy_rescale, RESCALE_TAU=float(sw.rescale_threshold), SOFT_EXP=sw.soft_exp,
+        PINGPONG=sw.pingpong, WARP_SPEC=sw.warp_specialize, PERSISTENT=sw.persistent, COUNT=count, USE_TMA=sw.tma,
+        num_warps=sw.num_warps, num_stages=sw.num_stages,
+    )  # fmt: skip
+    return o, lse, counts

@@ -4,7 +4,7 @@
 # .whl/fa4rest. The first call of the pair must have left the other half of the CuTe-DSL runtime
 # tarball at /root/cx/cxpart.aa:  mkdir -p /root/cx && cp .whl/cx1/cxpart.aa /root/cx/
 # Writes under $OUT: run.log, <device>-fa4-smoke.json, <device>-peer.json, ncu-raw.csv,
-# ncu-details.csv, ncu.log. Every step runs under `timeout`, capped so that the whole call ends
+# ncu-details.csv, ncu.log (bash repro/fa4/lab/gpu_run_peer.sh, from the repository root). Every step runs under `timeout`, capped so that the whole call ends
 # within BUDGET seconds.
 set -o pipefail
 BUDGET=${BUDGET:-520}
@@ -56,7 +56,7 @@ for name in ("flash-attn-4", "nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-base
 EOF
 
 step "flash-attn-4 smoke test (one small shape, vs float64)"
-timeout "$(cap 180 300)" python3 -m repro.fa4.bench --fa4-smoke --out "$OUT"
+timeout "$(cap 180 300)" python3 -m repro.fa4.bench --only fa4-smoke --out "$OUT"
 smoke=$?
 echo "smoke exit status: $smoke (0 ran, 3 did not import/compile/run, 124 timed out)"
 # A failure is the answer and could leave a broken CUDA context: leave flash-attn-4 out from here on.
@@ -65,39 +65,17 @@ nofa4=()
 if [ "$smoke" -ne 0 ] && [ "$smoke" -ne 124 ]; then nofa4=(--no-fa4); fi
 
 step "benchmark rows: flash-attn-4, cuDNN, ours (TMA on), S = 1k..16k, causal and not ${nofa4[*]}"
-timeout "$(cap 330 60)" python3 -m repro.fa4.bench --peer "${nofa4[@]}" --out "$OUT"
+timeout "$(cap 330 60)" python3 -m repro.fa4.bench --only peer "${nofa4[@]}" --out "$OUT"
 echo "peer bench exit status: $?"
 
 step "Nsight Compute: one forward each at S = 8k, non-causal"
-NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
-if [ -z "$NCU" ]; then
-  echo "ncu not found" | tee "$OUT/ncu.log"
-else
-  sections=(--section SpeedOfLight --section LaunchStats --section Occupancy --section ComputeWorkloadAnalysis
-    --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis)
-  pct=avg.pct_of_peak_sustained_active
-  extra=(--metrics "sm__pipe_tensor_cycles_active.$pct,sm__inst_executed_pipe_tensor_op_gmma.$pct,sm__pipe_xu_cycles_active.$pct,sm__pipe_fma_cycles_active.$pct,sm__pipe_alu_cycles_active.$pct,sm__inst_executed_pipe_xu.$pct")
-  # flash-attn-4 only where the smoke test passed: a hang or crash would lose the whole report.
-  ncu_nofa4=(--no-fa4)
-  if [ "$smoke" -eq 0 ]; then ncu_nofa4=(); fi
-  rep=/tmp/fa4-ncu
-  rm -f $rep.ncu-rep
-  timeout "$(cap 120 20)" "$NCU" --profile-from-start off --clock-control none "${sections[@]}" "${extra[@]}" \
-    -f -o $rep python3 -m repro.fa4.bench --ncu-target "${ncu_nofa4[@]}" >"$OUT/ncu.log" 2>&1
-  echo "ncu exit status: $?"
-  if [ ! -s $rep.ncu-rep ]; then  # an unknown metric name fails the whole run: retry with the sections alone
-    echo "retrying without the extra metrics" | tee -a "$OUT/ncu.log"
-    timeout "$(cap 90 15)" "$NCU" --profile-from-start off --clock-control none "${sections[@]}" \
-      -f -o $rep python3 -m repro.fa4.bench --ncu-target "${ncu_nofa4[@]}" >>"$OUT/ncu.log" 2>&1
-  fi
-  tail -20 "$OUT/ncu.log"
-  if [ -s $rep.ncu-rep ]; then
-    timeout "$(cap 30)" "$NCU" --import $rep.ncu-rep --csv --print-units base --page raw >"$OUT/ncu-raw.csv" \
-      || timeout "$(cap 30)" "$NCU" --import $rep.ncu-rep --csv --page raw >"$OUT/ncu-raw.csv"
-    timeout "$(cap 30)" "$NCU" --import $rep.ncu-rep --csv --page details >"$OUT/ncu-details.csv"
-    timeout "$(cap 30)" python3 -m repro.fa4.bench --ncu-summary "$OUT/ncu-raw.csv"
-  fi
-fi
+# flash-attn-4 only where the smoke test passed: a hang or crash would lose the whole report.
+ncu_nofa4=(--no-fa4)
+if [ "$smoke" -eq 0 ]; then ncu_nofa4=(); fi
+# paperclub.lab.run_ncu: finds ncu, profiles `python -m repro.fa4.lab.ncu --target`, retries without the
+# extra pipe metrics if ncu refuses one, exports ncu-raw.csv / ncu-details.csv and prints the summary
+timeout "$(cap 200 10)" python3 -m repro.fa4.lab.ncu --out "$OUT" --timeout-s "$(cap 120 20)" "${ncu_nofa4[@]}"
+echo "ncu exit status: $?"
 step "done"
 ls -la "$OUT"
 sleep 1  # let tee write the last lines of run.log

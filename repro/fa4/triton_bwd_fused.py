@@ -1,6 +1,6 @@
 """A one-pass attention backward for Hopper: FlashAttention-3's schedule in Triton (``bwd="fused"``).
 
-The FA2-style backward beside it (``kernels._bwd_dkdv_kernel`` + ``kernels._bwd_dq_kernel``)
+The FA2-style backward beside it (``repro.fa4.triton_bwd``)
 recomputes S = Q K^T and dP = dO V^T twice, once per kernel: 7 matmuls per (query tile, key block).
 FlashAttention-3 (shah2024flashattention3, the backward section) does it in one pass with 5:
 
@@ -52,11 +52,11 @@ patch_interpreter()  # loops over run-time bounds and bf16 under the CPU interpr
 #: name -> (block_m, block_n, num_warps, num_stages, tma, dq_tma).
 #: FA3 on sm_90 uses 64 x 128 (causal) / 80 x 128 (not) at D = 128 and 128 x 128 at D = 64, with two
 #: MMA warpgroups (8 warps) and 2-stage Q/dO pipelining; 80 is not a power of two (Triton needs one).
-#: Offline sm_90a compiles (``python -m repro.fa4.bwd_fused``) all hit ptxas's 255 registers at D = 128
+#: Offline sm_90a compiles (``repro.fa4.lab.compile``, kernel "fused") all hit ptxas's 255 registers at D = 128
 #: and spill: 64 x 128, 8 warps, 2 stages about 630-780 bytes; 32 x 128 about 320; 64 x 64 with 4 warps
 #: 1300-1600; 128 x 128 needs 263 KB of shared memory (more than the 227 KB an H100 gives a block) and is
 #: left out. At D = 64 64 x 128 spills 60-150 bytes, 32 x 128 none. Which costs least is for the GPU
-#: sweep (``bench.py --bwd-sweep``, ``.gpu/fa4_bwd_smoke.py``) to say; FUSED_DEFAULTS holds the pick.
+#: sweep (``python -m repro.fa4.lab.tuning bwd-fused``) to say; FUSED_DEFAULTS holds the pick.
 FUSED_CONFIGS: dict[str, tuple[int, int, int, int, bool, bool]] = {
     "m64-n128-w8-s2-tma": (64, 128, 8, 2, True, False),
     "m64-n128-w8-s2-tma-dqtma": (64, 128, 8, 2, True, True),
@@ -258,77 +258,3 @@ def backward_fused(
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return dq_acc.to(q.dtype), dk, dv
-
-
-# ---------------------------------------------------------------------------------------------
-# Offline compile for sm_90a (no GPU): shared memory, registers, spills, wgmma / TMA / atomics in PTX
-# ---------------------------------------------------------------------------------------------
-
-
-def compile_for_sm90(d: int, causal: bool, block_m: int, block_n: int, num_warps: int, num_stages: int,
-                     tma: bool, dq_tma: bool = False, dtype: str = "bf16"):  # fmt: skip
-    """The fused kernel compiled for sm_90a without a GPU; returns Triton's CompiledKernel."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    qdesc = f"tensordesc<{dtype}[{block_m}, {d}]>" if tma else f"*{dtype}"
-    signature = {
-        "Q": qdesc, "K": f"*{dtype}", "V": f"*{dtype}", "DO": qdesc, "LSE": "*fp32", "DELTA": "*fp32",
-        "DQACC": f"tensordesc<fp32[{block_m}, {d}]>" if dq_tma else "*fp32", "DK": f"*{dtype}", "DV": f"*{dtype}",
-        **{n: "i32" for n in ("stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh")},
-        "H": "i32", "H_KV": "i32", "GROUP": "i32", "S_Q": "i32", "S_K": "i32", "qk_scale": "fp32",
-        "sm_scale": "fp32", "D": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-        "CAUSAL": "constexpr", "USE_TMA": "constexpr", "DQ_TMA": "constexpr",
-    }  # fmt: skip
-    constexprs = {
-        "D": d,
-        "BLOCK_M": block_m,
-        "BLOCK_N": block_n,
-        "CAUSAL": causal,
-        "USE_TMA": tma,
-        "DQ_TMA": dq_tma,
-    }
-    src = ASTSource(_bwd_fused_kernel, signature, constexprs=constexprs)
-    return triton.compile(
-        src, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=num_warps, num_stages=num_stages)
-    )
-
-
-def compile_report(configs=None, dims=(128, 64)) -> list[dict]:
-    """Offline sm_90a compile of each fused configuration at each D, causal and not: shared memory,
-    ptxas registers and spills, and whether the PTX has wgmma, TMA loads and vector atomics."""
-    import re
-
-    from paperclub.triton_compat import ptxas_usage
-
-    rows = []
-    for name, cfg in (configs or FUSED_CONFIGS).items():
-        for d in dims:
-            for causal in (False, True):
-                row = dict(config=name, d=d, causal=causal)
-                try:
-                    c = compile_for_sm90(d, causal, *cfg)
-                    ptx = c.asm["ptx"]
-                    row.update(
-                        shared=c.metadata.shared,
-                        wgmma=len(re.findall(r"wgmma\.mma_async", ptx)),
-                        tma_loads=len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
-                        tma_reduces=len(re.findall(r"cp\.reduce\.async\.bulk\.tensor", ptx)),
-                        atomics=sorted(set(re.findall(r"\b(?:red|atom)\.global[\w.]*", ptx))),
-                        atomic_instrs=len(re.findall(r"\b(?:red|atom)\.global", ptx)),
-                        **ptxas_usage(ptx),
-                    )
-                except Exception as exc:  # report it: the caller decides
-                    row["error"] = f"{type(exc).__name__}: {exc}"[-2000:]
-                rows.append(row)
-                print(row, flush=True)
-    return rows
-
-
-if __name__ == "__main__":
-    import json
-    import sys
-
-    # python -m repro.fa4.bwd_fused [config names...]: offline sm_90a compile report (no GPU needed)
-    names = sys.argv[1:] or list(FUSED_CONFIGS)
-    print(json.dumps(compile_report({n: FUSED_CONFIGS[n] for n in names})))

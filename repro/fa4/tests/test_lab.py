@@ -1,0 +1,138 @@
+"""fa4's lab tools and the package's structure: the sweeps build valid configs, the GPU sweep's rows
+read as a Report, the fingerprint comparison says what differs, and the fast path never imports the
+lab or the tests (nor do its modules import each other in a cycle)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from paperclub import ROOT
+from repro.fa4.api import Switches, resolve
+from repro.fa4.lab import fingerprints, gluon_bwd_sweep, tuning
+
+FA4 = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("plan", ["GLUON_SWEEP", "GLUON_COMBOS"])
+def test_gluon_sweep_plan_is_small_and_valid(plan):
+    from repro.fa4.gluon_fwd import KNOBS, _constexprs
+
+    steps = tuning.gluon_sweep_plan(plan=getattr(tuning, plan))
+    shapes = {(s, c) for s, c, _, _ in steps}
+    assert len(shapes) == 6 and len(steps) + len(shapes) <= 66  # + one cuDNN row per shape
+    if plan == "GLUON_SWEEP":
+        assert any(kw.get("num_consumers") == 1 for *_, kw in steps)
+    for *_, kw in steps:  # every setting is one the launcher accepts, and its row names every knob it sets
+        st = tuning.gluon_settings(kw)
+        assert set(kw) <= set(st)
+        cx = _constexprs(128, False, st["lazy_rescale"], 8.0, st["num_consumers"], st["pingpong_sync"],
+                         **{k: st[k] for k in KNOBS})  # fmt: skip
+        assert (cx["BLOCK_N"], cx["NUM_STAGES"]) == (st["block_n"], st["num_stages"])
+
+
+def test_backward_and_launch_sweeps_build_valid_configs():
+    """Every config a sweep times resolves (an unknown field or a refused combination fails here, not
+    on the GPU); the dQ sweep is the default Gluon backward against its atomic cross-check."""
+    configs = [*tuning.fused_configs().values(), *tuning.dq_configs().values()]
+    configs += [c for group in tuning.launch_configs().values() for c in group.values()]
+    for cfg in configs:
+        assert isinstance(cfg, Switches) and resolve(cfg, 128, False).bwd_block_m
+    dq = tuning.dq_configs()
+    assert list(dq) == ["gluonbwd", "dqatomic"] and dq["dqatomic"].bwd_dq_tma is False
+    assert dq["gluonbwd"].bwd == "gluon" and dq["gluonbwd"].bwd_dq_tma is None  # None: gluon_bwd.DQ_TMA
+
+
+def test_sweep_report_rows():
+    """The GPU sweep's rows become a Report: a fault is named as such, a shape that ran keeps its error,
+    a group the budget did not reach stays one row; the boundary shapes are valid matrix rows."""
+    rows = [
+        {"d": 128, "causal": False, "dtype": "bf16", "fwd": "gluon", "dq": "tma", "shape": 0,
+         "B_Sq_Sk_H_Hkv": [1, 1, 1, 8, 2], "status": "failed (exit 1)",
+         "error": "...Search for `cudaErrorIllegalInstruction' in ..."},
+        {"d": 128, "causal": False, "dtype": "bf16", "fwd": "gluon", "dq": "atomic", "shape": 2,
+         "B_Sq_Sk_H_Hkv": [2, 1000, 1000, 8, 8], "status": "ran", "rel_err_vs_fa2": 7.5e-5},
+        {"d": 64, "causal": True, "dtype": "fp16", "fwd": "gluon", "status": "not run: budget"},
+    ]  # fmt: skip
+    rep = gluon_bwd_sweep.sweep_report(rows, "test", measure_ceilings=False)
+    assert [r["status"] for r in rep.rows] == [
+        "failed (exit 1): an illegal instruction",
+        "ran",
+        "not run: budget",
+    ]
+    assert (
+        rep.rows[1]["S_q"] == 1000 and rep.rows[1]["rel_err_vs_fa2"] == 7.5e-5 and rep.rows[2]["S_q"] is None
+    )
+    assert [r["dq"] for r in rep.rows] == [
+        "tma",
+        "atomic",
+        "atomic",
+    ]  # rows from before the dQ choice: atomic
+    assert all(len(s) == 5 and s[3] % s[4] == 0 for s in gluon_bwd_sweep.BOUNDARY_SHAPES)
+    assert len(gluon_bwd_sweep.matrix_shapes()) == 7
+
+
+def test_fingerprint_comparison_names_what_differs():
+    a = [{"name": "fwd", "d": 128, "dtype": "bf16", "causal": False, "kernel": "_fwd_kernel", "ptx_sha": "1",
+          "sass_sha": "2", "registers": 200, "spill_stores": 0, "shared": 10}]  # fmt: skip
+    same, differ = fingerprints.compare(a, [dict(a[0])])
+    assert differ == 0 and "| same |" in same
+    table, differ = fingerprints.compare(a, [{**a[0], "sass_sha": "3", "registers": 201}])
+    assert differ == 1 and "DIFFERENT" in table and "2 -> 3" in table and "200 -> 201" in table
+    table, differ = fingerprints.compare(a, [])
+    assert differ == 1 and "missing" in table
+    kinds = {c["kernel"] for c in fingerprints.CASES}
+    assert kinds == {"fwd", "bwd_dkdv", "bwd_dq", "preprocess", "fused", "gluon_fwd", "gluon_bwd"}
+    assert len({fingerprints.key(c) for c in fingerprints.CASES}) == len(fingerprints.CASES)
+
+
+def _imports(path: Path) -> set[str]:
+    """The repro.fa4 modules ``path`` imports (at any depth of the file)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("repro.fa4"):
+            out.add(node.module)
+            out |= {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("repro.fa4")}
+    return out
+
+
+def test_fast_path_imports_no_lab_no_tests_and_no_cycle():
+    """The package's modules (not lab/, not tests/) import neither, and their import graph has no
+    cycle: the files read top to bottom, stage by stage."""
+    modules = {f"repro.fa4.{p.stem}": p for p in FA4.glob("*.py") if p.stem not in ("__init__", "bench")}
+    graph = {}
+    for name, path in modules.items():
+        deps = _imports(path)
+        assert not any(".lab" in d or ".tests" in d for d in deps), f"{name} imports {sorted(deps)}"
+        graph[name] = {d for d in deps if d in modules and d != name}
+    done, stack = set(), []
+
+    def visit(n):
+        assert n not in stack, f"import cycle: {' -> '.join([*stack[stack.index(n) :], n])}"
+        if n in done:
+            return
+        stack.append(n)
+        for m in graph[n]:
+            visit(m)
+        stack.pop()
+        done.add(n)
+
+    for n in graph:
+        visit(n)
+    # and at run time: importing the package and running its entry points' imports loads neither
+    code = (
+        "import sys, repro.fa4, repro.fa4.api, repro.fa4.triton_fwd, repro.fa4.triton_bwd, "
+        "repro.fa4.triton_bwd_fused, repro.fa4.gluon_fwd, repro.fa4.gluon_bwd; "
+        "bad = [m for m in sys.modules if m.startswith(('repro.fa4.lab', 'repro.fa4.tests'))]; "
+        "assert not bad, bad"
+    )
+    env_path = f"{ROOT / 'site'}:{ROOT}"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin"})  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
