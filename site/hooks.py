@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "site"))  # paperclub works even when the project is not installed
 
 from paperclub.content import load  # noqa: E402
-from paperclub.notebooks import render_notebook  # noqa: E402
+from paperclub.notebooks import NotebookError, render_notebook  # noqa: E402
 from paperclub.sitegen import generate, rewrite_links  # noqa: E402
 
 log = logging.getLogger("mkdocs.hooks.paperclub")
@@ -60,7 +60,10 @@ def on_files(files: Files, config) -> Files:
         raise PluginError(
             f"vendored front-end assets are missing ({missing[0]} ...): run 'bash .ci/setup' (npm install in site/vendor)"
         )
-    site = generate(_state["content"], render_notebook=render_notebook)
+    try:
+        site = generate(_state["content"], render_notebook=render_notebook)
+    except NotebookError as exc:  # one line naming the notebook and the cell, not nbclient's traceback
+        raise PluginError(f"walkthrough failed: {exc}") from None
     _state["site"] = site
     for uri, text in site.pages.items():
         if files.get_file_from_path(uri) is not None:
