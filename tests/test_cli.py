@@ -133,7 +133,7 @@ def test_check_validates_the_clone_you_stand_in(second_clone, tmp_path):
         assert result.returncode == 1, f"from {cwd}:\n{result.stdout}{result.stderr}"
         new = _errors(result) - _errors(pristine)
         assert new == {
-            f"error: {MEGABLOCKS}: field 'date': '2026-13-45' is not a real date; "
+            f"error: {MEGABLOCKS}:2: field 'date': '2026-13-45' is not a real date; "
             "write YYYY-MM-DD, or YYYY-MM when only the month is known"
         }, result.stderr
         # one mistake, one message: the paper page listing the session is not told the folder is missing

@@ -6,6 +6,7 @@ Required fields for every entry: title, author, year, url; arXiv entries (those 
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,8 @@ import bibtexparser
 from bibtexparser import middlewares as mw
 
 REQUIRED = ("title", "author", "year", "url")
+# bibtexparser logs each block it cannot parse; load_bibliography reports it once, with its line
+logging.getLogger("bibtexparser").setLevel(logging.CRITICAL)
 ARXIV_ID = re.compile(r"^\d{4}\.\d{4,5}(v\d+)?$")
 KEY = re.compile(r"^[a-z][a-z0-9]*$")
 

@@ -62,10 +62,23 @@ def resolve_root(arg: str | None) -> Path:
     return root
 
 
+WARNINGS_PER_FILE = 3  # the rest of a file's warnings are counted (paperclub check --all to list them)
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     from paperclub.content import load
 
     content, problems = load(args.root)
+    shown: dict[str, int] = {}
+    hidden: dict[str, int] = {}
+    for w in content.warnings:
+        if args.all or shown.get(w.file, 0) < WARNINGS_PER_FILE:
+            shown[w.file] = shown.get(w.file, 0) + 1
+            print(f"warning: {w}", file=sys.stderr)
+        else:
+            hidden[w.file] = hidden.get(w.file, 0) + 1
+    for file, n in hidden.items():
+        print(f"warning: {file}: {n} more like these ('paperclub check --all' lists them)", file=sys.stderr)
     if problems:
         for p in problems:
             print(f"error: {p}", file=sys.stderr)
@@ -78,7 +91,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     print(
         f"ok: {len(content.sessions)} sessions, {len(content.papers)} papers, {len(content.bib)} bib entries, "
         f"{len([r for r in content.repros.values() if not r.planned])} reproductions, {n_claims} claims "
-        f"(in {args.root})"
+        f"(in {args.root})" + (f"; {len(content.warnings)} warning(s)" if content.warnings else "")
     )
     return 0
 
@@ -253,7 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
         "as the first folder with mkdocs.yml and sessions/)",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("check", help="validate all content").set_defaults(func=cmd_check)
+    check = sub.add_parser("check", help="validate all content (each mistake with its file and line)")
+    check.add_argument("--all", action="store_true", help="list every warning, not the first few per file")
+    check.set_defaults(func=cmd_check)
     claims = sub.add_parser(
         "claims", help="list every claim and the last status of its tests on CPUs and on a GPU"
     )
