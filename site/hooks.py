@@ -5,13 +5,15 @@
 * ``on_files``: add the generated pages (sessions, papers, reproductions, claims, benchmarks,
   bibliography, tags, source views, notebooks), slide decks, plots and the vendored front-end assets.
 * ``on_page_markdown``: point links that content writes relative to its place in the repository at
-  the matching pages of the site.
+  the matching pages of the site (links to code by symbol resolve to the definition's line).
+* ``on_page_content``: register the source pages' line anchors, which mkdocs does not see.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -83,6 +85,14 @@ def on_files(files: Files, config) -> Files:
         )
     _state["known"] = {f.src_uri for f in files}
     return files
+
+
+def on_page_content(html: str, page, config, files) -> str:
+    """A source page's line anchors come from the highlighter after mkdocs collected the page's anchors:
+    register them, so that links to a symbol's line are checked against them and not reported missing."""
+    if page.file.src_uri.startswith("source/") and page.present_anchor_ids is not None:
+        page.present_anchor_ids.update(re.findall(r'id="(__codelineno-[\d-]+)"', html))
+    return html
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:

@@ -20,6 +20,7 @@ from pathlib import Path
 from paperclub.bench import load_results as load_bench_results
 from paperclub.bench import markdown_table
 from paperclub.claims import GPU_CHECKS_NAME, NOT_RUN, FunctionGroup, summary
+from paperclub.codelinks import line_for_fragment
 from paperclub.content import Content, Paper, Repro, Session, split_slides
 from paperclub.slides import render_deck
 
@@ -815,8 +816,9 @@ def rewrite_links(
 ) -> str:
     """Point links that content writes relative to its file in the repository at the site's pages.
 
-    A paper page may link ``../repro/kda/chunk.py#L10-L20``; on the site that is the source page
-    of chunk.py at line 10. Links to sessions, papers and repro folders map to their pages.
+    A paper page links ``../repro/kda/chunk.py#chunk_kda`` (a symbol: function, class, ``Class.method``);
+    on the site that is the source page of chunk.py at the line that defines it (``#L10`` links still
+    resolve to line 10). Links to sessions, papers and repro folders map to their pages.
     """
     if origin is None:
         return markdown_text
@@ -831,9 +833,10 @@ def rewrite_links(
         dest = _site_uri_for(repo_path, root, known_uris)
         if dest is None:
             return m.group(0)
-        if anchor:
-            line = re.match(r"L(\d+)", anchor)
-            anchor = f"__codelineno-0-{line.group(1)}" if line else anchor
+        if anchor and dest.startswith("source/"):
+            # a symbol (chunk.py#chunk_kda, #Class.method) or a line (#L40) -> that line of the source page
+            line = line_for_fragment(root, repo_path, anchor)
+            anchor = f"__codelineno-0-{line}" if line else anchor
         return f"[{text}]({rel_link(page_uri, dest)}{'#' + anchor if anchor else ''})"
 
     return LINK.sub(fix, markdown_text)
