@@ -89,10 +89,12 @@ def on_files(files: Files, config) -> Files:
 
 def on_page_content(html: str, page, config, files) -> str:
     """A source page's line anchors come from the highlighter after mkdocs collected the page's anchors:
-    register them, so that links to a symbol's line are checked against them and not reported missing."""
+    register them, so that links to a symbol's line are checked against them and not reported missing.
+    Formulas are marked to be left out of the search index."""
     if page.file.src_uri.startswith("source/") and page.present_anchor_ids is not None:
         page.present_anchor_ids.update(re.findall(r'id="(__codelineno-[\d-]+)"', html))
-    return html
+    # formulas stay out of the search index: its snippets showed their raw LaTeX
+    return html.replace('class="arithmatex">', 'class="arithmatex" data-search-exclude="">')
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:

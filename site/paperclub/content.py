@@ -931,4 +931,34 @@ def _check_results(content: Content, root: Path) -> list[Problem]:
                         file, ", ".join(missing), "missing; write result files with paperclub.bench.Report"
                     )
                 )
+            content.warnings += _empty_plots(file, doc)
+    return out
+
+
+def _empty_plots(file: str, doc: dict) -> list[Problem]:
+    """Plots of a result that select no row with numbers to draw (the site leaves them out)."""
+    out = []
+    rows = doc.get("rows") if isinstance(doc.get("rows"), list) else []
+    for plot in doc.get("plots") or []:
+        if not isinstance(plot, dict) or not all(isinstance(plot.get(k), str) for k in ("x", "y")):
+            continue
+        where = plot.get("where") or {}
+        chosen = [r for r in rows if isinstance(r, dict) and all(r.get(k) == v for k, v in where.items())]
+        numeric = [r for r in chosen if all(isinstance(r.get(plot[k]), (int, float)) for k in ("x", "y"))]
+        if numeric:
+            continue
+        held = {k: sorted({str(r.get(k)) for r in rows if isinstance(r, dict)}) for k in where}
+        why = (
+            "no row has "
+            + ", ".join(f"{k}={v!r}" for k, v in where.items())
+            + " (the file holds "
+            + "; ".join(f"{k}: {', '.join(v)}" for k, v in held.items())
+            + ")"
+            if not chosen
+            else f"no selected row has numbers in '{plot['x']}' and '{plot['y']}'"
+        )
+        out.append(
+            Problem(file, "plots", f"plot '{plot.get('title', '')}' draws nothing: {why}; the site leaves it out "
+                    "(declare plots only for what the run measured)")
+        )  # fmt: skip
     return out
