@@ -246,6 +246,12 @@ def test_paperclub_claims_prints_cpu_and_gpu(tmp_path):
         r"test_exact_on_gpu \(2 cases\)\s+CPU skipped; GPU failed \(1 failed, 1 passed\)", out.stdout
     )
     assert re.search(r"test_exact \(3 cases\)\s+CPU passed; GPU not run", out.stdout)
+    # the reason of a claim we cannot reproduce is wrapped under it, and a summary ends the list
+    assert max(map(len, out.stdout.splitlines())) <= 160
+    assert "why: We have no thousand GPUs." in out.stdout
+    assert out.stdout.rstrip().splitlines()[-1] == (
+        "4 claims: 2 of 3 testable claims pass (1 of them on a GPU too); 1 failed; 1 not reproducible here"
+    )
 
 
 def test_gpu_checks_are_shown_per_package(tmp_path):
