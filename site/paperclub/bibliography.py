@@ -30,6 +30,8 @@ def valid_arxiv_id(text: str) -> bool:
     if not (yy >= 7 and 1 <= mm <= 12) or (yy, mm) < (7, 4):
         return False
     return len(number) == (5 if (yy, mm) >= (15, 1) else 4)
+
+
 KEY = re.compile(r"^[a-z][a-z0-9]*$")
 
 
