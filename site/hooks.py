@@ -90,11 +90,17 @@ def on_files(files: Files, config) -> Files:
 def on_page_content(html: str, page, config, files) -> str:
     """A source page's line anchors come from the highlighter after mkdocs collected the page's anchors:
     register them, so that links to a symbol's line are checked against them and not reported missing.
-    Formulas are marked to be left out of the search index."""
+    Formulas are marked to be left out of the search index; pages with a diagram load mermaid."""
     if page.file.src_uri.startswith("source/") and page.present_anchor_ids is not None:
         page.present_anchor_ids.update(re.findall(r'id="(__codelineno-[\d-]+)"', html))
     # formulas stay out of the search index: its snippets showed their raw LaTeX
-    return html.replace('class="arithmatex">', 'class="arithmatex" data-search-exclude="">')
+    html = html.replace('class="arithmatex">', 'class="arithmatex" data-search-exclude="">')
+    if 'class="mermaid"' in html:
+        # mermaid only where a diagram is (Material draws them with the global `mermaid`, which this
+        # script defines before Material's own script runs); every page paid for parsing it before
+        depth = page.url.count("/") if page.url else 0
+        html += f'\n<script src="{"../" * depth}assets/vendor/mermaid/mermaid.min.js"></script>\n'
+    return html
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:

@@ -122,7 +122,10 @@ def built_site(tmp_path_factory) -> Path:
 
     One build serves both the site and browser tests, which look only at the real content (the extra
     session and paper page add to the site and take nothing away), and test_cli's check that the
-    scaffolded session appears in the built site: the build is the slowest step of the suite."""
+    scaffolded session appears in the built site: the build is the slowest step of the suite.
+    PAPERCLUB_BUILT_SITE=DIR looks at a site built before instead (its .build-log beside it)."""
+    if os.environ.get("PAPERCLUB_BUILT_SITE"):  # a site built before (with NEW scaffolded): look at it again
+        return Path(os.environ["PAPERCLUB_BUILT_SITE"])
     repo = tmp_path_factory.mktemp("checkout") / "repo"
     repo.mkdir()
     copy_repository(repo)

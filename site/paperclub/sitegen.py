@@ -390,9 +390,9 @@ def paper_page(content: Content, paper: Paper, site: Site) -> str:
         lines += ["## Claims and their status", "", claims_table(content, claims, uri), ""]
     if m.repro and m.repro in content.repros and not content.repros[m.repro].planned:
         repro = content.repros[m.repro]
-        bench = bench_sections(content, repro, site, uri, level=3)
-        if bench:
-            lines += ["## Benchmark results", "", bench, ""]
+        docs = load_bench_results(repro.name)
+        if docs:
+            lines += ["## Benchmark results", "", *bench_overview(site, repro.name, docs, uri), ""]
         if repro.walkthrough is not None:
             lines += [
                 "## Walkthrough",
@@ -891,6 +891,30 @@ def _num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
 
 
+def bench_overview(site: Site, name: str, docs: list[dict], from_uri: str) -> list[str]:
+    """A reproduction's results in brief: each result file linked to its section of the reproduction's
+    page (plots, notes, full table), and the first plots of the newest one."""
+    page = rel_link(from_uri, f"repro/{name}.md")
+    lines = [
+        f"[All {len(docs)} result(s) on the `{name}` page]({page}#benchmarks)"
+        + (f" · peer: {cell(docs[0]['peer'])}" if docs[0].get("peer") else ""),
+        "",
+        "| Result | Device | Date | Rows |",
+        "|---|---|---|---|",
+    ]
+    for doc in docs:
+        label = result_label(doc)
+        title = cell(doc.get("title", name)) + (f" ({cell(label)})" if label else "")
+        count = doc.get("device_count", 1)
+        device = f"{doc.get('device')}{f' ×{count}' if count and count > 1 else ''}"
+        lines.append(
+            f"| [{title}]({page}#{result_anchor(doc)}) | {cell(device)} | {doc.get('date', '?')[:10]} "
+            f"| {len(doc.get('rows', []))} |"
+        )
+    lines.append("")
+    return lines + result_plots(site, docs[0], name, Path(docs[0]["_file"]).stem, from_uri, limit=2)
+
+
 def benchmarks_page(content: Content, site: Site) -> str:
     """An overview: each reproduction's result files (linked to their section of the reproduction's
     page, where the plots, notes and full tables are) and the headline plot of its newest result."""
@@ -913,24 +937,7 @@ def benchmarks_page(content: Content, site: Site) -> str:
             lines += ["No results committed yet.", ""]
             continue
         any_results = True
-        page = f"repro/{name}.md"
-        lines += [
-            f"[All {len(docs)} result(s) on the `{name}` page]({page}#benchmarks)"
-            + (f" · peer: {cell(docs[0]['peer'])}" if docs[0].get("peer") else ""),
-            "",
-            "| Result | Device | Date | Rows |",
-            "|---|---|---|---|",
-        ]
-        for doc in docs:
-            label = result_label(doc)
-            title = cell(doc.get("title", name)) + (f" ({cell(label)})" if label else "")
-            count = doc.get("device_count", 1)
-            device = f"{doc.get('device')}{f' ×{count}' if count and count > 1 else ''}"
-            lines.append(
-                f"| [{title}]({page}#{result_anchor(doc)}) | {cell(device)} | {doc.get('date', '?')[:10]} | {len(doc.get('rows', []))} |"
-            )
-        lines.append("")
-        lines += result_plots(site, docs[0], name, Path(docs[0]["_file"]).stem, "benchmarks.md", limit=2)
+        lines += bench_overview(site, name, docs, "benchmarks.md")
     if not any_results:
         lines += ["No benchmark has been run yet: results appear here when a reproduction commits them."]
     return "\n".join(lines) + "\n"
