@@ -50,6 +50,9 @@ def render_notebook(nb_path: Path, timeout_s: int = 300) -> tuple[str, dict[str,
     rel = nb_path.relative_to(ROOT).as_posix()
     env_backup = dict(os.environ)
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # one thread: a walkthrough's tensors are tiny, and on a busy machine two OpenMP threads waiting on
+    # each other made one notebook 9x slower (dflash: 97 s against 11 s at a load of 12 on 2 cores)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     started = time.perf_counter()
     try:  # run from the root: inside nanoparallel/, its cuda/ package would shadow the `cuda` module
         _execute(nb, rel, timeout_s)
