@@ -88,7 +88,12 @@ def render_page(text: str, root: Path) -> str:
     cfg = root / "mkdocs.yml"
     if not cfg.exists():
         cfg = ROOT / "mkdocs.yml"
-    extensions, configs = _site_markdown(str(cfg), cfg.stat().st_mtime_ns)
+    return _render(text, str(cfg), cfg.stat().st_mtime_ns)
+
+
+@lru_cache(maxsize=512)
+def _render(text: str, config_path: str, mtime_ns: int) -> str:
+    extensions, configs = _site_markdown(config_path, mtime_ns)
     return markdown.Markdown(extensions=extensions, extension_configs=configs).convert(text)
 
 
@@ -150,7 +155,19 @@ def node_modules(root: Path) -> Path | None:
     return None
 
 
+_CHECKED: dict[tuple, str | None] = {}  # (kind, text, display) -> error: a formula is parsed once per process
+
+
 def _node_check(items: list[dict], modules: Path) -> list[str | None]:
+    keys = [(i["kind"], i["text"], bool(i.get("display"))) for i in items]
+    todo = [i for i, k in zip(items, keys, strict=True) if k not in _CHECKED]
+    if todo:
+        for item, error in zip(todo, _run_node(todo, modules), strict=True):
+            _CHECKED[(item["kind"], item["text"], bool(item.get("display")))] = error
+    return [_CHECKED[k] for k in keys]
+
+
+def _run_node(items: list[dict], modules: Path) -> list[str | None]:
     node = shutil.which("node")
     proc = subprocess.run(
         [node, str(NODE_SCRIPT), str(modules)],
