@@ -9,8 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paperclub.testing import assert_rel_close
-from repro.nsa import kernels as kn
-from repro.nsa import nsa_decode
+from repro.nsa import decode, nsa_decode
 from repro.nsa import reference as ref
 from repro.nsa.tests.helpers import DEVICE, FP32_TOL, FREE_OPS, dispatched, randn
 
@@ -93,7 +92,7 @@ def test_decode_step_does_not_wait_for_the_host():
     gen = torch.Generator().manual_seed(0)
     args = [x.float().to(DEVICE) for x in _caches(gen, 2, 100, 4, 2, 16, SMALL)]
     want = nsa_decode(*args, SMALL)
-    with dispatched(kn, ("_decode_cmp_kernel", "_decode_sparse_kernel")) as (ops, launches):
+    with dispatched(decode, ("_decode_cmp_kernel", "_decode_sparse_kernel")) as (ops, launches):
         got = nsa_decode(*args, SMALL)
     assert launches == ["_decode_cmp_kernel", "_decode_sparse_kernel"]
     work = [op for op in ops if op not in FREE_OPS]
