@@ -8,10 +8,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paperclub.testing import assert_rel_close
+from paperclub.testing import assert_rel_close, dispatched
 from repro.nsa import decode, nsa_decode
 from repro.nsa import reference as ref
-from repro.nsa.tests.helpers import DEVICE, FP32_TOL, FREE_OPS, dispatched, randn
+from repro.nsa.tests.helpers import DEVICE, FP32_TOL, FREE_OPS, randn
 
 seeds = st.integers(0, 2**31 - 1)
 SMALL = ref.NSAConfig(block_len=16, stride=8, select_len=16, n_select=3, n_initial=1, n_local=1, window=24)

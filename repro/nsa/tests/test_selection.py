@@ -10,9 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from paperclub.testing import dispatched
 from repro.nsa import Switches, selection
 from repro.nsa import reference as ref
-from repro.nsa.tests.helpers import DEVICE, FREE_OPS, dispatched, randn
+from repro.nsa.tests.helpers import DEVICE, FREE_OPS, randn
 
 seeds = st.integers(0, 2**31 - 1)
 

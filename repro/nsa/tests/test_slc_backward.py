@@ -15,10 +15,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paperclub.testing import assert_rel_close
+from paperclub.testing import assert_rel_close, dispatched
 from repro.nsa import Switches, selected
 from repro.nsa import reference as ref
-from repro.nsa.tests.helpers import DEVICE, FP32_TOL, FREE_OPS, dispatched, randn, random_block_indices
+from repro.nsa.tests.helpers import DEVICE, FP32_TOL, FREE_OPS, randn, random_block_indices
 
 seeds = st.integers(0, 2**31 - 1)
 

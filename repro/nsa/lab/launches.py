@@ -1,42 +1,33 @@
-"""``python -m repro.nsa.lab.ptx_record OUT.json [--compare BEFORE.json]``: the PTX of every kernel launch
-the fast path makes, compiled offline for sm_90a (no GPU), to show that a change of files left the
-kernels as they were.
+"""The kernel launches of the NSA fast path, recorded without a GPU and compiled offline for sm_90a.
 
-How: the public entry points run on CPU tensors at representative shapes and switch settings (the
-forward, and the backward where there is one) while every Triton kernel is replaced by a recorder, and
-the launchers are made to take their GPU launch shapes (``interpreting()`` answers False to them, True
-to the input checks that refuse CPU tensors otherwise). Each recorded launch is then compiled by
-Triton's own launch path (``JITFunction.warmup``: the same argument specialisation, constexprs and
-options as a launch on an H100) under a stand-in driver that names an sm_90 target; an autotuned
-launch is compiled once per config. Recorded per distinct launch: the kernel's name, its constexprs,
-warps, stages, the specialised signature, and two hashes of the PTX: ``ptx_sha`` of the text as it is
-and ``code_sha`` with the source-location lines (``.loc``, ``.file``, the debug sections: they name
-the file and line of each instruction's source, which moving a kernel changes) removed and the
-kernel's name replaced, so a kernel moved or renamed keeps its ``code_sha``.
+:func:`record` runs the public entry points (:func:`scenarios`: representative shapes and switch
+settings; the forward, and the backward where there is one) on CPU tensors while every Triton kernel
+is replaced by a recorder and the launchers take their GPU launch shapes (``interpreting()`` answers
+False to them, True to the input checks, which refuse CPU tensors otherwise). The kernels do not run;
+each recorded :class:`Launch` holds the kernel and the arguments it was given. :func:`compile_launch`
+then compiles one through Triton's own launch path (``JITFunction.warmup``: the argument
+specialisation, constexprs and options of a launch on an H100) under a stand-in driver that names an
+sm_90 target; an autotuned launch gives one kernel per config.
 
-``--compare`` matches the launches of two records by scenario and launch number and prints every
-difference. The record of the code before the stage split (main at ef90b20) was made with the
-launchers of that layout (``ops``/``kernels``, settings as module globals); :class:`LegacyApi`
-drives it, :class:`Api` the current one.
+What this is for: ``fingerprints.py`` (do the kernels compile to the same code after a change of
+files?) and ``sm90_check.py`` (registers, spills and shared memory of what the GPU would run). It must
+run in a process without ``TRITON_INTERPRET`` (importing this module removes it, before Triton is
+imported, so run it as ``python -m``). :class:`Api` drives the current layout; :class:`LegacyApi`
+the one before the stage split (``ops``/``kernels``, switches as module globals), for the record
+of main's code.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import hashlib
 import importlib
-import json
 import os
-import re
-import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 os.environ.pop("TRITON_INTERPRET", None)  # the kernels must be JIT functions, not interpreted ones
 
 import torch  # noqa: E402
-import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 from triton.runtime.autotuner import Autotuner  # noqa: E402
@@ -162,6 +153,11 @@ class Api:
     def sw(self, **kw):
         return self.Switches(**kw)
 
+    @contextlib.contextmanager
+    def backward(self, **kw):
+        """The switches reach the backward through the autograd context: nothing to set."""
+        yield
+
     def nsa_attention(self, args, cfg, **kw):
         return self.m["layer"].nsa_attention(*args, cfg, switches=self.sw(**kw))
 
@@ -215,6 +211,10 @@ class LegacyApi:
         self.ops, self.ref = ops, reference
         self.modules = [ops, kn]
         self.checks = [(ops, "check_qkv"), (ops, "_check_topk")]
+
+    def backward(self, **kw):
+        """The backward reads ops' globals when it runs: the same settings around it."""
+        return self.settings(**kw)
 
     @contextlib.contextmanager
     def settings(self, **kw):
@@ -274,7 +274,7 @@ class LegacyApi:
 
 # ----------------------------------------------------------------------------------------------
 # Scenarios: representative shapes (the bench's and the GPU tests') and the switch settings the
-# tests, the bench and the lab sweeps use
+# tests, the bench and the lab's sweeps use
 
 
 @dataclass(frozen=True)
@@ -290,14 +290,33 @@ class Shape:
         return f"B{self.b}-T{self.t}-HQ{self.hq}-H{self.h}-D{self.d}-{str(self.dtype).removeprefix('torch.')}"
 
 
-PAPER = Shape(1, 4096, 64, 4, 128, torch.bfloat16)  # the bench's head shape, T a multiple of 16
+#: the bench's head shape (T a multiple of 16), then the GPU tests' shapes: T off the tiles in fp16, the
+#: fp32 layer test, B = 2 with D = 64 and G = 16, and G = 3
 SHAPES = [
-    PAPER,
-    Shape(1, 1000, 64, 4, 128, torch.float16),  # GPU tests: T off the tiles, fp16
-    Shape(1, 1500, 16, 1, 64, torch.float32),  # test_gpu_nsa_layer_fp32
-    Shape(2, 333, 16, 1, 64, torch.bfloat16),  # B = 2, D = 64, G = 16
-    Shape(1, 200, 3, 1, 128, torch.bfloat16),  # G = 3
+    Shape(1, 4096, 64, 4, 128, torch.bfloat16),
+    Shape(1, 1000, 64, 4, 128, torch.float16),
+    Shape(1, 1500, 16, 1, 64, torch.float32),
+    Shape(2, 333, 16, 1, 64, torch.bfloat16),
+    Shape(1, 200, 3, 1, 128, torch.bfloat16),
 ]
+#: decode caches (B, T, dtype, HQ, H, D): the GPU tests' and the bench's, and a tiny fp32 one
+DECODES = [
+    (4, 8192, torch.bfloat16, 64, 4, 128),
+    (16, 8192, torch.bfloat16, 64, 4, 128),
+    (1, 65536, torch.bfloat16, 64, 4, 128),
+    (2, 300, torch.float32, 4, 2, 16),
+]
+#: the non-default switch settings timed by the bench or the lab, each run at the first shape
+VARIANTS = [
+    dict(strided_split=False),
+    dict(fused_topk=False),
+    dict(slc_backward="query-major"),
+    dict(slc_bwd_rows=64, slc_bwd_stages=1),
+    dict(slc_bwd_rows=32, slc_bwd_stages=1),
+    dict(fused_gate=False),
+]
+#: the strided sweep's forward tiles (BM, BN, warps, stages), at the first shape
+TILES = [(128, 128, 8, 3), (64, 64, 4, 3), (64, 128, 8, 3)]
 
 
 def _zeros(*shape, dtype):
@@ -308,11 +327,17 @@ def _grad(out, leaves):
     torch.autograd.grad(out, leaves, torch.zeros_like(out), allow_unused=True)
 
 
-def scenarios(api) -> list[tuple[str, Callable[[], None]]]:
+def scenarios(api, shapes: list[Shape] = SHAPES, decodes=DECODES) -> list[tuple[str, Callable[[], None]]]:
+    """(name, run) of every scenario: the layer forward + backward at each shape; at the first, each
+    of :data:`VARIANTS`, the bench's cmp+slc setting (l = d = l' = 64) and :data:`TILES`; at the first
+    two, the strided forward with the split forced either way on both branches, the unmasked scores
+    and the top-n fallback (Ns above the one-pass kernel's limit); the fused gate; decode at each of
+    ``decodes``."""
     ref = api.ref
     cfg = ref.NSAConfig()
+    fla = ref.NSAConfig(block_len=64, stride=64, select_len=64, n_select=16, n_initial=1, n_local=2)
     out = []
-    for s in SHAPES:
+    for i, s in enumerate(shapes):
         dt = s.dtype
 
         def layer(s=s, dt=dt, **kw):
@@ -323,22 +348,16 @@ def scenarios(api) -> list[tuple[str, Callable[[], None]]]:
             gates = _zeros(s.b, s.t, s.hq, 3, dtype=dt)
             leaves = [x.requires_grad_() for x in (q, kc, vc, *kv[2:], gates)]
             o, _ = api.nsa_attention(leaves, cfg, **kw)
-            if isinstance(api, LegacyApi):
-                with api.settings(**kw):
-                    _grad(o, leaves)
-            else:
+            with api.backward(**kw):
                 _grad(o, leaves)
 
         out.append((f"layer[{s.name()}]", layer))
-        if s == PAPER:
-            for kw in (dict(strided_split=False), dict(fused_topk=False), dict(slc_backward="query-major"),
-                       dict(slc_bwd_rows=64, slc_bwd_stages=1), dict(slc_bwd_rows=32, slc_bwd_stages=1),
-                       dict(fused_gate=False)):  # fmt: skip
+        if i == 0:
+            for kw in VARIANTS:
                 label = ",".join(f"{k}={v}" for k, v in kw.items())
                 out.append((f"layer[{s.name()},{label}]", lambda kw=kw: layer(**kw)))
-            fla = ref.NSAConfig(block_len=64, stride=64, select_len=64, n_select=16, n_initial=1, n_local=2)
 
-            def fla_setting(s=s, dt=dt, fla=fla):  # the bench's cmp+slc rows: l = d = l' = 64, no window
+            def fla_setting(s=s, dt=dt):  # the bench's cmp+slc rows: l = d = l' = 64, no window
                 q = _zeros(s.b, s.t, s.hq, s.d, dtype=dt).requires_grad_()
                 k = _zeros(s.b, s.t, s.h, s.d, dtype=dt).requires_grad_()
                 kc = ref.compress(k, ref.mean_pool, 64, 64)
@@ -348,17 +367,17 @@ def scenarios(api) -> list[tuple[str, Callable[[], None]]]:
                 _grad(o_c + o_s, [q, k])
 
             out.append((f"cmp+slc_fla_setting[{s.name()}]", fla_setting))
-            for tile in ((128, 128, 8, 3), (64, 64, 4, 3), (64, 128, 8, 3)):  # the strided sweep's tiles
+            for tile in TILES:
 
                 def cmp_tile(s=s, dt=dt, tile=tile):
                     q = _zeros(s.b, s.t, s.hq, s.d, dtype=dt)
                     k = _zeros(s.b, s.t // 16 - 1, s.h, s.d, dtype=dt)
                     api.compressed(q, k, k.clone(), 32, 16, strided_fwd_tile=tile)
-                    api.window(q, _zeros(s.b, s.t, s.h, s.d, dtype=dt), _zeros(s.b, s.t, s.h, s.d, dtype=dt), 512,
-                               strided_fwd_tile=tile)  # fmt: skip
+                    kw = _zeros(s.b, s.t, s.h, s.d, dtype=dt)
+                    api.window(q, kw, kw.clone(), 512, strided_fwd_tile=tile)
 
                 out.append((f"strided_tile[{s.name()},{tile}]", cmp_tile))
-        if s.t == 1000:  # the GPU tests' strided forward with the split forced either way, both branches
+        if i <= 1:
 
             def split(s=s, dt=dt):
                 q = _zeros(s.b, s.t, s.hq, s.d, dtype=dt)
@@ -379,15 +398,13 @@ def scenarios(api) -> list[tuple[str, Callable[[], None]]]:
 
             out.append((f"scores_unmasked_topk_fallback[{s.name()}]", unmasked_scores))
 
-    def gate():
-        xs = [_zeros(1, 1000, 64, 128, dtype=torch.bfloat16).requires_grad_() for _ in range(3)]
-        g = _zeros(1, 1000, 64, 3, dtype=torch.bfloat16).requires_grad_()
+    def gate(s=shapes[0]):
+        xs = [_zeros(s.b, s.t, s.hq, s.d, dtype=s.dtype).requires_grad_() for _ in range(3)]
+        g = _zeros(s.b, s.t, s.hq, 3, dtype=s.dtype).requires_grad_()
         _grad(api.gated_sum_fused(g, *xs), [g, *xs])
 
-    out.append(("gated_sum_fused[T1000]", gate))
-    for b, t, dt in ((4, 8192, torch.bfloat16), (16, 8192, torch.bfloat16), (1, 65536, torch.bfloat16),
-                     (2, 300, torch.float32)):  # fmt: skip
-        hq, h, d = (64, 4, 128) if dt != torch.float32 else (4, 2, 16)
+    out.append((f"gated_sum_fused[{shapes[0].name()}]", gate))
+    for b, t, dt, hq, h, d in decodes:
 
         def dec(b=b, t=t, dt=dt, hq=hq, h=h, d=d):
             q = _zeros(b, 1, hq, d, dtype=dt)
@@ -397,47 +414,26 @@ def scenarios(api) -> list[tuple[str, Callable[[], None]]]:
             gates = _zeros(b, 1, hq, 3, dtype=dt)
             api.decode((q, kc, kc.clone(), *caches, gates), cfg)
 
-        out.append((f"decode[B{b}-T{t}-{str(dt).removeprefix('torch.')}]", dec))
+        out.append((f"decode[B{b}-T{t}-HQ{hq}-H{h}-D{d}-{str(dt).removeprefix('torch.')}]", dec))
     return out
 
 
 # ----------------------------------------------------------------------------------------------
-# Compiling the recorded launches
+# Recording and compiling
 
 
-_LOC = re.compile(r"^\s*\.(loc|file)\b.*$", re.M)
-_DEBUG = re.compile(r"^\s*\.section\s+\.debug_\w+.*?^\s*\}", re.M | re.S)
-_COMMENT = re.compile(r"\s*//.*$", re.M)
+def record(api, scenarios_: list[tuple[str, Callable[[], None]]]) -> list[Launch]:
+    """Every kernel launch the scenarios make, in order, with the GPU launch shapes."""
+    rec = Recorder()
+    with gpu_launchers(api.modules, api.checks, rec):
+        for name, run in scenarios_:
+            rec.scenario = name
+            run()
+    return rec.launches
 
 
-def code_of(ptx: str, name: str) -> str:
-    """The PTX with its source locations removed and the kernel's name replaced by ``KERNEL``."""
-    text = _DEBUG.sub("", ptx)
-    text = _LOC.sub("", text)
-    text = _COMMENT.sub("", text)
-    text = text.replace(name, "KERNEL")
-    return "\n".join(line for line in text.splitlines() if line.strip())
-
-
-def _sha(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def _options(kwargs: dict) -> dict:
-    return {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
-
-
-def _variants(launch: Launch):
-    """(JITFunction, kwargs) to compile for one launch: itself, or an autotuner's every config."""
-    k = launch.kernel
-    if isinstance(k, Autotuner):
-        for c in k.configs:
-            yield k.fn, {**launch.kwargs, **c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
-    else:
-        yield k, dict(launch.kwargs)
-
-
-def _describe(value):
+def describe(value):
+    """How an argument specialises a launch: a pointer's dtype, an int's 1 / multiple of 16 / other."""
     if isinstance(value, torch.Tensor):
         return f"*{str(value.dtype).removeprefix('torch.')}"
     if isinstance(value, bool):
@@ -449,86 +445,22 @@ def _describe(value):
     return repr(value)
 
 
-def compile_all(launches: list[Launch], verbose: bool = True) -> list[dict]:
+def compile_launch(launch: Launch) -> Iterator[dict]:
+    """The kernels one launch compiles to (one per config of an autotuned launch), each as
+    ``{"kernel", "constexprs", "options", "signature", "compiled"}``: compiled for sm_90a by
+    ``JITFunction.warmup`` with the launch's own arguments."""
     driver.set_active(_Sm90Driver())
-    rows, cache = [], {}
-    counter: dict[str, int] = {}
-    for launch in launches:
-        for fn, kwargs in _variants(launch):
-            name = fn.fn.__name__
-            constexprs = {p.name: kwargs[p.name] for p in fn.params if p.is_constexpr and p.name in kwargs}
-            sig = [_describe(a) for a in launch.args]
-            key = (
-                name,
-                json.dumps(sig),
-                json.dumps(constexprs, sort_keys=True),
-                json.dumps(_options(kwargs)),
-            )
-            n = counter.get(launch.scenario, 0)
-            counter[launch.scenario] = n + 1
-            if key not in cache:
-                compiled = fn.warmup(*launch.args, grid=(1,), **kwargs)
-                ptx = compiled.asm["ptx"]
-                cache[key] = {"ptx_sha": _sha(ptx), "code_sha": _sha(code_of(ptx, compiled.metadata.name)),
-                              "shared": compiled.metadata.shared}  # fmt: skip
-                if verbose:
-                    print(
-                        f"compiled {name} {constexprs} {_options(kwargs)}: {cache[key]['code_sha']}",
-                        flush=True,
-                    )
-            rows.append({"scenario": launch.scenario, "launch": n, "kernel": name, "constexprs": constexprs,
-                         "options": _options(kwargs), "signature": sig, **cache[key]})  # fmt: skip
-    return rows
-
-
-def record(api) -> list[dict]:
-    rec = Recorder()
-    with gpu_launchers(api.modules, api.checks, rec):
-        for name, run in scenarios(api):
-            rec.scenario = name
-            run()
-            print(f"ran {name}: {sum(1 for x in rec.launches if x.scenario == name)} launches", flush=True)
-    return compile_all(rec.launches)
-
-
-def compare(before: list[dict], after: list[dict]) -> int:
-    """Print each launch whose kernel, constexprs, options, signature or code differ; return their count."""
-    key = lambda r: (r["scenario"], r["launch"])  # noqa: E731
-    a, b = {key(r): r for r in before}, {key(r): r for r in after}
-    diffs = 0
-    for k in sorted(set(a) | set(b)):
-        if k not in a or k not in b:
-            diffs += 1
-            print(f"{k}: only {'after' if k in b else 'before'}")
-            continue
-        fields = [
-            f for f in ("kernel", "constexprs", "options", "signature", "code_sha") if a[k][f] != b[k][f]
-        ]
-        if fields:
-            diffs += 1
-            print(f"{k}: {', '.join(f'{f} {a[k][f]} -> {b[k][f]}' for f in fields)}")
-    same_text = sum(1 for k in set(a) & set(b) if a[k]["ptx_sha"] == b[k]["ptx_sha"])
-    print(f"{len(set(a) & set(b))} launches in both, {diffs} differ; PTX text identical (source lines "
-          f"included) for {same_text}; distinct kernels compiled: {len({r['code_sha'] for r in after})}")  # fmt: skip
-    return diffs
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("out", help="the record to write (JSON)")
-    ap.add_argument("--compare", help="a record to compare the new one with")
-    ap.add_argument("--legacy", action="store_true", help="drive the layout before the stage split")
-    args = ap.parse_args()
-    api = LegacyApi() if args.legacy else Api()
-    rows = record(api)
-    with open(args.out, "w") as f:
-        json.dump({"triton": triton.__version__, "torch": torch.__version__, "launches": rows}, f, indent=1)
-    print(f"wrote {args.out}: {len(rows)} launches")
-    if args.compare:
-        with open(args.compare) as f:
-            return 1 if compare(json.load(f)["launches"], rows) else 0
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    variants = (
+        [(launch.kernel.fn, {**launch.kwargs, **c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages})
+         for c in launch.kernel.configs]
+        if isinstance(launch.kernel, Autotuner)
+        else [(launch.kernel, dict(launch.kwargs))]
+    )  # fmt: skip
+    for fn, kwargs in variants:
+        yield {
+            "kernel": fn.fn.__name__,
+            "constexprs": {p.name: kwargs[p.name] for p in fn.params if p.is_constexpr and p.name in kwargs},
+            "options": {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs},
+            "signature": [describe(a) for a in launch.args],
+            "compiled": fn.warmup(*launch.args, grid=(1,), **kwargs),
+        }
