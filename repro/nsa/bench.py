@@ -1,5 +1,6 @@
-"""``python -m repro.nsa.bench --out DIR --budget-s N [--quick] [--only STEP] [--set SWITCH=VALUE]``: NSA on
-one GPU at the paper's shape, against full attention and flash-linear-attention.
+"""NSA on one GPU at the paper's shape, against full attention and flash-linear-attention.
+
+``python -m repro.nsa.bench --out DIR --budget-s N [--quick] [--only STEP] [--set SWITCH=VALUE]``.
 
 The paper's attention shape (yuan2025nsa §5: 64 query heads in 4 GQA groups, head dim 128, bf16),
 B = 1, T = 8k .. 64k. Rows (``section``):
@@ -669,12 +670,12 @@ def main(argv=None) -> None:
     ap.add_argument("--decode-batch", type=int, default=16)
     args = parse_bench_args(ap, argv)
     log(f"starting (torch {torch.__version__} imported)")
-    if not torch.cuda.is_available():
-        raise SystemExit("repro.nsa.bench needs a CUDA GPU")
     try:
         switches = apply_settings(Switches(), args.settings)
     except (TypeError, ValueError) as exc:
         ap.error(str(exc))
+    if not torch.cuda.is_available():
+        raise SystemExit("repro.nsa.bench needs a CUDA GPU")
     lengths = [int(x) for x in args.lengths.split(",") if x] or ([8192] if args.quick else sorted(TABLE4))
     run(Setup(switches=switches), args.out, args.budget, sorted(lengths), args.decode_batch, quick=args.quick,
         only=args.only, tag=args.tag)  # fmt: skip

@@ -7,7 +7,7 @@ n selected KV blocks of l' contiguous keys in its inner loop, so each block is r
 and feeds a [G, l'] matmul.
 
 Backward: dQ on the forward's grid (a query's blocks are its own). dK, dV either block-major
-(:func:`backward_block_major`, the default): the selection inverted on the device
+(:func:`backward_block_major`): the selection inverted on the device
 (:func:`invert_block_indices`), then per KV block its queries BQ at a time, so the dK, dV matmuls have
 an inner dimension of BQ x G; or query-major (:func:`backward_query_major`, the cross-check): the
 (block, query) pairs sorted by block, in fixed-size chunks so that the always-selected first block
@@ -432,7 +432,7 @@ def invert_block_indices(
 
 
 def backward_block_major(do, q, k, v, o, lse, bi, block_size: int, scale: float, switches: Switches):
-    """The selected branch's backward, block-major (``Switches.slc_backward``'s default).
+    """The selected branch's backward, block-major (``Switches.slc_backward = "block-major"``).
 
     Why this split. dQ stays query-major (``_slc_bwd_dq_kernel``, one program per (t, KV head)):
     its accumulator is the query's own [G, D] rows, its matmuls have inner dimensions D and l', and

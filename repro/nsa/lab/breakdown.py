@@ -1,5 +1,6 @@
-"""``python -m repro.nsa.lab.breakdown --out DIR [--t 65536] [--set SWITCH=VALUE]``: the NSA forward timed
-stage by stage at one length, on one GPU (the paper's attention shape, bf16).
+"""The NSA forward timed stage by stage at one length, on one GPU (the paper's attention shape, bf16).
+
+``python -m repro.nsa.lab.breakdown --out DIR [--t 65536] [--set SWITCH=VALUE]``.
 
 Stages (``STAGES``): ``cmp`` (compressed attention and its lse), ``scores`` (Eqs. 8-10 with Eq. 11's
 masks), ``select`` (top-n, as the switches choose), ``slc``, ``win``, ``gate`` (Eq. 5's sum as the
@@ -200,12 +201,12 @@ def main(argv=None) -> None:
     ap = bench_parser(__doc__.split("\n")[0], rounds=None, only=False, tag=False)
     ap.add_argument("--t", type=int, default=65536, help="the sequence length (default 65536)")
     args = parse_bench_args(ap, argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("repro.nsa.lab.breakdown needs a CUDA GPU")
     try:
         switches = apply_settings(Switches(), args.settings)
     except (TypeError, ValueError) as exc:
         ap.error(str(exc))
+    if not torch.cuda.is_available():
+        raise SystemExit("repro.nsa.lab.breakdown needs a CUDA GPU")
     log(f"breakdown at T={args.t}, switches {switches}")
     run(Setup(switches=switches), args.out, args.t, torch.Generator().manual_seed(1))
 

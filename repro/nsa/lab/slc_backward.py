@@ -1,5 +1,6 @@
-"""``python -m repro.nsa.lab.slc_backward --out DIR [--lengths 8192,65536]``: the selected branch's
-backwards and their launch shapes, timed against one another and against fla's, on one GPU.
+"""The selected branch's backwards and launch shapes, timed against one another and fla's, on one GPU.
+
+``python -m repro.nsa.lab.slc_backward --out DIR [--lengths 8192,65536]``.
 
 The selected branch alone (the paper's attention shape, bf16) on the block indices the paper's
 configuration selects for the bench's inputs (l' = 64, n = 16). A sweep (``paperclub.bench.sweep``)
@@ -123,7 +124,7 @@ def run(
         peer="flash-linear-attention (fla-core) 0.6.0, parallel_nsa",
         packages=["fla-core", "flash-linear-attention"],
         measure_ceilings=False,
-        notes=__doc__.split("\n\n")[1].replace("\n", " "),
+        notes=" ".join(__doc__.split("\n\n")[1:]).replace("\n", " "),
     )
     path = None
     for t in lengths:
