@@ -8,11 +8,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paperclub.testing import assert_rel_close
-from repro.nsa import kernels as kn
-from repro.nsa import nsa_decode
+from paperclub.testing import assert_rel_close, dispatched
+from repro.nsa import decode, nsa_decode
 from repro.nsa import reference as ref
-from repro.nsa.tests.helpers import DEVICE, FP32_TOL, FREE_OPS, dispatched, randn
+from repro.nsa.tests.helpers import DEVICE, FP32_TOL, FREE_OPS, randn
 
 seeds = st.integers(0, 2**31 - 1)
 SMALL = ref.NSAConfig(block_len=16, stride=8, select_len=16, n_select=3, n_initial=1, n_local=1, window=24)
@@ -93,7 +92,7 @@ def test_decode_step_does_not_wait_for_the_host():
     gen = torch.Generator().manual_seed(0)
     args = [x.float().to(DEVICE) for x in _caches(gen, 2, 100, 4, 2, 16, SMALL)]
     want = nsa_decode(*args, SMALL)
-    with dispatched(kn, ("_decode_cmp_kernel", "_decode_sparse_kernel")) as (ops, launches):
+    with dispatched(decode, ("_decode_cmp_kernel", "_decode_sparse_kernel")) as (ops, launches):
         got = nsa_decode(*args, SMALL)
     assert launches == ["_decode_cmp_kernel", "_decode_sparse_kernel"]
     work = [op for op in ops if op not in FREE_OPS]

@@ -11,8 +11,17 @@ import pytest
 import torch
 
 from paperclub.testing import assert_rel_close
-from repro.nsa import ops
+from repro.nsa import (
+    Switches,
+    compressed_attention,
+    nsa_attention,
+    nsa_decode,
+    selected_attention,
+    sliding_window_attention,
+)
 from repro.nsa import reference as ref
+from repro.nsa.gate import gated_sum_fused
+from repro.nsa.selection import topk_blocks, topk_blocks_fused
 from repro.nsa.tests.helpers import random_block_indices
 
 # every test here is GPU-only: the gpu marker skips them on a CPU machine one by one (not the module
@@ -38,7 +47,7 @@ def test_gpu_selected_bf16(hq, h, d, t):
     idx = random_block_indices(torch.Generator().manual_seed(t), 1, t, h, s, block).cuda()
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     leaves_ref = [x.float().requires_grad_() for x in (q, k, v)]
-    out = ops.selected_attention(*leaves, idx, block)
+    out = selected_attention(*leaves, idx, block)
     out_ref = ref.selected_attention(*leaves_ref, idx, block)
     assert_rel_close(out.float(), out_ref, 2e-2, "selected output")
     do = _rand(gen, *out.shape)
@@ -59,12 +68,12 @@ def test_gpu_selected_bf16(hq, h, d, t):
         ("window", 1100, True),
     ],
 )
-def test_gpu_compressed_and_window(branch, t, dtype, split, monkeypatch):
+def test_gpu_compressed_and_window(branch, t, dtype, split):
     """Both strided branches, forward and gradients, the compressed forward's key tiles in one masked
-    loop and split (ops.STRIDED_SPLIT, the default). At T = 4100 the split has unmasked interior tiles
-    (from t = 1024 + 31 on, 64 compressed keys a tile; none at 1100). The window keeps one loop
-    whatever the flag; its reference is dense ([T, T] per head), hence its shorter length."""
-    monkeypatch.setattr(ops, "STRIDED_SPLIT", split)
+    loop and split (Switches.strided_split, the default). At T = 4100 the split has unmasked interior
+    tiles (from t = 1024 + 31 on, 64 compressed keys a tile; none at 1100). The window keeps one loop
+    whatever the switch; its reference is dense ([T, T] per head), hence its shorter length."""
+    sw = Switches(strided_split=split)
     gen = torch.Generator(device="cuda").manual_seed(t)
     hq, h, d = 64, 4, 128
     cfg = ref.NSAConfig()
@@ -79,12 +88,12 @@ def test_gpu_compressed_and_window(branch, t, dtype, split, monkeypatch):
             ref.compress(v, ref.mean_pool, cfg.block_len, cfg.stride).contiguous(),
         )
         fn, fn_ref = (
-            (lambda a, b, c: ops.compressed_attention(a, b, c)[0]),
+            (lambda a, b, c: compressed_attention(a, b, c, switches=sw)[0]),
             (lambda a, b, c: ref.compressed_attention(a, b, c)[0]),
         )
     else:
         keys = (k, v)
-        fn = lambda a, b, c: ops.sliding_window_attention(a, b, c, cfg.window)  # noqa: E731
+        fn = lambda a, b, c: sliding_window_attention(a, b, c, cfg.window, switches=sw)  # noqa: E731
         fn_ref = lambda a, b, c: ref.sliding_window_attention(a, b, c, cfg.window)  # noqa: E731
     leaves = [x.clone().requires_grad_() for x in (q, *keys)]
     leaves_ref = [x.float().requires_grad_() for x in (q, *keys)]
@@ -110,7 +119,7 @@ def test_gpu_nsa_layer_fp32():
     args = [q, kc, vc, k_s, v_s, k_w, v_w, gates]
     leaves = [x.clone().requires_grad_() for x in args]
     leaves_ref = [x.double().requires_grad_() for x in args]
-    out, idx = ops.nsa_attention(*leaves, cfg)
+    out, idx = nsa_attention(*leaves, cfg)
     _, idx_ref = ref.nsa_attention(*[x.detach() for x in leaves_ref], cfg)
     same = (idx == idx_ref).all(-1).float().mean().item()
     assert same >= 0.99, f"only {same:.3f} of the rows select the reference's blocks"
@@ -134,7 +143,7 @@ def test_gpu_layer_is_causal():
     def run(q, raw, gates):
         kc = ref.compress(raw[0], ref.mean_pool, cfg.block_len, cfg.stride)
         vc = ref.compress(raw[1], ref.mean_pool, cfg.block_len, cfg.stride)
-        return ops.nsa_attention(q, kc, vc, *raw[2:], gates, cfg)
+        return nsa_attention(q, kc, vc, *raw[2:], gates, cfg)
 
     o1, i1 = run(q, raw, gates)
     q2, raw2 = q.clone(), [x.clone() for x in raw]
@@ -158,7 +167,7 @@ def test_gpu_decode_counts_and_output(t):
     kc = ref.compress(k_c, ref.mean_pool, cfg.block_len, cfg.stride)
     vc = ref.compress(v_c, ref.mean_pool, cfg.block_len, cfg.stride)
     gates = torch.rand(b, 1, 64, 3, generator=gen, device="cuda").to(torch.bfloat16)
-    o, idx, counts = ops.nsa_decode(q, kc, vc, k_s, v_s, k_w, v_w, gates, cfg)
+    o, idx, counts = nsa_decode(q, kc, vc, k_s, v_s, k_w, v_w, gates, cfg)
     assert (counts.sum(-1) == t // 16 - 1 + 16 * 64 + 512).all()
     if t > 8192:
         return
@@ -183,11 +192,11 @@ def test_gpu_decode_step_never_synchronises():
     vc = ref.compress(v_c, ref.mean_pool, cfg.block_len, cfg.stride).contiguous()
     gates = torch.rand(b, 1, 64, 3, generator=gen, device="cuda").to(torch.bfloat16)
     args = (q, kc, vc, k_s, v_s, k_w, v_w, gates)
-    want = ops.nsa_decode(*args, cfg)  # compiles the kernels
+    want = nsa_decode(*args, cfg)  # compiles the kernels
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        got = ops.nsa_decode(*args, cfg)
+        got = nsa_decode(*args, cfg)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
@@ -195,14 +204,14 @@ def test_gpu_decode_step_never_synchronises():
 
 @pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
 def test_gpu_fused_gated_sum_bf16():
-    """Eq. 5 as one kernel (ops.FUSED_GATE, the default since this passed on an H100) at the paper's head
+    """Eq. 5 as one kernel (Switches.fused_gate, the default since this passed on an H100) at the paper's head
     shape, bf16, T off the kernel's 16-row tile: output and gradients against the fp32 formula."""
     gen = torch.Generator(device="cuda").manual_seed(5)
     xs = [_rand(gen, 1, 1000, 64, 128) for _ in range(3)]
     gates = torch.rand(1, 1000, 64, 3, generator=gen, device="cuda").to(torch.bfloat16)
     do = _rand(gen, 1, 1000, 64, 128)
     leaves = [x.clone().requires_grad_() for x in (gates, *xs)]
-    o = ops.gated_sum_fused(*leaves)
+    o = gated_sum_fused(*leaves)
     got = _grads(o, leaves, do)
     ref_leaves = [x.float().requires_grad_() for x in (gates, *xs)]
     g, a, b, c = ref_leaves
@@ -214,8 +223,9 @@ def test_gpu_fused_gated_sum_bf16():
 
 
 @pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
-def test_gpu_fused_topk_is_a_top_n(monkeypatch):
-    """ops.topk_blocks_fused (what ops.topk_blocks runs where ops.FUSED_TOPK, on by default) at a long-sequence shape:
+def test_gpu_fused_topk_is_a_top_n():
+    """selection.topk_blocks_fused (what selection.topk_blocks runs where Switches.fused_topk, on by
+    default) at a long-sequence shape:
     B = 1, T = 16384, H = 4, l' = 64 (Ns = 256), n = 16, random scores with Eq. 11's masks. Every row
     a top-n (selection_shortfall 0), and the same blocks as the torch.topk path wherever no two
     scores tie (random floats: nearly every row)."""
@@ -228,11 +238,10 @@ def test_gpu_fused_topk_is_a_top_n(monkeypatch):
     forced = ((j < 1) | ((j <= own) & (j > own - 2))) & ~(j > own)
     masked = plain.masked_fill(forced[None, :, None, :], float("inf"))
     masked = masked.masked_fill((j > own)[None, :, None, :], float("-inf"))
-    got = ops.topk_blocks_fused(masked, n)
+    got = topk_blocks_fused(masked, n)
     short = ref.selection_shortfall(got, plain, n, lp, 1, 2)
     assert (short == 0).all(), f"{int((short != 0).sum())} rows are not a top-n"
-    monkeypatch.setattr(ops, "FUSED_TOPK", False)
-    want = ops.topk_blocks(masked, n)
+    want = topk_blocks(masked, n, Switches(fused_topk=False))
     same = (got == want).all(-1).float().mean().item()
     assert same > 0.999, f"only {same:.4%} of rows pick the torch path's blocks"
 
@@ -246,11 +255,11 @@ def test_gpu_fused_topk_is_a_top_n(monkeypatch):
 @pytest.mark.parametrize(
     "b, hq, h, d, t", [(1, 64, 4, 128, 1000), (1, 64, 4, 128, 2113), (1, 3, 1, 128, 200), (2, 16, 1, 64, 333)]
 )
-def test_gpu_selected_tiled_backward(b, hq, h, d, t, dtype, monkeypatch):
-    """The block-major backward (ops.TILED_SLC_BWD, the default) at the paper's head shape, T off the
+def test_gpu_selected_tiled_backward(b, hq, h, d, t, dtype):
+    """The block-major backward (Switches.slc_backward's default) at the paper's head shape, T off the
     64-token block, bf16 and fp16: dQ, dK, dV against the fp32 reference (3e-2) and against the
     query-major backward (3e-2). Every row also selects block 0, so at T = 2113 its list (2113
-    queries) spans three work items of SLC_TILED_CHUNK = 1024 whose partial sums meet in atomics;
+    queries) spans three work items of selected.BLOCK_MAJOR_CHUNK = 1024 whose partial sums meet in atomics;
     G = 3 pads the tile's heads to 4; B = 2 with D = 64 and G = 16 checks the batch offsets."""
     gen = torch.Generator(device="cuda").manual_seed(t)
     block, s = 64, 16
@@ -261,9 +270,9 @@ def test_gpu_selected_tiled_backward(b, hq, h, d, t, dtype, monkeypatch):
     do = _rand(gen, b, t, hq, d, dtype=dtype)
     got = {}
     for tiled in (True, False):
-        monkeypatch.setattr(ops, "TILED_SLC_BWD", tiled)
+        sw = Switches(slc_backward="block-major" if tiled else "query-major")
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-        got[tiled] = _grads(ops.selected_attention(*leaves, idx, block), leaves, do)
+        got[tiled] = _grads(selected_attention(*leaves, idx, block, switches=sw), leaves, do)
     leaves_ref = [x.float().requires_grad_() for x in (q, k, v)]
     want = _grads(ref.selected_attention(*leaves_ref, idx, block), leaves_ref, do.float())
     for name, a, o, r in zip("qkv", got[True], got[False], want, strict=True):
@@ -273,10 +282,10 @@ def test_gpu_selected_tiled_backward(b, hq, h, d, t, dtype, monkeypatch):
 
 
 @pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
-def test_gpu_selected_tiled_backward_fp32(monkeypatch):
+def test_gpu_selected_tiled_backward_fp32():
     """The block-major backward in fp32 (ieee dots; its fp32 launch shape: 16-row tiles, one stage)
     against the fp64 reference, 1e-4, at G = 16, D = 64, T = 300 (off the block)."""
-    monkeypatch.setattr(ops, "TILED_SLC_BWD", True)
+    sw = Switches(slc_backward="block-major")
     gen = torch.Generator(device="cuda").manual_seed(7)
     t, hq, h, d, block = 300, 16, 1, 64, 64
     q, k, v = (_rand(gen, 1, t, n, d, dtype=torch.float32) for n in (hq, h, h))
@@ -284,7 +293,7 @@ def test_gpu_selected_tiled_backward_fp32(monkeypatch):
     do = torch.randn(1, t, hq, d, generator=gen, device="cuda")
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     leaves_ref = [x.double().requires_grad_() for x in (q, k, v)]
-    got = _grads(ops.selected_attention(*leaves, idx, block), leaves, do)
+    got = _grads(selected_attention(*leaves, idx, block, switches=sw), leaves, do)
     want = _grads(ref.selected_attention(*leaves_ref, idx, block), leaves_ref, do.double())
     for name, a, r in zip("qkv", got, want, strict=True):
         assert_rel_close(a, r, 1e-4, f"tiled fp32 d{name}")

@@ -13,9 +13,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paperclub.testing import assert_rel_close
-from repro.nsa import NSA, ops
+from repro.nsa import (
+    NSA,
+    Switches,
+    compressed_attention,
+    nsa_attention,
+    selected_attention,
+    selection_scores,
+    sliding_window_attention,
+)
 from repro.nsa import reference as ref
+from repro.nsa.compression import forward_tile, strided_forward
+from repro.nsa.gate import gated_sum_fused
 from repro.nsa.tests.helpers import DEVICE, FP32_TOL, grads, leaf, randn, random_block_indices
+from repro.nsa.window import window_tile
 
 seeds = st.integers(0, 2**31 - 1)
 head_dims = st.sampled_from([16, 32])
@@ -47,7 +58,7 @@ def test_selected_kernel_equals_reference(seed, t, g, d, s):
     q, k, v = randn(gen, 1, t, h * g, d), randn(gen, 1, t, h, d), randn(gen, 1, t, h, d)
     idx = random_block_indices(gen, 1, t, h, s, block)
     ins, ins_ref = _leaves(q, k, v)
-    out = ops.selected_attention(*ins, idx.to(DEVICE), block)
+    out = selected_attention(*ins, idx.to(DEVICE), block)
     out_ref = ref.selected_attention(*ins_ref, idx, block)
     _check_grads("selected", out, out_ref, ins, ins_ref, gen)
 
@@ -67,7 +78,7 @@ def test_compressed_kernel_equals_reference(seed, t, g, d, ld):
     nc = max(1, ref.num_compressed(t, l, stride))
     q, k, v = randn(gen, 1, t, g, d), randn(gen, 1, nc, 1, d), randn(gen, 1, nc, 1, d)
     ins, ins_ref = _leaves(q, k, v)
-    out, lse = ops.compressed_attention(*ins, l, stride)
+    out, lse = compressed_attention(*ins, l, stride)
     out_ref, lse_ref = ref.compressed_attention(*ins_ref, l, stride)
     seen = ~torch.isinf(lse_ref)
     assert torch.equal(torch.isinf(lse.cpu()), ~seen)
@@ -83,7 +94,7 @@ def test_window_kernel_equals_reference(seed, t, g, d, w):
     gen = torch.Generator().manual_seed(seed)
     q, k, v = randn(gen, 1, t, 2 * g, d), randn(gen, 1, t, 2, d), randn(gen, 1, t, 2, d)
     ins, ins_ref = _leaves(q, k, v)
-    out = ops.sliding_window_attention(*ins, w)
+    out = sliding_window_attention(*ins, w)
     out_ref = ref.sliding_window_attention(*ins_ref, w)
     _check_grads("window", out, out_ref, ins, ins_ref, gen)
 
@@ -106,9 +117,7 @@ def test_scores_kernel_equals_reference(seed, t, g, cfg):
         k_cmp = randn(gen, 1, 1, 2, 16)
     _, lse = ref.compressed_attention(q, k_cmp, k_cmp, l, stride)
     ns = -(-t // lp)
-    sc = ops.selection_scores(
-        q.float().to(DEVICE), k_cmp.float().to(DEVICE), lse.to(DEVICE), ns, l, stride, lp
-    )
+    sc = selection_scores(q.float().to(DEVICE), k_cmp.float().to(DEVICE), lse.to(DEVICE), ns, l, stride, lp)
     sc_ref = ref.selection_scores(q, k_cmp, lse, ns, l, stride, lp)
     assert_rel_close(sc.cpu(), sc_ref, FP32_TOL, "block scores")
 
@@ -135,7 +144,7 @@ def test_nsa_attention_kernels_equal_reference(seed, t, g):
     args = _layer_args(gen, t, 2 * g, 2, 16, SMALL)
     ins = [leaf(x) for x in args]
     ins_ref = [x.clone().requires_grad_() for x in args]
-    out, idx = ops.nsa_attention(*ins, SMALL)
+    out, idx = nsa_attention(*ins, SMALL)
     out_ref, idx_ref = ref.nsa_attention(*ins_ref, SMALL)
     assert torch.equal(idx.cpu(), idx_ref)
     assert_rel_close(out.cpu(), out_ref, FP32_TOL, "nsa output")
@@ -186,7 +195,7 @@ def test_kernel_layer_is_causal(seed, t, cut):
         k_cmp = ref.compress(raw[0], ref.mean_pool, cfg.block_len, cfg.stride)
         v_cmp = ref.compress(raw[1], ref.mean_pool, cfg.block_len, cfg.stride)
         args = [q, k_cmp, v_cmp, *raw[2:], gates]
-        return ops.nsa_attention(*[x.float().to(DEVICE) for x in args], cfg)
+        return nsa_attention(*[x.float().to(DEVICE) for x in args], cfg)
 
     o1, i1 = run(q, raw, gates)
     q2, gates2, raw2 = q.clone(), gates.clone(), [x.clone() for x in raw]
@@ -209,7 +218,7 @@ def test_kernel_heads_read_only_their_groups_blocks(seed, t, g, head):
     q, k, v = randn(gen, 1, t, h * g, 16), randn(gen, 1, t, h, 16), randn(gen, 1, t, h, 16)
     idx = random_block_indices(gen, 1, t, h, 2, block)
     ins = [leaf(x) for x in (q, k, v)]
-    out = ops.selected_attention(*ins, idx.to(DEVICE), block)
+    out = selected_attention(*ins, idx.to(DEVICE), block)
     ti, hq = int(torch.randint(0, t, (1,), generator=gen)), head % (h * g)
     do = torch.zeros_like(out)
     do[0, ti, hq] = torch.randn(16, generator=gen).to(do)
@@ -233,7 +242,7 @@ def test_selected_kernel_with_every_block_is_full_attention(seed, t, g):
     q, k, v = randn(gen, 1, t, g, 16), randn(gen, 1, t, 1, 16), randn(gen, 1, t, 1, 16)
     ns = -(-t // block)
     idx = ref.select_blocks(torch.rand(1, t, 1, ns, generator=gen), ns, block, 1, 1)
-    out = ops.selected_attention(*[x.float().to(DEVICE) for x in (q, k, v)], idx.to(DEVICE), block)
+    out = selected_attention(*[x.float().to(DEVICE) for x in (q, k, v)], idx.to(DEVICE), block)
     assert_rel_close(out.cpu(), ref.full_causal_attention(q, k, v), FP32_TOL, "all blocks vs full")
 
 
@@ -243,7 +252,7 @@ def test_selected_kernel_with_every_block_is_full_attention(seed, t, g):
 def test_window_kernel_covering_everything_is_full_attention(seed, t, extra):
     gen = torch.Generator().manual_seed(seed)
     q, k, v = randn(gen, 1, t, 2, 16), randn(gen, 1, t, 1, 16), randn(gen, 1, t, 1, 16)
-    out = ops.sliding_window_attention(*[x.float().to(DEVICE) for x in (q, k, v)], t + extra)
+    out = sliding_window_attention(*[x.float().to(DEVICE) for x in (q, k, v)], t + extra)
     assert_rel_close(out.cpu(), ref.full_causal_attention(q, k, v), FP32_TOL, "window >= T vs full")
 
 
@@ -256,7 +265,7 @@ def test_selected_kernel_half_precision(dtype):
     t, block = 32, 16
     q, k, v = randn(gen, 1, t, 2, 16), randn(gen, 1, t, 1, 16), randn(gen, 1, t, 1, 16)
     idx = random_block_indices(gen, 1, t, 1, 2, block)
-    out = ops.selected_attention(*[x.to(DEVICE, dtype) for x in (q, k, v)], idx.to(DEVICE), block)
+    out = selected_attention(*[x.to(DEVICE, dtype) for x in (q, k, v)], idx.to(DEVICE), block)
     assert out.dtype == dtype
     assert_rel_close(out.float().cpu(), ref.selected_attention(q, k, v, idx, block), 2e-2, "16-bit output")
 
@@ -265,7 +274,7 @@ def test_selected_kernel_half_precision(dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("t", [1, 37])
 def test_fused_gated_sum_equals_eq5(dtype, t):
-    """Eq. 5's gated sum as one kernel (ops.gated_sum_fused, behind ops.FUSED_GATE): output and the
+    """Eq. 5's gated sum as one kernel (gate.gated_sum_fused, behind Switches.fused_gate): output and the
     gradients of the gates and the three branch outputs equal the PyTorch formula's in fp64, for row
     counts on and off the kernel's row tile; mismatched shapes are refused by name."""
     gen = torch.Generator().manual_seed(t)
@@ -273,7 +282,7 @@ def test_fused_gated_sum_equals_eq5(dtype, t):
     gates = torch.rand(2, t, 3, 3, generator=gen, dtype=torch.float64)
     do = randn(gen, 2, t, 3, 16)
     ours = [x.to(dtype).to(DEVICE).requires_grad_() for x in (gates, *xs)]
-    o = ops.gated_sum_fused(*ours)
+    o = gated_sum_fused(*ours)
     got = torch.autograd.grad(o, ours, do.to(dtype).to(DEVICE))
     want_leaves = [x.to(dtype).double().requires_grad_() for x in (gates, *xs)]
     g, a, b, c = want_leaves
@@ -285,7 +294,7 @@ def test_fused_gated_sum_equals_eq5(dtype, t):
     for name, x, y in zip(("d gates", "d o_cmp", "d o_slc", "d o_win"), got, want, strict=True):
         assert_rel_close(x.double().cpu(), y, tol, name)
     with pytest.raises(ValueError, match="o_win must match o_cmp"):
-        ops.gated_sum_fused(ours[0], ours[1], ours[2], ours[3][..., :8])
+        gated_sum_fused(ours[0], ours[1], ours[2], ours[3][..., :8])
 
 
 @pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
@@ -304,14 +313,15 @@ def test_fused_gated_sum_equals_eq5(dtype, t):
 )
 def test_strided_forward_split_loops_equal_reference(split, t, stride, block_len, window):
     """The strided forward with its key tiles in one masked loop, or split into edge, interior (no
-    mask) and diagonal loops (ops.STRIDED_SPLIT: the compressed branch's default; the window's split
+    mask) and diagonal loops (Switches.strided_split: the compressed branch's default; the window's split
     is kept general and checked here): output and lse equal the reference at lengths around the tile."""
     gen = torch.Generator().manual_seed(t + 7 * window + stride)
     d, nk = 16, (t if window else max(1, ref.num_compressed(t, block_len, stride)))
     q, k, v = randn(gen, 1, t, 4, d), randn(gen, 1, nk, 2, d), randn(gen, 1, nk, 2, d)
     offset = 0 if window else block_len - 1
     kq, kk, kv = (x.to(DEVICE, torch.float32) for x in (q, k, v))
-    out, lse = ops._strided_fwd(kq, kk, kv, d**-0.5, stride, offset, window, split=split)
+    tile = window_tile(d, 4) if window else forward_tile(d, 4)
+    out, lse = strided_forward(kq, kk, kv, d**-0.5, stride, offset, window, tile, Switches(), split=split)
     if window:
         s = torch.arange(t)
         mask = ((s[None, :] <= s[:, None]) & (s[None, :] > s[:, None] - window))[None, :, None, :]
