@@ -9,10 +9,12 @@ as on GPUs. This is how the tests exercise the real kernels, barriers included, 
 
     with EmulatedPeers(world_size=3) as peers:
         peers.run("one_shot_all_reduce_kernel", grid, per_rank_args, symmetric={"buf": (bufs, "D")})
+        peers.run("broadcast.ring_broadcast_kernel", ...)  # a kernel of nanoparallel.cuda.broadcast
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import queue
 from collections.abc import Sequence
@@ -44,7 +46,12 @@ def _worker(rank: int, jobs, results) -> None:
             for arg, (tensors, delta_arg) in symmetric.items():
                 args[arg] = tensors[rank]
                 args[delta_arg] = _deltas(tensors, rank)
-            getattr(K, name)[(grid,)](**args)
+            if "." in name:  # "broadcast.ring_broadcast_kernel": a kernel of nanoparallel.cuda.broadcast
+                module, attr = name.rsplit(".", 1)
+                kernel = getattr(importlib.import_module(f"nanoparallel.cuda.{module}"), attr)
+            else:
+                kernel = getattr(K, name)
+            kernel[(grid,)](**args)
             results.put((rank, None))
         except Exception as exc:  # report, do not die: the parent raises with the message
             results.put((rank, f"{type(exc).__name__}: {exc}"))
