@@ -48,7 +48,7 @@ from nanoparallel.cuda import kernels as K  # noqa: E402
 from nanoparallel.cuda.all_gather import all_gather_new  # noqa: E402
 from nanoparallel.cuda.all_reduce import all_reduce_two_shot_pipelined  # noqa: E402
 from nanoparallel.cuda.broadcast import broadcast_ring  # noqa: E402
-from nanoparallel.cuda.tuning import Policy, pick, policy_for  # noqa: E402, F401
+from nanoparallel.cuda.policy import Policy, pick, policy_for  # noqa: E402, F401
 from nanoparallel.errors import CommAbortedError, CommTimeoutError, MismatchError  # noqa: E402
 
 ALGORITHMS: dict[str, tuple[str, ...]] = {

@@ -102,7 +102,7 @@ def poison(n: int, dtype: torch.dtype, device) -> torch.Tensor:
 def case_all_reduce(backend, algo: str, op: str, xs: list[torch.Tensor]) -> str | None:
     """One all-reduce of the inputs ``xs`` (one per rank) with ``algo``: None, or what is wrong."""
     rank, W, dtype = backend.rank, backend.world_size, xs[0].dtype
-    t = xs[rank].to(backend.device)
+    t = xs[rank].to(backend.device, copy=True)
     ring = _resolves_to_ring(backend, "all_reduce", algo, t.numel() * t.element_size())
     backend.all_reduce(t, op=op, algorithm=algo)
     return _close(t, reduce_ref(xs, op), dtype, W if ring else 1, magnitude(xs, op))
@@ -326,15 +326,22 @@ def check_faults(backend, groups) -> tuple[int, list[str]]:
 
     import torch.distributed as dist
 
-    from nanoparallel.errors import CommTimeoutError, MismatchError
+    from nanoparallel.errors import CommTimeoutError
 
     rank, W, dev = backend.rank, backend.world_size, backend.device
     failures: list[str] = []
     cases = 0
+
+    def all_agree(flag: bool) -> bool:  # whether any rank says so (every rank takes the same branch)
+        t = torch.tensor([int(flag)], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=backend.group)
+        return bool(t[0])
+
     for group in groups:
         coll, algo = group.split("/")
         n = 4000 if rank == W - 1 else 4096  # one rank disagrees; same grid and steps for all
         x = torch.ones(n, device=dev)
+        raised = None
         try:
             if coll == "broadcast":
                 backend.broadcast(x, 0, algo)
@@ -347,35 +354,33 @@ def check_faults(backend, groups) -> tuple[int, list[str]]:
                 send = list(splits)
                 if rank == W - 1:
                     send[0] += 1
-                backend.all_to_all(
-                    torch.empty(4 * W, device=dev), torch.ones(sum(send), device=dev), splits, send, algo
-                )
+                out = torch.empty(4 * W, device=dev)
+                backend.all_to_all(out, torch.ones(sum(send), device=dev), splits, send, algo)
             backend.check(f"{group} with mismatched sizes")
-            raised = None
-        except MismatchError:
-            raised = "MismatchError"
+        except Exception as exc:  # every rank must reach the agreement below, whatever happened
+            raised = type(exc).__name__
         cases += 1
         must = coll != "all_to_all" or rank == 0
         if must and raised != "MismatchError":
             failures.append(f"rank {rank}: {group}: ranks disagree on the size, but it raised {raised}")
-        if backend.closed:
-            break  # the caller rebuilds; the lonely call below needs a working backend
-    dist.barrier(group=backend.group)
-    if not backend.closed:
-        cases += 1
-        if rank == 1:  # a ring broadcast only rank 1 calls: its waits must expire and check() raise
-            backend.timeout_s, backend.max_spins = 2.0, 10_000_000
-            t0 = time.perf_counter()
+        if all_agree(bool(backend.closed)):
+            return cases, failures  # the caller rebuilds; the lonely call needs a working backend
+    cases += 1
+    if rank == 1:  # a ring broadcast only rank 1 calls: its waits must expire and check() raise
+        backend.timeout_s, backend.max_spins = 2.0, 10_000_000
+        t0 = time.perf_counter()
+        try:
             backend.broadcast(torch.ones(4096, device=dev), 1, "ring")
-            try:
-                backend.check("lonely ring broadcast")
-                failures.append(f"rank {rank}: a ring broadcast no peer joined did not time out")
-            except CommTimeoutError:
-                if time.perf_counter() - t0 > 60:
-                    failures.append(
-                        f"rank {rank}: the lonely call took {time.perf_counter() - t0:.0f} s to raise"
-                    )
-        dist.barrier(group=backend.group)
+            backend.check("lonely ring broadcast")
+            failures.append(f"rank {rank}: a ring broadcast no peer joined did not time out")
+        except CommTimeoutError:
+            if time.perf_counter() - t0 > 60:
+                failures.append(
+                    f"rank {rank}: the lonely call took {time.perf_counter() - t0:.0f} s to raise"
+                )
+        except Exception as exc:
+            failures.append(f"rank {rank}: the lonely call raised {type(exc).__name__}: {exc}")
+    dist.barrier(group=backend.group)
     return cases, failures
 
 
@@ -402,13 +407,14 @@ def _group_rank_main(rank: int, world: int, port: int, args, results) -> None:
         return CudaPeerBackend(rank, world, prefixed, torch.device("cuda", rank), timeout_s=args.timeout_s)
 
     be = fresh()
+    passed = set(args.passed)  # the faults are tried on the new algorithms that passed their check
     for group in args.groups:
         results.put(("start", rank, group))
         t0 = time.perf_counter()
         status, cases, failures = "passed", 0, []
         try:
             if group == "faults":
-                cases, failures = check_faults(be, [g for g in args.groups if g in NEW_GROUPS])
+                cases, failures = check_faults(be, [g for g in NEW_GROUPS if g in passed])
             elif group == "old-quick":  # the full check, sampled: 3 dtypes, small sizes
                 cases, failures = check_all(
                     be, sizes=(0, 1, 31, 4099), dtypes=(torch.float32, torch.bfloat16, torch.int32)
@@ -426,6 +432,8 @@ def _group_rank_main(rank: int, world: int, port: int, args, results) -> None:
         dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=be.group)
         worst_status = STATUS[int(worst[0])]
         results.put(("done", rank, group, status, cases, failures[:20], round(time.perf_counter() - t0, 1)))
+        if worst_status == "passed":
+            passed.add(group)
         if worst_status in ("timeout", "error", "mismatch") or be.closed or group == "faults":
             try:
                 be.close()
@@ -464,7 +472,7 @@ def run_groups(world: int, groups: list[str], budget_s: float, timeout_s: float,
     while remaining and time.monotonic() < deadline - 15:
         ctx = mp.get_context("spawn")
         results = ctx.Queue()
-        args = argparse.Namespace(groups=list(remaining), timeout_s=timeout_s)
+        args = argparse.Namespace(groups=list(remaining), timeout_s=timeout_s, passed=list(summary["passed"]))
         port = free_port()
         procs = [
             ctx.Process(target=_group_rank_main, args=(r, world, port, args, results)) for r in range(world)
@@ -487,7 +495,7 @@ def run_groups(world: int, groups: list[str], budget_s: float, timeout_s: float,
                     if dead:
                         stalled = f"crashed (rank {dead[0]} exited with {procs[dead[0]].exitcode})"
                         break
-                    if time.monotonic() - last > 6 * timeout_s + 60:
+                    if time.monotonic() - last > max(6 * timeout_s, 90):
                         stalled = "hung"
                         break
                     continue
@@ -524,10 +532,14 @@ def run_groups(world: int, groups: list[str], budget_s: float, timeout_s: float,
                                           "failures": [], "seconds": None}  # fmt: skip
             remaining.remove(current)
             save()
+        elif stalled and current is None:  # the ranks failed before the first group: no retry helps
+            summary["startup"] = stalled
+            break
         if stalled == "budget":
             break
     for group in remaining:
-        summary["groups"][group] = {"status": "not run (budget)", "cases": 0, "failures": [], "seconds": None}
+        why = f"not run (start-up {summary['startup']})" if "startup" in summary else "not run (budget)"
+        summary["groups"][group] = {"status": why, "cases": 0, "failures": [], "seconds": None}
     save()
     return summary
 

@@ -464,7 +464,7 @@ def main(argv=None) -> None:
 
 
 def _policy_note(world: int) -> str:
-    from nanoparallel.cuda.tuning import policy_for
+    from nanoparallel.cuda.policy import policy_for
 
     pol = policy_for(world)
     return f"{dict(pol.algorithms)} ({pol.source})."

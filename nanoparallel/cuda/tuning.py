@@ -1,9 +1,4 @@
-"""What ``algorithm="auto"`` picks on each world size, and the script that makes it from measurements.
-
-The tables live in :mod:`nanoparallel.cuda.auto_tables` (generated, committed): for each measured
-world size, per collective a table of ``(from this many bytes, algorithm)``, and per pipelined
-algorithm a table of steps and one of programs per SM. :func:`policy_for` gives a world size the
-tables of the nearest measured one (3 GPUs take 4's, 8 take 4's, a tie goes to the larger).
+"""The script that makes ``auto``'s tables (:mod:`nanoparallel.cuda.policy`) from measurements.
 
 After a GPU run, one command turns its result files into new tables and a summary report::
 
@@ -36,61 +31,14 @@ import argparse
 import json
 from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-Table = tuple[tuple[int, Any], ...]
+from nanoparallel.cuda.policy import SIZE_INDEPENDENT, Policy, Table, pick, policies, policy_for  # noqa: F401
+
 MARGIN = 0.03
 MARGIN_US = 2.0
 # the sizes the policy tests pin (bytes as each collective counts them)
 PIN_SIZES = (8, 64 << 10, 16 << 20, 64 << 20, 256 << 20, 1 << 30)
-# algorithms whose ranks must agree on steps and programs whatever their sizes
-SIZE_INDEPENDENT = ("all_to_all",)
-
-
-@dataclass(frozen=True)
-class Policy:
-    """The choices of ``auto`` for one world size (see the module docstring)."""
-
-    algorithms: Mapping[str, Table]
-    steps: Mapping[str, Table] = field(default_factory=dict)  # "collective/algorithm" -> steps
-    programs_per_sm: Mapping[str, Table] = field(default_factory=dict)  # -> grid / SM count
-    source: str = ""
-
-    def algorithm(self, collective: str, nbytes: int) -> str | None:
-        table = self.algorithms.get(collective)
-        return pick(table, nbytes) if table else None
-
-    def knob(self, kind: str, collective: str, algorithm: str, nbytes: int):
-        """Steps or programs per SM of ``collective/algorithm`` at ``nbytes`` (None: no table)."""
-        table = (self.steps if kind == "steps" else self.programs_per_sm).get(f"{collective}/{algorithm}")
-        if not table:
-            return None
-        return pick(table, 0 if collective in SIZE_INDEPENDENT else nbytes)
-
-
-def pick(table: Table, nbytes: int):
-    """The choice of the last row of ``table`` whose byte bound ``nbytes`` reaches."""
-    choice = table[0][1]
-    for bound, value in table:
-        if nbytes >= bound:
-            choice = value
-    return choice
-
-
-def policies() -> dict[int, Policy]:
-    """Every committed policy, by world size."""
-    from nanoparallel.cuda.auto_tables import POLICIES
-
-    return {w: Policy(**p) for w, p in POLICIES.items()}
-
-
-def policy_for(world_size: int, table: Mapping[int, Policy] | None = None) -> Policy:
-    """The policy of the nearest measured world size (ties go to the larger)."""
-    table = policies() if table is None else table
-    best = min(table, key=lambda w: (abs(w - world_size), -w))
-    return table[best]
 
 
 # -- making tables from measurements ------------------------------------------------------------

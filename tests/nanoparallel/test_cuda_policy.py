@@ -23,7 +23,7 @@ from nanoparallel.cuda import (
     pick,
     pipeline_steps,
 )
-from nanoparallel.cuda.tuning import SIZE_INDEPENDENT, Policy, policies, policy_for
+from nanoparallel.cuda.policy import SIZE_INDEPENDENT, Policy, policies, policy_for
 
 # what auto picks (python -m nanoparallel.cuda.tuning --pins)
 PINS = {
