@@ -324,3 +324,29 @@ def test_link_probe_moves_what_each_pattern_says(peers):
                     else:  # peer p's slot r holds my first n elements
                         want = before_l[r][:n] if active else before_b[p][r * n : (r + 1) * n]
                         assert torch.equal(bufs[p][r * n : (r + 1) * n], want), (pattern, r, p)
+
+
+def test_launchers_cut_pieces_and_pass_their_arguments_in_order(peers):
+    # the launchers themselves (not only the kernels) on an emulated backend whose staging_cap of
+    # 4 KiB cuts 2500 elements into pieces of 1024 (f32) or 2048 (bf16): the piece loop, the row
+    # stride of the all-gathers' output, the positional arguments, the epochs, the headers
+    W = peers.world_size
+    n = 2500
+    inputs = [draw(n, torch.float32, 50 + r) for r in range(W)]
+    xs = peers.shared(lambda r: inputs[r].clone())
+    peers.run_launcher("broadcast.broadcast_ring", [(xs[r], 1) for r in range(W)], 4096, 4, 3)
+    assert all(torch.equal(xs[r], inputs[1]) for r in range(W)), "ring broadcast in pieces"
+    for algo in ("pairwise", "push_pipelined"):
+        halves = [draw(n, torch.bfloat16, 60 + r) for r in range(W)]
+        ins = peers.shared(lambda r, h=halves: h[r].clone())
+        outs = peers.shared(lambda r: torch.full((W * n,), 7, dtype=torch.bfloat16))
+        peers.run_launcher(
+            "all_gather.all_gather_new", [(outs[r], ins[r], algo) for r in range(W)], 4096, 4, 2
+        )
+        assert all(torch.equal(outs[r], torch.cat(halves)) for r in range(W)), f"all-gather {algo} in pieces"
+    ys = peers.shared(lambda r: inputs[r].clone())
+    peers.run_launcher("all_reduce.all_reduce_two_shot_pipelined", [(ys[r], K.OP_CODES["sum"]) for r in range(W)],
+                       1 << 20, 4, 3)  # fmt: skip
+    ref = reduce_ref(inputs, "sum")
+    for r in range(W):
+        assert_rel_close(ys[r], ref, TOL[torch.float32], f"two_shot_pipelined launcher rank {r}")
