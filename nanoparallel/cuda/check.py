@@ -398,6 +398,12 @@ def _group_rank_main(rank: int, world: int, port: int, args, results) -> None:
     store = dist.TCPStore(
         "127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=120)
     )
+    # a default group that outlives the backends: each backend then takes a gloo group of its own
+    # (a new name each time, so symmetric memory never meets a stale registration of a group name)
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore("default", store), rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )  # fmt: skip
     generation = 0
 
     def fresh():
@@ -429,7 +435,7 @@ def _group_rank_main(rank: int, world: int, port: int, args, results) -> None:
             failures.append(f"rank {rank}: {group}: {kind}: {exc}\n{traceback.format_exc()[-1500:]}")
         # every rank learns the worst status, so all of them rebuild together
         worst = torch.tensor([STATUS.index(status)], dtype=torch.int32)
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=be.group)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         worst_status = STATUS[int(worst[0])]
         results.put(("done", rank, group, status, cases, failures[:20], round(time.perf_counter() - t0, 1)))
         if worst_status == "passed":
@@ -441,6 +447,7 @@ def _group_rank_main(rank: int, world: int, port: int, args, results) -> None:
                 pass
             be = fresh()
     be.close()
+    dist.destroy_process_group()
     results.put(("end", rank, None))
 
 
