@@ -14,8 +14,13 @@ The data path of every call:
 
 * copy the caller's tensor into this rank's staging buffer (inside the kernel, no extra launch);
 * barrier with the same-numbered program on every peer;
-* read what is needed straight from the peers' staging buffers (one-shot, two-shot, ring, direct)
-  or let the copy engine pull it (``copy_engine``: ``Tensor.copy_`` from a peer's buffer).
+* read what is needed straight from the peers' staging buffers (one-shot, two-shot, ring, direct),
+  or store it into theirs (the pipelined kernels; the ring broadcast of ``broadcast.py``, the
+  all-gathers of ``all_gather.py`` and the all-reduce of ``all_reduce.py``, one file each), or let
+  the copy engine pull it (``copy_engine``: ``Tensor.copy_`` from a peer's buffer).
+
+What ``algorithm="auto"`` picks is :mod:`nanoparallel.cuda.policy` (tables per world size in
+``auto_tables.py``, made from GPU runs by :mod:`nanoparallel.cuda.tuning`).
 
 Two staging buffers alternate between calls, which is why no call needs a closing barrier (see
 ``kernels.py``). All work goes on the current CUDA stream; callers must use one stream for all
