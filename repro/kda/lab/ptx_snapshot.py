@@ -89,6 +89,34 @@ def _normalise(ptx: str, name: str, runtime: list[str]) -> tuple[str, list[str]]
     return body, declared
 
 
+def _normalise_ttgir(ttgir: str) -> str:
+    """Triton's GPU IR without source locations and without the kernel's signature line: the ops
+    of the body, their SSA values named after the source's variables and arguments, anonymous ones
+    renumbered (so a removed unused argument changes the signature only, and a line moved to
+    another file nothing)."""
+    out = []
+    for line in ttgir.splitlines():
+        s = line.strip()
+        if s.startswith("#loc") or s.startswith("tt.func public"):
+            continue
+        out.append(re.sub(r" loc\((?:[^()]|\([^()]*\))*\)", "", line))
+    text = "\n".join(out)
+    # anonymous values (loop-carried) are numbered after the arguments: renumber them in order of
+    # first appearance
+    order: dict[str, str] = {}
+    return re.sub(r"%arg\d+\b", lambda m: order.setdefault(m.group(0), f"%arg_{len(order)}"), text)
+
+
+def _opcode_counts(body: str) -> str:
+    """How many of each PTX instruction the body holds, in any order (a digest of it)."""
+    counts: dict[str, int] = {}
+    for line in body.splitlines():
+        s = line.strip()
+        if s and not s.startswith((".", "//", "$", "{", "}", ")")):
+            counts[s.split()[0]] = counts.get(s.split()[0], 0) + 1
+    return hashlib.sha256(json.dumps(sorted(counts.items())).encode()).hexdigest()[:16]
+
+
 def _value(v):
     if isinstance(v, (bool, int, float, str)) or v is None:
         return v
@@ -185,7 +213,7 @@ def record_decode(case) -> list[tuple]:
     return list(_launches)
 
 
-def snapshot(only: str = "", ptx_dir: str | None = None) -> list[dict]:
+def snapshot(only: str = "", ptx_dir: str | None = None, ptxas: bool = False) -> list[dict]:
     JITFunction.run = _record
     rows, cache = [], {}
     todo = [(c[0], lambda c=c: record(c)) for c in CASES] + [
@@ -200,17 +228,26 @@ def snapshot(only: str = "", ptx_dir: str | None = None) -> list[dict]:
             key = (kernel.__name__, compiled.hash)
             if key not in cache:
                 body, declared = _normalise(compiled.asm["ptx"], kernel.__name__, runtime)
-                cache[key] = (hashlib.sha256(body.encode()).hexdigest()[:16], declared)
-                if ptx_dir:  # the normalised PTX, to diff where a hash differs
+                ttgir = _normalise_ttgir(compiled.asm["ttgir"])
+                digests = [hashlib.sha256(x.encode()).hexdigest()[:16] for x in (body, ttgir)]
+                usage = {}
+                if ptxas:  # registers and spills from the bundled ptxas for sm_90a
+                    from paperclub.triton_compat import ptxas_usage
+
+                    usage = {**ptxas_usage(compiled.asm["ptx"]), "shared": compiled.metadata.shared}
+                cache[key] = (*digests, _opcode_counts(body), declared, usage)
+                if ptx_dir:  # the normalised PTX and GPU IR, to diff where a hash differs
                     os.makedirs(ptx_dir, exist_ok=True)
-                    with open(os.path.join(ptx_dir, f"{kernel.__name__}-{cache[key][0]}.ptx"), "w") as f:
-                        f.write(body)
-            digest, declared = cache[key]
+                    for text, ext in ((body, "ptx"), (ttgir, "ttgir")):
+                        with open(os.path.join(ptx_dir, f"{kernel.__name__}-{digests[0]}.{ext}"), "w") as f:
+                            f.write(text)
+            digest, ir_digest, opcodes, declared, usage = cache[key]
             rows.append({
                 "case": case_name, "launch": i, "kernel": kernel.__name__,
                 "constexprs": {n: _value(v) for n, v in sorted(constexprs.items())},
                 "num_warps": options.num_warps, "num_stages": options.num_stages,
-                "params": declared, "ptx_sha256": digest,
+                "params": declared, "ptx_sha256": digest, "ttgir_sha256": ir_digest,
+                "opcodes_sha256": opcodes, **({"usage": usage} if usage else {}),
             })  # fmt: skip
             print(
                 f"{case_name:18s} {i} {kernel.__name__:34s} {digest} ({time.perf_counter() - t0:.1f} s)",
@@ -220,11 +257,12 @@ def snapshot(only: str = "", ptx_dir: str | None = None) -> list[dict]:
 
 
 def compare(before: list[dict], after: list[dict]) -> int:
-    """Launch by launch: same kernel, same PTX body; constexpr and parameter differences listed."""
+    """Launch by launch: same kernel, same PTX body (else: same GPU IR body?); constexpr and
+    parameter differences listed. Non-zero if a GPU IR body differs."""
     key = lambda r: (r["case"], r["launch"])  # noqa: E731
     old = {key(r): r for r in before}
     new = {key(r): r for r in after}
-    differing = 0
+    differing = ir_differing = 0
     for k in sorted(set(old) | set(new)):
         a, b = old.get(k), new.get(k)
         if a is None or b is None:
@@ -247,18 +285,25 @@ def compare(before: list[dict], after: list[dict]) -> int:
         added = {n: v for n, v in b["constexprs"].items() if n not in a["constexprs"]}
         if gone or changed or added:
             notes.append(f"constexprs removed {gone} changed {changed} added {added}")
+        if a.get("usage") and b.get("usage") and a["usage"] != b["usage"]:
+            notes.append(f"ptxas {a['usage']} -> {b['usage']}")
         if a["params"] != b["params"]:
             notes.append(
                 f"parameters removed {sorted(set(a['params']) - set(b['params']))} added {sorted(set(b['params']) - set(a['params']))}"
             )
-        same = a["ptx_sha256"] == b["ptx_sha256"]
+        same, same_ir = a["ptx_sha256"] == b["ptx_sha256"], a.get("ttgir_sha256") == b.get("ttgir_sha256")
         differing += not same
-        print(
-            f"{k[0]:18s} {k[1]} {b['kernel']:34s} PTX body {'identical' if same else 'DIFFERS'}"
-            + (f"; {'; '.join(notes)}" if notes else "")
-        )
-    print(f"{len(new)} launches, {differing} with a different PTX body")
-    return 1 if differing else 0
+        ir_differing += not same_ir
+        same_ops = a.get("opcodes_sha256") == b.get("opcodes_sha256")
+        verdict = "PTX identical"
+        if not same:
+            verdict = "PTX differs: " + (
+                "same instructions in another order" if same_ops else "OTHER INSTRUCTIONS"
+            )
+            verdict += ", GPU IR body " + ("identical" if same_ir else "DIFFERS")
+        print(f"{k[0]:19s} {k[1]} {b['kernel']:31s} {verdict}" + (f"; {'; '.join(notes)}" if notes else ""))
+    print(f"{len(new)} launches: {differing} with another PTX body, {ir_differing} with another GPU IR body")
+    return 1 if ir_differing else 0
 
 
 def main(argv=None) -> int:
@@ -266,9 +311,10 @@ def main(argv=None) -> int:
     ap.add_argument("out", help="JSON file for the rows")
     ap.add_argument("--only", default="", help="cases whose name contains this")
     ap.add_argument("--ptx-dir", default=None, help="write each normalised PTX here as <kernel>-<hash>.ptx")
+    ap.add_argument("--ptxas", action="store_true", help="also record registers, spills, shared memory")
     ap.add_argument("--compare", default=None, help="a snapshot taken before: report launch by launch")
     args = ap.parse_args(argv)
-    rows = snapshot(args.only, args.ptx_dir)
+    rows = snapshot(args.only, args.ptx_dir, args.ptxas)
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)
     if args.compare:
