@@ -50,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from paperclub.bench import Candidate, Report, ceilings, measure
+from paperclub.bench import Candidate, Report, bench_parser, ceilings, measure, parse_bench_args
 from paperclub.testing import assert_rel_close
 from repro.megablocks.kernels import GPU_CONFIG, kernel_config
 from repro.megablocks.moe import _combine, dmoe_grouped, dmoe_sparse
@@ -409,14 +409,11 @@ def _tuning(report, quick: bool, start: float, budget_s: float, ceil: dict, note
 
 
 def main(argv=None) -> Path | None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="smaller token counts, 64e-top8 only")
-    ap.add_argument("--out", default=None, help="directory for the Report JSON")
-    ap.add_argument("--budget-s", type=float, default=240.0, help="stop starting configurations near this")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap = bench_parser(__doc__.split("\n")[0], budget_s=240.0, rounds=5, quick_help="smaller token counts, "
+                      "64e-top8 only", only=False, settings=False, tag=False)  # fmt: skip
     ap.add_argument("--tune-first", action="store_true", help="time the tuning rows before the main table")
     ap.add_argument("--probe-megablocks", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    args = parse_bench_args(ap, argv)
     if args.probe_megablocks:
         return _probe_main(args.quick)
     if not torch.cuda.is_available():
