@@ -1,28 +1,39 @@
-"""``python -m repro.kda.lab.ptx_snapshot OUT.json [--only CASE] [--compare BEFORE.json]``: the PTX that
-every Triton launch of chunk_kda (forward and backward) and decode_step compiles to for sm_90a, at
-representative shapes, dtypes and configs, recorded without a GPU.
+"""``python -m repro.kda.lab.ptx_snapshot OUT.json [--only CASE] [--ptxas] [--compare BEFORE.json]``:
+what every Triton launch of chunk_kda (forward and backward) and decode_step compiles to for sm_90a,
+at representative shapes, dtypes and configs (:data:`CASES`), recorded without a GPU.
 
 Why: to show that a change that should not change the kernels (a refactor, a move between files)
 leaves the compiled code as it was. No kernel runs: ``JITFunction.run`` is replaced by a recorder,
 the public entry points run on CPU tensors (their outputs are never read: garbage in, nothing
 checked), and each recorded launch is then compiled offline with Triton's own binder (the same
-signature, specialisation and constexprs as a launch on the GPU would get) for ``GPUTarget("cuda",
-90, 32)`` with the bundled ptxas. Each row: case, launch index, kernel name, constexprs, num_warps,
-num_stages and the sha256 of the PTX with its debug information removed (``.loc``/``.file`` lines
-and the ``.debug_*`` sections name source files and lines, which a move between files changes) and
-its parameters named by argument rather than by position (``<kernel>_param_<arg name>``: a removed
-unused argument renumbers the others), plus the ``.param`` declarations apart, so that a dropped
-unused argument shows as exactly that.
+signature, specialisation and constexprs as that launch on the GPU) for ``GPUTarget("cuda", 90,
+32)``. Each row: case, launch index, kernel, constexprs, num_warps, num_stages, and fingerprints
+(16 hex digits of SHA-256):
 
-``--compare BEFORE.json`` prints, launch by launch, whether the PTX body is identical and what
-differs in the constexprs and declared parameters.
+* ``ptx_body_sha``: the PTX without debug information (``paperclub.lab.normalized_ptx``: the
+  ``.loc``/``.file`` lines and ``.debug_*`` sections name source files and lines) and with its
+  parameters named by argument (``<kernel>_param_<name>``: dropping an unused argument renumbers
+  the others) and their declarations apart (``params``), so a dropped unused argument shows as that;
+* ``ttgir_sha``: Triton's GPU IR body without locations and signature (SSA values are named after the
+  source's variables; anonymous ones renumbered): the code LLVM receives;
+* ``opcodes_sha``: how many of each PTX instruction, in any order;
+* with ``--ptxas``, ``paperclub.lab.compile_report``'s shared memory, registers, spills and
+  ``sass_sha`` (the SASS nvdisasm prints from the cubin), and ``sass_sha_slots``, the same with the
+  offsets of local-memory accesses masked: for a kernel that spills heavily, ptxas assigns spill
+  slots differently from one compile of the same PTX to the next (seen for the state backward with
+  tf32x3 products, fp16: two 8-byte slots swapped), which is not a change of the code; and
+  ``sass_ops_sha``, how many of each SASS instruction, in any order.
+
+``--compare BEFORE.json`` prints, launch by launch, whether the PTX body is identical (else whether
+the GPU IR body and the instruction counts are), and what differs in the constexprs, the declared
+parameters and ptxas's numbers; its exit status is 1 if any GPU IR body differs. The snapshot of
+main's code before issue #40 is ``ptx_main_2026-11-27.json`` beside this file.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import importlib
 import json
 import os
@@ -38,6 +49,8 @@ from triton import knobs  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
+
+from paperclub.lab import compile_report, fingerprint, normalized_ptx, sass_text  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 BACKEND = make_backend(TARGET)
@@ -68,16 +81,9 @@ def _compile(fn, args, kwargs):
 
 def _normalise(ptx: str, name: str, runtime: list[str]) -> tuple[str, list[str]]:
     """PTX without debug information, parameters named by argument; and the declared parameters."""
-    out, in_debug = [], False
-    for line in ptx.splitlines():
-        s = line.strip()
-        if s.startswith(".section") and ".debug" in s:
-            in_debug = True
-        if in_debug:
-            if s == "}":
-                in_debug = False
-            continue
-        if s.startswith((".loc", ".file", "$L__func_end", "$L__tmp")) or s.startswith("//"):
+    out = []
+    for line in normalized_ptx(ptx).splitlines():
+        if line.strip().startswith(("$L__func_end", "$L__tmp")):  # labels only the debug info used
             continue
         out.append(line)
     text = "\n".join(out)
@@ -114,7 +120,7 @@ def _opcode_counts(body: str) -> str:
         s = line.strip()
         if s and not s.startswith((".", "//", "$", "{", "}", ")")):
             counts[s.split()[0]] = counts.get(s.split()[0], 0) + 1
-    return hashlib.sha256(json.dumps(sorted(counts.items())).encode()).hexdigest()[:16]
+    return fingerprint(json.dumps(sorted(counts.items())))
 
 
 def _value(v):
@@ -229,12 +235,19 @@ def snapshot(only: str = "", ptx_dir: str | None = None, ptxas: bool = False) ->
             if key not in cache:
                 body, declared = _normalise(compiled.asm["ptx"], kernel.__name__, runtime)
                 ttgir = _normalise_ttgir(compiled.asm["ttgir"])
-                digests = [hashlib.sha256(x.encode()).hexdigest()[:16] for x in (body, ttgir)]
+                digests = [fingerprint(x) for x in (body, ttgir)]
                 usage = {}
-                if ptxas:  # registers and spills from the bundled ptxas for sm_90a
-                    from paperclub.triton_compat import ptxas_usage
-
-                    usage = {**ptxas_usage(compiled.asm["ptx"]), "shared": compiled.metadata.shared}
+                if ptxas:  # shared memory, ptxas's registers and spills, the SASS fingerprint
+                    rep = compile_report(compiled)
+                    usage = {
+                        n: rep[n] for n in ("shared", "registers", "spill_stores", "spill_loads", "sass_sha")
+                    }
+                    sass = sass_text(compiled.asm["cubin"])
+                    if sass is not None:  # the same SASS but for which stack slot each spill uses
+                        masked = re.sub(r"\[R1(\+0x[0-9a-f]+)?\]", "[R1+*]", sass)
+                        usage["sass_sha_slots"] = fingerprint(masked)
+                        ops = sorted(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+([A-Z0-9_.]+)", sass, re.M))
+                        usage["sass_ops_sha"] = fingerprint(" ".join(ops))
                 cache[key] = (*digests, _opcode_counts(body), declared, usage)
                 if ptx_dir:  # the normalised PTX and GPU IR, to diff where a hash differs
                     os.makedirs(ptx_dir, exist_ok=True)
@@ -246,8 +259,8 @@ def snapshot(only: str = "", ptx_dir: str | None = None, ptxas: bool = False) ->
                 "case": case_name, "launch": i, "kernel": kernel.__name__,
                 "constexprs": {n: _value(v) for n, v in sorted(constexprs.items())},
                 "num_warps": options.num_warps, "num_stages": options.num_stages,
-                "params": declared, "ptx_sha256": digest, "ttgir_sha256": ir_digest,
-                "opcodes_sha256": opcodes, **({"usage": usage} if usage else {}),
+                "params": declared, "ptx_body_sha": digest, "ttgir_sha": ir_digest,
+                "opcodes_sha": opcodes, **({"usage": usage} if usage else {}),
             })  # fmt: skip
             print(
                 f"{case_name:18s} {i} {kernel.__name__:34s} {digest} ({time.perf_counter() - t0:.1f} s)",
@@ -285,16 +298,27 @@ def compare(before: list[dict], after: list[dict]) -> int:
         added = {n: v for n, v in b["constexprs"].items() if n not in a["constexprs"]}
         if gone or changed or added:
             notes.append(f"constexprs removed {gone} changed {changed} added {added}")
-        if a.get("usage") and b.get("usage") and a["usage"] != b["usage"]:
-            notes.append(f"ptxas {a['usage']} -> {b['usage']}")
+        ua, ub = a.get("usage") or {}, b.get("usage") or {}
+        moved = {n: (ua[n], ub[n]) for n in ua if n in ub and not n.startswith("sass") and ua[n] != ub[n]}
+        if moved:
+            notes.append(f"ptxas/shared (before, after) {moved}")
+        if ua.get("sass_sha") and ub.get("sass_sha"):
+            if ua["sass_sha"] == ub["sass_sha"]:
+                notes.append("SASS identical")
+            elif ua.get("sass_sha_slots") and ua.get("sass_sha_slots") == ub.get("sass_sha_slots"):
+                notes.append("SASS identical but for the stack slots of spills")
+            elif ua.get("sass_ops_sha") and ua.get("sass_ops_sha") == ub.get("sass_ops_sha"):
+                notes.append("SASS: the same instructions in another order or registers")
+            else:
+                notes.append("SASS differs")
         if a["params"] != b["params"]:
             notes.append(
                 f"parameters removed {sorted(set(a['params']) - set(b['params']))} added {sorted(set(b['params']) - set(a['params']))}"
             )
-        same, same_ir = a["ptx_sha256"] == b["ptx_sha256"], a.get("ttgir_sha256") == b.get("ttgir_sha256")
+        same, same_ir = a["ptx_body_sha"] == b["ptx_body_sha"], a["ttgir_sha"] == b["ttgir_sha"]
         differing += not same
         ir_differing += not same_ir
-        same_ops = a.get("opcodes_sha256") == b.get("opcodes_sha256")
+        same_ops = a["opcodes_sha"] == b["opcodes_sha"]
         verdict = "PTX identical"
         if not same:
             verdict = "PTX differs: " + (
