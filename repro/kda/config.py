@@ -14,9 +14,21 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from repro.kda import backward_inter_chunk as bwd_state
-from repro.kda import backward_intra_chunk as bwd_intra
-from repro.kda import inter_chunk, intra_chunk, output, wy_ut
+from repro.kda.backward_inter_chunk import STATE_BWD_WARPS
+from repro.kda.backward_intra_chunk import (
+    DQK_BK,
+    DQK_BV,
+    DQK_STAGES,
+    DQK_WARPS,
+    MAT_BK,
+    MAT_BV,
+    MAT_STAGES,
+    MAT_WARPS,
+)
+from repro.kda.inter_chunk import STATE_FWD_WARPS
+from repro.kda.intra_chunk import INTRA_BK, INTRA_STAGES, INTRA_WARPS
+from repro.kda.output import OUT_BV, OUT_WARPS
+from repro.kda.wy_ut import WY_BK, WY_BV, WY_WARPS
 
 # The products of the fp32 intra-chunk and state algebra for 16-bit inputs: "tf32" (tensor cores,
 # 10-bit mantissa), "tf32x3" (three tf32 products, about fp32 accuracy) or "ieee" (fp32 FMA, slow);
@@ -56,26 +68,26 @@ class KDAConfig:
     check_decay_range: bool = True
     dot_prec_bf16: str = "tf32"
     dot_prec_fp16: str = "tf32x3"
-    intra_bk: int = intra_chunk.INTRA_BK
-    intra_warps: int = intra_chunk.INTRA_WARPS
-    intra_stages: int = intra_chunk.INTRA_STAGES
-    wy_bk: int = wy_ut.WY_BK
-    wy_bv: int = wy_ut.WY_BV
-    wy_warps: int = wy_ut.WY_WARPS
+    intra_bk: int = INTRA_BK
+    intra_warps: int = INTRA_WARPS
+    intra_stages: int = INTRA_STAGES
+    wy_bk: int = WY_BK
+    wy_bv: int = WY_BV
+    wy_warps: int = WY_WARPS
     state_fwd_bv: int | None = None
-    state_fwd_warps: int = inter_chunk.STATE_FWD_WARPS
-    out_bv: int = output.OUT_BV
-    out_warps: int = output.OUT_WARPS
+    state_fwd_warps: int = STATE_FWD_WARPS
+    out_bv: int = OUT_BV
+    out_warps: int = OUT_WARPS
     state_bwd_bv: int | None = None
-    state_bwd_warps: int = bwd_state.STATE_BWD_WARPS
-    bwd_mat_bk: int = bwd_intra.MAT_BK
-    bwd_mat_bv: int = bwd_intra.MAT_BV
-    bwd_mat_warps: int = bwd_intra.MAT_WARPS
-    bwd_mat_stages: int = bwd_intra.MAT_STAGES
-    bwd_dqk_bk: int = bwd_intra.DQK_BK
-    bwd_dqk_bv: int = bwd_intra.DQK_BV
-    bwd_dqk_warps: int = bwd_intra.DQK_WARPS
-    bwd_dqk_stages: int = bwd_intra.DQK_STAGES
+    state_bwd_warps: int = STATE_BWD_WARPS
+    bwd_mat_bk: int = MAT_BK
+    bwd_mat_bv: int = MAT_BV
+    bwd_mat_warps: int = MAT_WARPS
+    bwd_mat_stages: int = MAT_STAGES
+    bwd_dqk_bk: int = DQK_BK
+    bwd_dqk_bv: int = DQK_BV
+    bwd_dqk_warps: int = DQK_WARPS
+    bwd_dqk_stages: int = DQK_STAGES
 
     def __post_init__(self) -> None:
         for f in fields(self):
