@@ -35,6 +35,9 @@ STATE_BWD_WARPS = 8  # with 4 warps the [K, BV] state and the [BT, K] tiles spil
 # clean. Mild gates show it because the wrong dS is carried from chunk to chunk; strong decay
 # forgets it within a chunk or two.
 STATE_BWD_WARPS_BV16 = 4
+# As the code is now (lab/ptx_snapshot.py --ptxas, 2026-11-27, K = V = 128): bf16 BV 64 / 8 warps
+# 255 registers, 280 bytes of spill stores, 96 KiB shared; BV 16 / 4 warps 184 bytes, 56 KiB; fp16
+# (tf32x3 products) BV 16 / 4 warps 1160 bytes, 72 KiB.
 
 
 def state_bwd_warps(bv: int, warps: int = STATE_BWD_WARPS) -> int:

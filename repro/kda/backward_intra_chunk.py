@@ -51,6 +51,9 @@ DQK_BK = 32
 DQK_BV = 32
 DQK_WARPS = 4
 DQK_STAGES = 3
+# Both as the code is now, at these defaults (lab/ptx_snapshot.py --ptxas, 2026-11-27, K = V = 128):
+# the mat kernel bf16 128 registers, no spills, 60 KiB shared (fp16, tf32x3: 255, 44 bytes of spill
+# stores, 32 KiB); the dqk kernel 255 registers, 1252 bytes of spill stores, 56 KiB (fp16: 2240).
 # Tried and removed (issue #40): bf16 operands for the products of 16-bit data in both kernels
 # (5.72 against 5.57 ms: the kernels wait on latency, not on the tensor cores; commit d749c74); a
 # 0/1 product instead of _rows4 (spilled less, 6.57 against 5.57 ms and wrong in bf16 on an H100).

@@ -28,6 +28,8 @@ STATE_FWD_LARGEST_BV = 64
 # 8 warps: with 4 the kernel spills (255 registers, ptxas -v for sm_90) and took 7.35 against 6.35
 # ms at 1 x 64k; BV = 32 with 4 warps read out of bounds on an H100 (Triton 3.6), 8 warps did not
 STATE_FWD_WARPS = 8
+# As the code is now (lab/ptx_snapshot.py --ptxas, 2026-11-27, bf16, K = V = 128, 8 warps): BV 64
+# 211 registers, 48 KiB shared; BV 16 128 registers, 24 KiB; no spills.
 
 
 def state_block_v(V: int, heads: int, fixed: int | None, largest: int, min_programs: int, min_bv: int) -> int:

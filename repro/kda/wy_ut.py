@@ -39,6 +39,8 @@ from repro.kda.tiles import BT, _head_bases, _load_rows, _tile
 WY_BK = 64
 WY_BV = 64
 WY_WARPS = 8  # 110 registers (4 warps: 254): two programs per SM either way, twice the warps
+# As the code is now (KB read from memory; lab/ptx_snapshot.py --ptxas, 2026-11-27, K = V = 128, 8
+# warps): bf16 43 registers, fp16 (tf32x3) 122, 32 KiB shared, no spills.
 
 
 @triton.jit
