@@ -1,29 +1,41 @@
 """GPU diagnosis of the backward: which gradient, which stage, under which kernel setting.
 
-    python -m repro.kda.diagnose_bwd [--case fla-mild] [--variants all] [--json OUT]
-    python -m repro.kda.diagnose_bwd --sanitize-case --set STATE_BWD_BV=32   (one small fwd+bwd, for
-                                                                              compute-sanitizer)
+    python -m repro.kda.lab.diagnose_bwd [--case fla-mild] [--variants all] [--json OUT]
+    python -m repro.kda.lab.diagnose_bwd --sanitize-case --set state_bwd_bv=32   (one small fwd+bwd, for
+                                                                                  compute-sanitizer)
 
 For a case in the style of flash-linear-attention's ``tests/ops/test_kda.py::test_chunk`` it prints,
-per backward variant, fla's error measure (RMS of the difference over RMS of the fp64 reference) of
-o, hT and every gradient, and for the split backward the error of each output of the reverse state
-kernel (dU, the per-chunk dS, dh0) against the same recurrence run in fp64 in PyTorch on the same
-saved forward tensors, which tells the state kernel apart from the intra-chunk kernels A and B.
-GPU only (the point is the compiled code, not the interpreter's).
+per variant (a :class:`repro.kda.KDAConfig`, or a lab-only change of the state backward), fla's error
+measure (RMS of the difference over RMS of the fp64 reference) of o, hT and every gradient, and the
+error of each output of the reverse state kernel (dU, the per-chunk dS, dh0) against the same
+recurrence run in fp64 in PyTorch on the same saved forward tensors, which tells the state kernel
+apart from the intra-chunk kernels downstream. GPU only (the point is the compiled code, not the
+interpreter's).
+
+The lab-only variants run the backward's stages themselves (:func:`lab_backward`): the state
+backward with its products in another precision than the rest, or at value block 16 with 8 warps,
+the configuration Triton 3.6 compiled wrongly on an H100 (2026-11-24; the fast path takes 4 warps
+there, backward_inter_chunk.STATE_BWD_WARPS_BV16), so that the bug stays reproducible.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 
 import torch
 import torch.nn.functional as F
+import triton
 
-from repro.kda import chunk as C
+from paperclub.bench import apply_settings, parse_settings
+from paperclub.triton_compat import interpreting
+from repro.kda import KDAConfig, chunk_kda
+from repro.kda.backward_inter_chunk import inter_chunk_bwd, kda_state_bwd_fused_kernel
+from repro.kda.backward_intra_chunk import intra_chunk_bwd
+from repro.kda.chunk import kda_fwd_triton
 from repro.kda.reference import kda_recurrence
+from repro.kda.tiles import BT
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
@@ -94,7 +106,7 @@ def torch_state_bwd(q, saved, do, dhT, scale):
     """The fused state kernel's recurrence (kernels.kda_state_bwd_fused_kernel) in fp64 PyTorch."""
     B, T, H, K = q.shape
     W, KD, G, Aqk, gamma = (saved[n].double() for n in ("W", "KD", "G", "Aqk", "gamma"))
-    HV, NT, BT = W.shape[2], gamma.shape[2], C.BT
+    HV, NT = W.shape[2], gamma.shape[2]
     V = do.shape[-1]
     pad = NT * BT - T
 
@@ -121,21 +133,27 @@ def torch_state_bwd(q, saved, do, dhT, scale):
     return dU, dh_all, dS
 
 
+#: name -> KDAConfig fields, or ``_STATE`` (lab_backward's state stage: its value block, warps and
+#: product precision) or ``_FLA`` (flash-linear-attention's chunk_kda on the same inputs: the peer's
+#: own error). The "triton" and "torch" backwards this script also compared left in issue #40.
 VARIANTS = {
     "split": {},
     # what the default was before the fix: value block 16 at 8 warps (wrong on an H100, Triton 3.6)
-    "split/bv16-8warps": {"STATE_BWD_BV": 16, "STATE_BWD_WARPS_BV16": 8},
-    "split/bv16": {"STATE_BWD_BV": 16},
-    "split/bv32": {"STATE_BWD_BV": 32},
-    "split/bv64": {"STATE_BWD_BV": 64},
-    "split/bv128": {"STATE_BWD_BV": 128},
-    "split/state-ieee": {"_STATE_PREC": "ieee"},
-    "split/all-ieee": {"DOT_PREC_BF16": "ieee", "DOT_PREC_FP16": "ieee"},
-    "split/all-tf32x3": {"DOT_PREC_BF16": "tf32x3", "DOT_PREC_FP16": "tf32x3"},
-    "triton": {"BACKWARD": "triton"},
-    "torch": {"BACKWARD": "torch"},
-    "fla": {"_FLA": True},  # flash-linear-attention's chunk_kda on the same inputs: the peer's own error
+    "split/bv16-8warps": {"_STATE": {"bv": 16, "warps": 8}},
+    "split/bv16": {"state_bwd_bv": 16},
+    "split/bv32": {"state_bwd_bv": 32},
+    "split/bv64": {"state_bwd_bv": 64},
+    "split/bv128": {"state_bwd_bv": 128},
+    "split/state-ieee": {"_STATE": {"prec": "ieee"}},
+    "split/all-ieee": {"dot_prec_bf16": "ieee", "dot_prec_fp16": "ieee"},
+    "split/all-tf32x3": {"dot_prec_bf16": "tf32x3", "dot_prec_fp16": "tf32x3"},
+    "fla": {"_FLA": True},
 }
+
+
+def _with_config(config: KDAConfig):
+    """chunk_kda with ``config``, in run_grads' calling convention."""
+    return lambda q, k, v, g, beta, scale, h0, fin: chunk_kda(q, k, v, g, beta, scale, h0, fin, config=config)
 
 
 def fla_chunk_kda(q, k, v, g, beta, scale, h0, output_final_state):
@@ -146,29 +164,58 @@ def fla_chunk_kda(q, k, v, g, beta, scale, h0, output_final_state):
     )
 
 
-@contextlib.contextmanager
-def settings(overrides: dict):
-    """Settings of repro.kda.chunk changed for the duration (chunk.changed_settings), plus
-    ``_STATE_PREC``: the precision of the fused state backward's products alone."""
-    plain = {n: v for n, v in overrides.items() if not n.startswith("_")}
-    old_state = C._state_bwd_fused
-    try:
-        if "_STATE_PREC" in overrides:
-            C._state_bwd_fused = lambda q, saved, do, dhT, scale, prec, p=overrides["_STATE_PREC"]: old_state(
-                q, saved, do, dhT, scale, p
-            )
-        with C.changed_settings(plain):
-            yield
-    finally:
-        C._state_bwd_fused = old_state
+def state_bwd(q, saved, do, dhT, scale, prec, config: KDAConfig, bv=None, warps=None):
+    """The state backward as the fast path runs it (backward_inter_chunk.inter_chunk_bwd), or, with
+    ``warps`` given, launched here at value block ``bv`` with exactly that many warps (the fast path
+    would take 4 at block 16)."""
+    if warps is None:
+        return inter_chunk_bwd(q, saved, do, dhT, scale, prec, block_v=bv or config.state_bwd_bv,
+                               warps=config.state_bwd_warps)  # fmt: skip
+    B, T, H, K = q.shape
+    HV, NT = saved["W"].shape[2], saved["gamma"].shape[2]
+    V = saved["U_new"].shape[-1]
+    f32 = dict(device=q.device, dtype=torch.float32)
+    dU = torch.empty(B, T, HV, V, **f32)
+    dh_all = torch.empty_like(saved["h_all"])
+    dh0 = torch.empty(B, HV, K, V, **f32)
+    dhT_c = dhT.float().contiguous() if dhT is not None else None
+    BV = min(V, bv)
+    kda_state_bwd_fused_kernel[(triton.cdiv(V, BV), B * HV)](
+        q, saved["G"], saved["Aqk"], saved["W"], saved["KD"], saved["gamma"], do, dhT_c, dU, dh_all, dh0,
+        scale, T, NT, H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, USE_DHT=dhT is not None, DOT_PREC=prec,
+        num_warps=warps,
+    )  # fmt: skip
+    return dU, dh_all, dh0
 
 
-def state_stage_errors(case, do, dht, scale):
-    """Errors of the split backward's state kernel outputs against :func:`torch_state_bwd`."""
+def lab_backward(case, do, dht, scale, config: KDAConfig, state: dict):
+    """o, hT and the gradients of (o * do).sum() + (hT * dht).sum() by the backward's stages called
+    here, with ``state`` (``bv``, ``warps``, ``prec``) changing the state backward alone."""
+    x = {n: (t.contiguous() if t is not None else None) for n, t in case.items()}
+    o, hT, saved = kda_fwd_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], scale, x["h0"], True, config)
+    prec = config.dot_precision(x["q"].dtype)
+    do = do.to(o.dtype).contiguous()
+    dU, dh_all, dh0 = state_bwd(
+        x["q"], saved, do, dht, scale, state.get("prec", prec), config, state.get("bv"), state.get("warps")
+    )
+    dq, dk, dv, dg, dbeta = intra_chunk_bwd(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], scale, saved, do, dU, dh_all, prec, not interpreting(),
+        mat_bk=config.bwd_mat_bk, mat_bv=config.bwd_mat_bv, mat_warps=config.bwd_mat_warps,
+        mat_stages=config.bwd_mat_stages, dqk_bk=config.bwd_dqk_bk, dqk_bv=config.bwd_dqk_bv,
+        dqk_warps=config.bwd_dqk_warps, dqk_stages=config.bwd_dqk_stages,
+    )  # fmt: skip
+    grads = dict(dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta, dh0=dh0 if x["h0"] is not None else None)
+    return o, hT, grads
+
+
+def state_stage_errors(case, do, dht, scale, config: KDAConfig, state: dict):
+    """Errors of the state backward's outputs against :func:`torch_state_bwd`."""
     x = case
-    o, hT, saved = C.kda_fwd_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], scale, x["h0"], True)
-    prec = C._dot_precision(x["q"].dtype)
-    dU, dh_all, dh0 = C._state_bwd_fused(x["q"], saved, do.contiguous(), dht, scale, prec)
+    o, hT, saved = kda_fwd_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], scale, x["h0"], True, config)
+    prec = state.get("prec", config.dot_precision(x["q"].dtype))
+    dU, dh_all, dh0 = state_bwd(
+        x["q"], saved, do.contiguous(), dht, scale, prec, config, state.get("bv"), state.get("warps")
+    )
     rU, rh, r0 = torch_state_bwd(x["q"], saved, do, dht, scale)
     return {
         "state.dU": fla_error(dU, rU),
@@ -198,7 +245,7 @@ def main(argv=None) -> int:
         "--sanitize-case", action="store_true", help="one small fwd+bwd (B=1, H=1, T=64, K=V=128)"
     )
     ap.add_argument(
-        "--set", action="append", default=[], help="NAME=VALUE module setting for --sanitize-case"
+        "--set", action="append", default=[], help="NAME=VALUE, a KDAConfig field, for --sanitize-case"
     )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available() and args.case != ["tiny"]:
@@ -207,19 +254,16 @@ def main(argv=None) -> int:
         )
         return 2
     if args.sanitize_case:
-        over = {}
-        for s in args.set:
-            name, _, val = s.partition("=")
-            over[name] = (
-                val if name.startswith("_") or name == "BACKWARD" else (None if val == "None" else int(val))
-            )
+        try:
+            config = apply_settings(KDAConfig(), parse_settings(args.set))
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
         for dtype in (torch.float16, torch.bfloat16):
             for T in (64, 300):
                 case, do, dht, scale = make_case(1, T, 1, 128, 128, dtype, gate_div=10.0)
-                with settings(over):
-                    run_grads(C.chunk_kda, case, do, dht, scale)
+                run_grads(_with_config(config), case, do, dht, scale)
         torch.cuda.synchronize()
-        print(f"sanitize case done: {over}")
+        print(f"sanitize case done: {args.set}")
         return 0
     names = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
     dtypes = [getattr(torch, d) for d in (args.dtype or ["float16", "bfloat16", "float32"])]
@@ -232,12 +276,17 @@ def main(argv=None) -> int:
             ro, rh, rg = reference(case, do, dht, scale)
             for name in names:
                 row = {"case": cname, "dtype": str(dtype).removeprefix("torch."), "variant": name}
+                spec = VARIANTS[name]
                 try:
-                    with settings(VARIANTS[name]):
-                        fn = fla_chunk_kda if "_FLA" in VARIANTS[name] else C.chunk_kda
-                        o, hT, grads = run_grads(fn, case, do, dht, scale)
-                        if name.startswith("split"):
-                            row.update(state_stage_errors(case, do, dht, scale))
+                    config = KDAConfig(**{n: v for n, v in spec.items() if not n.startswith("_")})
+                    if "_FLA" in spec:
+                        o, hT, grads = run_grads(fla_chunk_kda, case, do, dht, scale)
+                    elif "_STATE" in spec:
+                        o, hT, grads = lab_backward(case, do, dht, scale, config, spec["_STATE"])
+                    else:
+                        o, hT, grads = run_grads(_with_config(config), case, do, dht, scale)
+                    if "_FLA" not in spec:
+                        row.update(state_stage_errors(case, do, dht, scale, config, spec.get("_STATE", {})))
                     row["o"], row["hT"] = fla_error(o, ro), fla_error(hT, rh)
                     row.update({n: fla_error(grads[n], rg[n]) for n in GRADS})
                 except Exception as exc:  # a variant that fails to compile or run is a result too
