@@ -21,7 +21,11 @@ only the residual carries on, is predicted from the two embeddings' sum alone.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+import datetime
+import platform
+import statistics
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -132,3 +136,49 @@ def _train(seed: int, capacity_factor: float | None, cfg: ToyConfig) -> ToyRun:
             loss, n = loss_of(*(t[i : i + cfg.tokens] for t in val), training=False)
             total, dropped = total + float(loss), dropped + n
     return ToyRun(val_loss=total / (cfg.val_tokens // cfg.tokens), val_drop_rate=dropped / cfg.val_tokens)
+
+
+def main(argv=None) -> None:
+    """``python -m repro.megablocks.toy_training --seeds 60``: the dense model, capacity factors 1 and
+    2 and the dropless MoE on each seed; one line per seed, then the means the paper page quotes."""
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--seeds", type=int, default=60, help="seeds 0 .. N-1")
+    args = ap.parse_args(argv)
+    models = {
+        "dense": (None, replace(ToyConfig(), num_experts=1)),
+        "cf1": (1.0, ToyConfig()),
+        "cf2": (2.0, ToyConfig()),
+        "dropless": (None, ToyConfig()),
+    }
+    now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    print(f"# {now}, torch {torch.__version__}, {platform.machine()}; {ToyConfig()}")
+    print("# seed " + " ".join(f"{m}_loss {m}_dropped" for m in models))
+    runs: dict[str, list[ToyRun]] = {m: [] for m in models}
+    for seed in range(args.seeds):
+        for name, (cf, cfg) in models.items():
+            runs[name].append(train_toy_lm(seed, cf, cfg))
+        print(
+            seed,
+            " ".join(f"{runs[m][-1].val_loss:.4f} {runs[m][-1].val_drop_rate:.3f}" for m in models),
+            flush=True,
+        )
+    loss = {m: [r.val_loss for r in rs] for m, rs in runs.items()}
+    for name in models:
+        below = [d - x for d, x in zip(loss["dense"], loss[name], strict=True)]
+        dropped = [r.val_drop_rate for r in runs[name]]
+        print(
+            f"# {name}: loss {statistics.mean(loss[name]):.3f}, below dense {statistics.mean(below):.3f} "
+            f"(lower in {sum(v > 0 for v in below)} of {args.seeds}), dropped {100 * statistics.mean(dropped):.1f}% "
+            f"({100 * min(dropped):.0f}-{100 * max(dropped):.0f}%)"
+        )
+    for name in ("cf1", "cf2"):
+        gap = [c - x for c, x in zip(loss[name], loss["dropless"], strict=True)]
+        sd = statistics.stdev(gap) if len(gap) > 1 else 0.0
+        print(
+            f"# {name} minus dropless: mean {statistics.mean(gap):.3f}, sd {sd:.3f}, min {min(gap):.3f}, "
+            f"dropless lower in {sum(v > 0 for v in gap)} of {args.seeds}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -3,7 +3,7 @@ initialisation, the dropless MoE ends with a lower validation loss than the capa
 
 The toy run is :func:`repro.megablocks.toy_training.train_toy_lm` (a one-layer language model on
 synthetic two-token contexts, 300 steps, about a second per run on one core). The margin is set from
-60 seeds (0 to 59) run before this test was written (2026-11-28, CPU): the dropless model's validation
+60 seeds (0 to 59) run before this test was written (2026-11-27, CPU): the dropless model's validation
 loss was below the capacity-factor-1 model's in every one, by 0.252 nats on average with a standard
 deviation of 0.052, 0.131 at the least (the capacity model dropping 12-27% of held-out tokens); 0.05
 nats is about four standard deviations below the mean. A drawn seed changes the task (the next-token
