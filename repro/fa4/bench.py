@@ -125,7 +125,11 @@ def ours(q, k, v, causal, changes, window=None):
 def sdpa(q, k, v, causal, backend):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    be = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash2": SDPBackend.FLASH_ATTENTION}[backend]
+    be = {
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "flash2": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    }[backend]
 
     def run():
         with sdpa_kernel(be):
@@ -720,6 +724,18 @@ def _sdpa_masked(qt, kt, vt, mask, backend):
     return run
 
 
+def _pass_timer(f, leaves, grad, passes: str):
+    """What one timed call runs: the forward alone (no autograd graph) or forward + backward."""
+    if passes == "fwd":
+
+        def run():
+            with torch.no_grad():
+                return f()
+
+        return run
+    return _timer(f, leaves, grad, passes)
+
+
 def _heads_rows(report, cands: dict, fixed: dict, b, s, d, d_v, causal, window, passes, rounds, layout):
     """Time ``cands`` (name -> (fn, check)) in interleaved rounds; one row each, with TFLOP/s at the
     caller's head sizes, the ratio to cuDNN and the tiles ours ran on."""
@@ -789,7 +805,10 @@ def heads(
             "vs_cudnn: cuDNN's ms / this row's (> 1 faster). tiles: the tile q and k ran on / v's tile x chunks; "
             "flops_ratio: matmul work on the tiles over the caller's (1 = no padding). fa4 = ours with the "
             "default switches (bwd='auto'). Issue #42's target: at least 0.9x cuDNN where the tile is the head "
-            f"size itself (64, 128, 256); elsewhere the padding's cost is flops_ratio. Interleaved: {rounds} rounds."
+            f"size itself (64, 128, 256); elsewhere the padding's cost is flops_ratio. group=window: D = 128, a "
+            "(left, 0) window; every row's TFLOP/s count the window's work, so the causal rows (ours, cuDNN) show "
+            "what the window saves as time, and sdpa-cudnn-window-mask is cuDNN given the window as a boolean "
+            f"mask. Interleaved: {rounds} rounds."
         ),
     )
     skipped = []
@@ -805,7 +824,7 @@ def heads(
                 grad = torch.randn(b, s, HEADS, d_v, device="cuda", dtype=torch.bfloat16)
                 grad_t = grad.transpose(1, 2).contiguous()
                 ref = fa2 = None
-                for be in ("cudnn", "flash2"):
+                for be in ("cudnn", "flash2", "efficient"):
                     try:
                         got = _grads(sdpa(*sdpa_leaves, causal, be), sdpa_leaves, grad, "bhsd")
                     except Exception:  # this backend does not take the head sizes
@@ -822,7 +841,7 @@ def heads(
                 for passes in ("fwd", "fwd+bwd"):
                     cands = {
                         f"sdpa-{be}": (
-                            _timer(sdpa(*sdpa_leaves, causal, be), sdpa_leaves, grad_t, passes),
+                            _pass_timer(sdpa(*sdpa_leaves, causal, be), sdpa_leaves, grad_t, passes),
                             None,
                         )
                         for be in ("cudnn", "flash2")
@@ -830,7 +849,7 @@ def heads(
                     cands["fa4"] = (
                         (lambda: None, _failed(check_msg))
                         if check_msg
-                        else (_timer(mine, leaves, grad, passes), None)
+                        else (_pass_timer(mine, leaves, grad, passes), None)
                     )
                     _heads_rows(report, cands, dict(group="heads"), b, s, d, d_v, causal, None, passes, rounds,
                                 layout)  # fmt: skip
@@ -856,18 +875,18 @@ def heads(
             for passes in ("fwd", "fwd+bwd"):
                 cands = {
                     "sdpa-cudnn": (
-                        _timer(sdpa(*sdpa_leaves, True, "cudnn"), sdpa_leaves, grad_t, passes),
+                        _pass_timer(sdpa(*sdpa_leaves, True, "cudnn"), sdpa_leaves, grad_t, passes),
                         None,
                     ),
                     "sdpa-cudnn-window-mask": (
-                        _timer(_sdpa_masked(*sdpa_leaves, mask, "cudnn"), sdpa_leaves, grad_t, passes),
+                        _pass_timer(_sdpa_masked(*sdpa_leaves, mask, "cudnn"), sdpa_leaves, grad_t, passes),
                         None,
                     ),
-                    "fa4-causal": (_timer(ours(*leaves, True, {}), leaves, grad, passes), None),
+                    "fa4-causal": (_pass_timer(ours(*leaves, True, {}), leaves, grad, passes), None),
                     "fa4-window": (
                         (lambda: None, _failed(check_msg))
                         if check_msg
-                        else (_timer(mine, leaves, grad, passes), None)
+                        else (_pass_timer(mine, leaves, grad, passes), None)
                     ),
                 }
                 _heads_rows(report, cands, dict(group="window"), b, s, HEAD_DIM, HEAD_DIM, False, window, passes,

@@ -198,12 +198,14 @@ def main(argv: list[str]) -> int:
         record(Path(argv[1]))
         return 0
     if len(argv) == 3 and argv[0] == "compare":
-        table, differ = compare(*(json.loads(Path(p).read_text()) for p in argv[1:]))
+        before, after = (json.loads(Path(p).read_text()) for p in argv[1:])
+        table, differ = compare(before, after)
         print(table)
+        new = table.count("| new |")
         print(
-            f"\n{differ} of {len(CASES)} cases differ"
+            f"\n{differ} of {len(before)} cases differ"
             if differ
-            else f"\nall {len(CASES)} cases: the same code"
+            else f"\nall {len(before)} cases of the first file: the same code; {new} new in the second"
         )
         return 1 if differ else 0
     print(__doc__)

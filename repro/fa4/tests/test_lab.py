@@ -85,6 +85,10 @@ def test_fingerprint_comparison_names_what_differs():
     assert differ == 1 and "DIFFERENT" in table and "2 -> 3" in table and "200 -> 201" in table
     table, differ = fingerprints.compare(a, [])
     assert differ == 1 and "missing" in table
+    table, differ = fingerprints.compare(a, [dict(a[0]), {**a[0], "name": "fwd window"}])
+    assert (
+        differ == 0 and table.count("| new |") == 1
+    )  # a kernel the change added is listed, not a difference
     kinds = {c["kernel"] for c in fingerprints.CASES}
     assert kinds == {"fwd", "bwd_dkdv", "bwd_dq", "preprocess", "fused", "gluon_fwd", "gluon_bwd"}
     assert len({fingerprints.key(c) for c in fingerprints.CASES}) == len(fingerprints.CASES)
