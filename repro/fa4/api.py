@@ -640,8 +640,10 @@ def _prepare(q, k, v, causal, scale, window, sw: Switches, tiles, dtypes, dims=N
             "attention: a sliding window runs one query tile per program: pingpong and persistent do not "
             f"apply (got pingpong={sw.pingpong}, persistent={sw.persistent})"
         )
-    # the general kernels (a window, or v on its own tile) have launch shapes of their own
-    sw = resolve(sw, layout.tile, interpreting(), window is not None or layout.tile_v != layout.tile)
+    # the general kernels (a window, or v on its own tile) have launch shapes of their own, picked by
+    # the wider of the two tiles (at D = 64 with v on 128 the D = 64 launch spills in the backward)
+    general = window is not None or layout.tile_v != layout.tile
+    sw = resolve(sw, max(layout.tile, layout.tile_v), interpreting(), general)
     if sw.bwd == "gluon":  # refuse before the forward runs, not at the first backward
         from repro.fa4.gluon_bwd import check_device
 

@@ -101,22 +101,20 @@ CASES: list[dict] = [
 
 def issue42_cases() -> list[dict]:
     """The kernels issue #42 made reachable, at the launches ``api.resolve`` gives them on a GPU: the
-    Triton forward and both Triton backwards at D = 256 (padded head sizes above 128, v on its own tile
-    of 128 for D = 192 / D_v = 128), and the sliding-window entry points at D = 64, 128 and 256. New
-    code: offline-compiled here (no spills: ``tests/test_lab.py``), not yet run on a GPU."""
+    Triton forward and both Triton backwards at D = 256 (padded head sizes above 128; v on its own
+    tile of 128 for D = 192 / D_v = 128), v on its own tile at D = 64 (``own_v_tile``, off by default),
+    and the sliding-window entry points at D = 64, 128 and 256. New code: offline-compiled here (no
+    spills: ``tests/test_lab.py``), not yet run on a GPU."""
     from repro.fa4.api import Switches, resolve
 
     out = []
-    for d, d_v, window in (
-        (256, 256, False),
-        (256, 128, False),
-        (64, 64, True),
-        (128, 128, True),
-        (256, 256, True),
-    ):
+    layouts = ((256, 256, False), (256, 128, False), (64, 128, False), (64, 64, True), (128, 128, True),
+               (256, 256, True))  # fmt: skip
+    for d, d_v, window in layouts:
         general = window or d_v != d
-        fwd = resolve(Switches(bwd="fa2"), d, False, general)
-        fused = resolve(Switches(bwd="fused"), d, False, general)
+        # as api._prepare: the general kernels' launch tables, at the wider of the two tiles
+        fwd = resolve(Switches(bwd="fa2"), max(d, d_v), False, general)
+        fused = resolve(Switches(bwd="fused"), max(d, d_v), False, general)
         tag = f"d{d}" + (f" dv{d_v}" if d_v != d else "") + (" window" if window else "")
         common = dict(d=d, d_v=d_v, dtype="bf16", causal=not window, window=window)
         out.append(dict(kernel="fwd", **common, block_m=fwd.block_m, block_n=fwd.block_n,
