@@ -2,7 +2,8 @@
 for Hopper.
 
     from repro.fa4 import attention
-    out = attention(q, k, v, causal=True)                      # [B, S, H, D], bf16 / fp16
+    out = attention(q, k, v, causal=True)                      # [B, S, H, D], bf16 / fp16, D 1..256
+    out = attention(q, k, v, window=(1023, 0))                 # flash-attn's sliding window
     out = attention(q, k, v, lazy_rescale=False, soft_exp=2)   # ablation switches
 
 The entry points and the dispatch are in :mod:`repro.fa4.api` (read it first); the kernels in one
