@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from repro.nsa.common import check_qkv, interpreting, softmax_scale
+from repro.nsa.common import check_qkv, interpreting, kernel_dims, pad_heads, softmax_scale
 from repro.nsa.compression import StridedAttention, forward_tile
 from repro.nsa.config import Switches
 
@@ -30,12 +30,15 @@ def sliding_window_attention(
     scale: float | None = None,
     switches: Switches | None = None,
 ) -> torch.Tensor:
-    """Sliding-window branch (§3.3.3): query t attends keys t - w < s <= t. q [B, T, HQ, D];
-    k, v [B, T, H, D]. Returns [B, T, HQ, D]."""
-    b, t, hq, h, d = check_qkv("sliding_window_attention", q, k, v, k_len=q.shape[1])
+    """Sliding-window branch (§3.3.3): query t attends keys t - w < s <= t. q [B, T, HQ, Dk];
+    k [B, T, H, Dk], v [B, T, H, Dv]. Returns [B, T, HQ, Dv]. Head sizes the kernels do not take are
+    zero-padded (``common.kernel_dims``)."""
+    b, t, hq, h, dk, dv = check_qkv("sliding_window_attention", q, k, v, k_len=q.shape[1])
     if window < 1:
         raise ValueError(f"sliding_window_attention: window must be >= 1, got {window}")
-    tile = window_tile(d, q.element_size())
-    return StridedAttention.apply(
-        q, k, v, softmax_scale(scale, d), 1, 0, int(window), tile, switches or Switches()
-    )[0]
+    scale = softmax_scale(scale, dk)
+    dk_k, dv_k = kernel_dims(dk, dv)
+    q, k, v = pad_heads(q, dk_k), pad_heads(k, dk_k), pad_heads(v, dv_k)
+    tile = window_tile(max(dk_k, dv_k), q.element_size())
+    o = StridedAttention.apply(q, k, v, scale, 1, 0, int(window), tile, switches or Switches())[0]
+    return o if dv_k == dv else o[..., :dv]
