@@ -54,9 +54,6 @@ BLOCK_MAJOR_CHUNK = 1024
 #: (lab/sm90_check for registers). H100, 2026-11-27 (results/*-slc-bwd.json): 64 rows with 2 stages
 #: the fastest of the three shapes timed; 32 rows 22% (8k) and 21% (64k) slower on the backward
 BLOCK_MAJOR_ROWS = 64
-#: the same at the paper's head sizes (Dk = 192 in two pieces, Dv = 128): K's and q's tiles are half as
-#: wide again; 32 rows keep the kernel from spilling (lab/sm90_check; not timed on a GPU yet)
-BLOCK_MAJOR_ROWS_WIDE = 32
 #: software-pipelining stages of its query loop: 2 keeps the next tile's gathers in flight (1 spills
 #: less, and cost 3.5% at 8k and 4.3% at 64k on the backward, same run)
 BLOCK_MAJOR_STAGES = 2
@@ -501,12 +498,6 @@ def backward_query_major(do, q, k, v, o, lse, bi, block_size: int, scale: float)
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
-def block_major_rows(dk: int, dv: int) -> int:
-    """Rows of the block-major dK/dV kernel's query tile on a GPU in fp16 / bf16 at kernel head sizes
-    (dk, dv): :data:`BLOCK_MAJOR_ROWS`, or :data:`BLOCK_MAJOR_ROWS_WIDE` for keys wider than 128."""
-    return BLOCK_MAJOR_ROWS if dk <= 128 else BLOCK_MAJOR_ROWS_WIDE
-
-
 def invert_block_indices(
     bi: torch.Tensor, num_blocks: int, chunk: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -594,7 +585,9 @@ def backward_block_major(do, q, k, v, o, lse, bi, block_size: int, scale: float,
     chunk = switches.slc_bwd_chunk or (BLOCK_MAJOR_CHUNK if not interp else 16)
     # fp32 (twice the bytes per tile): 16 rows, one stage; 64 rows spill 29 KB per thread (sm90_check)
     wide = q.element_size() > 2
-    rows = switches.slc_bwd_rows or (block_major_rows(d, d_v) if not (interp or wide) else 16)
+    # at the paper's head sizes (Dk = 192, Dv = 128) 64 rows compile without spills too (255 registers,
+    # 32 rows 207: lab/sm90_check), one program per SM either way; not timed there on a GPU yet
+    rows = switches.slc_bwd_rows or (BLOCK_MAJOR_ROWS if not (interp or wide) else 16)
     stages = switches.slc_bwd_stages or (BLOCK_MAJOR_STAGES if not (interp or wide) else 1)
     bgp = triton.next_power_of_2(g)
     bq = max(1, rows // bgp)

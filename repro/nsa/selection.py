@@ -134,7 +134,15 @@ SCORES_CONFIGS = [
 
 
 _scores_tuned = triton.autotune(
-    SCORES_CONFIGS, key=["T_BUCKET", "G", "D", "D2", "STRIDE", "BLOCK_LEN", "SELECT_LEN", "MASKED", "IEEE"]
+    SCORES_CONFIGS, key=["T_BUCKET", "G", "D", "STRIDE", "BLOCK_LEN", "SELECT_LEN", "MASKED", "IEEE"]
+)(_scores_kernel)
+
+#: the configs of keys in two pieces (the paper's Dk = 192 = 128 + 64, common.py): all but 32 blocks a
+#: tile with 3 stages, which spills 8 bytes there (255 registers; the others 178-253, lab/sm90_check)
+SCORES_CONFIGS_WIDE = [c for c in SCORES_CONFIGS if not (c.kwargs["BJ"] == 32 and c.num_stages == 3)]
+_scores_wide_tuned = triton.autotune(
+    SCORES_CONFIGS_WIDE,
+    key=["T_BUCKET", "G", "D", "D2", "STRIDE", "BLOCK_LEN", "SELECT_LEN", "MASKED", "IEEE"],
 )(_scores_kernel)
 
 
@@ -205,7 +213,7 @@ def selection_scores(
                                                      num_stages=stages)  # fmt: skip
     else:  # the GPU times SCORES_CONFIGS at the first call of each shape
         grid = lambda meta: (triton.cdiv(t, meta["BM"]), b * h)  # noqa: E731
-        _scores_tuned[grid](*args, **consts)
+        (_scores_wide_tuned if d2 else _scores_tuned)[grid](*args, **consts)
     return scores
 
 

@@ -19,7 +19,16 @@ import torch
 from paperclub.bench import Candidate, Report, apply_settings, bench_parser, parse_bench_args
 from paperclub.testing import assert_rel_close
 from repro.nsa import reference as ref
-from repro.nsa.bench import TOL, Setup, log, measure_logged, sample_rows, train_inputs
+from repro.nsa.bench import (
+    TOL,
+    Setup,
+    add_heads_arg,
+    log,
+    measure_logged,
+    parse_heads,
+    sample_rows,
+    train_inputs,
+)
 from repro.nsa.compression import compressed_attention
 from repro.nsa.config import Switches
 from repro.nsa.gate import gated_sum, gated_sum_fused
@@ -167,7 +176,7 @@ def run(setup: Setup, out: Path | None, t: int, gen: torch.Generator) -> Path:
     res, _ = measure_logged(candidates(setup, t, gen), f"breakdown T={t}", setup.rounds(t), setup.timer)
     report = Report(
         package="nsa",
-        title=f"NSA forward by stage at T = {t} ({setup.hq} query heads, {setup.h} KV heads, D = {setup.d}, bf16)",
+        title=f"NSA forward by stage at T = {t} ({setup.hq} query heads, {setup.h} KV heads, {setup.heads()}, bf16)",
         columns=COLUMNS,
         measure_ceilings=False,
     )
@@ -200,15 +209,17 @@ def run(setup: Setup, out: Path | None, t: int, gen: torch.Generator) -> Path:
 def main(argv=None) -> None:
     ap = bench_parser(__doc__.split("\n")[0], rounds=None, only=False, tag=False)
     ap.add_argument("--t", type=int, default=65536, help="the sequence length (default 65536)")
+    add_heads_arg(ap)
     args = parse_bench_args(ap, argv)
     try:
         switches = apply_settings(Switches(), args.settings)
     except (TypeError, ValueError) as exc:
         ap.error(str(exc))
+    d, dv = parse_heads(ap, args.heads)
     if not torch.cuda.is_available():
         raise SystemExit("repro.nsa.lab.breakdown needs a CUDA GPU")
-    log(f"breakdown at T={args.t}, switches {switches}")
-    run(Setup(switches=switches), args.out, args.t, torch.Generator().manual_seed(1))
+    log(f"breakdown at T={args.t}, heads {args.heads}, switches {switches}")
+    run(Setup(switches=switches, d=d, dv=dv), args.out, args.t, torch.Generator().manual_seed(1))
 
 
 if __name__ == "__main__":
