@@ -25,7 +25,7 @@ from repro.nsa import (
 from repro.nsa import reference as ref
 from repro.nsa.common import head_constexprs, kernel_dims
 from repro.nsa.compression import forward_tile, row_dot, strided_forward
-from repro.nsa.gate import gated_sum_fused
+from repro.nsa.gate import gate_grads, gated_sum_fused
 from repro.nsa.tests.helpers import DEVICE, FP32_TOL, grads, leaf, randn, random_block_indices
 from repro.nsa.window import window_tile
 
@@ -398,3 +398,13 @@ def test_row_dot_is_the_fp32_formula(dtype):
     gen = torch.Generator().manual_seed(0)
     do, o = (torch.randn(2, 33, 4, 64, generator=gen).to(dtype) for _ in range(2))
     assert torch.equal(row_dot(do, o), (do.float() * o.float()).sum(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gate_grads_are_the_fp32_formula(dtype):
+    """The fused gate's backward computes dL/dg with dO converted once and each branch output promoted
+    inside its product: bit for bit the formula it replaced, ``(do.float() * x.float()).sum(-1)``."""
+    gen = torch.Generator().manual_seed(1)
+    do, *xs = (torch.randn(2, 17, 3, 32, generator=gen).to(dtype) for _ in range(4))
+    for got, x in zip(gate_grads(do, xs), xs, strict=True):
+        assert torch.equal(got, (do.float() * x.float()).sum(-1))
