@@ -2,15 +2,42 @@
 
     from repro.fa4 import Switches, attention
     out = attention(q, k, v, causal=True)                                  # [B, S, H, D], bf16 / fp16
+    out = attention(q, k, v, window=(256, 0))                              # a sliding window
     out = attention(q, k, v, lazy_rescale=False, soft_exp=2)               # ablation switches
     out = attention(q, k, v, causal=True, config=Switches(gluon=True))     # a config built beforehand
 
-q: [B, S_q, H, D]; k, v: [B, S_k, H_kv, D] with H_kv dividing H (grouped-query attention); D in
-{64, 128}; causal masks are bottom-right aligned (query i sees keys j <= i + S_k - S_q; with
-S_q > S_k the first S_q - S_k queries see no key and get zero output and zero gradient, as in
-flash-attn). The switches are checked and resolved (:func:`resolve`: the launch shapes filled in,
-``bwd="auto"`` made concrete by :func:`auto_backward`) once, before any kernel runs, and the resolved
-config is saved for the backward, so that what ran forward decides what runs backward.
+q: [B, S_q, H, D]; k: [B, S_k, H_kv, D]; v: [B, S_k, H_kv, D_v] with H_kv dividing H (grouped-query
+attention); D any head size from 1 to 256 and D_v from 1 to 512 (flash-attn's range), bf16 or fp16.
+Causal masks are bottom-right aligned (query i sees keys j <= i + S_k - S_q; with S_q > S_k the first
+S_q - S_k queries see no key and get zero output and zero gradient, as in flash-attn). ``window=(left,
+right)`` is flash-attn's sliding window: query i sees keys i' - left <= j <= i' + right, i' = i + S_k -
+S_q; None or a negative bound is unbounded on that side, and ``causal=True`` makes right 0. The
+switches are checked and resolved (:func:`resolve`: the launch shapes filled in, ``bwd="auto"`` made
+concrete by :func:`auto_backward`) once, before any kernel runs, and the resolved config is saved for
+the backward, so that what ran forward decides what runs backward.
+
+Head sizes and tiles (:func:`head_layout`). The kernels' tiles are powers of two (Triton's and
+Gluon's tensor shapes must be); every other head size is zero-padded to a tile in PyTorch before the
+kernels and the padding sliced off after. The softmax scale stays 1/sqrt(D) of the caller's D; zero
+columns of q and k add nothing to Q K^T, zero columns of v give output columns that are sliced off, so
+the result is exact. What it costs, per head and (query, key) pair: the forward's two matmuls do
+2 (T + T_v) chunks multiply-adds instead of 2 (D + D_v) (:meth:`HeadLayout.flops_ratio`: 1.33x at
+D = 96 on the 128 tile, 2x at D = 32 on the 64 tile, 1.2x for D = 192, D_v = 128), and the padded
+copies of q, k, v and the sliced output add one read and one write of those tensors (2 B H S (D + T)
+bytes and so on: memory passes, small beside the S^2 work at S >= 1k).
+
+* D <= 128: the GPU-verified kernels at D = 64 or 128 (the same compiled code as before issue #42:
+  ``lab/fingerprints.py``), v sharing q's tile; a D_v wider than the tile is cut into chunks of the
+  tile, each a call of the kernels on the same q and k (exact: O's columns and, backward, dV's are
+  independent per chunk, dQ and dK the sums of the chunks'), so D_v up to 512 reuses them too.
+* D > 128: the Triton kernels at D = 256 (v on a tile of its own, 64, 128 or 256): new launch shapes,
+  not yet run on a GPU; the only way these inputs are served (they were refused before).
+* ``window``: the Triton kernels' sliding-window entry points (``triton_fwd._fwd_window_kernel``,
+  ``triton_bwd._bwd_*_window_kernel``, ``triton_bwd_fused._bwd_fused_window_kernel``): new code, not
+  yet run on a GPU; again the only way windows are served. A window that hides nothing, or only the
+  future, runs the plain (or causal) kernels.
+* ``Switches(own_v_tile=True)``: v on its own tile at D <= 128 too (the kernels' D_V != D paths, new
+  code, not yet run on a GPU; off by default since padding serves those inputs with verified kernels).
 
 The kernels, one file per stage of the pipeline (zadouri2026flashattention4; FA3's Hopper schedule,
 shah2024flashattention3, where the paper's Blackwell one has no Hopper form):
@@ -24,16 +51,23 @@ shah2024flashattention3, where the paper's Blackwell one has no Hopper form):
 
 :func:`attention_forward` and :func:`attention_backward` are the forward with its log-sum-exp and the
 backward from a given output and log-sum-exp, for callers that keep them themselves (ring attention,
-``repro.usp``). :func:`attention_any_d` is the entry point of the CPU tests: it also takes D in
-{16, 32} and float32 (for the Triton interpreter, where bf16 matmuls are slow).
+``repro.usp``; NSA's sliding-window branch, ``repro.nsa``)::
+
+    o, lse = attention_forward(q, k, v, window=(511, 0))             # lse [B, H, S_q], natural log
+    dq, dk, dv = attention_backward(do, q, k, v, o, lse, window=(511, 0))
+
+:func:`attention_any_d` is the entry point of the CPU tests: it also takes float32 and the tiles 16
+and 32 (for the Triton interpreter, where bf16 matmuls and wide tiles are slow).
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, fields, replace
 
 import torch
+import torch.nn.functional as F
 
 from paperclub.triton_compat import interpreting
 from repro.fa4.reference import RESCALE_THRESHOLD
@@ -46,8 +80,21 @@ __all__ = [
     "attention_forward",
     "auto_backward",
     "forward_with_counts",
+    "head_layout",
 ]
 
+#: The head sizes of q and k the public entry points take (flash-attn's: up to 256) ...
+MAX_HEAD_DIM = 256
+#: ... and of v (flash-attn 3 takes D_v up to 512 at D = 64, the MLA decode shape): wider than a
+#: tile, v is cut into chunks (see the module docstring).
+MAX_HEAD_DIM_V = 512
+#: The tiles every kernel here has run at on a GPU (Triton and Gluon, forward and backward).
+VERIFIED_TILES = (64, 128)
+#: The tiles of the public entry points: 256 only in the Triton kernels (not yet run on a GPU).
+PUBLIC_TILES = (64, 128, 256)
+#: ... and of the interpreter's tests (attention_any_d): small tiles keep the CPU fast.
+TEST_TILES = (16, 32, 64, 128, 256)
+#: The kernel-level entry points' head sizes (run_forward / run_backward, repro.usp): no padding there.
 PUBLIC_HEAD_DIMS = (64, 128)
 TEST_HEAD_DIMS = (16, 32, 64, 128)
 PUBLIC_DTYPES = (torch.bfloat16, torch.float16)
@@ -94,6 +141,10 @@ class Switches:
         way) instead of one atomic add per element; not in the CPU interpreter. None picks the default
         ("gluon": gluon_bwd.DQ_TMA, on since its H100 run of 2026-11-27; False is the atomic-add
         cross-check).
+    own_v_tile: at D <= 128, v on a tile of its own head size (the Triton kernels' D_V != D paths)
+        instead of sharing q's (padded, or cut into chunks of q's tile). New code, not yet run on a
+        GPU, so off: with it off the verified kernels serve every D_v (see :func:`head_layout`).
+        Triton only (not with gluon=True or bwd="gluon").
 
     Measured on one H100 (results/nvidia-h100-80gb-hbm3.json, forward, S = 4k-16k): tma=True is
     the fastest single change (up to +9%); lazy_rescale=False is 3-8% faster than the default here
@@ -120,6 +171,7 @@ class Switches:
     bwd: str = "auto"
     bwd_tma: bool | None = None
     bwd_dq_tma: bool | None = None
+    own_v_tile: bool = False
 
 
 #: The backwards behind Switches.bwd ("auto" picks one of them by device and causality: auto_backward).
@@ -144,9 +196,19 @@ REMOVED_SWITCHES = {
 GLUON_LAUNCH = {"pingpong_sync": False, "store_tma": True}
 
 
-def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, dims, dtypes) -> None:
+def _dims_text(dims) -> str:
+    if isinstance(dims, range):
+        return f"{dims.start} to {dims.stop - 1}"
+    return f"one of {list(dims)}"
+
+
+def check_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, dims, dtypes, dims_v=None
+) -> None:
     """Raise, naming the argument and what was expected, unless q, k, v are attention inputs with a
-    head dim in ``dims`` and a dtype in ``dtypes``."""
+    dtype in ``dtypes``, q and k's head size D in ``dims`` and v's in ``dims_v`` (None: v has k's
+    shape, the kernel-level entry points' rule), all on one device. ``dims``, ``dims_v``: a
+    collection or a ``range``."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"attention: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -161,7 +223,7 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
     if not (q.device == k.device == v.device):
         raise ValueError(f"attention: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     b, s_q, h, d = q.shape
-    if k.shape != v.shape:
+    if dims_v is None and k.shape != v.shape:
         raise ValueError(
             f"attention: k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
         )
@@ -169,13 +231,111 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
         raise ValueError(
             f"attention: k must be [B={b}, S_k, H_kv, D={d}] to match q {tuple(q.shape)}, got {tuple(k.shape)}"
         )
+    if v.shape[:3] != k.shape[:3]:
+        raise ValueError(
+            f"attention: v must be [B, S_k, H_kv, D_v] = [{k.shape[0]}, {k.shape[1]}, {k.shape[2]}, D_v] "
+            f"to match k {tuple(k.shape)}, got {tuple(v.shape)}"
+        )
     if d not in dims:
-        raise ValueError(f"attention: head dim D = {d} is not supported, expected one of {list(dims)}")
+        raise ValueError(
+            f"attention: head dim D = {d} of q and k is not supported, expected {_dims_text(dims)}"
+        )
+    if dims_v is not None and v.shape[3] not in dims_v:
+        raise ValueError(
+            f"attention: head dim D_v = {v.shape[3]} of v is not supported, expected {_dims_text(dims_v)}"
+        )
     h_kv = k.shape[2]
     if h_kv == 0 or h % h_kv != 0:
         raise ValueError(f"attention: KV heads H_kv = {h_kv} must divide query heads H = {h}")
     if s_q == 0 or k.shape[1] == 0 or b == 0:
         raise ValueError(f"attention: empty input, q {tuple(q.shape)}, k {tuple(k.shape)}")
+
+
+@dataclass(frozen=True)
+class HeadLayout:
+    """How the caller's head sizes map onto the kernels' tiles (see the module docstring).
+
+    d, d_v: the caller's head sizes of q/k and of v; tile: the head size q and k are padded to; tile_v:
+    the width of each of the ``chunks`` pieces v is cut into (the last padded)."""
+
+    d: int
+    d_v: int
+    tile: int
+    tile_v: int
+    chunks: int
+
+    @property
+    def verified(self) -> bool:
+        """The kernels that ran on a GPU before issue #42 serve it (one tile of 64 or 128 for q, k, v)."""
+        return self.tile == self.tile_v and self.tile in VERIFIED_TILES
+
+    @property
+    def exact(self) -> bool:
+        """No padding and no chunks: the caller's tensors go to the kernels as they are."""
+        return self.d == self.tile and self.d_v == self.tile_v and self.chunks == 1
+
+    def flops_ratio(self) -> float:
+        """Matmul work run over the work of the caller's head sizes: chunks (T + T_v) / (D + D_v), for
+        the forward's Q K^T and P V (the backward's five matmuls scale the same way)."""
+        return self.chunks * (self.tile + self.tile_v) / (self.d + self.d_v)
+
+
+def head_layout(d: int, d_v: int, tiles=PUBLIC_TILES, own_v_tile: bool = False) -> HeadLayout:
+    """The tiles q, k (head size ``d``) and v (``d_v``) run on, from ``tiles`` (powers of two).
+
+    d at most the widest verified tile (128) and not ``own_v_tile``: one tile T >= d for q, k and each
+    chunk of v, T among the verified ones, the one that does the least matmul work (chunks * 2T; at a
+    tie the wider, fewer calls). Otherwise (d > 128, or ``own_v_tile``): q and k on the smallest tile
+    >= d, v on the smallest tile >= d_v, in chunks of the widest tile when d_v is wider."""
+    tiles = tuple(sorted(tiles))
+    if d > tiles[-1]:
+        raise ValueError(f"attention: head dim D = {d} is wider than the widest tile {tiles[-1]}")
+    shared = [t for t in tiles if d <= t <= max(VERIFIED_TILES)]
+    if shared and not own_v_tile:
+        cost = {t: -(-d_v // t) * 2 * t for t in shared}
+        tile = min(shared, key=lambda t: (cost[t], -t))
+        return HeadLayout(d, d_v, tile, tile, -(-d_v // tile))
+    tile = min(t for t in tiles if t >= d)
+    tile_v = min((t for t in tiles if t >= d_v), default=tiles[-1])
+    return HeadLayout(d, d_v, tile, tile_v, -(-d_v // tile_v))
+
+
+def attention_mask(window, causal: bool, s_q: int, s_k: int) -> tuple[bool, tuple[int, int] | None]:
+    """(causal, window) as the kernels take them, from the caller's ``window`` and ``causal``.
+
+    ``window``: None, or flash-attn's (left, right): query i sees keys i' - left .. i' + right,
+    i' = i + S_k - S_q; a bound that is None or negative is unbounded; ``causal`` makes right 0. A
+    window that hides no key from any row is no mask (causal False, window None), one that hides only
+    the future is causal (True, None); any other comes back as two bounds >= 0, an unbounded side as
+    S_q + S_k (every row's every key)."""
+    if window is None:
+        return bool(causal), None
+    if isinstance(window, torch.Tensor) and window.numel() == 2 and not window.is_floating_point():
+        window = window.tolist()  # flash-attn's own tests pass torch.randint(0, S_k, (2,))
+    if not isinstance(window, tuple | list) or len(window) != 2:
+        raise TypeError(f"attention: window must be (left, right) or None, got {window!r}")
+    bounds = []
+    for name, x in zip(("left", "right"), window, strict=True):
+        if x is not None and (isinstance(x, bool) or not isinstance(x, numbers.Integral)):
+            raise TypeError(f"attention: window {name} must be an int or None, got {x!r}")
+        bounds.append(None if x is None or x < 0 else int(x))
+    left, right = bounds
+    if causal:
+        right = 0
+    all_left = left is None or left >= s_k - 1  # max over rows of i' - left <= 0
+    all_right = right is None or right >= s_q - 1  # min over rows of i' + right >= S_k - 1
+    if all_left and all_right:
+        return False, None
+    if all_left and right == 0:
+        return True, None
+    wide = s_q + s_k
+    return False, (wide if left is None else left, wide if right is None else right)
+
+
+def empty_rows(s_q: int, s_k: int, causal: bool, window: tuple[int, int] | None) -> int:
+    """How many of the first query rows see no key (causal or a window with S_q > S_k + right)."""
+    right = window[1] if window is not None else (0 if causal else None)
+    return 0 if right is None else max(0, s_q - s_k - right)
 
 
 def switches_from(fields_: dict, config: Switches | None = None) -> Switches:
@@ -197,12 +357,17 @@ def switches_from(fields_: dict, config: Switches | None = None) -> Switches:
     return Switches(**fields_)
 
 
-def resolve(sw: Switches, d: int, interpret: bool) -> Switches:
+def resolve(sw: Switches, d: int, interpret: bool, window: bool = False) -> Switches:
     """``sw`` checked and with every launch choice made (None fields filled from the tuned defaults
-    for head dim ``d``, or the interpreter's small tiles); refuses combinations that cannot run.
+    for head dim (tile) ``d``, those of the general kernels, which run windows and v on its own tile,
+    with ``window``, or the interpreter's small tiles); refuses combinations that cannot run.
     ``bwd="auto"`` is left as it is here (:func:`auto_backward` needs the tensors)."""
-    from repro.fa4.triton_bwd import BWD_DEFAULTS, BWD_INTERPRET
-    from repro.fa4.triton_fwd import FWD_DEFAULTS, FWD_INTERPRET
+    from repro.fa4.triton_bwd import BWD_DEFAULTS, BWD_INTERPRET, BWD_WINDOW_DEFAULTS
+    from repro.fa4.triton_fwd import FWD_DEFAULTS, FWD_INTERPRET, FWD_WINDOW_DEFAULTS
+
+    if window:
+        FWD_DEFAULTS = {**FWD_DEFAULTS, **FWD_WINDOW_DEFAULTS}  # noqa: N806 - the table in use
+        BWD_DEFAULTS = {**BWD_DEFAULTS, **BWD_WINDOW_DEFAULTS}  # noqa: N806
 
     if sw.soft_exp not in (0, 1, 2, 4):
         raise ValueError(
@@ -227,8 +392,10 @@ def resolve(sw: Switches, d: int, interpret: bool) -> Switches:
         )
     bm, bn, nw, ns = FWD_DEFAULTS.get(d, FWD_INTERPRET) if not interpret else FWD_INTERPRET
     if sw.bwd == "fused":
-        from repro.fa4.triton_bwd_fused import FUSED_DEFAULTS, FUSED_INTERPRET
+        from repro.fa4.triton_bwd_fused import FUSED_DEFAULTS, FUSED_INTERPRET, FUSED_WINDOW_DEFAULTS
 
+        if window:
+            FUSED_DEFAULTS = {**FUSED_DEFAULTS, **FUSED_WINDOW_DEFAULTS}  # noqa: N806
         bbm, bbn, bnw, bns, btma, bdq = (
             FUSED_DEFAULTS.get(d, FUSED_INTERPRET) if not interpret else FUSED_INTERPRET
         )
@@ -261,13 +428,24 @@ def resolve(sw: Switches, d: int, interpret: bool) -> Switches:
     )
 
 
-def auto_backward(q: torch.Tensor, causal: bool) -> str:
-    """The backward bwd="auto" runs for ``q``: "gluon" on a Hopper GPU (sm_90) where Triton has
-    Gluon and q is bf16/fp16 with D in {64, 128}, the fastest of ours there at every measured shape
-    (results/*-bwd.json, 2026-11-25, and *-bwd-gluon-dq.json, 2026-11-27, H100); elsewhere (other
-    GPUs, the CPU interpreter, D 16/32, fp32) "fused" when causal and "fa2" otherwise, the faster
-    Triton backward of each."""
-    if q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] in (64, 128):
+def auto_backward(
+    q: torch.Tensor, causal: bool, window=None, d: int | None = None, d_v: int | None = None
+) -> str:
+    """The backward bwd="auto" runs for ``q`` (head size ``d``, v's ``d_v``: the tiles the kernels run,
+    by default q's last dimension): "gluon" on a Hopper GPU (sm_90) where Triton has Gluon and q is
+    bf16/fp16 with d = d_v in {64, 128} and no ``window``, the fastest of ours there at every measured
+    shape (results/*-bwd.json, 2026-11-25, and *-bwd-gluon-dq.json, 2026-11-27, H100); elsewhere (other
+    GPUs, the CPU interpreter, D 16/32/256, fp32, a window) "fused" when causal or windowed and "fa2"
+    otherwise, the faster Triton backward of each."""
+    d = q.shape[-1] if d is None else d
+    d_v = d if d_v is None else d_v
+    if (
+        q.device.type == "cuda"
+        and q.dtype in (torch.bfloat16, torch.float16)
+        and d in (64, 128)
+        and d_v == d
+        and window is None
+    ):
         from repro.fa4 import gluon_bwd
 
         if (
@@ -276,7 +454,7 @@ def auto_backward(q: torch.Tensor, causal: bool) -> str:
             and torch.cuda.get_device_capability(q.device) == (9, 0)
         ):
             return "gluon"
-    return "fused" if causal else "fa2"
+    return "fused" if causal or window is not None else "fa2"
 
 
 def _forward_gluon(q, k, v, causal: bool, scale: float, sw: Switches, count: bool):
@@ -304,19 +482,21 @@ def _forward_gluon(q, k, v, causal: bool, scale: float, sw: Switches, count: boo
     return o, lse, torch.zeros(2, device=q.device, dtype=torch.int32)
 
 
-def run_forward(q, k, v, causal: bool, scale: float, sw: Switches, count: bool = False):
-    """The forward kernel ``sw`` (resolved) names: (o [B, S_q, H, D], lse [B, H, S_q] fp32 base 2,
-    rescale counts). No checks: the entry points have made them."""
+def run_forward(q, k, v, causal: bool, scale: float, sw: Switches, count: bool = False, window=None):
+    """The forward kernel ``sw`` (resolved) names: (o [B, S_q, H, D_v], lse [B, H, S_q] fp32 base 2,
+    rescale counts). q, k, v at the kernels' tiles; ``window`` None or (left, right) >= 0 (see
+    :func:`attention_mask`). No checks: the entry points have made them."""
     from repro.fa4.triton_fwd import triton_forward
 
     if sw.gluon:
         return _forward_gluon(q, k, v, causal, scale, sw, count)
-    return triton_forward(q, k, v, causal, scale, sw, count)
+    return triton_forward(q, k, v, causal, scale, sw, count, window=window)
 
 
-def run_backward(do, q, k, v, o, lse, causal: bool, scale: float, sw: Switches):
+def run_backward(do, q, k, v, o, lse, causal: bool, scale: float, sw: Switches, window=None):
     """dq, dk, dv by the backward ``sw`` (resolved) names, from o and the base-2 lse. q, k, v
-    contiguous. A config whose bwd is still "auto" (resolved without the tensors) runs "fa2"."""
+    contiguous, at the kernels' tiles. A config whose bwd is still "auto" (resolved without the
+    tensors) runs "fa2"."""
     if sw.bwd == "gluon":
         from repro.fa4.gluon_bwd import DQ_TMA, gluon_attention_backward
 
@@ -328,25 +508,88 @@ def run_backward(do, q, k, v, o, lse, causal: bool, scale: float, sw: Switches):
         return backward_fused(
             do, q, k, v, o, lse, causal, scale,
             sw.bwd_block_m, sw.bwd_block_n, sw.bwd_num_warps, sw.bwd_num_stages, sw.bwd_tma, sw.bwd_dq_tma,
+            window=window,
         )  # fmt: skip
     from repro.fa4.triton_bwd import triton_backward
 
-    return triton_backward(do, q, k, v, o, lse, causal, scale, sw)
+    return triton_backward(do, q, k, v, o, lse, causal, scale, sw, window=window)
+
+
+# ---------------------------------------------------------------------------------------------
+# Head sizes on the kernels' tiles: padding and v's chunks, forward and backward
+# ---------------------------------------------------------------------------------------------
+
+
+def _pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    """``t`` with its last dimension zero-padded to ``width`` (``t`` itself, contiguous, when it has it)."""
+    if t.shape[-1] == width:
+        return t.contiguous()
+    return F.pad(t, (0, width - t.shape[-1])).contiguous()
+
+
+def _v_chunks(v: torch.Tensor, layout: HeadLayout) -> list[torch.Tensor]:
+    """v cut into ``layout.chunks`` pieces of ``layout.tile_v`` columns, the last zero-padded."""
+    tv = layout.tile_v
+    return [_pad(v[..., c * tv : (c + 1) * tv], tv) for c in range(layout.chunks)]
+
+
+def _join(parts: list[torch.Tensor], width: int) -> torch.Tensor:
+    """The chunks' outputs side by side, cut to the caller's ``width``."""
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+    return out if out.shape[-1] == width else out[..., :width].contiguous()
+
+
+def forward_on_tiles(q, k, v, causal, scale, sw, window, layout: HeadLayout):
+    """The forward on the kernels' tiles: (o [B, S_q, H, D_v], lse2 [B, H, S_q] base 2, the chunks'
+    outputs at the tile width, which the backward reads). Every chunk's log-sum-exp is the same (it
+    depends on q and k only); the first is returned."""
+    qp, kp = _pad(q, layout.tile), _pad(k, layout.tile)
+    parts, lse2 = [], None
+    for vc in _v_chunks(v, layout):
+        o_c, l2, _ = run_forward(qp, kp, vc, causal, scale, sw, window=window)
+        parts.append(o_c)
+        lse2 = l2 if lse2 is None else lse2
+    return _join(parts, layout.d_v), lse2, parts
+
+
+def backward_on_tiles(do, q, k, v, parts, lse2, causal, scale, sw, window, layout: HeadLayout):
+    """dq, dk, dv from the chunks' outputs ``parts`` (as :func:`forward_on_tiles` returns them) and
+    dO [B, S_q, H, D_v]. Per chunk the backward runs on (q, k, v_c, o_c, dO_c): its delta is
+    rowsum(dO_c O_c), its dS the chunk's share of dS (linear in dP - delta, which splits by columns of
+    v), so dq and dk are the sums over chunks (in fp32 when there are several) and dv the chunks'."""
+    qp, kp = _pad(q, layout.tile), _pad(k, layout.tile)
+    tv = layout.tile_v
+    dq = dk = None
+    dvs = []
+    for c, (vc, oc) in enumerate(zip(_v_chunks(v, layout), parts, strict=True)):
+        doc = _pad(do[..., c * tv : (c + 1) * tv].to(q.dtype), tv)
+        dq_c, dk_c, dv_c = run_backward(doc, qp, kp, vc, oc, lse2, causal, scale, sw, window=window)
+        if layout.chunks > 1:
+            dq_c, dk_c = dq_c.float(), dk_c.float()
+        dq = dq_c if dq is None else dq + dq_c
+        dk = dk_c if dk is None else dk + dk_c
+        dvs.append(dv_c)
+    dq, dk = dq.to(q.dtype), dk.to(k.dtype)
+    cut = (lambda t: t) if layout.tile == layout.d else (lambda t: t[..., : layout.d].contiguous())
+    return cut(dq), cut(dk), _join(dvs, layout.d_v)
 
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, sw):
-        o, lse, _ = run_forward(q, k, v, causal, scale, sw)
-        ctx.save_for_backward(q.contiguous(), k.contiguous(), v.contiguous(), o, lse)
-        ctx.causal, ctx.scale, ctx.sw = causal, scale, sw  # the resolved config decides the backward
+    def forward(ctx, q, k, v, causal, scale, sw, window, layout):
+        o, lse, parts = forward_on_tiles(q, k, v, causal, scale, sw, window, layout)
+        ctx.save_for_backward(q.contiguous(), k.contiguous(), v.contiguous(), lse, *parts)
+        # the resolved config decides the backward
+        ctx.causal, ctx.scale, ctx.sw, ctx.window, ctx.layout = causal, scale, sw, window, layout
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = run_backward(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.sw)
-        return dq, dk, dv, None, None, None
+        q, k, v, lse, *parts = ctx.saved_tensors
+        dq, dk, dv = backward_on_tiles(
+            do, q, k, v, parts, lse, ctx.causal, ctx.scale, ctx.sw, ctx.window, ctx.layout
+        )
+        return dq, dk, dv, None, None, None, None, None
 
 
 def _scale(d: int, scale: float | None) -> float:
@@ -356,37 +599,76 @@ def _scale(d: int, scale: float | None) -> float:
     return scale
 
 
-def _prepare(q, k, v, causal, scale, sw: Switches, dims, dtypes) -> tuple[float, Switches]:
-    """Check the inputs, the device and the switches; the scale and the resolved, concrete config."""
-    check_inputs(q, k, v, causal, dims, dtypes)
-    d = q.shape[-1]
+@dataclass(frozen=True)
+class _Plan:
+    """What an entry point runs, decided before any kernel: the scale, the resolved config, the mask
+    (causal, window) and the tiles."""
+
+    scale: float
+    sw: Switches
+    causal: bool
+    window: tuple[int, int] | None
+    layout: HeadLayout
+
+
+def _prepare(q, k, v, causal, scale, window, sw: Switches, tiles, dtypes, dims=None, dims_v=None) -> _Plan:
+    """Check the inputs, the device, the mask and the switches; the plan. ``dims``, ``dims_v``: the
+    head sizes taken (by default every one up to MAX_HEAD_DIM, MAX_HEAD_DIM_V)."""
+    dims = range(1, MAX_HEAD_DIM + 1) if dims is None else dims
+    dims_v = range(1, MAX_HEAD_DIM_V + 1) if dims_v is None else dims_v
+    check_inputs(q, k, v, causal, dims, dtypes, dims_v)
+    d, d_v = q.shape[-1], v.shape[-1]
     scale = _scale(d, scale)
+    causal, window = attention_mask(window, causal, q.shape[1], k.shape[1])
     if q.device.type != "cuda" and not interpreting():
-        raise RuntimeError("attention: needs a CUDA device, or TRITON_INTERPRET=1 for the CPU interpreter")
+        raise RuntimeError(
+            f"attention: q, k, v are on {q.device}; the kernels need a CUDA device, or TRITON_INTERPRET=1 "
+            "for the CPU interpreter"
+        )
+    layout = head_layout(d, d_v, tiles, sw.own_v_tile)
     if sw.bwd == "auto":
-        sw = replace(sw, bwd=auto_backward(q, causal))
-    sw = resolve(sw, d, interpreting())
+        sw = replace(sw, bwd=auto_backward(q, causal, window, layout.tile, layout.tile_v))
+    gluon_parts = [n for n, on in (("gluon=True", sw.gluon), ("bwd='gluon'", sw.bwd == "gluon")) if on]
+    if gluon_parts and (window is not None or not layout.verified):
+        raise ValueError(
+            f"attention: {' and '.join(gluon_parts)} runs head sizes 64 and 128 with v's equal to q's, "
+            f"padded (D <= 128, own_v_tile off) and without a window; got D = {d}, D_v = {d_v}, "
+            f"window = {window}, own_v_tile = {sw.own_v_tile}: leave it off, the Triton kernels take these"
+        )
+    if window is not None and (sw.pingpong or sw.persistent):
+        raise ValueError(
+            "attention: a sliding window runs one query tile per program: pingpong and persistent do not "
+            f"apply (got pingpong={sw.pingpong}, persistent={sw.persistent})"
+        )
+    # the general kernels (a window, or v on its own tile) have launch shapes of their own
+    sw = resolve(sw, layout.tile, interpreting(), window is not None or layout.tile_v != layout.tile)
     if sw.bwd == "gluon":  # refuse before the forward runs, not at the first backward
         from repro.fa4.gluon_bwd import check_device
 
         check_device(q)
-    return scale, sw
+    return _Plan(scale, sw, causal, window, layout)
 
 
-def _run(q, k, v, causal, scale, sw: Switches, dims, dtypes):
-    scale, sw = _prepare(q, k, v, causal, scale, sw, dims, dtypes)
-    return _with_empty_rows(lambda qs: _Attention.apply(qs, k, v, bool(causal), scale, sw), q, k, causal)
+def _run(q, k, v, causal, scale, window, sw: Switches, tiles, dtypes):
+    plan = _prepare(q, k, v, causal, scale, window, sw, tiles, dtypes)
+    skip = empty_rows(q.shape[1], k.shape[1], plan.causal, plan.window)
+    return _with_empty_rows(
+        lambda qs: _Attention.apply(qs, k, v, plan.causal, plan.scale, plan.sw, plan.window, plan.layout),
+        q,
+        v.shape[-1],
+        skip,
+    )
 
 
-def _with_empty_rows(fn, q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
-    """``fn(q)``, except that with causal and S_q > S_k the first S_q - S_k query rows see no key
-    (bottom-right alignment): they get zeros (flash-attn's convention; their gradient is zero too)
-    and ``fn`` runs on the last S_k rows, which are an ordinary causal square."""
-    skip = q.shape[1] - k.shape[1]
-    if not causal or skip <= 0:
+def _with_empty_rows(fn, q: torch.Tensor, d_v: int, skip: int) -> torch.Tensor:
+    """``fn(q)``, except that the first ``skip`` query rows, which see no key (causal or a window with
+    S_q > S_k + right, bottom-right aligned), get zeros (flash-attn's convention; their gradient is
+    zero too) and ``fn`` runs on the rest, whose masks are unchanged (both ends are aligned to the
+    last key)."""
+    if skip <= 0:
         return fn(q)
     part = fn(q[:, skip:].contiguous())
-    return torch.cat([part.new_zeros(q.shape[0], skip, *part.shape[2:]), part], dim=1)
+    return torch.cat([part.new_zeros(q.shape[0], skip, q.shape[2], d_v), part], dim=1)
 
 
 def attention(
@@ -396,15 +678,19 @@ def attention(
     causal: bool = False,
     scale: float | None = None,
     config: Switches | None = None,
+    window: tuple[int | None, int | None] | None = None,
     **switches,
 ) -> torch.Tensor:
     """softmax(Q K^T * scale) V with FA4's forward ideas; differentiable.
 
-    q: [B, S_q, H, D], k and v: [B, S_k, H_kv, D], H_kv dividing H, D in {64, 128}, bf16 or fp16,
-    on CUDA. scale defaults to 1 / sqrt(D). The kernels: ``config`` (a :class:`Switches`) or its
-    fields as keywords. Returns [B, S_q, H, D] in q's dtype.
+    q: [B, S_q, H, D], k: [B, S_k, H_kv, D], v: [B, S_k, H_kv, D_v], H_kv dividing H, D from 1 to
+    256, D_v from 1 to 512, bf16 or fp16, on CUDA (any strides: inputs are made contiguous). scale
+    defaults to 1 / sqrt(D). ``window``: (left, right) sliding window, flash-attn's ``window_size``
+    (see the module docstring). The kernels: ``config`` (a :class:`Switches`) or its fields as
+    keywords. Returns [B, S_q, H, D_v] in q's dtype.
     """
-    return _run(q, k, v, causal, scale, switches_from(switches, config), PUBLIC_HEAD_DIMS, PUBLIC_DTYPES)
+    sw = switches_from(switches, config)
+    return _run(q, k, v, causal, scale, window, sw, PUBLIC_TILES, PUBLIC_DTYPES)
 
 
 def attention_any_d(
@@ -414,11 +700,12 @@ def attention_any_d(
     causal: bool = False,
     scale: float | None = None,
     config: Switches | None = None,
+    window: tuple[int | None, int | None] | None = None,
     **switches,
 ) -> torch.Tensor:
-    """Internal: :func:`attention` that also accepts D in {16, 32} and float32 (interpreter tests)."""
+    """Internal: :func:`attention` that also takes float32 and the tiles 16 and 32 (interpreter tests)."""
     sw = switches_from(switches, config)
-    return _run(q, k, v, causal, scale, sw, TEST_HEAD_DIMS, (*PUBLIC_DTYPES, torch.float32))
+    return _run(q, k, v, causal, scale, window, sw, TEST_TILES, (*PUBLIC_DTYPES, torch.float32))
 
 
 LN2 = math.log(2.0)
@@ -429,6 +716,23 @@ def _forward_backward_dtypes() -> tuple[torch.dtype, ...]:
     return PUBLIC_DTYPES + ((torch.float32,) if interpreting() else ())
 
 
+def _lse_plan(q, k, v, causal, scale, window, config, who: str) -> _Plan:
+    sw = config if config is not None else Switches()
+    tiles = TEST_TILES if interpreting() else PUBLIC_TILES
+    plan = _prepare(q, k, v, causal, scale, window, sw, tiles, _forward_backward_dtypes())
+    if empty_rows(q.shape[1], k.shape[1], plan.causal, plan.window):
+        if plan.window is None:
+            raise ValueError(
+                f"{who}: causal needs S_q <= S_k here (rows that see no key have no log-sum-exp), "
+                f"got S_q = {q.shape[1]}, S_k = {k.shape[1]}"
+            )
+        raise ValueError(
+            f"{who}: a window (left, right) needs S_q <= S_k + right here (rows that see no key have no "
+            f"log-sum-exp), got S_q = {q.shape[1]}, S_k = {k.shape[1]}, window = {window}"
+        )
+    return plan
+
+
 def attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -436,18 +740,19 @@ def attention_forward(
     causal: bool = False,
     scale: float | None = None,
     config: Switches | None = None,
+    window: tuple[int | None, int | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward and its log-sum-exp, without autograd: for callers that keep both and run
-    :func:`attention_backward` themselves (a ring of blocks merging partial results).
+    :func:`attention_backward` themselves (a ring of blocks merging partial results; NSA's window).
 
-    q: [B, S_q, H, D], k, v: [B, S_k, H_kv, D], D in {16, 32, 64, 128}, bf16 or fp16 (and float32 in
-    the CPU interpreter); causal needs S_q <= S_k here. Returns (o [B, S_q, H, D] in q's dtype,
-    lse [B, H, S_q] float32, natural log: log sum_j exp(scale q_i . k_j)). ``config`` (default
-    Switches()) chooses the forward kernel; its backward fields are for :func:`attention_backward`."""
-    sw = config if config is not None else Switches()
-    scale, sw = _prepare(q, k, v, causal, scale, sw, TEST_HEAD_DIMS, _forward_backward_dtypes())
-    _no_empty_rows(q, k, causal, "attention_forward")
-    o, lse2, _ = run_forward(q, k, v, bool(causal), scale, sw)
+    q: [B, S_q, H, D], k: [B, S_k, H_kv, D], v: [B, S_k, H_kv, D_v], head sizes and ``window`` as
+    :func:`attention`, bf16 or fp16 (and float32 in the CPU interpreter); every query row must see a
+    key (causal: S_q <= S_k; a window: S_q <= S_k + right). Returns (o [B, S_q, H, D_v] in q's dtype,
+    lse [B, H, S_q] float32, natural log: log sum_j exp(scale q_i . k_j) over the keys row i sees).
+    ``config`` (default Switches()) chooses the forward kernel; its backward fields are for
+    :func:`attention_backward`, which must get the same ``causal``, ``scale`` and ``window``."""
+    plan = _lse_plan(q, k, v, causal, scale, window, config, "attention_forward")
+    o, lse2, _ = forward_on_tiles(q, k, v, plan.causal, plan.scale, plan.sw, plan.window, plan.layout)
     return o, lse2 * LN2  # the kernels keep log2 of the sum of 2^(s log2 e)
 
 
@@ -461,16 +766,20 @@ def attention_backward(
     causal: bool = False,
     scale: float | None = None,
     config: Switches | None = None,
+    window: tuple[int | None, int | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of attention from its output ``o`` and natural-log ``lse`` (as
     :func:`attention_forward` returns them), by the backward ``config`` names (default Switches():
-    bwd="auto"). Shapes as :func:`attention_forward`; do and o [B, S_q, H, D] (cast to q's dtype),
-    lse [B, H, S_q]. Returns gradients in the inputs' dtypes and shapes."""
-    sw = config if config is not None else Switches()
-    scale, sw = _prepare(q, k, v, causal, scale, sw, TEST_HEAD_DIMS, _forward_backward_dtypes())
-    _no_empty_rows(q, k, causal, "attention_backward")
+    bwd="auto"). Shapes and ``window`` as :func:`attention_forward`; do and o [B, S_q, H, D_v] (cast to
+    q's dtype), lse [B, H, S_q]. Returns gradients in the inputs' dtypes and shapes."""
+    plan = _lse_plan(q, k, v, causal, scale, window, config, "attention_backward")
     b, s_q, h, _ = q.shape
-    for name, t, shape in (("do", do, q.shape), ("o", o, q.shape), ("lse", lse, (b, h, s_q))):
+    d_v = v.shape[-1]
+    for name, t, shape in (
+        ("do", do, (b, s_q, h, d_v)),
+        ("o", o, (b, s_q, h, d_v)),
+        ("lse", lse, (b, h, s_q)),
+    ):
         if tuple(t.shape) != tuple(shape):
             raise ValueError(
                 f"attention_backward: {name} must have shape {tuple(shape)}, got {tuple(t.shape)}"
@@ -478,15 +787,10 @@ def attention_backward(
     lse2 = (lse.float() / LN2).contiguous()
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     do, o = do.to(q.dtype).contiguous(), o.to(q.dtype).contiguous()
-    return run_backward(do, q, k, v, o, lse2, bool(causal), scale, sw)
-
-
-def _no_empty_rows(q, k, causal, who: str) -> None:
-    if causal and q.shape[1] > k.shape[1]:
-        raise ValueError(
-            f"{who}: causal needs S_q <= S_k here (rows that see no key have no log-sum-exp), "
-            f"got S_q = {q.shape[1]}, S_k = {k.shape[1]}"
-        )
+    parts = _v_chunks(o, plan.layout)
+    return backward_on_tiles(
+        do, q, k, v, parts, lse2, plan.causal, plan.scale, plan.sw, plan.window, plan.layout
+    )
 
 
 def forward_with_counts(
@@ -498,7 +802,8 @@ def forward_with_counts(
     **switches,
 ) -> tuple[torch.Tensor, float]:
     """Forward only, also returning the fraction of key-block steps (after each tile's first) on which
-    the kernel rescaled O. Shapes as :func:`attention_any_d`. Returns ([B, S_q, H, D], fraction)."""
+    the kernel rescaled O. Shapes as :func:`attention_any_d` at one of its tiles (no padding, no
+    window). Returns ([B, S_q, H, D], fraction)."""
     check_inputs(q, k, v, causal, TEST_HEAD_DIMS, (*PUBLIC_DTYPES, torch.float32))
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)

@@ -22,6 +22,8 @@ Parts (``--only`` picks some; the default runs the first three, in this order, i
   (:func:`peer`, ``--no-fa4`` leaves flash-attn-4 out) -> <device>-peer.json.
 * ``fa4-smoke``: flash-attn-4 at one small shape against float64 (:func:`fa4_smoke`); exit status 3
   when it does not import, compile or run -> <device>-fa4-smoke.json.
+* ``heads``: issue #42's head sizes (:data:`HEAD_SHAPES`: 64 to 256, D_v != D) and the sliding window
+  beside cuDNN and FA2 (SDPA), forward and forward + backward (:func:`heads`) -> <device>-heads.json.
 
 ``--set NAME=VALUE`` changes a field of the base :class:`repro.fa4.Switches` every one of our
 candidates is built from; ``--rounds`` the interleaved rounds (default 3); ``--quick`` two lengths
@@ -113,11 +115,11 @@ def timed(fn, passes: str, inputs=None) -> float:
     return time_ms(lambda: torch.autograd.grad(fn(), inputs, grad))
 
 
-def ours(q, k, v, causal, changes):
+def ours(q, k, v, causal, changes, window=None):
     from repro.fa4 import attention
 
     sw = switches(changes)
-    return lambda: attention(q, k, v, causal=causal, **sw)
+    return lambda: attention(q, k, v, causal=causal, window=window, **sw)
 
 
 def sdpa(q, k, v, causal, backend):
@@ -668,7 +670,221 @@ def bwd_compare(
     return report
 
 
-PARTS = ("bwd", "compare", "rescale", "peer", "fa4-smoke")
+# ---------------------------------------------------------------------------------------------
+# Issue #42: head sizes off the tiles, v's own head size, the sliding window, beside cuDNN
+# ---------------------------------------------------------------------------------------------
+
+#: (D, D_v) of the head-size comparison: the verified tiles (64, 128) as baselines, the sizes padded
+#: to them or to the 256 tile (96, 160, 192, 224), the 256 tile itself, and MLA's 192 / 128.
+HEAD_SHAPES = ((64, 64), (96, 96), (128, 128), (160, 160), (192, 192), (192, 128), (224, 224), (256, 256))
+#: Lengths of the head-size comparison (B x S = TOKENS, HEADS heads, bf16); ``--quick``: the first.
+HEAD_SEQLENS = (4096, 8192)
+#: (left, right) windows of the window rows (D = 128): 1k and 4k keys of history.
+WINDOWS = ((1023, 0), (4095, 0))
+
+
+def attention_flops(b: int, s_q: int, s_k: int, d: int, d_v: int, passes: str, visible: float) -> float:
+    """FLOPs of one call at the caller's head sizes (not the tiles'): 2 B H S_q S_k (D + D_v) forward
+    times the fraction of (query, key) pairs that are visible, x3.5 for forward + backward."""
+    f = 2.0 * b * HEADS * s_q * s_k * (d + d_v) * visible
+    return f * (3.5 if passes == "fwd+bwd" else 1.0)
+
+
+def _visible(s: int, causal: bool, window) -> float:
+    """The fraction of the S x S score matrix a causal mask or a (left, 0) window leaves."""
+    if window is not None:
+        left = window[0]
+        return (sum(min(i, left) + 1 for i in range(s))) / (s * s)
+    return (s + 1) / (2 * s) if causal else 1.0
+
+
+def _head_inputs(b: int, s: int, d: int, d_v: int):
+    """bf16 leaves [B, S, H, D] (v [B, S, H, D_v]) and SDPA's [B, H, S, D] copies of the same values."""
+    q, k = (
+        torch.randn(b, s, HEADS, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2)
+    )
+    v = torch.randn(b, s, HEADS, d_v, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    return (q, k, v), _sdpa_bwd_inputs(q, k, v)
+
+
+def _sdpa_masked(qt, kt, vt, mask, backend):
+    """SDPA with a boolean mask (a window), on one backend."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    be = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}[backend]
+
+    def run():
+        with sdpa_kernel(be):
+            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask)
+
+    return run
+
+
+def _heads_rows(report, cands: dict, fixed: dict, b, s, d, d_v, causal, window, passes, rounds, layout):
+    """Time ``cands`` (name -> (fn, check)) in interleaved rounds; one row each, with TFLOP/s at the
+    caller's head sizes, the ratio to cuDNN and the tiles ours ran on."""
+    res = measure({n: Candidate(fn=f, check=c) for n, (f, c) in cands.items()}, rounds=rounds)
+    cudnn = res.get("sdpa-cudnn")
+    base = cudnn.median_ms if cudnn is not None and cudnn.ok else None
+    f_ = attention_flops(b, s, s, d, d_v, passes, _visible(s, causal, window))
+    for name, m in res.items():
+        ms = m.median_ms
+        report.add(
+            **fixed, impl=name, D=d, D_v=d_v, causal=causal, window=str(window) if window else "", S=s, B=b,
+            **{"pass": passes}, **m.row(), tflops=f_ / (ms * 1e-3) / 1e12 if ms else None,
+            vs_cudnn=base / ms if ms and base else None,
+            tiles=f"{layout.tile}/{layout.tile_v}x{layout.chunks}" if name.startswith("fa4") else "",
+            flops_ratio=round(layout.flops_ratio(), 3) if name.startswith("fa4") else None,
+        )  # fmt: skip
+        print(report.rows[-1], flush=True)
+
+
+def heads(
+    out_dir: Path | None, seqlens=HEAD_SEQLENS, budget: Budget | None = None, rounds: int = 3
+) -> Report:
+    """Issue #42's head sizes and the sliding window beside cuDNN and FA2 (SDPA), forward and forward +
+    backward, ours with the default switches (D <= 128: the verified kernels on padded tiles, the
+    layout in ``tiles``: tile / v's tile x chunks; D > 128: the 256 tile; a window: the window kernels).
+
+    Each shape's candidates are checked once against cuDNN's output and gradients (tolerance 3x FA2's
+    own distance from cuDNN, at least 2e-2; where cuDNN does not run, against FA2's or the
+    memory-efficient backend's) and then timed in ``rounds`` interleaved rounds. TFLOP/s count the
+    caller's head sizes, so a padded layout shows its padding as lower TFLOP/s (``flops_ratio``: the
+    matmul work the tiles do over the caller's). Window rows: D = 128, (left, 0) windows, beside ours
+    and cuDNN causal (the work a window saves) and cuDNN with the window as a boolean mask.
+    Writes ``<device>-heads.json``."""
+    from repro.fa4.api import head_layout
+    from repro.fa4.reference import window_mask
+
+    budget = budget or Budget(None)
+    report = Report(
+        package="fa4",
+        title="Head sizes 64-256 (issue #42) and the sliding window: ours vs cuDNN and FA2 (SDPA), 16 heads, "
+        "B*S=16k, bf16",
+        peer=f"torch {torch.__version__} SDPA (cuDNN {torch.backends.cudnn.version()}, FlashAttention-2 backend)",
+        columns=[
+            "group",
+            "impl",
+            "D",
+            "D_v",
+            "causal",
+            "window",
+            "S",
+            "B",
+            "pass",
+            "ms",
+            "ms_min",
+            "ms_max",
+            "tflops",
+            "vs_cudnn",
+            "tiles",
+            "flops_ratio",
+            "check",
+        ],  # fmt: skip
+        packages=["triton", "torch"],
+        measure_ceilings=False,
+        notes=(
+            "TFLOP/s at the caller's head sizes: 2 B H S^2 (D + D_v) per forward times the visible fraction of "
+            "the scores (causal about 1/2, a (left, 0) window about left/S), x3.5 for forward + backward. "
+            "vs_cudnn: cuDNN's ms / this row's (> 1 faster). tiles: the tile q and k ran on / v's tile x chunks; "
+            "flops_ratio: matmul work on the tiles over the caller's (1 = no padding). fa4 = ours with the "
+            "default switches (bwd='auto'). Issue #42's target: at least 0.9x cuDNN where the tile is the head "
+            f"size itself (64, 128, 256); elsewhere the padding's cost is flops_ratio. Interleaved: {rounds} rounds."
+        ),
+    )
+    skipped = []
+    for causal in (False, True):
+        for s in seqlens:
+            for d, d_v in HEAD_SHAPES:
+                if budget.left() < 30:
+                    skipped.append(f"D={d} D_v={d_v} S={s} causal={causal}")
+                    continue
+                b = max(1, TOKENS // s)
+                layout = head_layout(d, d_v)
+                leaves, sdpa_leaves = _head_inputs(b, s, d, d_v)
+                grad = torch.randn(b, s, HEADS, d_v, device="cuda", dtype=torch.bfloat16)
+                grad_t = grad.transpose(1, 2).contiguous()
+                ref = fa2 = None
+                for be in ("cudnn", "flash2"):
+                    try:
+                        got = _grads(sdpa(*sdpa_leaves, causal, be), sdpa_leaves, grad, "bhsd")
+                    except Exception:  # this backend does not take the head sizes
+                        continue
+                    ref, fa2 = (got, fa2) if ref is None else (ref, got)
+                if ref is None:
+                    skipped.append(f"D={d} D_v={d_v} S={s} causal={causal} (no SDPA backend ran)")
+                    continue
+                tol = (
+                    max(3 * max(rel_err(a, r) for a, r in zip(fa2, ref, strict=True)), 2e-2) if fa2 else 2e-2
+                )
+                mine = ours(*leaves, causal, {})
+                check_msg = _check_all({"fa4": mine}, leaves, grad, ref, tol)[1].get("fa4")
+                for passes in ("fwd", "fwd+bwd"):
+                    cands = {
+                        f"sdpa-{be}": (
+                            _timer(sdpa(*sdpa_leaves, causal, be), sdpa_leaves, grad_t, passes),
+                            None,
+                        )
+                        for be in ("cudnn", "flash2")
+                    }
+                    cands["fa4"] = (
+                        (lambda: None, _failed(check_msg))
+                        if check_msg
+                        else (_timer(mine, leaves, grad, passes), None)
+                    )
+                    _heads_rows(report, cands, dict(group="heads"), b, s, d, d_v, causal, None, passes, rounds,
+                                layout)  # fmt: skip
+                del leaves, sdpa_leaves, grad, grad_t, ref, fa2, mine
+                torch.cuda.empty_cache()
+                quiet_write(report, tag="heads", out_dir=out_dir)
+    for s in (seqlens[-1], 2 * seqlens[-1]):
+        for window in WINDOWS:
+            if budget.left() < 30 or window[0] >= s:
+                continue
+            b = max(1, TOKENS // s)
+            layout = head_layout(HEAD_DIM, HEAD_DIM)
+            leaves, sdpa_leaves = _head_inputs(b, s, HEAD_DIM, HEAD_DIM)
+            grad = torch.randn_like(leaves[0])
+            grad_t = grad.transpose(1, 2).contiguous()
+            mask = window_mask(s, s, window[0], window[1], "cuda")
+            mine = ours(*leaves, False, {}, window=window)
+            try:
+                ref = _grads(_sdpa_masked(*sdpa_leaves, mask, "efficient"), sdpa_leaves, grad, "bhsd")
+                check_msg = _check_all({"fa4": mine}, leaves, grad, ref, 2e-2)[1].get("fa4")
+            except Exception as exc:  # no reference: our rows are not timed
+                check_msg = f"no reference ran: {error_text(exc)}"
+            for passes in ("fwd", "fwd+bwd"):
+                cands = {
+                    "sdpa-cudnn": (
+                        _timer(sdpa(*sdpa_leaves, True, "cudnn"), sdpa_leaves, grad_t, passes),
+                        None,
+                    ),
+                    "sdpa-cudnn-window-mask": (
+                        _timer(_sdpa_masked(*sdpa_leaves, mask, "cudnn"), sdpa_leaves, grad_t, passes),
+                        None,
+                    ),
+                    "fa4-causal": (_timer(ours(*leaves, True, {}), leaves, grad, passes), None),
+                    "fa4-window": (
+                        (lambda: None, _failed(check_msg))
+                        if check_msg
+                        else (_timer(mine, leaves, grad, passes), None)
+                    ),
+                }
+                _heads_rows(report, cands, dict(group="window"), b, s, HEAD_DIM, HEAD_DIM, False, window, passes,
+                            rounds, layout)  # fmt: skip
+            del leaves, sdpa_leaves, grad, grad_t, mask
+            torch.cuda.empty_cache()
+            quiet_write(report, tag="heads", out_dir=out_dir)
+    if skipped:
+        report.notes += f" Not measured: {', '.join(skipped)}."
+    for causal in (False, True):
+        report.plot(title=f"forward + backward vs cuDNN by head size, causal={causal}", x="D", y="vs_cudnn",
+                    series="impl", where={"group": "heads", "pass": "fwd+bwd", "causal": causal})  # fmt: skip
+    report.write(tag="heads", out_dir=out_dir)
+    return report
+
+
+PARTS = ("bwd", "compare", "rescale", "peer", "fa4-smoke", "heads")
 DEFAULT_PARTS = ("bwd", "compare", "rescale")
 
 
@@ -690,6 +906,8 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(3)
         if "peer" in parts:
             peer(out, (2048, 8192) if args.quick else SEQLENS, use_fa4=not args.no_fa4, rounds=args.rounds)
+        if "heads" in parts:
+            heads(out, HEAD_SEQLENS[:1] if args.quick else HEAD_SEQLENS, budget=budget, rounds=args.rounds)
         if "bwd" in parts:
             # first: the GPU job's budget may not reach the end of the table; 60% of it when more follows
             first = budget.part(0.6) if len(set(parts) & {"compare", "rescale"}) else budget

@@ -34,6 +34,10 @@ tiles after it run with the same (cheap) masks. Query rows past S_q read lse = +
 With USE_TMA the Q and dO tiles of each step come through the tensor-memory accelerator (host
 tensor descriptors over [B * S_q, H * D], as the forward's ``tma=True`` path); K and V are loaded
 once per program with ordinary loads.
+
+``_bwd_fused_window_kernel`` (issue #42, not yet run on a GPU) is the same schedule with a sliding
+window (each key block visits only the query tiles whose rows see it) and v's own head size; the
+kernel without a window is kept as it was, so its compiled code is unchanged.
 """
 
 from __future__ import annotations
@@ -78,7 +82,16 @@ FUSED_CONFIGS: dict[str, tuple[int, int, int, int, bool, bool]] = {
 #: 4.62; cuDNN 5.09 / 2.71); the same tile with TMA loads of Q and dO 9.62 / 4.86 (every D=128
 #: config spills registers; TMA adds to it), the dQ TMA reduction bought 10% over per-element atomics
 #: on the TMA tile (8.66 / 4.38). m64-n128-w8-s2-dqtma and -s3 were added after that run.
-FUSED_DEFAULTS = {64: FUSED_CONFIGS["m64-n128-w8-s2"], 128: FUSED_CONFIGS["m64-n128-w8-s2"]}
+FUSED_DEFAULTS = {
+    64: FUSED_CONFIGS["m64-n128-w8-s2"],
+    128: FUSED_CONFIGS["m64-n128-w8-s2"],
+    # D = 256 (issue #42, not yet run on a GPU): the largest tile that compiles without spills
+    # (offline: 32 x 32, 8 warps, 186 registers; 64 x 32 spills 32 bytes, 32 x 64 488)
+    256: (32, 32, 8, 1, False, False),
+}
+#: The general (window, D_V != D) kernel's launch where it differs: at D = 128 FA3's 64 x 128 spills 256
+#: bytes with the window's masks, 32 x 128 none (offline compile); D = 256 as above (222 registers).
+FUSED_WINDOW_DEFAULTS = {128: (32, 128, 8, 2, False, False)}
 #: The interpreter's launch: small tiles keep the CPU tests fast and exercise every masked path.
 FUSED_INTERPRET = (16, 16, 4, 1, False, False)
 
@@ -212,6 +225,86 @@ def _bwd_fused_kernel(
     tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=n_ok)
 
 
+# The general kernel: a sliding window and v's own head size (issue #42). The kernel above is main's,
+# untouched, so that every path that ran on a GPU before keeps its compiled code (a body shared by
+# inlining changed the PTX's debug labels and, for the TMA launch, ptxas's schedule:
+# lab/fingerprints.py). Causal is the window (S_q + S_k, 0) here, full attention (S_q + S_k, S_q + S_k).
+
+
+@triton.jit
+def _bwd_fused_window_kernel(
+    Q, K, V, DO, LSE, DELTA, DQACC, DK, DV,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+    H, H_KV, GROUP, S_Q, S_K, qk_scale, sm_scale, win_left, win_right,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_TMA: tl.constexpr, DQ_TMA: tl.constexpr, D_V: tl.constexpr,
+):  # fmt: skip
+    """:func:`_bwd_fused_kernel` with a sliding window, query row i seeing keys
+    i + diag - win_left .. i + diag + win_right (diag = S_K - S_Q), and v's own head size D_V: V, DV
+    and DO are contiguous with D_V columns (their strides follow from the sizes; DO's descriptor, with
+    USE_TMA, has D_V columns). Only the query tiles some row of which sees this key block run."""
+    n_block = tl.program_id(0)
+    bhk = tl.program_id(1)
+    off_b = bhk // H_KV
+    off_hk = bhk % H_KV
+    n0 = n_block * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    offs_dv = tl.arange(0, D_V)
+    n_ok = offs_n[:, None] < S_K
+    kv_off = off_b * stride_kb + off_hk * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :]
+    v_off = ((off_b * S_K + offs_n[:, None]) * H_KV + off_hk) * D_V + offs_dv[None, :]
+    k = tl.load(K + kv_off, mask=n_ok, other=0.0)
+    v = tl.load(V + v_off, mask=n_ok, other=0.0)
+    dk = tl.zeros([BLOCK_N, D], tl.float32)
+    dv = tl.zeros([BLOCK_N, D_V], tl.float32)
+    diag = S_K - S_Q
+    # query rows i with i + diag - win_left <= key <= i + diag + win_right for some key here
+    m_lo = (tl.maximum(n0 - win_right - diag, 0) // BLOCK_M) * BLOCK_M
+    m_hi = tl.maximum(tl.minimum(n0 + BLOCK_N + win_left - diag, S_Q), m_lo)
+    qrow0 = off_b * S_Q
+    offs_m0 = tl.arange(0, BLOCK_M)
+    for g in range(0, GROUP):
+        off_h = off_hk * GROUP + g
+        q_head = off_b * stride_qb + off_h * stride_qh
+        stat_base = (off_b * H + off_h) * S_Q
+        for start_m in range(m_lo, m_hi, BLOCK_M):
+            offs_m = start_m + offs_m0
+            row_ok = offs_m < S_Q
+            if USE_TMA:
+                # rows past S_q belong to the next batch (or read as zero past the end); their lse is
+                # +inf below, so P = 0 there and they add nothing to dK, dV; no dQ is added for them.
+                q = Q.load([qrow0 + start_m, off_h * D])
+                do = DO.load([qrow0 + start_m, off_h * D_V])
+            else:
+                q_off = q_head + offs_m[:, None] * stride_qs + offs_d[None, :]
+                q = tl.load(Q + q_off, mask=row_ok[:, None], other=0.0)
+                do_off = ((off_b * S_Q + offs_m[:, None]) * H + off_h) * D_V + offs_dv[None, :]
+                do = tl.load(DO + do_off, mask=row_ok[:, None], other=0.0)
+            lse = tl.load(LSE + stat_base + offs_m, mask=row_ok, other=float("inf"))
+            delta = tl.load(DELTA + stat_base + offs_m, mask=row_ok, other=0.0)
+            sT = tl.dot(k, tl.trans(q))  # [BLOCK_N, BLOCK_M]
+            pT = tl.math.exp2(sT * qk_scale - lse[None, :])
+            # keys past S_K (zero rows of K) would give 2^-lse, not 0: mask them, and the window
+            ok = n_ok & (offs_n[:, None] >= offs_m[None, :] + (diag - win_left))
+            ok = ok & (offs_n[:, None] <= offs_m[None, :] + (diag + win_right))
+            pT = tl.where(ok, pT, 0.0)
+            dv = tl.dot(pT.to(do.dtype), do, dv)
+            dpT = tl.dot(v, tl.trans(do))  # [BLOCK_N, BLOCK_M]
+            dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
+            dk = tl.dot(dsT, q, dk)
+            dq = tl.dot(tl.trans(dsT), k) * sm_scale  # [BLOCK_M, D]: this key block's part of dQ
+            if DQ_TMA:
+                # rows past S_q are exact zeros here (P = 0): adding them to the next batch's rows
+                # changes nothing; past the tensor's end the TMA unit drops them
+                DQACC.atomic_add([qrow0 + start_m, off_h * D], dq)
+            else:
+                dq_ptr = DQACC + q_head + offs_m[:, None] * stride_qs + offs_d[None, :]
+                tl.atomic_add(dq_ptr, dq, mask=row_ok[:, None], sem="relaxed")
+    tl.store(DK + kv_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=n_ok)
+    tl.store(DV + v_off, dv.to(DV.dtype.element_ty), mask=n_ok)
+
+
 def backward_fused(
     do: torch.Tensor,
     q: torch.Tensor,
@@ -227,34 +320,50 @@ def backward_fused(
     num_stages: int,
     tma: bool,
     dq_tma: bool = False,
+    window: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of attention from the forward's output ``o`` and base-2 log-sum-exp ``lse``.
 
-    q, o, do: [B, S_q, H, D]; k, v: [B, S_k, H_kv, D] (contiguous); lse: [B, H, S_q] float32.
-    Causal needs S_q <= S_k (the caller splits off queries that see no key). ``tma``: Q and dO tiles
-    through TMA; ``dq_tma``: dQ tiles added by TMA bulk reductions (not in the CPU interpreter, which
-    has no such operation). Returns gradients in the inputs' dtypes and shapes.
+    q: [B, S_q, H, D]; o, do: [B, S_q, H, D_v]; k: [B, S_k, H_kv, D], v: [B, S_k, H_kv, D_v]
+    (contiguous); lse: [B, H, S_q] float32. Causal needs S_q <= S_k (the caller splits off queries
+    that see no key). ``tma``: Q and dO tiles through TMA; ``dq_tma``: dQ tiles added by TMA bulk
+    reductions (not in the CPU interpreter, which has no such operation). ``window``: None or
+    (left, right) >= 0 keys around each row's diagonal (``causal`` is then ignored), every query row
+    seeing at least one key. Returns gradients in the inputs' dtypes and shapes.
     """
     if dq_tma and interpreting():
         raise ValueError("backward_fused: dq_tma (TMA bulk reductions) does not run in the CPU interpreter")
     b, s_q, h, d = q.shape
-    s_k, h_kv = k.shape[1], k.shape[2]
+    s_k, h_kv, d_v = k.shape[1], k.shape[2], v.shape[3]
     do = do.contiguous()
-    delta, dq_acc = preprocess(o, do)
+    if d_v == d:
+        delta, dq_acc = preprocess(o, do)
+    else:  # the preprocess kernel's O and dQ share one width; here they do not
+        delta = (do.float() * o.float()).sum(-1).permute(0, 2, 1).contiguous()
+        dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     qq, dd, acc = q, do, dq_acc
     if tma:
-        qq, dd = (TensorDescriptor.from_tensor(t.view(b * s_q, h * d), [block_m, d]) for t in (q, do))
+        qq = TensorDescriptor.from_tensor(q.view(b * s_q, h * d), [block_m, d])
+        dd = TensorDescriptor.from_tensor(do.view(b * s_q, h * d_v), [block_m, d_v])
     if dq_tma:
         acc = TensorDescriptor.from_tensor(dq_acc.view(b * s_q, h * d), [block_m, d])
-    _bwd_fused_kernel[(triton.cdiv(s_k, block_n), b * h_kv)](
+    args = (
         qq, k, v, dd, lse, delta, acc, dk, dv,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         h, h_kv, h // h_kv, s_q, s_k, scale / math.log(2.0), scale,
-        D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, USE_TMA=tma, DQ_TMA=dq_tma,
-        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
+    launch = dict(D=d, BLOCK_M=block_m, BLOCK_N=block_n, USE_TMA=tma, DQ_TMA=dq_tma,
+                  num_warps=num_warps, num_stages=num_stages)  # fmt: skip
+    grid = (triton.cdiv(s_k, block_n), b * h_kv)
+    if window is None and d_v == d:
+        _bwd_fused_kernel[grid](*args, CAUSAL=causal, **launch)
+    else:  # the general kernel: a window (causal and full attention are windows too) or D_V != D
+        from repro.fa4.triton_bwd import full_window
+
+        left, right = window if window is not None else full_window(s_q, s_k, causal)
+        _bwd_fused_window_kernel[grid](*args, int(left), int(right), D_V=d_v, **launch)
     return dq_acc.to(q.dtype), dk, dv

@@ -7,10 +7,16 @@ A case is a dict naming the kernel and its launch, as the launchers in the fast 
      "num_warps": 8, "num_stages": 3, "lazy_rescale": True, "soft_exp": 0, "tma": False, ...}
     {"kernel": "bwd_dkdv" | "bwd_dq", "d", "dtype", "causal", "block_m", "block_n", "num_warps", "num_stages"}
     {"kernel": "preprocess", "d", "dtype", "block_m"}
-    {"kernel": "fused", "d", "dtype", "causal", "config": <a FUSED_CONFIGS name>}
+    {"kernel": "fused", "d", "dtype", "causal", "config": <a FUSED_CONFIGS name>}   (or "launch": the tuple)
     {"kernel": "gluon_fwd", "d", "dtype", "causal", "lazy_rescale", "num_consumers", "pingpong_sync",
      "store_tma", "block_n", "num_stages", "load_regs", "consumer_regs"}   (launcher defaults where left out)
     {"kernel": "gluon_bwd", "d", "dtype", "causal", "dq_tma", "block_m", "num_stages"}
+
+The Triton kernels also take ``"d_v"`` (v's head size, default ``d``) and ``"window": True`` (the
+sliding-window entry point of the same kernel: ``_fwd_window_kernel``, ``_bwd_dkdv_window_kernel``,
+``_bwd_dq_window_kernel``, ``_bwd_fused_window_kernel``; ``causal`` does not apply there). Constexprs
+a kernel does not declare (``D_V`` before issue #42) are left out, so that the same case compiles the
+code before a change and after it.
 
 :func:`report` compiles each case with :func:`paperclub.lab.compile_sm90` and returns
 :func:`paperclub.lab.compile_report`'s row (the case's fields first; ``error`` where it does not
@@ -36,6 +42,10 @@ from paperclub.lab import compile_sm90, report_or_error
 
 #: kernel -> (attribute, modules to look in, first found wins: issue #40's layout, then the one before)
 KERNELS = {
+    "fwd_window": ("_fwd_window_kernel", ("repro.fa4.triton_fwd",)),
+    "bwd_dkdv_window": ("_bwd_dkdv_window_kernel", ("repro.fa4.triton_bwd",)),
+    "bwd_dq_window": ("_bwd_dq_window_kernel", ("repro.fa4.triton_bwd",)),
+    "fused_window": ("_bwd_fused_window_kernel", ("repro.fa4.triton_bwd_fused",)),
     "fwd": ("_fwd_kernel", ("repro.fa4.triton_fwd", "repro.fa4.kernels")),
     "bwd_dkdv": ("_bwd_dkdv_kernel", ("repro.fa4.triton_bwd", "repro.fa4.kernels")),
     "bwd_dq": ("_bwd_dq_kernel", ("repro.fa4.triton_bwd", "repro.fa4.kernels")),
@@ -69,11 +79,25 @@ def _strides(fn) -> list[str]:
     return [a for a in fn.arg_names if a.startswith("stride_")]
 
 
+#: constexprs that only some versions or entry points of a kernel declare: passed where declared
+_OPTIONAL = ("D_V", "CAUSAL", "PINGPONG", "PERSISTENT")
+
+
+def _declared(fn, cx: dict) -> dict:
+    return {k: v for k, v in cx.items() if k not in _OPTIONAL or k in fn.arg_names}
+
+
 def compile_case(case: dict):
     """The kernel of ``case`` compiled for sm_90a (Triton's CompiledKernel)."""
     kind, d, dt = case["kernel"], case.get("d", 128), case.get("dtype", "bf16")
+    d_v = case.get("d_v", d)
     causal = bool(case.get("causal", False))
+    if case.get("window") and kind in ("fwd", "bwd_dkdv", "bwd_dq", "fused"):
+        kind = f"{kind}_window"
     fn, mod = _kernel(kind)
+    window = kind.endswith("_window")
+    if window:
+        kind = kind.removesuffix("_window")
     if kind == "fwd":
         bm, bn = case.get("block_m", 128), case.get("block_n", 128)
         tma = bool(case.get("tma", False))
@@ -81,7 +105,7 @@ def compile_case(case: dict):
         types = {
             "Q": f"*{dt}",
             "K": kv,
-            "V": kv,
+            "V": f"tensordesc<{dt}[{bn}, {d_v}]>" if tma else f"*{dt}",
             "O": f"*{dt}",
             "LSE": "*fp32",
             "COUNTS": "*i32",
@@ -91,7 +115,8 @@ def compile_case(case: dict):
                   RESCALE_TAU=float(case.get("rescale_threshold", 8.0)), SOFT_EXP=int(case.get("soft_exp", 0)),
                   PINGPONG=bool(case.get("pingpong", False)), WARP_SPEC=bool(case.get("warp_specialize", False)),
                   PERSISTENT=bool(case.get("persistent", False)), COUNT=bool(case.get("count", False)),
-                  USE_TMA=tma)  # fmt: skip
+                  USE_TMA=tma, D_V=d_v)  # fmt: skip
+        cx = _declared(fn, cx)
         divisible = ["Q", "O", "LSE", "COUNTS", *([] if tma else ["K", "V"]), *_strides(fn)]
         return compile_sm90(fn, constexprs=cx, types=types, divisible=divisible,
                             num_warps=case.get("num_warps", 8), num_stages=case.get("num_stages", 3))  # fmt: skip
@@ -102,7 +127,7 @@ def compile_case(case: dict):
         ptrs = ("Q", "K", "V", "DO", "DK", "DV", "DQ")
         types = {**_pointers([p for p in ptrs if p in fn.arg_names], dt), "LSE": "*fp32", "DELTA": "*fp32",
                  "qk_scale": "fp32", "sm_scale": "fp32"}  # fmt: skip
-        cx = dict(D=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal)
+        cx = _declared(fn, dict(D=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, D_V=d_v))
         divisible = [a for a in fn.arg_names if a in types and types[a].startswith("*")] + _strides(fn)
         return compile_sm90(fn, constexprs=cx, types=types, divisible=divisible,
                             num_warps=case.get("num_warps", 4), num_stages=case.get("num_stages", 2))  # fmt: skip
@@ -111,12 +136,16 @@ def compile_case(case: dict):
         cx = dict(D=d, BLOCK_M=case.get("block_m", 64))
         return compile_sm90(fn, constexprs=cx, types=types, divisible=[*types, *_strides(fn)], num_warps=4)
     if kind == "fused":
-        bm, bn, nw, ns, tma, dq_tma = mod.FUSED_CONFIGS[case["config"]]
+        launch = case.get("launch")  # (block_m, block_n, warps, stages, tma, dq_tma), or a config's name
+        bm, bn, nw, ns, tma, dq_tma = launch if launch is not None else mod.FUSED_CONFIGS[case["config"]]
         qdesc = f"tensordesc<{dt}[{bm}, {d}]>" if tma else f"*{dt}"
-        types = {"Q": qdesc, "K": f"*{dt}", "V": f"*{dt}", "DO": qdesc, "LSE": "*fp32", "DELTA": "*fp32",
+        dodesc = f"tensordesc<{dt}[{bm}, {d_v}]>" if tma else f"*{dt}"
+        types = {"Q": qdesc, "K": f"*{dt}", "V": f"*{dt}", "DO": dodesc, "LSE": "*fp32", "DELTA": "*fp32",
                  "DQACC": f"tensordesc<fp32[{bm}, {d}]>" if dq_tma else "*fp32", "DK": f"*{dt}", "DV": f"*{dt}",
                  "qk_scale": "fp32", "sm_scale": "fp32"}  # fmt: skip
-        cx = dict(D=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, USE_TMA=tma, DQ_TMA=dq_tma)
+        cx = _declared(
+            fn, dict(D=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, USE_TMA=tma, DQ_TMA=dq_tma, D_V=d_v)
+        )
         divisible = [a for a, t in types.items() if t.startswith("*")] + _strides(fn)
         return compile_sm90(fn, constexprs=cx, types=types, divisible=divisible, num_warps=nw, num_stages=ns)
     if kind == "gluon_fwd":

@@ -8,12 +8,20 @@ kernel that runs by default, and of the cross-checks, at the launches the fast p
 and writes one row per case: the case, ``kernel``, ``ptx_sha`` and ``sass_sha`` (the PTX without its
 debug information, and the SASS, each hashed: see :mod:`paperclub.lab`), shared memory, registers and
 spills. ``compare`` prints a markdown table, one line per case, and exits 1 when a case's
-fingerprints differ or a case is missing on either side.
+fingerprints differ, a case fails to compile, or a case of the first file is missing from the second;
+a case only the second has (a kernel the change added) is listed as new.
 
 Issue #40 moved the kernels into files named by stage and deleted the Gluon backward's bisect
 (``SKIP``) and deferred-dQ (``DQ_DEFER``) constexprs; recorded on main before the move (a plain
 export of the base commit with this folder and ``paperclub/lab.py`` copied in) and on the branch
 after it, every case's PTX and SASS fingerprints are equal: the results are in the issue's report.
+
+Issue #42 (head sizes 1-256 by padding, v's own head size, the sliding window) kept every kernel that
+ran on a GPU before as it was and added the window entry points and the D = 256 launches
+(:func:`issue42_cases`): recorded on main and on the branch, the 66 cases before it have equal PTX and
+SASS fingerprints. A first attempt, which moved the backward kernels' bodies into functions shared
+with the window kernels, moved a debug label in their PTX (``$L__tmp`` after ``ret``) and, for the
+fused backward's TMA launch at D = 128, ptxas's schedule: main's backward kernels are kept verbatim.
 """
 
 from __future__ import annotations
@@ -90,6 +98,47 @@ CASES: list[dict] = [
     ],
 ]
 
+
+def issue42_cases() -> list[dict]:
+    """The kernels issue #42 made reachable, at the launches ``api.resolve`` gives them on a GPU: the
+    Triton forward and both Triton backwards at D = 256 (padded head sizes above 128, v on its own tile
+    of 128 for D = 192 / D_v = 128), and the sliding-window entry points at D = 64, 128 and 256. New
+    code: offline-compiled here (no spills: ``tests/test_lab.py``), not yet run on a GPU."""
+    from repro.fa4.api import Switches, resolve
+
+    out = []
+    for d, d_v, window in (
+        (256, 256, False),
+        (256, 128, False),
+        (64, 64, True),
+        (128, 128, True),
+        (256, 256, True),
+    ):
+        general = window or d_v != d
+        fwd = resolve(Switches(bwd="fa2"), d, False, general)
+        fused = resolve(Switches(bwd="fused"), d, False, general)
+        tag = f"d{d}" + (f" dv{d_v}" if d_v != d else "") + (" window" if window else "")
+        common = dict(d=d, d_v=d_v, dtype="bf16", causal=not window, window=window)
+        out.append(dict(kernel="fwd", **common, block_m=fwd.block_m, block_n=fwd.block_n,
+                        num_warps=fwd.num_warps, num_stages=fwd.num_stages, name=f"fwd {tag}"))  # fmt: skip
+        bwd = dict(block_m=fwd.bwd_block_m, block_n=fwd.bwd_block_n, num_warps=fwd.bwd_num_warps,
+                   num_stages=fwd.bwd_num_stages)  # fmt: skip
+        for kernel in ("bwd_dkdv", "bwd_dq"):
+            out.append(dict(kernel=kernel, **{**common, "window": general}, **bwd, name=f"{kernel} {tag}"))
+        launch = [
+            fused.bwd_block_m,
+            fused.bwd_block_n,
+            fused.bwd_num_warps,
+            fused.bwd_num_stages,
+            False,
+            False,
+        ]
+        out.append(dict(kernel="fused", **{**common, "window": general}, launch=launch, name=f"fused {tag}"))
+    return out
+
+
+CASES += issue42_cases()
+
 _KEY_FIELDS = ("name", "d", "dtype", "causal")
 
 
@@ -119,6 +168,12 @@ def compare(before: list[dict], after: list[dict]) -> tuple[str, int]:
     differ = 0
     for k in [*a, *(k for k in b if k not in a)]:
         x, y = a.get(k), b.get(k)
+        if x is None and y is not None and "error" not in y:  # a kernel the change added: nothing to compare
+            lines.append(
+                f"| {k} | {y['kernel']} | {y['ptx_sha']} | {y['sass_sha']} | {y.get('registers')} | "
+                f"{y.get('spill_stores')} | {y.get('shared')} | new |"
+            )
+            continue
         if x is None or y is None or "error" in x or "error" in y:
             differ += 1
             lines.append(

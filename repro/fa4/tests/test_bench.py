@@ -99,7 +99,7 @@ def test_parts_and_settings_are_checked(monkeypatch, capsys):
     """--only names parts (a typo stops the bench, listing them); --set changes the base config every
     candidate is built from, type-checked; both before any GPU work."""
     for argv, message in (
-        (["--only", "bwdd"], "no part of that name; known: bwd, compare, rescale, peer, fa4-smoke"),
+        (["--only", "bwdd"], "no part of that name; known: bwd, compare, rescale, peer, fa4-smoke, heads"),
         (["--set", "lazy_rescale=1"], "expected a bool"),
         (["--set", "bwd_dq_defer=True"], "not a field of Switches"),
     ):
@@ -111,3 +111,20 @@ def test_parts_and_settings_are_checked(monkeypatch, capsys):
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         bench.main(["--set", "lazy_rescale=False", "--only", "bwd"])
     assert bench.switches({"tma": True}) == {"lazy_rescale": False, "tma": True}
+
+
+def test_head_rows_count_the_callers_work():
+    """The head-size part: TFLOP/s count the caller's head sizes and the visible scores (so padding
+    shows as lower TFLOP/s); the tiles of its shapes are the verified ones up to 128 and 256 above,
+    exact (flops_ratio 1) at 64, 128, 256; every window row fits its length."""
+    from repro.fa4.api import head_layout
+
+    assert bench.attention_flops(1, 8, 8, 64, 64, "fwd", 1.0) == 2 * bench.HEADS * 64 * 128
+    assert bench.attention_flops(1, 8, 8, 64, 64, "fwd+bwd", 0.5) == 3.5 * bench.HEADS * 64 * 128
+    assert bench._visible(4, True, None) == pytest.approx(10 / 16)
+    assert bench._visible(4, False, (1, 0)) == pytest.approx(7 / 16)
+    for d, d_v in bench.HEAD_SHAPES:
+        lay = head_layout(d, d_v)
+        assert lay.verified == (d <= 128)
+        assert (lay.flops_ratio() == 1) == (d in (64, 128, 256) and d_v == d)
+    assert all(w[0] < bench.HEAD_SEQLENS[-1] for w in bench.WINDOWS)
