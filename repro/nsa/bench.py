@@ -22,7 +22,8 @@ with the shape (``dk192-dv128``, ``d128``) unless ``--tag`` names it. Rows (``se
     window calls flash-attn, absent here), both computing their own top-n;
   - ``ours-slc`` and ``fla-slc``: the selected branch alone on the same block indices;
   - ``nsa-fa4win``: ``nsa`` with the window through repro.fa4 (``Switches.window_kernel = "fa4"``),
-    where repro.fa4 has a sliding window (off by default until it has run on a GPU).
+    where repro.fa4 has a sliding window (off by default until it has run on a GPU): in "extra" steps
+    after every other step, so that a fault in code that has not run on a GPU cannot end the others.
 * ``decode``: one token against caches of T tokens, B = 16: ``nsa-decode`` (our two kernels around one
   ``torch.topk``, no host synchronisation) against ``sdpa-decode`` (full attention, GQA); ``tokens`` is
   what the decode kernels counted per group, ``paper_tokens`` Table 4's number.
@@ -93,6 +94,7 @@ WARMUP, REP = 5, 20  # per time_ms call (ms for triton's do_bench)
 # launch configurations per kernel), decode two kernels and SDPA's decode.
 FIRST_COST = {("fwd", "peers"): 2.0, ("fwd+bwd", "core"): 3.0, ("fwd+bwd", "peers"): 6.0}
 FIRST_COST |= {("bwd", "core"): 3.0, ("bwd", "peers"): 6.0, ("decode", "core"): 0.5}
+FIRST_COST |= {("fwd", "extra"): 1.0, ("bwd", "extra"): 2.0, ("fwd+bwd", "extra"): 2.0}
 PASSES = ("fwd", "bwd", "fwd+bwd")
 
 
@@ -303,10 +305,13 @@ def eq5_rows(q, kc, vc, ks, vs, kw, vw, gates, idx, pos, cfg: ref.NSAConfig):
 def train_candidates(setup: Setup, t: int, fla, gen: torch.Generator, passes=PASSES,
                      group: str = "all", sdpa: dict | None = None,
                      notes: list | None = None) -> dict[tuple[str, str], Candidate]:  # fmt: skip
-    """{(impl, pass): Candidate} for one length: ``group`` "core" (SDPA, nsa and ``setup.extra_nsa``),
-    "peers" (fa4, cmp+slc, slc, fla) or "all"; only the ``passes`` asked for (``PASSES``); ``sdpa``
-    {name: SDPBackend}. ``notes`` gets a line for each SDPA backend that ran with v zero-padded."""
+    """{(impl, pass): Candidate} for one length: ``group`` "core" (SDPA and nsa), "peers" (fa4,
+    cmp+slc, slc, fla), "extra" (``setup.extra_nsa``: kernels not yet run on a GPU, in steps of their
+    own after every other, so that a fault there cannot end the run's other rows) or "all"; only the
+    ``passes`` asked for (``PASSES``); ``sdpa`` {name: SDPBackend}. ``notes`` gets a line for each
+    SDPA backend that ran with v zero-padded."""
     core, peers = group in ("core", "all"), group in ("peers", "all")
+    extra = group in ("extra", "all")
     q, (kc_raw, vc_raw, ks, vs, kw, vw), gates = train_inputs(setup, t)
     pos = sample_rows(t, gen, setup.device)
     cands, cache = {}, {}
@@ -357,10 +362,9 @@ def train_candidates(setup: Setup, t: int, fla, gen: torch.Generator, passes=PAS
     k_cmp = ref.compress(kc_raw, ref.mean_pool, cfg.block_len, cfg.stride).contiguous()
     v_cmp = ref.compress(vc_raw, ref.mean_pool, cfg.block_len, cfg.stride).contiguous()
     leaves = [x.detach().clone().requires_grad_() for x in (q, k_cmp, v_cmp, ks, vs, kw, vw, gates)]
-    rows = [("nsa", setup.switches)] + [
-        (name, replace(setup.switches, **changes)) for name, changes in setup.extra_nsa
-    ]
-    for name, sw in rows if core else ():
+    rows = [("nsa", setup.switches)] if core else []
+    rows += [(name, replace(setup.switches, **changes)) for name, changes in setup.extra_nsa] if extra else []
+    for name, sw in rows:
         ok, why = extra_available(dict(setup.extra_nsa).get(name, {}))
         if not ok:  # an extra row that cannot run here: a failed check, not timed
             for p in passes:
@@ -576,10 +580,10 @@ def decode_candidates(setup: Setup, t: int, b: int) -> tuple[dict[str, Candidate
 # The plan and the run
 
 
-def plan_steps(lengths: list[int], decode_batch: int) -> list[Step]:
+def plan_steps(lengths: list[int], decode_batch: int, extra: bool = False) -> list[Step]:
     """The steps, most important first: each length's forward, backward alone, then forward +
-    backward (ours against SDPA, then the peers), shortest length first, then decode at every length.
-    A step's cost scales
+    backward (ours against SDPA, then the peers), shortest length first, then decode at every length,
+    then (``extra``) the extra nsa rows at every length and pass. A step's cost scales
     from the last of its kind as T^2 (train; pessimistic where launch overheads dominate) or T
     (decode); the first of a kind costs ``FIRST_COST`` times the first step."""
     steps = [
@@ -595,17 +599,32 @@ def plan_steps(lengths: list[int], decode_batch: int) -> list[Step]:
         for p in PASSES
         for g in ("core", "peers")
     ]
-    return steps + [
-        Step(
-            f"decode T={t} B={decode_batch}",
-            kind="decode",
-            size=t,
-            exponent=1,
-            first_cost=FIRST_COST[("decode", "core")],
-            data=("decode", "decode", "core", t, decode_batch),
-        )  # fmt: skip
-        for t in lengths
-    ]
+    return (
+        steps
+        + [
+            Step(
+                f"decode T={t} B={decode_batch}",
+                kind="decode",
+                size=t,
+                exponent=1,
+                first_cost=FIRST_COST[("decode", "core")],
+                data=("decode", "decode", "core", t, decode_batch),
+            )  # fmt: skip
+            for t in lengths
+        ]
+        + [
+            Step(
+                f"train {p} T={t} extra",
+                kind=f"train {p} extra",
+                size=t,
+                exponent=2,
+                first_cost=FIRST_COST.get((p, "extra")),
+                data=("train", p, "extra", t, 1),
+            )  # fmt: skip
+            for t in (lengths if extra else [])
+            for p in PASSES
+        ]
+    )
 
 
 def measure_logged(cands: dict[str, Candidate], label: str, rounds: int, timer) -> tuple[dict, float]:
@@ -646,7 +665,7 @@ def run(setup: Setup, out: Path | None, budget: Budget, lengths: list[int], deco
     """Run the plan (:func:`plan_steps`) within ``budget``, writing the report after every step."""
     from torch.nn.attention import SDPBackend
 
-    steps = plan_steps(lengths, decode_batch)
+    steps = plan_steps(lengths, decode_batch, extra=bool(setup.extra_nsa))
     steps = [s for s in steps if s.name in select([s.name for s in steps], only, "step")]
     plan = Plan(steps, budget, log=log)
     log(

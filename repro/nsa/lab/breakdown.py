@@ -1,13 +1,14 @@
 """The NSA forward timed stage by stage at one length, on one GPU (the paper's attention shape, bf16).
 
-``python -m repro.nsa.lab.breakdown --out DIR [--t 65536] [--set SWITCH=VALUE]``.
+``python -m repro.nsa.lab.breakdown --out DIR [--t 65536] [--heads 192,128] [--set SWITCH=VALUE]``.
 
 Stages (``STAGES``): ``cmp`` (compressed attention and its lse), ``scores`` (Eqs. 8-10 with Eq. 11's
 masks), ``select`` (top-n, as the switches choose), ``slc``, ``win``, ``gate`` (Eq. 5's sum as the
 switches choose) and ``whole`` (``layer.nsa_attention``), each checked at that shape first and then
 all timed interleaved, with each stage's share of the whole and the stages' sum; beside them, not in
 the sum, the ``ALTERNATIVES`` (the one-pass top-n, the fused gate and the five PyTorch ops). Writes
-``results/<device>-breakdown.json``. Diagnosis, not the benchmark: nothing in the fast path imports it.
+``results/<device>-breakdown-<heads>-T<t>.json`` (``--heads``: the paper's 192,128 by default, or 128;
+the 64k file of 2026-11-27, D = 128, is ``<device>-breakdown.json``). Diagnosis, not the benchmark: nothing in the fast path imports it.
 """
 
 from __future__ import annotations
@@ -203,7 +204,7 @@ def run(setup: Setup, out: Path | None, t: int, gen: torch.Generator) -> Path:
         "the reference; select exactly), then all are timed interleaved (paperclub.bench.measure). "
         "sum-of-stages is the medians added (not timed); whole minus it is launch gaps and checks."
     )
-    return report.write(tag="breakdown", out_dir=out)
+    return report.write(tag=f"breakdown-{setup.heads()}-T{t}", out_dir=out)
 
 
 def main(argv=None) -> None:

@@ -408,3 +408,36 @@ def test_gate_grads_are_the_fp32_formula(dtype):
     do, *xs = (torch.randn(2, 17, 3, 32, generator=gen).to(dtype) for _ in range(4))
     for got, x in zip(gate_grads(do, xs), xs, strict=True):
         assert torch.equal(got, (do.float() * x.float()).sum(-1))
+
+
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.parametrize("dk, dv, t, w", [(16, 16, 40, 9), (24, 40, 33, 1), (32, 16, 37, 40)])
+def test_fa4_window_equals_reference(dk, dv, t, w):
+    """The window branch through repro.fa4's sliding window (Switches.window_kernel = "fa4", off by
+    default): output and gradients equal the reference's, with key and value sizes equal or not
+    (repro.fa4 pads them itself), a window of one key, and one wider than the sequence."""
+    gen = torch.Generator().manual_seed(t + w)
+    q, k, v = randn(gen, 1, t, 4, dk), randn(gen, 1, t, 2, dk), randn(gen, 1, t, 2, dv)
+    ins, ins_ref = _leaves(q, k, v)
+    out = sliding_window_attention(*ins, w, switches=Switches(window_kernel="fa4"))
+    out_ref = ref.sliding_window_attention(*ins_ref, w)
+    _check_grads("fa4 window", out, out_ref, ins, ins_ref, gen)
+
+
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+def test_layer_with_the_fa4_window_equals_reference():
+    """The gated layer with its window through repro.fa4: the same selection, output and gradients
+    as the reference."""
+    gen = torch.Generator().manual_seed(5)
+    args = _layer_args(gen, 24, 2, 1, 16, SMALL)
+    ins = [leaf(x) for x in args]
+    ins_ref = [x.clone().requires_grad_() for x in args]
+    out, idx = nsa_attention(*ins, SMALL, switches=Switches(window_kernel="fa4"))
+    out_ref, idx_ref = ref.nsa_attention(*ins_ref, SMALL)
+    assert torch.equal(idx.cpu(), idx_ref)
+    assert_rel_close(out.cpu(), out_ref, FP32_TOL, "nsa output")
+    do = randn(gen, *out_ref.shape)
+    for a, r in zip(
+        torch.autograd.grad(out, ins, do.float()), torch.autograd.grad(out_ref, ins_ref, do), strict=True
+    ):
+        assert_rel_close(a.cpu(), r, FP32_TOL, "gradient")

@@ -21,7 +21,7 @@ def test_breakdown_times_every_stage_and_the_whole(tmp_path):
     shares of the whole, and a sum-of-stages row that is the stages' medians added."""
     setup, _ = toy()
     path = breakdown.run(setup, tmp_path, 40, torch.Generator().manual_seed(0))
-    assert path.name.endswith("-breakdown.json")
+    assert path.name.endswith("-breakdown-d16-T40.json")
     rows = {r["stage"]: r for r in json.loads(path.read_text())["rows"]}
     assert list(rows) == [*breakdown.STAGES, *breakdown.ALTERNATIVES, "whole", "sum-of-stages"]
     for stage in (*breakdown.STAGES, *breakdown.ALTERNATIVES, "whole"):
