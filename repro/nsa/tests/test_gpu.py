@@ -300,6 +300,27 @@ def test_gpu_selected_tiled_backward_fp32():
         assert_rel_close(a, r, 1e-4, f"tiled fp32 d{name}")
 
 
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.parametrize("d", [100, 64])
+@pytest.mark.parametrize("t", [256, 1000])
+def test_gpu_selected_at_flas_test_cases(t, d):
+    """flash-linear-attention's own parallel_nsa test cases (tests/ops/test_nsa.py: B = 1, 64 query and
+    4 KV heads, D = 100 and 64, T = 256 and 1000, S = 16 blocks of 64, bf16, scale 0.1), our selected
+    branch on random indices: output and gradients against the fp32 reference (2e-2, 3e-2; D = 100
+    runs the verified D = 128 kernels on zero-padded inputs)."""
+    gen = torch.Generator(device="cuda").manual_seed(t + d)
+    q, k, v = (_rand(gen, 1, t, n, d) for n in (64, 4, 4))
+    idx = random_block_indices(torch.Generator().manual_seed(t), 1, t, 4, 16, 64).cuda()
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    leaves_ref = [x.float().requires_grad_() for x in (q, k, v)]
+    out = selected_attention(*leaves, idx, 64, scale=0.1)
+    out_ref = ref.selected_attention(*leaves_ref, idx, 64, scale=0.1)
+    assert_rel_close(out.float(), out_ref, 2e-2, "selected output")
+    do = _rand(gen, *out.shape)
+    for g, a, r in zip("qkv", _grads(out, leaves, do), _grads(out_ref, leaves_ref, do.float()), strict=True):
+        assert_rel_close(a.float(), r, 3e-2, f"selected d{g}")
+
+
 # Issue #39's head sizes, last of all: the paper's Dk = 192 (keys in two pieces, 128 + 64) and
 # Dv = 128 (§4.1) run new kernel code (the constexprs D2 and D_V) that had not run on a GPU when these
 # were written; sizes that are not tiles (60, 100) run the verified kernels on zero-padded inputs.
@@ -373,9 +394,9 @@ def test_gpu_paper_head_sizes_block_major_backward():
 @pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
 @pytest.mark.parametrize(
     "heads, dtype",
-    [(PAPER_HEADS, torch.float32), ((60, 60), torch.bfloat16), ((100, 100), torch.bfloat16),
-     ((60, 100), torch.bfloat16), ((128, 64), torch.bfloat16)],
-    ids=["paper-192-128-fp32", "padded-60", "padded-100", "padded-60-100", "128-64"],
+    [((60, 60), torch.bfloat16), ((100, 100), torch.bfloat16), ((60, 100), torch.bfloat16),
+     ((128, 64), torch.bfloat16), (PAPER_HEADS, torch.float32)],
+    ids=["padded-60", "padded-100", "padded-60-100", "128-64", "paper-192-128-fp32"],
 )  # fmt: skip
 def test_gpu_layer_at_other_head_sizes(heads, dtype):
     """The whole layer at the paper's configuration with the paper's head sizes in fp32 (ieee dots:
