@@ -399,11 +399,11 @@ def test_gpu_paper_head_sizes_block_major_backward():
     ids=["padded-60", "padded-100", "padded-60-100", "128-64", "paper-192-128-fp32"],
 )  # fmt: skip
 def test_gpu_layer_at_other_head_sizes(heads, dtype):
-    """The whole layer at the paper's configuration with the paper's head sizes in fp32 (ieee dots:
-    1e-4 against fp64), and in bf16 at flash-linear-attention's test sizes 60 and 100 (padded to the
-    verified 64 and 128) and at Dk = 128, Dv = 64 (values on their own tile): selection on (nearly)
-    every row the reference's, output and the gradients of all eight inputs on the kernel's selection
-    (bf16: 2e-2 output, 3e-2 gradients against fp32)."""
+    """The whole layer at the paper's configuration: in bf16 at flash-linear-attention's test sizes
+    60 and 100 (Dk = Dv: zero-padded to the verified 64 and 128), at 60 / 100 (padded to 64 / 128,
+    values on their own tile) and 128 / 64; with the paper's head sizes in fp32 (ieee dots: 1e-4
+    against fp64). Selection on (nearly) every row the reference's, output and the gradients of all
+    eight inputs on the kernel's selection (bf16: 2e-2 output, 3e-2 gradients against fp32)."""
     dk, dv = heads
     gen = torch.Generator(device="cuda").manual_seed(dk + dv)
     t, hq, h, cfg = 1000, 16, 2, ref.NSAConfig()
