@@ -25,7 +25,8 @@ with the shape (``dk192-dv128``, ``d128``) unless ``--tag`` names it. Rows (``se
     where repro.fa4 has a sliding window (off by default until it has run on a GPU): in "extra" steps
     after every other step, so that a fault in code that has not run on a GPU cannot end the others.
 * ``decode``: one token against caches of T tokens, B = 16: ``nsa-decode`` (our two kernels around one
-  ``torch.topk``, no host synchronisation) against ``sdpa-decode`` (full attention, GQA); ``tokens`` is
+  ``torch.topk``, no host synchronisation) against ``sdpa-decode`` (full attention, GQA; v zero-padded
+  to Dk where Dv < Dk, the output sliced, so that SDPA's fused kernels take it); ``tokens`` is
   what the decode kernels counted per group, ``paper_tokens`` Table 4's number.
 
 ``tflops`` is the row's matmul FLOP count (:func:`train_flops`) over its time. Every step checks each
@@ -562,9 +563,12 @@ def decode_candidates(setup: Setup, t: int, b: int) -> tuple[dict[str, Candidate
         assert_rel_close(o[:1].float(), want, TOL, "decode row")
 
     qt, kt, vt = q.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2)
+    dv = vt.shape[-1]
+    if dv != qt.shape[-1]:  # one head size for SDPA's fused GQA kernels: v zero-padded, output sliced
+        vt = torch.nn.functional.pad(vt, (0, qt.shape[-1] - dv))
 
     def full():
-        return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+        return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)[..., :dv]
 
     def check_full():
         want = ref.full_causal_attention(q[:1], ks[:1], vs[:1], q_pos=last)
