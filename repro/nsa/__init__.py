@@ -1,9 +1,10 @@
 """Native Sparse Attention (yuan2025nsa): three gated branches with Triton kernels.
 
-Public API (shapes as flash-linear-attention: q [B, T, HQ, D], k, v [B, T, H, D], H dividing HQ)::
+Public API (shapes as flash-linear-attention: q [B, T, HQ, Dk], k [B, T, H, Dk], v [B, T, H, Dv], H
+dividing HQ; Dk up to 192 and Dv up to 128, sizes the kernels do not tile zero-padded, ``common.py``)::
 
     from repro.nsa import NSA, NSAConfig, Switches
-    layer = NSA(dim=1024, n_heads=64, n_kv_heads=4, head_dim=128)   # the paper's defaults in NSAConfig
+    layer = NSA(dim=2560, n_heads=64, n_kv_heads=4, head_dim=192, value_head_dim=128)  # the paper's, §4.1
     y = layer(x)                                                     # x [B, T, dim] -> [B, T, dim]
 
     from repro.nsa import selected_attention, compressed_attention, sliding_window_attention

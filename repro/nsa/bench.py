@@ -1,30 +1,42 @@
 """NSA on one GPU at the paper's shape, against full attention and flash-linear-attention.
 
-``python -m repro.nsa.bench --out DIR --budget-s N [--quick] [--only STEP] [--set SWITCH=VALUE]``.
+``python -m repro.nsa.bench --out DIR --budget-s N [--heads 192,128 | --heads 128] [--quick] [--only STEP]
+[--set SWITCH=VALUE]``.
 
-The paper's attention shape (yuan2025nsa §5: 64 query heads in 4 GQA groups, head dim 128, bf16),
-B = 1, T = 8k .. 64k. Rows (``section``):
+The paper's attention shape (yuan2025nsa §4.1 and §5.1: 64 query heads in 4 GQA groups, query and key
+head size 192, value head size 128; bf16), B = 1, T = 8k .. 64k; ``--heads 128`` runs one head size of
+128 for queries, keys and values (our earlier runs' shape, kept for comparison). The file is tagged
+with the shape (``dk192-dv128``, ``d128``) unless ``--tag`` names it. Rows (``section``):
 
-* ``train``: forward and forward + backward of
-  - ``sdpa-*``: full causal attention, SDPA's backends (flash, cuDNN) at the first length, then the
-    faster one; ``fa4``: repro.fa4's attention (up to 16k);
+* ``train``: forward (``fwd``), backward alone (``bwd``: the backward of one forward kept for every
+  timed call, with a fixed cotangent, as the paper's Figure 6 reports it) and forward + backward of
+  - ``sdpa-flash`` (FlashAttention-2, the paper's kind of baseline) and ``sdpa-cudnn``: full causal
+    attention through SDPA's backends, both at every length. The flash backend takes one head size:
+    with Dv < Dk, v is zero-padded to Dk (a leaf of its own, made once) and the output sliced, as the
+    notes say; so is cuDNN's if it refuses Dv != Dk. ``fa4``: repro.fa4's attention (up to 16k,
+    Dk = Dv in {64, 128} only);
   - ``nsa``: our three branches at the paper's l = 32, d = 16, l' = 64, n = 16, w = 512 (compressed
     keys given: the compression MLP is a small GEMM, left out of both);
   - ``ours-cmp+slc`` and ``fla-cmp+slc``: flash-linear-attention's setting, compression by mean
     pooling with l = d = l' = 64, n = 16, compressed + selected branches with gates, no window (fla's
     window calls flash-attn, absent here), both computing their own top-n;
-  - ``ours-slc`` and ``fla-slc``: the selected branch alone on the same block indices.
+  - ``ours-slc`` and ``fla-slc``: the selected branch alone on the same block indices;
+  - ``nsa-fa4win``: ``nsa`` with the window through repro.fa4 (``Switches.window_kernel = "fa4"``),
+    where repro.fa4 has a sliding window (off by default until it has run on a GPU): in "extra" steps
+    after every other step, so that a fault in code that has not run on a GPU cannot end the others.
 * ``decode``: one token against caches of T tokens, B = 16: ``nsa-decode`` (our two kernels around one
-  ``torch.topk``, no host synchronisation) against ``sdpa-decode`` (full attention, GQA); ``tokens`` is
+  ``torch.topk``, no host synchronisation) against ``sdpa-decode`` (full attention, GQA; v zero-padded
+  to Dk where Dv < Dk, the output sliced, so that SDPA's fused kernels take it); ``tokens`` is
   what the decode kernels counted per group, ``paper_tokens`` Table 4's number.
 
 ``tflops`` is the row's matmul FLOP count (:func:`train_flops`) over its time. Every step checks each
 candidate at the step's shape (against the PyTorch reference on a sample of query rows; fla against
 our output on the same indices; every timed selection against Eq. 11's top-n), then times them in
 interleaved rounds (``paperclub.bench.measure``) and writes the report, so a run that is killed keeps
-what it measured. The steps run most important first while the budget allows
-(``paperclub.bench.Plan``): at the first length ``nsa`` against SDPA forward ("core"), then the peers
-forward ("peers"), then both for forward + backward, then each longer length, then decode.
+what it measured (``bwd`` and ``fwd+bwd`` rows are checked on the forward; the gradients are the GPU
+tests'). The steps run most important first while the budget allows (``paperclub.bench.Plan``): at the
+first length ``nsa`` against SDPA forward ("core"), then the peers forward ("peers"), then both for
+the backward alone and for forward + backward, then each longer length, then decode.
 ``--set`` changes a field of ``repro.nsa.config.Switches`` for every NSA row; ``--only`` picks steps
 by name (``'train fwd*'``). The forward's stage breakdown and the selected backward's launch shapes
 are timed by ``repro.nsa.lab.breakdown`` and ``repro.nsa.lab.slc_backward``.
@@ -35,7 +47,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -75,14 +87,16 @@ GRAD_TOL = 3e-2  # bf16 gradients of two backwards: dK, dV sum bf16-rounded prod
 # put the n-th and (n+1)-th block within about 1e-3 of each other in half of the rows).
 SEL_TOL = 1e-2
 COLUMNS = ["section", "impl", "pass", "B", "T", "ms", "ms_min", "ms_max", "check", "speedup_vs_full"]
-COLUMNS += ["tokens", "paper_tokens", "tflops"]
+COLUMNS += ["vs_cudnn", "vs_fa2", "tokens", "paper_tokens", "tflops"]
 WARMUP, REP = 5, 20  # per time_ms call (ms for triton's do_bench)
 # The predicted cost of a step whose kind has not run yet, as a multiple of the first step (the forward
 # core step, which includes compiling the forward kernels): fwd+bwd compiles about twice as many
 # kernels (dQ and dK/dV per branch), peers compile fa4 and fla (whose parallel_nsa autotunes 12-16
 # launch configurations per kernel), decode two kernels and SDPA's decode.
 FIRST_COST = {("fwd", "peers"): 2.0, ("fwd+bwd", "core"): 3.0, ("fwd+bwd", "peers"): 6.0}
-FIRST_COST |= {("decode", "core"): 0.5}
+FIRST_COST |= {("bwd", "core"): 3.0, ("bwd", "peers"): 6.0, ("decode", "core"): 0.5}
+FIRST_COST |= {("fwd", "extra"): 1.0, ("bwd", "extra"): 2.0, ("fwd+bwd", "extra"): 2.0}
+PASSES = ("fwd", "bwd", "fwd+bwd")
 
 
 def load_fla():
@@ -99,11 +113,14 @@ def load_fla():
 class Setup:
     """What a run measures and with what: the head shape, device and dtype, the NSA configurations,
     the kernels' switches, the SDPA backends, the peer, the timer. The defaults are the paper's shape
-    on a GPU; the CPU tests build a toy one."""
+    on a GPU (§4.1: 64 query heads, 4 KV heads, Dk = 192, Dv = 128); the CPU tests build a toy one.
+    ``d`` is the query and key head size, ``dv`` the value head size (None: ``d``). ``extra_nsa``:
+    more ``nsa`` rows, each (name, Switches fields changed), where its ``available`` says it can run."""
 
     hq: int = 64
     h: int = 4
-    d: int = 128
+    d: int = 192
+    dv: int | None = 128
     device: str = "cuda"
     dtype: torch.dtype = torch.bfloat16
     paper: ref.NSAConfig = PAPER
@@ -117,6 +134,25 @@ class Setup:
     rounds: Callable[[int], int] = lambda t: 3 if t <= 16384 else 2  # interleaved rounds at length t
     timer: Callable[..., float] = time_ms
     fla: Callable[[], tuple] = load_fla
+    extra_nsa: tuple[tuple[str, dict], ...] = (("nsa-fa4win", {"window_kernel": "fa4"}),)
+
+    @property
+    def d_v(self) -> int:
+        return self.d if self.dv is None else self.dv
+
+    def heads(self) -> str:
+        """The head sizes as a report tag: ``dk192-dv128``, ``d128``."""
+        return f"d{self.d}" if self.d_v == self.d else f"dk{self.d}-dv{self.d_v}"
+
+
+def extra_available(changes: dict) -> tuple[bool, str]:
+    """Whether an ``extra_nsa`` row can run here, and why not: the fa4 window needs repro.fa4 with a
+    sliding window (``window.fa4_window_available``)."""
+    if changes.get("window_kernel") == "fa4":
+        from repro.nsa.window import fa4_window_available
+
+        return fa4_window_available()
+    return True, ""
 
 
 _T0 = time.monotonic()
@@ -145,22 +181,27 @@ def keys_per_query(t: int, cfg: ref.NSAConfig) -> dict[str, int]:
 
 
 def train_flops(impl: str, pass_: str, t: int, setup: Setup) -> float | None:
-    """Matmul FLOPs of one train row at length t (B = 1): 4 HQ D per (query, key) for QK^T and PV,
-    the backward 2.5 times the forward (five matmuls to two). Full attention: t (t + 1) / 2 keys. NSA:
-    the compressed branch, its keys once more for the block scores (QK^T only, no backward), the
-    selected blocks and the window; cmp+slc in fla's setting; slc alone."""
-    per_key = 4 * setup.hq * setup.d
-    bwd = 3.5 if pass_ == "fwd+bwd" else 1.0
+    """Matmul FLOPs of one train row at length t (B = 1), 2 per multiply-add, per (query, key) and
+    query head: forward QK^T and PV, 2 (Dk + Dv); backward QK^T again, dP = dO V^T, dV = P^T dO,
+    dQ = dS K, dK = dS^T Q, 2 (3 Dk + 2 Dv) (2.5 forwards at Dk = Dv). Full attention (padded v or
+    not: the useful work): t (t + 1) / 2 keys. NSA: the compressed branch, its keys once more for
+    the block scores (QK^T only, forward only), the selected blocks and the window; cmp+slc in fla's
+    setting; slc alone. The ``bwd`` pass is the backward's share alone."""
+    dk, dv = setup.d, setup.d_v
+    unit = {"fwd": 2 * (dk + dv), "bwd": 2 * (3 * dk + 2 * dv)}
+    unit["fwd+bwd"] = unit["fwd"] + unit["bwd"]
+    per_key = setup.hq * unit[pass_]
+    scores = setup.hq * 2 * dk if pass_ != "bwd" else 0  # QK^T per compressed key, forward only
     if impl.startswith("sdpa") or impl == "fa4":
-        return per_key * t * (t + 1) / 2 * bwd
+        return per_key * t * (t + 1) / 2
     cfg = setup.fla_setting if "cmp+slc" in impl else setup.paper
     n = keys_per_query(t, cfg)
-    if impl == "nsa":
-        return per_key * ((n["cmp"] + n["slc"] + n["win"]) * bwd + n["cmp"] / 2)
+    if impl.startswith("nsa"):
+        return per_key * (n["cmp"] + n["slc"] + n["win"]) + scores * n["cmp"]
     if impl.endswith("cmp+slc"):
-        return per_key * ((n["cmp"] + n["slc"]) * bwd + n["cmp"] / 2)
+        return per_key * (n["cmp"] + n["slc"]) + scores * n["cmp"]
     if impl.endswith("slc"):
-        return per_key * n["slc"] * bwd
+        return per_key * n["slc"]
     return None
 
 
@@ -174,14 +215,15 @@ def sample_rows(t: int, gen: torch.Generator, device: str, n: int = 24) -> torch
 
 
 def train_inputs(setup: Setup, t: int, seed: int = 0):
-    """q [1, T, HQ, D], the six raw key / value tensors [1, T, H, D] and gates [1, T, HQ, 3]."""
+    """q [1, T, HQ, Dk], the six raw key / value tensors (k_cmp, v_cmp, k_slc, v_slc, k_win, v_win:
+    keys [1, T, H, Dk], values [1, T, H, Dv]) and gates [1, T, HQ, 3]."""
     g = torch.Generator(device=setup.device).manual_seed(seed)
 
     def rn(*s):
         return torch.randn(*s, device=setup.device, dtype=setup.dtype, generator=g)
 
     q = rn(1, t, setup.hq, setup.d)
-    kv = [rn(1, t, setup.h, setup.d) for _ in range(6)]
+    kv = [rn(1, t, setup.h, setup.d if i % 2 == 0 else setup.d_v) for i in range(6)]
     gates = torch.rand(1, t, setup.hq, 3, device=setup.device, generator=g).to(setup.dtype)
     return q, kv, gates
 
@@ -194,9 +236,32 @@ def fwd_bwd(f, leaves):
         o = f()
         if "do" not in state:
             state["do"] = torch.randn_like(o)
-        torch.autograd.grad(o, leaves, state["do"], allow_unused=True)
+        torch.autograd.grad(o, leaves() if callable(leaves) else leaves, state["do"], allow_unused=True)
 
     return run
+
+
+def bwd_only(f, leaves):
+    """A closure running the backward alone: f's forward once (on the first call, with a random
+    cotangent drawn then), kept, and its backward on every call (``retain_graph``), as the paper times
+    the backward pass apart from the forward."""
+    state = {}
+
+    def run():
+        if "o" not in state:
+            state["o"] = f()
+            state["do"] = torch.randn_like(state["o"])
+        ls = leaves() if callable(leaves) else leaves
+        torch.autograd.grad(state["o"], ls, state["do"], retain_graph=True, allow_unused=True)
+
+    return run
+
+
+def timed_closure(pass_: str, f, leaves):
+    """The function a row of pass ``pass_`` times: the forward, the backward alone or both."""
+    if pass_ == "fwd":
+        return f
+    return bwd_only(f, leaves) if pass_ == "bwd" else fwd_bwd(f, leaves)
 
 
 def failing(err: str):
@@ -238,14 +303,24 @@ def eq5_rows(q, kc, vc, ks, vs, kw, vw, gates, idx, pos, cfg: ref.NSAConfig):
 # Candidates
 
 
-def train_candidates(setup: Setup, t: int, fla, gen: torch.Generator, passes=("fwd", "fwd+bwd"),
-                     group: str = "all", sdpa: dict | None = None) -> dict[tuple[str, str], Candidate]:  # fmt: skip
+def train_candidates(setup: Setup, t: int, fla, gen: torch.Generator, passes=PASSES,
+                     group: str = "all", sdpa: dict | None = None,
+                     notes: list | None = None) -> dict[tuple[str, str], Candidate]:  # fmt: skip
     """{(impl, pass): Candidate} for one length: ``group`` "core" (SDPA and nsa), "peers" (fa4,
-    cmp+slc, slc, fla) or "all"; only the ``passes`` asked for; ``sdpa`` {name: SDPBackend}."""
+    cmp+slc, slc, fla), "extra" (``setup.extra_nsa``: kernels not yet run on a GPU, in steps of their
+    own after every other, so that a fault there cannot end the run's other rows) or "all"; only the
+    ``passes`` asked for (``PASSES``); ``sdpa`` {name: SDPBackend}. ``notes`` gets a line for each
+    SDPA backend that ran with v zero-padded."""
     core, peers = group in ("core", "all"), group in ("peers", "all")
+    extra = group in ("extra", "all")
     q, (kc_raw, vc_raw, ks, vs, kw, vw), gates = train_inputs(setup, t)
     pos = sample_rows(t, gen, setup.device)
     cands, cache = {}, {}
+    notes = [] if notes is None else notes
+
+    def add(name, f, leaves, check):
+        for p in passes:
+            cands[(name, p)] = Candidate(fn=timed_closure(p, f, leaves), check=check)
 
     def ref_full():  # the reference rows of full attention, computed once, when a check needs them
         if "full" not in cache:
@@ -258,19 +333,14 @@ def train_candidates(setup: Setup, t: int, fla, gen: torch.Generator, passes=("f
         kt = ks.repeat_interleave(g, 2).transpose(1, 2).contiguous().requires_grad_()
         vt = vs.repeat_interleave(g, 2).transpose(1, 2).contiguous().requires_grad_()
         for name, backend in (sdpa or {}).items():
-
-            def f(backend=backend):
-                from torch.nn.attention import sdpa_kernel
-
-                with sdpa_kernel(backend):
-                    return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+            f, sdpa_leaves = _sdpa_candidate(name, backend, qt, kt, vt, notes)
 
             def check(f=f):
                 assert_rel_close(f().transpose(1, 2)[:, pos].float(), ref_full(), TOL, "sdpa rows")
 
-            cands[(name, "fwd")] = Candidate(fn=f, check=check)
-            cands[(name, "fwd+bwd")] = Candidate(fn=fwd_bwd(f, (qt, kt, vt)), check=check)
-    if peers and t <= setup.fa4_max_t:
+            add(name, f, sdpa_leaves, check)
+    fa4_heads = setup.d == setup.d_v and setup.d in (64, 128)
+    if peers and t <= setup.fa4_max_t and fa4_heads:
         try:
             from repro.fa4 import attention
 
@@ -282,40 +352,75 @@ def train_candidates(setup: Setup, t: int, fla, gen: torch.Generator, passes=("f
             def check4():
                 assert_rel_close(f4()[:, pos].float(), ref_full(), TOL, "fa4 rows")
 
-            cands[("fa4", "fwd")] = Candidate(fn=f4, check=check4)
-            cands[("fa4", "fwd+bwd")] = Candidate(fn=fwd_bwd(f4, (ql4, kl4, vl4)), check=check4)
+            add("fa4", f4, (ql4, kl4, vl4), check4)
         except Exception as exc:
             fail = failing(error_text(exc))
-            for p in ("fwd", "fwd+bwd"):
+            for p in passes:
                 cands[("fa4", p)] = Candidate(fn=fail, check=fail)
 
-    # NSA at the paper's configuration
-    cfg, sw = setup.paper, setup.switches
+    # NSA at the paper's configuration, with the default switches and each extra row's
+    cfg = setup.paper
     k_cmp = ref.compress(kc_raw, ref.mean_pool, cfg.block_len, cfg.stride).contiguous()
     v_cmp = ref.compress(vc_raw, ref.mean_pool, cfg.block_len, cfg.stride).contiguous()
     leaves = [x.detach().clone().requires_grad_() for x in (q, k_cmp, v_cmp, ks, vs, kw, vw, gates)]
+    rows = [("nsa", setup.switches)] if core else []
+    rows += [(name, replace(setup.switches, **changes)) for name, changes in setup.extra_nsa] if extra else []
+    for name, sw in rows:
+        ok, why = extra_available(dict(setup.extra_nsa).get(name, {}))
+        if not ok:  # an extra row that cannot run here: a failed check, not timed
+            for p in passes:
+                cands[(name, p)] = Candidate(fn=failing(why), check=failing(why))
+            continue
 
-    def nsa():
-        return nsa_attention(*leaves, cfg, switches=sw)[0]
+        def nsa(sw=sw):
+            return nsa_attention(*leaves, cfg, switches=sw)[0]
 
-    def check_nsa():
-        o, idx = nsa_attention(*leaves, cfg, switches=sw)
-        ql, kcl, vcl, ksl, vsl, kwl, vwl, gl = (x.detach() for x in leaves)
-        _, lse_c = ref.compressed_attention(ql[:, pos], kcl, vcl, cfg.block_len, cfg.stride, q_pos=pos)
-        check_selection(idx[:, pos], ql[:, pos], kcl, lse_c, cfg, t, pos, "nsa selection")
-        want = eq5_rows(ql, kcl, vcl, ksl, vsl, kwl, vwl, gl, idx, pos, cfg)
-        assert_rel_close(o[:, pos].float(), want, TOL, "nsa rows")
+        def check_nsa(sw=sw, name=name):
+            o, idx = nsa_attention(*leaves, cfg, switches=sw)
+            ql, kcl, vcl, ksl, vsl, kwl, vwl, gl = (x.detach() for x in leaves)
+            _, lse_c = ref.compressed_attention(ql[:, pos], kcl, vcl, cfg.block_len, cfg.stride, q_pos=pos)
+            check_selection(idx[:, pos], ql[:, pos], kcl, lse_c, cfg, t, pos, f"{name} selection")
+            want = eq5_rows(ql, kcl, vcl, ksl, vsl, kwl, vwl, gl, idx, pos, cfg)
+            assert_rel_close(o[:, pos].float(), want, TOL, f"{name} rows")
 
-    if core:
-        cands[("nsa", "fwd")] = Candidate(fn=nsa, check=check_nsa)
-        cands[("nsa", "fwd+bwd")] = Candidate(fn=fwd_bwd(nsa, leaves), check=check_nsa)
+        add(name, nsa, leaves, check_nsa)
     if peers:
-        cands |= _peer_candidates(setup, t, fla, q, ks, vs, gates, leaves, pos)
+        cands |= _peer_candidates(setup, t, fla, q, ks, vs, gates, leaves, pos, passes)
     return {k: c for k, c in cands.items() if k[1] in passes}
 
 
-def _peer_candidates(setup: Setup, t, fla, q, ks, vs, gates, leaves, pos):
-    """The cmp+slc and slc rows, ours and fla's."""
+def _sdpa_candidate(name: str, backend, qt, kt, vt, notes: list):
+    """(f, leaves) of full causal attention through one SDPA backend on [B, HQ, T, D] tensors; leaves
+    a callable (the v a backward differentiates is the one the forward used). The flash backend takes
+    one head size for q, k and v: with Dv < Dk, v is zero-padded to Dk (a leaf of its own, made here,
+    outside the timing) and the output sliced back to Dv; another backend pads only if it refuses
+    Dv != Dk on its first call (the check's), which ``notes`` then says."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    dk, dv = qt.shape[-1], vt.shape[-1]
+    state = {"pad": dv != dk and backend == SDPBackend.FLASH_ATTENTION}
+    vt_pad = torch.nn.functional.pad(vt.detach(), (0, dk - dv)).requires_grad_() if dv != dk else vt
+    if state["pad"]:
+        notes.append(f"{name}: v zero-padded from Dv = {dv} to Dk = {dk} (the backend takes one head size).")
+
+    def f():
+        v = vt_pad if state["pad"] else vt
+        try:
+            with sdpa_kernel(backend):
+                o = torch.nn.functional.scaled_dot_product_attention(qt, kt, v, is_causal=True)
+        except RuntimeError as exc:
+            if state["pad"] or dv == dk:
+                raise
+            state["pad"] = True
+            notes.append(f"{name}: v zero-padded from Dv = {dv} to Dk = {dk} ({error_text(exc, 120)}).")
+            return f()
+        return o[..., :dv] if state["pad"] else o
+
+    return f, lambda: (qt, kt, vt_pad if state["pad"] else vt)
+
+
+def _peer_candidates(setup: Setup, t, fla, q, ks, vs, gates, leaves, pos, passes=PASSES):
+    """The cmp+slc and slc rows, ours and fla's, for each of ``passes``."""
     cfg, fs, sw = setup.paper, setup.fla_setting, setup.switches
     cands = {}
     # flash-linear-attention's setting: mean-pooled compression, l = d = l' = 64, no window
@@ -348,8 +453,8 @@ def _peer_candidates(setup: Setup, t, fla, q, ks, vs, gates, leaves, pos):
         assert_rel_close(o[:, pos].detach().float(), cs_want(state["idx"], "ours"), TOL, "ours cmp+slc rows")
 
     cs_leaves = (ql, kl, vl, g_cmp, g_slc)
-    cands[("ours-cmp+slc", "fwd")] = Candidate(fn=ours_cs, check=check_ours_cs)
-    cands[("ours-cmp+slc", "fwd+bwd")] = Candidate(fn=fwd_bwd(ours_cs, cs_leaves), check=check_ours_cs)
+    for p in passes:
+        cands[("ours-cmp+slc", p)] = Candidate(fn=timed_closure(p, ours_cs, cs_leaves), check=check_ours_cs)
 
     # the selected branch alone, on the indices the paper configuration selects for these inputs
     # (computed on first use, so that a failing kernel fails this row's check, not the whole run)
@@ -370,13 +475,13 @@ def _peer_candidates(setup: Setup, t, fla, q, ks, vs, gates, leaves, pos):
         )
         assert_rel_close(ours_slc()[:, pos].detach().float(), want, TOL, "ours slc rows")
 
-    cands[("ours-slc", "fwd")] = Candidate(fn=ours_slc, check=check_ours_slc)
-    cands[("ours-slc", "fwd+bwd")] = Candidate(fn=fwd_bwd(ours_slc, sl), check=check_ours_slc)
+    for p in passes:
+        cands[("ours-slc", p)] = Candidate(fn=timed_closure(p, ours_slc, sl), check=check_ours_slc)
 
     parallel_nsa, why = fla
     if parallel_nsa is None:
         for name in ("fla-cmp+slc", "fla-slc"):
-            for p in ("fwd", "fwd+bwd"):
+            for p in passes:
                 cands[(name, p)] = Candidate(fn=failing(why), check=failing(why))
         return cands
 
@@ -416,10 +521,9 @@ def _peer_candidates(setup: Setup, t, fla, q, ks, vs, gates, leaves, pos):
     def check_fla_slc():
         assert_rel_close(fla_slc().float(), ours_slc().float(), TOL, "fla slc vs ours")
 
-    cands[("fla-cmp+slc", "fwd")] = Candidate(fn=fla_cs, check=check_fla_cs)
-    cands[("fla-cmp+slc", "fwd+bwd")] = Candidate(fn=fwd_bwd(fla_cs, cs_leaves), check=check_fla_cs)
-    cands[("fla-slc", "fwd")] = Candidate(fn=fla_slc, check=check_fla_slc)
-    cands[("fla-slc", "fwd+bwd")] = Candidate(fn=fwd_bwd(fla_slc, sl), check=check_fla_slc)
+    for p in passes:
+        cands[("fla-cmp+slc", p)] = Candidate(fn=timed_closure(p, fla_cs, cs_leaves), check=check_fla_cs)
+        cands[("fla-slc", p)] = Candidate(fn=timed_closure(p, fla_slc, sl), check=check_fla_slc)
     return cands
 
 
@@ -433,7 +537,9 @@ def decode_candidates(setup: Setup, t: int, b: int) -> tuple[dict[str, Candidate
         return torch.randn(*s, device=dev, dtype=setup.dtype, generator=g)
 
     q = rn(b, 1, setup.hq, setup.d)
-    kc_raw, vc_raw, ks, vs, kw, vw = (rn(b, t, setup.h, setup.d) for _ in range(6))
+    kc_raw, vc_raw, ks, vs, kw, vw = (
+        rn(b, t, setup.h, setup.d if i % 2 == 0 else setup.d_v) for i in range(6)
+    )
     k_cmp = ref.compress(kc_raw, ref.mean_pool, cfg.block_len, cfg.stride).contiguous()
     v_cmp = ref.compress(vc_raw, ref.mean_pool, cfg.block_len, cfg.stride).contiguous()
     del kc_raw, vc_raw
@@ -457,9 +563,12 @@ def decode_candidates(setup: Setup, t: int, b: int) -> tuple[dict[str, Candidate
         assert_rel_close(o[:1].float(), want, TOL, "decode row")
 
     qt, kt, vt = q.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2)
+    dv = vt.shape[-1]
+    if dv != qt.shape[-1]:  # one head size for SDPA's fused GQA kernels: v zero-padded, output sliced
+        vt = torch.nn.functional.pad(vt, (0, qt.shape[-1] - dv))
 
     def full():
-        return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+        return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)[..., :dv]
 
     def check_full():
         want = ref.full_causal_attention(q[:1], ks[:1], vs[:1], q_pos=last)
@@ -475,9 +584,10 @@ def decode_candidates(setup: Setup, t: int, b: int) -> tuple[dict[str, Candidate
 # The plan and the run
 
 
-def plan_steps(lengths: list[int], decode_batch: int) -> list[Step]:
-    """The steps, most important first: each length's forward then forward + backward (ours against
-    SDPA, then the peers), shortest length first, then decode at every length. A step's cost scales
+def plan_steps(lengths: list[int], decode_batch: int, extra: bool = False) -> list[Step]:
+    """The steps, most important first: each length's forward, backward alone, then forward +
+    backward (ours against SDPA, then the peers), shortest length first, then decode at every length,
+    then (``extra``) the extra nsa rows at every length and pass. A step's cost scales
     from the last of its kind as T^2 (train; pessimistic where launch overheads dominate) or T
     (decode); the first of a kind costs ``FIRST_COST`` times the first step."""
     steps = [
@@ -490,20 +600,35 @@ def plan_steps(lengths: list[int], decode_batch: int) -> list[Step]:
             data=("train", p, g, t, 1),
         )  # fmt: skip
         for t in lengths
-        for p in ("fwd", "fwd+bwd")
+        for p in PASSES
         for g in ("core", "peers")
     ]
-    return steps + [
-        Step(
-            f"decode T={t} B={decode_batch}",
-            kind="decode",
-            size=t,
-            exponent=1,
-            first_cost=FIRST_COST[("decode", "core")],
-            data=("decode", "decode", "core", t, decode_batch),
-        )  # fmt: skip
-        for t in lengths
-    ]
+    return (
+        steps
+        + [
+            Step(
+                f"decode T={t} B={decode_batch}",
+                kind="decode",
+                size=t,
+                exponent=1,
+                first_cost=FIRST_COST[("decode", "core")],
+                data=("decode", "decode", "core", t, decode_batch),
+            )  # fmt: skip
+            for t in lengths
+        ]
+        + [
+            Step(
+                f"train {p} T={t} extra",
+                kind=f"train {p} extra",
+                size=t,
+                exponent=2,
+                first_cost=FIRST_COST.get((p, "extra")),
+                data=("train", p, "extra", t, 1),
+            )  # fmt: skip
+            for t in (lengths if extra else [])
+            for p in PASSES
+        ]
+    )
 
 
 def measure_logged(cands: dict[str, Candidate], label: str, rounds: int, timer) -> tuple[dict, float]:
@@ -544,7 +669,7 @@ def run(setup: Setup, out: Path | None, budget: Budget, lengths: list[int], deco
     """Run the plan (:func:`plan_steps`) within ``budget``, writing the report after every step."""
     from torch.nn.attention import SDPBackend
 
-    steps = plan_steps(lengths, decode_batch)
+    steps = plan_steps(lengths, decode_batch, extra=bool(setup.extra_nsa))
     steps = [s for s in steps if s.name in select([s.name for s in steps], only, "step")]
     plan = Plan(steps, budget, log=log)
     log(
@@ -555,14 +680,15 @@ def run(setup: Setup, out: Path | None, budget: Budget, lengths: list[int], deco
     log("fla: " + ("imported" if fla[0] is not None else fla[1]))
     report = Report(
         package="nsa",
-        title=f"NSA forward, backward and decode ({setup.hq} query heads, {setup.h} KV heads, D = {setup.d}, "
-        f"{str(setup.dtype).removeprefix('torch.').replace('bfloat16', 'bf16')})",
+        title=f"NSA forward, backward and decode ({setup.hq} query heads, {setup.h} KV heads, "
+        + (f"D = {setup.d}" if setup.d == setup.d_v else f"Dk = {setup.d}, Dv = {setup.d_v}")
+        + f", {str(setup.dtype).removeprefix('torch.').replace('bfloat16', 'bf16')})",
         columns=COLUMNS,
         peer="flash-linear-attention (fla-core) 0.6.0, parallel_nsa",
         packages=["fla-core", "flash-linear-attention"],
         measure_ceilings=False,
     )
-    for p in ("fwd", "fwd+bwd"):
+    for p in PASSES:
         report.plot(title=f"{p} time", x="T", y="ms", series="impl", where={"section": "train", "pass": p},
                     logx=True, logy=True)  # fmt: skip
     report.plot(
@@ -577,14 +703,16 @@ def run(setup: Setup, out: Path | None, budget: Budget, lengths: list[int], deco
         "given (mean-pooled here; the compression MLP is outside the timing). cmp+slc rows: fla's setting "
         "(mean pooling, l=d=l'=64, n=16, no window). slc rows: the selected branch alone on one set of "
         "indices. Each step checks every candidate's forward output at the row's shape (sampled query rows "
-        "against the PyTorch reference; fla against ours) before timing; fwd+bwd rows are checked on "
-        "the forward (the gradients are the tests' business). Rows of one step (a length, a pass, and "
-        "'core' = nsa and SDPA or 'peers' = fa4, cmp+slc, slc) are timed interleaved "
-        "(paperclub.bench.measure). speedup_vs_full: the fastest full-attention (SDPA) time over this "
-        "row's, same pass and length. tflops: the row's matmul FLOPs (repro.nsa.bench.train_flops) over "
-        "its time."
+        "against the PyTorch reference; fla against ours) before timing; bwd and fwd+bwd rows are checked "
+        "on the forward (the gradients are the tests' business). bwd: the backward of one kept forward "
+        "(retain_graph, a fixed cotangent). Rows of one step (a length, a pass, and 'core' = nsa and SDPA "
+        "or 'peers' = fa4, cmp+slc, slc) are timed interleaved (paperclub.bench.measure). "
+        "speedup_vs_full: the fastest full-attention (SDPA) time over this row's, same pass and length; "
+        "vs_cudnn, vs_fa2: SDPA's cuDNN and FlashAttention-2 backends' times over this row's. tflops: the "
+        "row's matmul FLOPs (repro.nsa.bench.train_flops) over its time."
     )
     full_ms: dict = {}
+    sdpa_notes: list = []
 
     def write(final: bool) -> Path:
         pending = [s.name for s in plan.pending()]
@@ -605,7 +733,7 @@ def run(setup: Setup, out: Path | None, budget: Budget, lengths: list[int], deco
         try:
             if section == "train":
                 cands = train_candidates(setup, t, fla, gen, passes=(pass_,), group=group,
-                                         sdpa=sdpa if group == "core" else {})  # fmt: skip
+                                         sdpa=sdpa if group == "core" else {}, notes=sdpa_notes)  # fmt: skip
                 cands, counted = {impl: c for (impl, _), c in cands.items()}, {}
             else:
                 cands, counted = decode_candidates(setup, t, b)
@@ -636,19 +764,20 @@ def run(setup: Setup, out: Path | None, budget: Budget, lengths: list[int], deco
             for impl, m in res.items():
                 if impl.startswith("sdpa") and m.median_ms is not None:
                     full_ms[(t, pass_)] = min(full_ms.get((t, pass_), math.inf), m.median_ms)
+                    full_ms[(t, pass_, impl)] = m.median_ms
             for impl, m in res.items():
-                f = full_ms.get((t, pass_))
-                sp = f / m.median_ms if f and m.median_ms else None
+                ratio = {}
+                for col, base in (("speedup_vs_full", (t, pass_)), ("vs_cudnn", (t, pass_, "sdpa-cudnn")),
+                                  ("vs_fa2", (t, pass_, "sdpa-flash"))):  # fmt: skip
+                    f = full_ms.get(base)
+                    ratio[col] = f / m.median_ms if f and m.median_ms else None
                 fl = train_flops(impl, pass_, t, setup)
                 tf = fl / (m.median_ms * 1e9) if fl and m.median_ms else None
-                report.add(section="train", impl=impl, B=1, T=t, speedup_vs_full=sp, tflops=tf,
-                           **{"pass": pass_}, **m.row())  # fmt: skip
-            if pass_ == "fwd+bwd" and group == "core" and len(sdpa) > 1:
-                fb = {n: res[n].median_ms for n in sdpa if n in res and res[n].median_ms}
-                if fb:  # keep SDPA's faster backend for the longer lengths
-                    best = min(fb, key=fb.get)
-                    sdpa = {best: sdpa[best]}
-                    notes.append(f"SDPA backend kept after T={t}: {best} (fastest forward + backward there).")
+                report.add(section="train", impl=impl, B=1, T=t, tflops=tf, **ratio, **{"pass": pass_},
+                           **m.row())  # fmt: skip
+            for line in sdpa_notes:
+                if line not in notes:
+                    notes.append(line)
         for impl, m in res.items():
             log(
                 f"{step.name}: {impl}: "
@@ -664,21 +793,41 @@ def run(setup: Setup, out: Path | None, budget: Budget, lengths: list[int], deco
     return path
 
 
+def add_heads_arg(ap) -> None:
+    """``--heads Dk,Dv`` (the paper's 192,128, the default) or ``--heads D``: the head sizes a GPU run
+    of the bench or the lab takes."""
+    ap.add_argument("--heads", default="192,128", help="query/key and value head sizes: Dk,Dv or one D")
+
+
+def parse_heads(ap, text: str) -> tuple[int, int | None]:
+    """(d, dv) for :class:`Setup` from ``--heads``: (192, 128), or (128, None) for one size."""
+    try:
+        heads = [int(x) for x in text.split(",")]
+    except ValueError:
+        heads = []
+    if len(heads) not in (1, 2) or min(heads) < 1:
+        ap.error(f"--heads takes Dk,Dv or one D (positive ints), got {text!r}")
+    return heads[0], (heads[1] if len(heads) == 2 and heads[1] != heads[0] else None)
+
+
 def main(argv=None) -> None:
     ap = bench_parser(__doc__.split("\n")[0], rounds=None, quick_help="T = 8k only")
     ap.add_argument("--lengths", default="", help="comma-separated T values (default 8k,16k,32k,64k)")
     ap.add_argument("--decode-batch", type=int, default=16)
+    add_heads_arg(ap)
     args = parse_bench_args(ap, argv)
     log(f"starting (torch {torch.__version__} imported)")
     try:
         switches = apply_settings(Switches(), args.settings)
     except (TypeError, ValueError) as exc:
         ap.error(str(exc))
+    d, dv = parse_heads(ap, args.heads)
     if not torch.cuda.is_available():
         raise SystemExit("repro.nsa.bench needs a CUDA GPU")
     lengths = [int(x) for x in args.lengths.split(",") if x] or ([8192] if args.quick else sorted(TABLE4))
-    run(Setup(switches=switches), args.out, args.budget, sorted(lengths), args.decode_batch, quick=args.quick,
-        only=args.only, tag=args.tag)  # fmt: skip
+    setup = Setup(switches=switches, d=d, dv=dv)
+    run(setup, args.out, args.budget, sorted(lengths), args.decode_batch, quick=args.quick, only=args.only,
+        tag=args.tag or setup.heads())  # fmt: skip
 
 
 if __name__ == "__main__":

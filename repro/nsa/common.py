@@ -9,7 +9,18 @@ Addresses: a 64-bit scalar base per (batch, head) plus 32-bit tile offsets (per-
 offsets had cost 0.3-3 KB of register spills per thread in every kernel, compiled offline for sm_90a),
 so one batch element's tensor must stay below 2^31 elements (:func:`check_qkv` says so).
 
-Shapes as flash-linear-attention: q [B, T, HQ, D]; k, v [B, T, H, D] with H dividing HQ.
+Shapes as flash-linear-attention: q [B, T, HQ, Dk]; k [B, T, H, Dk]; v [B, T, H, Dv] with H dividing HQ.
+
+Head sizes (yuan2025nsa §4.1 trains with Dk = 192 for queries and keys and Dv = 128 for values). The
+kernels tile a key row as one or two power-of-two pieces, ``D`` (and ``D2``, 0 for none: 192 = 128 +
+64), and a value row as ``D_V`` (0: the same as ``D``), so that no matmul runs on padding. What the
+kernels take (:data:`KEY_DIMS`, :data:`VALUE_DIMS`); other sizes are zero-padded on the host up to the
+next one (:func:`kernel_dims`, :func:`pad_heads`), as ``repro.kda`` does for flash-linear-attention's
+D = 60 and 100: zero key columns add nothing to q k^T, zero value columns are sliced off the output,
+and the softmax scale stays 1 / sqrt(Dk) of the unpadded size. With Dk = Dv in {16, 32, 64, 128}
+(after padding) every launch is the kernels' verified path: no ``D2`` or ``D_V`` is passed, and the
+compiled code is the same as before the split (``lab/fingerprints``). Dk != Dv, and Dk = 192, are the
+path with ``D2`` / ``D_V``.
 
 Register and spill counts quoted in the kernel files' comments come from the offline compile as it
 was when the launch shapes were chosen (November 2026), which compiled each kernel without the
@@ -29,7 +40,9 @@ from paperclub import triton_compat
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-HEAD_DIMS = (16, 32, 64, 128)
+HEAD_DIMS = (16, 32, 64, 128)  # Dk = Dv: the verified kernels
+KEY_DIMS = (16, 32, 64, 128, 192)  # 192 in two pieces, 128 + 64
+VALUE_DIMS = (16, 32, 64, 128)
 BLOCK_SIZES = (16, 32, 64, 128)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_GROUP = 64
@@ -54,27 +67,37 @@ def check_tensor(fn: str, name: str, x, ndim: int, shape_hint: str) -> None:
         raise ValueError(f"{fn}: {name} must be {shape_hint} ({ndim} dims), got shape {tuple(x.shape)}")
 
 
-def check_qkv(fn: str, q, k, v, k_len: int | None = None) -> tuple[int, int, int, int, int]:
-    """Shared checks of q [B, T, HQ, D], k, v [B, Tk, H, D]. Returns (B, T, HQ, H, D)."""
-    check_tensor(fn, "q", q, 4, "[B, T, HQ, D]")
-    check_tensor(fn, "k", k, 4, "[B, T, H, D]")
-    check_tensor(fn, "v", v, 4, "[B, T, H, D]")
-    b, t, hq, d = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"{fn}: k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if k.shape[0] != b or k.shape[3] != d:
+def check_qkv(fn: str, q, k, v, k_len: int | None = None) -> tuple[int, int, int, int, int, int]:
+    """Shared checks of q [B, T, HQ, Dk], k [B, Tk, H, Dk], v [B, Tk, H, Dv] (v None: keys alone, the
+    block scores). Returns (B, T, HQ, H, Dk, Dv), the head sizes as given (:func:`kernel_dims` says
+    what the kernels run them at); Dv = Dk without v."""
+    v_given = v is not None
+    v = k if v is None else v
+    check_tensor(fn, "q", q, 4, "[B, T, HQ, Dk]")
+    check_tensor(fn, "k", k, 4, "[B, T, H, Dk]")
+    check_tensor(fn, "v", v, 4, "[B, T, H, Dv]")
+    b, t, hq, dk = q.shape
+    if k.shape[:3] != v.shape[:3]:
         raise ValueError(
-            f"{fn}: k must be [B={b}, T, H, D={d}] to match q {tuple(q.shape)}, got {tuple(k.shape)}"
+            f"{fn}: k and v must have one [B, T, H], got k {tuple(k.shape)} and v {tuple(v.shape)}"
+        )
+    if k.shape[0] != b or k.shape[3] != dk:
+        raise ValueError(
+            f"{fn}: k must be [B={b}, T, H, Dk={dk}] to match q {tuple(q.shape)}, got {tuple(k.shape)}"
         )
     if k_len is not None and k.shape[1] != k_len:
         raise ValueError(f"{fn}: k must have T = {k_len} positions like q, got {k.shape[1]}")
-    h = k.shape[2]
+    h, dv = k.shape[2], v.shape[3]
     if h == 0 or hq % h:
         raise ValueError(f"{fn}: KV heads H = {h} must divide query heads HQ = {hq}")
     if hq // h > MAX_GROUP:
         raise ValueError(f"{fn}: group size HQ / H = {hq // h} is larger than the kernels' {MAX_GROUP}")
-    if d not in HEAD_DIMS:
-        raise ValueError(f"{fn}: head dim D = {d} is not supported, expected one of {HEAD_DIMS}")
+    if not 1 <= dk <= KEY_DIMS[-1]:
+        raise ValueError(
+            f"{fn}: head dim Dk = {dk} of q and k is not supported, expected 1 to {KEY_DIMS[-1]}"
+        )
+    if v_given and not 1 <= dv <= VALUE_DIMS[-1]:
+        raise ValueError(f"{fn}: head dim Dv = {dv} of v is not supported, expected 1 to {VALUE_DIMS[-1]}")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dtype not in DTYPES:
             raise TypeError(f"{fn}: {name} has dtype {x.dtype}, expected one of {[str(x) for x in DTYPES]}")
@@ -84,15 +107,46 @@ def check_qkv(fn: str, q, k, v, k_len: int | None = None) -> tuple[int, int, int
         raise RuntimeError(f"{fn}: needs a CUDA device, or TRITON_INTERPRET=1 for the CPU interpreter")
     if b == 0 or t == 0:
         raise ValueError(f"{fn}: empty input, q {tuple(q.shape)}")
-    if max(t * hq * d, k.shape[1] * h * d) >= 2**31:
+    dk_kernel, dv_kernel = kernel_dims(dk, dv if v_given else 1)
+    if max(t * hq * max(dk_kernel, dv_kernel), k.shape[1] * h * max(dk_kernel, dv_kernel)) >= 2**31:
         # the kernels add 32-bit tile offsets to a 64-bit base per (batch, head): one batch element's
         # tensor must stay below 2^31 elements
-        raise ValueError(f"{fn}: T * HQ * D = {t * hq * d} is too large for the kernels (at most 2^31 - 1)")
-    return b, t, hq, h, d
+        raise ValueError(
+            f"{fn}: T * HQ * D = {t * hq * max(dk_kernel, dv_kernel)} is too large for the kernels (at most 2^31 - 1)"
+        )
+    return b, t, hq, h, dk, dv
+
+
+def kernel_dims(dk: int, dv: int) -> tuple[int, int]:
+    """The head sizes the kernels run (Dk, Dv) at: each the smallest of :data:`KEY_DIMS` /
+    :data:`VALUE_DIMS` that holds it (60 -> 64, 100 -> 128, 192 stays)."""
+    return next(x for x in KEY_DIMS if x >= dk), next(x for x in VALUE_DIMS if x >= dv)
+
+
+def key_pieces(dk: int) -> tuple[int, int]:
+    """A kernel key size (one of :data:`KEY_DIMS`) as the kernels' constexprs (D, D2): a power of two
+    and the rest (0, or a smaller power of two)."""
+    d = 1 << (dk.bit_length() - 1)
+    return d, dk - d
+
+
+def head_constexprs(dk: int, dv: int) -> dict:
+    """The head-size constexprs of a launch at kernel sizes (dk, dv): ``D`` always, ``D2`` and ``D_V``
+    only off the verified path (Dk = Dv, one piece), so that its launches stay as they were."""
+    d, d2 = key_pieces(dk)
+    if d2 == 0 and dv == d:
+        return {"D": d}
+    return {"D": d, "D2": d2, "D_V": dv}
+
+
+def pad_heads(x: torch.Tensor, d: int) -> torch.Tensor:
+    """``x`` zero-padded along its last dimension to ``d`` (itself when it is that wide already)."""
+    return x if x.shape[-1] == d else torch.nn.functional.pad(x, (0, d - x.shape[-1]))
 
 
 def softmax_scale(scale: float | None, d: int) -> float:
-    """The logits' scale: ``scale``, or 1 / sqrt(D) when None; refused unless positive and finite."""
+    """The logits' scale: ``scale``, or 1 / sqrt(Dk) when None (Dk unpadded); refused unless positive
+    and finite."""
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale must be a positive finite number, got {scale}")
@@ -108,6 +162,13 @@ def check_block_size(fn: str, name: str, value: int) -> None:
     """A selection block length the kernels take (a power of two, 16-128)."""
     if value not in BLOCK_SIZES:
         raise ValueError(f"{fn}: {name} = {value} is not supported, expected one of {BLOCK_SIZES}")
+
+
+def check_value_dims(fn: str, *values: torch.Tensor) -> None:
+    """The three branches' values share one head size Dv (Eq. 5 adds their outputs)."""
+    dims = [x.shape[-1] for x in values]
+    if len(set(dims)) > 1:
+        raise ValueError(f"{fn}: the branches' values must share one head size Dv, got {dims}")
 
 
 def check_gates(fn: str, gates: torch.Tensor, shape: tuple, hint: str) -> None:
@@ -126,6 +187,22 @@ def dot(a, b, IEEE: tl.constexpr):
         return tl.dot(a, b, input_precision="ieee")
     else:
         return tl.dot(a, b)
+
+
+@triton.jit
+def load_cols(X, base, row_off, ok, C0: tl.constexpr, W: tl.constexpr):
+    """Columns C0 .. C0 + W of the rows at ``X + base + row_off`` (64-bit scalar base, 32-bit row
+    offsets [rows]); rows not ``ok`` read as 0. A key row's second piece (C0 = D, W = D2)."""
+    cols = C0 + tl.arange(0, W)
+    return tl.load(X + base + row_off[:, None] + cols[None, :], mask=ok[:, None], other=0.0)
+
+
+@triton.jit
+def value_strides(sb, st, sh, DK: tl.constexpr, DV: tl.constexpr):
+    """The (batch, position, head) strides of a contiguous [B, T, H, DV] tensor from those of its
+    contiguous [B, T, H, DK] twin (v from k, o and dO from q, dV from dK): the launchers make them
+    contiguous and pass one set of strides. Called on the split path only (``D_V`` given)."""
+    return sb // DK * DV, st // DK * DV, sh // DK * DV
 
 
 @triton.jit
@@ -169,11 +246,12 @@ def group_rows(pid_bh, H, G, BG: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def load_pair(X, Y, base, off, ok):
-    """Two tensors of one layout at 64-bit scalar ``base`` + 32-bit tile offsets ``off``; rows not
-    ``ok`` read as 0."""
+def load_pair(X, Y, base, off, ok, y_base, y_off):
+    """Two tensors' tiles, X at 64-bit scalar ``base`` + 32-bit tile offsets ``off`` and Y at ``y_base``
+    + ``y_off`` (the same ones where both share a layout; V's and dO's own where the value head size
+    differs, common.py); rows not ``ok`` read as 0."""
     x = tl.load(X + base + off, mask=ok[:, None], other=0.0)
-    y = tl.load(Y + base + off, mask=ok[:, None], other=0.0)
+    y = tl.load(Y + y_base + y_off, mask=ok[:, None], other=0.0)
     return x, y
 
 
@@ -193,10 +271,16 @@ def row_stats(LSE, DELTA, pos, HQ, hq, ok):
 
 
 @triton.jit
-def online_softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2, IEEE: tl.constexpr):
+def online_softmax_step(
+    q, k, v, visible, m_i, l_i, acc, scale_log2, IEEE: tl.constexpr, q2, k2, D2: tl.constexpr
+):
     """One key tile of the online softmax (``visible`` broadcasts to [rows, keys]); returns the tile's
-    masked base-2 logits and the new running max, sum and accumulator."""
-    s = dot(q, tl.trans(k), IEEE) * scale_log2
+    masked base-2 logits and the new running max, sum and accumulator. A key row in two pieces
+    (common.py): q2, k2 its next D2 columns (D2 = 0: one piece; pass q, k again)."""
+    s = dot(q, tl.trans(k), IEEE)
+    if D2 > 0:
+        s += dot(q2, tl.trans(k2), IEEE)
+    s = s * scale_log2
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)

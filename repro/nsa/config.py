@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SLC_BACKWARDS = ("block-major", "query-major")
+WINDOW_KERNELS = ("strided", "fa4")
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,12 @@ class Switches:
         H100 run (2026-11-25): ``test_gpu_fused_gated_sum_bf16`` passed, and the 64k breakdown timed
         it at 1.40 ms against 6.13 ms for the PyTorch ops (which read and write 1 GB tensors eight
         times).
+    window_kernel: the sliding-window branch's kernels. "strided" (``compression.py``'s strided
+        kernels at stride 1: the window forward at 44% of cuDNN's rate per FLOP on an H100 at 64k,
+        2026-11-27), or "fa4": ``repro.fa4``'s attention with a sliding window, (w - 1, 0) in
+        flash-attn's terms (issue #39). Off by default: repro.fa4's window is new code that has not run
+        on a GPU (``window.fa4_window_available`` says whether this checkout's repro.fa4 has one); the
+        bench times it as its ``nsa-fa4win`` rows.
     """
 
     strided_split: bool = True
@@ -71,11 +78,16 @@ class Switches:
     slc_bwd_rows: int | None = None
     slc_bwd_stages: int | None = None
     fused_gate: bool = True
+    window_kernel: str = "strided"
 
     def __post_init__(self) -> None:
         if self.slc_backward not in SLC_BACKWARDS:
             raise ValueError(
                 f"Switches: slc_backward = {self.slc_backward!r}, expected one of {SLC_BACKWARDS}"
+            )
+        if self.window_kernel not in WINDOW_KERNELS:
+            raise ValueError(
+                f"Switches: window_kernel = {self.window_kernel!r}, expected one of {WINDOW_KERNELS}"
             )
         for name in ("strided_fwd_tile", "scores_tile"):
             tile = getattr(self, name)

@@ -88,5 +88,14 @@ class _GatedSum(torch.autograd.Function):
         gates, a, b, c = ctx.saved_tensors
         g = gates.to(do.dtype)
         grads = [g[..., i : i + 1] * do for i in range(3)]
-        dg = torch.stack([(do.float() * x.float()).sum(-1) for x in (a, b, c)], -1).to(gates.dtype)
+        dg = torch.stack(gate_grads(do, (a, b, c)), -1).to(gates.dtype)
         return (dg, *grads)
+
+
+def gate_grads(do: torch.Tensor, outputs) -> list[torch.Tensor]:
+    """dL/dg for each branch output x: rowsum(dO * x) in fp32, [B, T, HQ]. dO is converted to fp32
+    once and each x promoted inside its product (exactly, as ``x.float()`` would): the same bits as
+    ``(do.float() * x.float()).sum(-1)``, with five launches and five [B, T, HQ, D] fp32 temporaries
+    fewer (``test_gate_grads_are_the_fp32_formula``)."""
+    do32 = do.float()
+    return [(do32 * x).sum(-1) for x in outputs]

@@ -28,14 +28,19 @@ from repro.nsa.common import (
     check_tensor,
     dot,
     group_rows,
+    head_constexprs,
     interpreting,
     is_fp32,
+    kernel_dims,
+    load_cols,
     load_pair,
     lse_base2,
     normalise,
     online_softmax_step,
+    pad_heads,
     row_stats,
     softmax_scale,
+    value_strides,
 )
 from repro.nsa.config import Switches
 
@@ -70,14 +75,39 @@ def _slc_prologue(t, pid_bh, H, G, sqb, sqt, sqh, skb, skh, BG: tl.constexpr, D:
 
 
 @triton.jit
-def _selected_block(BI_row, si, t, K, V, kv_base, skt, offs_d, BS: tl.constexpr):
+def _selected_block(BI_row, si, t, K, V, kv_base, skt, offs_d, BS: tl.constexpr,
+                    v_base, svt, offs_dv, D: tl.constexpr, D2: tl.constexpr, D_V: tl.constexpr):  # fmt: skip
     """The ``si``-th selected block of a query at ``t``: which of its BS keys are visible (a real block,
-    causal), and its K, V rows (0 where not visible)."""
+    causal), and its K and V rows (0 where not visible); on the split path (common.py) V at its own
+    ``v_base``, ``svt``, ``offs_dv``, and ``k2`` the keys' second piece (k again when D2 = 0)."""
     idx = tl.load(BI_row + si)
     kpos = idx * BS + tl.arange(0, BS)
     valid = (idx >= 0) & (kpos <= t)
-    k, v = load_pair(K, V, kv_base, kpos[:, None] * skt + offs_d[None, :], valid)
-    return valid, k, v
+    kv_off = kpos[:, None] * skt + offs_d[None, :]
+    v_off = kv_off
+    if D_V > 0:
+        v_off = kpos[:, None] * svt + offs_dv[None, :]
+    k, v = load_pair(K, V, kv_base, kv_off, valid, v_base, v_off)
+    k2 = k
+    if D2 > 0:
+        k2 = load_cols(K, kv_base, kpos * skt, valid, D, D2)
+    return valid, k, v, k2
+
+
+@triton.jit
+def _slc_split_rows(t, b, h, hq, offs_d, row_base, row_off, kv_base, sqb, sqt, sqh, skb, skt, skh,
+                    D: tl.constexpr, D2: tl.constexpr, D_V: tl.constexpr):  # fmt: skip
+    """Where a program's V, O and dO rows lie: on the split path (``D_V`` given) their own bases and
+    offsets (contiguous tensors, strides scaled from k's and q's); else k's and q's, unchanged."""
+    offs_dv, v_base, svt, o_base, o_off = offs_d, kv_base, skt, row_base, row_off
+    if D_V > 0:
+        offs_dv = tl.arange(0, D_V)
+        svb, svt, svh = value_strides(skb, skt, skh, D + D2, D_V)
+        sob, sot, soh = value_strides(sqb, sqt, sqh, D + D2, D_V)
+        v_base = b * svb + h * svh
+        o_base = b * sob + t.to(tl.int64) * sot
+        o_off = hq[:, None] * soh + offs_dv[None, :]
+    return offs_dv, v_base, svt, o_base, o_off
 
 
 @triton.jit
@@ -86,23 +116,37 @@ def _slc_fwd_kernel(
     sqb, sqt, sqh, skb, skt, skh,
     T, H, G, S, scale_log2,
     D: tl.constexpr, BS: tl.constexpr, BG: tl.constexpr, IEEE: tl.constexpr,
+    D2: tl.constexpr = 0, D_V: tl.constexpr = 0,
 ):  # fmt: skip
     # Group-centric (§3.4): rows are the G query heads of one (position t, KV head h); the inner loop
-    # streams the S selected blocks of l' = BS contiguous keys.
+    # streams the S selected blocks of l' = BS contiguous keys. Head sizes (common.py): key rows of D
+    # (+ D2) columns, value and output rows of DVAL = D_V (split path) or D (verified path).
+    DVAL: tl.constexpr = D if D_V == 0 else D_V
     t = tl.program_id(0)
     b, h, HQ, offs_d, g_ok, hq, row_base, row_off, kv_base = _slc_prologue(
         t, tl.program_id(1), H, G, sqb, sqt, sqh, skb, skh, BG, D
     )
+    if D_V > 0:
+        offs_dv, v_base, svt, o_base, o_off = _slc_split_rows(
+            t, b, h, hq, offs_d, row_base, row_off, kv_base, sqb, sqt, sqh, skb, skt, skh, D, D2, D_V
+        )
+    else:
+        offs_dv, v_base, svt, o_base, o_off = offs_d, kv_base, skt, row_base, row_off
     q = tl.load(Q + row_base + row_off, mask=g_ok[:, None], other=0.0)
+    q2 = q
+    if D2 > 0:
+        q2 = load_cols(Q, row_base, hq * sqh, g_ok, D, D2)
     m_i = tl.full([BG], -1e30, tl.float32)
     l_i = tl.zeros([BG], tl.float32)
-    acc = tl.zeros([BG, D], tl.float32)
+    acc = tl.zeros([BG, DVAL], tl.float32)
     bi_base = BI + ((b * T + t) * H + h) * S
     for si in range(S):
-        valid, k, v = _selected_block(bi_base, si, t, K, V, kv_base, skt, offs_d, BS)
-        _, m_i, l_i, acc = online_softmax_step(q, k, v, valid[None, :], m_i, l_i, acc, scale_log2, IEEE)
+        valid, k, v, k2 = _selected_block(bi_base, si, t, K, V, kv_base, skt, offs_d, BS,
+                                          v_base, svt, offs_dv, D, D2, D_V)  # fmt: skip
+        _, m_i, l_i, acc = online_softmax_step(q, k, v, valid[None, :], m_i, l_i, acc, scale_log2, IEEE,
+                                               q2, k2, D2)  # fmt: skip
     o, lse = normalise(acc, m_i, l_i)
-    tl.store(O + row_base + row_off, o.to(O.dtype.element_ty), mask=g_ok[:, None])
+    tl.store(O + o_base + o_off, o.to(O.dtype.element_ty), mask=g_ok[:, None])
     tl.store(LSE + (b * T + t) * HQ + hq, lse, mask=g_ok)
 
 
@@ -112,35 +156,56 @@ def _slc_bwd_dq_kernel(
     sqb, sqt, sqh, skb, skt, skh,
     T, H, G, S, scale_log2, scale,
     D: tl.constexpr, BS: tl.constexpr, BG: tl.constexpr, IEEE: tl.constexpr,
-    FUSE_DELTA: tl.constexpr = False,
+    FUSE_DELTA: tl.constexpr = False, D2: tl.constexpr = 0, D_V: tl.constexpr = 0,
 ):  # fmt: skip
     # FUSE_DELTA: delta = rowsum(dO * O) computed here from the [BG, D] rows this program loads anyway
-    # and stored to DELTA for the dK/dV kernel that runs after it (else DELTA is an input and O unused)
+    # and stored to DELTA for the dK/dV kernel that runs after it (else DELTA is an input and O unused).
+    # Head sizes as in _slc_fwd_kernel (dO and O rows of DVAL columns).
     t = tl.program_id(0)
     b, h, HQ, offs_d, g_ok, hq, row_base, row_off, kv_base = _slc_prologue(
         t, tl.program_id(1), H, G, sqb, sqt, sqh, skb, skh, BG, D
     )
-    q, do = load_pair(Q, DO, row_base, row_off, g_ok)
+    if D_V > 0:
+        offs_dv, v_base, svt, o_base, o_off = _slc_split_rows(
+            t, b, h, hq, offs_d, row_base, row_off, kv_base, sqb, sqt, sqh, skb, skt, skh, D, D2, D_V
+        )
+    else:
+        offs_dv, v_base, svt, o_base, o_off = offs_d, kv_base, skt, row_base, row_off
+    q, do = load_pair(Q, DO, row_base, row_off, g_ok, o_base, o_off)
     if FUSE_DELTA:
         # kept in registers: re-reading DELTA here would read what other threads of this program
         # stored with no barrier between (torch.empty's garbage on the GPU; the CPU interpreter,
         # sequential, cannot show it)
-        o = tl.load(O + row_base + row_off, mask=g_ok[:, None], other=0.0)
+        o = tl.load(O + o_base + o_off, mask=g_ok[:, None], other=0.0)
         delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
         tl.store(DELTA + (b * T + t) * HQ + hq, delta, mask=g_ok)
         lse2 = lse_base2(LSE, b * T + t, HQ, hq, g_ok)
     else:
         lse2, delta = row_stats(LSE, DELTA, b * T + t, HQ, hq, g_ok)
     dq = tl.zeros([BG, D], tl.float32)
+    q2, dq2 = q, dq
+    if D2 > 0:
+        q2 = load_cols(Q, row_base, hq * sqh, g_ok, D, D2)
+        dq2 = tl.zeros([BG, D2], tl.float32)
     bi_base = BI + ((b * T + t) * H + h) * S
     for si in range(S):
-        valid, k, v = _selected_block(bi_base, si, t, K, V, kv_base, skt, offs_d, BS)
-        s = dot(q, tl.trans(k), IEEE) * scale_log2
+        valid, k, v, k2 = _selected_block(bi_base, si, t, K, V, kv_base, skt, offs_d, BS,
+                                          v_base, svt, offs_dv, D, D2, D_V)  # fmt: skip
+        s = dot(q, tl.trans(k), IEEE)
+        if D2 > 0:
+            s += dot(q2, tl.trans(k2), IEEE)
+        s = s * scale_log2
         p = tl.where(valid[None, :] & g_ok[:, None], tl.exp2(s - lse2[:, None]), 0.0)
         dp = dot(do, tl.trans(v), IEEE)
         ds = p * (dp - delta[:, None])
         dq += dot(ds.to(k.dtype), k, IEEE)
+        if D2 > 0:
+            dq2 += dot(ds.to(k.dtype), k2, IEEE)
     tl.store(DQ + row_base + row_off, (dq * scale).to(DQ.dtype.element_ty), mask=g_ok[:, None])
+    if D2 > 0:
+        cols = D + tl.arange(0, D2)
+        tl.store(DQ + row_base + hq[:, None] * sqh + cols[None, :], (dq2 * scale).to(DQ.dtype.element_ty),
+                 mask=g_ok[:, None])  # fmt: skip
 
 
 @triton.jit
@@ -193,7 +258,7 @@ def _slc_bwd_dkdv_kernel(
                 start = (r % NB) * BS
                 kv_base = (bh // H) * skb + (bh % H) * skh + start * skt
                 kv_off = tl.arange(0, BS)[:, None] * skt + offs_d[None, :]
-                k, v = load_pair(K, V, kv_base, kv_off, start + tl.arange(0, BS) < T)
+                k, v = load_pair(K, V, kv_base, kv_off, start + tl.arange(0, BS) < T, kv_base, kv_off)
                 cur = r
             bh = r // NB
             b = bh // H
@@ -201,7 +266,8 @@ def _slc_bwd_dkdv_kernel(
             kpos = (r % NB) * BS + tl.arange(0, BS)
             hq = h * G + offs_g
             row_base = b * sqb + t * sqt
-            q, do = load_pair(Q, DO, row_base, hq[:, None] * sqh + offs_d[None, :], g_ok)
+            row_off = hq[:, None] * sqh + offs_d[None, :]
+            q, do = load_pair(Q, DO, row_base, row_off, g_ok, row_base, row_off)
             lse2, delta = row_stats(LSE, DELTA, b * T + t, HQ, hq, g_ok)
             # transposed orientation, [BS, BG]: dV = P^T dO and dK = dS^T Q without transposing P
             s_t = dot(k, tl.trans(q), IEEE) * scale_log2
@@ -221,7 +287,7 @@ def _slc_bwd_dkdv_tiled_kernel(
     sqb, sqt, sqh, skb, skt, skh, sdb, sdt, sdh,
     T, H, G, NB, NSEG, scale_log2, scale,
     D: tl.constexpr, BS: tl.constexpr, BGP: tl.constexpr, BQ: tl.constexpr, CHUNK: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, D2: tl.constexpr = 0, D_V: tl.constexpr = 0,
 ):  # fmt: skip
     """dK, dV of the selected branch, block-major: one program per work item = up to CHUNK queries of
     one segment (KV block ``blk`` of KV head ``h`` in batch ``b``; segment = (b H + h) NB + blk).
@@ -238,7 +304,11 @@ def _slc_bwd_dkdv_tiled_kernel(
     BQ BGP (64 on the GPU) instead of G. A segment that fits one item stores dK, dV (no other program
     writes those rows); a longer one (the first block, read by every query, and early blocks that
     random inputs favour) adds its items' partial sums with fp32 atomics into the zeroed output.
+
+    Head sizes as in :func:`_slc_fwd_kernel`: K, q, dK rows of D (+ D2) columns, V, dO, dV rows of
+    DVAL; each tensor contiguous (dO like q, dV like dK).
     """
+    DVAL: tl.constexpr = D if D_V == 0 else D_V
     pid = tl.program_id(0)
     seg = tl.load(ITEM_SEG + pid)
     if seg < NSEG:
@@ -253,36 +323,75 @@ def _slc_bwd_dkdv_tiled_kernel(
         HQ = H * G
         offs_d = tl.arange(0, D)
         kpos = blk * BS + tl.arange(0, BS)
-        k, v = load_pair(K, V, b * skb + h * skh, kpos[:, None] * skt + offs_d[None, :], kpos < T)
+        kv_base = b * skb + h * skh
+        kv_off = kpos[:, None] * skt + offs_d[None, :]
+        k_ok = kpos < T
+        offs_dv, v_base, v_off, sob, sot, soh = offs_d, kv_base, kv_off, sqb, sqt, sqh
+        if D_V > 0:  # the split path's V, dO rows (common.py): contiguous, strides scaled
+            offs_dv = tl.arange(0, DVAL)
+            svb, svt, svh = value_strides(skb, skt, skh, D + D2, DVAL)
+            sob, sot, soh = value_strides(sqb, sqt, sqh, D + D2, DVAL)
+            v_base = b * svb + h * svh
+            v_off = kpos[:, None] * svt + offs_dv[None, :]
+        k, v = load_pair(K, V, kv_base, kv_off, k_ok, v_base, v_off)
+        k2 = k
+        if D2 > 0:
+            k2 = load_cols(K, kv_base, kpos * skt, k_ok, D, D2)
         rows = tl.arange(0, BQ * BGP)
         slot = rows // BGP  # which of the tile's BQ queries a row belongs to
         hq = h * G + rows % BGP
         g_ok = rows % BGP < G
         dk = tl.zeros([BS, D], tl.float32)
-        dv = tl.zeros([BS, D], tl.float32)
+        dv = tl.zeros([BS, DVAL], tl.float32)
+        dk2 = dk
+        if D2 > 0:
+            dk2 = tl.zeros([BS, D2], tl.float32)
         for e0 in range(start, end, BQ):
             e = e0 + slot
             ok = (e < end) & g_ok
             t = tl.load(QIDX + e, mask=e < end, other=0)
             row_off = t[:, None] * sqt + hq[:, None] * sqh + offs_d[None, :]
-            q, do = load_pair(Q, DO, b * sqb, row_off, ok)
+            q_base = b * sqb
+            do_base, do_off = q_base, row_off
+            if D_V > 0:
+                do_base = b * sob
+                do_off = t[:, None] * sot + hq[:, None] * soh + offs_dv[None, :]
+            q, do = load_pair(Q, DO, q_base, row_off, ok, do_base, do_off)
             lse2, delta = row_stats(LSE, DELTA, b * T + t, HQ, hq, ok)
-            s_t = dot(k, tl.trans(q), IEEE) * scale_log2  # [BS, BQ BGP]
+            s_t = dot(k, tl.trans(q), IEEE)  # [BS, BQ BGP]
+            q2 = q
+            if D2 > 0:
+                q2 = load_cols(Q, q_base, t * sqt + hq * sqh, ok, D, D2)
+                s_t += dot(k2, tl.trans(q2), IEEE)
+            s_t = s_t * scale_log2
             valid_t = (kpos[:, None] <= t[None, :]) & ok[None, :]  # causal inside the query's own block
             p_t = tl.where(valid_t, tl.exp2(s_t - lse2[None, :]), 0.0)
             dv += dot(p_t.to(do.dtype), do, IEEE)
             dp_t = dot(v, tl.trans(do), IEEE)
             ds_t = p_t * (dp_t - delta[None, :])
             dk += dot(ds_t.to(q.dtype), q, IEEE)
+            if D2 > 0:
+                dk2 += dot(ds_t.to(q.dtype), q2, IEEE)
         d_off = kpos[:, None] * sdt + offs_d[None, :]
         d_base = b * sdb + h * sdh
         d_ok = (kpos < T)[:, None]
+        dv_base, dv_off = d_base, d_off
+        if D_V > 0:
+            sevb, sevt, sevh = value_strides(sdb, sdt, sdh, D + D2, DVAL)
+            dv_base = b * sevb + h * sevh
+            dv_off = kpos[:, None] * sevt + offs_dv[None, :]
         if hi - lo > CHUNK:
             tl.atomic_add(DK + d_base + d_off, dk * scale, mask=d_ok)
-            tl.atomic_add(DV + d_base + d_off, dv, mask=d_ok)
+            tl.atomic_add(DV + dv_base + dv_off, dv, mask=d_ok)
         else:
             tl.store(DK + d_base + d_off, dk * scale, mask=d_ok)
-            tl.store(DV + d_base + d_off, dv, mask=d_ok)
+            tl.store(DV + dv_base + dv_off, dv, mask=d_ok)
+        if D2 > 0:
+            d2_off = kpos[:, None] * sdt + (D + tl.arange(0, D2))[None, :]
+            if hi - lo > CHUNK:
+                tl.atomic_add(DK + d_base + d2_off, dk2 * scale, mask=d_ok)
+            else:
+                tl.store(DK + d_base + d2_off, dk2 * scale, mask=d_ok)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -323,18 +432,19 @@ def check_block_indices(
 
 def selected_forward(q, k, v, bi, block_size: int, scale: float):
     """The group-centric forward: one program per (position, KV head), 4 warps for its [G, D] x [D, l']
-    tiles, 2 stages so that the next selected block's load overlaps this one's matmuls. q [B, T, HQ, D],
-    k, v [B, T, H, D] contiguous, bi [B, T, H, S] int32. Returns (o, lse [B, T, HQ] float32)."""
+    tiles, 2 stages so that the next selected block's load overlaps this one's matmuls. q [B, T, HQ, Dk],
+    k [B, T, H, Dk], v [B, T, H, Dv] contiguous at kernel sizes (``common.kernel_dims``), bi [B, T, H, S]
+    int32. Returns (o [B, T, HQ, Dv], lse [B, T, HQ] float32)."""
     b, t, hq, d = q.shape
-    h = k.shape[2]
+    h, dv = k.shape[2], v.shape[3]
     g = hq // h
-    o = torch.empty_like(q)
+    o = torch.empty_like(q) if dv == d else q.new_empty(b, t, hq, dv)
     lse = torch.empty(b, t, hq, device=q.device, dtype=torch.float32)
     _slc_fwd_kernel[(t, b * h)](
         q, k, v, bi, o, lse,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         t, h, g, bi.shape[-1], scale * LOG2E,
-        D=d, BS=block_size, BG=max(16, triton.next_power_of_2(g)), IEEE=is_fp32(q),
+        BS=block_size, BG=max(16, triton.next_power_of_2(g)), IEEE=is_fp32(q), **head_constexprs(d, dv),
         num_warps=4, num_stages=2 if not interpreting() else 1,
     )  # fmt: skip
     return o, lse
@@ -456,7 +566,8 @@ def backward_block_major(do, q, k, v, o, lse, bi, block_size: int, scale: float,
     deterministic.
     """
     b, t, hq, d = q.shape
-    h = k.shape[2]
+    h, d_v = k.shape[2], v.shape[3]
+    heads = head_constexprs(d, d_v)
     g = hq // h
     bg = max(16, triton.next_power_of_2(g))
     interp = interpreting()
@@ -468,25 +579,27 @@ def backward_block_major(do, q, k, v, o, lse, bi, block_size: int, scale: float,
         q, k, v, do, o, lse, delta, bi, dq,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         t, h, g, bi.shape[-1], scale * LOG2E, scale,
-        D=d, BS=block_size, BG=bg, IEEE=is_fp32(q), FUSE_DELTA=True, num_warps=4, num_stages=ns,
+        BS=block_size, BG=bg, IEEE=is_fp32(q), FUSE_DELTA=True, **heads, num_warps=4, num_stages=ns,
     )  # fmt: skip
     nb = triton.cdiv(t, block_size)
     chunk = switches.slc_bwd_chunk or (BLOCK_MAJOR_CHUNK if not interp else 16)
     # fp32 (twice the bytes per tile): 16 rows, one stage; 64 rows spill 29 KB per thread (sm90_check)
     wide = q.element_size() > 2
+    # at the paper's head sizes (Dk = 192, Dv = 128) 64 rows compile without spills too (255 registers,
+    # 32 rows 207: lab/sm90_check), one program per SM either way; not timed there on a GPU yet
     rows = switches.slc_bwd_rows or (BLOCK_MAJOR_ROWS if not (interp or wide) else 16)
     stages = switches.slc_bwd_stages or (BLOCK_MAJOR_STAGES if not (interp or wide) else 1)
     bgp = triton.next_power_of_2(g)
     bq = max(1, rows // bgp)
     qidx, offsets, item_seg, first_item, grid = invert_block_indices(bi, nb, chunk)
     dk = torch.zeros(b, t, h, d, device=q.device, dtype=torch.float32)
-    dv = torch.zeros_like(dk)
+    dv = torch.zeros_like(dk) if d_v == d else torch.zeros(b, t, h, d_v, device=q.device, dtype=torch.float32)
     _slc_bwd_dkdv_tiled_kernel[(grid,)](
         q, k, v, do, lse, delta, qidx, offsets, item_seg, first_item, dk, dv,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2),
         t, h, g, nb, b * h * nb, scale * LOG2E, scale,
-        D=d, BS=block_size, BGP=bgp, BQ=bq, CHUNK=chunk, IEEE=is_fp32(q),
+        BS=block_size, BGP=bgp, BQ=bq, CHUNK=chunk, IEEE=is_fp32(q), **heads,
         num_warps=8 if d >= 64 and not interp else 4,
         num_stages=stages,
     )  # fmt: skip
@@ -528,16 +641,25 @@ def selected_attention(
 ) -> torch.Tensor:
     """Selected branch (§3.3.2, Eq. 12) with the group-centric Triton kernel, forward and backward.
 
-    q [B, T, HQ, D]; k, v [B, T, H, D]; block_indices [B, T, H, S] int: block j covers keys
-    j l' .. j l' + l' - 1 (l' = ``block_size``); a negative entry means no block; a block must start at
-    or before its query (keys after the query inside its own block are masked) and appear once per
-    row. ``check_indices=False`` skips that validation (it synchronises with the GPU). Returns
-    [B, T, HQ, D].
+    q [B, T, HQ, Dk]; k [B, T, H, Dk]; v [B, T, H, Dv]; block_indices [B, T, H, S] int: block j covers
+    keys j l' .. j l' + l' - 1 (l' = ``block_size``); a negative entry means no block; a block must
+    start at or before its query (keys after the query inside its own block are masked) and appear
+    once per row. ``check_indices=False`` skips that validation (it synchronises with the GPU).
+    Returns [B, T, HQ, Dv]. Head sizes the kernels do not take are zero-padded
+    (``common.kernel_dims``); the query-major backward takes Dk = Dv in {16, 32, 64, 128} only.
     """
-    b, t, hq, h, d = check_qkv("selected_attention", q, k, v, k_len=q.shape[1])
+    b, t, hq, h, dk, dv = check_qkv("selected_attention", q, k, v, k_len=q.shape[1])
     check_block_size("selected_attention", "block_size", block_size)
+    sw = switches or Switches()
+    dk_k, dv_k = kernel_dims(dk, dv)
+    if sw.slc_backward == "query-major" and dk_k != dv_k:
+        raise ValueError(
+            f"selected_attention: Switches.slc_backward = 'query-major' takes Dk = Dv, got Dk = {dk} (kernel "
+            f"{dk_k}) and Dv = {dv} (kernel {dv_k}); the block-major backward takes both"
+        )
     if check_indices:
         check_block_indices(block_indices, b, t, h, block_size, k.shape[1])
-    return SelectedAttention.apply(
-        q, k, v, block_indices, block_size, softmax_scale(scale, d), switches or Switches()
-    )
+    scale = softmax_scale(scale, dk)
+    q, k, v = pad_heads(q, dk_k), pad_heads(k, dk_k), pad_heads(v, dv_k)
+    o = SelectedAttention.apply(q, k, v, block_indices, block_size, scale, sw)
+    return o if dv_k == dv else o[..., :dv]

@@ -1,13 +1,14 @@
 """The NSA forward timed stage by stage at one length, on one GPU (the paper's attention shape, bf16).
 
-``python -m repro.nsa.lab.breakdown --out DIR [--t 65536] [--set SWITCH=VALUE]``.
+``python -m repro.nsa.lab.breakdown --out DIR [--t 65536] [--heads 192,128] [--set SWITCH=VALUE]``.
 
 Stages (``STAGES``): ``cmp`` (compressed attention and its lse), ``scores`` (Eqs. 8-10 with Eq. 11's
 masks), ``select`` (top-n, as the switches choose), ``slc``, ``win``, ``gate`` (Eq. 5's sum as the
 switches choose) and ``whole`` (``layer.nsa_attention``), each checked at that shape first and then
 all timed interleaved, with each stage's share of the whole and the stages' sum; beside them, not in
 the sum, the ``ALTERNATIVES`` (the one-pass top-n, the fused gate and the five PyTorch ops). Writes
-``results/<device>-breakdown.json``. Diagnosis, not the benchmark: nothing in the fast path imports it.
+``results/<device>-breakdown-<heads>-T<t>.json`` (``--heads``: the paper's 192,128 by default, or 128;
+the 64k file of 2026-11-27, D = 128, is ``<device>-breakdown.json``). Diagnosis, not the benchmark: nothing in the fast path imports it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,16 @@ import torch
 from paperclub.bench import Candidate, Report, apply_settings, bench_parser, parse_bench_args
 from paperclub.testing import assert_rel_close
 from repro.nsa import reference as ref
-from repro.nsa.bench import TOL, Setup, log, measure_logged, sample_rows, train_inputs
+from repro.nsa.bench import (
+    TOL,
+    Setup,
+    add_heads_arg,
+    log,
+    measure_logged,
+    parse_heads,
+    sample_rows,
+    train_inputs,
+)
 from repro.nsa.compression import compressed_attention
 from repro.nsa.config import Switches
 from repro.nsa.gate import gated_sum, gated_sum_fused
@@ -167,7 +177,7 @@ def run(setup: Setup, out: Path | None, t: int, gen: torch.Generator) -> Path:
     res, _ = measure_logged(candidates(setup, t, gen), f"breakdown T={t}", setup.rounds(t), setup.timer)
     report = Report(
         package="nsa",
-        title=f"NSA forward by stage at T = {t} ({setup.hq} query heads, {setup.h} KV heads, D = {setup.d}, bf16)",
+        title=f"NSA forward by stage at T = {t} ({setup.hq} query heads, {setup.h} KV heads, {setup.heads()}, bf16)",
         columns=COLUMNS,
         measure_ceilings=False,
     )
@@ -194,21 +204,23 @@ def run(setup: Setup, out: Path | None, t: int, gen: torch.Generator) -> Path:
         "the reference; select exactly), then all are timed interleaved (paperclub.bench.measure). "
         "sum-of-stages is the medians added (not timed); whole minus it is launch gaps and checks."
     )
-    return report.write(tag="breakdown", out_dir=out)
+    return report.write(tag=f"breakdown-{setup.heads()}-T{t}", out_dir=out)
 
 
 def main(argv=None) -> None:
     ap = bench_parser(__doc__.split("\n")[0], rounds=None, only=False, tag=False)
     ap.add_argument("--t", type=int, default=65536, help="the sequence length (default 65536)")
+    add_heads_arg(ap)
     args = parse_bench_args(ap, argv)
     try:
         switches = apply_settings(Switches(), args.settings)
     except (TypeError, ValueError) as exc:
         ap.error(str(exc))
+    d, dv = parse_heads(ap, args.heads)
     if not torch.cuda.is_available():
         raise SystemExit("repro.nsa.lab.breakdown needs a CUDA GPU")
-    log(f"breakdown at T={args.t}, switches {switches}")
-    run(Setup(switches=switches), args.out, args.t, torch.Generator().manual_seed(1))
+    log(f"breakdown at T={args.t}, heads {args.heads}, switches {switches}")
+    run(Setup(switches=switches, d=d, dv=dv), args.out, args.t, torch.Generator().manual_seed(1))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,11 @@ The stage split of issue #40 (``ops.py`` + ``kernels.py`` into one file per stag
 frozen object) was recorded on main before it (``--legacy``, on a plain export of main's commit with
 this folder and ``paperclub/lab.py`` copied in: ``fingerprints-before-stage-split.json``) and on the branch
 after it: every launch the same, kernel, launch arguments and both fingerprints.
+
+Issue #39 (separate key and value head sizes, keys in two pieces) was recorded the same way on main
+before it (``fingerprints-before-head-sizes.json``, commit 0cde878) and compared with the branch after
+it: all 236 launches the same. The launches of the new head sizes are ``launches.head_size_scenarios``,
+outside this record (they did not exist before).
 """
 
 from __future__ import annotations

@@ -283,11 +283,17 @@ class Shape:
     t: int
     hq: int
     h: int
-    d: int
+    d: int  # queries' and keys' head size
     dtype: torch.dtype
+    dv: int | None = None  # values' head size (None: d)
+
+    @property
+    def d_v(self) -> int:
+        return self.d if self.dv is None else self.dv
 
     def name(self) -> str:
-        return f"B{self.b}-T{self.t}-HQ{self.hq}-H{self.h}-D{self.d}-{str(self.dtype).removeprefix('torch.')}"
+        heads = f"D{self.d}" if self.dv is None else f"Dk{self.d}-Dv{self.dv}"
+        return f"B{self.b}-T{self.t}-HQ{self.hq}-H{self.h}-{heads}-{str(self.dtype).removeprefix('torch.')}"
 
 
 #: the bench's head shape (T a multiple of 16), then the GPU tests' shapes: T off the tiles in fp16, the
@@ -306,6 +312,18 @@ DECODES = [
     (1, 65536, torch.bfloat16, 64, 4, 128),
     (2, 300, torch.float32, 4, 2, 16),
 ]
+#: the head sizes of issue #39 (no launch of these existed before it): the paper's Dk = 192, Dv = 128
+#: (§4.1) at the bench's shape, off the tiles in fp16, in fp32; Dk != Dv without the key split; sizes
+#: that are not tile sizes (60, 100: padded on the host to 64 and 128, the verified kernels)
+HEAD_SIZE_SHAPES = [
+    Shape(1, 4096, 64, 4, 192, torch.bfloat16, dv=128),
+    Shape(1, 1000, 64, 4, 192, torch.float16, dv=128),
+    Shape(1, 300, 16, 1, 192, torch.float32, dv=128),
+    Shape(1, 1000, 64, 4, 128, torch.bfloat16, dv=64),
+    Shape(1, 333, 16, 1, 60, torch.bfloat16, dv=100),
+]
+#: decode caches at those head sizes (B, T, dtype, HQ, H, Dk, Dv)
+HEAD_SIZE_DECODES = [(4, 8192, torch.bfloat16, 64, 4, 192, 128), (2, 300, torch.float32, 4, 2, 60, 100)]
 #: the non-default switch settings timed by the bench or the lab, each run at the first shape
 VARIANTS = [
     dict(strided_split=False),
@@ -416,6 +434,62 @@ def scenarios(api, shapes: list[Shape] = SHAPES, decodes=DECODES) -> list[tuple[
             api.decode((q, kc, kc.clone(), *caches, gates), cfg)
 
         out.append((f"decode[B{b}-T{t}-HQ{hq}-H{h}-D{d}-{str(dt).removeprefix('torch.')}]", dec))
+    return out
+
+
+def head_size_scenarios(api, shapes: list[Shape] = HEAD_SIZE_SHAPES, decodes=HEAD_SIZE_DECODES):
+    """(name, run) of the launches of issue #39's head sizes: the layer forward + backward at each of
+    ``shapes`` (Dk = ``d``, Dv = ``dv``), the bench's cmp + slc setting (l = d = l' = 64) and the
+    block-major backward's other launch shapes at the first, and decode at each of ``decodes``. Kept
+    apart from :func:`scenarios`, whose launches are the record compared with main's."""
+    ref = api.ref
+    cfg = ref.NSAConfig()
+    fla = ref.NSAConfig(block_len=64, stride=64, select_len=64, n_select=16, n_initial=1, n_local=2)
+    out = []
+    for i, s in enumerate(shapes):
+        dt = s.dtype
+
+        def layer(s=s, dt=dt, **kw):
+            q = _zeros(s.b, s.t, s.hq, s.d, dtype=dt)
+            ks = [_zeros(s.b, s.t, s.h, s.d, dtype=dt) for _ in range(3)]
+            vs = [_zeros(s.b, s.t, s.h, s.d_v, dtype=dt) for _ in range(3)]
+            kc = ref.compress(ks[0], ref.mean_pool, cfg.block_len, cfg.stride).contiguous()
+            vc = ref.compress(vs[0], ref.mean_pool, cfg.block_len, cfg.stride).contiguous()
+            gates = _zeros(s.b, s.t, s.hq, 3, dtype=dt)
+            leaves = [x.requires_grad_() for x in (q, kc, vc, ks[1], vs[1], ks[2], vs[2], gates)]
+            o, _ = api.nsa_attention(leaves, cfg, **kw)
+            with api.backward(**kw):
+                _grad(o, leaves)
+
+        out.append((f"layer[{s.name()}]", layer))
+        if i == 0:
+            for kw in (dict(slc_bwd_rows=64, slc_bwd_stages=2), dict(slc_bwd_rows=32, slc_bwd_stages=1)):
+                label = ",".join(f"{k}={v}" for k, v in kw.items())
+                out.append((f"layer[{s.name()},{label}]", lambda kw=kw: layer(**kw)))
+
+            def fla_setting(s=s, dt=dt):
+                q = _zeros(s.b, s.t, s.hq, s.d, dtype=dt).requires_grad_()
+                k = _zeros(s.b, s.t, s.h, s.d, dtype=dt).requires_grad_()
+                v = _zeros(s.b, s.t, s.h, s.d_v, dtype=dt).requires_grad_()
+                kc, vc = ref.compress(k, ref.mean_pool, 64, 64), ref.compress(v, ref.mean_pool, 64, 64)
+                o_c, lse = api.compressed(q, kc, vc, 64, 64)
+                bi = api.topk(api.masked_scores(q.detach(), kc.detach(), lse, fla), 16)
+                o_s = api.selected(q, k, v, bi, 64)
+                _grad(o_c + o_s, [q, k, v])
+
+            out.append((f"cmp+slc_fla_setting[{s.name()}]", fla_setting))
+    for b, t, dt, hq, h, dk, dv in decodes:
+
+        def dec(b=b, t=t, dt=dt, hq=hq, h=h, dk=dk, dv=dv):
+            q = _zeros(b, 1, hq, dk, dtype=dt)
+            ks = [_zeros(b, t, h, dk, dtype=dt) for _ in range(2)]
+            vs = [_zeros(b, t, h, dv, dtype=dt) for _ in range(2)]
+            nc = max(ref.num_compressed(t, cfg.block_len, cfg.stride), 1)
+            kc, vc = _zeros(b, nc, h, dk, dtype=dt), _zeros(b, nc, h, dv, dtype=dt)
+            gates = _zeros(b, 1, hq, 3, dtype=dt)
+            api.decode((q, kc, vc, ks[0], vs[0], ks[1], vs[1], gates), cfg)
+
+        out.append((f"decode[B{b}-T{t}-HQ{hq}-H{h}-Dk{dk}-Dv{dv}-{str(dt).removeprefix('torch.')}]", dec))
     return out
 
 

@@ -22,7 +22,17 @@ import torch
 from paperclub.bench import Candidate, Report, bench_parser, parse_bench_args, sweep, variants
 from paperclub.testing import assert_rel_close, rel_error
 from repro.nsa import reference as ref
-from repro.nsa.bench import GRAD_TOL, TOL, Setup, failing, log, sample_rows, train_inputs
+from repro.nsa.bench import (
+    GRAD_TOL,
+    TOL,
+    Setup,
+    add_heads_arg,
+    failing,
+    log,
+    parse_heads,
+    sample_rows,
+    train_inputs,
+)
 from repro.nsa.config import Switches
 from repro.nsa.layer import nsa_attention
 from repro.nsa.selected import selected_attention
@@ -50,7 +60,7 @@ def candidates(setup: Setup, t: int, fla, gen: torch.Generator, impls: dict = IM
     del kc_raw, vc_raw, kw, vw, gates, k_cmp, v_cmp
     leaves = tuple(x.detach().clone().requires_grad_() for x in (q, ks, vs))
     gen_do = torch.Generator(device=setup.device).manual_seed(t)
-    do = torch.randn(q.shape, device=setup.device, generator=gen_do).to(setup.dtype)
+    do = torch.randn(*q.shape[:-1], setup.d_v, device=setup.device, generator=gen_do).to(setup.dtype)
     pos = sample_rows(t, gen, setup.device)
     cache: dict = {}
 
@@ -119,7 +129,7 @@ def run(
     length."""
     report = Report(
         package="nsa",
-        title=f"NSA selected branch backward ({setup.hq} query heads, {setup.h} KV heads, D = {setup.d}, bf16)",
+        title=f"NSA selected branch backward ({setup.hq} query heads, {setup.h} KV heads, {setup.heads()}, bf16)",
         columns=COLUMNS,
         peer="flash-linear-attention (fla-core) 0.6.0, parallel_nsa",
         packages=["fla-core", "flash-linear-attention"],
@@ -149,11 +159,13 @@ def main(argv=None) -> None:
 
     ap = bench_parser(__doc__.split("\n")[0], rounds=None, only=False, settings=False, tag=False)
     ap.add_argument("--lengths", default="8192,65536", help="comma-separated T values")
+    add_heads_arg(ap)
     args = parse_bench_args(ap, argv)
+    d, dv = parse_heads(ap, args.heads)
     if not torch.cuda.is_available():
         raise SystemExit("repro.nsa.lab.slc_backward needs a CUDA GPU")
     lengths = [int(x) for x in args.lengths.split(",") if x]
-    run(Setup(), args.out, lengths, load_fla(), torch.Generator().manual_seed(2))
+    run(Setup(d=d, dv=dv), args.out, lengths, load_fla(), torch.Generator().manual_seed(2))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import torch
 from paperclub.bench import Candidate, Report, bench_parser, measure, parse_bench_args
 from paperclub.testing import assert_rel_close
 from repro.nsa import reference as ref
-from repro.nsa.bench import TOL, Setup, eq5_rows, log, sample_rows, train_inputs
+from repro.nsa.bench import TOL, Setup, add_heads_arg, eq5_rows, log, parse_heads, sample_rows, train_inputs
 from repro.nsa.compression import forward_tile, strided_forward
 from repro.nsa.config import Switches
 from repro.nsa.layer import nsa_attention
@@ -112,7 +112,7 @@ def run(setup: Setup, out: Path | None, t: int) -> Path:
     report = Report(
         package="nsa",
         title=f"NSA strided forward at T = {t}: one masked loop or split, by tile ({setup.hq} query / "
-        f"{setup.h} KV heads, D = {setup.d}, bf16)",
+        f"{setup.h} KV heads, {setup.heads()}, bf16)",
         columns=COLUMNS,
         measure_ceilings=False,
         notes=" ".join(__doc__.split("\n\n")[1:]).replace("\n", " "),
@@ -136,10 +136,12 @@ def run(setup: Setup, out: Path | None, t: int) -> Path:
 def main(argv=None) -> None:
     ap = bench_parser(__doc__.split("\n")[0], rounds=5, only=False, settings=False, tag=False)
     ap.add_argument("--t", type=int, default=65536, help="the sequence length (default 65536)")
+    add_heads_arg(ap)
     args = parse_bench_args(ap, argv)
+    d, dv = parse_heads(ap, args.heads)
     if not torch.cuda.is_available():
         raise SystemExit("repro.nsa.lab.strided_sweep needs a CUDA GPU")
-    run(Setup(rounds=lambda t: args.rounds), args.out, args.t)
+    run(Setup(rounds=lambda t: args.rounds, d=d, dv=dv), args.out, args.t)
 
 
 if __name__ == "__main__":

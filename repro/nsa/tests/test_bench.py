@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 
 import torch
 
 from paperclub.bench import Budget, Plan
-from repro.nsa import bench
+from repro.nsa import bench, window
 from repro.nsa import reference as ref
 
 
@@ -61,7 +62,7 @@ def toy(clock_step: float = 0.0) -> tuple[bench.Setup, list]:
     )
     fla_small = ref.NSAConfig(block_len=16, stride=16, select_len=16, n_select=2, n_initial=1, n_local=1)
     setup = bench.Setup(
-        hq=2, h=1, d=16, device="cpu", dtype=torch.float32,  # the interpreter's bf16 path is twice as slow
+        hq=2, h=1, d=16, dv=None, device="cpu", dtype=torch.float32, extra_nsa=(),  # fp32: the interpreter's bf16 is slower
         paper=small, fla_setting=fla_small, sdpa_backends=(("sdpa-math", "MATH"),), fa4_max_t=0,
         rounds=lambda t: 1, timer=timer, fla=lambda: (None, "fla left out of the CPU test"),
     )  # fmt: skip
@@ -70,9 +71,11 @@ def toy(clock_step: float = 0.0) -> tuple[bench.Setup, list]:
 
 def test_plan_puts_the_first_forward_first_and_decode_last():
     steps = bench.plan_steps([8192, 16384], 16)
-    assert [s.name for s in steps[:4]] == [
+    assert [s.name for s in steps[:6]] == [
         "train fwd T=8192 core",
         "train fwd T=8192 peers",
+        "train bwd T=8192 core",
+        "train bwd T=8192 peers",
         "train fwd+bwd T=8192 core",
         "train fwd+bwd T=8192 peers",
     ]
@@ -94,10 +97,12 @@ def test_prediction_counts_compile_once_and_scales_with_length():
 
 
 def test_train_flops_count_the_papers_nine_64ths():
-    """The matmul count of the paper's configuration at 64k: the compressed branch (about T/32 keys a
-    query), its keys again for the scores (QK^T only), n l' selected and w window keys, 9/64 of full
-    causal attention's (to 1%; the first positions see fewer keys)."""
-    setup = bench.Setup()
+    """The matmul count of the paper's configuration at 64k with one head size (D = 128): the
+    compressed branch (about T/32 keys a query), its keys again for the scores (QK^T only), n l'
+    selected and w window keys, 9/64 of full causal attention's (to 1%; the first positions see fewer
+    keys). At the paper's Dk = 192, Dv = 128 the forward is 2 (Dk + Dv) per key and head, the backward
+    alone 2 (3 Dk + 2 Dv), the scores 2 Dk per compressed key."""
+    setup = bench.Setup(d=128, dv=None)
     full = bench.train_flops("sdpa-cudnn", "fwd", 65536, setup)
     assert abs(full - 4 * 64 * 128 * 65536 * 65537 / 2) < 1
     assert abs(bench.train_flops("nsa", "fwd", 65536, setup) / full - 9 / 64) < 0.01 * 9 / 64
@@ -105,6 +110,16 @@ def test_train_flops_count_the_papers_nine_64ths():
     assert bench.train_flops("ours-slc", "fwd+bwd", 8192, setup) == 3.5 * bench.train_flops(
         "ours-slc", "fwd", 8192, setup
     )
+    paper = bench.Setup()
+    assert (paper.d, paper.d_v, paper.heads()) == (192, 128, "dk192-dv128")
+    keys = 8192 * 8193 / 2
+    assert bench.train_flops("sdpa-flash", "fwd", 8192, paper) == 64 * 2 * (192 + 128) * keys
+    assert bench.train_flops("sdpa-flash", "bwd", 8192, paper) == 64 * 2 * (3 * 192 + 2 * 128) * keys
+    n = bench.keys_per_query(8192, paper.paper)
+    nsa_bwd = bench.train_flops("nsa", "bwd", 8192, paper)
+    assert nsa_bwd == 64 * 2 * (3 * 192 + 2 * 128) * (n["cmp"] + n["slc"] + n["win"])  # no scores
+    fb = bench.train_flops("nsa", "fwd+bwd", 8192, paper)
+    assert fb == bench.train_flops("nsa", "fwd", 8192, paper) + nsa_bwd
 
 
 def test_budget_cut_keeps_the_rows_reached_and_names_the_rest(tmp_path, capsys):
@@ -125,13 +140,14 @@ def test_budget_cut_keeps_the_rows_reached_and_names_the_rest(tmp_path, capsys):
     assert "Not measured (time budget of 1 s)" in notes
     for name in (
         "train fwd T=32 peers",
+        "train bwd T=32 core",
         "train fwd+bwd T=32 core",
         "train fwd T=64 core",
         "decode T=64 B=2",
     ):
         assert name in notes
     out = capsys.readouterr().out
-    assert "10 steps" in out and "nsa: check ok" in out and "timed nsa" in out
+    assert "14 steps" in out and "nsa: check ok" in out and "timed nsa" in out
 
 
 def test_every_step_at_toy_size_is_checked_timed_and_written(tmp_path, monkeypatch):
@@ -147,13 +163,13 @@ def test_every_step_at_toy_size_is_checked_timed_and_written(tmp_path, monkeypat
 
     monkeypatch.setattr(bench.Report, "write", write)
     bench.run(setup, tmp_path, Budget(None), [32], 2, quick=True, tag="toy")
-    assert writes[:-1] == sorted(writes[:-1]) and len(writes) == 6  # 5 steps, then the final write
+    assert writes[:-1] == sorted(writes[:-1]) and len(writes) == 8  # 7 steps, then the final write
     (written,) = tmp_path.glob("*.json")
     assert written.name.endswith("-toy.json"), written.name  # --tag names the file
     rows = json.loads(written.read_text())["rows"]
     got = {(r["impl"], r["pass"]): r for r in rows}
     for impl in ("nsa", "sdpa-math", "ours-cmp+slc", "ours-slc"):
-        for p in ("fwd", "fwd+bwd"):
+        for p in ("fwd", "bwd", "fwd+bwd"):
             assert got[(impl, p)]["check"] == "ok" and got[(impl, p)]["ms"] is not None, (impl, p)
     assert got[("nsa", "fwd")]["speedup_vs_full"] is not None and got[("nsa", "fwd")]["tflops"] > 0
     assert got[("fla-slc", "fwd")]["check"].startswith("failed") and got[("fla-slc", "fwd")]["ms"] is None
@@ -172,3 +188,39 @@ def test_only_runs_the_steps_named_and_refuses_a_typo(tmp_path):
         assert "no step of that name" in str(exc)
     else:
         raise AssertionError("a pattern matching no step must be refused")
+
+
+def test_rows_at_separate_key_and_value_head_sizes(tmp_path):
+    """The bench at a toy shape with Dv != Dk (the paper's kind, §4.1): forward and backward alone of
+    nsa and full attention checked and timed; the extra nsa row with the window
+    through repro.fa4 checked and timed where repro.fa4 has its window, else a failed check, not a
+    timing; the file is tagged with the head sizes."""
+    setup, _ = toy()
+    setup = replace(setup, d=16, dv=32, extra_nsa=(("nsa-fa4win", {"window_kernel": "fa4"}),))
+    available, _ = window.fa4_window_available()
+    only = ("train fwd T=32 core", "train bwd T=32 core", "train fwd T=32 extra")
+    path = bench.run(setup, tmp_path, Budget(None), [32], 2, only=only, tag=setup.heads())
+    assert path.name.endswith("-dk16-dv32.json")
+    rows = {(r["impl"], r["pass"]): r for r in json.loads(path.read_text())["rows"]}
+    for impl in ("nsa", "sdpa-math"):
+        for p in ("fwd", "bwd"):
+            assert rows[(impl, p)]["check"] == "ok" and rows[(impl, p)]["ms"] is not None, (impl, p)
+    extra = rows[("nsa-fa4win", "fwd")]
+    if available:  # repro.fa4 has its sliding window: the row runs and is checked like nsa's
+        assert extra["check"] == "ok" and extra["ms"] is not None
+    else:
+        assert extra["check"].startswith("failed") and extra["ms"] is None
+
+
+def test_bwd_only_runs_one_forward_and_many_backwards():
+    x = torch.randn(3, 4, requires_grad=True)
+    forwards = []
+
+    def f():
+        forwards.append(1)
+        return x * 2
+
+    run = bench.bwd_only(f, (x,))
+    for _ in range(3):
+        run()
+    assert len(forwards) == 1 and x.grad is None

@@ -4,6 +4,9 @@ and written."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import torch
 
@@ -18,7 +21,7 @@ def test_breakdown_times_every_stage_and_the_whole(tmp_path):
     shares of the whole, and a sum-of-stages row that is the stages' medians added."""
     setup, _ = toy()
     path = breakdown.run(setup, tmp_path, 40, torch.Generator().manual_seed(0))
-    assert path.name.endswith("-breakdown.json")
+    assert path.name.endswith("-breakdown-d16-T40.json")
     rows = {r["stage"]: r for r in json.loads(path.read_text())["rows"]}
     assert list(rows) == [*breakdown.STAGES, *breakdown.ALTERNATIVES, "whole", "sum-of-stages"]
     for stage in (*breakdown.STAGES, *breakdown.ALTERNATIVES, "whole"):
@@ -54,3 +57,24 @@ def test_slc_backward_rows_are_checked_timed_and_written(tmp_path):
     assert rows[("ours-slc", "bwd")]["changes"] == "slc_backward='query-major'"
     assert rows[("fla-slc", "bwd")]["check"].startswith("failed") and rows[("fla-slc", "bwd")]["ms"] is None
     assert Switches().slc_backward == "block-major"  # the baseline row is the default
+
+
+def test_fixed_costs_counts_the_layers_launches_and_host_waits():
+    """lab/fixed_costs (in a process of its own: it compiles nothing but needs Triton without the
+    interpreter) at a small length and the paper's head sizes: the forward is six Triton launches and
+    no other device work; the backward six launches and at most 57 PyTorch ops with device work (66
+    before issue #39's cuts: the gate's and the strided backward's fp32 copies, the lse's zero
+    gradient); neither makes the host wait for the device."""
+    out = subprocess.run(
+        [sys.executable, "-m", "repro.nsa.lab.fixed_costs", "--t", "256", "--json"],
+        capture_output=True, text=True, timeout=300, check=True, env={**os.environ, "TRITON_INTERPRET": "0"},
+    )  # fmt: skip
+    res = json.loads(out.stdout)
+    fwd, bwd = res["forward"], res["backward"]
+    assert [k for k, _ in fwd["launches"]] == [
+        "_strided_fwd_kernel", "_scores_kernel", "_topn_rows_kernel", "_slc_fwd_kernel",
+        "_strided_fwd_kernel", "_gate_sum_kernel",
+    ]  # fmt: skip
+    assert fwd["ops"] == {} and fwd["sync"] == [] and bwd["sync"] == []
+    assert len(bwd["launches"]) == 6 and sum(bwd["ops"].values()) <= 57, bwd["ops"]
+    assert bwd["ops"]["_to_copy.default"] <= 11
