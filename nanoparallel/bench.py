@@ -41,13 +41,6 @@ COLUMNS = [
     "predicted_us",
     "size_class",
 ]
-BUS_FACTOR = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "all_to_all": lambda n: (n - 1) / n,
-    "broadcast": lambda n: 1.0,
-}
 
 
 def parse_bytes(s: str) -> int:
@@ -335,7 +328,7 @@ def main(argv=None) -> None:
             dtype=p["dtype"],
             time_us=round(seconds * 1e6, 2),
             algbw_GBps=round(algbw, 4),
-            busbw_GBps=round(algbw * BUS_FACTOR[p["collective"]](n), 4),
+            busbw_GBps=round(algbw * cost_model.bus_factor(p["collective"], n), 4),
             error=error,
             predicted_us=pred,
             size_class="small" if size <= 64 << 10 else "large",

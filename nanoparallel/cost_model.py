@@ -60,6 +60,33 @@ DEFAULT_CACHE = (
 )
 
 
+def bus_factor(collective: str, world_size: int) -> float:
+    """nccl-tests' bus-bandwidth factor: ``busbw = algbw * bus_factor``, the one definition that
+    ``nanoparallel.bench``, ``nanoparallel.cuda.sweep`` and ``nanoparallel.cuda.diagnose`` use.
+
+    It turns a collective's algorithm bandwidth (bytes per rank over time) into what the busiest
+    link carries under the optimal algorithm, so that one number is comparable with a link's
+    bandwidth whatever the rank count: 2(n-1)/n for all-reduce (a reduce-scatter and an all-gather),
+    (n-1)/n for all-gather, reduce-scatter and all-to-all (each rank receives all but its own
+    share), 1 for broadcast and reduce (every byte crosses one link once). ``bytes`` is the
+    per-rank buffer, for all-gather the gathered output and for reduce-scatter the input.
+    """
+    n = world_size
+    if n < 1:
+        raise ValueError(f"bus_factor: world_size must be >= 1, got {n}")
+    factors = {
+        "all_reduce": 2 * (n - 1) / n,
+        "all_gather": (n - 1) / n,
+        "reduce_scatter": (n - 1) / n,
+        "all_to_all": (n - 1) / n,
+        "broadcast": 1.0,
+        "reduce": 1.0,
+    }
+    if collective not in factors:
+        raise ValueError(f"bus_factor: collective must be one of {sorted(factors)}, got {collective!r}")
+    return factors[collective]
+
+
 @dataclass
 class Params:
     """Seconds: alpha per message, beta per byte moved, gamma per byte reduced."""

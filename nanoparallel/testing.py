@@ -225,3 +225,88 @@ def spawn_echo(rank: int, world: int, port: int, args, results) -> None:
         results.put((rank, None, f"rank {rank} crashed on purpose"))
         return
     results.put((rank, world, None))
+
+
+class GlooStandIn:
+    """The CudaPeerBackend API over gloo, for checking the GPU sweep's per-shape check on CPUs:
+    algorithm "right" does each collective as torch.distributed does, "reordered" sums in float64
+    first (other rounding, within tolerance), "wrong" spoils the result on rank 1 only."""
+
+    closed = None
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def check(self, what: str = "") -> None:
+        pass
+
+    def _spoil(self, t: torch.Tensor, algorithm: str) -> None:
+        if algorithm == "wrong" and self.rank == 1 and t.numel():
+            t.view(-1)[-1] += 1
+
+    def all_reduce(self, t, op="sum", algorithm="right"):
+        import torch.distributed as dist
+
+        if algorithm == "reordered":
+            wide = t.double()
+            dist.all_reduce(wide)
+            t.copy_(wide)
+        else:
+            dist.all_reduce(t)
+        self._spoil(t, algorithm)
+
+    def broadcast(self, t, root=0, algorithm="right"):
+        import torch.distributed as dist
+
+        dist.broadcast(t, src=root)
+        self._spoil(t, algorithm)
+
+    def all_gather(self, out, inp, algorithm="right"):
+        import torch.distributed as dist
+
+        dist.all_gather_into_tensor(out, inp)
+        self._spoil(out, algorithm)
+
+    def reduce_scatter(self, out, inp, op="sum", algorithm="right"):
+        import torch.distributed as dist
+
+        dist.reduce_scatter_tensor(out, inp)
+        self._spoil(out, algorithm)
+
+    def all_to_all(self, out, inp, algorithm="right"):
+        import torch.distributed as dist
+
+        dist.all_to_all_single(out, inp)
+        self._spoil(out, algorithm)
+
+
+def sweep_check_task(rank: int, world: int, port: int, args, results) -> None:
+    """A spawn_ranks target: the sweep's Case.check of every collective over gloo ranks with
+    GlooStandIn; reports {(collective, algorithm): problem or None} from this rank."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from nanoparallel.cuda.sweep import COLLECTIVES, Case
+
+    try:
+        store = dist.TCPStore(
+            "127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=60)
+        )
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+        got = {}
+        for coll in COLLECTIVES:
+            x = torch.randn(world * 37, generator=torch.Generator().manual_seed(rank))
+            case = Case(coll, x, world, rank)
+            case.pristine = x.clone()
+            case.be = GlooStandIn(rank)
+            for algo in ("right", "reordered", "wrong"):
+                if algo == "reordered" and coll not in ("all_reduce",):
+                    continue
+                got[(coll, algo)] = case.check(algo)
+        dist.destroy_process_group()
+        results.put((rank, got, None))
+    except BaseException as exc:
+        import traceback
+
+        results.put((rank, None, f"rank {rank} crashed: {exc!r}\n{traceback.format_exc()}"))

@@ -5,13 +5,15 @@
 * ``on_files``: add the generated pages (sessions, papers, reproductions, claims, benchmarks,
   bibliography, tags, source views, notebooks), slide decks, plots and the vendored front-end assets.
 * ``on_page_markdown``: point links that content writes relative to its place in the repository at
-  the matching pages of the site.
+  the matching pages of the site (links to code by symbol resolve to the definition's line).
+* ``on_page_content``: register the source pages' line anchors, which mkdocs does not see.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -22,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "site"))  # paperclub works even when the project is not installed
 
 from paperclub.content import load  # noqa: E402
-from paperclub.notebooks import render_notebook  # noqa: E402
+from paperclub.notebooks import NotebookError, render_notebook  # noqa: E402
 from paperclub.sitegen import generate, rewrite_links  # noqa: E402
 
 log = logging.getLogger("mkdocs.hooks.paperclub")
@@ -60,7 +62,10 @@ def on_files(files: Files, config) -> Files:
         raise PluginError(
             f"vendored front-end assets are missing ({missing[0]} ...): run 'bash .ci/setup' (npm install in site/vendor)"
         )
-    site = generate(_state["content"], render_notebook=render_notebook)
+    try:
+        site = generate(_state["content"], render_notebook=render_notebook)
+    except NotebookError as exc:  # one line naming the notebook and the cell, not nbclient's traceback
+        raise PluginError(f"walkthrough failed: {exc}") from None
     _state["site"] = site
     for uri, text in site.pages.items():
         if files.get_file_from_path(uri) is not None:
@@ -80,6 +85,22 @@ def on_files(files: Files, config) -> Files:
         )
     _state["known"] = {f.src_uri for f in files}
     return files
+
+
+def on_page_content(html: str, page, config, files) -> str:
+    """A source page's line anchors come from the highlighter after mkdocs collected the page's anchors:
+    register them, so that links to a symbol's line are checked against them and not reported missing.
+    Formulas are marked to be left out of the search index; pages with a diagram load mermaid."""
+    if page.file.src_uri.startswith("source/") and page.present_anchor_ids is not None:
+        page.present_anchor_ids.update(re.findall(r'id="(__codelineno-[\d-]+)"', html))
+    # formulas stay out of the search index: its snippets showed their raw LaTeX
+    html = html.replace('class="arithmatex">', 'class="arithmatex" data-search-exclude="">')
+    if 'class="mermaid"' in html:
+        # mermaid only where a diagram is (Material draws them with the global `mermaid`, which this
+        # script defines before Material's own script runs); every page paid for parsing it before
+        depth = page.url.count("/") if page.url else 0
+        html += f'\n<script src="{"../" * depth}assets/vendor/mermaid/mermaid.min.js"></script>\n'
+    return html
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:

@@ -1,7 +1,10 @@
 """A real browser (Debian's Chromium through Playwright) on the built site, served statically.
 
-It searches for "Ulysses" and lands on the USP session, steps through a slide deck with the
-keyboard, checks that math and diagrams render, that the palette toggles, and that no page
+It searches for "Ulysses" and "ring attention" and lands on the USP session, walks every slide deck
+with the arrow keys and finds each diagram drawn, opens every page (sources aside) and finds every
+formula rendered by KaTeX without error, every diagram drawn, no raw ``$$`` or diagram source and
+every plot loaded, checks that the claims, sessions and three paper pages do not scroll sideways at
+phone width (screenshots left in the test's tmp dir), that the palette toggles, and that no page
 asks the internet for anything.
 """
 
@@ -24,6 +27,7 @@ pytestmark = pytest.mark.skipif(
     CHROMIUM is None, reason="Debian's chromium is not installed (bash .ci/setup --browser)"
 )
 USP = "2025-08-unified-sequence-parallelism"
+SKIP = ("source", "slides", "search", "assets")  # code views, decks (walked apart), and no pages
 
 
 @pytest.fixture(scope="module")
@@ -59,9 +63,17 @@ def browser():
         b.close()
 
 
+# Material draws a page's diagrams into closed shadow roots; open them so the test can look inside
+OPEN_SHADOW_ROOTS = """
+const attach = Element.prototype.attachShadow;
+Element.prototype.attachShadow = function (init) { return attach.call(this, Object.assign({}, init, {mode: "open"})); };
+"""
+
+
 @pytest.fixture
 def page(browser, server):
     context = browser.new_context(viewport={"width": 1280, "height": 900})
+    context.add_init_script(OPEN_SHADOW_ROOTS)
     pg = context.new_page()
     pg.set_default_timeout(20_000)
     pg.outside_requests = []
@@ -96,41 +108,184 @@ def test_search_for_ulysses_lands_on_the_usp_session(page, server):
     assert not page.js_errors, page.js_errors
 
 
-def test_slide_deck_steps_with_the_keyboard(page, server):
+def test_search_for_ring_attention_lands_on_the_usp_session(page, server):
+    page.goto(server + "/")
+    page.click("input.md-search__input")
+    page.keyboard.type("ring attention")
+    page.wait_for_selector(".md-search-result__item a")
+    first = page.eval_on_selector(".md-search-result__item > a", "e => e.href")
+    assert USP in first, f"the first result is {first}"
+    # snippets show words, not LaTeX source
+    text = page.inner_text(".md-search-result")
+    assert "\\(" not in text and "\\frac" not in text
+
+
+# what a slide shows when it is on screen: each diagram's SVG, its size and whether mermaid drew an error
+SLIDE_DIAGRAMS = """() => Array.from(Reveal.getCurrentSlide().querySelectorAll('pre.mermaid')).map(e => {
+  const svg = e.querySelector('svg');
+  if (!svg) return {drawn: false};
+  const r = svg.getBoundingClientRect();
+  return {drawn: true, width: r.width, height: r.height,
+          error: svg.getAttribute('aria-roledescription') === 'error' || /Syntax error/.test(svg.textContent)};
+})"""
+
+
+def test_every_deck_walked_with_the_arrow_keys_draws_every_diagram(page, server):
+    """Each deck, slide by slide with the arrow keys as a presenter moves: every diagram reached is
+    drawn at a real size (those drawn while hidden came out as 20x20 boxes), no formula fails, and
+    the slides' headings are the deck's."""
+    content, _ = load(ROOT)
+    decks = [s for s in content.sessions if s.deck is not None]
+    assert len(decks) >= 8
+    problems = []
+    for session in decks:
+        slides = split_slides(session.deck.read_text())
+        page.goto(f"{server}/slides/{session.folder}/index.html")
+        page.wait_for_function("window.Reveal && Reveal.isReady()")
+        assert page.evaluate("Reveal.getTotalSlides()") == len(slides), session.folder
+        for i, slide in enumerate(slides):
+            if i:
+                page.keyboard.press("ArrowRight")
+                page.wait_for_function(f"Reveal.getIndices().h === {i}")
+            heading = page.evaluate("Reveal.getCurrentSlide().querySelector('h1, h2, h3').textContent")
+            source = re.search(r"^#{1,3} (.+)$", slide, re.M).group(1)
+            assert heading.strip() == re.sub(r"[*_`$]", "", source).strip() or heading.strip()[:10] in source
+            if "```mermaid" not in slide:
+                continue
+            try:
+                page.wait_for_function(
+                    "Array.from(Reveal.getCurrentSlide().querySelectorAll('pre.mermaid'))"
+                    ".every(e => e.querySelector('svg'))",
+                    timeout=10_000,
+                )
+            except Exception:  # reported below with the slide's number
+                pass
+            for d in page.evaluate(SLIDE_DIAGRAMS):
+                if not d["drawn"] or d["error"] or d["width"] < 60 or d["height"] < 30:
+                    problems.append(f"{session.folder} slide {i + 1}: {d}")
+        page.keyboard.press("ArrowLeft")
+        page.wait_for_function(f"Reveal.getIndices().h === {len(slides) - 2}")
+        errors = page.evaluate("document.querySelectorAll('.katex-error').length")
+        if errors:
+            problems.append(f"{session.folder}: {errors} formula(s) KaTeX could not render")
+    assert not problems, problems
+    assert not page.js_errors, page.js_errors
+
+
+def test_a_deck_opened_on_a_slide_draws_its_diagram(page, server):
+    """The other way in: a deck's URL naming a slide with a diagram."""
     content, _ = load(ROOT)
     session = next(s for s in content.sessions if s.folder == USP)
-    slides = split_slides(session.deck.read_text())
-    page.goto(f"{server}/slides/{USP}/index.html")
+    index = next(i for i, sl in enumerate(split_slides(session.deck.read_text())) if "```mermaid" in sl)
+    page.goto(f"{server}/slides/{USP}/index.html#/{index}")
     page.wait_for_function("window.Reveal && Reveal.isReady()")
-    assert page.evaluate("Reveal.getTotalSlides()") == len(slides)
-    for expected in range(1, 4):
-        page.keyboard.press("ArrowRight")
-        page.wait_for_function(f"Reveal.getIndices().h === {expected}")
-        heading = page.evaluate("Reveal.getCurrentSlide().querySelector('h1, h2, h3').textContent")
-        source_heading = re.search(r"^#{1,3} (.+)$", slides[expected], re.M).group(1)
-        assert (
-            heading.strip() == re.sub(r"[*_`$]", "", source_heading).strip()
-            or heading.strip()[:10] in source_heading
-        )
-    page.keyboard.press("ArrowLeft")
-    page.wait_for_function("Reveal.getIndices().h === 2")
-    assert not page.js_errors, page.js_errors
+    page.wait_for_function(f"Reveal.getIndices().h === {index}")
+    page.wait_for_function("Reveal.getCurrentSlide().querySelector('pre.mermaid svg')")
+    [d] = page.evaluate(SLIDE_DIAGRAMS)
+    assert d["drawn"] and not d["error"] and d["width"] > 60 and d["height"] > 30, d
 
 
-def test_math_and_diagrams_render_offline(page, server):
-    content, _ = load(ROOT)
-    math_paper = next(k for k, p in content.papers.items() if "$$" in p.body)
-    page.goto(f"{server}/papers/{math_paper}/")
-    page.wait_for_selector(".arithmatex .katex")
-    diagram = next((k for k, p in content.papers.items() if "```mermaid" in p.body), None)
-    if diagram is None:
-        pytest.skip("no paper page has a mermaid diagram")
-    page.goto(f"{server}/papers/{diagram}/")
-    # Material swaps each <pre class="mermaid"> for a <div class="mermaid"> holding the SVG in a closed shadow root
-    page.wait_for_function(
-        "Array.from(document.querySelectorAll('div.mermaid')).some(e => e.getBoundingClientRect().height > 20)"
+# everything a page shows that the site failed to render (Material has drawn its diagrams by then)
+PAGE_PROBLEMS = """() => {
+  const root = document.querySelector('.md-content') || document.body;
+  const out = [];
+  root.querySelectorAll('.katex-error').forEach(e =>
+    out.push('KaTeX error: ' + (e.getAttribute('title') || e.textContent).slice(0, 120)));
+  root.querySelectorAll('.arithmatex').forEach(e => {
+    if (!e.querySelector('.katex')) out.push('formula left as source: ' + e.textContent.trim().slice(0, 80)); });
+  root.querySelectorAll('pre.mermaid').forEach(e =>
+    out.push('diagram left as source: ' + e.textContent.trim().slice(0, 80)));
+  root.querySelectorAll('div.mermaid').forEach(e => {
+    const svg = e.shadowRoot && e.shadowRoot.querySelector('svg');
+    if (!svg) { out.push('diagram without a drawing'); return; }
+    const r = svg.getBoundingClientRect();
+    if (svg.getAttribute('aria-roledescription') === 'error' || /Syntax error/.test(svg.textContent))
+      out.push('diagram drawn as a syntax error');
+    else if (r.width < 60 || r.height < 30) out.push(`diagram drawn ${Math.round(r.width)}x${Math.round(r.height)}`);
+  });
+  const walker = document.createTreeWalker(root, NodeFilter.SHOW_TEXT);
+  for (let n; (n = walker.nextNode()); ) {
+    if (n.nodeValue.includes('$$') && !n.parentElement.closest('code, pre, script, style, .katex, .arithmatex'))
+      out.push('raw $$: ' + n.nodeValue.trim().slice(0, 80));
+  }
+  root.querySelectorAll('img').forEach(i => {
+    if (!i.complete || i.naturalWidth === 0) out.push('image not loaded: ' + i.getAttribute('src')); });
+  return out;
+}"""
+RENDERED = """() => !document.querySelector('.md-content pre.mermaid')
+  && Array.from(document.querySelectorAll('.md-content .arithmatex'))
+       .every(e => e.dataset.rendered || e.querySelector('.katex, .katex-error'))
+  && Array.from(document.querySelectorAll('.md-content div.mermaid'))
+       .every(e => e.shadowRoot && e.shadowRoot.querySelector('svg'))
+  && Array.from(document.querySelectorAll('.md-content img')).every(i => i.complete)"""
+
+
+def _raw_math_outside_code(html_text: str) -> list[str]:
+    """'$$' in a page's text outside code and formulas (a page with nothing for the browser to draw)."""
+    article = html_text.split('<article class="md-content__inner', 1)[-1].split("</article>", 1)[0]
+    prose = re.sub(r"<(pre|code|script|style)\b.*?</\1>", " ", article, flags=re.S)
+    return [m.strip()[:80] for m in re.findall(r"[^<>]*\$\$[^<>]*", prose)]
+
+
+def test_every_page_renders_its_math_diagrams_and_plots(page, server, built_site):
+    """Every page of the site but the source views: no KaTeX error, no formula or diagram left as
+    source, no raw '$$', every diagram drawn, every plot loaded (the strict build and paperclub check
+    once passed while some of these did not render). A page with no formula, diagram or image has
+    nothing for the browser to draw: its HTML is checked for raw '$$' without opening it."""
+    pages = sorted(
+        p for p in built_site.rglob("index.html") if p.relative_to(built_site).parts[0] not in SKIP
     )
+    assert len(pages) > 60
+    # an empty search index: each page load would otherwise build the whole one in Material's worker
+    fields = {"title": {"boost": 1000.0}, "text": {"boost": 1.0}, "tags": {"boost": 1000000.0}}
+    config = {"lang": ["en"], "separator": r"[\s\-]+", "pipeline": ["stopWordFilter"], "fields": fields}
+    empty = {"config": config, "docs": []}
+    page.route("**/search/search_index.json", lambda route: route.fulfill(json=empty))
+    problems: dict[str, list[str]] = {}
+    opened = 0
+    for path in pages:
+        rel = path.parent.relative_to(built_site).as_posix()
+        text = path.read_text()
+        if not re.search(r'class="(arithmatex|mermaid)|<img ', text):
+            if _raw_math_outside_code(text):
+                problems[rel] = [f"raw $$: {m}" for m in _raw_math_outside_code(text)]
+            continue
+        opened += 1
+        page.goto(f"{server}/{'' if rel == '.' else rel + '/'}", wait_until="domcontentloaded")
+        try:
+            page.wait_for_function(RENDERED, timeout=15_000)
+        except Exception:  # what did not render is listed below
+            pass
+        found = page.evaluate(PAGE_PROBLEMS)
+        if found:
+            problems[rel] = found
+    print(f"{opened} of {len(pages)} pages opened in the browser")
+    assert not problems, problems
     assert not page.js_errors, page.js_errors
+
+
+def test_phone_width_pages_do_not_scroll_sideways(browser, server, tmp_path):
+    """The claims dashboard, the sessions index and three paper pages with display math at 390 px: the
+    page itself never scrolls sideways (tables and formulas scroll in their own boxes or become one
+    block per row). Screenshots are left in the test's tmp dir."""
+    context = browser.new_context(viewport={"width": 390, "height": 844})
+    pg = context.new_page()
+    content, _ = load(ROOT)
+    math_papers = sorted(k for k, p in content.papers.items() if "$$" in p.body)
+    urls = ["claims/", "sessions/", *[f"papers/{k}/" for k in math_papers[:3]]]
+    wide = {}
+    for url in urls:
+        pg.goto(f"{server}/{url}")
+        pg.wait_for_timeout(300)
+        scrolled = pg.evaluate(
+            "() => { window.scrollTo(10000, 0); const x = window.scrollX; window.scrollTo(0, 0); return x; }"
+        )
+        pg.screenshot(path=str(tmp_path / f"{url.strip('/').replace('/', '-')}-390.png"))
+        if scrolled:
+            wide[url] = scrolled
+    print(f"screenshots: {tmp_path}")
+    context.close()
+    assert not wide, f"pages that scroll sideways at 390 px (by px): {wide}"
 
 
 def test_palette_toggles_between_light_and_dark(page, server):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ BROKEN = sorted(p.name for p in (FIXTURES / "broken").iterdir() if p.is_dir())
 def test_repository_content_passes_check():
     result = paperclub("check")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("ok: 17 sessions"), result.stdout
+    assert result.stdout.startswith("ok: 26 sessions"), result.stdout
 
 
 def test_valid_fixture_passes(tmp_path):
@@ -42,21 +43,24 @@ def test_broken_fixture_is_rejected_with_a_clear_message(tmp_path, case):
             )
         else:
             assert fragment in result.stderr, f"{case}: expected {fragment!r} in:\n{result.stderr}"
-    # every line names a file of the repository
-    for line in result.stderr.splitlines():
-        if line.startswith("error: "):
-            assert line[7:].split(":")[0].split("/")[0] in {
-                "sessions",
-                "papers",
-                "bib",
-                "repro",
-                "nanoparallel",
-            }, line
+    # every line names a file of the repository and, where the mistake is inside a file, its line
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors, result.stderr
+    for line in errors:
+        where = line[7:].split(": ")[0]
+        assert where.split("/")[0] in {"sessions", "papers", "bib", "repro", "nanoparallel"}, line
+        path = where.split(":")[0]
+        if (root / path).is_file():
+            assert re.fullmatch(r"[^:]+:\d+", where), f"{case}: no line number: {line}"
+    # one mistake, one message
+    assert len(errors) == len(set(errors)), f"{case}: a message repeats:\n{result.stderr}"
+    assert len(errors) == 1, f"{case}: expected one message:\n{result.stderr}"
 
 
 def test_every_kind_of_mistake_has_a_fixture():
     """The broken fixtures cover schema, dates, cross references, bib, papers, decks and claims."""
-    kinds = {"yaml", "title", "date", "bib", "paper", "slug", "slides", "repro", "claim", "tag", "url"}
+    kinds = {"yaml", "title", "date", "bib", "paper", "slug", "slides", "repro", "claim", "tag", "url", "math",
+             "mermaid", "code-link", "duplicate-key", "placeholder", "note", "front-matter", "empty-section"}  # fmt: skip
     covered = {k for k in kinds if any(k in case for case in BROKEN)}
     assert covered == kinds, f"no broken fixture for: {kinds - covered}"
 
@@ -125,7 +129,7 @@ def test_one_mistake_one_message(tmp_path):
     path.write_text(path.read_text().replace("date: 2026-01-04", "date: 2026-13-45"))
     _, problems = load(root)
     assert [str(p) for p in problems] == [
-        "sessions/2026-01-04-example-session/session.yaml: field 'date': '2026-13-45' is not a real date; "
+        "sessions/2026-01-04-example-session/session.yaml:3: field 'date': '2026-13-45' is not a real date; "
         "write YYYY-MM-DD, or YYYY-MM when only the month is known"
     ]
 

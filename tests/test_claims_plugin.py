@@ -88,6 +88,20 @@ def test_unknown_claim_id_stops_collection_with_a_message(pytester, toy):
     )
 
 
+def test_a_typo_in_a_parametrised_test_is_reported_once(pytester, toy):
+    """Six cases of one test function carry one marker: one message naming the file and line."""
+    write_test(
+        toy,
+        '@pytest.mark.parametrize("n", range(6))\n@pytest.mark.claim("toy/exsct", section="§2")\n'
+        "def test_x(n):\n    assert True\n",
+    )
+    result = pytester.runpytest_subprocess()
+    assert result.ret != 0
+    lines = [ln for ln in result.stderr.lines if "toy/exsct" in ln]
+    assert len(lines) == 1, result.stderr.str()
+    assert "repro/toy/test_toy.py:3 (test_x): claim 'toy/exsct' is not registered" in lines[0]
+
+
 def test_section_must_match_the_registry(pytester, toy):
     write_test(toy, '@pytest.mark.claim("toy/exact", section="§9")\ndef test_x():\n    assert True\n')
     result = pytester.runpytest_subprocess()

@@ -12,18 +12,28 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from paperclub import ROOT, cli
-from tests.conftest import NEW, make_repo, paperclub
+from tests.conftest import NEW, make_repo, paperclub, write_paper_sections
 
 
-def test_scaffolded_session_passes_check(tmp_path):
+def test_scaffolded_session_passes_check_once_written(tmp_path):
     root = make_repo(tmp_path)
     made = paperclub("--root", str(root), *NEW)
     assert made.returncode == 0, made.stderr
     folder = root / "sessions" / "2026-12-06-demystifying-collectives"
     assert (folder / "session.yaml").exists() and (folder / "slides.md").exists()
-    assert (root / "papers" / "hopper2026study.md").exists()
+    page = root / "papers" / "hopper2026study.md"
+    assert page.exists()
+    # the paper page's sections are empty: check says which, with their lines, before anything is built
+    unwritten = paperclub("--root", str(root), "check")
+    assert unwritten.returncode == 1
+    empty = [ln for ln in unwritten.stderr.splitlines() if ln.startswith("error: ")]
+    assert empty and all(re.match(r"error: papers/hopper2026study.md:\d+: section '", ln) for ln in empty), (
+        empty
+    )
+    write_paper_sections(page)
     checked = paperclub("--root", str(root), "check")
     assert checked.returncode == 0, checked.stderr
     assert "2 sessions" in checked.stdout
@@ -43,37 +53,89 @@ def test_missing_title_without_a_terminal_is_a_clear_error(tmp_path):
     result = paperclub("--root", str(root), "new-session", "--date", "2026-12-06")
     assert result.returncode == 1
     assert "title is required" in result.stderr and "Traceback" not in result.stderr
+    assert not list((root / "sessions").glob("2026-12-06-*"))
 
 
-def test_bib_stub_without_metadata_is_flagged_by_check(tmp_path):
+def test_a_new_paper_needs_its_title_and_author(tmp_path):
+    """No TODO stub (which made a todo2026... key): without the paper's title and first author,
+    new-session says what it needs and writes nothing."""
     root = make_repo(tmp_path)
-    assert (
-        paperclub(
-            "--root",
-            str(root),
-            "new-session",
-            "--title",
-            "Stub",
-            "--date",
-            "2026-12-13",
-            "--arxiv",
-            "2612.04321",
-        ).returncode
-        == 0
+    bib_before = (root / "bib" / "papers.bib").read_text()
+    result = paperclub(
+        "--root", str(root), "new-session", "--title", "Stub", "--date", "2026-12-13", "--arxiv", "2612.04321"
     )
-    checked = paperclub("--root", str(root), "check")
-    assert checked.returncode == 1
-    assert "still says TODO; fill in the real value" in checked.stderr
+    assert result.returncode == 1, result.stdout
+    assert "title of arXiv:2612.04321 is required" in result.stderr and "--paper-title" in result.stderr
+    assert not list((root / "sessions").glob("2026-12-13-*"))
+    assert not (root / "bib" / "sessions.bib").exists()
+    assert (root / "bib" / "papers.bib").read_text() == bib_before
 
 
-def test_prompts_ask_for_what_is_missing(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--date", "2026-W49-7", "'2026-W49-7' is not a date"),
+        ("--date", "2026-02-30", "'2026-02-30' is not a real date"),
+        ("--arxiv", "2313.01889", "'2313.01889' is not an arXiv id"),
+        ("--tag", "Linear Attention", "tag 'Linear Attention' must be lowercase"),
+    ],
+)
+def test_bad_options_are_refused_before_anything_is_written(tmp_path, option, value, message):
     root = make_repo(tmp_path)
-    answers = iter(["Prompted session", "2026-12-20"])
+    result = paperclub("--root", str(root), "new-session", "--title", "Bad", option, value)
+    assert result.returncode == 1, result.stdout
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert len(list((root / "sessions").iterdir())) == 1
+
+
+def test_piped_answers_scaffold_a_whole_session(tmp_path):
+    """One answer a line on standard input: title, date, presenters, arXiv ids, tags, summary, then
+    the new paper's title and first author."""
+    root = make_repo(tmp_path)
+    answers = "\n".join(
+        [
+            "Piped session",
+            "2026-12-20",
+            "Ada Lovelace, Grace Hopper",
+            "2612.01234",
+            "collectives, nccl",
+            "We read about rings.",
+            "A Study of Collective Algorithms",
+            "Hopper, Grace",
+        ]
+    )
+    result = paperclub("--root", str(root), "new-session", input=answers + "\n")
+    assert result.returncode == 0, result.stderr
+    meta = yaml.safe_load((root / "sessions" / "2026-12-20-piped-session" / "session.yaml").read_text())
+    assert meta["presenters"] == ["Ada Lovelace", "Grace Hopper"]
+    assert meta["papers"] == ["hopper2026study"] and meta["tags"] == ["collectives", "nccl"]
+    assert meta["summary"] == "We read about rings." and meta["date_known"] == "exact"
+    assert "@article{hopper2026study," in (root / "bib" / "sessions.bib").read_text()
+
+
+def test_an_empty_date_is_not_taken_for_planned(tmp_path):
+    root = make_repo(tmp_path)
+    result = paperclub("--root", str(root), "new-session", input="Undecided\n\n")
+    assert result.returncode == 1
+    assert "give a date" in result.stderr
+    assert not (root / "sessions" / "planned-undecided").exists()
+    planned = paperclub("--root", str(root), "new-session", input="Undecided\nplanned\n\n\n\n\n")
+    assert planned.returncode == 0, planned.stderr
+    assert (root / "sessions" / "planned-undecided" / "session.yaml").exists()
+
+
+def test_prompts_ask_again_after_a_bad_answer(tmp_path, monkeypatch, capsys):
+    root = make_repo(tmp_path)
+    answers = iter(["Prompted session", "2026-W49-7", "", "2026-12-20", "2313.01889", "", "Bad Tag", "", ""])
     monkeypatch.setattr("sys.stdin", io.StringIO())
     monkeypatch.setattr("sys.stdin.isatty", lambda: True)
     monkeypatch.setattr("builtins.input", lambda prompt: next(answers))
     assert cli.main(["--root", str(root), "new-session", "--presenter", "Ada"]) == 0
     assert (root / "sessions" / "2026-12-20-prompted-session" / "session.yaml").exists()
+    err = capsys.readouterr().err
+    assert "'2026-W49-7' is not a date" in err and "give a date" in err
+    assert "'2313.01889' is not an arXiv id" in err and "tag 'Bad Tag' must be lowercase" in err
+    assert next(answers, None) is None, "every answer was used"
 
 
 @pytest.mark.slow
@@ -133,7 +195,7 @@ def test_check_validates_the_clone_you_stand_in(second_clone, tmp_path):
         assert result.returncode == 1, f"from {cwd}:\n{result.stdout}{result.stderr}"
         new = _errors(result) - _errors(pristine)
         assert new == {
-            f"error: {MEGABLOCKS}: field 'date': '2026-13-45' is not a real date; "
+            f"error: {MEGABLOCKS}:2: field 'date': '2026-13-45' is not a real date; "
             "write YYYY-MM-DD, or YYYY-MM when only the month is known"
         }, result.stderr
         # one mistake, one message: the paper page listing the session is not told the folder is missing

@@ -14,8 +14,13 @@ The data path of every call:
 
 * copy the caller's tensor into this rank's staging buffer (inside the kernel, no extra launch);
 * barrier with the same-numbered program on every peer;
-* read what is needed straight from the peers' staging buffers (one-shot, two-shot, ring, direct)
-  or let the copy engine pull it (``copy_engine``: ``Tensor.copy_`` from a peer's buffer).
+* read what is needed straight from the peers' staging buffers (one-shot, two-shot, ring, direct),
+  or store it into theirs (the pipelined kernels; the ring broadcast of ``broadcast.py``, the
+  all-gathers of ``all_gather.py`` and the all-reduce of ``all_reduce.py``, one file each), or let
+  the copy engine pull it (``copy_engine``: ``Tensor.copy_`` from a peer's buffer).
+
+What ``algorithm="auto"`` picks is :mod:`nanoparallel.cuda.policy` (tables per world size in
+``auto_tables.py``, made from GPU runs by :mod:`nanoparallel.cuda.tuning`).
 
 Two staging buffers alternate between calls, which is why no call needs a closing barrier (see
 ``kernels.py``). All work goes on the current CUDA stream; callers must use one stream for all
@@ -38,25 +43,43 @@ os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
 
 import warnings  # noqa: E402
 from datetime import timedelta  # noqa: E402
-from typing import NamedTuple, TypeVar  # noqa: E402
+from typing import NamedTuple  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from triton import knobs  # noqa: E402
 
 from nanoparallel.cuda import kernels as K  # noqa: E402
+from nanoparallel.cuda.all_gather import all_gather_new  # noqa: E402
+from nanoparallel.cuda.all_reduce import all_reduce_two_shot_pipelined  # noqa: E402
+from nanoparallel.cuda.broadcast import broadcast_ring  # noqa: E402
+from nanoparallel.cuda.policy import Policy, pick, policy_for  # noqa: E402, F401
 from nanoparallel.errors import CommAbortedError, CommTimeoutError, MismatchError  # noqa: E402
 
 ALGORITHMS: dict[str, tuple[str, ...]] = {
-    "all_reduce": ("one_shot", "one_shot_push", "one_shot_pipelined", "two_shot", "ring"),
-    "all_gather": ("direct", "copy_engine"),
+    "all_reduce": (
+        "one_shot",
+        "one_shot_push",
+        "one_shot_pipelined",
+        "two_shot",
+        "ring",
+        "two_shot_pipelined",
+    ),
+    "all_gather": ("direct", "copy_engine", "pairwise", "push_pipelined"),
     "reduce_scatter": ("direct", "ring", "pipelined"),
-    "broadcast": ("direct", "copy_engine"),
-    "all_to_all": ("direct", "push", "push_pipelined", "copy_engine"),
+    "broadcast": ("direct", "copy_engine", "ring"),
+    "all_to_all": ("direct", "push", "push_pipelined", "copy_engine", "pairwise"),
+}
+# written for issue #35 (all_reduce.py, all_gather.py, broadcast.py, kernels.all_to_all_pipelined_kernel
+# with ROTATE): named calls only, in no table of "auto" until a GPU run has checked and timed them
+NEW_ALGORITHMS: dict[str, tuple[str, ...]] = {
+    "all_reduce": ("two_shot_pipelined",),
+    "all_gather": ("pairwise", "push_pipelined"),
+    "broadcast": ("ring",),
+    "all_to_all": ("pairwise",),
 }
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64)
 REDUCE_OPS = tuple(K.OP_CODES)
-T = TypeVar("T")
 
 # 8 KiB per program per step: 8 warps x 32 threads x 32 bytes, two 16-byte vectors per thread
 STEP_BYTES = 8192
@@ -66,65 +89,11 @@ NUM_WARPS = 8
 PROGRAMS_PER_SM = 2
 MIN_STAGING_BYTES = 16 << 20
 SPINS_PER_S = 5e6
-# one-shot reads (W-1) n remote bytes against two-shot's 2 (W-1)/W n: equal at W = 2, so with two
-# GPUs one-shot (one barrier) wins at every size; from three GPUs on only small messages
-ONE_SHOT_MAX_BYTES = 256 << 10
-# Thresholds of "auto" from the 2 x H200 run of 2026-11-23 (nanoparallel/results/
-# nvidia-h200-cuda-x2.json, the sweep, and nvidia-h200-cuda-x2-diagnose.json). Small messages keep
-# the kernels that win there (bound by host time, one barrier). Large ones:
-# all-reduce: one_shot_pipelined beat one_shot at 16 MiB (60.8 vs 65.0 us) and everything from there
-# up (64 MiB 1.20x NCCL's busbw, 256 MiB 1.10x, 1 GiB 0.96x at 4 steps, 1.08x at 16 steps);
-# all-to-all: push beat direct at 16 MiB (42.3 vs 46.6 us), push_pipelined everything at 64 MiB
-# (1.05x NCCL), the copy engine everything from 256 MiB (1.06x at 256 MiB and 1 GiB);
-# the copy engine beat the direct kernel for all-gather and broadcast from 256 MiB (254 vs 241 and
-# 370 vs 362 GB/s busbw).
-PIPELINED_ALL_REDUCE_MIN_BYTES = 16 << 20
-PUSH_ALL_TO_ALL_MIN_BYTES = 16 << 20
-PIPELINED_ALL_TO_ALL_MIN_BYTES = 64 << 20
-COPY_ENGINE_ALL_TO_ALL_MIN_BYTES = 256 << 20
-COPY_ENGINE_MIN_BYTES = 256 << 20
-# "auto" as tables of (from this many bytes, choice); the last row whose bound the message reaches
-# wins. The all-to-all decides by this rank's input bytes: with uneven splits that straddle a bound,
-# ranks would pick different kernels, so such callers should name the algorithm.
-AUTO_ALL_REDUCE_TWO_GPUS = ((0, "one_shot"), (PIPELINED_ALL_REDUCE_MIN_BYTES, "one_shot_pipelined"))
-AUTO_ALL_TO_ALL = (
-    (0, "direct"),
-    (PUSH_ALL_TO_ALL_MIN_BYTES, "push"),
-    (PIPELINED_ALL_TO_ALL_MIN_BYTES, "push_pipelined"),
-    (COPY_ENGINE_ALL_TO_ALL_MIN_BYTES, "copy_engine"),
-)
-AUTO_COPY_ENGINE = ((0, "direct"), (COPY_ENGINE_MIN_BYTES, "copy_engine"))
-# From three GPUs on, from the 4 x H100 sweep of 2026-11-27 (nanoparallel/results/
-# nvidia-h100-80gb-hbm3-cuda-x4.json; 3 and 5-8 GPUs are not measured and take the same tables).
-# all-reduce: one_shot up to ONE_SHOT_MAX_BYTES, two_shot above (0.99x NCCL's time at 4 MiB, 144 vs
-# 176 us for the ring at 16 MiB), the ring from 64 MiB (421.7 / 1461 / 5586 us against two_shot's
-# 506.4 / 1978 / 7987 at 64 MiB / 256 MiB / 1 GiB: 0.80-0.82x NCCL's busbw against 0.57-0.66x).
-# all-to-all: push_pipelined stays above 64 MiB (964.6 / 3898 us at 256 MiB / 1 GiB) where the copy
-# engine, the 2-GPU choice, took 1171 / 4369 us.
-RING_ALL_REDUCE_MIN_BYTES = 64 << 20
-AUTO_ALL_REDUCE_MORE_GPUS = (
-    (0, "one_shot"),
-    (ONE_SHOT_MAX_BYTES + 1, "two_shot"),
-    (RING_ALL_REDUCE_MIN_BYTES, "ring"),
-)
-AUTO_ALL_TO_ALL_MORE_GPUS = tuple(row for row in AUTO_ALL_TO_ALL if row[1] != "copy_engine")
-# reduce-scatter: direct up to 64 MiB, pipelined from there. Measured on 2 x H200
-# (nanoparallel/results/nvidia-h200-cuda-x2-rs.json): pipelined 1.20/1.37/1.26x NCCL's busbw at
-# 64 MiB/256 MiB/1 GiB where direct gave 1.06/0.99/0.89; at 8 B it is the slower one (27.3 vs 16.7 us).
-# Sizes between 64 KiB and 64 MiB were not swept for it, so the bound is the smallest measured win.
-PIPELINED_REDUCE_SCATTER_MIN_BYTES = 64 << 20
-AUTO_REDUCE_SCATTER = ((0, "direct"), (PIPELINED_REDUCE_SCATTER_MIN_BYTES, "pipelined"))
-# pipelined variants: barriers (steps) per call, the same on every rank whatever its share.
-# push_pipelined (all-to-all) always takes PIPELINE_STEPS (4: best at 64 MiB, 131 vs 144 us at 8),
-# since its ranks' sizes may differ; one_shot_pipelined (every rank the same size) takes steps by
-# size: 4 and 8 tied at 64 MiB (208 us), 16 was best from 256 MiB (770 vs 782 us at 8 and 817 at 4;
-# 1 GiB: 3036 vs 3154 and 3394 us). Both counts are covered by nanoparallel.cuda.check.
+# "auto": tables per world size in nanoparallel/cuda/auto_tables.py (generated from the GPU runs by
+# nanoparallel.cuda.tuning, which says how; read by CudaPeerBackend.policy). What the measurements
+# behind them found, and why, is on site/pages/nanoparallel/one-shot-two-shot.md and index.md.
+# Steps of a pipelined algorithm without a table there:
 PIPELINE_STEPS = 4
-AUTO_ALL_REDUCE_STEPS = ((0, PIPELINE_STEPS), (256 << 20, 16))
-# the pipelined reduce-scatter (every rank the same size, so steps may go by size): the all-reduce's
-# table keyed by the per-rank input bytes; 16 steps everywhere instead (nvidia-h200-cuda-x2-rs16.json)
-# was within 1% of it at 64 MiB-1 GiB (136.1 vs 135.8, 404.8 vs 411.8, 1548.5 vs 1542.4 us)
-AUTO_REDUCE_SCATTER_STEPS = AUTO_ALL_REDUCE_STEPS
 # the all-to-all copy engine cuts every segment into this many pieces, one barrier each, so the
 # drain of piece c (a local copy, on a second stream) overlaps the NVLink copies of piece c + 1.
 # Measured: 4 pieces best at 1 GiB (1535 us against 1665 at 1 and 1679 at 8), within 2% of 1 piece
@@ -157,16 +126,6 @@ def ring_barriers(world_size: int, gather: bool) -> int:
 
 def _pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
-
-
-def pick(table: tuple[tuple[int, T], ...], nbytes: int) -> T:
-    """The choice (an algorithm, a step count) of the last row of an AUTO_* table whose byte
-    bound ``nbytes`` reaches."""
-    choice = table[0][1]
-    for bound, name in table:
-        if nbytes >= bound:
-            choice = name
-    return choice
 
 
 def pipeline_steps(chunk: int, steps: int, block: int) -> tuple[int, int]:
@@ -389,10 +348,13 @@ class CudaPeerBackend:
         fast_launch: call compiled kernels' launchers directly after the first call (see _Launcher).
 
     Knobs a measurement may change between calls (the same value on every rank):
-        programs: programs per kernel launch (default and at most ``max_programs``, 2 per SM).
-        pipeline_steps: barriers per call of one_shot_pipelined, the pipelined reduce-scatter and
-            push_pipelined (None, the default: by size from AUTO_ALL_REDUCE_STEPS and
-            AUTO_REDUCE_SCATTER_STEPS, PIPELINE_STEPS for the all-to-all).
+        policy: what "auto" picks, and the steps and programs of the pipelined algorithms
+            (:class:`~nanoparallel.cuda.tuning.Policy`; default: the committed tables of the nearest
+            measured world size, nanoparallel/cuda/auto_tables.py).
+        programs: programs per kernel launch (None, the default: the policy's, else
+            ``max_programs``, 2 per SM).
+        pipeline_steps: steps (barriers, or signals) per call of every pipelined algorithm (None,
+            the default: by size from the policy, PIPELINE_STEPS where it has no table).
         copy_engine_pieces: pieces per segment of the all-to-all copy engine.
         cache_splits: look validated all-to-all splits up in a cache (False: the per-call
             validation and pinned-table copy of before, kept to measure the difference).
@@ -434,9 +396,11 @@ class CudaPeerBackend:
         # after 0.41 s); capped to stay an int32, about 7 minutes
         self.max_spins = int(min(max(self.timeout_s, 0.001) * SPINS_PER_S, 2**31 - 1))
         props = torch.cuda.get_device_properties(self.device)
-        self.max_programs = PROGRAMS_PER_SM * props.multi_processor_count
-        self.programs = self.max_programs
+        self.sm_count = props.multi_processor_count
+        self.max_programs = PROGRAMS_PER_SM * self.sm_count
+        self.programs: int | None = None
         self.pipeline_steps: int | None = None
+        self.policy: Policy = policy_for(world_size)
         self.copy_engine_pieces = COPY_ENGINE_PIECES
         self.cache_splits = True
         self._split_cache = SplitCache(world_size, self.device)
@@ -455,6 +419,9 @@ class CudaPeerBackend:
         self._flags = _Symmetric(4 * self.max_programs * world_size, self.device, self.group)
         self._flags.local.zero_()
         self._meta = [_Symmetric(8 * 2 * world_size, self.device, self.group) for _ in range(2)]
+        # per-call headers of the issue-#35 kernels (element count, tag; kernels._check_headers), one
+        # per staging buffer: alternating with it, a header is rewritten only when the buffer is
+        self._headers = [_Symmetric(64, self.device, self.group) for _ in range(2)]
         self._err = torch.zeros(1, dtype=torch.int32, device=self.device)
         # what every kernel takes for its barriers: my flags, offsets to the peers' flags, error word
         self._sync = (self._flags.view(torch.int32), self._flags.deltas(torch.int32), self._err)
@@ -547,32 +514,33 @@ class CudaPeerBackend:
     def _algorithm(self, collective: str, algorithm: str, nbytes: int) -> str:
         names = ALGORITHMS[collective]
         if algorithm == "auto":
-            if collective == "all_reduce":
-                if self.world_size <= 2:
-                    return pick(AUTO_ALL_REDUCE_TWO_GPUS, nbytes)
-                return pick(AUTO_ALL_REDUCE_MORE_GPUS, nbytes)
-            if collective in ("all_gather", "broadcast"):
-                return pick(AUTO_COPY_ENGINE, nbytes)
-            if collective == "all_to_all":
-                return pick(AUTO_ALL_TO_ALL if self.world_size <= 2 else AUTO_ALL_TO_ALL_MORE_GPUS, nbytes)
-            if collective == "reduce_scatter":
-                return pick(AUTO_REDUCE_SCATTER, nbytes)
-            return names[0]
+            return self.policy.algorithm(collective, nbytes) or names[0]
         if algorithm not in names:
             raise ValueError(f"{collective}: algorithm {algorithm!r} is not one of {names + ('auto',)}")
         return algorithm
 
-    def _pipeline_steps(self, collective: str, nbytes: int) -> int:
-        """Barriers per call of a pipelined variant: the ``pipeline_steps`` knob when set; else by
-        size for the all-reduce and the reduce-scatter (every rank has the same size) and fixed for
-        the all-to-all (ranks' sizes may differ, and every rank must take the same count)."""
+    def _pipeline_steps(self, collective: str, nbytes: int, algorithm: str) -> int:
+        """Steps per call of a pipelined algorithm: the ``pipeline_steps`` knob when set, else the
+        policy's table (by size, except for the all-to-all: its ranks' sizes may differ, and every
+        rank must take the same count), else PIPELINE_STEPS."""
         if self.pipeline_steps:
             return self.pipeline_steps
-        if collective == "all_reduce":
-            return pick(AUTO_ALL_REDUCE_STEPS, nbytes)
-        if collective == "reduce_scatter":
-            return pick(AUTO_REDUCE_SCATTER_STEPS, nbytes)
-        return PIPELINE_STEPS
+        steps = self.policy.knob("steps", collective, algorithm, nbytes)
+        return int(steps) if steps else PIPELINE_STEPS
+
+    def _programs(self, collective: str, algorithm: str, nbytes: int) -> int:
+        """Grid of a launch: the ``programs`` knob when set, else the policy's programs per SM,
+        else ``max_programs``; never more than ``max_programs`` (all programs must be resident)."""
+        if self.programs:
+            return min(self.programs, self.max_programs)
+        per_sm = self.policy.knob("programs", collective, algorithm, nbytes)
+        if per_sm:
+            return max(1, min(self.max_programs, round(float(per_sm) * self.sm_count)))
+        return self.max_programs
+
+    def _header(self) -> _Symmetric:
+        """The header buffer of the staging buffer that the last ``_next`` handed out."""
+        return self._headers[self.parity ^ 1]
 
     def _op(self, what: str, op: str, dtype: torch.dtype) -> int:
         if op not in K.OP_CODES:
@@ -580,7 +548,7 @@ class CudaPeerBackend:
         return K.OP_CODES[op]
 
     def _chunk(self, n: int, elem: int) -> tuple[int, int]:
-        return split_work(n, min(self.programs, self.max_programs), STEP_BYTES // elem)
+        return split_work(n, min(self.programs or self.max_programs, self.max_programs), STEP_BYTES // elem)
 
     def _after(self, what: str) -> None:
         if self.check_errors:
@@ -592,16 +560,20 @@ class CudaPeerBackend:
         code = int(self._err.item())
         if code:
             self._err.zero_()
+            if code & K.ERR_SPLITS:
+                if code & K.ERR_TIMEOUT:  # barriers that did not match up: the flags are out of step
+                    self.closed = "aborted after a mismatch"
+                raise MismatchError(
+                    f"nanoparallel rank {self.rank}: {what}: ranks disagree about a call: all_to_all splits "
+                    "(some rank's input_splits[r] differs from rank r's output_splits for it), or the element "
+                    "count, dtype, root or op of a collective"
+                )
             if code & K.ERR_TIMEOUT:
                 self.closed = "aborted after a timeout"
                 raise CommTimeoutError(
                     f"nanoparallel rank {self.rank}: {what}: a peer did not reach a GPU barrier within "
                     f"~{self.timeout_s:g} s (a peer died, hung, or ranks called different collectives)"
                 )
-            raise MismatchError(
-                f"nanoparallel rank {self.rank}: {what}: all_to_all splits disagree: some rank's "
-                "input_splits[r] differs from rank r's output_splits for it"
-            )
 
     # -- collectives ---------------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto") -> torch.Tensor:
@@ -614,7 +586,9 @@ class CudaPeerBackend:
         n = tensor.numel()
         if n == 0 or self.world_size == 1:
             return tensor  # with one rank every op (avg too) leaves the tensor as it is
-        piece = max(self.staging_cap // elem // 1024 * 1024, 1024)
+        # two_shot_pipelined stages every element twice (reduce-scatter slots and gather slots)
+        cap = self.staging_cap // (2 if algorithm == "two_shot_pipelined" else 1)
+        piece = max(cap // elem // 1024 * 1024, 1024)
         if n <= piece:  # the common case: no reshaping, the kernel indexes the contiguous storage
             self._all_reduce_piece(tensor, code, algorithm)
         else:
@@ -635,8 +609,11 @@ class CudaPeerBackend:
             ))  # fmt: skip
             return
         if algorithm == "one_shot_pipelined":
-            steps = self._pipeline_steps("all_reduce", n * elem)
+            steps = self._pipeline_steps("all_reduce", n * elem, algorithm)
             self._launch_pipelined(K.one_shot_pipelined_all_reduce_kernel, x, x, n, code, steps)
+            return
+        if algorithm == "two_shot_pipelined":
+            all_reduce_two_shot_pipelined(self, x, code)
             return
         if algorithm == "one_shot_push":
             S = _round_up(n, 64)  # slot stride, 256-byte aligned
@@ -675,7 +652,7 @@ class CudaPeerBackend:
             return output
         piece = max(self.staging_cap // elem // W // 1024 * 1024, 1024)
         if algorithm == "pipelined":
-            steps = self._pipeline_steps(what, input.numel() * elem)
+            steps = self._pipeline_steps(what, input.numel() * elem, algorithm)
             inp, out = input.view(W, m), output.view(-1)
             for start in range(0, m, piece):
                 k = min(piece, m - start)
@@ -740,6 +717,10 @@ class CudaPeerBackend:
         m = input.numel()
         if m == 0:
             return output
+        if algorithm in ("pairwise", "push_pipelined"):
+            all_gather_new(self, output, input, algorithm)
+            self._after(what)
+            return output
         piece = max(self.staging_cap // elem // 1024 * 1024, 1024)
         if m <= piece and algorithm == "direct":  # the common case, without reshaping
             buf, epoch = self._next(m * elem, 1)
@@ -758,7 +739,10 @@ class CudaPeerBackend:
             if algorithm == "copy_engine":
                 buf.view(input.dtype)[:k].copy_(src)
                 self._barrier_kernel(epoch)
-                for p in range(W):
+                # peers in rotated order (rank + i in round i): in rank order every rank would
+                # first copy from rank 0, whose NVLink egress then serves W - 1 readers at once
+                for i in range(W):
+                    p = (self.rank + i) % W
                     view = src if p == self.rank else buf.peer(p).view(input.dtype)[:k]
                     out[p, start : start + k].copy_(view)
                 continue
@@ -789,6 +773,10 @@ class CudaPeerBackend:
         algorithm = self._algorithm(what, algorithm, tensor.numel() * elem)
         n = tensor.numel()
         if n == 0 or W == 1:
+            return tensor
+        if algorithm == "ring":
+            broadcast_ring(self, tensor, root)
+            self._after(what)
             return tensor
         piece = max(self.staging_cap // elem // 1024 * 1024, 1024)
         if n <= piece and algorithm == "direct":  # the common case, without reshaping
@@ -870,8 +858,8 @@ class CudaPeerBackend:
                     f"but a split has {plan.largest}; use 'direct' or raise staging_bytes"
                 )
             algorithm = "direct"  # a split too large for the per-sender slot
-        steps = self._pipeline_steps(what, input.numel() * elem)
-        if algorithm == "push_pipelined":
+        steps = self._pipeline_steps(what, input.numel() * elem, algorithm)
+        if algorithm in ("push_pipelined", "pairwise"):
             barriers = steps
         elif algorithm == "copy_engine":
             barriers = self.copy_engine_pieces
@@ -896,10 +884,10 @@ class CudaPeerBackend:
             return output
         args = (input, output, buf.view(input.dtype), buf.deltas(input.dtype), meta.view(torch.int64),
                 meta.deltas(torch.int64), *self._sync)  # fmt: skip
-        grid = min(self.programs, self.max_programs)  # the same on every rank: not from the sizes
-        if algorithm == "push_pipelined":
+        grid = self._programs(what, algorithm, 0)  # the same on every rank: not from the sizes
+        if algorithm in ("push_pipelined", "pairwise"):
             self._launch(K.all_to_all_pipelined_kernel, grid, (
-                *args, slot, steps, epoch, self.max_spins, self.rank, W, STEP_BYTES // elem,
+                *args, slot, steps, epoch, self.max_spins, self.rank, W, STEP_BYTES // elem, algorithm == "pairwise",
             ))  # fmt: skip
         elif algorithm == "push":
             self._launch(K.all_to_all_push_kernel, grid, (
@@ -934,7 +922,10 @@ class CudaPeerBackend:
         peers = [buf.peer(p).view(dtype) if p != me else local for p in range(W)]
         pieces = self.copy_engine_pieces
         for c in range(pieces):
-            for d, a, b in copy_engine_pieces(plan.input_splits, me, c, pieces):
+            # receivers in rotated order (rank + i first), as the pairwise kernel: in rank order
+            # every rank would write to rank 0 first, whose NVLink ingress then takes W - 1 senders
+            sends = copy_engine_pieces(plan.input_splits, me, c, pieces)
+            for d, a, b in sorted(sends, key=lambda s: (s[0] - me) % W):
                 if d != me:
                     off = plan.input_offsets[d]
                     peers[d][me * slot + a : me * slot + b].copy_(inp[off + a : off + b])

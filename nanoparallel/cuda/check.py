@@ -99,9 +99,63 @@ def poison(n: int, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.full((n,), torch.iinfo(dtype).max, dtype=dtype, device=device)
 
 
+def case_all_reduce(backend, algo: str, op: str, xs: list[torch.Tensor]) -> str | None:
+    """One all-reduce of the inputs ``xs`` (one per rank) with ``algo``: None, or what is wrong."""
+    rank, W, dtype = backend.rank, backend.world_size, xs[0].dtype
+    t = xs[rank].to(backend.device, copy=True)
+    ring = _resolves_to_ring(backend, "all_reduce", algo, t.numel() * t.element_size())
+    backend.all_reduce(t, op=op, algorithm=algo)
+    return _close(t, reduce_ref(xs, op), dtype, W if ring else 1, magnitude(xs, op))
+
+
+def case_reduce_scatter(backend, algo: str, op: str, xs: list[torch.Tensor]) -> str | None:
+    """One reduce-scatter of ``xs`` (each [W*n])."""
+    rank, W, dtype = backend.rank, backend.world_size, xs[0].dtype
+    n = xs[0].numel() // W
+    out = poison(n, dtype, backend.device)
+    backend.reduce_scatter(out, xs[rank].to(backend.device), op=op, algorithm=algo)
+    ref = reduce_ref(xs, op)[rank * n : (rank + 1) * n]
+    scale = magnitude(xs, op)[rank * n : (rank + 1) * n]
+    ring = _resolves_to_ring(backend, "reduce_scatter", algo, xs[rank].numel() * xs[rank].element_size())
+    return _close(out, ref, dtype, W if ring else 1, scale)
+
+
+def case_all_gather(backend, algo: str, xs: list[torch.Tensor]) -> str | None:
+    rank, W = backend.rank, backend.world_size
+    out = poison(W * xs[0].numel(), xs[0].dtype, backend.device)
+    backend.all_gather(out, xs[rank].to(backend.device), algorithm=algo)
+    return None if torch.equal(out.cpu(), torch.cat(xs)) else "output is not the inputs in rank order"
+
+
+def case_broadcast(backend, algo: str, root: int, xs: list[torch.Tensor]) -> str | None:
+    t = xs[backend.rank].to(backend.device)
+    backend.broadcast(t, root=root, algorithm=algo)
+    return None if torch.equal(t.cpu(), xs[root]) else "differs from the root's tensor"
+
+
+def a2a_inputs(n: int, dtype: torch.dtype, W: int, seed: int) -> tuple[list, list]:
+    """(counts[s][d], inputs[s]) of an uneven all-to-all drawn from ``seed`` on every rank alike."""
+    g = torch.Generator().manual_seed(seed)
+    counts = (
+        torch.randint(0, max(n, 1) + 1, (W, W), generator=g).tolist() if n else [[0] * W for _ in range(W)]
+    )
+    return counts, [draw(sum(counts[s]), dtype, seed + s) for s in range(W)]
+
+
+def case_all_to_all(backend, algo: str, counts: list, xs: list[torch.Tensor]) -> str | None:
+    rank, W = backend.rank, backend.world_size
+    recv = [counts[s][rank] for s in range(W)]
+    expected = torch.cat([xs[s][sum(counts[s][:rank]) : sum(counts[s][: rank + 1])] for s in range(W)])
+    out = poison(sum(recv), xs[0].dtype, backend.device)
+    backend.all_to_all(
+        out, xs[rank].to(backend.device), output_splits=recv, input_splits=counts[rank], algorithm=algo
+    )
+    return None if torch.equal(out.cpu(), expected) else "received the wrong data"
+
+
 def check_all(backend, seed: int = 0, sizes=SIZES, dtypes=DTYPES) -> tuple[int, list[str]]:
     """Run every collective x algorithm x dtype x size on ``backend``; return (cases, failures)."""
-    rank, W, dev = backend.rank, backend.world_size, backend.device
+    rank, W = backend.rank, backend.world_size
     failures: list[str] = []
     cases = 0
     k = 0
@@ -121,73 +175,47 @@ def check_all(backend, seed: int = 0, sizes=SIZES, dtypes=DTYPES) -> tuple[int, 
         ops = OPS[dtype]
         for algo, op in itertools.product(ALGORITHMS["all_reduce"] + ("auto",), ops):
             k += 1
-            xs = inputs(n, dtype)
-            t = xs[rank].to(dev)
-            ring = _resolves_to_ring(backend, "all_reduce", algo, t.numel() * t.element_size())
-            backend.all_reduce(t, op=op, algorithm=algo)
             report(
-                f"all_reduce {algo} {op} {dtype} n={n}",
-                _close(t, reduce_ref(xs, op), dtype, W if ring else 1, magnitude(xs, op)),
+                f"all_reduce {algo} {op} {dtype} n={n}", case_all_reduce(backend, algo, op, inputs(n, dtype))
             )
         for algo, op in itertools.product(ALGORITHMS["reduce_scatter"] + ("auto",), ops):
             k += 1
             xs = inputs(W * n, dtype)
-            out = poison(n, dtype, dev)
-            backend.reduce_scatter(out, xs[rank].to(dev), op=op, algorithm=algo)
-            ref = reduce_ref(xs, op)[rank * n : (rank + 1) * n]
-            scale = magnitude(xs, op)[rank * n : (rank + 1) * n]
-            ring = _resolves_to_ring(
-                backend, "reduce_scatter", algo, xs[rank].numel() * xs[rank].element_size()
-            )
-            report(
-                f"reduce_scatter {algo} {op} {dtype} m={n}",
-                _close(out, ref, dtype, W if ring else 1, scale),
-            )
+            report(f"reduce_scatter {algo} {op} {dtype} m={n}", case_reduce_scatter(backend, algo, op, xs))
         for algo in ALGORITHMS["all_gather"] + ("auto",):
             k += 1
-            xs = inputs(n, dtype)
-            out = poison(W * n, dtype, dev)
-            backend.all_gather(out, xs[rank].to(dev), algorithm=algo)
-            ok = torch.equal(out.cpu(), torch.cat(xs))
-            report(
-                f"all_gather {algo} {dtype} m={n}", None if ok else "output is not the inputs in rank order"
-            )
+            report(f"all_gather {algo} {dtype} m={n}", case_all_gather(backend, algo, inputs(n, dtype)))
         for algo, root in itertools.product(ALGORITHMS["broadcast"] + ("auto",), range(W)):
             k += 1
             xs = inputs(n, dtype)
-            t = xs[rank].to(dev)
-            backend.broadcast(t, root=root, algorithm=algo)
-            ok = torch.equal(t.cpu(), xs[root])
-            report(
-                f"broadcast {algo} root={root} {dtype} n={n}",
-                None if ok else "differs from the root's tensor",
-            )
+            report(f"broadcast {algo} root={root} {dtype} n={n}", case_broadcast(backend, algo, root, xs))
         # uneven all-to-all: counts[s][d] elements from s to d, drawn from the seed on every rank
         k += 1
-        g = torch.Generator().manual_seed(seed + 1000 * k)
-        counts = torch.randint(0, max(n, 1) + 1, (W, W), generator=g).tolist()
-        if n == 0:
-            counts = [[0] * W for _ in range(W)]
-        xs = [draw(sum(counts[s]), dtype, seed + 1000 * k + s) for s in range(W)]
-        recv = [counts[s][rank] for s in range(W)]
-        expected = torch.cat([xs[s][sum(counts[s][:rank]) : sum(counts[s][: rank + 1])] for s in range(W)])
+        counts, xs = a2a_inputs(n, dtype, W, seed + 1000 * k)
         for algo in ALGORITHMS["all_to_all"] + ("auto",):
-            out = poison(sum(recv), dtype, dev)
-            backend.all_to_all(
-                out, xs[rank].to(dev), output_splits=recv, input_splits=counts[rank], algorithm=algo
-            )
-            ok = torch.equal(out.cpu(), expected)
-            report(f"all_to_all {algo} {dtype} counts={counts}", None if ok else "received the wrong data")
+            report(f"all_to_all {algo} {dtype} counts={counts}", case_all_to_all(backend, algo, counts, xs))
     _check_knobs(backend, seed + 1000 * (k + 1), report)
     backend.barrier()
     return cases, failures
 
 
-def _check_knobs(backend, seed: int, report) -> int:
+# the algorithms whose partition the knobs change (steps, copy-engine pieces, programs)
+KNOBBED = {
+    "all_reduce": ("one_shot_push", "one_shot_pipelined", "two_shot_pipelined"),
+    "reduce_scatter": ("pipelined",),
+    "all_gather": ("pairwise", "push_pipelined"),
+    "broadcast": ("ring",),
+    "all_to_all": ALGORITHMS["all_to_all"],
+}
+
+
+def _check_knobs(backend, seed: int, report, only: tuple[str, str] | None = None) -> int:
     """The knobs a measurement turns (steps, pieces, programs, uncached splits), at sizes where
-    they change the partition, float32 only; restores every knob. Returns the next seed."""
-    rank, W, dev = backend.rank, backend.world_size, backend.device
+    they change the partition, float32 only; restores every knob. ``only``: one (collective,
+    algorithm). Returns the next seed."""
+    W = backend.world_size
     saved = (backend.pipeline_steps, backend.copy_engine_pieces, backend.programs, backend.cache_splits)
+    f32 = torch.float32
     try:
         for steps, pieces, programs, cached in (
             (1, 1, 7, False),
@@ -199,43 +227,352 @@ def _check_knobs(backend, seed: int, report) -> int:
             knobs = f"steps={steps} pieces={pieces} programs={programs} cached={cached}"
             for n in (65537, (1 << 20) + 7):
                 seed += 1
-                xs = [draw(n, torch.float32, seed + r) for r in range(W)]
-                for algo in ("one_shot_push", "one_shot_pipelined"):
-                    t = xs[rank].to(dev)
-                    backend.all_reduce(t, op="sum", algorithm=algo)
-                    report(
-                        f"all_reduce {algo} sum n={n} {knobs}",
-                        _close(t, reduce_ref(xs, "sum"), torch.float32, 1, magnitude(xs, "sum")),
-                    )
-                # reduce-scatter: m = n per rank, so 65537 leaves the last program and step short
-                zs = [draw(W * n, torch.float32, seed + 200 + r) for r in range(W)]
-                out = poison(n, torch.float32, dev)
-                backend.reduce_scatter(out, zs[rank].to(dev), op="sum", algorithm="pipelined")
-                report(
-                    f"reduce_scatter pipelined sum m={n} {knobs}",
-                    _close(
-                        out,
-                        reduce_ref(zs, "sum")[rank * n : (rank + 1) * n],
-                        torch.float32,
-                        1,
-                        magnitude(zs, "sum")[rank * n : (rank + 1) * n],
-                    ),
-                )
-                g = torch.Generator().manual_seed(seed)
-                counts = torch.randint(0, n + 1, (W, W), generator=g).tolist()
-                ys = [draw(sum(counts[s]), torch.float32, seed + 100 + s) for s in range(W)]
-                recv = [counts[s][rank] for s in range(W)]
-                expected = torch.cat(
-                    [ys[s][sum(counts[s][:rank]) : sum(counts[s][: rank + 1])] for s in range(W)]
-                )
-                for algo in ALGORITHMS["all_to_all"]:
-                    out = poison(sum(recv), torch.float32, dev)
-                    backend.all_to_all(out, ys[rank].to(dev), recv, counts[rank], algorithm=algo)
-                    ok = torch.equal(out.cpu(), expected)
-                    report(f"all_to_all {algo} n~{n} {knobs}", None if ok else "received the wrong data")
+                for coll, algos in KNOBBED.items():
+                    for algo in algos:
+                        if only and (coll, algo) != only:
+                            continue
+                        what = f"{coll} {algo} n={n} {knobs}"
+                        if coll == "all_reduce":
+                            xs = [draw(n, f32, seed + r) for r in range(W)]
+                            report(what, case_all_reduce(backend, algo, "sum", xs))
+                        elif coll == "reduce_scatter":
+                            # m = n per rank, so 65537 leaves the last program and step short
+                            zs = [draw(W * n, f32, seed + 200 + r) for r in range(W)]
+                            report(what, case_reduce_scatter(backend, algo, "sum", zs))
+                        elif coll == "all_gather":
+                            report(
+                                what,
+                                case_all_gather(
+                                    backend, algo, [draw(n, f32, seed + 300 + r) for r in range(W)]
+                                ),
+                            )
+                        elif coll == "broadcast":
+                            xs = [draw(n, f32, seed + 400 + r) for r in range(W)]
+                            report(what, case_broadcast(backend, algo, (seed + 1) % W, xs))
+                        else:
+                            counts, ys = a2a_inputs(n, f32, W, seed + 100)
+                            report(what, case_all_to_all(backend, algo, counts, ys))
     finally:
         backend.pipeline_steps, backend.copy_engine_pieces, backend.programs, backend.cache_splits = saved
     return seed
+
+
+# -- one group at a time, failing fast (the GPU plan of issue #35: nanoparallel/cuda/gpu_plan.sh) --
+
+# the new algorithms in the order the plan checks them: what the bandwidth targets most depend on
+# first, so that a budget that runs out leaves the least important unchecked
+NEW_GROUPS = (
+    "broadcast/ring",
+    "all_gather/push_pipelined",
+    "all_gather/pairwise",
+    "all_to_all/pairwise",
+    "all_reduce/two_shot_pipelined",
+)
+STATUS = ("passed", "failed", "mismatch", "timeout", "error")  # worse to the right
+
+
+def check_algorithm(backend, collective: str, algorithm: str, seed: int = 0, sizes=SIZES, dtypes=DTYPES):
+    """Every case of one algorithm (or "auto") of one collective: each dtype and size, every op and
+    root, then the knobs at sizes where they change the partition. After each call the backend
+    synchronises and checks its error word, so a timeout or mismatch raises at the call that caused
+    it (CommTimeoutError, MismatchError) and the caller can stop there. Returns (cases, failures)."""
+    rank, W = backend.rank, backend.world_size
+    failures: list[str] = []
+    cases = 0
+
+    def report(what: str, problem: str | None) -> None:
+        nonlocal cases
+        backend.check(what)
+        cases += 1
+        if problem:
+            failures.append(f"rank {rank}: {what}: {problem}")
+
+    k = 0
+    for n, dtype in itertools.product(sizes, dtypes):
+        if n > 100_000 and dtype not in BIG_DTYPES:
+            continue
+        k += 1
+        base = seed + 1000 * k
+        what = f"{collective} {algorithm} {dtype} n={n}"
+        if collective == "all_reduce":
+            for op in OPS[dtype]:
+                xs = [draw(n, dtype, base + r) for r in range(W)]
+                report(f"{what} {op}", case_all_reduce(backend, algorithm, op, xs))
+        elif collective == "reduce_scatter":
+            for op in OPS[dtype]:
+                xs = [draw(W * n, dtype, base + r) for r in range(W)]
+                report(f"{what} {op}", case_reduce_scatter(backend, algorithm, op, xs))
+        elif collective == "all_gather":
+            report(what, case_all_gather(backend, algorithm, [draw(n, dtype, base + r) for r in range(W)]))
+        elif collective == "broadcast":
+            for root in range(W):
+                xs = [draw(n, dtype, base + 10 * root + r) for r in range(W)]
+                report(f"{what} root={root}", case_broadcast(backend, algorithm, root, xs))
+        else:
+            counts, xs = a2a_inputs(n, dtype, W, base)
+            report(f"{what} counts={counts}", case_all_to_all(backend, algorithm, counts, xs))
+    if algorithm in KNOBBED.get(collective, ()):
+        _check_knobs(backend, seed + 1000 * (k + 1), report, only=(collective, algorithm))
+    return cases, failures
+
+
+def check_faults(backend, groups) -> tuple[int, list[str]]:
+    """The faults the new kernels must surface, on GPUs: ranks that disagree on a call's size raise
+    MismatchError (every rank for the kernels with a header; the receiver of the disagreeing split
+    for the all-to-all), and a call no peer joins raises CommTimeoutError instead of hanging. Sizes
+    are picked so that all ranks cut the call into the same programs and steps (the header, not a
+    timeout, must catch it). The lonely call leaves rank 1's backend aborted: the caller rebuilds."""
+    import time
+
+    import torch.distributed as dist
+
+    from nanoparallel.errors import CommTimeoutError
+
+    rank, W, dev = backend.rank, backend.world_size, backend.device
+    failures: list[str] = []
+    cases = 0
+
+    def all_agree(flag: bool) -> bool:  # whether any rank says so (every rank takes the same branch)
+        t = torch.tensor([int(flag)], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=backend.group)
+        return bool(t[0])
+
+    for group in groups:
+        coll, algo = group.split("/")
+        n = 4000 if rank == W - 1 else 4096  # one rank disagrees; same grid and steps for all
+        x = torch.ones(n, device=dev)
+        raised = None
+        try:
+            if coll == "broadcast":
+                backend.broadcast(x, 0, algo)
+            elif coll == "all_gather":
+                backend.all_gather(torch.empty(W * n, device=dev), x, algo)
+            elif coll == "all_reduce":
+                backend.all_reduce(x, "sum", algo)
+            else:  # rank W-1 says it sends one more row to rank 0 than rank 0 expects
+                splits = [4] * W
+                send = list(splits)
+                if rank == W - 1:
+                    send[0] += 1
+                out = torch.empty(4 * W, device=dev)
+                backend.all_to_all(out, torch.ones(sum(send), device=dev), splits, send, algo)
+            backend.check(f"{group} with mismatched sizes")
+        except Exception as exc:  # every rank must reach the agreement below, whatever happened
+            raised = type(exc).__name__
+        cases += 1
+        must = coll != "all_to_all" or rank == 0
+        if must and raised != "MismatchError":
+            failures.append(f"rank {rank}: {group}: ranks disagree on the size, but it raised {raised}")
+        if all_agree(bool(backend.closed)):
+            return cases, failures  # the caller rebuilds; the lonely call needs a working backend
+    cases += 1
+    if rank == 1:  # a ring broadcast only rank 1 calls: its waits must expire and check() raise
+        backend.timeout_s, backend.max_spins = 2.0, 10_000_000
+        t0 = time.perf_counter()
+        try:
+            backend.broadcast(torch.ones(4096, device=dev), 1, "ring")
+            backend.check("lonely ring broadcast")
+            failures.append(f"rank {rank}: a ring broadcast no peer joined did not time out")
+        except CommTimeoutError:
+            if time.perf_counter() - t0 > 60:
+                failures.append(
+                    f"rank {rank}: the lonely call took {time.perf_counter() - t0:.0f} s to raise"
+                )
+        except Exception as exc:
+            failures.append(f"rank {rank}: the lonely call raised {type(exc).__name__}: {exc}")
+    dist.barrier(group=backend.group)
+    return cases, failures
+
+
+def _group_rank_main(rank: int, world: int, port: int, args, results) -> None:
+    """One rank of ``run_groups``: each group in turn, a message to the parent after each, and a
+    fresh backend (new symmetric buffers and flags) whenever a group left the old one unusable."""
+    import datetime
+    import time
+    import traceback
+
+    import torch.distributed as dist
+
+    from nanoparallel.cuda import CudaPeerBackend
+
+    store = dist.TCPStore(
+        "127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=120)
+    )
+    # a default group that outlives the backends: each backend then takes a gloo group of its own
+    # (a new name each time, so symmetric memory never meets a stale registration of a group name)
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore("default", store), rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )  # fmt: skip
+    generation = 0
+
+    def fresh():
+        nonlocal generation
+        generation += 1
+        prefixed = dist.PrefixStore(f"check-{generation}", store)
+        return CudaPeerBackend(rank, world, prefixed, torch.device("cuda", rank), timeout_s=args.timeout_s)
+
+    be = fresh()
+    passed = set(args.passed)  # the faults are tried on the new algorithms that passed their check
+    for group in args.groups:
+        results.put(("start", rank, group))
+        t0 = time.perf_counter()
+        status, cases, failures = "passed", 0, []
+        try:
+            if group == "faults":
+                cases, failures = check_faults(be, [g for g in NEW_GROUPS if g in passed])
+            elif group == "old-quick":  # the full check, sampled: 3 dtypes, small sizes
+                cases, failures = check_all(
+                    be, sizes=(0, 1, 31, 4099), dtypes=(torch.float32, torch.bfloat16, torch.int32)
+                )
+            else:
+                coll, algo = group.split("/")
+                cases, failures = check_algorithm(be, coll, algo)
+            status = "failed" if failures else "passed"
+        except Exception as exc:
+            kind = type(exc).__name__
+            status = {"CommTimeoutError": "timeout", "MismatchError": "mismatch"}.get(kind, "error")
+            failures.append(f"rank {rank}: {group}: {kind}: {exc}\n{traceback.format_exc()[-1500:]}")
+        # every rank learns the worst status, so all of them rebuild together
+        worst = torch.tensor([STATUS.index(status)], dtype=torch.int32)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        worst_status = STATUS[int(worst[0])]
+        results.put(("done", rank, group, status, cases, failures[:20], round(time.perf_counter() - t0, 1)))
+        if worst_status == "passed":
+            passed.add(group)
+        if worst_status in ("timeout", "error", "mismatch") or be.closed or group == "faults":
+            try:
+                be.close()
+            except Exception:
+                pass
+            be = fresh()
+    be.close()
+    dist.destroy_process_group()
+    results.put(("end", rank, None))
+
+
+def run_groups(world: int, groups: list[str], budget_s: float, timeout_s: float, out_path=None) -> dict:
+    """Check ``groups`` ("collective/algorithm", "faults", "old-quick") on ``world`` GPUs, one at a
+    time, within ``budget_s``. A rank that crashes (a CUDA error ends its context) or a group that
+    makes no progress for ``timeout_s`` * 6 s stops that group as "crashed"/"hung"; the ranks are
+    started again for the groups left. After each group the summary is written to ``out_path``:
+    {"world", "groups": {group: {"status", "cases", "failures", "seconds"}}, "passed": [...]}."""
+    import argparse
+    import json
+    import queue
+    import time
+
+    import torch.multiprocessing as mp
+
+    from nanoparallel.launch import free_port
+
+    deadline = time.monotonic() + budget_s
+    summary: dict = {"world": world, "groups": {}, "passed": []}
+
+    def save() -> None:
+        summary["passed"] = [g for g, r in summary["groups"].items() if r["status"] == "passed"]
+        if out_path:
+            with open(out_path, "w") as f:
+                json.dump(summary, f, indent=1)
+
+    remaining = list(groups)
+    while remaining and time.monotonic() < deadline - 15:
+        ctx = mp.get_context("spawn")
+        results = ctx.Queue()
+        args = argparse.Namespace(groups=list(remaining), timeout_s=timeout_s, passed=list(summary["passed"]))
+        port = free_port()
+        procs = [
+            ctx.Process(target=_group_rank_main, args=(r, world, port, args, results)) for r in range(world)
+        ]
+        for pr in procs:
+            pr.start()
+        done: dict[str, list] = {}
+        current, ended, stalled = None, 0, None
+        last = time.monotonic()
+        try:
+            while ended < world:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    stalled = "budget"
+                    break
+                try:
+                    msg = results.get(timeout=min(1.0, left))
+                except queue.Empty:
+                    dead = [r for r, pr in enumerate(procs) if pr.exitcode not in (None, 0)]
+                    if dead:
+                        stalled = f"crashed (rank {dead[0]} exited with {procs[dead[0]].exitcode})"
+                        break
+                    if time.monotonic() - last > max(6 * timeout_s, 90):
+                        stalled = "hung"
+                        break
+                    continue
+                last = time.monotonic()
+                kind, rank, group = msg[0], msg[1], msg[2]
+                if kind == "start":
+                    current = group
+                    print(f"[{time.strftime('%X')}] rank {rank}: {group}", flush=True) if rank == 0 else None
+                elif kind == "done":
+                    done.setdefault(group, []).append(msg)
+                    if len(done[group]) == world:
+                        statuses = [m[3] for m in done[group]]
+                        summary["groups"][group] = {
+                            "status": max(statuses, key=STATUS.index),
+                            "cases": sum(m[4] for m in done[group]),
+                            "failures": [f for m in done[group] for f in m[5]][:40],
+                            "seconds": max(m[6] for m in done[group]),
+                        }
+                        remaining.remove(group)
+                        save()
+                        r = summary["groups"][group]
+                        print(f"  {group}: {r['status']}, {r['cases']} cases, {r['seconds']} s", flush=True)
+                        for f in r["failures"][:5]:
+                            print("    " + f.splitlines()[0], flush=True)
+                elif kind == "end":
+                    ended += 1
+        finally:
+            for pr in procs:
+                pr.join(timeout=20 if ended == world else 1)
+                if pr.is_alive():
+                    pr.kill()
+        if stalled and current in remaining:
+            summary["groups"][current] = {"status": stalled if stalled != "budget" else "not finished", "cases": 0,
+                                          "failures": [], "seconds": None}  # fmt: skip
+            remaining.remove(current)
+            save()
+        elif stalled and current is None:  # the ranks failed before the first group: no retry helps
+            summary["startup"] = stalled
+            break
+        if stalled == "budget":
+            break
+    for group in remaining:
+        why = f"not run (start-up {summary['startup']})" if "startup" in summary else "not run (budget)"
+        summary["groups"][group] = {"status": why, "cases": 0, "failures": [], "seconds": None}
+    save()
+    return summary
+
+
+def checked_algorithms(path) -> set[tuple[str, str]] | None:
+    """The (collective, algorithm) pairs a ``run_groups`` summary says passed; None without a file
+    (then nothing is held back). A new algorithm not in the set is not timed by sweep and diagnose."""
+    import json
+    from pathlib import Path
+
+    if path is None:
+        return None
+    p = Path(path)
+    if not p.exists():
+        return set()
+    return {tuple(g.split("/")) for g in json.loads(p.read_text()).get("passed", []) if "/" in g}
+
+
+def may_time(checked: set | None, collective: str, algorithm: str) -> bool:
+    """Whether a benchmark may time this algorithm: every one without a checked-list, the old ones
+    always (checked in earlier runs, and again at each timed shape), a new one only if it passed."""
+    from nanoparallel.cuda import NEW_ALGORITHMS
+
+    if checked is None or algorithm not in NEW_ALGORITHMS.get(collective, ()):
+        return True
+    return (collective, algorithm) in checked
 
 
 def _rank_main(rank: int, world: int, port: int, quick: bool, results) -> None:
@@ -276,7 +613,23 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description="correctness check of every nanoparallel.cuda collective")
     p.add_argument("--world-size", type=int, default=torch.cuda.device_count())
     p.add_argument("--quick", action="store_true", help="float32, bfloat16, int32 at sizes 0, 1, 31, 4099")
+    p.add_argument(
+        "--groups", nargs="+", default=None,
+        help="check these one at a time, failing fast: collective/algorithm, 'new' (issue #35's "
+        "algorithms), 'faults', 'old-quick' (the full check, sampled)",
+    )  # fmt: skip
+    p.add_argument(
+        "--budget-s", type=float, default=600, help="with --groups: stop starting groups after this"
+    )
+    p.add_argument("--timeout-s", type=float, default=10, help="with --groups: the backend's barrier timeout")
+    p.add_argument("--out", default=None, help="with --groups: the JSON summary (sweep/diagnose --checked)")
     args = p.parse_args(argv)
+    if args.groups:
+        groups = [g for name in args.groups for g in (NEW_GROUPS if name == "new" else (name,))]
+        summary = run_groups(args.world_size, groups, args.budget_s, args.timeout_s, args.out)
+        bad = {g: r["status"] for g, r in summary["groups"].items() if r["status"] != "passed"}
+        print(f"passed: {summary['passed']}" + (f"; not passed: {bad}" if bad else ""))
+        raise SystemExit(1 if bad else 0)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]

@@ -1,27 +1,32 @@
 """Why a GPU collective misses its target: measurements that separate the candidate causes.
 
-    python -m nanoparallel.cuda.diagnose --world-size 2 --out DIR     # about 2 minutes on 2 H200
-    python -m nanoparallel.cuda.diagnose --world-size 2 --dry-run     # the plan only, no GPU needed
+    python -m nanoparallel.cuda.diagnose --world-size 4 --out DIR --checked DIR/check-x4.json
+    python -m nanoparallel.cuda.diagnose --world-size 4 --dry-run     # the plan only, no GPU needed
 
-The sweep (``nanoparallel.cuda.sweep``) says *that* all-to-all and large all-reduce fall short of
-NCCL; this says *where the time goes*, in five sections, every rank measuring at once:
+The sweep (``nanoparallel.cuda.sweep``) says *that* a collective falls short of NCCL; this says
+*where the time goes*, every rank measuring at once:
 
-* ``nvlink``: raw bandwidth per direction between GPUs, every rank copying to (or from) the next
-  one at the same time, as the collectives do. Our Triton copy (``peer_copy_kernel``, the inner
-  loop of every kernel) reading the peer's memory and writing it, against the number of programs;
-  the copy engine (``Tensor.copy_`` between a local tensor and the peer's mapped buffer) in both
-  directions; NCCL send/recv; and a local copy of the same size (the drain that follows a barrier).
-* ``all_to_all``: NCCL, direct, push, push_pipelined (steps), copy_engine (pieces).
-* ``all_reduce``: NCCL, one_shot, one_shot_push (programs), one_shot_pipelined (steps, programs).
-* ``host``: host and device time per call of small all-to-alls, with the split cache on and off
-  (``cache_splits``), splits given and even; one_shot all-reduce beside them as the reference.
-* ``host_parts``: the pieces of the uncached path timed alone on the host: validating the splits,
-  making the pinned table, queueing its copy; and the cache look-up that replaces them.
+* ``nvlink``: raw bandwidth per direction, by traffic pattern, with our Triton copy
+  (``link_probe_kernel``) reading from peers' buffers or writing into them, against the number of
+  programs. ``pair``: rank 0 and rank 1 only, the others idle (one link alone). ``ring``: every
+  rank with rank + 1 (one peer each, all GPUs busy). ``all_peers``: every rank with every other
+  rank at once, the peers interleaved every 8 KiB (all links at once). ``incast``: every rank with
+  rank 0 (what a kernel does that visits peers in rank order, all ranks in lock step: the old
+  all-gather reading, the old all-to-all writing). ``GBps`` is the bytes one active rank moves per
+  second per direction, whatever the number of its peers. Beside them: the copy engine
+  (``Tensor.copy_`` to and from the next rank's buffer), NCCL send/recv in a ring, a local copy.
+* one section per collective (``all_reduce``, ``reduce_scatter``, ``all_gather``, ``broadcast``,
+  ``all_to_all``) at 64 MiB, 256 MiB and 1 GiB: NCCL, each of our algorithms as the policy runs it,
+  and the pipelined ones over a grid of steps and programs (``tunable`` rows, from which
+  ``nanoparallel.cuda.tuning`` picks each size's best).
 
-Timing as in the sweep: all ranks meet, CUDA events around back-to-back calls issued from Python,
-the slowest rank reported. ``GBps`` is bytes per second per direction for the raw copies and algbw
-for collectives; ``busbw_GBps`` uses nccl-tests' factors; ``vs_nccl`` is busbw over the NCCL row of
-the same section and size (send/recv for ``nvlink``). The JSON goes through paperclub's Report:
+Every row of ours is checked against NCCL's result at its shape before it is timed (as in the
+sweep); ``--checked FILE`` holds back new algorithms whose check failed in this job. Timing as in
+the sweep: all ranks meet, CUDA events around back-to-back calls issued from Python, the slowest
+rank reported. ``busbw_GBps`` uses nccl-tests' factors (``nanoparallel.cost_model.bus_factor``);
+``vs_nccl`` is busbw over the NCCL row of the same section and size (send/recv for ``nvlink``).
+What NCCL itself chose (algorithm, protocol, channels) and how its pinned variants fare is
+``nanoparallel.cuda.nccl_info``. The JSON goes through paperclub's Report:
 ``<out>/<device>-cuda-x<W>-diagnose.json``.
 """
 
@@ -38,85 +43,108 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
-COLUMNS = [
-    "section",
-    "variant",
-    "bytes",
-    "programs",
-    "steps",
-    "time_us",
-    "host_us",
-    "GBps",
-    "busbw_GBps",
-    "vs_nccl",
-]
+from nanoparallel.cost_model import bus_factor  # noqa: E402
+
+COLUMNS = ["section", "variant", "bytes", "programs", "steps", "tunable", "checked", "time_us", "host_us",
+           "GBps", "busbw_GBps", "vs_nccl"]  # fmt: skip
 SIZES = (64 << 20, 256 << 20, 1 << 30)
-PROBE_BYTES = 256 << 20  # the size of the programs sweep of the raw copies
-HOST_SIZES = (8, 4 << 10, 64 << 10)
-PIPELINE_STEPS = (2, 4, 8, 16)
-COPY_ENGINE_PIECES = (1, 4, 8)
+PROBE_BYTES = 256 << 20  # bytes one active rank moves in a raw-copy row
+PATTERNS = ("pair", "ring", "all_peers", "incast")
+COLLECTIVES = ("broadcast", "all_gather", "all_to_all", "all_reduce", "reduce_scatter")
+# the grids of the pipelined algorithms: steps, and programs as multiples of the SM count
+GRIDS = {
+    ("broadcast", "ring"): ((8, 16, 32, 64), (0.5, 1, 2)),
+    ("all_gather", "push_pipelined"): ((2, 4, 8, 16), (1, 2)),
+    ("all_gather", "pairwise"): ((None,), (1, 2)),
+    ("all_to_all", "pairwise"): ((2, 4, 8, 16), (1, 2)),
+    ("all_to_all", "push_pipelined"): ((4, 8), (2,)),
+    ("all_reduce", "two_shot_pipelined"): ((4, 8, 16, 32), (1, 2)),
+    ("reduce_scatter", "pipelined"): ((2, 4, 8, 16), (1, 2)),
+}
+# the others, once each at the policy's settings
+PLAIN = {
+    "broadcast": ("direct", "copy_engine"),
+    "all_gather": ("direct", "copy_engine"),
+    "all_to_all": ("direct", "push", "copy_engine"),
+    "all_reduce": ("ring", "two_shot", "one_shot_pipelined"),
+    "reduce_scatter": ("direct",),
+}
+
+
+@triton.jit
+def link_probe_kernel(local, buf, D, n, chunk, PEERS: tl.constexpr, READ: tl.constexpr, RANK: tl.constexpr,
+                      W: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """Raw NVLink traffic with the peers in the bit mask PEERS, n elements each. READ: peer p's
+    buffer (from element RANK*n) into local[p*n:]; else local[:n] into peer p's buffer at RANK*n.
+    The peers are interleaved every BLOCK elements, as the pipelined kernels interleave them."""
+    lo = tl.program_id(0) * chunk
+    hi = tl.minimum(lo + chunk, n)
+    for start in range(lo, hi, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < hi
+        if not READ:
+            x = tl.load(local + offs, mask=mask)
+        for i in tl.static_range(1, W):
+            if (PEERS >> ((RANK + i) % W)) & 1:
+                if READ:
+                    y = tl.load(buf + D[(RANK + i) % W] + RANK * n + offs, mask=mask)
+                    tl.store(local + ((RANK + i) % W) * n + offs, y, mask=mask)
+                else:
+                    tl.store(buf + D[(RANK + i) % W] + RANK * n + offs, x, mask=mask)
+
+
+def peers_of(pattern: str, rank: int, world: int) -> list[int]:
+    """The peers ``rank`` moves data with in a raw-copy pattern (empty: it idles)."""
+    if pattern == "pair":
+        return [1 - rank] if rank < 2 else []
+    if pattern == "ring":
+        return [(rank + 1) % world]
+    if pattern == "all_peers":
+        return [p for p in range(world) if p != rank]
+    if pattern == "incast":
+        return [0] if rank else []
+    raise ValueError(f"pattern must be one of {PATTERNS}, got {pattern!r}")
 
 
 def program_counts(sm_count: int) -> list[int]:
-    """Grids for the raw-copy sweep: from 1/16 of the SMs to two programs per SM (the default)."""
-    return sorted({max(1, sm_count // 16), max(1, sm_count // 8), max(1, sm_count // 4), max(1, sm_count // 2),
-                   sm_count, 2 * sm_count})  # fmt: skip
+    """Grids for the raw-copy sweep: from 1/4 of the SMs to two programs per SM (the default)."""
+    return sorted({max(1, sm_count // 4), max(1, sm_count // 2), sm_count, 2 * sm_count})
 
 
-def plan(world: int, sm_count: int, sizes=SIZES, host_sizes=HOST_SIZES) -> list[dict]:
-    """Every measurement, in order: section, variant, bytes, programs (None: the default), steps
-    (pipeline steps or copy-engine pieces; None: not applicable)."""
+def plan(world: int, sm_count: int, sizes=SIZES, collectives=COLLECTIVES) -> list[dict]:
+    """Every measurement, in order: section, variant, bytes, programs (None: the policy's), steps
+    (None: the policy's or not applicable), tunable (a row of a steps x programs grid)."""
     full = 2 * sm_count
     cases = []
 
-    def add(section, variant, nbytes, programs=None, steps=None):
-        cases.append(dict(section=section, variant=variant, bytes=nbytes, programs=programs, steps=steps))
+    def add(section, variant, nbytes, programs=None, steps=None, tunable=False):
+        cases.append(dict(section=section, variant=variant, bytes=nbytes, programs=programs, steps=steps,
+                          tunable=tunable))  # fmt: skip
 
-    for programs in program_counts(sm_count):
-        for variant in ("triton_read", "triton_write"):
-            add("nvlink", variant, PROBE_BYTES, programs)
-    for nbytes in sizes:
-        add("nvlink", "nccl_sendrecv", nbytes)
-        for variant in ("triton_read", "triton_write"):
-            if nbytes != PROBE_BYTES:
-                add("nvlink", variant, nbytes, full)
-        add("nvlink", "copy_engine_read", nbytes)
-        add("nvlink", "copy_engine_write", nbytes)
+    for pattern in PATTERNS:
+        grids = program_counts(sm_count) if pattern in ("pair", "all_peers") else [full]
+        for programs in grids:
+            for way in ("read", "write"):
+                add("nvlink", f"{pattern}_{way}", PROBE_BYTES, programs)
+    for way in ("read", "write"):
+        add("nvlink", f"copy_engine_ring_{way}", PROBE_BYTES)
+    add("nvlink", "nccl_sendrecv", PROBE_BYTES)
     add("nvlink", "local_torch_copy", PROBE_BYTES)
-    add("nvlink", "local_triton_copy", PROBE_BYTES, full)
-    for nbytes in sizes:
-        for variant in ("nccl", "direct", "push"):
-            add("all_to_all", variant, nbytes)
-        for steps in PIPELINE_STEPS[:3]:
-            add("all_to_all", "push_pipelined", nbytes, steps=steps)
-        for pieces in COPY_ENGINE_PIECES:
-            add("all_to_all", "copy_engine", nbytes, steps=pieces)
-    for nbytes in sizes:
-        for variant in ("nccl", "one_shot"):
-            add("all_reduce", variant, nbytes)
-        for programs in (sm_count // 2, sm_count, full):
-            add("all_reduce", "one_shot_push", nbytes, programs)
-        for steps in PIPELINE_STEPS:
-            add("all_reduce", "one_shot_pipelined", nbytes, full, steps)
-        add("all_reduce", "one_shot_pipelined", nbytes, sm_count, 4)
-    for nbytes in host_sizes:
-        add("host", "nccl_all_to_all", nbytes)
-        add("host", "all_to_all_uncached", nbytes)
-        add("host", "all_to_all_cached", nbytes)
-        add("host", "all_to_all_cached_even", nbytes)
-        add("host", "all_reduce_one_shot", nbytes)
-    for variant in ("validate_splits", "pinned_table", "pinned_table_copy", "cache_lookup"):
-        add("host_parts", variant, 8 * 2 * world)
+    for coll in collectives:
+        for nbytes in sizes:
+            add(coll, "nccl", nbytes)
+            for algo in PLAIN[coll]:
+                add(coll, algo, nbytes)
+            for (c, algo), (steps, per_sm) in GRIDS.items():
+                if c != coll:
+                    continue
+                for s in steps:
+                    for f in per_sm:
+                        add(coll, algo, nbytes, max(1, round(f * sm_count)), s, tunable=True)
     return cases
-
-
-def busbw_factor(section: str, variant: str, world: int) -> float:
-    if section == "all_reduce":
-        return 2 * (world - 1) / world
-    if section == "all_to_all":
-        return (world - 1) / world
-    return 1.0
 
 
 def finish(rows: list[dict], world: int) -> list[dict]:
@@ -124,11 +152,12 @@ def finish(rows: list[dict], world: int) -> list[dict]:
     nccl = {}
     for r in rows:
         t = r.get("time_us")
-        if not t or r["section"] == "host_parts":
+        if not t:
             continue
         r["GBps"] = round(r["bytes"] / (t * 1e-6) / 1e9, 2)
-        r["busbw_GBps"] = round(r["GBps"] * busbw_factor(r["section"], r["variant"], world), 2)
-        if r["variant"] in ("nccl", "nccl_sendrecv", "nccl_all_to_all"):
+        factor = 1.0 if r["section"] == "nvlink" else bus_factor(r["section"], world)
+        r["busbw_GBps"] = round(r["GBps"] * factor, 2)
+        if r["variant"] in ("nccl", "nccl_sendrecv"):
             nccl[(r["section"], r["bytes"])] = r["busbw_GBps"]
     for r in rows:
         ref = nccl.get((r["section"], r["bytes"]))
@@ -154,170 +183,148 @@ def _rank_main(rank: int, world: int, port: int, args, results) -> None:
 def _rank_body(rank: int, world: int, port: int, args) -> list[dict]:
     import torch.distributed as dist
 
-    from nanoparallel.cuda import STEP_BYTES, check_splits
-    from nanoparallel.cuda import kernels as K
-    from nanoparallel.cuda.sweep import join_world
+    from nanoparallel.cuda import STEP_BYTES, split_work
+    from nanoparallel.cuda.check import checked_algorithms, may_time
+    from nanoparallel.cuda.sweep import Case, fresh_backend, join_world, rebuild_needed, time_calls
 
     be, dev = join_world(rank, world, port)
-    nxt, prv = (rank + 1) % world, (rank - 1) % world
-    largest = max(args.sizes)
+    checked = checked_algorithms(args.checked)
+    largest = max([PROBE_BYTES * world] + list(args.sizes))
     be._grow(largest)  # collective: every rank grows alike, before anything is timed
-    buf = be._staging[0]
     f32 = torch.float32
-    src = torch.randn(largest // 4, device=dev)
-    dst = torch.empty_like(src)
+    scratch = torch.randn(largest // 4, device=dev)
     block = STEP_BYTES // 4
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
 
-    def timed(fn, nbytes: int, iters: int | None = None) -> tuple[float, float]:
-        from nanoparallel.cuda.sweep import time_calls
-
-        return time_calls(fn, iters or _iters(nbytes), dev)
-
-    def host_only(fn, reps: int = 2000) -> float:
-        fn()
-        h0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        t = torch.tensor([(time.perf_counter() - h0) / reps * 1e6], device=dev)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t[0])
-
-    def triton_copy(n: int, programs: int, peer: int, read: bool):
-        chunk = -(-max(-(-n // programs), 1) // block) * block
-        grid = -(-n // chunk)
-        args_ = (dst if read else src, buf.view(f32), buf.deltas(f32), n, chunk, peer, read, block)
-        return lambda: be._launch(K.peer_copy_kernel, grid, args_)
-
-    def collective(case: dict):
-        section, variant, nbytes = case["section"], case["variant"], case["bytes"]
-        n = max(nbytes // 4, world)
-        n -= n % world
-        x = src[:n]
-        if section == "all_to_all" or variant == "nccl_all_to_all":
-            out = dst[:n]
-            if variant in ("nccl", "nccl_all_to_all"):
-                return lambda: dist.all_to_all_single(out, x)
-            if section == "host":
-                rows = [n // world] * world
-                splits = None if variant.endswith("even") else rows
-                return lambda: be.all_to_all(out, x, splits, splits, "direct")
-            return lambda: be.all_to_all(out, x, algorithm=variant)
-        y = dst[:n]
-        y.copy_(x)  # sums double the values each call; should they reach inf, the time is the same
-        if variant == "nccl":
-            return lambda: dist.all_reduce(y)
-        algo = "one_shot" if section == "host" else variant
-        return lambda: be.all_reduce(y, "sum", algo)
-
-    def host_part(variant: str):
-        splits = [1] * world
-        table = torch.tensor(list(range(2 * world)), dtype=torch.int64).pin_memory()
-        meta = be._meta[0].view(torch.int64)
-        if variant == "validate_splits":
-            return lambda: (
-                check_splits("all_to_all", "input_splits", splits, world, world),
-                check_splits("all_to_all", "output_splits", splits, world, world),
-            )
-        if variant == "pinned_table":
-            return lambda: torch.tensor(splits + splits, dtype=torch.int64).pin_memory()
-        if variant == "pinned_table_copy":
-            return lambda: meta.copy_(table, non_blocking=True)
-        return lambda: be._split_cache.plan(world, world, 1, splits, splits)
-
-    def probe(variant: str, n: int, programs: int | None):
-        """The call that one nvlink row times (None: not a raw copy)."""
-        if variant in ("triton_read", "triton_write"):
-            return triton_copy(n, programs, nxt, variant == "triton_read")
-        if variant == "local_triton_copy":
-            return triton_copy(n, programs, rank, True)
+    def probe(variant: str, nbytes: int, programs: int | None):
+        """The call that one nvlink row times (a no-op on a rank that idles in the pattern)."""
+        buf = be._staging[0]
+        n = nbytes // 4
         if variant == "local_torch_copy":
-            return lambda: dst[:n].copy_(src[:n])
-        if variant == "copy_engine_read":
+            return lambda: scratch[n : 2 * n].copy_(scratch[:n])
+        if variant.startswith("copy_engine_ring"):
             peer_view = buf.peer(nxt).view(f32)[:n]
-            return lambda: dst[:n].copy_(peer_view)
-        if variant == "copy_engine_write":
-            peer_view = buf.peer(nxt).view(f32)[:n]
-            return lambda: peer_view.copy_(src[:n])
+            if variant.endswith("read"):
+                return lambda: scratch[:n].copy_(peer_view)
+            return lambda: peer_view.copy_(scratch[:n])
         if variant == "nccl_sendrecv":
 
             def sendrecv():
-                ops = [dist.P2POp(dist.isend, src[:n], nxt), dist.P2POp(dist.irecv, dst[:n], prv)]
+                ops = [
+                    dist.P2POp(dist.isend, scratch[:n], nxt),
+                    dist.P2POp(dist.irecv, scratch[n : 2 * n], prv),
+                ]
                 for req in dist.batch_isend_irecv(ops):
                     req.wait()
 
             return sendrecv
-        return None
+        pattern, way = variant.rsplit("_", 1)
+        peers = peers_of(pattern, rank, world)
+        if not peers:
+            return lambda: None
+        each = n // len(peers)
+        chunk, grid = split_work(each, programs, block)
+        mask = sum(1 << p for p in peers)
+        a = (scratch, buf.view(f32), buf.deltas(f32), each, chunk, mask, way == "read", rank, world, block)
+        return lambda: be._launch(link_probe_kernel, grid, a)
 
-    default_steps, default_pieces = be.pipeline_steps, be.copy_engine_pieces
     rows = []
-    for case in args.plan:
+    cases: dict = {}
+    for spec in args.plan:
         section, variant, nbytes, programs, steps = (
-            case[k] for k in ("section", "variant", "bytes", "programs", "steps")
+            spec[k] for k in ("section", "variant", "bytes", "programs", "steps")
         )
-        be.programs = programs or be.max_programs
-        be.pipeline_steps = steps if variant.endswith("pipelined") else default_steps
-        be.copy_engine_pieces = steps if variant == "copy_engine" else default_pieces
-        be.cache_splits = variant != "all_to_all_uncached"
-        row = dict(case)
-        if section == "host_parts":
-            row["host_us"] = round(host_only(host_part(variant)), 3)
-            torch.cuda.synchronize()
-            rows.append(row)
-            continue
-        fn = probe(variant, nbytes // 4, programs) if section == "nvlink" else collective(case)
-        iters = 1000 if section == "host" else None
-        row["time_us"], row["host_us"] = (round(v, 2) for v in timed(fn, nbytes, iters))
+        row = dict(spec)
+        if section == "nvlink":
+            fn = probe(variant, nbytes, programs)
+        else:
+            if variant != "nccl" and not may_time(checked, section, variant):
+                continue
+            key = (section, nbytes)
+            if key not in cases:  # one input and NCCL reference per collective and size
+                cases.clear()
+                torch.cuda.empty_cache()
+                count = nbytes // 4 // world * world
+                g = torch.Generator(device=dev).manual_seed(rank)
+                x = torch.randn(count, device=dev, generator=g)
+                cases[key] = Case(section, x, world, rank)
+                cases[key].pristine = x.clone()
+            case = cases[key]
+            case.be = be
+            be.programs, be.pipeline_steps = programs, steps
+            if variant == "nccl":
+                fn = case.nccl
+            else:
+                try:
+                    problem = case.check(variant)
+                except Exception as exc:
+                    problem = f"{type(exc).__name__}: {str(exc)[:200]}"
+                bad = torch.tensor([1.0 if problem else 0.0], device=dev)
+                dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+                row["checked"] = not bad.item()
+                if not row["checked"]:
+                    if rank == 0:
+                        print(f"{section} {variant} {nbytes} B programs={programs} steps={steps}: check failed "
+                              f"({problem or 'on another rank'}); not timed", flush=True)  # fmt: skip
+                    if rebuild_needed(be, dev):
+                        be = fresh_backend(be)
+                        be._grow(largest)
+                    rows.append(row)
+                    continue
+                fn = lambda v=variant, c=case: c.ours(v)  # noqa: E731
+        row["time_us"], row["host_us"] = (round(v, 2) for v in time_calls(fn, _iters(nbytes), dev))
         rows.append(row)
         if rank == 0:
-            print(f"{section:11s} {variant:24s} {nbytes:>11d} B  programs={programs} steps={steps}  "
+            print(f"{section:14s} {variant:22s} {nbytes:>11d} B  programs={programs} steps={steps}  "
                   f"{row['time_us']:.1f} us (host {row['host_us']:.1f})", flush=True)  # fmt: skip
-    be.programs = be.max_programs
+    be.programs, be.pipeline_steps = None, None
+    cases.clear()
     be.barrier()
     be.close()
     dist.destroy_process_group()
     return rows
 
 
-def report(rows: list[dict], world: int, dry_run: bool):
+def report(rows: list[dict], world: int, dry_run: bool, sm_count: int):
     from paperclub.bench import Report
 
     rep = Report(
         package="nanoparallel",
-        title=f"Where the time goes: NVLink copies, all-to-all and all-reduce variants on {world} GPUs",
+        title=f"Where the time goes: NVLink by traffic pattern, each collective's variants on {world} GPUs",
         peer="NCCL (torch.distributed, NVLS off)",
         columns=COLUMNS,
         packages=["torch", "triton"],
         measure_ceilings=False,
         notes=(
             ("DRY RUN: the plan only, no measurements. " if dry_run else "")
-            + "nanoparallel.cuda.diagnose. nvlink: GBps per direction, all ranks copying to/from rank+1 at once; "
-            "programs = grid of the Triton copy. all_to_all/all_reduce: GBps = algbw, busbw with nccl-tests' "
-            "factors, steps = pipeline steps (push_pipelined, one_shot_pipelined) or copy-engine pieces. "
-            "host: us per call of small all-to-alls, split cache on/off. host_parts: host us of each piece of "
-            "the uncached path. CUDA events around back-to-back calls, slowest rank."
+            + "nanoparallel.cuda.diagnose. nvlink: GBps per direction moved by one active rank, all active ranks at "
+            "once; pair: ranks 0 and 1 only; ring: every rank with rank+1; all_peers: every rank with every other, "
+            "interleaved every 8 KiB; incast: every rank with rank 0; programs = grid of the Triton probe. "
+            "Collective sections: GBps = algbw, busbw with nccl-tests' factors; steps and programs as the row ran "
+            "(empty: the policy's); tunable rows form the grids tuning picks from; checked: our result equalled "
+            "NCCL's at that shape before timing. CUDA events around back-to-back calls, slowest rank."
         ),
     )
     for r in rows:
-        rep.add(**r)
-    for plot in plots(max((r["programs"] or 0 for r in rows), default=0)):
-        rep.plot(**plot)
+        rep.add(**{c: r.get(c) for c in COLUMNS})
+    for p in plots(sm_count):
+        rep.plot(**p)
     return rep
 
 
-def plots(full: int) -> list[dict]:
-    """What the site draws. Raw copies on a log scale: the local copy (about 1.7 TB/s) sits beside
-    NVLink's few hundred GB/s. The variants as their busbw over NCCL's (the target is 0.9) against
-    steps or pieces; rows without steps (NCCL, direct, push, one_shot) are in the table only, and
-    the all-reduce keeps the full grid (``full`` programs) so the one half-grid row stays out."""
-    return [
-        dict(title="raw copy bandwidth per direction vs programs", x="programs", y="GBps", series="variant",
-             where={"section": "nvlink", "bytes": PROBE_BYTES}, logy=True),
-        dict(title="all-reduce one_shot_pipelined: busbw/NCCL vs steps", x="steps",
-             y="vs_nccl", series="bytes",
-             where={"section": "all_reduce", "variant": "one_shot_pipelined", "programs": full}, logx=True),
-        dict(title="all-to-all: busbw/NCCL vs steps or pieces", x="steps",
-             y="vs_nccl", series="variant", where={"section": "all_to_all"}, facet="bytes", logx=True),
+def plots(sm_count: int) -> list[dict]:
+    """What the site draws: raw bandwidth by pattern against programs (log y: the local copy sits
+    beside NVLink), and for each pipelined algorithm busbw over NCCL's against steps at a full grid."""
+    out = [
+        dict(title="raw copy bandwidth per direction vs programs (256 MiB per active rank)", x="programs",
+             y="GBps", series="variant", where={"section": "nvlink"}, logx=True),
     ]  # fmt: skip
+    for (coll, algo), (steps, _) in GRIDS.items():
+        if len(steps) > 1:
+            out.append(dict(title=f"{coll} {algo}: busbw/NCCL vs steps ({2 * sm_count} programs)", x="steps",
+                            y="vs_nccl", series="bytes",
+                            where={"section": coll, "variant": algo, "programs": 2 * sm_count}, logx=True))  # fmt: skip
+    return out
 
 
 def main(argv=None) -> None:
@@ -326,8 +333,10 @@ def main(argv=None) -> None:
     p.add_argument(
         "--out", type=Path, default=None, help="folder for the JSON (default nanoparallel/results)"
     )
+    p.add_argument("--sizes", type=int, nargs="+", default=list(SIZES), help="bytes of the collective rows")
+    p.add_argument("--collectives", nargs="+", default=list(COLLECTIVES), choices=COLLECTIVES)
     p.add_argument(
-        "--sizes", type=int, nargs="+", default=list(SIZES), help="bytes of the large-message rows"
+        "--checked", default=None, help="check --groups summary: time only new algorithms that passed"
     )
     p.add_argument("--tag", default=None, help="default cuda-x<W>-diagnose")
     p.add_argument("--dry-run", action="store_true", help="print and write the plan without measuring")
@@ -338,10 +347,10 @@ def main(argv=None) -> None:
     sm = args.sm_count or (
         torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
     )
-    args.plan = plan(world, sm, sizes=tuple(args.sizes))
+    args.plan = plan(world, sm, sizes=tuple(args.sizes), collectives=tuple(args.collectives))
     if args.dry_run:
         rows = [dict(r) for r in args.plan]
-        report(rows, world, dry_run=True).write(tag=tag + "-dry-run", out_dir=args.out)
+        report(rows, world, dry_run=True, sm_count=sm).write(tag=tag + "-dry-run", out_dir=args.out)
         return
     from nanoparallel.cuda.sweep import check_world_size
     from nanoparallel.launch import spawn_ranks
@@ -351,7 +360,7 @@ def main(argv=None) -> None:
     # each rank sends (rank, rows, error text or None)
     out = {rank: rows for rank, rows, _ in spawn_ranks(world, _rank_main, args, 900, lambda m: m[2])}
     rows = finish(out[0], world)
-    report(rows, world, dry_run=False).write(tag=tag, out_dir=args.out)
+    report(rows, world, dry_run=False, sm_count=sm).write(tag=tag, out_dir=args.out)
     print(f"diagnose took {time.perf_counter() - t0:.0f} s")
 
 

@@ -4,9 +4,11 @@
 #   WORLD=4 BUDGET_S=570 bash nanoparallel/cuda/gpu_run.sh   # 4 GPUs, results tagged cuda-x4
 # 1. check.py: every collective, algorithm, dtype and awkward size against a float64 reference,
 #    plus the knobs (pipeline steps, copy-engine pieces, programs, uncached splits);
-# 2. diagnose.py: NVLink read/write/copy-engine/NCCL bandwidth, all-to-all and all-reduce variants
-#    at 64 MiB / 256 MiB / 1 GiB, host time of the all-to-all path with and without the split cache;
-# 3. sweep.py: every collective and algorithm against NCCL, 8 B and 16 B x 4^k to 1 GiB.
+# 2. diagnose.py: NVLink by traffic pattern, each collective's algorithms over steps x programs
+#    at 64 MiB / 256 MiB / 1 GiB;
+# 3. sweep.py: every collective and algorithm against NCCL, 8 B and 16 B x 4^k to 1 GiB, each
+#    implementation checked at each size before it is timed.
+# The 4-GPU plan of issue #35 (fail-fast checks, NCCL's own choices, 4 and 2 GPUs) is gpu_plan.sh.
 # Each step has its own time limit, cut to what is left of the whole budget, so a hang in one
 # still leaves the others their time; the exit status is 1 if any step failed or timed out.
 export PYTHONPATH=$PWD/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -45,8 +47,8 @@ step() {  # step NAME LIMIT_S COMMAND...: run with the smaller of LIMIT_S and th
 # the full check grows with the ranks (broadcast roots, references): 220 s did not cover 4 H100s
 step check $((110 * WORLD)) "$PY" -m nanoparallel.cuda.check --world-size "$WORLD"
 step diagnose 150 "$PY" -m nanoparallel.cuda.diagnose --world-size "$WORLD" --out "$OUT"
-# the sweep checks again in its own job (quick: the full check ran in step 1) so its JSON says so
+# the sweep checks again in its own job (check_all quick, and each timed shape) so its JSON says so
 step sweep 200 "$PY" -m nanoparallel.cuda.sweep --world-size "$WORLD" --min-bytes 16 --step 4 --tag "cuda-x$WORLD" \
-  --quick-check --max-iters 50 --out "$OUT"
+  --check-all --max-iters 50 --out "$OUT"
 echo "[$SECONDS s] done; files in $OUT: $(ls "$OUT" | tr '\n' ' ')" | tee -a "$OUT/gpu_run.log"
 exit $failed

@@ -33,7 +33,7 @@ import triton.language as tl
 
 OP_CODES = {"sum": 0, "max": 1, "min": 2, "avg": 3}
 ERR_TIMEOUT = 1
-ERR_SPLITS = 2
+ERR_SPLITS = 2  # ranks disagree about the call: all-to-all splits, or a header (_check_headers)
 
 
 @triton.jit
@@ -84,6 +84,82 @@ def _barrier(flags, F, err, target, max_spins, RANK: tl.constexpr, W: tl.constex
             if seen < target:
                 tl.atomic_or(err, 1)
     tl.debug_barrier()
+
+
+# -- synchronisation of the kernels written for issue #35 (broadcast.py, all_gather.py, all_reduce.py) --
+# The same flags and epochs as _barrier, with two additions: a wait gives up at once when this rank
+# has already timed out in this call (a pipelined call meets its peers once per step; without this a
+# dead peer would cost one timeout per step), and one peer can be signalled alone (a chain of ranks
+# needs only its neighbour). Every wait ends with a CTA barrier, so all threads read after it.
+
+
+@triton.jit
+def _timed_out(err):
+    """Whether this rank has recorded a timeout since the host last checked."""
+    return (tl.atomic_add(err, 0) & 1) != 0
+
+
+@triton.jit
+def _wait_for(flag, err, target, max_spins):
+    """Spin until my flag word ``flag`` reaches ``target`` (acquire, system scope), at most
+    ``max_spins`` polls, none once this rank has timed out; an expiry sets bit 1 of ``err``."""
+    limit = tl.where(_timed_out(err), 0, max_spins)
+    seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+    spins = 0
+    while (seen < target) & (spins < limit):
+        seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+        spins += 1
+    if seen < target:
+        tl.atomic_or(err, 1)
+
+
+@triton.jit
+def _signal(flags, F, PEER: tl.constexpr, target, RANK: tl.constexpr, W: tl.constexpr):
+    """Tell program ``b`` of rank PEER that this program's stores so far are visible (release)."""
+    tl.debug_barrier()  # every thread's stores are issued before the flag
+    tl.atomic_xchg(flags + F[PEER] + tl.program_id(0) * W + RANK, target, sem="release", scope="sys")
+
+
+@triton.jit
+def _await(flags, err, PEER: tl.constexpr, target, max_spins, W: tl.constexpr):
+    """Wait for program ``b`` of rank PEER to signal ``target`` (see _signal)."""
+    _wait_for(flags + tl.program_id(0) * W + PEER, err, target, max_spins)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _meet(flags, F, err, target, max_spins, RANK: tl.constexpr, W: tl.constexpr):
+    """_barrier with bounded waits that give up once this rank has timed out (see _wait_for)."""
+    slot = tl.program_id(0) * W
+    tl.debug_barrier()
+    for p in tl.static_range(W):
+        if p != RANK:
+            tl.atomic_xchg(flags + F[p] + slot + RANK, target, sem="release", scope="sys")
+    for p in tl.static_range(W):
+        if p != RANK:
+            _wait_for(flags + slot + p, err, target, max_spins)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _publish_header(hdr, n, tag):
+    """Write this call's header (element count, tag) where peers can read it after the first meet.
+    Every program writes the same two words, so the duplicate stores are harmless."""
+    tl.store(hdr, n)
+    tl.store(hdr + 1, tag)
+
+
+@triton.jit
+def _check_headers(hdr, H, err, n, tag, RANK: tl.constexpr, W: tl.constexpr):
+    """After the first meet: every peer's header must equal mine, else bit 2 of err (the host
+    raises MismatchError). Skipped after a timeout: a peer that never came left a stale header."""
+    if not _timed_out(err):
+        for p in tl.static_range(W):
+            if p != RANK:
+                if (tl.load(hdr + H[p], volatile=True) != n) | (
+                    tl.load(hdr + H[p] + 1, volatile=True) != tag
+                ):
+                    tl.atomic_or(err, 2)
 
 
 @triton.jit
@@ -534,17 +610,36 @@ def _a2a_step(count, limit, nprog, sub_of, c):
 
 
 @triton.jit
-def _a2a_push(inp, buf, D, meta, slot, nprog, steps, c, RANK: tl.constexpr, W: tl.constexpr,
-              BLOCK: tl.constexpr):  # fmt: skip
-    """Step c of my segments for the peers, into slot RANK of each peer's buffer."""
+def _a2a_push_to(inp, buf, D, meta, slot, nprog, steps, c, DST: tl.constexpr, RANK: tl.constexpr,
+                 BLOCK: tl.constexpr):  # fmt: skip
+    """Step c of my segment for rank DST into slot RANK of its buffer (the segment starts at the
+    sum of my input_splits before DST)."""
     in_off = 0
-    for d in tl.static_range(W):
-        count = tl.load(meta + d)
-        if d != RANK:
-            lo, hi = _a2a_step(count, count, nprog, steps, c)
-            dst = buf + D[d] + RANK * slot
-            _push_segment(dst, inp, in_off, count, lo, hi, BLOCK)
-        in_off += count
+    for q in tl.static_range(DST):
+        in_off += tl.load(meta + q)
+    count = tl.load(meta + DST)
+    lo, hi = _a2a_step(count, count, nprog, steps, c)
+    _push_segment(buf + D[DST] + RANK * slot, inp, in_off, count, lo, hi, BLOCK)
+
+
+@triton.jit
+def _a2a_push(inp, buf, D, meta, slot, nprog, steps, c, RANK: tl.constexpr, W: tl.constexpr,
+              BLOCK: tl.constexpr, ROTATE: tl.constexpr = False):  # fmt: skip
+    """Step c of my segments for the peers, into slot RANK of each peer's buffer: peers in rank
+    order, or with ROTATE rank RANK + i in round i (pairwise exchange: in every round each rank
+    receives from exactly one other, where in rank order all of them first write to rank 0)."""
+    if ROTATE:
+        for i in tl.static_range(1, W):
+            _a2a_push_to(inp, buf, D, meta, slot, nprog, steps, c, (RANK + i) % W, RANK, BLOCK)
+    else:
+        in_off = 0
+        for d in tl.static_range(W):
+            count = tl.load(meta + d)
+            if d != RANK:
+                lo, hi = _a2a_step(count, count, nprog, steps, c)
+                dst = buf + D[d] + RANK * slot
+                _push_segment(dst, inp, in_off, count, lo, hi, BLOCK)
+            in_off += count
 
 
 @triton.jit
@@ -567,7 +662,7 @@ def _a2a_drain(out, buf, meta, M, err, slot, nprog, steps, c, RANK: tl.constexpr
 @triton.jit(do_not_specialize=["epoch", "max_spins", "steps"])
 def all_to_all_pipelined_kernel(
     inp, out, buf, D, meta, M, flags, F, err, slot, steps, epoch, max_spins,
-    RANK: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr,
+    RANK: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr, ROTATE: tl.constexpr = False,
 ):  # fmt: skip
     """all_to_all_push in ``steps`` steps with one barrier each, and the own segment copied
     straight from input to output (it never touches the staging buffer).
@@ -575,7 +670,10 @@ def all_to_all_pipelined_kernel(
     Each program's share of every peer segment is cut into ``steps`` pieces; the program pushes
     piece c + 1 before draining piece c from its slots (released by the barrier of step c), so the
     local drain overlaps NVLink stores instead of following all of them. buf, meta as in
-    all_to_all_push_kernel; barriers epoch+1 .. epoch+steps.
+    all_to_all_push_kernel; barriers epoch+1 .. epoch+steps. ROTATE (the ``pairwise`` algorithm):
+    rank RANK + i is written in round i instead of every rank writing to rank 0 first (issue #35:
+    on 4 H100s the rank-order version reached 0.61-0.76x NCCL's busbw, 1.05x on 2 GPUs, where there
+    is only one peer to write to).
     """
     nprog = tl.num_programs(0)
     # my own segment: input offset sum(input_splits[:RANK]), output offset sum(output_splits[:RANK])
@@ -594,11 +692,11 @@ def all_to_all_pipelined_kernel(
         _copy(out + _a16(out_self) - a_in, inp, a_in + _a16(lo), a_in + _a16(hi), BLOCK)
     else:
         _copy(out + out_self - in_self, inp, in_self + lo, in_self + hi, BLOCK)
-    _a2a_push(inp, buf, D, meta, slot, nprog, steps, 0, RANK, W, BLOCK)
+    _a2a_push(inp, buf, D, meta, slot, nprog, steps, 0, RANK, W, BLOCK, ROTATE)
     _barrier(flags, F, err, epoch + 1, max_spins, RANK, W)
     for c in range(steps):
         if c + 1 < steps:
-            _a2a_push(inp, buf, D, meta, slot, nprog, steps, c + 1, RANK, W, BLOCK)
+            _a2a_push(inp, buf, D, meta, slot, nprog, steps, c + 1, RANK, W, BLOCK, ROTATE)
         _a2a_drain(out, buf, meta, M, err, slot, nprog, steps, c, RANK, W, BLOCK)
         if c + 1 < steps:
             _barrier(flags, F, err, epoch + 2 + c, max_spins, RANK, W)

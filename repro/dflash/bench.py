@@ -56,7 +56,6 @@ steps of target-only decoding round alike enough for greedy equality.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -65,7 +64,7 @@ from pathlib import Path
 
 import torch
 
-from paperclub.bench import Candidate, Report, measure, time_ms
+from paperclub.bench import Budget, Candidate, Report, bench_parser, measure, parse_bench_args, time_ms
 from repro.dflash.data import load_corpus
 from repro.dflash.speculative import generate, speculative_generate
 from repro.dflash.static import StaticDecoder
@@ -243,15 +242,14 @@ def decode_rows(report, notes, temperature, target, drafters, prompts, new_token
 
 
 def main(argv=None) -> Path:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=None, help="directory for the Report JSON")
-    ap.add_argument("--budget-s", type=float, default=240.0, help="wall-clock budget of the whole call")
-    ap.add_argument("--quick", action="store_true", help="fewer prompts, block sizes and rounds")
+    ap = bench_parser(__doc__.split("\n\n")[0], budget_s=240.0, quick_help="fewer prompts, block sizes and rounds",
+                      rounds=None, only=False, settings=False, tag=False)  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
-    t_start = time.perf_counter()
+    args = parse_bench_args(ap, argv)
+    # counted from here, not from the process's start: the training caps below are shares of it
+    run_budget = Budget(args.budget_s)
     budget = args.budget_s
-    left = lambda: budget - (time.perf_counter() - t_start)  # noqa: E731
+    left = run_budget.left
 
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
@@ -386,7 +384,7 @@ def main(argv=None) -> Path:
     if not cuda:
         report.measure_ceilings = False
     path = report.write(out_dir=args.out)
-    print(f"total {time.perf_counter() - t_start:.0f} s of a {budget:.0f} s budget", file=sys.stderr)
+    print(f"total {run_budget.elapsed():.0f} s of a {budget:.0f} s budget", file=sys.stderr)
     return path
 
 

@@ -1,60 +1,64 @@
-"""``python -m repro.fa4.bench``: our Triton FA4-ideas attention vs cuDNN and FlashAttention-2 (SDPA).
+"""``python -m repro.fa4.bench``: our FA4-ideas attention against cuDNN and FlashAttention-2 (SDPA), and
+against flash-attn-4 (the paper's own kernels) where it runs.
 
 Shapes follow the paper's sweep: D = 128, 16 heads, B x S = 16k tokens, S = 1k..16k, bf16, causal
-and not; forward and forward + backward. TFLOP/s count 4 B H S^2 D for the forward (half of it
-when causal) and 3.5x that for forward + backward (backward = 2.5 forwards), the FlashAttention
-convention. Every switch of the kernel is ablated one at a time against the default.
+and not; forward, forward + backward and the backward alone. TFLOP/s count 4 B H S^2 D for the
+forward (half of it when causal), 3.5x that for forward + backward and 2.5x for the backward
+(:func:`flops`, the FlashAttention convention). Every candidate is checked against cuDNN's output
+(and gradients) at the shape before it is timed; candidates of one shape are timed in interleaved
+rounds (``paperclub.bench.measure``), ours and the peers in one process.
 
-Modes:
-  (default)   the backward comparison (--bwd, below) first, then the full comparison and ablation;
-              writes results/<device>-bwd.json, <device>.json and <device>-rescale.json
-  --sweep     launch-shape sweep (block sizes, warps, pipelining depth) -> <device>-autotune.json
-  --gluon-sweep  the Gluon forward's launch settings (GLUON_SWEEP) beside cuDNN at S = 4k, 8k, 16k,
-              causal and not, forward only -> <device>-gluon-sweep.json
-  --gluon-combos  the same for GLUON_COMBOS (the first sweep's winners combined) -> <device>-gluon-combos.json
-  --quick     two sequence lengths only (smoke test)
-  --fa4-smoke flash-attn-4 (``flash_attn.cute``) on one small shape against the float64 reference;
-              exit status 3 when it does not import, compile or run -> <device>-fa4-smoke.json
-  --peer      flash-attn-4 beside cuDNN, our best configuration (TMA on) and ours with the Gluon
-              forward (fa4-gluon), same shapes, forward and forward + backward -> <device>-peer.json
-              (``--no-fa4``: cuDNN and ours only)
-  --bwd       the backward comparison only: forward + backward and backward alone at S = 4k, 8k, 16k,
-              causal and not: ours with the fa2, the fused and the Gluon backward (Gluon forward; and the
-              Triton forward + fused), cuDNN and FA2 (SDPA); each checked against cuDNN's gradients at
-              that shape, then timed in interleaved rounds -> <device>-bwd.json. The default run does
-              this first, then the table above. With --gluon-bwd-dq: the current Gluon backward and its
-              dQ variants (GLUON_BWD_DQ_IMPLS: TMA bulk reductions, deferred dQ product, both) beside
-              cuDNN and FA2 instead -> <device>-bwd-gluon-dq.json
-  --bwd-sweep the fused backward's launch configurations (bench.BWD_SWEEP over bwd_fused.FUSED_CONFIGS)
-              at S = 8k beside cuDNN, causal and not, backward alone and forward + backward; prints the
-              best -> <device>-bwd-sweep.json
-  --budget-s N  stop starting shapes after N seconds (the GPU job passes it): the default run gives
-              the backward comparison 60% of it, then the table; skipped shapes are named in the notes
-  --ncu-target  one forward each of ours, cuDNN and flash-attn-4 at S = 8k inside
-              cudaProfilerStart/Stop, for ``ncu --profile-from-start off`` (gpu_run_peer.sh)
-  --out DIR   where to write the JSON (default repro/fa4/results/)
+Parts (``--only`` picks some; the default runs the first three, in this order, inside ``--budget-s``):
+
+* ``bwd``: the backward comparison (:func:`bwd_compare`): forward + backward and backward alone at
+  S = 4k, 8k, 16k, causal and not: ours with the Gluon backward (the default on Hopper), the fused and
+  the FA2 Triton backwards, cuDNN and FA2 (SDPA); checked against cuDNN's gradients -> <device>-bwd.json.
+  It gets 60% of the budget.
+* ``compare``: forward and forward + backward of our default kernel, TMA on, the Gluon forward, cuDNN
+  and FA2, and the ablation (:data:`ABLATIONS`: one switch of ours at a time, forward) ->
+  <device>.json (:func:`full`).
+* ``rescale``: the kernel's own count of rescaling steps by length (:func:`rescale`) -> <device>-rescale.json.
+* ``peer``: flash-attn-4 beside cuDNN and our two forwards, forward and forward + backward
+  (:func:`peer`, ``--no-fa4`` leaves flash-attn-4 out) -> <device>-peer.json.
+* ``fa4-smoke``: flash-attn-4 at one small shape against float64 (:func:`fa4_smoke`); exit status 3
+  when it does not import, compile or run -> <device>-fa4-smoke.json.
+* ``heads``: issue #42's head sizes (:data:`HEAD_SHAPES`: 64 to 256, D_v != D) and the sliding window
+  beside cuDNN and FA2 (SDPA), forward and forward + backward (:func:`heads`) -> <device>-heads.json.
+
+``--set NAME=VALUE`` changes a field of the base :class:`repro.fa4.Switches` every one of our
+candidates is built from; ``--rounds`` the interleaved rounds (default 3); ``--quick`` two lengths
+(one for ``bwd``). The common options are ``paperclub.bench``'s. Tuning sweeps, the Nsight Compute
+target and the offline compile reports are in ``repro/fa4/lab/`` (its README lists them).
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import csv
 import functools
-import io
 import json
-import os
 import statistics
 import sys
-import time
 import traceback
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 
-from paperclub.bench import Candidate, Report, measure, time_ms
-from repro.fa4.gluon_bwd import DQ_DEFER, DQ_TMA, DQ_VARIANTS
+from paperclub.bench import (
+    Budget,
+    Candidate,
+    Report,
+    apply_settings,
+    bench_parser,
+    error_text,
+    measure,
+    parse_bench_args,
+    quiet_write,
+    select,
+    time_ms,
+)
+from repro.fa4.api import Switches
 
+#: The paper's sweep: 16 heads of D = 128, B x S = 16k tokens, S = 1k..16k.
 HEADS = 16
 HEAD_DIM = 128
 TOKENS = 16384
@@ -77,7 +81,20 @@ ABLATIONS: dict[str, dict] = {
 }
 
 
+#: The config every one of our candidates is built from (its fields changed by ``--set``).
+BASE = Switches()
+
+
+def switches(changes: dict) -> dict:
+    """The keyword switches of the candidate ``changes`` names, on top of :data:`BASE` (only the fields
+    that differ from Switches()' defaults, so that a row's candidate reads as its changes)."""
+    cfg = replace(BASE, **changes)
+    default = asdict(Switches())
+    return {k: v for k, v in asdict(cfg).items() if default[k] != v}
+
+
 def flops(b: int, s: int, causal: bool, passes: str) -> float:
+    """FLOPs of one call: 4 B H S^2 D forward (halved when causal), x3.5 for "fwd+bwd"."""
     f = 4.0 * b * HEADS * s * s * HEAD_DIM * (0.5 if causal else 1.0)
     return f * (3.5 if passes == "fwd+bwd" else 1.0)
 
@@ -98,16 +115,21 @@ def timed(fn, passes: str, inputs=None) -> float:
     return time_ms(lambda: torch.autograd.grad(fn(), inputs, grad))
 
 
-def ours(q, k, v, causal, switches):
+def ours(q, k, v, causal, changes, window=None):
     from repro.fa4 import attention
 
-    return lambda: attention(q, k, v, causal=causal, **switches)
+    sw = switches(changes)
+    return lambda: attention(q, k, v, causal=causal, window=window, **sw)
 
 
 def sdpa(q, k, v, causal, backend):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    be = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash2": SDPBackend.FLASH_ATTENTION}[backend]
+    be = {
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "flash2": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    }[backend]
 
     def run():
         with sdpa_kernel(be):
@@ -120,8 +142,10 @@ def fn_same_inputs(name: str, qt, kt, vt, causal: bool):
     """Our variant ``name`` on the SDPA-layout inputs (made [B, S, H, D]), to compare outputs."""
     from repro.fa4 import attention
 
-    sw = {"fa4-triton": {}, "fa4-triton-tma": {"tma": True}, "fa4-gluon": OURS_GLUON}.get(
-        name, ABLATIONS.get(name, {})
+    sw = switches(
+        {"fa4-triton": {}, "fa4-triton-tma": OURS_BEST, "fa4-gluon": OURS_GLUON}.get(
+            name, ABLATIONS.get(name, {})
+        )
     )
     q, k, v = (t.detach().transpose(1, 2).contiguous() for t in (qt, kt, vt))
     return attention(q, k, v, causal=causal, **sw)
@@ -131,7 +155,9 @@ def _row_error(report: Report, **row) -> None:
     report.add(**row, ms=float("nan"), tflops=float("nan"))
 
 
-def full(out_dir: Path | None, seqlens, ablate_passes=("fwd",), deadline: float | None = None) -> None:
+def full(out_dir: Path | None, seqlens, ablate_passes=("fwd",), budget: Budget | None = None) -> None:
+    """The comparison and the ablation (see the module docstring), shape by shape while ``budget`` lasts."""
+    budget = budget or Budget(None)
     columns = ["group", "impl", "causal", "S", "B", "pass", "ms", "tflops", "note"]
     report = Report(
         package="fa4",
@@ -143,14 +169,14 @@ def full(out_dir: Path | None, seqlens, ablate_passes=("fwd",), deadline: float 
             "TFLOP/s: 4 B H S^2 D forward (halved when causal), x3.5 for forward+backward. group=compare: "
             "our default kernel, TMA on, the warp-specialised Gluon forward (fa4-gluon) and the SDPA backends; "
             "group=ablation: one switch of our kernel changed. "
-            "flash-attn-4 is not in this table: `--fa4-smoke` and `--peer` (gpu_run_peer.sh) measure it in a "
+            "flash-attn-4 is not in this table: `--only fa4-smoke` and `--only peer` (lab/gpu_run_peer.sh) measure it in a "
             "separate call, because its CuTe-DSL runtime wheel (92 MB) is carried in two halves."
         ),
     )
     skipped = []
     for causal in (False, True):
         for s in seqlens:
-            if _budget_left(deadline) < 60:
+            if budget.left() < 60:
                 skipped.append(f"S={s} causal={causal}")
                 continue
             b = max(1, TOKENS // s)
@@ -159,7 +185,7 @@ def full(out_dir: Path | None, seqlens, ablate_passes=("fwd",), deadline: float 
             for passes in ("fwd", "fwd+bwd"):
                 impls = [("compare", "fa4-triton", ours(q, k, v, causal, {}), (q, k, v))]
                 impls += [("compare", "fa4-triton-tma", ours(q, k, v, causal, {"tma": True}), (q, k, v))]
-                # the warp-specialised Gluon forward (its backward is the Triton one)
+                # the warp-specialised Gluon forward (its backward: what bwd="auto" picks, Gluon on Hopper)
                 impls += [("compare", "fa4-gluon", ours(q, k, v, causal, OURS_GLUON), (q, k, v))]
                 impls += [
                     ("compare", f"sdpa-{be}", sdpa(qt, kt, vt, causal, be), (qt, kt, vt))
@@ -191,7 +217,7 @@ def full(out_dir: Path | None, seqlens, ablate_passes=("fwd",), deadline: float 
                         _row_error(report, **row, note=msg)
                     torch.cuda.empty_cache()
             print(f"done causal={causal} S={s}", flush=True)
-            _quiet_write(report, "", out_dir)
+            quiet_write(report, out_dir=out_dir)
     if skipped:
         report.notes += f" Not measured (time budget of the run): {', '.join(skipped)}."
     for causal in (False, True):
@@ -202,8 +228,6 @@ def full(out_dir: Path | None, seqlens, ablate_passes=("fwd",), deadline: float 
         report.plot(title=f"ablation: forward TFLOP/s, causal={causal}", x="S", y="tflops", series="impl",
                     where={"group": "ablation", "pass": "fwd", "causal": causal}, logx=True)  # fmt: skip
     report.write(out_dir=out_dir)
-    if _budget_left(deadline) > 60:
-        rescale(out_dir, seqlens)
 
 
 def rescale(out_dir: Path | None, seqlens) -> None:
@@ -234,278 +258,8 @@ def rescale(out_dir: Path | None, seqlens) -> None:
     report.write(tag="rescale", out_dir=out_dir)
 
 
-def trial_row(report: Report, row: dict, run, flop: float, extra=None) -> dict:
-    """Time one launch setting and add its row; a setting that fails to compile or run is a row with its error.
-
-    ``run()`` returns the median ms, or (ms, note); ``extra(ms)`` gives more columns for the row.
-    Prints and returns the row.
-    """
-    try:
-        res = run()
-        ms, note = res if isinstance(res, tuple) else (res, "")
-        report.add(**row, ms=ms, tflops=flop / (ms * 1e-3) / 1e12, note=note, **(extra(ms) if extra else {}))
-    except Exception as exc:
-        report.add(
-            **row, ms=float("nan"), tflops=float("nan"), note=f"{type(exc).__name__}: {str(exc)[:120]}"
-        )
-    print(report.rows[-1], flush=True)
-    return report.rows[-1]
-
-
-def sweep(out_dir: Path | None) -> None:
-    """Launch shapes for forward and backward; the best become FWD_DEFAULTS / BWD_DEFAULTS."""
-    columns = [
-        "kernel",
-        "causal",
-        "S",
-        "block_m",
-        "block_n",
-        "num_warps",
-        "num_stages",
-        "pingpong",
-        "ms",
-        "tflops",
-        "note",
-    ]
-    report = Report(package="fa4", title="FA4 Triton launch-shape sweep (D=128, 16 heads, bf16)", columns=columns,
-                    packages=["triton"], measure_ceilings=False)  # fmt: skip
-    fwd_cfgs = [(128, 64, 8, st) for st in (2, 3, 4)] + [(128, 128, 8, st) for st in (2, 3)]
-    fwd_cfgs += (
-        [(64, 64, 4, st) for st in (2, 3, 4)] + [(64, 128, 4, st) for st in (2, 3)] + [(128, 128, 4, 2)]
-    )
-    pp_cfgs = [(64, 64, 8, 2), (64, 64, 8, 3), (64, 128, 8, 2)]
-    s = 8192
-    b = TOKENS // s
-    q, k, v = make_inputs(b, s)
-
-    def trial(row: dict, run, causal: bool) -> None:
-        trial_row(report, row, run, flops(b, s, causal, row["kernel"]))
-
-    def cfg_row(kernel: str, causal: bool, cfg: tuple, pingpong: bool) -> dict:
-        bm, bn, nw, ns = cfg
-        return dict(
-            kernel=kernel, causal=causal, S=s, block_m=bm, block_n=bn, num_warps=nw, num_stages=ns,
-            pingpong=pingpong,
-        )  # fmt: skip
-
-    for causal in (False, True):
-        for pp, cfgs in ((False, fwd_cfgs), (True, pp_cfgs)):
-            for bm, bn, nw, ns in cfgs:
-                sw = dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns, pingpong=pp)
-                row = cfg_row("fwd", causal, (bm, bn, nw, ns), pp)
-                trial(row, lambda sw=sw, causal=causal: timed(ours(q, k, v, causal, sw), "fwd"), causal)
-        bwd_cfgs = [
-            (64, 128, 8, 2),
-            (64, 128, 8, 3),
-            (64, 64, 4, 2),
-            (32, 128, 8, 2),
-            (64, 128, 4, 2),
-            (128, 128, 8, 2),
-        ]
-        for bm, bn, nw, ns in bwd_cfgs:
-            sw = dict(bwd_block_m=bm, bwd_block_n=bn, bwd_num_warps=nw, bwd_num_stages=ns)
-            row = cfg_row("fwd+bwd", causal, (bm, bn, nw, ns), False)
-            trial(
-                row,
-                lambda sw=sw, causal=causal: timed(ours(q, k, v, causal, sw), "fwd+bwd", (q, k, v)),
-                causal,
-            )
-    report.write(tag="autotune", out_dir=out_dir)
-
-
-#: Launch settings of the Gluon forward timed by --gluon-sweep (keyword arguments of
-#: ``gluon_attention_forward``; the base is the launcher's defaults, lazy rescaling off). ``"all"``:
-#: at every S of GLUON_SWEEP_SEQLENS, causal and not; ``"8k"``: at S = 8192 only.
-GLUON_SWEEP: list[tuple[str, str, dict]] = [
-    ("all", "base", {}),
-    ("all", "lazy", {"lazy_rescale": True}),
-    ("all", "no-sync", {"pingpong_sync": False}),
-    ("all", "stages-3", {"num_stages": 3}),
-    ("all", "store-tma", {"store_tma": True}),
-    ("8k", "lazy+no-sync", {"lazy_rescale": True, "pingpong_sync": False}),
-    ("8k", "consumers-1", {"num_consumers": 1}),
-    ("8k", "block-n-64+stages-4", {"block_n": 64, "num_stages": 4}),
-    ("8k", "consumer-regs-232", {"consumer_regs": 232}),
-]
-#: The second sweep (--gluon-combos): the knobs that won alone in the first one
-#: (results/*-gluon-sweep.json: lazy rescaling, no turn barriers, TMA store, 232 registers for the
-#: second consumer, each 1-7% at some shape), alone and combined, at every S, in interleaved rounds.
-_LAZY, _NOSYNC = {"lazy_rescale": True}, {"pingpong_sync": False}
-_TMA, _R232 = {"store_tma": True}, {"consumer_regs": 232}
-GLUON_COMBOS: list[tuple[str, str, dict]] = [
-    ("all", "base", {}),
-    ("all", "lazy", _LAZY),
-    ("all", "no-sync", _NOSYNC),
-    ("all", "store-tma", _TMA),
-    ("all", "lazy+no-sync", {**_LAZY, **_NOSYNC}),
-    ("all", "lazy+tma", {**_LAZY, **_TMA}),
-    ("all", "no-sync+tma", {**_NOSYNC, **_TMA}),
-    ("all", "lazy+no-sync+tma", {**_LAZY, **_NOSYNC, **_TMA}),
-    ("all", "lazy+no-sync+tma+r232", {**_LAZY, **_NOSYNC, **_TMA, **_R232}),
-    ("all", "no-sync+tma+r232", {**_NOSYNC, **_TMA, **_R232}),
-]
-GLUON_SWEEP_SEQLENS = (4096, 8192, 16384)
-GLUON_SWEEP_COLUMNS = [
-    "impl",
-    "config",
-    "causal",
-    "S",
-    "B",
-    "lazy_rescale",
-    "pingpong_sync",
-    "num_consumers",
-    "block_n",
-    "num_stages",
-    "store_tma",
-    "load_regs",
-    "consumer_regs",
-    "ms",
-    "tflops",
-    "vs_cudnn",
-    "note",
-]
-
-
-def gluon_sweep_plan(seqlens=GLUON_SWEEP_SEQLENS, sweep=None) -> list[tuple[int, bool, str, dict]]:
-    """(S, causal, config name, launcher kwargs) of every Gluon setting the sweep times, in order."""
-    return [
-        (s, causal, name, kw)
-        for s in seqlens
-        for causal in (False, True)
-        for where, name, kw in (GLUON_SWEEP if sweep is None else sweep)
-        if where == "all" or s == 8192
-    ]
-
-
-def gluon_sweep_settings(kw: dict) -> dict:
-    """The row's launch columns: ``kw`` over the launcher's defaults (None block_n/num_stages: D=128's)."""
-    from repro.fa4.gluon_fwd import CONSUMER_REGS, LOAD_REGS, launch_config
-
-    cfg = launch_config(HEAD_DIM, kw.get("block_n"), kw.get("num_stages"))
-    return dict(
-        lazy_rescale=kw.get("lazy_rescale", False),
-        pingpong_sync=kw.get("pingpong_sync", True) and kw.get("num_consumers", 2) == 2,
-        num_consumers=kw.get("num_consumers", 2),
-        block_n=cfg["BLOCK_N"],
-        num_stages=cfg["NUM_STAGES"],
-        store_tma=kw.get("store_tma", False),
-        load_regs=kw.get("load_regs", LOAD_REGS),
-        consumer_regs=kw.get("consumer_regs", CONSUMER_REGS),
-    )
-
-
-def _raise(exc: BaseException):
-    raise exc
-
-
-def _vs(cudnn_ms: float, ms: float) -> dict:
-    return dict(vs_cudnn=cudnn_ms / ms)
-
-
-def _gluon_fwd(q, k, v, causal: bool, kw: dict):
-    from repro.fa4.gluon_fwd import gluon_attention_forward
-
-    return lambda: gluon_attention_forward(q, k, v, causal=causal, **kw)[0]
-
-
-#: Rounds of the Gluon sweeps: every candidate of a shape (cuDNN included) is timed once per round,
-#: in turn, and its row gives the median over rounds. Back-to-back single timings of the same
-#: setting moved by up to 8% between two runs on one H100 (clocks, temperature); interleaving
-#: makes that drift hit every candidate alike.
-GLUON_SWEEP_ROUNDS = 5
-
-
-def _interleaved_ms(timers: list, rounds: int) -> list[list[float]]:
-    """ms of each timer (a call that times one candidate once), in turn (A B C A B C ...) ``rounds`` times,
-    through the shared interleaved timer (``paperclub.bench.measure``); a timer's error is raised."""
-    res = measure(
-        {str(i): t for i, t in enumerate(timers)}, rounds=rounds, timer=lambda fn, warmup, rep: fn()
-    )
-    for key, m in res.items():
-        if not m.ok:
-            raise RuntimeError(f"timer {key}: {m.error}")
-    return [res[str(i)].rounds for i in range(len(timers))]
-
-
-def gluon_sweep(
-    out_dir: Path | None, seqlens=GLUON_SWEEP_SEQLENS, sweep=None, tag: str = "gluon-sweep"
-) -> None:
-    """cuDNN once per shape and the Gluon forward over ``sweep`` (GLUON_SWEEP by default), forward only
-    (D=128, 16 heads, bf16), written as ``<device>-<tag>.json``.
-
-    Each Gluon setting is checked once against cuDNN's output on the same inputs (note "WRONG" past
-    2e-2 relative L2 error); one that fails to compile or run is a row with its error. The others and
-    cuDNN are timed in GLUON_SWEEP_ROUNDS interleaved rounds; each row is the median (the note gives
-    the range).
-    """
-    report = Report(
-        package="fa4",
-        title="Gluon forward launch-setting sweep vs cuDNN (SDPA), D=128, 16 heads, B*S=16k, bf16, forward",
-        peer=f"torch {torch.__version__} SDPA, cuDNN {torch.backends.cudnn.version()}",
-        columns=GLUON_SWEEP_COLUMNS,
-        packages=["triton", "torch"],
-        measure_ceilings=False,
-        notes=(
-            "TFLOP/s: 4 B H S^2 D (halved when causal). vs_cudnn: cuDNN's ms / this row's ms at the same shape "
-            "(> 1 is faster than cuDNN). Each Gluon row calls repro.fa4.gluon_fwd.gluon_attention_forward "
-            "directly with the row's settings; base = the launcher's defaults (block_n 128, 2 stages, two "
-            "consumer warpgroups with ping-pong turn barriers, register stores, lazy rescaling off)."
-        ),
-    )
-    plan = gluon_sweep_plan(seqlens, sweep)
-    for s in seqlens:
-        b = max(1, TOKENS // s)
-        q, k, v = (t.detach() for t in make_inputs(b, s))
-        qt, kt, vt = (t.detach() for t in make_inputs(b, s, layout="bhsd"))
-        for causal in (False, True):
-            flop = flops(b, s, causal, "fwd")
-            with torch.no_grad():  # cuDNN on our inputs: the yardstick for each setting's output
-                ref = sdpa(*(t.transpose(1, 2).contiguous() for t in (q, k, v)), causal, "cudnn")()
-                ref = ref.transpose(1, 2)
-            base = dict(causal=causal, S=s, B=b)
-            rows = [dict(impl="sdpa-cudnn", config="cudnn", **base)]
-            fns, notes = [sdpa(qt, kt, vt, causal, "cudnn")], [""]
-            for _, _, name, kw in (p for p in plan if p[0] == s and p[1] == causal):
-                row = dict(impl="fa4-gluon", config=name, **base, **gluon_sweep_settings(kw))
-                fn = _gluon_fwd(q, k, v, causal, kw)
-                try:  # compile and check once; a setting that fails is a row with its error, not timed
-                    with torch.no_grad():
-                        err = rel_err(fn(), ref)
-                except Exception as exc:
-                    trial_row(report, row, functools.partial(_raise, exc), flop)
-                    continue
-                rows.append(row)
-                fns.append(fn)
-                notes.append(f"rel.err vs cuDNN {err:.1e}" + ("" if err < 2e-2 else " WRONG"))
-            times = _interleaved_ms([functools.partial(timed, f, "fwd") for f in fns], GLUON_SWEEP_ROUNDS)
-            cudnn_ms = statistics.median(times[0])
-            for row, ts, note in zip(rows, times, notes, strict=True):
-                ms = statistics.median(ts)
-                spread = f"{len(ts)} rounds, {min(ts):.3f}-{max(ts):.3f} ms"
-                trial_row(report, row, lambda ms=ms, n=note, sp=spread: (ms, f"{n}; {sp}" if n else sp), flop,
-                          extra=functools.partial(_vs, cudnn_ms))  # fmt: skip
-            torch.cuda.empty_cache()
-        _quiet_write(report, tag, out_dir)
-    for causal in (False, True):
-        report.plot(title=f"Gluon forward TFLOP/s by setting, causal={causal}", x="S", y="tflops",
-                    series="config", where={"causal": causal}, logx=True)  # fmt: skip
-    report.write(tag=tag, out_dir=out_dir)
-    best = {}
-    for r in report.rows:
-        if r["impl"] == "fa4-gluon" and r["vs_cudnn"] is not None and r["vs_cudnn"] == r["vs_cudnn"]:
-            key = (r["S"], r["causal"])
-            if "WRONG" not in (r["note"] or "") and (
-                key not in best or r["vs_cudnn"] > best[key]["vs_cudnn"]
-            ):
-                best[key] = r
-    for (s, causal), r in sorted(best.items()):
-        print(
-            f"best S={s} causal={causal}: {r['config']} {r['tflops']:.0f} TFLOP/s, {r['vs_cudnn']:.3f}x cuDNN"
-        )
-
-
 # ---------------------------------------------------------------------------------------------
-# flash-attn-4, the paper's own CuTe-DSL kernels, as a peer on Hopper (gpu_run_peer.sh runs this)
+# flash-attn-4, the paper's own CuTe-DSL kernels, as a peer on Hopper (lab/gpu_run_peer.sh runs this)
 # ---------------------------------------------------------------------------------------------
 
 #: Distributions whose versions go into the peer JSON.
@@ -518,22 +272,19 @@ FA4_DISTRIBUTIONS = [
     "triton",
     "torch",
 ]
+
 #: Our fastest forward in results/nvidia-h100-80gb-hbm3.json (S = 4k-16k): TMA on, default launch shape.
 OURS_BEST = {"tma": True}
+
 #: The warp-specialised Gluon forward (repro.fa4.gluon_fwd; sm_90 only, launched with
 #: repro.fa4.GLUON_LAUNCH) and the backward bwd="auto" picks: the Gluon one on Hopper since
 #: 2026-11-25 (the committed peer file, of 2026-11-23, ran the FA2 Triton backward).
 OURS_GLUON = {"gluon": True}
+
 #: (B, S, H, D) of the smoke test: small enough for a float64 reference with gradients.
 SMOKE_SHAPE = (2, 512, HEADS, HEAD_DIM)
+
 PEER_COLUMNS = ["group", "impl", "causal", "S", "B", "pass", "ms", "tflops", "note"]
-
-
-def error_text(exc: BaseException, limit: int = 400) -> str:
-    """``Type: message`` on one line (whitespace collapsed), cut to ``limit`` characters, for JSON notes."""
-    msg = " ".join(str(exc).split())
-    text = f"{type(exc).__name__}: {msg}" if msg else type(exc).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def load_flash_attn_4():
@@ -568,12 +319,6 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm()).item()
 
 
-def _quiet_write(report: Report, tag: str, out_dir: Path | None) -> None:
-    """Save the JSON so far without printing the table: a run killed by its timeout keeps its rows."""
-    with contextlib.redirect_stdout(io.StringIO()):
-        report.write(tag=tag, out_dir=out_dir)
-
-
 def fa4_smoke(out_dir: Path | None) -> bool:
     """flash-attn-4 at SMOKE_SHAPE, forward and gradients, against float64; cuDNN and ours beside it.
 
@@ -599,7 +344,7 @@ def fa4_smoke(out_dir: Path | None) -> bool:
         report.notes += f" flash-attn-4 did not import: {info}"
     impls = {
         "sdpa-cudnn": lambda q, k, v, c: sdpa(*(t.transpose(1, 2) for t in (q, k, v)), c, "cudnn")().transpose(1, 2),
-        "fa4-triton-tma": lambda q, k, v, c: attention(q, k, v, causal=c, **OURS_BEST),
+        "fa4-triton-tma": lambda q, k, v, c: attention(q, k, v, causal=c, **switches(OURS_BEST)),
     }  # fmt: skip
     if fn is not None:
         impls = {"fa4-cute": lambda q, k, v, c: fa4_cute(fn, q, k, v, c)(), **impls}
@@ -642,11 +387,12 @@ def _smoke_error(out_dir: Path | None) -> str:
     return "no smoke-test result found"
 
 
-#: Rounds of --peer: each shape's candidates are timed in turn this many times (see GLUON_SWEEP_ROUNDS).
+#: Rounds of the peer comparison (``--rounds`` changes it): each shape's candidates are timed in turn
+#: this many times; back-to-back single timings of one candidate moved by up to 8% on one H100.
 PEER_ROUNDS = 3
 
 
-def peer(out_dir: Path | None, seqlens, use_fa4: bool = True) -> None:
+def peer(out_dir: Path | None, seqlens, use_fa4: bool = True, rounds: int = PEER_ROUNDS) -> None:
     """flash-attn-4, cuDNN (SDPA) and ours (OURS_BEST) at the shapes of :func:`full`, one process.
 
     Each flash-attn-4 failure is recorded in its row and in the notes; after one failure for a
@@ -662,7 +408,8 @@ def peer(out_dir: Path | None, seqlens, use_fa4: bool = True) -> None:
         notes=(
             "TFLOP/s as in the main result file (4 B H S^2 D forward, halved when causal, x3.5 for forward+backward). "
             "All timed in one process: for each shape and pass, fa4-cute, sdpa-cudnn, fa4-triton-tma and "
-            "fa4-gluon (ours with the warp-specialised Gluon forward and the default backward, bwd='auto': the Gluon backward on Hopper) in turn, PEER_ROUNDS rounds, "
+            "fa4-gluon (ours with the warp-specialised Gluon forward and the default backward, bwd='auto': the Gluon backward on Hopper) in turn, "
+            f"{rounds} rounds, "
             "each row the median (the note gives the range); rel.err is against cuDNN's output on the same inputs."
         ),
     )
@@ -716,14 +463,14 @@ def peer(out_dir: Path | None, seqlens, use_fa4: bool = True) -> None:
                     timers.append(timer)
                     rows.append(row)
                     notes.append(note)
-                for row, ts, note in zip(rows, _interleaved_ms(timers, PEER_ROUNDS), notes, strict=True):
+                for row, ts, note in zip(rows, _interleaved_ms(timers, rounds), notes, strict=True):
                     ms = statistics.median(ts)
                     spread = f"median of {len(ts)} rounds, {min(ts):.3f}-{max(ts):.3f} ms"
                     report.add(**row, ms=ms, tflops=flops(b, s, causal, passes) / (ms * 1e-3) / 1e12,
                                note=f"{note}; {spread}" if note else spread)  # fmt: skip
                 torch.cuda.empty_cache()
             print(f"done causal={causal} S={s}", flush=True)
-            _quiet_write(report, "peer", out_dir)
+            quiet_write(report, tag="peer", out_dir=out_dir)
     for causal in (False, True):
         for passes in ("fwd", "fwd+bwd"):
             report.plot(title=f"{passes} TFLOP/s, causal={causal}", x="S", y="tflops", series="impl",
@@ -731,72 +478,39 @@ def peer(out_dir: Path | None, seqlens, use_fa4: bool = True) -> None:
     report.write(tag="peer", out_dir=out_dir)
 
 
+def _interleaved_ms(timers: list, rounds: int) -> list[list[float]]:
+    """ms of each timer (a call that times one candidate once), in turn (A B C A B C ...) ``rounds`` times,
+    through the shared interleaved timer (``paperclub.bench.measure``); a timer's error is raised."""
+    res = measure(
+        {str(i): t for i, t in enumerate(timers)}, rounds=rounds, timer=lambda fn, warmup, rep: fn()
+    )
+    for key, m in res.items():
+        if not m.ok:
+            raise RuntimeError(f"timer {key}: {m.error}")
+    return [res[str(i)].rounds for i in range(len(timers))]
+
+
 # ---------------------------------------------------------------------------------------------
-# The backward: fused (FA3's one-pass schedule) against fa2 (two kernels), cuDNN and FA2 (SDPA)
+# The backward: ours (Gluon, fused, FA2) against cuDNN and FA2 (SDPA)
 # ---------------------------------------------------------------------------------------------
 
 #: Shapes of the backward comparison (D = 128, HEADS heads, B x S = TOKENS, bf16).
 BWD_SEQLENS = (4096, 8192, 16384)
-#: Rounds of the backward comparison and the sweep (every candidate timed once per round, in turn).
-BWD_ROUNDS = 3
+
 BWD_COLUMNS = ["group", "impl", "causal", "S", "B", "pass", "ms", "ms_min", "ms_max", "tflops", "vs_cudnn",
                "check", "note"]  # fmt: skip
+
+
 #: Our candidates in the backward comparison: the Gluon forward with each backward, and the Triton
-#: forward (TMA) with the fused one.
+#: forward (TMA) with the fused one. fa4-gluon-gluonbwd is what ``bwd="auto"`` runs on Hopper (the Gluon
+#: backward, GPU-tested on an H100 since 2026-11-25, dQ by TMA since 2026-11-27); the others are the
+#: Triton backwards, the default elsewhere.
 BWD_IMPLS: dict[str, dict] = {
+    "fa4-gluon-gluonbwd": {"gluon": True, "bwd": "gluon"},
     "fa4-gluon": {"gluon": True, "bwd": "fa2"},
     "fa4-gluon-fused": {"gluon": True, "bwd": "fused"},
     "fa4-triton-tma-fused": {"tma": True, "bwd": "fused"},
 }
-#: Gluon forward + the warp-specialised Gluon backward (repro.fa4.gluon_bwd; Hopper only). Not yet run
-#: on a GPU: timed only with --gluon-bwd, after its GPU tests have passed (a wrong result is recorded
-#: as its rows' check, but a hang or a memory fault would take the other rows of the run with it).
-GLUON_BWD_IMPLS: dict[str, dict] = {"fa4-gluon-gluonbwd": {"gluon": True, "bwd": "gluon"}}
-#: The Gluon backward's dQ variants (repro.fa4.gluon_bwd.DQ_VARIANTS; off by default, written and
-#: compiled offline, not yet run on a GPU), timed beside the current Gluon backward and cuDNN with
-#: --gluon-bwd-dq (run ``python -m repro.fa4.gluon_bwd --sweep - 300 matrix <variant>`` first: a fault
-#: here takes the whole run down). -dqtma: dQ by TMA bulk reductions; -dqdefer: the dQ product a step
-#: later, off the dS^T exchange's barrier; -dqtma-defer: both (FA3's way).
-GLUON_BWD_DQ_IMPLS: dict[str, dict] = {
-    f"fa4-gluon-gluonbwd-dq{variant}": {
-        "gluon": True,
-        "bwd": "gluon",
-        "bwd_dq_tma": tma,
-        "bwd_dq_defer": defer,
-    }
-    for variant, (tma, defer) in DQ_VARIANTS.items()
-    if (tma, defer) != (DQ_TMA, DQ_DEFER)  # the default Gluon backward: GLUON_BWD_IMPLS' row
-}
-
-
-def gluon_bwd_dq_impls(names: str) -> dict[str, dict]:
-    """The rows of GLUON_BWD_DQ_IMPLS for comma-separated dQ variant names (``tma,defer``); an
-    unknown name is an error naming the known ones."""
-    wanted = [n.strip() for n in names.split(",") if n.strip()]
-    known = [k.removeprefix("fa4-gluon-gluonbwd-dq") for k in GLUON_BWD_DQ_IMPLS]
-    bad = [n for n in wanted if n not in known]
-    if bad or not wanted:
-        raise SystemExit(f"--gluon-bwd-dq: unknown variant(s) {bad or names!r}; known: {', '.join(known)}")
-    return {f"fa4-gluon-gluonbwd-dq{n}": GLUON_BWD_DQ_IMPLS[f"fa4-gluon-gluonbwd-dq{n}"] for n in wanted}
-
-
-#: Configurations the --bwd-sweep times (most promising first, by the first H100 sweep in
-#: results/*-bwd-smoke.json: a budget cut drops the tail).
-BWD_SWEEP = [
-    "m64-n128-w8-s2",
-    "m64-n128-w8-s2-dqtma",
-    "m64-n128-w8-s3",
-    "m64-n128-w8-s2-tma-dqtma",
-    "m64-n128-w8-s2-tma",
-    "m32-n128-w8-s3-tma",
-    "m64-n128-w8-s3-tma",
-    "m64-n128-w8-s1-tma",
-    "m32-n128-w8-s2-tma",
-    "m64-n64-w4-s2-tma",
-    "m32-n128-w8-s2-tma-dqtma",
-    "m32-n64-w4-s2-tma",
-    "m128-n64-w8-s2-tma",
-]
 
 
 def _sdpa_bwd_inputs(q, k, v):
@@ -833,10 +547,6 @@ def _failed(msg: str):
         raise AssertionError(msg)
 
     return check
-
-
-def _budget_left(deadline: float | None) -> float:
-    return float("inf") if deadline is None else deadline - time.monotonic()
 
 
 def _bwd_shape(b: int, s: int, causal: bool):
@@ -888,19 +598,20 @@ def _bwd_rows(report, res, errs, fixed: dict, b, s, causal, passes, extra=None) 
 def bwd_compare(
     out_dir: Path | None,
     seqlens=BWD_SEQLENS,
-    deadline: float | None = None,
+    budget: Budget | None = None,
     impls=None,
     tag: str = "bwd",
-    rounds: int = BWD_ROUNDS,
+    rounds: int = 3,
 ) -> Report:
     """Forward + backward and backward alone: our backwards (BWD_IMPLS) beside cuDNN and FA2 (SDPA).
 
     At each shape every candidate's output and gradients are checked once against cuDNN's on the same
     values (tolerance: 3x FA2's own distance from cuDNN, at least 2e-2); candidates that pass are
     timed in ``rounds`` interleaved rounds through ``paperclub.bench.measure``. Writes
-    ``<device>-<tag>.json``; shapes past the deadline are left out and named in the notes.
+    ``<device>-<tag>.json``; shapes the budget does not reach are left out and named in the notes.
     """
     impls = BWD_IMPLS if impls is None else impls
+    budget = budget or Budget(None)
     report = Report(
         package="fa4",
         title="Backward: fused (FA3 schedule) vs fa2 (two kernels) vs cuDNN and FA2 (SDPA), D=128, 16 heads, "
@@ -916,23 +627,23 @@ def bwd_compare(
             "gradients against cuDNN's on the same inputs, tolerance 3x the FA2 backend's own distance "
             "from cuDNN (at least 2e-2). fa4-gluon = Gluon forward + fa2 backward (the previous default "
             "pairing); fa4-gluon-fused = Gluon forward + fused backward (FUSED_DEFAULTS); "
-            "fa4-triton-tma-fused = Triton forward (TMA) + fused backward; fa4-gluon-gluonbwd (only with --gluon-bwd) = Gluon forward + "
-            "the warp-specialised Gluon backward (repro.fa4.gluon_bwd); fa4-gluon-gluonbwd-dq* (only with --gluon-bwd-dq) = "
-            "the same with its dQ variants (dqtma: TMA bulk reductions; dqdefer: dQ product a step later; both). "
+            "fa4-triton-tma-fused = Triton forward (TMA) + fused backward; fa4-gluon-gluonbwd = Gluon forward + "
+            "the warp-specialised Gluon backward (repro.fa4.gluon_bwd, bwd='auto' on Hopper); "
+            "fa4-gluon-gluonbwd-dqatomic (repro.fa4.lab.tuning gluon-bwd-dq) = the same with dQ by atomics. "
             f"Interleaved: {rounds} rounds."
         ),
     )
     skipped = []
     for causal in (False, True):
         for s in seqlens:
-            if _budget_left(deadline) < 45:
+            if budget.left() < 45:
                 skipped.append(f"S={s} causal={causal}")
                 continue
             b = max(1, TOKENS // s)
             print(f"bwd: S={s} causal={causal}: checking against cuDNN", flush=True)
             ours_leaves, sdpa_leaves, grad, ref, fa2_err, tol = _bwd_shape(b, s, causal)
             grad_t = grad.transpose(1, 2).contiguous()
-            mine = {n: ours(*ours_leaves, causal, sw) for n, sw in impls.items()}
+            mine = {n: ours(*ours_leaves, causal, changes) for n, changes in impls.items()}
             errs, bad = _check_all(mine, ours_leaves, grad, ref, tol)
             errs["sdpa-flash2"] = {"max": fa2_err}
             for passes in ("fwd+bwd", "bwd"):
@@ -952,7 +663,7 @@ def bwd_compare(
                 del cands, res
             del mine, ref, ours_leaves, sdpa_leaves, grad, grad_t
             torch.cuda.empty_cache()
-            _quiet_write(report, tag, out_dir)
+            quiet_write(report, tag=tag, out_dir=out_dir)
     if skipped:
         report.notes += f" Not measured (time budget of the run): {', '.join(skipped)}."
     for causal in (False, True):
@@ -963,295 +674,268 @@ def bwd_compare(
     return report
 
 
-def bwd_sweep(
-    out_dir: Path | None, deadline: float | None = None, s: int = 8192, configs=None, rounds: int = BWD_ROUNDS
-) -> Report:
-    """The fused backward's launch configurations (BWD_SWEEP) at S = ``s`` beside cuDNN, causal and not:
-    the backward alone and forward + backward (Gluon forward), checked against cuDNN's gradients,
-    interleaved rounds. Writes ``<device>-bwd-sweep.json`` and prints the best configuration per case."""
-    from repro.fa4.bwd_fused import config_switches
+# ---------------------------------------------------------------------------------------------
+# Issue #42: head sizes off the tiles, v's own head size, the sliding window, beside cuDNN
+# ---------------------------------------------------------------------------------------------
 
-    configs = BWD_SWEEP if configs is None else configs
+#: (D, D_v) of the head-size comparison: the verified tiles (64, 128) as baselines, the sizes padded
+#: to them or to the 256 tile (96, 160, 192, 224), the 256 tile itself, and MLA's 192 / 128.
+HEAD_SHAPES = ((64, 64), (96, 96), (128, 128), (160, 160), (192, 192), (192, 128), (224, 224), (256, 256))
+#: Lengths of the head-size comparison (B x S = TOKENS, HEADS heads, bf16); ``--quick``: the first.
+HEAD_SEQLENS = (4096, 8192)
+#: (left, right) windows of the window rows (D = 128): 1k and 4k keys of history.
+WINDOWS = ((1023, 0), (4095, 0))
+
+
+def attention_flops(b: int, s_q: int, s_k: int, d: int, d_v: int, passes: str, visible: float) -> float:
+    """FLOPs of one call at the caller's head sizes (not the tiles'): 2 B H S_q S_k (D + D_v) forward
+    times the fraction of (query, key) pairs that are visible, x3.5 for forward + backward."""
+    f = 2.0 * b * HEADS * s_q * s_k * (d + d_v) * visible
+    return f * (3.5 if passes == "fwd+bwd" else 1.0)
+
+
+def _visible(s: int, causal: bool, window) -> float:
+    """The fraction of the S x S score matrix a causal mask or a (left, 0) window leaves."""
+    if window is not None:
+        left = window[0]
+        return (sum(min(i, left) + 1 for i in range(s))) / (s * s)
+    return (s + 1) / (2 * s) if causal else 1.0
+
+
+def _head_inputs(b: int, s: int, d: int, d_v: int):
+    """bf16 leaves [B, S, H, D] (v [B, S, H, D_v]) and SDPA's [B, H, S, D] copies of the same values."""
+    q, k = (
+        torch.randn(b, s, HEADS, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2)
+    )
+    v = torch.randn(b, s, HEADS, d_v, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    return (q, k, v), _sdpa_bwd_inputs(q, k, v)
+
+
+def _sdpa_masked(qt, kt, vt, mask, backend):
+    """SDPA with a boolean mask (a window), on one backend."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    be = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}[backend]
+
+    def run():
+        with sdpa_kernel(be):
+            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask)
+
+    return run
+
+
+def _pass_timer(f, leaves, grad, passes: str):
+    """What one timed call runs: the forward alone (no autograd graph) or forward + backward."""
+    if passes == "fwd":
+
+        def run():
+            with torch.no_grad():
+                return f()
+
+        return run
+    return _timer(f, leaves, grad, passes)
+
+
+def _heads_rows(report, cands: dict, fixed: dict, b, s, d, d_v, causal, window, passes, rounds, layout):
+    """Time ``cands`` (name -> (fn, check)) in interleaved rounds; one row each, with TFLOP/s at the
+    caller's head sizes, the ratio to cuDNN and the tiles ours ran on."""
+    res = measure({n: Candidate(fn=f, check=c) for n, (f, c) in cands.items()}, rounds=rounds)
+    cudnn = res.get("sdpa-cudnn")
+    base = cudnn.median_ms if cudnn is not None and cudnn.ok else None
+    f_ = attention_flops(b, s, s, d, d_v, passes, _visible(s, causal, window))
+    for name, m in res.items():
+        ms = m.median_ms
+        report.add(
+            **fixed, impl=name, D=d, D_v=d_v, causal=causal, window=str(window) if window else "", S=s, B=b,
+            **{"pass": passes}, **m.row(), tflops=f_ / (ms * 1e-3) / 1e12 if ms else None,
+            vs_cudnn=base / ms if ms and base else None,
+            tiles=f"{layout.tile}/{layout.tile_v}x{layout.chunks}" if name.startswith("fa4") else "",
+            flops_ratio=round(layout.flops_ratio(), 3) if name.startswith("fa4") else None,
+        )  # fmt: skip
+        print(report.rows[-1], flush=True)
+
+
+def heads(
+    out_dir: Path | None, seqlens=HEAD_SEQLENS, budget: Budget | None = None, rounds: int = 3
+) -> Report:
+    """Issue #42's head sizes and the sliding window beside cuDNN and FA2 (SDPA), forward and forward +
+    backward, ours with the default switches (D <= 128: the verified kernels on padded tiles, the
+    layout in ``tiles``: tile / v's tile x chunks; D > 128: the 256 tile; a window: the window kernels).
+
+    Each shape's candidates are checked once against cuDNN's output and gradients (tolerance 3x FA2's
+    own distance from cuDNN, at least 2e-2; where cuDNN does not run, against FA2's or the
+    memory-efficient backend's) and then timed in ``rounds`` interleaved rounds. TFLOP/s count the
+    caller's head sizes, so a padded layout shows its padding as lower TFLOP/s (``flops_ratio``: the
+    matmul work the tiles do over the caller's). Window rows: D = 128, (left, 0) windows, beside ours
+    and cuDNN causal (the work a window saves) and cuDNN with the window as a boolean mask.
+    Writes ``<device>-heads.json``."""
+    from repro.fa4.api import head_layout
+    from repro.fa4.reference import window_mask
+
+    budget = budget or Budget(None)
     report = Report(
         package="fa4",
-        title=f"Fused backward launch sweep vs cuDNN, S={s}, D=128, 16 heads, B*S=16k, bf16",
-        peer=f"torch {torch.__version__} SDPA, cuDNN {torch.backends.cudnn.version()}",
-        columns=["config", *BWD_COLUMNS],
+        title="Head sizes 64-256 (issue #42) and the sliding window: ours vs cuDNN and FA2 (SDPA), 16 heads, "
+        "B*S=16k, bf16",
+        peer=f"torch {torch.__version__} SDPA (cuDNN {torch.backends.cudnn.version()}, FlashAttention-2 backend)",
+        columns=[
+            "group",
+            "impl",
+            "D",
+            "D_v",
+            "causal",
+            "window",
+            "S",
+            "B",
+            "pass",
+            "ms",
+            "ms_min",
+            "ms_max",
+            "tflops",
+            "vs_cudnn",
+            "tiles",
+            "flops_ratio",
+            "check",
+        ],  # fmt: skip
         packages=["triton", "torch"],
         measure_ceilings=False,
         notes=(
-            "Each config: repro.fa4.bwd_fused.FUSED_CONFIGS[config] (block_m, block_n, num_warps, "
-            "num_stages, TMA loads of Q/dO, dQ by TMA reductions) behind the Gluon forward. "
-            "vs_cudnn > 1 is faster than cuDNN. Checked against cuDNN's gradients as in the -bwd table."
+            "TFLOP/s at the caller's head sizes: 2 B H S^2 (D + D_v) per forward times the visible fraction of "
+            "the scores (causal about 1/2, a (left, 0) window about left/S), x3.5 for forward + backward. "
+            "vs_cudnn: cuDNN's ms / this row's (> 1 faster). tiles: the tile q and k ran on / v's tile x chunks; "
+            "flops_ratio: matmul work on the tiles over the caller's (1 = no padding). fa4 = ours with the "
+            "default switches (bwd='auto'). Issue #42's target: at least 0.9x cuDNN where the tile is the head "
+            f"size itself (64, 128, 256); elsewhere the padding's cost is flops_ratio. group=window: D = 128, a "
+            "(left, 0) window; every row's TFLOP/s count the window's work, so the causal rows (ours, cuDNN) show "
+            "what the window saves as time, and sdpa-cudnn-window-mask is cuDNN given the window as a boolean "
+            f"mask. Interleaved: {rounds} rounds."
         ),
     )
-    b = max(1, TOKENS // s)
-    best: dict = {}
+    skipped = []
     for causal in (False, True):
-        ours_leaves, sdpa_leaves, grad, ref, _, tol = _bwd_shape(b, s, causal)
-        grad_t = grad.transpose(1, 2).contiguous()
-        cudnn = sdpa(*sdpa_leaves, causal, "cudnn")
-        mine = {}
-        for name in configs:
-            if _budget_left(deadline) < 30:
-                report.notes += f" {name} (causal={causal}) not run: time budget."
+        for s in seqlens:
+            for d, d_v in HEAD_SHAPES:
+                if budget.left() < 30:
+                    skipped.append(f"D={d} D_v={d_v} S={s} causal={causal}")
+                    continue
+                b = max(1, TOKENS // s)
+                layout = head_layout(d, d_v)
+                leaves, sdpa_leaves = _head_inputs(b, s, d, d_v)
+                grad = torch.randn(b, s, HEADS, d_v, device="cuda", dtype=torch.bfloat16)
+                grad_t = grad.transpose(1, 2).contiguous()
+                ref = fa2 = None
+                for be in ("cudnn", "flash2", "efficient"):
+                    try:
+                        got = _grads(sdpa(*sdpa_leaves, causal, be), sdpa_leaves, grad, "bhsd")
+                    except Exception:  # this backend does not take the head sizes
+                        continue
+                    ref, fa2 = (got, fa2) if ref is None else (ref, got)
+                if ref is None:
+                    skipped.append(f"D={d} D_v={d_v} S={s} causal={causal} (no SDPA backend ran)")
+                    continue
+                tol = (
+                    max(3 * max(rel_err(a, r) for a, r in zip(fa2, ref, strict=True)), 2e-2) if fa2 else 2e-2
+                )
+                mine = ours(*leaves, causal, {})
+                check_msg = _check_all({"fa4": mine}, leaves, grad, ref, tol)[1].get("fa4")
+                for passes in ("fwd", "fwd+bwd"):
+                    cands = {
+                        f"sdpa-{be}": (
+                            _pass_timer(sdpa(*sdpa_leaves, causal, be), sdpa_leaves, grad_t, passes),
+                            None,
+                        )
+                        for be in ("cudnn", "flash2")
+                    }
+                    cands["fa4"] = (
+                        (lambda: None, _failed(check_msg))
+                        if check_msg
+                        else (_pass_timer(mine, leaves, grad, passes), None)
+                    )
+                    _heads_rows(report, cands, dict(group="heads"), b, s, d, d_v, causal, None, passes, rounds,
+                                layout)  # fmt: skip
+                del leaves, sdpa_leaves, grad, grad_t, ref, fa2, mine
+                torch.cuda.empty_cache()
+                quiet_write(report, tag="heads", out_dir=out_dir)
+    for s in (seqlens[-1], 2 * seqlens[-1]):
+        for window in WINDOWS:
+            if budget.left() < 30 or window[0] >= s:
                 continue
-            mine[name] = ours(*ours_leaves, causal, {"gluon": True, **config_switches(name)})
-        errs, bad = _check_all(mine, ours_leaves, grad, ref, tol)
-        for passes in ("bwd", "fwd+bwd"):
-            cands = {"sdpa-cudnn": Candidate(fn=_timer(cudnn, sdpa_leaves, grad_t, passes))}
-            for name, f in mine.items():
-                if name in bad:
-                    cands[name] = Candidate(fn=lambda: None, check=_failed(bad[name]))
-                else:
-                    cands[name] = Candidate(fn=_timer(f, ours_leaves, grad, passes))
-            res = measure(cands, rounds=rounds)
-            _bwd_rows(report, res, errs, dict(group="bwd-sweep"), b, s, causal, passes,
-                      extra=lambda n: {"config": "" if n == "sdpa-cudnn" else n})  # fmt: skip
-            cudnn_ms = res["sdpa-cudnn"].median_ms
-            ratios = {n: cudnn_ms / m.median_ms for n, m in res.items() if n != "sdpa-cudnn" and m.median_ms}
-            if ratios and cudnn_ms:
-                top = max(ratios, key=ratios.get)
-                best[(passes, causal)] = (top, ratios[top])
-            del cands, res
-        del mine, ref, ours_leaves, sdpa_leaves, grad, grad_t, cudnn
-        torch.cuda.empty_cache()
-        _quiet_write(report, "bwd-sweep", out_dir)
-    summary = "; ".join(f"{p} causal={c}: {n} {vs:.3f}x cuDNN" for (p, c), (n, vs) in sorted(best.items()))
-    report.notes += f" Best: {summary}." if summary else " No configuration ran."
-    print("best:", summary, flush=True)
-    report.write(tag="bwd-sweep", out_dir=out_dir)
+            b = max(1, TOKENS // s)
+            layout = head_layout(HEAD_DIM, HEAD_DIM)
+            leaves, sdpa_leaves = _head_inputs(b, s, HEAD_DIM, HEAD_DIM)
+            grad = torch.randn_like(leaves[0])
+            grad_t = grad.transpose(1, 2).contiguous()
+            mask = window_mask(s, s, window[0], window[1], "cuda")
+            mine = ours(*leaves, False, {}, window=window)
+            try:
+                ref = _grads(_sdpa_masked(*sdpa_leaves, mask, "efficient"), sdpa_leaves, grad, "bhsd")
+                check_msg = _check_all({"fa4": mine}, leaves, grad, ref, 2e-2)[1].get("fa4")
+            except Exception as exc:  # no reference: our rows are not timed
+                check_msg = f"no reference ran: {error_text(exc)}"
+            for passes in ("fwd", "fwd+bwd"):
+                cands = {
+                    "sdpa-cudnn": (
+                        _pass_timer(sdpa(*sdpa_leaves, True, "cudnn"), sdpa_leaves, grad_t, passes),
+                        None,
+                    ),
+                    "sdpa-cudnn-window-mask": (
+                        _pass_timer(_sdpa_masked(*sdpa_leaves, mask, "cudnn"), sdpa_leaves, grad_t, passes),
+                        None,
+                    ),
+                    "fa4-causal": (_pass_timer(ours(*leaves, True, {}), leaves, grad, passes), None),
+                    "fa4-window": (
+                        (lambda: None, _failed(check_msg))
+                        if check_msg
+                        else (_pass_timer(mine, leaves, grad, passes), None)
+                    ),
+                }
+                _heads_rows(report, cands, dict(group="window"), b, s, HEAD_DIM, HEAD_DIM, False, window, passes,
+                            rounds, layout)  # fmt: skip
+            del leaves, sdpa_leaves, grad, grad_t, mask
+            torch.cuda.empty_cache()
+            quiet_write(report, tag="heads", out_dir=out_dir)
+    if skipped:
+        report.notes += f" Not measured: {', '.join(skipped)}."
+    for causal in (False, True):
+        report.plot(title=f"forward + backward vs cuDNN by head size, causal={causal}", x="D", y="vs_cudnn",
+                    series="impl", where={"group": "heads", "pass": "fwd+bwd", "causal": causal})  # fmt: skip
+    report.write(tag="heads", out_dir=out_dir)
     return report
 
 
-def ncu_target(use_fa4: bool = True, s: int = 8192, causal: bool = False) -> None:
-    """One forward each of ours (OURS_BEST and OURS_GLUON), cuDNN and flash-attn-4 between cudaProfilerStart/Stop.
-
-    Three untimed calls first compile and warm each; run under ``ncu --profile-from-start off`` so
-    that only the measured calls (and their small helper kernels, e.g. a fill) are profiled.
-    """
-    b = TOKENS // s
-    q, k, v = (t.detach() for t in make_inputs(b, s))
-    qt, kt, vt = (t.detach() for t in make_inputs(b, s, layout="bhsd"))
-    runs = [
-        ("fa4-triton-tma", ours(q, k, v, causal, OURS_BEST)),
-        ("fa4-gluon", ours(q, k, v, causal, OURS_GLUON)),
-        ("sdpa-cudnn", sdpa(qt, kt, vt, causal, "cudnn")),
-    ]
-    if use_fa4:
-        fn, info = load_flash_attn_4()
-        if fn is None:
-            print(f"ncu-target: flash-attn-4 left out: {info}")
-        else:
-            runs.append(("fa4-cute", fa4_cute(fn, q, k, v, causal)))
-    with torch.no_grad():
-        for name, f in runs:
-            try:
-                for _ in range(3):
-                    f()
-                torch.cuda.synchronize()
-                torch.cuda.profiler.start()
-                f()
-                torch.cuda.synchronize()
-                torch.cuda.profiler.stop()
-                print(
-                    f"ncu-target: profiled one forward of {name} (S={s}, B={b}, causal={causal})", flush=True
-                )
-            except Exception as exc:
-                print(f"ncu-target: {name} failed: {error_text(exc)}", flush=True)
-
-
-#: What the ncu summary prints: a label and the raw-page metric names to try, first found wins.
-NCU_SUMMARY: dict[str, tuple[str, ...]] = {
-    "duration (us)": ("gpu__time_duration.sum",),
-    "registers/thread": ("launch__registers_per_thread",),
-    "dyn. shared mem/block (B)": ("launch__shared_mem_per_block_dynamic",),
-    "achieved occupancy %": ("sm__warps_active.avg.pct_of_peak_sustained_active",),
-    "tensor pipe %": ("sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active",),
-    "tensor GMMA inst. %": ("sm__inst_executed_pipe_tensor_op_gmma.avg.pct_of_peak_sustained_active",),
-    "XU (MUFU, exp2) pipe %": (
-        "sm__pipe_xu_cycles_active.avg.pct_of_peak_sustained_active",
-        "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active",
-    ),
-    "FMA pipe %": (
-        "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active",
-        "sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active",
-    ),
-    "ALU pipe %": ("sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active",),
-    "issue slots busy %": (
-        "sm__inst_issued.avg.pct_of_peak_sustained_active",
-        "smsp__issue_active.avg.pct_of_peak_sustained_active",
-    ),
-    "SM throughput %": ("sm__throughput.avg.pct_of_peak_sustained_elapsed",),
-    "DRAM throughput %": (
-        "dram__throughput.avg.pct_of_peak_sustained_elapsed",
-        "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",  # the name ncu 2025 prints
-    ),
-    # Clocks are not locked under --clock-control none: compare kernels in cycles, not microseconds.
-    "SM cycles active": ("sm__cycles_active.avg",),
-}
-
-
-#: ncu's time units (it scales them per metric unless told --print-units base) in microseconds.
-TIME_UNITS_IN_US = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
-
-
-def _number(text: str):
-    try:
-        return float(text.replace(",", ""))
-    except ValueError:
-        return text
-
-
-def ncu_summary(csv_text: str, top_stalls: int = 4) -> list[dict]:
-    """ncu's ``--csv --page raw`` output reduced to the metrics of NCU_SUMMARY, one dict per kernel.
-
-    Each dict has ``kernel`` (the name, cut to 60 characters), the NCU_SUMMARY labels (None where the
-    report lacks every candidate metric) and ``stalls``: the ``top_stalls`` largest
-    ``smsp__average_warps_issue_stalled_*_per_issue_active.ratio`` values as "reason ratio" strings
-    (``selected``, the issuing warp itself, left out).
-    Lines that ncu prefixes with ``==`` and the units row are skipped.
-    """
-    lines = [ln for ln in csv_text.splitlines() if ln.strip() and not ln.startswith("==")]
-    rows = list(csv.reader(lines))
-    if not rows:
-        return []
-    header, out = rows[0], []
-    for r in rows[1:]:
-        rec = dict(zip(header, r, strict=False))
-        if not rec.get("ID", "").strip().isdigit():  # the units row
-            continue
-        item: dict = {"kernel": rec.get("Kernel Name", "?")[:60]}
-        for label, names in NCU_SUMMARY.items():
-            item[label] = next((_number(rec[n]) for n in names if rec.get(n, "") != ""), None)
-        if isinstance(item["duration (us)"], float):
-            unit = _units(rows, header, "gpu__time_duration.sum")
-            item["duration (us)"] *= TIME_UNITS_IN_US.get(unit, float("nan"))
-        stalls = []
-        for name, val in rec.items():
-            if name.startswith("smsp__average_warps_issue_stalled_") and name.endswith(
-                "_per_issue_active.ratio"
-            ):
-                v = _number(val)
-                reason = name.removeprefix("smsp__average_warps_issue_stalled_").removesuffix(
-                    "_per_issue_active.ratio"
-                )
-                # "selected" is the warp that issued (always 1 per issue), not a stall.
-                if isinstance(v, float) and reason != "selected":
-                    stalls.append((v, reason))
-        item["stalls"] = [f"{reason} {v:.2f}" for v, reason in sorted(stalls, reverse=True)[:top_stalls]]
-        out.append(item)
-    return out
-
-
-def print_ncu_summary(csv_text: str) -> None:
-    """The ncu summary as a markdown table, one row per profiled kernel."""
-    from paperclub.bench import markdown_table
-
-    items = ncu_summary(csv_text)
-    if not items:
-        print("ncu summary: no kernels in the report")
-        return
-    print(markdown_table(list(items[0]), [{**i, "stalls": "; ".join(i["stalls"])} for i in items]))
-
-
-def _units(rows: list[list[str]], header: list[str], column: str) -> str:
-    if len(rows) > 1 and column in header and not rows[1][0].strip().isdigit():
-        return rows[1][header.index(column)]
-    return ""
+PARTS = ("bwd", "compare", "rescale", "peer", "fa4-smoke", "heads")
+DEFAULT_PARTS = ("bwd", "compare", "rescale")
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--gluon-sweep", action="store_true")
-    parser.add_argument("--gluon-combos", action="store_true")
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--fa4-smoke", action="store_true")
-    parser.add_argument("--peer", action="store_true")
-    parser.add_argument("--no-fa4", action="store_true")
-    parser.add_argument("--ncu-target", action="store_true")
-    parser.add_argument("--ncu-summary", type=Path, default=None, metavar="CSV")
-    parser.add_argument(
-        "--bwd", action="store_true", help="the backward comparison only (-> <device>-bwd.json)"
-    )
-    parser.add_argument(
-        "--gluon-bwd",
-        action="store_true",
-        help="with --bwd: also time the Gluon backward explicitly (fa4-gluon-gluonbwd; GPU-tested on an H100, 2026-11-25)",
-    )
-    parser.add_argument(
-        "--bwd-rounds",
-        type=int,
-        default=BWD_ROUNDS,
-        help=f"interleaved rounds of --bwd and --bwd-sweep (default {BWD_ROUNDS})",
-    )
-    parser.add_argument(
-        "--gluon-bwd-dq",
-        nargs="?",
-        const=",".join(k.removeprefix("fa4-gluon-gluonbwd-dq") for k in GLUON_BWD_DQ_IMPLS),
-        default=None,
-        metavar="VARIANT,...",
-        help="with --bwd: the current Gluon backward and its dQ variants (GLUON_BWD_DQ_IMPLS; all, or those "
-        "named, e.g. tma,defer) beside cuDNN, instead of BWD_IMPLS",
-    )
-    parser.add_argument(
-        "--bwd-sweep",
-        action="store_true",
-        help="the fused backward's launch configurations at S=8k (-> <device>-bwd-sweep.json)",
-    )
-    parser.add_argument(
-        "--budget-s",
-        type=float,
-        default=None,
-        help="wall-clock budget: shapes that would start after it are skipped and named in the notes",
-    )
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args(argv)  # fmt: skip
-    if args.bwd_rounds < 1:
-        parser.error(f"--bwd-rounds must be at least 1, got {args.bwd_rounds}")
-    deadline = None if args.budget_s is None else time.monotonic() + args.budget_s
-    if args.ncu_summary is not None:  # reads a file: no GPU needed
-        print_ncu_summary(args.ncu_summary.read_text(encoding="utf-8", errors="replace"))
-        return
+    global BASE
+    ap = bench_parser(__doc__.split("\n\n")[0], rounds=3, quick_help="two lengths (one for bwd)", tag=False)
+    ap.add_argument("--no-fa4", action="store_true", help="peer: cuDNN and ours only, without flash-attn-4")
+    args = parse_bench_args(ap, argv)
+    try:
+        parts = select(PARTS, args.only, what="part") if args.only else list(DEFAULT_PARTS)
+        BASE = apply_settings(Switches(), args.settings)
+    except ValueError as exc:
+        ap.error(str(exc))
     if not torch.cuda.is_available():
         raise SystemExit("repro.fa4.bench needs a CUDA GPU (an H100 for the numbers on the paper page)")
-    out = args.out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
+    out, budget = args.out, args.budget
     try:
-        if args.sweep:
-            sweep(out)
-        elif args.gluon_sweep:
-            gluon_sweep(out)
-        elif args.gluon_combos:
-            gluon_sweep(out, sweep=GLUON_COMBOS, tag="gluon-combos")
-        elif args.fa4_smoke:
-            if not fa4_smoke(out):
-                raise SystemExit(3)
-        elif args.peer:
-            peer(out, (2048, 8192) if args.quick else SEQLENS, use_fa4=not args.no_fa4)
-        elif args.ncu_target:
-            ncu_target(use_fa4=not args.no_fa4)
-        elif args.bwd:
-            impls = {**BWD_IMPLS, **GLUON_BWD_IMPLS} if args.gluon_bwd else None
-            if args.gluon_bwd_dq:
-                impls = {**GLUON_BWD_IMPLS, **gluon_bwd_dq_impls(args.gluon_bwd_dq)}
-            bwd_compare(out, (8192,) if args.quick else BWD_SEQLENS, deadline=deadline, impls=impls,
-                        rounds=args.bwd_rounds,
-                        tag="bwd-gluon-dq" if args.gluon_bwd_dq else "bwd")  # fmt: skip
-        elif args.bwd_sweep:
-            bwd_sweep(out, deadline=deadline, rounds=args.bwd_rounds)
-        else:
-            # the backward comparison first (the GPU job's budget may not reach the end of the table)
-            if args.budget_s is None:
-                bwd_deadline = None
-            else:
-                bwd_deadline = time.monotonic() + 0.6 * args.budget_s
-            bwd_compare(
-                out, (8192,) if args.quick else BWD_SEQLENS, deadline=bwd_deadline, rounds=args.bwd_rounds
-            )
-            full(out, (2048, 8192) if args.quick else SEQLENS, deadline=deadline)
+        if "fa4-smoke" in parts and not fa4_smoke(out):
+            raise SystemExit(3)
+        if "peer" in parts:
+            peer(out, (2048, 8192) if args.quick else SEQLENS, use_fa4=not args.no_fa4, rounds=args.rounds)
+        if "heads" in parts:
+            heads(out, HEAD_SEQLENS[:1] if args.quick else HEAD_SEQLENS, budget=budget, rounds=args.rounds)
+        if "bwd" in parts:
+            # first: the GPU job's budget may not reach the end of the table; 60% of it when more follows
+            first = budget.part(0.6) if len(set(parts) & {"compare", "rescale"}) else budget
+            bwd_compare(out, (8192,) if args.quick else BWD_SEQLENS, budget=first, rounds=args.rounds)
+        seqlens = (2048, 8192) if args.quick else SEQLENS
+        if "compare" in parts:
+            full(out, seqlens, budget=budget)
+        if "rescale" in parts and budget.left() > 60:
+            rescale(out, seqlens)
     except Exception:
         traceback.print_exc()
         raise

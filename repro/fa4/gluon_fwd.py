@@ -15,7 +15,7 @@ program (CTA) owns ``NUM_CONSUMERS`` query tiles of ``BLOCK_M`` rows of one head
   O is rescaled after the P V product lands. The two consumers share every K/V load and run
   independently, so one's softmax overlaps the other's matmuls (FA3's ping-pong). ``pingpong_sync``
   (the launcher's default) also forces the alternation, as FA3's named barriers do, with two "turn"
-  mbarriers; ``attention(..., gluon=True)`` launches without them (``repro.fa4.GLUON_LAUNCH``): on
+  mbarriers; ``attention(..., gluon=True)`` launches without them (``repro.fa4.api.GLUON_LAUNCH``): on
   an H100 dropping them changed the forward by -1.3% to +2.3% (results/*-gluon-combos.json), the
   warp schedulers interleaving the two consumers well enough on their own.
 
@@ -29,7 +29,8 @@ columns past S_K are masked to -inf, query rows past S_Q are never stored. The o
 from registers with a row mask, or (``store_tma=True``) through the Q tile's shared memory by a TMA
 store where the tile is full (rows past S_Q would be the next batch's), masked otherwise. LSE is
 [B, H, S_Q] float32 in base 2 (m + log2 l, m in units of scores * scale * log2 e), exactly what
-``repro.fa4.kernels``' backward reads.
+every backward of this package reads. The offline sm_90a compile report of this kernel (shared
+memory, registers, spills; no GPU) is ``repro.fa4.lab.compile`` (kernel "gluon_fwd").
 """
 
 from __future__ import annotations
@@ -37,8 +38,6 @@ from __future__ import annotations
 import math
 
 import torch
-
-from paperclub.triton_compat import ptxas_usage
 
 try:  # Gluon ships with Triton >= 3.5; without it only the launcher's error message is left.
     from triton.experimental import gluon
@@ -62,8 +61,6 @@ __all__ = [
     "GLUON_HEAD_DIMS",
     "HAS_GLUON",
     "KNOBS",
-    "compile_for_sm90",
-    "compile_report",
     "gluon_attention_forward",
     "launch_config",
 ]
@@ -574,93 +571,3 @@ def gluon_attention_forward(
         **cx, num_warps=4,
     )  # fmt: skip
     return o, lse
-
-
-def compile_for_sm90(
-    d: int,
-    causal: bool,
-    dtype: str = "bf16",
-    lazy_rescale: bool = False,
-    num_consumers: int = NUM_CONSUMERS,
-    pingpong_sync: bool = True,
-    **knobs,
-):
-    """Compile the kernel offline for sm_90a (no GPU needed); returns triton's CompiledKernel.
-
-    ``knobs``: the launcher's block_n, num_stages, store_tma, load_regs, consumer_regs (see KNOBS).
-    ``compiled.metadata.shared`` is the shared memory in bytes, ``compiled.asm["ptx"]`` the PTX.
-    """
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    unknown = set(knobs) - set(KNOBS)
-    if unknown:
-        raise TypeError(f"compile_for_sm90: unknown knobs {sorted(unknown)}, expected some of {KNOBS}")
-    kw = dict(
-        block_n=None, num_stages=None, store_tma=False, load_regs=LOAD_REGS, consumer_regs=CONSUMER_REGS
-    )
-    constexprs = _constexprs(d, causal, lazy_rescale, 8.0, num_consumers, pingpong_sync, **{**kw, **knobs})
-    bm, bn = constexprs["BLOCK_M"], constexprs["BLOCK_N"]
-    gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
-    q_layout = gl.NVMMASharedLayout.get_default_for([bm, d], gdt)
-    kv_layout = gl.NVMMASharedLayout.get_default_for([bn, d], gdt)
-    signature = {
-        "q_desc": f"tensordesc<{dtype}[{bm}, {d}],{q_layout!r}>",
-        "k_desc": f"tensordesc<{dtype}[{bn}, {d}],{kv_layout!r}>",
-        "v_desc": f"tensordesc<{dtype}[{bn}, {d}],{kv_layout!r}>",
-        "O": f"*{dtype}",
-        "o_desc": f"tensordesc<{dtype}[{bm}, {d}],{q_layout!r}>",
-        "LSE": "*fp32",
-        "H": "i32",
-        "GROUP": "i32",
-        "S_Q": "i32",
-        "S_K": "i32",
-        "qk_scale": "fp32",
-        "N_M_BLOCKS": "i32",
-        **{name: "constexpr" for name in constexprs},
-    }
-    src = GluonASTSource(_gluon_fwd_kernel, signature, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=4))
-
-
-def compile_report(cases) -> list[dict]:
-    """Offline sm_90a compile of each (d, causal, dtype, num_consumers[, knobs dict]): shared memory
-    (bytes), warps, ptxas registers / spills, setmaxnreg values, whether O leaves by a TMA store, or
-    the compiler's error."""
-    import re
-
-    rows = []
-    for case in cases:
-        d, causal, dtype, consumers = case[:4]
-        knobs = dict(case[4]) if len(case) > 4 else {}
-        row = dict(d=d, causal=causal, dtype=dtype, consumers=consumers, knobs=knobs)
-        try:
-            c = compile_for_sm90(d, causal, dtype=dtype, num_consumers=consumers, **knobs)
-            ptx = c.asm["ptx"]
-            row.update(
-                shared=c.metadata.shared,
-                num_warps=c.metadata.num_warps,
-                target_ok=".target sm_90a" in ptx,
-                has_wgmma="wgmma.mma_async" in ptx,
-                has_tma="cp.async.bulk.tensor" in ptx,
-                has_tma_store="cp.async.bulk.tensor.2d.global.shared" in ptx,
-                setmaxnreg=sorted(
-                    {int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}
-                ),
-                **ptxas_usage(ptx),
-            )
-        except Exception as exc:  # report it: the caller decides
-            row["error"] = f"{type(exc).__name__}: {exc}"[-3000:]
-        rows.append(row)
-    return rows
-
-
-if __name__ == "__main__":
-    import json
-    import sys
-
-    # python -m repro.fa4.gluon_fwd [JSON list of [d, causal, dtype, consumers(, knobs)]]: offline compile report.
-    default = [[d, c, "bf16", 2] for d in GLUON_HEAD_DIMS for c in (False, True)]
-    cases = json.loads(sys.argv[1]) if len(sys.argv) > 1 else default
-    print(json.dumps(compile_report(cases)))

@@ -43,14 +43,34 @@ def causal_mask(s_q: int, s_k: int, device=None) -> torch.Tensor:
     return j <= i
 
 
+def window_mask(s_q: int, s_k: int, left: int | None, right: int | None, device=None) -> torch.Tensor:
+    """[S_q, S_k] bool, True where query i may see key j under a sliding window (flash-attn's
+    ``window_size=(left, right)``): i' - left <= j <= i' + right with i' = i + S_k - S_q (bottom-right
+    aligned, as :func:`causal_mask`); None or a negative bound is unbounded on that side."""
+    i = torch.arange(s_q, device=device)[:, None] + (s_k - s_q)
+    j = torch.arange(s_k, device=device)[None, :]
+    ok = torch.ones(s_q, s_k, dtype=torch.bool, device=device)
+    if left is not None and left >= 0:
+        ok &= j >= i - left
+    if right is not None and right >= 0:
+        ok &= j <= i + right
+    return ok
+
+
 def attention_exact(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int | None, int | None] | None = None,
 ) -> torch.Tensor:
     """Exact attention in float64.
 
-    q: [B, S_q, H, D], k and v: [B, S_k, H_kv, D] with H_kv dividing H. Returns [B, S_q, H, D] float64.
-    Causal with S_q > S_k: query rows that see no key give zero (flash-attn's convention), with zero
-    gradient.
+    q: [B, S_q, H, D], k: [B, S_k, H_kv, D], v: [B, S_k, H_kv, D_v] with H_kv dividing H (D_v may
+    differ from D). Returns [B, S_q, H, D_v] float64. ``window`` (left, right): a sliding window
+    (:func:`window_mask`); with ``causal`` too, right is 0 (flash-attn's rule). Query rows that see no
+    key (causal or a window with S_q > S_k) give zero (flash-attn's convention), with zero gradient.
     """
     b, s_q, h, d = q.shape
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -59,8 +79,12 @@ def attention_exact(
     )
     k64, v64 = _expand_kv(k64, h), _expand_kv(v64, h)
     logits = torch.einsum("bihd,bjhd->bhij", q64, k64) * scale
-    if causal:
-        mask = causal_mask(s_q, k.shape[1], q.device)
+    if causal or window is not None:
+        if window is None:
+            mask = causal_mask(s_q, k.shape[1], q.device)
+        else:
+            left, right = window
+            mask = window_mask(s_q, k.shape[1], left, 0 if causal else right, q.device)
         seen = mask.any(-1)[:, None]  # [S_q, 1]: rows with at least one visible key
         # an all -inf row would give 0/0; a finite row of zeros there, then p * 0, keeps it (and its
         # gradient) at zero

@@ -2,8 +2,9 @@
 
 Public API, in flash-linear-attention's conventions (``[B, T, H, D]`` layout, log-space gates):
 
-* :func:`chunk_kda` (q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False):
-  the chunkwise-parallel Triton kernels, differentiable.
+* :func:`chunk_kda` (q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+  cu_seqlens=None, *, config=None): the chunkwise-parallel Triton kernels, differentiable; the
+  kernel choices are one frozen :class:`KDAConfig`.
 * :func:`recurrent_kda`, same arguments: the token-by-token recurrence (PyTorch, fp32/fp64).
 * :func:`decode_step` (q, k, v, g, beta, state, scale=None): one token with a Triton kernel,
   updating the fp32 state in place.
@@ -19,13 +20,15 @@ from __future__ import annotations
 import torch
 
 from paperclub.triton_compat import patch_interpreter
-from repro.kda.chunk import chunk_kda, decode_step
+from repro.kda.chunk import chunk_kda
 from repro.kda.chunk_torch import chunk_kda_torch, ut_transform
+from repro.kda.config import KDAConfig
+from repro.kda.decode import decode_step
 from repro.kda.reference import kda_recurrence
 
 patch_interpreter()  # bf16 (and run-time loop bounds) right under the CPU interpreter
 
-__all__ = ["chunk_kda", "chunk_kda_torch", "decode_step", "recurrent_kda", "ut_transform"]
+__all__ = ["KDAConfig", "chunk_kda", "chunk_kda_torch", "decode_step", "recurrent_kda", "ut_transform"]
 
 
 def recurrent_kda(

@@ -6,6 +6,10 @@ Public API:
   mid-sequence) and a trainer (truncated importance-weighted policy gradient, ESS) running
   concurrently in ``pipeline``, ``async`` or ``conventional`` mode, weights sent by
   ``torch.distributed`` broadcast. ``python -m repro.pipelinerl.train`` is its command line.
+* ``python3 -m torch.distributed.run --nproc-per-node N -m repro.pipelinerl.launch --trainers T ...``
+  (:mod:`launch`): the same modes with actors and trainers in their own processes, one per GPU (NCCL),
+  or CPU processes with gloo; ``gpu_plan.sh`` runs the placements 1+1, 1+3 and 2+2 on a GPU machine
+  and :mod:`plan` reports them beside the simulator's predictions.
 * :func:`simulate` (:class:`SimConfig`) -> :class:`SimResult`: the discrete-event simulator of the
   same three modes, with time models fitted to real runs (:func:`fit_time_model`).
 * :mod:`reference`: the objective, ESS, lags and cache-free generation in plain PyTorch.

@@ -179,19 +179,30 @@ class Engine:
         for it. Returns an event recorded after the copy: ``flat`` may be changed once it has
         completed (:class:`WeightReceiver` waits on it). On the CPU the copy is done on return and
         the result is None."""
-        if version < self.version:
+        if version < self.version:  # before the copy: the weights must not change
             raise ValueError(
                 f"Engine.load_weights: version {version} is older than the current {self.version}"
             )
         cuda = self.device.type == "cuda"
         load_flat_weights(self.model, flat, non_blocking=cuda)
-        self.version = version
-        self.version_t.fill_(version)
+        self.mark_loaded(version)
         if not cuda:
             return None
         done = torch.cuda.Event()
         done.record()
         return done
+
+    def mark_loaded(self, version: int) -> None:
+        """Record that the weights in :attr:`flat` are now ``version`` (from the next step on).
+
+        For a caller that wrote :attr:`flat` itself, e.g. a ``torch.distributed`` broadcast straight
+        into it on the engine's stream (``launch.py``); :meth:`load_weights` calls it after its copy.
+        The device-side version tag is written on the current stream, so it is ordered after that
+        write as well."""
+        if version < self.version:
+            raise ValueError(f"Engine: version {version} is older than the current {self.version}")
+        self.version = version
+        self.version_t.fill_(version)
 
     def _compute(self) -> None:
         """The step's tensor work, in place on the engine's buffers (capturable as a CUDA graph)."""
@@ -210,8 +221,11 @@ class Engine:
         self.pos += self.active.long()
 
     @torch.no_grad()
-    def capture(self) -> bool:
-        """Capture :meth:`_compute` as a CUDA graph (only with every slot idle); False off the GPU."""
+    def capture(self, capture_error_mode: str = "global") -> bool:
+        """Capture :meth:`_compute` as a CUDA graph (only with every slot idle); False off the GPU.
+
+        ``capture_error_mode``: as :class:`torch.cuda.graph`'s; ``"thread_local"`` where other threads
+        of the process may call into CUDA during the capture (a process group's watchdog)."""
         if self.device.type != "cuda":
             return False
         if self.n_active:
@@ -223,7 +237,7 @@ class Engine:
                 self._compute()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, capture_error_mode=capture_error_mode):
             self._compute()
         self.graph = graph
         return True

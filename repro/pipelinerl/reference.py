@@ -158,3 +158,64 @@ def generate_reference(
         if out[-1] == EOS:
             break
     return out, lps
+
+
+@torch.no_grad()
+def generate_stale_cache_reference(
+    models: list[torch.nn.Module],
+    weights_at,
+    prompt: list[int],
+    uniforms: torch.Tensor,
+    max_new: int,
+    temperature: float = 1.0,
+    forced: list[int] | None = None,
+) -> tuple[list[int], list[float]]:
+    """One completion as an engine that swaps weights mid-sequence and keeps its KV cache computes it.
+
+    ``weights_at(t)`` is the index into ``models`` of the weights that process position ``t`` (the
+    prompt's positions included): those weights compute position ``t``'s query, key and value, and
+    attend to the keys and values that earlier positions' weights computed and left in the cache
+    (piche2025pipelinerl v1, Abstract: new weights arrive "during the generation of token
+    sequences"; the cache is not recomputed). Written from the model's modules with plain loops over
+    positions and a hand-written softmax attention, not through :meth:`Policy.decode`, so that it is
+    a separate statement of what the engine should compute. ``weights_at = lambda t: 0`` with one
+    model is plain generation; ``lambda t: 1`` after a swap the recomputed-cache alternative.
+
+    ``forced``: completion tokens to score instead of sampling (teacher forcing); the log-probs are
+    those of the forced tokens. Returns the completion tokens (EOS included when produced) and their
+    log-probs."""
+    device = next(models[0].parameters()).device
+    seq = list(prompt)
+    keys: list[list[torch.Tensor]] = [[] for _ in models[0].blocks]  # per layer: [H, dh] per position
+    values: list[list[torch.Tensor]] = [[] for _ in models[0].blocks]
+    out, lps = [], []
+    t = 0
+    while True:
+        m = models[weights_at(t)]
+        H = m.blocks[0].h
+        x = m.tok(torch.tensor(seq[t], device=device)) + m.pos(torch.tensor(t, device=device))  # [D]
+        for layer, blk in enumerate(m.blocks):
+            D = x.shape[0]
+            q, k, v = blk.qkv(blk.ln1(x)).view(3, H, D // H).unbind(0)
+            keys[layer].append(k)
+            values[layer].append(v)
+            K, V = torch.stack(keys[layer], 1), torch.stack(values[layer], 1)  # [H, t+1, dh]
+            w = torch.softmax((K @ q[:, :, None]).squeeze(2) / (D // H) ** 0.5, dim=-1)  # [H, t+1]
+            a = (w[:, None, :] @ V).squeeze(1)  # [H, dh]
+            x = x + blk.proj(a.reshape(D))
+            x = x + blk.mlp(blk.ln2(x))
+        if t >= len(prompt) - 1:  # this position's output is completion token j
+            j = t - (len(prompt) - 1)
+            logits = m.head(m.ln(x))[None]
+            if forced is None:
+                tok, lp = sample_token(logits, uniforms[j : j + 1].to(device), temperature)
+                tok, lp = int(tok), float(lp)
+            else:
+                tok = forced[j]
+                lp = float(F.log_softmax(logits.double() / temperature, -1)[0, tok])
+            out.append(tok)
+            lps.append(lp)
+            if tok == EOS or len(out) == max_new or (forced is not None and len(out) == len(forced)):
+                return out, lps
+            seq.append(tok)
+        t += 1

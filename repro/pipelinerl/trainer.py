@@ -19,6 +19,7 @@ import time
 from collections import OrderedDict
 
 import torch
+import torch.distributed as dist
 
 from repro.pipelinerl.actor import Sample, Shared, broadcast_options
 from repro.pipelinerl.model import Policy, flat_weights
@@ -61,11 +62,20 @@ def rl_step(
     is_cap: float,
     temperature: float = 1.0,
     grad_clip: float = 1.0,
+    world_batch: int | None = None,
+    group=None,
 ) -> dict:
     """One optimizer step of the truncated-IS loss on ``samples`` (whole groups, in group order).
 
     Returns the batch's statistics: mean reward, loss, ESS of the untruncated weights, the
-    fraction of truncated tokens, and the number of completion tokens."""
+    fraction of truncated tokens, and the number of completion tokens.
+
+    Data parallel (``launch.py``'s trainers on several GPUs): each trainer passes its share of the
+    batch, ``world_batch`` the whole batch's size and ``group`` the trainers' process group. The loss
+    is then this share's sum over sequences divided by ``world_batch``, the gradients are summed over
+    the group before clipping (so every trainer clips and steps on the whole batch's gradient, and
+    the weights stay identical), and the statistics are those of the whole batch (sums all-reduced).
+    Every trainer of the group must call it the same number of times (two all-reduces a call)."""
     device = next(model.parameters()).device
     tokens, blp, _, mask = collate(samples, device)
     rewards = torch.tensor([s.reward for s in samples], device=device)
@@ -73,19 +83,52 @@ def rl_step(
     model.train()
     logp = token_logprobs(model, tokens, temperature)
     loss = truncated_is_loss(logp, blp, adv, mask, is_cap)
+    if world_batch is not None:
+        loss = loss * (len(samples) / world_batch)
     opt.zero_grad(set_to_none=True)
     loss.backward()
+    if group is not None:
+        all_reduce_grads(model, group)
     if grad_clip:
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     opt.step()
     rho = importance_weights(logp, blp)
+    if group is None:
+        return {
+            "reward": float(rewards.mean()),
+            "loss": float(loss.detach()),
+            "ess": effective_sample_size(rho, mask),
+            "clipped": float((rho[mask] > is_cap).float().mean()),
+            "tokens": int(mask.sum()),
+        }
+    w = rho[mask].double()
+    sums = torch.stack(
+        [w.sum(), (w * w).sum(), torch.tensor(float(w.numel()), device=device, dtype=torch.float64),
+         (w > is_cap).double().sum(), rewards.double().sum(), loss.detach().double()]
+    )  # fmt: skip
+    dist.all_reduce(sums, group=group)
+    sw, sww, n, clipped, rsum, total_loss = sums.tolist()
     return {
-        "reward": float(rewards.mean()),
-        "loss": float(loss.detach()),
-        "ess": effective_sample_size(rho, mask),
-        "clipped": float((rho[mask] > is_cap).float().mean()),
-        "tokens": int(mask.sum()),
+        "reward": rsum / (world_batch or len(samples)),
+        "loss": total_loss,
+        "ess": sw * sw / (n * sww),
+        "clipped": clipped / n,
+        "tokens": int(n),
     }
+
+
+def all_reduce_grads(model: Policy, group) -> None:
+    """Sum every parameter's gradient over ``group`` (one all-reduce of one flat buffer)."""
+    params = list(model.parameters())
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for p in params:
+        n = p.numel()
+        if p.grad is None:
+            p.grad = torch.empty_like(p)
+        p.grad.copy_(flat[offset : offset + n].view_as(p))
+        offset += n
 
 
 def broadcast_weights(pg, model: Policy, version: int, host: torch.Tensor | None = None) -> float:

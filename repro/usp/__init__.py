@@ -10,10 +10,14 @@ Public API::
     o = unshard([o_0, o_1, o_2, o_3], layout="zigzag")                         # [B, S, H, D]
 
 Shards are heads-last, [B, S_local, H, D]; K/V may have fewer heads (GQA). The local attention is
-pluggable (``backend="sdpa" | "math" | "sdpa_cudnn" | "fa4"``, :mod:`repro.usp.local`).
+pluggable (``backend="auto" | "sdpa" | "sdpa_cudnn" | "math" | "fa4" | "fa4_gluon"``,
+:mod:`repro.usp.local`; ``"auto"`` is cuDNN on CUDA). ``head_groups`` pipelines Ulysses' all-to-alls
+behind the attention of other head groups (ring degree 1).
 Files: reference.py (single-device attention and the LSE merge), layout.py (contiguous/zigzag),
-comm.py (every transfer, with byte counting), ulysses.py (all-to-all), ring.py (ring attention
-forward/backward), usp.py (the 2-D mesh), cost.py (the paper's communication formulas).
+comm.py (every transfer, with byte counting), ulysses.py (all-to-all, packed and pipelined), ring.py
+(ring attention forward/backward), usp.py (the 2-D mesh), cost.py (the communication formulas),
+bench.py (one GPU), dist_bench.py (several GPUs: scaling, splits, peers, timeline, traffic),
+timeline.py (profiler timeline), ingest.py (summaries for the page), gpu_plan.sh (the GPU run).
 """
 
 from repro.usp.comm import count_bytes

@@ -10,8 +10,8 @@ One GPU (this session's job): what splitting attention costs, before any communi
   yunchang's ``LongContextAttention`` (the authors' library; without flash-attn only its PyTorch
   attention types, which have no backward: forward rows only).
 
-Several GPUs (``torchrun --nproc-per-node G -m repro.usp.bench ...``): tokens/s and attention TFLOP/s per
-GPU for S = 32k-256k, for Ulysses, Ring and the hybrid factorisations, and the peers at the same world.
+Several GPUs: :mod:`repro.usp.dist_bench` (weak and strong scaling, every split, the peers, the
+profiler timeline), run by ``repro/usp/gpu_plan.sh``.
 
 Every candidate is checked against SDPA at the same shape before it is timed (paperclub.bench.measure);
 bf16 tolerance 2e-2 relative (bf16 rounding of O and of the gradients, ~4e-3 each, plus accumulation order).
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from paperclub.bench import Candidate, Report, measure
+from paperclub.bench import Candidate, Report, ceilings, measure
 from paperclub.testing import assert_rel_close
 
 COLUMNS = [
@@ -301,97 +301,6 @@ def peer_yunchang(*, q, k, v, do, ref, causal, passes, rounds, rep) -> list[dict
     return rows
 
 
-def multi_gpu(
-    report: Report, *, seqs, budget_s: float, t0: float, H: int, H_kv: int, D: int, rounds: int,
-    device: str = "cuda", dtype=torch.bfloat16, peers: bool = True,
-) -> None:  # fmt: skip
-    """Under torchrun with G > 1 ranks: tokens/s and TFLOP/s per GPU of every factorisation of G
-    (each checked against SDPA on the full sequence first), and torch's context_parallel at world G."""
-    import torch.distributed as dist
-
-    from repro.usp import make_groups, shard, usp_attention
-
-    world, rank = dist.get_world_size(), dist.get_rank()
-    factorisations = [(u, world // u) for u in range(1, world + 1) if world % u == 0 and H % u == 0]
-    groups = {f: make_groups(*f) for f in factorisations}
-    for S in seqs:
-        for causal in (True, False):
-            if time.monotonic() - t0 > budget_s * 0.8:
-                return
-            gen = torch.Generator(device=device).manual_seed(0)
-            full = [
-                torch.randn(1, S, h, D, device=device, dtype=dtype, generator=gen) for h in (H, H_kv, H_kv, H)
-            ]
-            with torch.no_grad():
-                o_full = _sdpa_bhsd(*full[:3], causal).float()
-            flops = attention_flops(1, S, H, D, causal, "fwd+bwd")
-            base = dict(world=world, causal=causal, S=S, B=1, H=H, H_kv=H_kv, D=D, **{"pass": "fwd+bwd"})
-            for (pu, pr), (ug, rg) in groups.items():
-                sp_rank = dist.get_rank(rg) * pu + dist.get_rank(ug)
-                q, k, v, do = (shard(t, world, sp_rank, "zigzag") for t in full)
-                o_want = shard(o_full, world, sp_rank, "zigzag")
-                leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-                fn = lambda leaves=leaves, ug=ug, rg=rg, causal=causal: usp_attention(
-                    *leaves, causal=causal, ulysses_group=ug, ring_group=rg
-                )
-                check = lambda fn=fn, o_want=o_want: assert_rel_close(fn().detach().float(), o_want, TOL, "o")
-                m = measure(
-                    {"usp": Candidate(fn=_fwd_bwd(fn, leaves, do), check=check)}, rounds=rounds, rep=10
-                )
-                m = m["usp"]
-                ms = m.median_ms
-                if rank == 0:
-                    report.add(
-                        impl=f"usp {pu}x{pr} (sdpa)", ulysses=pu, ring=pr, **base, **m.row(),
-                        tokens_per_s=None if ms is None else S / (ms * 1e-3),
-                        tflops_per_gpu=None if ms is None else flops / (ms * 1e-3) / 1e12 / world,
-                    )  # fmt: skip
-            if peers:
-                row = _torch_cp_world(full, o_full, causal, rounds)
-                if rank == 0:
-                    ms = row.get("ms")
-                    report.add(
-                        **base, **row,
-                        tokens_per_s=None if ms is None else S / (ms * 1e-3),
-                        tflops_per_gpu=None if ms is None else flops / (ms * 1e-3) / 1e12 / world,
-                    )  # fmt: skip
-
-
-def _torch_cp_world(full, o_full, causal: bool, rounds: int) -> dict:
-    """torch's context_parallel over the whole world (its own sharding and load balancing)."""
-    import torch.distributed as dist
-
-    impl = f"torch context_parallel (world {dist.get_world_size()})"
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor.experimental import context_parallel
-        from torch.distributed.tensor.experimental._attention import context_parallel_unshard
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        q, k, v, do = full
-        if k.shape[2] != q.shape[2]:  # context_parallel's SDPA has no GQA: expand K/V as the model would
-            rep = q.shape[2] // k.shape[2]
-            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-        mesh = init_device_mesh("cuda", (dist.get_world_size(),))
-        bufs = [t.transpose(1, 2).contiguous() for t in (q, k, v, do)]
-        with (
-            sdpa_kernel(SDPBackend.FLASH_ATTENTION),
-            context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2] * 4),
-        ):
-            leaves = [t.detach().clone().requires_grad_(True) for t in bufs[:3]]
-            fn = lambda: F.scaled_dot_product_attention(*leaves, is_causal=causal)
-
-            def check():
-                (o,) = context_parallel_unshard(mesh, [fn().detach()], [2])
-                assert_rel_close(o.transpose(1, 2).float(), o_full, TOL, "o")
-
-            run = _fwd_bwd(fn, leaves, bufs[3])
-            m = measure({impl: Candidate(fn=run, check=check)}, rounds=rounds, rep=10, warmup=3)[impl]
-        return {"impl": impl, **m.row(), "note": "own rounds"}
-    except Exception as exc:
-        return _error_row(impl, exc)
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=None, help="directory for the report JSON")
@@ -399,55 +308,44 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true", help="smallest meaningful sweep")
     ap.add_argument("--device", default="cuda", help="cuda (default); cpu for a smoke run of the code paths")
     ap.add_argument("--seqs", type=int, nargs="*", default=None, help="sequence lengths (override the sweep)")
+    ap.add_argument("--backends", nargs="*", default=None,
+                    help="local attention backends (default auto sdpa fa4_gluon fa4; the first serves the rings)")  # fmt: skip
+    ap.add_argument("--tag", default="", help="suffix of the result file name (<device>-<tag>.json)")
     args = ap.parse_args(argv)
     t0 = time.monotonic()
-    multi = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise SystemExit("repro.usp.bench is the one-GPU benchmark; on several GPUs run repro.usp.dist_bench")
     report = Report(
         package="usp",
-        title="USP attention: cost of splitting (one GPU) and sequence-parallel throughput (several)",
+        title="USP attention on one GPU: the local kernels, and what splitting costs before any communication",
         peer="torch context_parallel; yunchang 0.6.4",
         columns=COLUMNS,
         packages=PACKAGES,
-        measure_ceilings=args.device == "cuda",
+        measure_ceilings=False,
+        ceilings_used=ceilings() if args.device == "cuda" else {},
         notes=(
-            "bf16, fwd+bwd unless pass says fwd. One GPU: ring n=N is an emulated ring (all N ranks in one "
-            "process, no communication); ms is the total, ms_per_rank = ms / N; overhead = ms / full sdpa's ms. "
-            "yunchang without flash-attn has no backward for its PyTorch attention types: fwd rows only."
+            "bf16, fwd+bwd unless pass says fwd. usp n=1 (backend) is usp_attention without groups: one local "
+            "attention call through that backend (auto = cuDNN here). ring n=N is an emulated ring (all N ranks "
+            "in one process, no communication); ms is the total, ms_per_rank = ms / N; overhead = ms / full "
+            "sdpa's ms. yunchang without flash-attn has no backward for its PyTorch attention types: fwd rows only."
         ),
     )
-    if multi:
-        import torch.distributed as dist
-
-        if args.device == "cuda":
-            local = int(os.environ.get("LOCAL_RANK", "0"))
-            torch.cuda.set_device(local)
-            dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-            seqs = [32768, 131072] if args.quick else [32768, 65536, 131072, 262144]
-            kw = dict(H=32, H_kv=8, D=128, rounds=3)
-        else:  # a smoke run of the code path on CPU (gloo)
-            torch.set_num_threads(1)
-            dist.init_process_group("gloo")
-            seqs = [64]
-            kw = dict(H=4, H_kv=2, D=16, rounds=1, device="cpu", dtype=torch.float32, peers=False)
-        multi_gpu(report, seqs=args.seqs or seqs, budget_s=args.budget_s, t0=t0, **kw)
-        if dist.get_rank() == 0:
-            report.write(out_dir=args.out, tag=f"{dist.get_world_size()}gpu")
-        dist.destroy_process_group()
-        return
     if args.device == "cpu":
         # a smoke run of the code paths; one thread (tiny ops on a shared CPU spin otherwise)
         torch.set_num_threads(1)
         shapes = [dict(S=32, causal=True, B=1, H=2, H_kv=1, D=16)]
         kw = dict(
-            rings=[2, 4], backends=["sdpa", "math"], peers=[], rounds=1, device="cpu", dtype=torch.float32
-        )
+            rings=[2, 4], backends=args.backends or ["auto", "sdpa", "math"], peers=[], rounds=1, device="cpu",
+            dtype=torch.float32,
+        )  # fmt: skip
     else:
         seqs = args.seqs or ([8192] if args.quick else [8192, 16384, 32768])
         # LLaMA-3-8B's attention: 32 query heads, 8 K/V heads, D = 128
         shapes = [dict(S=s, causal=c, B=1, H=32, H_kv=8, D=128) for s in seqs for c in (True, False)]
         kw = dict(
-            rings=[2, 4, 8], backends=["sdpa", "fa4"], peers=[peer_torch_cp, peer_yunchang], rounds=5, rep=30
-        )
+            rings=[2, 4, 8], backends=args.backends or ["auto", "sdpa", "fa4_gluon", "fa4"],
+            peers=[peer_torch_cp, peer_yunchang], rounds=5, rep=30,
+        )  # fmt: skip
     threads = torch.get_num_threads()
     try:
         for shape in shapes:
@@ -455,9 +353,9 @@ def main(argv=None) -> None:
                 report.notes += f" Stopped at the budget ({args.budget_s:.0f} s) before {shape}."
                 break
             single_gpu_config(report, **shape, **kw)
+            report.write(out_dir=args.out, tag=args.tag)  # after every shape: a cut-off run keeps its rows
     finally:
         torch.set_num_threads(threads)
-    report.write(out_dir=args.out)
     import torch.distributed as dist
 
     if dist.is_initialized():  # the peers' 1-rank group

@@ -4,7 +4,8 @@
   ``nanoparallel`` Communicator when one is passed as the Ulysses group) and
 * :func:`ring_shift` (the Ring step: send to the next ring rank, receive from the previous one),
 
-so the bytes each rank sends can be counted in one place (:func:`count_bytes`) and compared with the
+and :func:`all_to_all_start`, the all-to-all that returns at once (the pipelined Ulysses step), so
+the bytes each rank sends can be counted in one place (:func:`count_bytes`) and compared with the
 paper's communication analysis ("Communication and memory analysis", the formulas in :mod:`repro.usp.cost`). A rank's bytes *sent*
 are counted: for an all-to-all over n ranks that is (n - 1)/n of its buffer (its own chunk stays),
 for a ring shift the whole tensor.
@@ -19,7 +20,15 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-__all__ = ["Exchange", "all_to_all", "count_bytes", "group_rank", "group_size", "ring_shift"]
+__all__ = [
+    "Exchange", "all_to_all", "all_to_all_start", "count_bytes", "group_rank", "group_size", "mark", "ring_shift",
+]  # fmt: skip
+
+# Overlap: on NCCL every transfer runs on the process group's own stream (ProcessGroupNCCL issues each
+# operation there after making that stream wait for the work already queued on the caller's stream);
+# Exchange.wait makes the caller's stream wait for the transfer, nothing more. So a transfer started
+# before a block's attention is queued runs beside it, and the caller's stream only waits where it
+# needs the data. On gloo (CPU) the same calls complete on a background thread.
 
 _counter: dict[str, int] | None = None
 
@@ -38,6 +47,13 @@ def count_bytes() -> Iterator[dict[str, int]]:
 def _count(key: str, nbytes: int) -> None:
     if _counter is not None:
         _counter[key] += int(nbytes)
+
+
+def mark(name: str):
+    """A named range (``torch.profiler.record_function``) for the profiler's timeline
+    (:mod:`repro.usp.timeline`), which files the GPU work launched inside it under this name. A few
+    microseconds of host time each, a handful per attention call."""
+    return torch.profiler.record_function(name)
 
 
 def _is_nanoparallel(group) -> bool:
@@ -76,6 +92,23 @@ def all_to_all(x: torch.Tensor, group, key: str) -> torch.Tensor:
     return out
 
 
+def all_to_all_start(x: torch.Tensor, group, key: str) -> Exchange:
+    """:func:`all_to_all` that returns at once: ``.wait()`` gives ``[out]``. Counted like it. A
+    nanoparallel group completes it before returning (its collectives are blocking)."""
+    n = group_size(group)
+    if x.shape[0] != n:
+        raise ValueError(f"all_to_all: first dim must be the group size {n}, got shape {tuple(x.shape)}")
+    if n == 1:
+        return Exchange([], [x])
+    if _is_nanoparallel(group):
+        return Exchange([], [all_to_all(x, group, key)])
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    work = dist.all_to_all_single(out, x, group=group, async_op=True)
+    _count(key, x.numel() * x.element_size() * (n - 1) // n)
+    return Exchange([work], [out], [x])
+
+
 class Exchange:
     """Transfers in flight; :meth:`wait` returns the received tensors."""
 
@@ -98,6 +131,8 @@ def ring_shift(tensors: list[torch.Tensor], group, key: str) -> Exchange:
     n = group_size(group)
     if n == 1:
         return Exchange([], list(tensors))
+    if _is_nanoparallel(group):
+        return _ring_shift_nanoparallel(tensors, group, key)
     r = dist.get_rank(group)
     nxt = dist.get_global_rank(group, (r + 1) % n)
     prv = dist.get_global_rank(group, (r - 1) % n)
@@ -110,3 +145,26 @@ def ring_shift(tensors: list[torch.Tensor], group, key: str) -> Exchange:
         ops.append(dist.P2POp(dist.irecv, buf, prv, group))
         _count(key, t.numel() * t.element_size())
     return Exchange(dist.batch_isend_irecv(ops), received, sent)
+
+
+def _ring_shift_nanoparallel(tensors: list[torch.Tensor], comm, key: str) -> Exchange:
+    """The ring step over a nanoparallel Communicator (blocking send/recv). Rank 0 sends first and
+    every other rank receives first, so the cycle of blocking calls cannot deadlock: the send of
+    rank 0 starts a chain that ends with rank n-1's send to rank 0, which is then receiving."""
+    n, r = comm.world_size, comm.rank
+    nxt, prv = (r + 1) % n, (r - 1) % n
+    received = [torch.empty_like(t) for t in tensors]
+    sends = [t.contiguous() for t in tensors]
+    if r == 0:
+        for t in sends:
+            comm.send(t, nxt)
+        for buf in received:
+            comm.recv(buf, prv)
+    else:
+        for buf in received:
+            comm.recv(buf, prv)
+        for t in sends:
+            comm.send(t, nxt)
+    for t in sends:
+        _count(key, t.numel() * t.element_size())
+    return Exchange([], received)

@@ -1,4 +1,11 @@
-"""The paper's communication analysis (fang2024usp, "Communication and memory analysis"), as exact per-rank byte counts of our code.
+"""Communication per rank, as exact byte counts of our code (derived here; checked against what the
+code sends, an independent counter and NCCL's own log).
+
+What the papers give: the USP report's cost table (fang2024usp, "Communication and memory analysis",
+arXiv v5) names SP-Ulysses' all-to-alls of the activations and SP-Ring's point-to-point K/V
+transfers, with the all-to-all's cost written without a 1/P and no volume for the ring;
+DeepSpeed-Ulysses (jacobs2023deepspeed, §3.2) gives 4Nh/P per link per layer for its two
+all-to-alls. The formulas below are ours; they reduce to those statements where they overlap.
 
 Notation: full sequence S, batch B, H query heads, H_kv key/value heads, head dim D, element size e
 bytes (e_acc for gradient accumulators: fp32, or fp64 for fp64 inputs), P = P_u P_r ranks, and
@@ -9,7 +16,8 @@ of itself and sends the rest. Forward moves Q, K, V and O; backward dO, dQ, dK, 
 
     ulysses_fwd = ulysses_bwd = (P_u - 1)/P_u * B (S/P) D (2H + 2H_kv') e
 
-With P_u = P that is ~4 B S H D e / P: it falls as 1/P (the paper's 4 O(N d / P) per device).
+With P_u = P and H_kv = H that is (P-1)/P of 4 B S H D e / P: DeepSpeed-Ulysses' 4Nh/P per link
+(its own chunk stays on the rank), falling as 1/P.
 
 Ring (P2P in a group of P_r): each K/V block of B (S/P_r) (H_kv'/P_u) D elements is forwarded
 P_r - 1 times; in the backward K/V travel again, and the dK/dV accumulators P_r times (the last hop
@@ -18,7 +26,8 @@ brings each home):
     ring_fwd = 2 (P_r - 1) B (S/P_r) (H_kv'/P_u) D e
     ring_bwd = 2 (P_r - 1) B (S/P_r) (H_kv'/P_u) D e + 2 P_r B (S/P_r) (H_kv'/P_u) D e_acc  (P_r > 1)
 
-With P_u = 1 that is ~2 B S H_kv D e whatever P: constant in P (the paper's 2 O(N d)).
+With P_u = 1 that is 2 (P-1)/P B S H_kv D e: nearly constant in P (our derivation; neither paper
+states a ring volume).
 """
 
 from __future__ import annotations

@@ -14,9 +14,22 @@ float64 inputs), and ``backward`` using the o and lse it is given, not those of 
 * ``"sdpa"`` (default): PyTorch's fused flash attention through the ATen ops that expose the LSE:
   ``_scaled_dot_product_flash_attention`` on CUDA (fp16/bf16; fp32 falls back to ``"math"``
   because the flash kernel has no fp32), ``_scaled_dot_product_flash_attention_for_cpu`` on CPU.
-* ``"sdpa_cudnn"``: ``_scaled_dot_product_cudnn_attention`` (CUDA, fp16/bf16).
+* ``"sdpa_cudnn"``: ``_scaled_dot_product_cudnn_attention`` (CUDA, fp16/bf16): on an H100 the
+  fastest of PyTorch's kernels for bf16 at D = 128, and the one ``F.scaled_dot_product_attention``
+  picks there (our one-GPU baseline); ATen's flash kernel (``"sdpa"``) is FlashAttention-2 and runs
+  at about 0.55x its speed there (results/nvidia-h100-80gb-hbm3.json: usp n=1 with "sdpa" cost 2.09x
+  one SDPA call, most of it this).
+* ``"auto"`` (the default of :func:`repro.usp.usp_attention`): ``"sdpa_cudnn"`` for CUDA fp16/bf16
+  with D <= 128, falling back to ``"sdpa"`` if cuDNN refuses the call; ``"sdpa"`` everywhere else.
 * ``"fa4"``: the group's Triton kernel, :mod:`repro.fa4`. Its forward stores the LSE (in log2
   units: converted here) and its backward takes o and LSE as inputs, so it serves the ring as is.
+  ``"fa4_gluon"``: the same with fa4's warp-specialised Gluon forward (Hopper only); its backward is
+  fa4's default (the Gluon backward on Hopper).
+
+GQA: the PyTorch kernels take K/V with as many heads as Q, so those backends expand K/V for each
+call and fold dK/dV back; at the lengths this package is for (a block of thousands of tokens) the
+copy is a fraction of a percent of the call (a K/V block is read once, its attention is
+O(S_q S_k)). fa4 takes GQA natively.
 """
 
 from __future__ import annotations
@@ -155,13 +168,16 @@ class CudnnAttention(SdpaAttention):
 
 
 class Fa4Attention(LocalAttention):
-    """repro.fa4's Triton forward and backward (its internal entry points, default switches).
+    """repro.fa4's Triton forward and backward (its internal entry points, default switches; with
+    ``gluon=True`` its Gluon forward). Every use of repro.fa4 in this package is in this class.
 
     Limits are fa4's: D in {64, 128} (16, 32 too under the interpreter), fp16/bf16 (fp32 too under
-    the interpreter), CUDA or TRITON_INTERPRET=1.
+    the interpreter), CUDA or TRITON_INTERPRET=1; ``gluon=True`` needs a Hopper GPU.
     """
 
-    name = "fa4"
+    def __init__(self, gluon: bool = False):
+        self.gluon = gluon
+        self.name = "fa4_gluon" if gluon else "fa4"
 
     def _switches(self, q):
         from paperclub.triton_compat import interpreting
@@ -169,9 +185,11 @@ class Fa4Attention(LocalAttention):
 
         interp = interpreting()
         if q.device.type != "cuda" and not interp:
-            raise RuntimeError("local attention 'fa4' needs CUDA, or TRITON_INTERPRET=1 on CPU")
+            raise RuntimeError(f"local attention '{self.name}' needs CUDA, or TRITON_INTERPRET=1 on CPU")
+        if self.gluon and q.device.type != "cuda":
+            raise RuntimeError("local attention 'fa4_gluon' is a Hopper GPU kernel; it does not run on CPU")
         dtypes = (torch.float16, torch.bfloat16) + ((torch.float32,) if interp else ())
-        return _check, TEST_HEAD_DIMS, dtypes, _resolve(Switches(), q.shape[-1], interp)
+        return _check, TEST_HEAD_DIMS, dtypes, _resolve(Switches(gluon=self.gluon), q.shape[-1], interp)
 
     def forward(self, q, k, v, causal, scale):
         from repro.fa4 import _forward
@@ -193,16 +211,51 @@ class Fa4Attention(LocalAttention):
         return _backward(do, q, k, v, o, lse2, causal, scale, sw)
 
 
+class AutoAttention(LocalAttention):
+    """cuDNN where it applies (CUDA fp16/bf16, D <= 128, D % 8 == 0), else ``"sdpa"``; a call cuDNN
+    refuses (an unsupported shape raises before any kernel runs) goes to ``"sdpa"``, and its backward
+    follows whichever backend ran the forward (recorded in ``aux``)."""
+
+    name = "auto"
+
+    def __init__(self):
+        self._cudnn, self._sdpa = CudnnAttention(), SdpaAttention()
+
+    def _wants_cudnn(self, q) -> bool:
+        d = q.shape[-1]
+        return (
+            q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and d <= 128 and d % 8 == 0
+        )
+
+    def forward(self, q, k, v, causal, scale):
+        if self._wants_cudnn(q):
+            try:
+                o, lse, aux = self._cudnn.forward(q, k, v, causal, scale)
+                return o, lse, ("cudnn", aux)
+            except RuntimeError:
+                pass
+        o, lse, aux = self._sdpa.forward(q, k, v, causal, scale)
+        return o, lse, ("sdpa", aux)
+
+    def backward(self, do, q, k, v, o, lse, causal, scale, aux):
+        which, inner = aux
+        be = self._cudnn if which == "cudnn" else self._sdpa
+        return be.backward(do, q, k, v, o, lse, causal, scale, inner)
+
+
 BACKENDS = {
+    "auto": AutoAttention(),
     "math": MathAttention(),
     "sdpa": SdpaAttention(),
     "sdpa_cudnn": CudnnAttention(),
     "fa4": Fa4Attention(),
+    "fa4_gluon": Fa4Attention(gluon=True),
 }
 
 
 def get_backend(backend: str | LocalAttention) -> LocalAttention:
-    """A backend by name (``"sdpa"``, ``"math"``, ``"sdpa_cudnn"``, ``"fa4"``) or an instance."""
+    """A backend by name (``"auto"``, ``"sdpa"``, ``"math"``, ``"sdpa_cudnn"``, ``"fa4"``,
+    ``"fa4_gluon"``) or an instance."""
     if isinstance(backend, LocalAttention):
         return backend
     if backend not in BACKENDS:

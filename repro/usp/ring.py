@@ -23,9 +23,8 @@ import torch
 
 from repro.usp import comm
 from repro.usp.local import LocalAttention
-from repro.usp.reference import merge
 
-__all__ = ["emulated_ring_attention", "ring_attention", "step_plan"]
+__all__ = ["emulated_ring_attention", "local_attention", "ring_attention", "step_plan"]
 
 
 def step_plan(
@@ -52,35 +51,89 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _forward_step(q, k_blk, v_blk, plan, out, lse, backend: LocalAttention, scale: float):
+def _merge_into(out: torch.Tensor, lse: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor) -> None:
+    """:func:`repro.usp.reference.merge` in place: (out, lse) <- merge((out, lse), (o_b, lse_b)).
+
+    out [B, L, H, D] in the accumulator dtype, o_b in any dtype (read once, never upcast into a
+    temporary), lse/lse_b [B, H, L]: two passes over out (scale, then add the block), where the
+    out-of-place merge made five and three temporaries (measured in results/: the merges were a
+    visible share of a ring step)."""
+    new = torch.logaddexp(lse, lse_b)
+    safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))  # rows with no key yet
+    w_a = torch.exp(lse - safe).transpose(1, 2).unsqueeze(-1)
+    w_b = torch.exp(lse_b - safe).transpose(1, 2).unsqueeze(-1)
+    out.mul_(w_a).addcmul_(o_b, w_b)
+    lse.copy_(new)
+
+
+def _forward_step(q, k_blk, v_blk, plan, out, lse, backend: LocalAttention, scale: float, first: bool):
     """Attend the local queries to one K/V block and merge into (out, lse) in place; returns the
-    backend's aux of the first call (None if the block is fully masked)."""
-    aux0 = None
+    backend's aux of each call. ``first``: the block is the first one (its plan covers every row), so
+    its result is copied in, not merged."""
+    auxes = []
     for qs, ks, c in plan:
-        o_b, lse_b, aux = backend.forward(q[:, qs], k_blk[:, ks], v_blk[:, ks], c, scale)
-        aux0 = aux if aux0 is None else aux0
-        o_m, lse_m = merge(out[:, qs], lse[:, :, qs], o_b.to(out.dtype), lse_b.to(lse.dtype))
-        out[:, qs], lse[:, :, qs] = o_m, lse_m
-    return aux0
+        with comm.mark("usp:attention"):
+            o_b, lse_b, aux = backend.forward(q[:, qs], k_blk[:, ks], v_blk[:, ks], c, scale)
+        auxes.append(aux)
+        with comm.mark("usp:merge"):
+            if first:
+                out[:, qs].copy_(o_b)
+                lse[:, :, qs].copy_(lse_b)
+            else:
+                _merge_into(out[:, qs], lse[:, :, qs], o_b, lse_b.to(lse.dtype))
+    return auxes
 
 
-def _backward_step(do, q, k_blk, v_blk, o, lse, plan, dq, dk_blk, dv_blk, backend, scale, aux):
-    """Add one K/V block's contribution to dQ (local) and to the block's dK/dV accumulators, in place."""
-    for qs, ks, c in plan:
-        dq_b, dk_b, dv_b = backend.backward(
-            do[:, qs], q[:, qs], k_blk[:, ks], v_blk[:, ks], o[:, qs], lse[:, :, qs], c, scale, aux
-        )
-        dq[:, qs] += dq_b.to(dq.dtype)
-        dk_blk[:, ks] += dk_b.to(dk_blk.dtype)
-        dv_blk[:, ks] += dv_b.to(dv_blk.dtype)
+def _backward_step(do, q, k_blk, v_blk, o, lse, plan, dq, dkv_blk, backend, scale, auxes):
+    """Add one K/V block's contribution to dQ (local) and to the block's packed dK/dV accumulator
+    ``dkv_blk`` [2, B, L, H_kv, D], in place (mixed-dtype in-place adds: no upcast temporaries)."""
+    for (qs, ks, c), aux in zip(plan, auxes, strict=True):
+        with comm.mark("usp:attention-backward"):
+            dq_b, dk_b, dv_b = backend.backward(
+                do[:, qs], q[:, qs], k_blk[:, ks], v_blk[:, ks], o[:, qs], lse[:, :, qs], c, scale, aux
+            )
+        dq[:, qs].add_(dq_b)
+        dkv_blk[0][:, ks].add_(dk_b)
+        dkv_blk[1][:, ks].add_(dv_b)
 
 
 def _start(q):
-    """Empty running output (zeros, accumulator dtype) and LSE (-inf) for queries q [B, L, H, D]."""
+    """Empty running output and LSE (accumulator dtype) for queries q [B, L, H, D]; the first block
+    (the diagonal one, whose plan covers every row) fills them."""
     b, length, h, d = q.shape
     acc = _acc_dtype(q.dtype)
-    out = torch.zeros(b, length, h, d, dtype=acc, device=q.device)
-    return out, torch.full((b, h, length), float("-inf"), dtype=acc, device=q.device)
+    return (
+        torch.empty(b, length, h, d, dtype=acc, device=q.device),
+        torch.empty(b, h, length, dtype=acc, device=q.device),
+    )
+
+
+class _LocalAttention(torch.autograd.Function):
+    """One local attention call with its backend's backward: the whole ring when it has one rank
+    (no accumulators, no merge, no casts: the kernel's own output and gradients)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, backend: LocalAttention):
+        with comm.mark("usp:attention"):
+            o, lse, aux = backend.forward(q, k, v, causal, scale)
+        o = o.to(q.dtype)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.scale, ctx.backend, ctx.aux = causal, scale, backend, aux
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        with comm.mark("usp:attention-backward"):
+            dq, dk, dv = ctx.backend.backward(
+                do.contiguous(), q, k, v, o, lse, ctx.causal, ctx.scale, ctx.aux
+            )
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def local_attention(q, k, v, *, causal: bool, scale: float, backend: LocalAttention) -> torch.Tensor:
+    """Single-device attention through ``backend`` (q [B, S, H, D], k/v [B, S, H_kv, D]); differentiable."""
+    return _LocalAttention.apply(q, k, v, causal, scale, backend)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -88,20 +141,21 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, causal, scale, group, layout, backend: LocalAttention):
         n, r = comm.group_size(group), comm.group_rank(group)
         out, lse = _start(q)
-        k_cur, v_cur, aux0 = k, v, None
+        kv = torch.stack([k, v])  # one buffer: one send and one receive per step
+        auxes = []
         for t in range(n):
             s = (r - t) % n
             # start passing the block on before computing with it: the transfer hides behind the block
-            pending = comm.ring_shift([k_cur, v_cur], group, "ring/fwd") if t < n - 1 else None
+            with comm.mark("usp:ring"):
+                pending = comm.ring_shift([kv], group, "ring/fwd") if t < n - 1 else None
             plan = step_plan(layout, causal, n, r, s, q.shape[1])
-            aux = _forward_step(q, k_cur, v_cur, plan, out, lse, backend, scale)
-            aux0 = aux if aux0 is None else aux0
+            auxes.append(_forward_step(q, kv[0], kv[1], plan, out, lse, backend, scale, first=t == 0))
             if pending is not None:
-                k_cur, v_cur = pending.wait()
+                (kv,) = pending.wait()
         o = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale, ctx.group, ctx.layout, ctx.backend, ctx.aux = (
-            causal, scale, group, layout, backend, aux0,
+        ctx.causal, ctx.scale, ctx.group, ctx.layout, ctx.backend, ctx.auxes = (
+            causal, scale, group, layout, backend, auxes,
         )  # fmt: skip
         return o
 
@@ -113,26 +167,26 @@ class _RingAttention(torch.autograd.Function):
         acc = _acc_dtype(q.dtype)
         do = do.contiguous()
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        k_cur, v_cur, dkv_in_flight = k, v, None
+        kv, dkv_in_flight = torch.stack([k, v]), None
         for t in range(n):
             s = (r - t) % n
-            kv_pending = comm.ring_shift([k_cur, v_cur], group, "ring/bwd") if t < n - 1 else None
-            dk_blk = torch.zeros(k.shape, dtype=acc, device=k.device)
-            dv_blk = torch.zeros(v.shape, dtype=acc, device=v.device)
+            with comm.mark("usp:ring"):
+                kv_pending = comm.ring_shift([kv], group, "ring/bwd") if t < n - 1 else None
+            dkv_blk = torch.zeros(kv.shape, dtype=acc, device=kv.device)
             plan = step_plan(ctx.layout, ctx.causal, n, r, s, q.shape[1])
             _backward_step(
-                do, q, k_cur, v_cur, o, lse, plan, dq, dk_blk, dv_blk, ctx.backend, ctx.scale, ctx.aux
+                do, q, kv[0], kv[1], o, lse, plan, dq, dkv_blk, ctx.backend, ctx.scale, ctx.auxes[t]
             )
             if dkv_in_flight is not None:  # what the ranks before me added to this block's dK/dV
-                dk_in, dv_in = dkv_in_flight.wait()
-                dk_blk += dk_in
-                dv_blk += dv_in
+                (dkv_in,) = dkv_in_flight.wait()
+                dkv_blk += dkv_in
             # pass the accumulators on with the block; after step n-1 this is the hop home
-            dkv_in_flight = comm.ring_shift([dk_blk, dv_blk], group, "ring/bwd")
+            with comm.mark("usp:ring"):
+                dkv_in_flight = comm.ring_shift([dkv_blk], group, "ring/bwd")
             if kv_pending is not None:
-                k_cur, v_cur = kv_pending.wait()
-        dk, dv = dkv_in_flight.wait()
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+                (kv,) = kv_pending.wait()
+        (dkv,) = dkv_in_flight.wait()
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
 
 
 class _EmulatedRing(torch.autograd.Function):
@@ -143,19 +197,18 @@ class _EmulatedRing(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, layout, backend: LocalAttention):
         n, length = q.shape[0], q.shape[2]
-        outs, lses, aux0 = [], [], None
+        outs, lses, auxes = [], [], {}
         for r in range(n):
             out, lse = _start(q[r])
             for t in range(n):
                 s = (r - t) % n
                 plan = step_plan(layout, causal, n, r, s, length)
-                aux = _forward_step(q[r], k[s], v[s], plan, out, lse, backend, scale)
-                aux0 = aux if aux0 is None else aux0
+                auxes[r, t] = _forward_step(q[r], k[s], v[s], plan, out, lse, backend, scale, first=t == 0)
             outs.append(out.to(q.dtype))
             lses.append(lse)
         o, lse = torch.stack(outs), torch.stack(lses)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale, ctx.layout, ctx.backend, ctx.aux = causal, scale, layout, backend, aux0
+        ctx.causal, ctx.scale, ctx.layout, ctx.backend, ctx.auxes = causal, scale, layout, backend, auxes
         return o
 
     @staticmethod
@@ -165,28 +218,16 @@ class _EmulatedRing(torch.autograd.Function):
         acc = _acc_dtype(q.dtype)
         do = do.contiguous()
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
-        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+        dkv = torch.zeros((n, 2, *k.shape[1:]), dtype=acc, device=k.device)
         for t in range(n):  # the order the accumulators travel: block s gets rank s, s+1, ... in turn
             for r in range(n):
                 s = (r - t) % n
                 plan = step_plan(ctx.layout, ctx.causal, n, r, s, length)
                 _backward_step(
-                    do[r],
-                    q[r],
-                    k[s],
-                    v[s],
-                    o[r],
-                    lse[r],
-                    plan,
-                    dq[r],
-                    dk[s],
-                    dv[s],
-                    ctx.backend,
-                    ctx.scale,
-                    ctx.aux,
-                )
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+                    do[r], q[r], k[s], v[s], o[r], lse[r], plan, dq[r], dkv[s], ctx.backend, ctx.scale,
+                    ctx.auxes[r, t],
+                )  # fmt: skip
+        return dq.to(q.dtype), dkv[:, 0].to(k.dtype), dkv[:, 1].to(v.dtype), None, None, None, None
 
 
 def emulated_ring_attention(
@@ -217,5 +258,8 @@ def ring_attention(
     backend: LocalAttention,
 ) -> torch.Tensor:
     """Ring attention over ``group`` (None: one rank). q: [B, L, H, D], k/v: [B, L, H_kv, D], the
-    ring-local sequence in increasing position (chunks as ``layout`` assigns them). Returns [B, L, H, D]."""
+    ring-local sequence in increasing position (chunks as ``layout`` assigns them). Returns [B, L, H, D].
+    A ring of one rank is one local attention call (:func:`local_attention`)."""
+    if comm.group_size(group) == 1:
+        return _LocalAttention.apply(q, k, v, causal, scale, backend)
     return _RingAttention.apply(q, k, v, causal, scale, group, layout, backend)

@@ -21,28 +21,15 @@ from repro.usp import make_groups, shard, usp_attention
 from repro.usp.reference import attention
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    ap.add_argument("--seq", type=int, default=0, help="sequence length (default 16 x world size)")
-    ap.add_argument("--backend", default="sdpa", help="local attention: sdpa, math, fa4, sdpa_cudnn")
-    args = ap.parse_args(argv)
-    cuda = torch.cuda.is_available()
-    if cuda:
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-        dist.init_process_group("nccl", device_id=device)
-        torch.backends.cuda.matmul.allow_tf32 = False
-    else:
-        device = torch.device("cpu")
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo")
-    world, rank = dist.get_world_size(), dist.get_rank()
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+def run_checks(
+    *, dtype: torch.dtype, seq: int, backend: str, device, head_groups: int = 1
+) -> tuple[list[str], int]:
+    """Every factorisation, layout and mask on the initialised world; returns (table rows, failures).
+    Collective: every rank calls it with the same arguments."""
+    world = dist.get_world_size()
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     B, H, H_kv, D = 2, 8, 2, 64
-    S = args.seq or 16 * world
+    S = seq or 16 * world
     gen = torch.Generator().manual_seed(0)
     full = [torch.randn(B, S, h, D, generator=gen).to(device, dtype) for h in (H, H_kv, H_kv, H)]
     leaves = [t.detach().float().clone().requires_grad_(True) for t in full[:3]]
@@ -61,15 +48,9 @@ def main(argv=None) -> int:
                 q, k, v, do = (shard(t, world, sp_rank, layout).clone() for t in full)
                 q, k, v = (t.requires_grad_(True) for t in (q, k, v))
                 o = usp_attention(
-                    q,
-                    k,
-                    v,
-                    causal=causal,
-                    ulysses_group=ug,
-                    ring_group=rg,
-                    layout=layout,
-                    backend=args.backend,
-                )
+                    q, k, v, causal=causal, ulysses_group=ug, ring_group=rg, layout=layout,
+                    backend=backend, head_groups=head_groups,
+                )  # fmt: skip
                 o.backward(do)
                 errs = [
                     rel_error(got.float(), shard(want, world, sp_rank, layout))
@@ -82,9 +63,36 @@ def main(argv=None) -> int:
                 rows.append(
                     f"{pu}x{world // pu:<3d} causal={causal!s:5s} {layout:10s} {worst.item():.2e} {'ok' if ok else 'FAIL'}"
                 )
-    if rank == 0:
+    return rows, failed
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument("--seq", type=int, default=0, help="sequence length (default 16 x world size)")
+    ap.add_argument("--backend", default="auto", help="local attention: auto, sdpa, sdpa_cudnn, math, fa4")
+    ap.add_argument("--head-groups", type=int, default=1, help="Ulysses pipeline head groups (ring degree 1)")
+    args = ap.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+        dist.init_process_group("nccl", device_id=device)
+        torch.backends.cuda.matmul.allow_tf32 = False
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo")
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    rows, failed = run_checks(
+        dtype=dtype, seq=args.seq, backend=args.backend, device=device, head_groups=args.head_groups
+    )
+    if dist.get_rank() == 0:
+        S = args.seq or 16 * dist.get_world_size()
         print(
-            f"USP selfcheck: world {world}, {args.dtype}, backend {args.backend}, S = {S}, tolerance {tol:g}"
+            f"USP selfcheck: world {dist.get_world_size()}, {args.dtype}, backend {args.backend}, "
+            f"head groups {args.head_groups}, S = {S}, tolerance {1e-4 if dtype == torch.float32 else 2e-2:g}"
         )
         print("\n".join(rows))
     dist.destroy_process_group()

@@ -18,10 +18,10 @@ import torch.distributed as dist
 from repro.usp import comm
 from repro.usp.layout import LAYOUTS
 from repro.usp.local import LocalAttention, get_backend
-from repro.usp.ring import ring_attention
-from repro.usp.ulysses import head_to_seq, seq_to_head
+from repro.usp.ring import local_attention, ring_attention
+from repro.usp.ulysses import ulysses_attention, ulysses_in, ulysses_out
 
-__all__ = ["kv_heads_after_replication", "make_groups", "usp_attention"]
+__all__ = ["kv_heads_after_replication", "local_attention", "make_groups", "usp_attention"]
 
 
 def kv_heads_after_replication(h_kv: int, ulysses_degree: int) -> int:
@@ -96,7 +96,8 @@ def usp_attention(
     ring_group=None,
     layout: str = "zigzag",
     scale: float | None = None,
-    backend: str | LocalAttention = "sdpa",
+    backend: str | LocalAttention = "auto",
+    head_groups: int = 1,
 ) -> torch.Tensor:
     """Attention of a sequence sharded over ``P = P_u P_r`` ranks; differentiable.
 
@@ -104,15 +105,24 @@ def usp_attention(
     :func:`repro.usp.shard` with ``world_size = P`` and ``rank = ring_rank * P_u + ulysses_rank``
     (the order :func:`make_groups` builds). ``ulysses_group`` / ``ring_group``: process groups of
     sizes P_u / P_r, None for size 1. ``layout`` must be the one the inputs were sharded with.
-    ``backend``: local attention, ``"sdpa"`` (default), ``"math"``, ``"sdpa_cudnn"`` or ``"fa4"``
-    (:mod:`repro.usp.local`). ``scale`` defaults to 1/sqrt(D). Returns this rank's output shard
-    [B, S_local, H, D], equal to single-device attention over the full sequence.
+    ``backend``: local attention, ``"auto"`` (default: cuDNN on CUDA fp16/bf16, PyTorch's flash kernel
+    elsewhere), ``"sdpa"``, ``"sdpa_cudnn"``, ``"math"``, ``"fa4"``, ``"fa4_gluon"``
+    (:mod:`repro.usp.local`). ``scale`` defaults to 1/sqrt(D). ``head_groups``: with ring degree 1,
+    split each rank's heads into up to that many groups whose all-to-alls overlap the other groups'
+    attention (:func:`repro.usp.ulysses.ulysses_attention`); ignored when P_r > 1 or P_u = 1.
+    Returns this rank's output shard [B, S_local, H, D], equal to single-device attention over the
+    full sequence.
+
+    The paths: P = 1 is one local attention call; P_r = 1 is Ulysses (one packed all-to-all each way);
+    P_u = 1 is the ring; otherwise Ulysses around the ring.
 
     Requires P_u | H; K/V heads are split over the Ulysses group when P_u | H_kv and replicated up to
     lcm(H_kv, P_u) heads otherwise. Zigzag needs S_local even.
     """
-    pu = comm.group_size(ulysses_group)
+    pu, pr = comm.group_size(ulysses_group), comm.group_size(ring_group)
     _check(q, k, v, causal, layout, pu)
+    if not (isinstance(head_groups, int) and not isinstance(head_groups, bool) and head_groups >= 1):
+        raise ValueError(f"usp_attention: head_groups must be an int >= 1, got {head_groups!r}")
     local = get_backend(backend)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     h_kv = k.shape[2]
@@ -120,17 +130,21 @@ def usp_attention(
     if h_kv_sent != h_kv:  # local op: autograd sums the copies' gradients
         k = k.repeat_interleave(h_kv_sent // h_kv, dim=2)
         v = v.repeat_interleave(h_kv_sent // h_kv, dim=2)
-    q_h, k_h, v_h = (seq_to_head(t, ulysses_group) for t in (q, k, v))
-    # zigzag: put the gathered tokens in position order (the causal masks and the ring plan need it)
-    order = _ring_order(pu, q.shape[1], q.device) if (layout == "zigzag" and pu > 1) else None
-    if order is not None:
-        q_h, k_h, v_h = (t.index_select(1, order) for t in (q_h, k_h, v_h))
+    if pu == 1:  # no all-to-all: the ring (or, on one rank, one local call)
+        return ring_attention(
+            q, k, v, causal=causal, scale=scale, group=ring_group, layout=layout, backend=local
+        )
+    if pr == 1:
+        return ulysses_attention(
+            q, k, v, causal=causal, scale=scale, group=ulysses_group, layout=layout, backend=local,
+            head_groups=head_groups,
+        )  # fmt: skip
+    # the gathered tokens come back in position order (the causal masks and the ring plan need it)
+    q_h, k_h, v_h = ulysses_in(q, k, v, ulysses_group, layout)
     o_h = ring_attention(
         q_h, k_h, v_h, causal=causal, scale=scale, group=ring_group, layout=layout, backend=local
     )
-    if order is not None:
-        o_h = o_h.index_select(1, torch.argsort(order))
-    return head_to_seq(o_h, ulysses_group)
+    return ulysses_out(o_h, ulysses_group, layout)
 
 
 def make_groups(

@@ -11,21 +11,74 @@ markdown table and writes ``<package>/results/<device-slug>[-<tag>].json``::
 
 The site renders every such file into a table and matplotlib plots on the paper's page and the
 benchmarks page. Speed targets are read off these files, never asserted in tests.
+
+What every ``bench.py`` needs lives here once, so that a reproduction's bench keeps only its shapes,
+candidates and FLOP counts:
+
+* **Timing**: :func:`time_ms` (one candidate), :func:`measure` (check each :class:`Candidate` once,
+  then time those that passed in interleaved rounds; :class:`Measured` gives the row columns
+  ``ms, ms_min, ms_max, check``), :func:`kernel_times` (torch.profiler, for reading).
+* **Command line**: :func:`bench_parser` declares the options every bench takes and
+  :func:`parse_bench_args` checks them::
+
+      --out DIR          where the result JSON goes (default <package>/results/)
+      --budget-s S       wall-clock budget of the run, from the process's start (default: the bench's)
+      --quick            a smoke run: fewer shapes
+      --only NAME        only these steps / candidates / modes (repeatable, or comma-separated; fnmatch
+                         patterns); :func:`select` applies it and refuses a name that matches nothing
+      --set NAME=VALUE   change a field of the bench's config (repeatable; VALUE a Python literal, else
+                         a string); :func:`apply_settings` builds the changed frozen config
+      --tag TAG          suffix of the result file, <device>-<tag>.json
+      --rounds N         interleaved rounds of :func:`measure` (default: the bench's)
+
+  ``parse_bench_args`` returns the argparse namespace with ``settings`` (dict), ``only`` (tuple) and
+  ``budget`` (a :class:`Budget` counted from the process's start) added.
+* **Budget and step plan**: :class:`Budget` (``elapsed``, ``left``, ``allows(predicted)``, ``part``),
+  :class:`Step` and :class:`Plan`: steps most important first; a step starts only when its predicted
+  cost (scaled from the last finished step of its ``kind``: its check part, which holds the first
+  compile, plus its timing part times ``(size / size0) ** exponent``; else ``first_cost`` times the
+  first step's) fits the budget; :meth:`Plan.notes` names the steps not measured::
+
+      plan = Plan([Step("fwd S=4k", kind="fwd", size=4096, exponent=2), ...], args.budget)
+      for step in plan:                       # skips, and records, steps that would overrun
+          t0 = time.monotonic(); ...check...; t1 = time.monotonic(); ...time...
+          plan.record(step, check_s=t1 - t0, time_s=time.monotonic() - t1)
+      report.notes += plan.notes()
+
+* **Sweeps**: :func:`variants` (a frozen config and its one-at-a-time changes, the default first),
+  :func:`describe_changes`, and :func:`sweep`: every config built into a :class:`Candidate` (a build
+  that raises is that row's failed check), peers beside them, all checked and then timed in the same
+  interleaved rounds; one row per name with ``vs_baseline`` = the baseline's ms over the row's
+  (above 1: faster than the baseline). Columns: :data:`SWEEP_COLUMNS`. Sweeps build configs, they
+  never patch modules.
+* **Results**: :class:`Report` (rows, plots, ``write``), :func:`quiet_write` (save without printing,
+  so that a run killed by its timeout keeps its rows), :func:`load_results`.
+
+Nsight Compute (discovery, running, parsing) and the offline sm_90a compile report live in
+:mod:`paperclub.lab`: tools for the lab folders, never imported by a fast path.
 """
 
 from __future__ import annotations
 
+import argparse
+import ast
+import contextlib
+import dataclasses
 import datetime as _dt
+import fnmatch
 import importlib.metadata
+import io
 import json
+import os
 import platform
 import re
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from paperclub import ROOT
 from paperclub.claims import GPU_CHECKS_NAME, GPU_RESULTS_NAME, RESULTS_NAME
@@ -362,9 +415,10 @@ def markdown_table(columns: Sequence[str], rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-def load_results(package: str) -> list[dict]:
-    """Every benchmark result file of a package (the claims records and GPU checks excluded), newest first."""
-    d = package_dir(package) / "results"
+def load_results(package: str, directory: Path | None = None) -> list[dict]:
+    """Every benchmark result file of a package (the claims records and GPU checks excluded), newest
+    first; ``directory`` reads another folder than ``<package>/results`` (a test's)."""
+    d = directory if directory is not None else package_dir(package) / "results"
     docs = []
     if d.is_dir():
         for f in sorted(d.glob("*.json")):
@@ -372,6 +426,427 @@ def load_results(package: str) -> list[dict]:
                 continue
             doc = json.loads(f.read_text(encoding="utf-8"))
             if doc.get("schema") == SCHEMA:
-                doc["_file"] = str(f.relative_to(ROOT))
+                doc["_file"] = str(f.relative_to(ROOT)) if f.is_relative_to(ROOT) else str(f)
                 docs.append(doc)
     return sorted(docs, key=lambda d: d.get("date", ""), reverse=True)
+
+
+def quiet_write(report: Report, *, tag: str = "", out_dir: Path | None = None) -> Path:
+    """``report.write`` without printing the table: a run that saves after every shape keeps its rows
+    when its timeout kills it, and its log stays readable."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        return report.write(tag=tag, out_dir=out_dir)
+
+
+def error_text(exc: BaseException, limit: int = 400) -> str:
+    """``Type: message`` on one line (whitespace collapsed), cut to ``limit`` characters: for notes and
+    ``check`` cells."""
+    msg = " ".join(str(exc).split())
+    text = f"{type(exc).__name__}: {msg}" if msg else type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line every bench takes
+# ---------------------------------------------------------------------------------------------
+
+
+def bench_parser(
+    description: str | None,
+    *,
+    budget_s: float | None = None,
+    rounds: int | None = 3,
+    quick_help: str = "",
+    only: bool = True,
+    settings: bool = True,
+    tag: bool = True,
+) -> argparse.ArgumentParser:
+    """An ``ArgumentParser`` with the options every bench takes (see the module docstring): ``--out``,
+    ``--budget-s`` (default ``budget_s``: None is no limit), ``--quick``, ``--rounds`` (default
+    ``rounds``; None: the bench picks its rounds itself, no option), and ``--only``, ``--set``,
+    ``--tag`` unless the bench says it has no use for them (``only=False`` ...: then argparse refuses
+    them rather than the bench ignoring them). A bench adds
+    its own options to it, then calls :func:`parse_bench_args`."""
+    ap = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    g = ap.add_argument_group("common to every bench (paperclub.bench)")
+    g.add_argument(
+        "--out", type=Path, default=None, help="directory for the result JSON (default <package>/results)"
+    )
+    g.add_argument(
+        "--budget-s",
+        type=float,
+        default=budget_s,
+        help="wall-clock budget from the process's start: work predicted to end after it is not started, "
+        f"and named in the notes (default {'none' if budget_s is None else f'{budget_s:g}'})",
+    )
+    g.add_argument("--quick", action="store_true", help=quick_help or "a smoke run: fewer shapes")
+    if only:
+        g.add_argument(
+            "--only",
+            action="append",
+            default=[],
+            metavar="NAME[,NAME]",
+            help="only these steps / candidates (fnmatch patterns; repeatable)",
+        )
+    if settings:
+        g.add_argument(
+            "--set",
+            dest="set_",
+            action="append",
+            default=[],
+            metavar="NAME=VALUE",
+            help="change a field of the bench's config (VALUE a Python literal, else a string; repeatable)",
+        )
+    if tag:
+        g.add_argument("--tag", default="", help="suffix of the result file: <device>-<tag>.json")
+    if rounds is not None:
+        g.add_argument(
+            "--rounds", type=int, default=rounds, help=f"interleaved timing rounds (default {rounds})"
+        )
+    else:
+        ap.set_defaults(rounds=None)
+    # options a bench has no use for still read as empty in parse_bench_args
+    ap.set_defaults(
+        **{
+            name: empty
+            for name, empty, on in (("only", [], only), ("set_", [], settings), ("tag", "", tag))
+            if not on
+        }
+    )
+    return ap
+
+
+def parse_settings(pairs: Sequence[str], flag: str = "--set") -> dict[str, Any]:
+    """``NAME=VALUE`` strings as ``{NAME: value}``: the value parsed as a Python literal (``True``,
+    ``64``, ``'fused'``, ``(1, 2)``), else kept as the string. A pair without ``=`` or with an empty
+    name is an error naming it."""
+    settings: dict[str, Any] = {}
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        name = name.strip()
+        if not sep or not name.isidentifier():
+            raise ValueError(f"{flag} {pair!r}: expected NAME=VALUE with NAME an identifier")
+        try:
+            settings[name] = ast.literal_eval(text.strip())
+        except (ValueError, SyntaxError):
+            settings[name] = text.strip()
+    return settings
+
+
+def parse_bench_args(
+    parser: argparse.ArgumentParser, argv: Sequence[str] | None = None
+) -> argparse.Namespace:
+    """Parse and check the common options (a bad value ends the program with argparse's usage message).
+
+    Adds to the namespace: ``settings`` (``--set`` as a dict, :func:`parse_settings`), ``only`` (the
+    ``--only`` names, commas split) and ``budget`` (a :class:`Budget` of ``--budget-s`` counted from
+    the process's start, as the job that kills the run counts)."""
+    args = parser.parse_args(argv)
+    if args.rounds is not None and args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.budget_s is not None and not args.budget_s > 0:
+        parser.error(f"--budget-s must be a positive number of seconds, got {args.budget_s}")
+    if args.tag and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", args.tag):
+        parser.error(f"--tag {args.tag!r}: letters, digits, '.', '_' and '-' only (it names a file)")
+    try:
+        args.settings = parse_settings(args.set_)
+    except ValueError as exc:
+        parser.error(str(exc))
+    args.only = tuple(n.strip() for part in args.only for n in part.split(",") if n.strip())
+    args.budget = Budget.from_process_start(args.budget_s)
+    return args
+
+
+def select(names: Iterable[str], only: Sequence[str], what: str = "candidate") -> list[str]:
+    """The ``names`` that match a pattern of ``only`` (all of them when ``only`` is empty), in their
+    order. A pattern that matches no name is an error listing the known names: a typo must not run
+    an empty bench."""
+    names = list(names)
+    if not only:
+        return names
+    unmatched = [p for p in only if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+    if unmatched:
+        raise ValueError(f"--only {', '.join(unmatched)}: no {what} of that name; known: {', '.join(names)}")
+    return [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in only)]
+
+
+def apply_settings(config: Any, settings: Mapping[str, Any]) -> Any:
+    """``dataclasses.replace(config, **settings)`` for a (frozen) dataclass config, after checking each
+    name is a field and each value has the field's type (an int where a bool is expected, or a string
+    where a number is, is refused; None is taken where the field's default is None). The error names
+    the setting, the value and the fields known."""
+    if not dataclasses.is_dataclass(config) or isinstance(config, type):
+        raise TypeError(f"apply_settings: expected a dataclass instance, got {type(config).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(config)}
+    for name, value in settings.items():
+        if name not in fields:
+            raise ValueError(
+                f"--set {name}: not a field of {type(config).__name__}; known: {', '.join(fields)}"
+            )
+        current = getattr(config, name)
+        if current is None:  # an optional field left at None ("pick the default"): any value
+            continue
+        want = type(current)
+        if value is None:
+            ok = fields[name].default is None
+        elif want is bool:
+            ok = isinstance(value, bool)
+        elif want is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        elif want is int:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        else:
+            ok = isinstance(value, want)
+        if not ok:
+            raise ValueError(
+                f"--set {name}={value!r}: expected a {want.__name__} (the field is {current!r} now)"
+            )
+    return dataclasses.replace(config, **settings)
+
+
+# ---------------------------------------------------------------------------------------------
+# The time budget and the step plan
+# ---------------------------------------------------------------------------------------------
+
+
+def process_age() -> float:
+    """Seconds since this process started (Linux: /proc), so that a budget counts Python's and torch's
+    start-up as the job that kills the run does; 0 where that cannot be read."""
+    try:
+        ticks = os.sysconf("SC_CLK_TCK")
+        with open("/proc/self/stat") as f:
+            start = int(f.read().rsplit(")", 1)[1].split()[19]) / ticks
+        with open("/proc/uptime") as f:
+            return max(0.0, float(f.read().split()[0]) - start)
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+class Budget:
+    """A wall-clock budget of ``seconds`` (None: no limit), already ``spent`` seconds in when made.
+
+    ``elapsed()`` counts from ``spent``; ``left()`` is what remains (``inf`` without a limit);
+    ``allows(predicted_s, reserve_s)`` says whether work predicted to take that long (None: unknown,
+    allowed while time is left) still ends ``reserve_s`` before the limit; ``part(fraction)`` is a
+    budget for a first phase that ends at that fraction of the whole (measured from the same start).
+    ``clock`` is for tests."""
+
+    def __init__(
+        self, seconds: float | None, *, spent: float = 0.0, clock: Callable[[], float] = time.monotonic
+    ):
+        if seconds is not None and not seconds > 0:
+            raise ValueError(f"Budget: seconds must be positive or None, got {seconds}")
+        self.seconds = seconds
+        self._clock = clock
+        self._t0 = clock() - spent
+
+    @classmethod
+    def from_process_start(cls, seconds: float | None, **kw) -> Budget:
+        """A budget counted from the process's start (:func:`process_age`)."""
+        return cls(seconds, spent=process_age(), **kw)
+
+    def elapsed(self) -> float:
+        return self._clock() - self._t0
+
+    def left(self) -> float:
+        return float("inf") if self.seconds is None else self.seconds - self.elapsed()
+
+    def allows(self, predicted_s: float | None = None, reserve_s: float = 0.0) -> bool:
+        left = self.left() - reserve_s
+        return left > 0 and (predicted_s is None or predicted_s <= left)
+
+    def part(self, fraction: float) -> Budget:
+        if not 0 < fraction <= 1:
+            raise ValueError(f"Budget.part: fraction must be in (0, 1], got {fraction}")
+        sub = Budget(None, clock=self._clock)
+        sub._t0 = self._t0
+        sub.seconds = None if self.seconds is None else self.seconds * fraction
+        return sub
+
+    def describe(self) -> str:
+        return "no limit" if self.seconds is None else f"{self.seconds:g} s"
+
+
+@dataclass(frozen=True)
+class Step:
+    """One unit of a bench's plan: candidates built, checked, timed and written together.
+
+    ``kind`` groups steps whose cost scales from one another (e.g. "fwd" at each length); ``size``
+    is what the cost grows with (a length, a batch) as ``size ** exponent``; ``first_cost`` is the
+    predicted cost, as a multiple of the first finished step's, of a step whose kind has not run
+    yet (None: unknown, so it starts while time is left). ``data`` carries what the bench needs to
+    run the step."""
+
+    name: str
+    kind: str = ""
+    size: float = 1.0
+    exponent: float = 1.0
+    first_cost: float | None = None
+    data: Any = None
+
+
+class Plan:
+    """The steps of a bench in order of importance, run while the budget allows (see the module
+    docstring). Iterating yields the steps to run; a step predicted to end past the budget (less
+    ``reserve_s``, kept for writing the report) is skipped and recorded in ``skipped``. The caller
+    reports each finished step's cost with :meth:`record`; ``log`` gets one line per decision."""
+
+    def __init__(
+        self,
+        steps: Iterable[Step],
+        budget: Budget,
+        *,
+        reserve_s: float = 0.0,
+        log: Callable[[str], None] = print,
+    ):
+        self.steps = list(steps)
+        names = [s.name for s in self.steps]
+        if len(set(names)) != len(names):
+            raise ValueError(f"Plan: step names must be unique, got {names}")
+        self.budget, self.reserve_s, self.log = budget, reserve_s, log
+        self.skipped: list[Step] = []
+        self.finished: list[Step] = []
+        self._runs: dict[str, list[tuple[float, float, float]]] = {}
+        self._first: float | None = None
+
+    def predict(self, step: Step) -> float | None:
+        """Seconds ``step`` should take (None when nothing it can scale from has run). From the last
+        finished step of its kind: its check part (unscaled after the first, which held the kernels'
+        compile, scaled like the size after that) plus its timing part times ``(size / size0) **
+        exponent``; else ``first_cost`` times the first finished step's total."""
+        runs = self._runs.get(step.kind)
+        if runs:
+            size0, check_s, time_s = runs[-1]
+            r = step.size / size0 if size0 else 1.0
+            check = check_s if len(runs) == 1 else check_s * r
+            return check + time_s * r**step.exponent
+        if self._first is None or step.first_cost is None:
+            return None
+        return step.first_cost * self._first
+
+    def record(self, step: Step, check_s: float, time_s: float) -> None:
+        """``step`` finished: ``check_s`` seconds of building and checking (compiles included),
+        ``time_s`` of timing."""
+        self._runs.setdefault(step.kind, []).append((step.size, check_s, time_s))
+        if self._first is None:
+            self._first = check_s + time_s
+        self.finished.append(step)
+
+    def __iter__(self) -> Iterator[Step]:
+        for i, step in enumerate(self.steps):
+            pred = self.predict(step)
+            if not self.budget.allows(pred, self.reserve_s):
+                self.log(
+                    f"step {i + 1}/{len(self.steps)} {step.name}: not started, {self.budget.elapsed():.0f} s "
+                    f"spent + {'?' if pred is None else f'{pred:.0f}'} s predicted > budget {self.budget.describe()}"
+                )
+                self.skipped.append(step)
+                continue
+            self.log(
+                f"step {i + 1}/{len(self.steps)} {step.name}: starting (predicted "
+                + (f"{pred:.0f} s)" if pred is not None else "unknown)")
+            )
+            yield step
+
+    def pending(self) -> list[Step]:
+        """Steps neither finished nor skipped (the rest of the plan while it runs)."""
+        return [s for s in self.steps if s not in self.finished and s not in self.skipped]
+
+    def notes(self) -> str:
+        """One sentence naming the steps the budget left out ("" when none)."""
+        if not self.skipped:
+            return ""
+        return f"Not measured (time budget of {self.budget.describe()}): {', '.join(s.name for s in self.skipped)}."
+
+
+# ---------------------------------------------------------------------------------------------
+# Sweeps: configs x interleaved rounds -> rows against the baseline config
+# ---------------------------------------------------------------------------------------------
+
+#: The columns :func:`sweep` fills in each row.
+SWEEP_COLUMNS = ["config", "changes", "ms", "ms_min", "ms_max", "check", "vs_baseline"]
+
+
+def variants(
+    base: Any, changes: Mapping[str, Mapping[str, Any]], *, baseline: str = "default"
+) -> dict[str, Any]:
+    """``{baseline: base, name: apply_settings(base, change), ...}``: a sweep's configs, each one
+    change (of one or several fields) against the base config. A change naming an unknown field, or
+    a value of the wrong type, is an error naming it (:func:`apply_settings`)."""
+    if baseline in changes:
+        raise ValueError(f"variants: {baseline!r} names the base config; use another name for a change")
+    return {baseline: base, **{name: apply_settings(base, dict(ch)) for name, ch in changes.items()}}
+
+
+def describe_changes(config: Any, base: Any) -> str:
+    """The fields in which ``config`` differs from ``base`` as ``name=value, ...`` ("" when equal):
+    what a sweep row says it changed. Both are dataclasses of one type, or dicts."""
+    a = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
+    b = dataclasses.asdict(base) if dataclasses.is_dataclass(base) else dict(base)
+    return ", ".join(f"{k}={v!r}" for k, v in a.items() if k not in b or b[k] != v)
+
+
+def sweep(
+    configs: Mapping[str, Any],
+    build: Callable[[Any], Candidate | Callable[[], object]],
+    *,
+    baseline: str | None = None,
+    peers: Mapping[str, Candidate | Callable[[], object]] | None = None,
+    rounds: int = 3,
+    warmup: int = 10,
+    rep: int = 30,
+    timer: Callable[..., float] | None = None,
+) -> list[dict]:
+    """Time ``configs`` (name -> config) against one another and the ``peers``, in interleaved rounds.
+
+    Each config is turned into a :class:`Candidate` by ``build(config)``; a build that raises becomes
+    that config's failed check (the error is the row's ``check``), so one config that does not compile
+    does not stop the sweep. Every candidate and peer is then checked once and timed in ``rounds``
+    interleaved rounds (:func:`measure`). Returns one row per name, configs first then peers, with the
+    columns :data:`SWEEP_COLUMNS`: ``changes`` against the baseline config (peers: ""), and
+    ``vs_baseline``, the baseline's median ms over the row's (above 1: faster than the baseline;
+    None where either was not timed). ``baseline`` defaults to the first config (a name among the
+    configs or the peers)."""
+    peers = dict(peers or {})
+    if not configs and not peers:
+        raise ValueError("sweep: nothing to time (no configs, no peers)")
+    clash = set(configs) & set(peers)
+    if clash:
+        raise ValueError(f"sweep: names used by both a config and a peer: {sorted(clash)}")
+    baseline = baseline if baseline is not None else next(iter(configs or peers))
+    if baseline not in configs and baseline not in peers:
+        raise ValueError(f"sweep: baseline {baseline!r} is neither a config nor a peer")
+    cands: dict[str, Candidate | Callable[[], object]] = {}
+    for name, cfg in configs.items():
+        try:
+            cands[name] = build(cfg)
+        except Exception as exc:  # the build's failure is this row's result
+            cands[name] = Candidate(fn=lambda: None, check=_raiser(exc))
+    cands.update(peers)
+    res = measure(cands, rounds=rounds, warmup=warmup, rep=rep, timer=timer)
+    base_ms = res[baseline].median_ms
+    base_cfg = configs.get(baseline)
+    rows = []
+    for name, m in res.items():
+        ms = m.median_ms
+        changes = ""
+        if name in configs and base_cfg is not None and name != baseline:
+            changes = describe_changes(configs[name], base_cfg)
+        rows.append(
+            {
+                "config": name,
+                "changes": changes,
+                **m.row(),
+                "vs_baseline": base_ms / ms if base_ms and ms else None,
+            }
+        )
+    return rows
+
+
+def _raiser(exc: BaseException) -> Callable[[], None]:
+    def check() -> None:
+        raise exc
+
+    return check

@@ -6,6 +6,7 @@ Required fields for every entry: title, author, year, url; arXiv entries (those 
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +15,23 @@ import bibtexparser
 from bibtexparser import middlewares as mw
 
 REQUIRED = ("title", "author", "year", "url")
-ARXIV_ID = re.compile(r"^\d{4}\.\d{4,5}(v\d+)?$")
+# bibtexparser logs each block it cannot parse; load_bibliography reports it once, with its line
+logging.getLogger("bibtexparser").setLevel(logging.CRITICAL)
+ARXIV_ID = re.compile(r"^(\d{2})(\d{2})\.(\d{4,5})(v\d+)?$")
+
+
+def valid_arxiv_id(text: str) -> bool:
+    """An arXiv identifier of the 2007 scheme: YYMM.NNNN (to 1412) or YYMM.NNNNN (from 1501), an
+    optional version; YY from 07 and MM a real month (2313.01889 is not one)."""
+    m = ARXIV_ID.match(text)
+    if not m:
+        return False
+    yy, mm, number = int(m.group(1)), int(m.group(2)), m.group(3)
+    if not (yy >= 7 and 1 <= mm <= 12) or (yy, mm) < (7, 4):
+        return False
+    return len(number) == (5 if (yy, mm) >= (15, 1) else 4)
+
+
 KEY = re.compile(r"^[a-z][a-z0-9]*$")
 
 
@@ -126,7 +143,7 @@ def load_bibliography(bib_dir: Path, root: Path) -> tuple[dict[str, BibEntry], l
                 problems.append((file, f"{where}.url", f"'{url}' is not an http(s) URL"))
             eprint = str(values.get("eprint", "")).strip() or None
             if eprint:
-                if not ARXIV_ID.match(eprint):
+                if not valid_arxiv_id(eprint):
                     problems.append(
                         (file, f"{where}.eprint", f"'{eprint}' is not an arXiv id like 2507.04786")
                     )

@@ -63,11 +63,33 @@ class ClaimFile:
 
 
 class ClaimsError(ValueError):
-    """A claims.yaml that cannot be used; names the file, the field and the fix."""
+    """A claims.yaml that cannot be used; names the file (and line), the field and the fix."""
 
-    def __init__(self, file: str, field: str, message: str):
-        super().__init__(f"{file}: field '{field}': {message}" if field else f"{file}: {message}")
-        self.file, self.field, self.message = file, field, message
+    def __init__(self, file: str, field: str, message: str, line: int | None = None):
+        where = f"{file}:{line}" if line else file
+        super().__init__(f"{where}: field '{field}': {message}" if field else f"{where}: {message}")
+        self.file, self.field, self.message, self.line = file, field, message, line
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """Safe YAML that refuses a mapping with the same key twice (PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if not isinstance(key_node, yaml.ScalarNode):
+                    continue
+                key = key_node.value
+                if key in seen and key != "<<":
+                    raise yaml.constructor.ConstructorError(
+                        None,
+                        None,
+                        f"key '{key}' appears twice (first on line {seen[key] + 1}); keep one",
+                        key_node.start_mark,
+                    )
+                seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
 
 
 def package_dirs(root: Path = ROOT) -> list[tuple[str, Path]]:
@@ -86,9 +108,13 @@ def package_dirs(root: Path = ROOT) -> list[tuple[str, Path]]:
 def load_claim_file(package: str, path: Path, root: Path = ROOT) -> ClaimFile:
     rel = _rel(path, root)
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=UniqueKeyLoader)
     except yaml.YAMLError as exc:
-        raise ClaimsError(rel, "", f"is not valid YAML ({exc}); fix the syntax") from None
+        mark = getattr(exc, "problem_mark", None)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        if "appears twice" not in problem:
+            problem = f"is not valid YAML: {problem}; fix the syntax"
+        raise ClaimsError(rel, "", problem, mark.line + 1 if mark else None) from None
     if not isinstance(data, dict):
         raise ClaimsError(rel, "", "must be a mapping with 'paper' and 'claims'")
     paper = data.get("paper")

@@ -8,6 +8,7 @@ prints them; the site build refuses to run while there are any.
 from __future__ import annotations
 
 import datetime as _dt
+import difflib
 import json
 import re
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from paperclub.claims import (
     RESULTS_NAME,
     ClaimRecord,
     ClaimsError,
+    UniqueKeyLoader,
     claim_record,
     load_registry,
     load_results,
@@ -43,15 +45,19 @@ FRONT_MATTER = re.compile(r"\A---\s*\n(.*?)\n---\s*(?:\n|\Z)", re.S)
 
 @dataclass(frozen=True)
 class Problem:
-    """One mistake in the content: where it is, which field, what is wrong, what to do."""
+    """One mistake in the content: where it is (file and line), which field, what is wrong, what to do.
+
+    Printed as ``file:line: field 'x': message``; :func:`load` fills in the line of problems made
+    without one (the line of the field, entry or claim they name)."""
 
     file: str
     field: str
     message: str
+    line: int | None = None
 
     def __str__(self) -> str:
-        where = f"{self.file}: field '{self.field}'" if self.field else self.file
-        return f"{where}: {self.message}"
+        where = f"{self.file}:{self.line}" if self.line else self.file
+        return f"{where}: field '{self.field}': {self.message}" if self.field else f"{where}: {self.message}"
 
 
 def check_tags(tags: list[str]) -> list[str]:
@@ -67,6 +73,8 @@ class SessionMeta(BaseModel):
     model_config = ConfigDict(extra="forbid", str_strip_whitespace=True)
 
     number: int | None = Field(default=None, ge=1)
+    # the session's number in the group's public archive (which numbers sessions 1-18)
+    archive_number: int | None = Field(default=None, ge=1)
     title: str = Field(min_length=3)
     date: str | None = None
     date_known: Literal["exact", "approximate", "unknown", "planned"]
@@ -237,6 +245,8 @@ class Content:
     bib: dict[str, BibEntry] = field(default_factory=dict)
     repros: dict[str, Repro] = field(default_factory=dict)
     claims: dict = field(default_factory=dict)
+    # what check prints but does not fail on (line links, formulas it could not check)
+    warnings: list[Problem] = field(default_factory=list)
     _results: dict = field(default_factory=dict, repr=False)
 
     def record(self, claim) -> ClaimRecord:
@@ -259,7 +269,15 @@ class Content:
         return rec.status, rec.tests
 
     def sessions_newest_first(self) -> list[Session]:
-        return sorted(self.sessions, key=lambda s: s.sort_key, reverse=True)
+        """Planned first, then held sessions newest first. An undated session with a number sits where
+        its number puts it among the numbered ones (session 2, date unknown, between sessions 1 and 3)."""
+        ordered = sorted(self.sessions, key=lambda s: s.sort_key)  # oldest first
+        placed = [s for s in ordered if not (s.meta.number and s.sort_key[0] == 1)]
+        for s in [s for s in ordered if s.meta.number and s.sort_key[0] == 1]:
+            later = [i for i, t in enumerate(placed) if t.meta.number and t.meta.number > s.meta.number]
+            planned = [i for i, t in enumerate(placed) if t.meta.date_known == "planned"]
+            placed.insert(later[0] if later else planned[0] if planned else len(placed), s)
+        return placed[::-1]
 
     def sessions_for_paper(self, key: str) -> list[Session]:
         return [s for s in self.sessions_newest_first() if key in s.meta.papers]
@@ -297,12 +315,14 @@ SESSION_HINTS = {
     "presenters": "a list of names, e.g. [Ada Lovelace]",
     "papers": "a list of bib keys from bib/*.bib",
     "number": "the group's session number, a whole number",
+    "archive_number": "the session's number in the group's public archive, a whole number",
 }
 PAPER_HINTS = {"_fields": list(PaperMeta.model_fields), "bibkey": "the key of this paper in bib/*.bib"}
 
 
-class _Loader(yaml.SafeLoader):
-    """Safe YAML, but dates stay strings: the schema checks them and can name the field."""
+class _Loader(UniqueKeyLoader):
+    """Safe YAML that refuses a key given twice; dates stay strings: the schema checks them and can
+    name the field."""
 
 
 _Loader.yaml_implicit_resolvers = {
@@ -319,10 +339,8 @@ def read_yaml(path: Path, root: Path) -> tuple[object, list[Problem]]:
     try:
         return yaml.load(text, Loader=_Loader), []
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        return None, [Problem(rel(path, root), "", f"is not valid YAML{where}: {problem}; fix the syntax")]
+        line, message = yaml_error(exc)
+        return None, [Problem(rel(path, root), "", message, line)]
 
 
 def load_session(folder: Path, root: Path) -> tuple[Session | None, list[Problem]]:
@@ -354,6 +372,18 @@ def load_session(folder: Path, root: Path) -> tuple[Session | None, list[Problem
     ), []
 
 
+def yaml_error(exc: yaml.YAMLError, first_line: int = 1) -> tuple[int | None, str]:
+    """(line, one-line message) of a YAML error; ``first_line``: the file line of the text's first line."""
+    mark = getattr(exc, "problem_mark", None)
+    line = mark.line + first_line if mark else None
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    if isinstance(exc, yaml.constructor.ConstructorError) and "appears twice" in problem:
+        return line, problem  # a duplicate key, said plainly (UniqueKeyLoader)
+    context = getattr(exc, "context", None)
+    detail = f"{problem} ({context})" if context and context not in problem else problem
+    return line, f"is not valid YAML: {detail}; fix the syntax"
+
+
 def split_front_matter(text: str) -> tuple[dict | None, str, str | None]:
     m = FRONT_MATTER.match(text)
     if not m:
@@ -361,7 +391,8 @@ def split_front_matter(text: str) -> tuple[dict | None, str, str | None]:
     try:
         meta = yaml.load(m.group(1), Loader=_Loader)
     except yaml.YAMLError as exc:
-        return None, text, f"front matter is not valid YAML: {str(exc).splitlines()[0]}"
+        line, message = yaml_error(exc, first_line=2)
+        return None, text, f"front matter, line {line}: {message}"
     if not isinstance(meta, dict):
         return None, text, "front matter must be a mapping of fields"
     return meta, text[m.end() :], None
@@ -371,7 +402,10 @@ def load_paper(path: Path, root: Path) -> tuple[Paper | None, list[Problem]]:
     file = rel(path, root)
     meta, body, err = split_front_matter(path.read_text(encoding="utf-8"))
     if err:
-        return None, [Problem(file, "", err)]
+        at = re.match(r"front matter, line (\d+): (.*)", err, re.S)
+        if at:  # a YAML error inside the front matter: the file's line
+            return None, [Problem(file, "", f"front matter {at.group(2)}", int(at.group(1)))]
+        return None, [Problem(file, "", err, 1)]
     try:
         pm = PaperMeta.model_validate(meta)
     except ValidationError as exc:
@@ -503,6 +537,8 @@ def load(root: Path = ROOT) -> tuple[Content, list[Problem]]:
         content.sessions.append(session)
         problems += _check_session(session, m, content, root, broken)
 
+    problems += _check_numbers(content.sessions, root)
+
     papers_dir = root / "papers"
     for path in sorted(papers_dir.glob("*.md")) if papers_dir.is_dir() else []:
         paper, probs = load_paper(path, root)
@@ -553,10 +589,121 @@ def load(root: Path = ROOT) -> tuple[Content, list[Problem]]:
     try:
         content.claims = load_registry(root)
     except ClaimsError as exc:
-        problems.append(Problem(exc.file, exc.field, exc.message))
+        problems.append(Problem(exc.file, exc.field, exc.message, exc.line))
     problems += _check_claims(content, root, broken)
     problems += _check_results(content, root)
-    return content, problems
+    problems += _check_pages(content, root)
+    problems += [
+        Problem(key_file, f"@article{{{key}}}", "the key is a placeholder (made from a TODO author); name it "
+                "<firstauthorlastname><year><firstword>, e.g. dao2022flashattention, and rename the paper page")
+        for key, key_file in ((k, e.file) for k, e in content.bib.items())
+        if key.startswith("todo")
+    ]  # fmt: skip
+    return content, [_locate(p, root) for p in problems]
+
+
+def _markdown_sources(content: Content, root: Path) -> list:
+    """Every markdown file the site renders from the repository: paper pages (their body), session
+    notes and decks, and the hand-written pages of site/pages."""
+    from paperclub.lint import Doc
+
+    docs = []
+    for paper in content.papers.values():
+        text = paper.path.read_text(encoding="utf-8")
+        offset = text[: len(text) - len(paper.body)].count("\n")
+        docs.append(Doc(rel(paper.path, root), paper.body, first_line=offset + 1))
+    for s in content.sessions:
+        if s.notes is not None:
+            docs.append(Doc(rel(s.notes, root), s.notes.read_text(encoding="utf-8")))
+        if s.deck is not None:
+            docs.append(Doc(rel(s.deck, root), s.deck.read_text(encoding="utf-8"), deck=True))
+    pages = root / "site" / "pages"
+    for path in sorted(pages.rglob("*.md")) if pages.is_dir() else []:
+        docs.append(Doc(rel(path, root), path.read_text(encoding="utf-8")))
+    return docs
+
+
+def _check_pages(content: Content, root: Path) -> list[Problem]:
+    """What the site renders: formulas, diagrams, raw '$$', empty sections of paper pages, links to
+    code (a missing file or symbol is an error, a line link a warning in ``content.warnings``)."""
+    from paperclub.codelinks import check_links
+    from paperclub.lint import check_paper_sections, check_rendering
+
+    docs = _markdown_sources(content, root)
+    out: list[Problem] = []
+    findings, note = check_rendering(docs, root)
+    out += [Problem(f.file, "", f.message, f.line) for f in findings]
+    if note:
+        content.warnings.append(Problem("site", "", note))
+    for paper in content.papers.values():
+        doc = next(d for d in docs if d.file == rel(paper.path, root))
+        out += [
+            Problem(f.file, "", f.message, f.line)
+            for f in check_paper_sections(doc.file, doc.text, doc.first_line)
+        ]
+    for doc in docs:
+        for issue in check_links(doc.text, doc.file, root, doc.first_line):
+            problem = Problem(doc.file, "", issue.message, issue.line)
+            (out if issue.error else content.warnings).append(problem)
+    return out
+
+
+def _locate(p: Problem, root: Path) -> Problem:
+    """``p`` with the line of what it names (a YAML field, a bib entry, a claim), when it has none."""
+    if p.line is not None:
+        return p
+    path = root / p.file
+    if not path.is_file():
+        return p
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return p
+    field_, message = p.field, p.message
+
+    def first(pattern: str, within: range | None = None) -> int | None:
+        rx = re.compile(pattern)
+        for i in within or range(len(lines)):
+            if rx.search(lines[i]):
+                return i + 1
+        return None
+
+    line = None
+    m = re.fullmatch(r"line (\d+)", field_)
+    entry = re.fullmatch(r"@(\w+)\{(.+?)\}(?:\.(\w+))?", field_)
+    if m:
+        line, field_ = int(m.group(1)), ""
+    elif entry:
+        key, sub = entry.group(2), entry.group(3)
+        line = first(rf"@\s*\w+\s*[{{(]\s*{re.escape(key)}\s*,")
+        if line and sub:
+            end = next((i for i in range(line, len(lines)) if lines[i].lstrip().startswith("@")), len(lines))
+            line = first(rf"(?i)^\s*{re.escape(sub)}\s*=", range(line, end)) or line
+        field_, message = "", f"entry '{key}'" + (f", field '{sub}'" if sub else "") + f": {message}"
+    elif p.file.endswith("claims.yaml") and re.fullmatch(r"claims\[(\d+)\]", field_):
+        line = _claim_item_line(path, int(re.fullmatch(r"claims\[(\d+)\]", field_).group(1)))
+        field_ = ""
+    elif p.file.endswith("claims.yaml") and "/" in field_:
+        line = first(rf"^\s*-?\s*id:\s*['\"]?{re.escape(field_)}['\"]?\s*$")
+        field_, message = "", f"claim '{field_}' {message}"
+    else:
+        region = range(len(lines))
+        if p.file.endswith(".md") and lines and lines[0].strip() == "---":
+            end = next((i for i in range(1, len(lines)) if lines[i].strip() == "---"), len(lines))
+            region = range(1, end)
+        name = field_.split(".")[0] or (re.match(r"(\w+) is ", message) or [None, ""])[1]
+        if name:
+            line = first(rf"^{re.escape(name)}\s*:", region)
+    return Problem(p.file, field_, message, line or 1)
+
+
+def _claim_item_line(path: Path, index: int) -> int | None:
+    try:
+        doc = yaml.compose(path.read_text(encoding="utf-8"))
+        claims = next(v for k, v in doc.value if k.value == "claims")
+        return claims.value[index].start_mark.line + 1
+    except Exception:  # a file that does not compose was reported with its own line
+        return None
 
 
 def _check_session(
@@ -603,31 +750,94 @@ def _check_session(
             )
         )
     if session.deck is not None:
+        from paperclub.lint import check_deck
+
         text = session.deck.read_text(encoding="utf-8")
+        deck = rel(session.deck, root)
         if not text.strip():
-            out.append(Problem(rel(session.deck, root), "", "is empty; write the slides or delete the file"))
+            out.append(Problem(deck, "", "is empty; write the slides or delete the file", 1))
         else:
-            for i, slide in enumerate(split_slides(text), start=1):
-                if not re.search(r"^#{1,3} \S", slide, re.M):
-                    out.append(
-                        Problem(
-                            rel(session.deck, root),
-                            f"slide {i}",
-                            "has no heading; start every slide with '# ' or '## '",
-                        )
+            out += [Problem(f.file, "", f.message, f.line) for f in check_deck(deck, text)]
+    return out
+
+
+def slide_spans(text: str) -> list[tuple[int, str]]:
+    """A deck's slides with the file line each starts on: slides are separated by a line holding only
+    '---' outside fenced code (a '---' inside a code block belongs to the code)."""
+    spans: list[tuple[int, str]] = []
+    current: list[str] = []
+    start = 1
+    fence: str | None = None
+    for i, line in enumerate(text.splitlines(), start=1):
+        m = re.match(r"^\s*(`{3,}|~{3,})", line)
+        if fence is None and m:
+            fence = m.group(1)
+        elif fence is not None and line.strip().startswith(fence) and not line.strip()[len(fence) :].strip():
+            fence = None
+        if fence is None and re.fullmatch(r"---\s*", line):
+            spans.append((start, current))
+            current, start = [], i + 1
+            continue
+        current.append(line)
+    spans.append((start, current))
+    out = []
+    for first, lines in spans:
+        while lines and not lines[0].strip():  # the slide starts at its first written line
+            lines, first = lines[1:], first + 1
+        body = "\n".join(lines).strip("\n")
+        if body.strip():
+            out.append((first, body))
+    return out
+
+
+def _check_numbers(sessions: list[Session], root: Path) -> list[Problem]:
+    """A session number (ours, or the archive's) names one session."""
+    out: list[Problem] = []
+    for name in ("number", "archive_number"):
+        first: dict[int, str] = {}
+        for s in sorted(sessions, key=lambda s: s.folder):
+            value = getattr(s.meta, name)
+            if value is None:
+                continue
+            if value in first:
+                out.append(
+                    Problem(
+                        rel(s.path / "session.yaml", root),
+                        name,
+                        f"{value} is already the {name} of sessions/{first[value]}; each session has its own",
                     )
+                )
+            else:
+                first[value] = s.folder
     return out
 
 
 def split_slides(text: str) -> list[str]:
-    """A deck's slides: separated by a line holding only '---' (front matter is not allowed)."""
-    parts = re.split(r"^---\s*$", text, flags=re.M)
-    return [p.strip("\n") for p in parts if p.strip()]
+    """A deck's slides (see :func:`slide_spans`)."""
+    return [body for _, body in slide_spans(text)]
+
+
+def front_matter_end(text: str) -> int | None:
+    """The line of the closing '---' when ``text`` starts with a YAML front matter block, else None."""
+    lines = text.splitlines()
+    if not lines or lines[0].strip() != "---":
+        return None
+    for i, line in enumerate(lines[1:], start=2):
+        if line.strip() == "---":
+            inner = [ln for ln in lines[1 : i - 1] if ln.strip()]
+            if inner and all(
+                re.match(r"^[A-Za-z_][\w-]*\s*:", ln) or ln.startswith((" ", "-")) for ln in inner
+            ):
+                return i
+            return None
+    return None
 
 
 def _check_claims(content: Content, root: Path, broken: _Broken | None = None) -> list[Problem]:
     broken = broken or _Broken()
     out: list[Problem] = []
+    markers = claim_markers(root)
+    marked = {m.claim for m in markers}
     by_pkg: dict[str, list] = {}
     for claim in content.claims.values():
         by_pkg.setdefault(claim.package, []).append(claim)
@@ -640,7 +850,8 @@ def _check_claims(content: Content, root: Path, broken: _Broken | None = None) -
         for claim in claims:
             if claim.paper not in content.bib and not broken.bib_key(claim.paper):
                 out.append(Problem(file, claim.id, f"paper '{claim.paper}' is not a key in bib/*.bib"))
-            if claim.reproducible and f'"{claim.id}"' not in sources and f"'{claim.id}'" not in sources:
+            written = f'"{claim.id}"' in sources or f"'{claim.id}'" in sources
+            if claim.reproducible and claim.id not in marked and not written:
                 out.append(
                     Problem(
                         file,
@@ -649,6 +860,79 @@ def _check_claims(content: Content, root: Path, broken: _Broken | None = None) -
                         f"{claim.id}', section=...) or register it as reproducible: false with a reason",
                     )
                 )
+    if content.claims or not any(p.exists() for _, d in package_dirs(root) for p in [d / "claims.yaml"]):
+        # a marker naming no registered claim (a typo), or the wrong section: found here, with its line,
+        # rather than by pytest at collection (unless the registry itself failed to load)
+        for m in markers:
+            claim = content.claims.get(m.claim)
+            if claim is None:
+                near = difflib.get_close_matches(m.claim, list(content.claims), n=1, cutoff=0.6)
+                hint = f"; did you mean '{near[0]}'?" if near else ""
+                pkg = m.claim.split("/")[0]
+                out.append(
+                    Problem(
+                        m.file,
+                        "",
+                        f"@pytest.mark.claim('{m.claim}') names no registered claim{hint} "
+                        f"(register it in {pkg}/claims.yaml or fix the id)",
+                        m.line,
+                    )
+                )
+            elif m.section is not None and m.section.strip() != claim.section:
+                out.append(
+                    Problem(
+                        m.file,
+                        "",
+                        f"claim '{m.claim}' says section {m.section!r} but claims.yaml registers {claim.section!r}",
+                        m.line,
+                    )
+                )
+    return out
+
+
+@dataclass(frozen=True)
+class ClaimMarker:
+    file: str
+    line: int
+    claim: str
+    section: str | None
+
+
+def claim_markers(root: Path) -> list[ClaimMarker]:
+    """Every ``@pytest.mark.claim("<id>", section=...)`` with a literal id in the test files of the
+    reproductions and nanoparallel, with its line."""
+    import ast
+
+    out = []
+    files = sorted({p for name, d in package_dirs(root) for p in _test_files(name, d, root)})
+    for path in files:
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            func = node.func
+            if func.attr != "claim" or not (
+                isinstance(func.value, ast.Attribute) and func.value.attr == "mark"
+            ):
+                continue
+            if (
+                not node.args
+                or not isinstance(node.args[0], ast.Constant)
+                or not isinstance(node.args[0].value, str)
+            ):
+                continue
+            section = next(
+                (
+                    k.value.value
+                    for k in node.keywords
+                    if k.arg == "section" and isinstance(k.value, ast.Constant)
+                ),
+                None,
+            )
+            out.append(ClaimMarker(rel(path, root), node.lineno, node.args[0].value, section))
     return out
 
 
@@ -682,4 +966,34 @@ def _check_results(content: Content, root: Path) -> list[Problem]:
                         file, ", ".join(missing), "missing; write result files with paperclub.bench.Report"
                     )
                 )
+            content.warnings += _empty_plots(file, doc)
+    return out
+
+
+def _empty_plots(file: str, doc: dict) -> list[Problem]:
+    """Plots of a result that select no row with numbers to draw (the site leaves them out)."""
+    out = []
+    rows = doc.get("rows") if isinstance(doc.get("rows"), list) else []
+    for plot in doc.get("plots") or []:
+        if not isinstance(plot, dict) or not all(isinstance(plot.get(k), str) for k in ("x", "y")):
+            continue
+        where = plot.get("where") or {}
+        chosen = [r for r in rows if isinstance(r, dict) and all(r.get(k) == v for k, v in where.items())]
+        numeric = [r for r in chosen if all(isinstance(r.get(plot[k]), (int, float)) for k in ("x", "y"))]
+        if numeric:
+            continue
+        held = {k: sorted({str(r.get(k)) for r in rows if isinstance(r, dict)}) for k in where}
+        why = (
+            "no row has "
+            + ", ".join(f"{k}={v!r}" for k, v in where.items())
+            + " (the file holds "
+            + "; ".join(f"{k}: {', '.join(v)}" for k, v in held.items())
+            + ")"
+            if not chosen
+            else f"no selected row has numbers in '{plot['x']}' and '{plot['y']}'"
+        )
+        out.append(
+            Problem(file, "plots", f"plot '{plot.get('title', '')}' draws nothing: {why}; the site leaves it out "
+                    "(declare plots only for what the run measured)")
+        )  # fmt: skip
     return out

@@ -3,7 +3,7 @@
 On the GPU machine, from the repository root::
 
     python -m paperclub.gpu repro/kda repro/nsa --budget-s 560 --out "$OUT"
-    python -m paperclub.gpu repro/fa4 --bench-args "fa4=--sweep" --skip-sanitizer
+    python -m paperclub.gpu repro/fa4 --bench-args "fa4=--only bwd --rounds 9" --skip-sanitizer
 
 For each package, in order, each step under a timeout cut from what is left of the budget:
 

@@ -68,12 +68,25 @@ def pytest_collection_modifyitems(
     session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
 ) -> None:
     registry = _registry(config)
-    problems = []
+    problems: list[str] = []
+    seen: set[tuple] = set()
     for item in items:
+        # a marker is written once per test function: report it once, not once per parametrised case
+        function = getattr(item, "function", None)
+        code = getattr(function, "__code__", None)
+        where = f"{item.path.relative_to(config.rootpath) if item.path.is_relative_to(config.rootpath) else item.path}"
+        if code is not None:
+            where += f":{code.co_firstlineno} ({getattr(item, 'originalname', item.name)})"
+        else:
+            where = item.nodeid
         for mark in item.iter_markers("claim"):
+            key = (where, mark.args, tuple(sorted(mark.kwargs.items())))
+            if key in seen:
+                continue
+            seen.add(key)
             if len(mark.args) != 1 or not isinstance(mark.args[0], str):
                 problems.append(
-                    f"{item.nodeid}: @pytest.mark.claim takes one claim id, e.g. claim('kda/exact', section='§3')"
+                    f"{where}: @pytest.mark.claim takes one claim id, e.g. claim('kda/exact', section='§3')"
                 )
                 continue
             cid = mark.args[0]
@@ -82,15 +95,13 @@ def pytest_collection_modifyitems(
             if claim is None:
                 pkg = cid.split("/")[0]
                 problems.append(
-                    f"{item.nodeid}: claim '{cid}' is not registered; add it to {pkg}/claims.yaml or fix the id"
+                    f"{where}: claim '{cid}' is not registered; add it to {pkg}/claims.yaml or fix the id"
                 )
             elif section is None:
-                problems.append(
-                    f"{item.nodeid}: claim '{cid}' needs section=... (registered: {claim.section!r})"
-                )
+                problems.append(f"{where}: claim '{cid}' needs section=... (registered: {claim.section!r})")
             elif section.strip() != claim.section:
                 problems.append(
-                    f"{item.nodeid}: claim '{cid}' says section {section!r} but claims.yaml registers {claim.section!r}"
+                    f"{where}: claim '{cid}' says section {section!r} but claims.yaml registers {claim.section!r}"
                 )
     if problems:
         raise pytest.UsageError("claim markers do not match the registry:\n  " + "\n  ".join(problems))

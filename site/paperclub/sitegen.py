@@ -8,6 +8,7 @@ vendored assets are written as they are.
 from __future__ import annotations
 
 import ast
+import datetime as _dt
 import hashlib
 import html
 import io
@@ -20,7 +21,9 @@ from pathlib import Path
 from paperclub.bench import load_results as load_bench_results
 from paperclub.bench import markdown_table
 from paperclub.claims import GPU_CHECKS_NAME, NOT_RUN, FunctionGroup, summary
+from paperclub.codelinks import line_for_fragment
 from paperclub.content import Content, Paper, Repro, Session, split_slides
+from paperclub.results_log import results_log_page
 from paperclub.slides import render_deck
 
 SOURCE_SUFFIXES = {".py", ".yaml", ".md"}
@@ -54,6 +57,28 @@ def code_html(text: object) -> str:
     """``text`` as a table-safe <code> element that markdown leaves alone: HTML-escaped, backticks as
     entities (markdown would open a code span at one, even inside inline HTML)."""
     return f"<code>{cell(html.escape(str(text)).replace('`', '&#96;'))}</code>"
+
+
+def short_title(text: str, limit: int = 48) -> str:
+    """``text`` cut at a word boundary to at most ``limit`` characters, with an ellipsis when cut."""
+    if len(text) <= limit:
+        return text
+    cut = text[: limit - 1].rsplit(" ", 1)[0].rstrip(" :,;-(")
+    return cut + "…"
+
+
+def upcoming(s: Session, today: _dt.date | None = None) -> bool:
+    """A session that has not been held yet: planned, or dated after today."""
+    if s.meta.date_known == "planned":
+        return True
+    if not s.meta.date or len(s.meta.date) != 10:
+        return False
+    return _dt.date.fromisoformat(s.meta.date) > (today or _dt.date.today())
+
+
+def front_matter(**meta) -> str:
+    """A generated page's front matter (search boost, tags, exclusion from search)."""
+    return "---\n" + json.dumps(meta) + "\n---\n\n"  # JSON is YAML
 
 
 def rel_link(from_uri: str, to_uri: str) -> str:
@@ -94,6 +119,7 @@ def generate(content: Content, *, render_notebook=None) -> Site:
         if repro.planned:
             continue
         site.pages[f"repro/{name}.md"] = repro_page(content, repro, site)
+        site.pages[f"repro/{name}/results-log.md"] = results_log_page(name, repro.path / "results")
         extra = sorted((root / "tests" / "nanoparallel").rglob("*")) if name == "nanoparallel" else []
         for path in sorted(repro.path.rglob("*")) + extra:
             if path.is_file() and path.suffix in SOURCE_SUFFIXES and "__pycache__" not in path.parts:
@@ -140,14 +166,19 @@ def home(content: Content) -> str:
         "## Latest sessions",
         "",
     ]
-    for s in [s for s in sessions if s.meta.date_known != "planned"][:6]:
+    for s in [s for s in sessions if not upcoming(s)][:6]:
         lines.append(
             f"- **{s.display_date()}** [{s.meta.title}](sessions/{s.folder}.md){repro_badge(content, s, 'index.md')}"
         )
-    planned = [s for s in sessions if s.meta.date_known == "planned"]
-    if planned:
-        lines += ["", "## Planned", ""]
-        lines += [f"- [{s.meta.title}](sessions/{s.folder}.md)" for s in planned]
+    ahead = sorted((s for s in sessions if upcoming(s)), key=lambda s: s.sort_key)
+    if ahead:
+        lines += ["", "## Upcoming", ""]
+        lines += [
+            f"- **{s.display_date()}** [{s.meta.title}](sessions/{s.folder}.md)"
+            if s.meta.date_known != "planned"
+            else f"- [{s.meta.title}](sessions/{s.folder}.md) (planned, no date yet)"
+            for s in ahead
+        ]
     lines += [
         "",
         "## Run it yourself",
@@ -188,29 +219,41 @@ def paper_links(content: Content, keys: list[str], from_uri: str) -> str:
     return "<br>".join(out) or "—"
 
 
+ARCHIVE_URL = "https://github.com/danielvegamyhre/ml-perf-reading-group"  # the group's public slide archive
+
+
 def sessions_index(content: Content) -> str:
     uri = "sessions/index.md"
     lines = [
         "# Sessions",
         "",
         "Every meeting of the group, newest first. A *repro* badge marks the sessions whose paper we reproduce.",
+        f"*#* is the group's session number, *Archive* the number the group's [public archive]({ARCHIVE_URL})",
+        "gives the session (it numbers sessions 1-18).",
         "",
-        "| Date | Session | Presenters | Papers | Recording | Slides |",
-        "|---|---|---|---|---|---|",
+        '<div class="sessions-table" markdown="1">',
+        "",
+        "| Date | Archive | Session | Presenters | Papers | Recording | Slides |",
+        "|---|---|---|---|---|---|---|",
     ]
     for s in content.sessions_newest_first():
         m = s.meta
         num = f"#{m.number} " if m.number else ""
+        archive = f"{m.archive_number}" if m.archive_number else "—"
         rec = f"[video]({m.recording})" if m.recording else "—"
         slides = []
         if s.deck is not None:
             slides.append(f"[deck](../slides/{s.folder}/index.html)")
         if s.slides_url:
             slides.append(f"[presenter's]({s.slides_url})")
+        date = s.display_date()
+        if upcoming(s) and m.date_known != "planned":
+            date += " (upcoming)"
         lines.append(
-            f"| {s.display_date()} | {num}[{cell(m.title)}]({s.folder}.md){repro_badge(content, s, uri)} | "
+            f"| {date} | {archive} | {num}[{cell(m.title)}]({s.folder}.md){repro_badge(content, s, uri)} | "
             f"{cell(', '.join(m.presenters) or '—')} | {paper_links(content, m.papers, uri)} | {rec} | {' · '.join(slides) or '—'} |"
         )
+    lines += ["", "</div>"]
     return "\n".join(lines) + "\n"
 
 
@@ -223,8 +266,14 @@ def session_page(content: Content, s: Session) -> str:
         ("Presenters", ", ".join(m.presenters) or "not recorded"),
         ("Papers", paper_links(content, m.papers, uri)),
     ]
-    if m.number:
-        rows.insert(0, ("Session", f"#{m.number}"))
+    if m.number or m.archive_number:
+        ours = f"#{m.number}" if m.number else "not numbered"
+        archive = (
+            f" (#{m.archive_number} in the group's [public archive]({ARCHIVE_URL}))"
+            if m.archive_number
+            else ""
+        )
+        rows.insert(0, ("Session", ours + archive))
     if m.recording:
         rows.append(("Recording", f"[{m.recording}]({m.recording})"))
     slides = []
@@ -242,9 +291,27 @@ def session_page(content: Content, s: Session) -> str:
             rows.append(("Reproduction", f"[`repro/{m.repro}`](../repro/{m.repro}.md)"))
         else:
             rows.append(("Reproduction", f"`{m.repro}`: planned, not started yet"))
+    claimed = [c for c in content.claims.values() if c.paper in m.papers]
+    packages = sorted({c.package for c in claimed} - {m.repro})
+    if packages:  # claims of this session's papers that a package other than the session's repro checks
+        statuses = [content.status(c)[0] for c in claimed if c.package in packages]
+        testable = len(statuses) - statuses.count("not reproducible")
+        where = ", ".join(f"[`{p}`](../repro/{p}.md)" for p in packages)
+        tested = (
+            f"{statuses.count('passed')} of {testable} testable pass" if testable else "none testable here"
+        )
+        rows.append(
+            (
+                "Claims",
+                f"{len(statuses)} claims of these papers, registered in {where}: {tested}; "
+                f"{statuses.count('not reproducible')} not reproducible here (see each paper's page)",
+            )
+        )
     if m.tags:
         rows.append(("Tags", ", ".join(f"[{t}](../tags.md#{t})" for t in m.tags)))
-    lines = [f"# {m.title}", ""]
+    lines = [front_matter(search={"boost": 2}, tags=m.tags) + f"# {m.title}", ""]
+    if upcoming(s) and m.date_known != "planned":
+        lines += [f'!!! note "Upcoming"\n    This session is on {m.date}; it has not been held yet.', ""]
     if m.summary:
         lines += [m.summary, ""]
     lines += [f"- **{k}:** {v}" for k, v in rows] + [""]
@@ -296,10 +363,11 @@ def papers_index(content: Content) -> str:
     ):
         entry = content.bib.get(key)
         sessions = ", ".join(
-            f"[{cell(s.meta.title[:40])}](../sessions/{s.folder}.md)" for s in content.sessions_for_paper(key)
+            f"[{cell(short_title(s.meta.title))}](../sessions/{s.folder}.md)"
+            for s in content.sessions_for_paper(key)
         )
         claims = [c for c in content.claims.values() if c.paper == key]
-        passed = sum(content.status(c)[0] == "passed" for c in claims)
+        claims_txt = claims_summary(content, claims) if claims else "—"
         repro = paper.meta.repro
         repro_txt = "—"
         if repro:
@@ -307,16 +375,24 @@ def papers_index(content: Content) -> str:
             repro_txt = f"[{repro}](../repro/{repro}.md)" if r and not r.planned else f"{repro} (planned)"
         lines.append(
             f"| [{cell(paper.meta.title)}]({key}.md) | {cell(entry.short_authors if entry else '')} | {entry.year if entry else ''} | "
-            f"{sessions or '—'} | {repro_txt} | {f'{passed}/{len(claims)} passed' if claims else '—'} |"
+            f"{sessions or '—'} | {repro_txt} | {claims_txt} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def claims_summary(content: Content, claims: list) -> str:
+    """'9 of 9 pass; 6 not reproducible here': claims we cannot check are not counted as testable."""
+    statuses = [content.status(c)[0] for c in claims]
+    unreproducible = statuses.count("not reproducible")
+    text = f"{statuses.count('passed')} of {len(claims) - unreproducible} pass"
+    return text + (f"; {unreproducible} not reproducible here" if unreproducible else "")
 
 
 def paper_page(content: Content, paper: Paper, site: Site) -> str:
     uri = f"papers/{paper.key}.md"
     entry = content.bib.get(paper.key)
     m = paper.meta
-    lines = [f"# {m.title}", ""]
+    lines = [front_matter(search={"boost": 2}, tags=m.tags) + f"# {m.title}", ""]
     if entry:
         link = f"[arXiv:{entry.eprint}]({entry.url})" if entry.eprint else f"[link]({entry.url})"
         lines += [f"*{cell(', '.join(entry.authors))}* · {entry.year} · {link}", ""]
@@ -344,9 +420,9 @@ def paper_page(content: Content, paper: Paper, site: Site) -> str:
         lines += ["## Claims and their status", "", claims_table(content, claims, uri), ""]
     if m.repro and m.repro in content.repros and not content.repros[m.repro].planned:
         repro = content.repros[m.repro]
-        bench = bench_sections(content, repro, site, uri, level=3)
-        if bench:
-            lines += ["## Benchmark results", "", bench, ""]
+        docs = load_bench_results(repro.name)
+        if docs:
+            lines += ["## Benchmark results", "", *bench_overview(site, repro.name, docs, uri), ""]
         if repro.walkthrough is not None:
             lines += [
                 "## Walkthrough",
@@ -457,14 +533,13 @@ def repro_index(content: Content) -> str:
         if repro.planned:
             continue
         claims = [c for c in content.claims.values() if c.package == name]
-        statuses = [content.status(c)[0] for c in claims]
         papers = sorted({c.paper for c in claims})
         paper_txt = paper_links(content, papers, "repro/index.md")
         devices = sorted({d.get("device", "?") for d in load_bench_results(name)})
         wt = f"[notebook]({name}/walkthrough.md)" if repro.walkthrough else "—"
         lines.append(
-            f"| [`{name}`]({name}.md) | {paper_txt} | {statuses.count('passed')} of {len(claims) - statuses.count('not reproducible')} pass; "
-            f"{statuses.count('not reproducible')} not reproducible here | {cell(', '.join(devices)) or 'not yet run'} | {wt} |"
+            f"| [`{name}`]({name}.md) | {paper_txt} | {claims_summary(content, claims) if claims else '—'} | "
+            f"{cell(', '.join(devices)) or 'not yet run'} | {wt} |"
         )
     planned = [r for r in content.repros.values() if r.planned]
     if planned:
@@ -499,6 +574,16 @@ def repro_page(content: Content, repro: Repro, site: Site) -> str:
         "```",
         "",
     ]
+    if claims:
+        lines += ["## Claims", "", claims_table(content, claims, uri), ""]
+    bench = bench_sections(content, repro, site, uri, level=3)
+    lines += ["## Benchmarks", "", bench or "No benchmark results have been committed yet.", ""]
+    lines += [f"The history of the runs, newest first: [results log]({repro.name}/results-log.md).", ""]
+    checks = gpu_checks_table({repro.name: repro})
+    if checks:
+        lines += ["## GPU checks", "", GPU_CHECKS_INTRO, "", checks, ""]
+    if repro.walkthrough is not None:
+        lines += ["## Walkthrough", "", f"[Open the walkthrough]({repro.name}/walkthrough.md).", ""]
     lines += ["## Files", "", "| File | What it is |", "|---|---|"]
     for path in sorted(repro.path.rglob("*.py")):
         if "__pycache__" in path.parts:
@@ -509,15 +594,6 @@ def repro_page(content: Content, repro: Repro, site: Site) -> str:
             f"| [`{path.relative_to(repro.path).as_posix()}`]({rel_link(uri, f'source/{rp}.md')}) | {cell(first)} |"
         )
     lines.append("")
-    checks = gpu_checks_table({repro.name: repro})
-    if checks:
-        lines += ["## GPU checks", "", GPU_CHECKS_INTRO, "", checks, ""]
-    if claims:
-        lines += ["## Claims", "", claims_table(content, claims, uri), ""]
-    bench = bench_sections(content, repro, site, uri, level=3)
-    lines += ["## Benchmarks", "", bench or "No benchmark results have been committed yet.", ""]
-    if repro.walkthrough is not None:
-        lines += ["## Walkthrough", "", f"[Open the walkthrough]({repro.name}/walkthrough.md).", ""]
     return "\n".join(lines) + "\n"
 
 
@@ -619,6 +695,27 @@ def gpu_checks_table(repros: dict[str, Repro]) -> str:
 # ---------------------------------------------------------------- benchmarks
 
 
+def result_label(doc: dict) -> str:
+    """What tells a result file from its package's others: the tag of its file name after the device
+    (``nvidia-h100-80gb-hbm3-seqlens-16384-repeat.json`` -> ``seqlens-16384-repeat``), or ''."""
+    stem = Path(doc["_file"]).stem
+    device = re.sub(r"[^a-z0-9]+", "-", str(doc.get("device", "")).lower()).strip("-")
+    return stem[len(device) :].strip("-") if device and stem.startswith(device) else ("" if device else stem)
+
+
+def result_anchor(doc: dict) -> str:
+    return "result-" + re.sub(r"[^a-z0-9]+", "-", Path(doc["_file"]).stem.lower()).strip("-")
+
+
+def result_heading(doc: dict, repro_name: str) -> str:
+    count = doc.get("device_count", 1)
+    label = result_label(doc)
+    return (
+        f"{doc.get('title', repro_name)}: {doc.get('device')}{f' ×{count}' if count and count > 1 else ''}"
+        + (f" ({label}, {doc.get('date', '?')[:10]})" if label else f" ({doc.get('date', '?')[:10]})")
+    )
+
+
 def bench_sections(content: Content, repro: Repro, site: Site, from_uri: str, level: int = 2) -> str:
     docs = load_bench_results(repro.name)
     out = []
@@ -638,12 +735,12 @@ def bench_sections(content: Content, repro: Repro, site: Site, from_uri: str, le
         pk = env.get("packages") or {}
         if pk:
             versions += ", " + ", ".join(f"{k} {v}" for k, v in pk.items())
-        count = doc.get("device_count", 1)
         out += [
-            f"{h} {doc.get('title', repro.name)}: {doc.get('device')}{f' ×{count}' if count and count > 1 else ''}",
+            f"{h} {result_heading(doc, repro.name)} {{ #{result_anchor(doc)} }}",
             "",
             f"Measured {doc.get('date', '?')[:10]} · {versions}"
-            + (f" · peer: {doc['peer']}" if doc.get("peer") else ""),
+            + (f" · peer: {doc['peer']}" if doc.get("peer") else "")
+            + f" · `{doc['_file']}`",
             "",
         ]
         if doc.get("ceilings"):
@@ -654,13 +751,69 @@ def bench_sections(content: Content, repro: Repro, site: Site, from_uri: str, le
             ]
         if doc.get("notes"):
             out += [doc["notes"], ""]
-        for i, plot in enumerate(doc.get("plots", [])):
-            for j, (label, png) in enumerate(cached_plots(site, doc, plot)):
-                name = f"benchmarks/{repro.name}/{slug}-{i}-{j}.png"
-                site.files[name] = png
-                out += [f"![{cell(label)}]({rel_link(from_uri, name)}){{ .bench-plot }}", ""]
-        out += ['??? note "Full table"', "", indent(markdown_table(doc["columns"], doc["rows"]), 4), ""]
+        out += result_plots(site, doc, repro.name, slug, from_uri)
+        out += [
+            '<div class="bench-table" data-search-exclude="" markdown="1">',
+            "",
+            '??? note "Full table"',
+            "",
+            indent(markdown_table(doc["columns"], doc["rows"]), 4),
+            "",
+            "</div>",
+            "",
+        ]
     return "\n".join(out)
+
+
+def result_plots(
+    site: Site, doc: dict, repro_name: str, slug: str, from_uri: str, limit: int | None = None
+) -> list[str]:
+    """The markdown of a result's plots (its declared ones, or a summary bar chart when it declares
+    none), each drawn once per site; plots that would be empty are left out."""
+    out = []
+    plots = doc.get("plots") or [p for p in [summary_plot(doc)] if p]
+    for i, plot in enumerate(plots):
+        for j, (label, png) in enumerate(cached_plots(site, doc, plot)):
+            if limit is not None and len(out) // 2 >= limit:
+                return out
+            name = f"benchmarks/{repro_name}/{slug}-{i}-{j}.png"
+            site.files[name] = png
+            out += [f"![{cell(label)}]({rel_link(from_uri, name)}){{ .bench-plot }}", ""]
+    return out
+
+
+def summary_plot(doc: dict) -> dict | None:
+    """For a result that declares no plot: ms by implementation as bars, one chart per combination of
+    the few other settings its rows vary over (pass, causal, ...), so that our time and the peer's sit
+    side by side; None when the rows have no 'impl' and 'ms' or vary over too many settings."""
+    rows = doc.get("rows") or []
+    if not rows or "impl" not in doc.get("columns", []) or not any(_num(r.get("ms")) for r in rows):
+        return None
+    timed = [r for r in rows if _num(r.get("ms"))]
+    facets = []
+    for col in doc["columns"]:
+        if col in ("impl", "note", "check") or col.startswith("ms"):
+            continue
+        values = {str(r.get(col)) for r in timed}
+        if len(values) < 2 or any(isinstance(r.get(col), float) for r in timed):
+            continue  # the same everywhere, or a measurement (ms_per_rank, tokens_per_s, ...)
+        by_impl: dict[str, set] = {}
+        for r in timed:
+            by_impl.setdefault(str(r.get("impl")), set()).add(str(r.get(col)))
+        if all(len(v) == 1 for v in by_impl.values()):
+            continue  # the implementation's name already says it (ring n=4 -> ring = 4)
+        if len(values) > 4 or not all(isinstance(r.get(col), (str, bool, int)) for r in timed):
+            return None  # a sweep or a measurement: a line plot would be the right picture
+        facets.append(col)
+    if len({tuple(str(r.get(c)) for c in facets) for r in timed}) > 6:
+        return None
+    return {
+        "kind": "bars",
+        "x": "impl",
+        "y": "ms",
+        "facets": facets,
+        "title": "time per call (ms), lower is better",
+    }
 
 
 def indent(text: str, n: int) -> str:
@@ -680,11 +833,15 @@ def cached_plots(site: Site, doc: dict, plot: dict) -> list[tuple[str, bytes]]:
 
 
 def render_plots(doc: dict, plot: dict) -> list[tuple[str, bytes]]:
+    """The figures of one plot spec: one per facet; a facet (or a whole plot) with no numeric point is
+    not drawn (an empty chart says nothing, e.g. a plot filtering on a value the file does not hold)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if plot.get("kind") == "bars":
+        return _render_bars(doc, plot, plt)
     rows = [r for r in doc["rows"] if all(r.get(k) == v for k, v in (plot.get("where") or {}).items())]
     facets = [None]
     if plot.get("facet"):
@@ -692,8 +849,8 @@ def render_plots(doc: dict, plot: dict) -> list[tuple[str, bytes]]:
     out = []
     for facet in facets:
         sub = [r for r in rows if facet is None or r.get(plot["facet"]) == facet]
-        fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
         series = sorted({str(r.get(plot["series"])) for r in sub})
+        lines = []
         for name in series:
             pts = sorted(
                 (
@@ -706,7 +863,12 @@ def render_plots(doc: dict, plot: dict) -> list[tuple[str, bytes]]:
                 key=lambda p: p[0],
             )
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+                lines.append((name, pts))
+        if not lines:
+            continue
+        fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
+        for name, pts in lines:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
         if plot.get("logx"):
             ax.set_xscale("log", base=2)
         if plot.get("logy"):
@@ -716,13 +878,43 @@ def render_plots(doc: dict, plot: dict) -> list[tuple[str, bytes]]:
         ax.set_xlabel(plot["x"])
         ax.set_ylabel(plot["y"])
         ax.grid(True, alpha=0.3)
-        if series:
-            ax.legend(fontsize=8)
-        fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png")
-        plt.close(fig)
-        out.append((title, buf.getvalue()))
+        ax.legend(fontsize=8)
+        out.append((title, _png(fig, plt)))
+    return out
+
+
+def _png(fig, plt) -> bytes:
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _render_bars(doc: dict, plot: dict, plt) -> list[tuple[str, bytes]]:
+    rows = [r for r in doc["rows"] if _num(r.get(plot["y"]))]
+    keys = sorted({tuple(str(r.get(c)) for c in plot["facets"]) for r in rows})
+    out = []
+    for key in keys:
+        sub = [r for r in rows if tuple(str(r.get(c)) for c in plot["facets"]) == key]
+        if not sub:
+            continue
+        sub.sort(key=lambda r: r[plot["y"]])
+        fig, ax = plt.subplots(figsize=(6.4, 0.9 + 0.32 * len(sub)), dpi=100)
+        labels = [str(r.get(plot["x"])) for r in sub]
+        values = [r[plot["y"]] for r in sub]
+        ax.barh(range(len(sub)), values, color="#5c6bc0")
+        ax.set_yticks(range(len(sub)), labels, fontsize=8)
+        ax.invert_yaxis()
+        for y, v in enumerate(values):
+            ax.text(v, y, f" {v:.3g}", va="center", fontsize=7)
+        ax.set_xlabel(plot["y"])
+        ax.margins(x=0.15)
+        ax.grid(True, axis="x", alpha=0.3)
+        where = ", ".join(f"{c} = {v}" for c, v in zip(plot["facets"], key, strict=True))
+        title = plot["title"] + (f" ({where})" if where else "")
+        ax.set_title(title, fontsize=10)
+        out.append((title, _png(fig, plt)))
     return out
 
 
@@ -730,26 +922,53 @@ def _num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
 
 
+def bench_overview(site: Site, name: str, docs: list[dict], from_uri: str) -> list[str]:
+    """A reproduction's results in brief: each result file linked to its section of the reproduction's
+    page (plots, notes, full table), and the first plots of the newest one."""
+    page = rel_link(from_uri, f"repro/{name}.md")
+    lines = [
+        f"[All {len(docs)} result(s) on the `{name}` page]({page}#benchmarks)"
+        + (f" · peer: {cell(docs[0]['peer'])}" if docs[0].get("peer") else ""),
+        "",
+        "| Result | Device | Date | Rows |",
+        "|---|---|---|---|",
+    ]
+    for doc in docs:
+        label = result_label(doc)
+        title = cell(doc.get("title", name)) + (f" ({cell(label)})" if label else "")
+        count = doc.get("device_count", 1)
+        device = f"{doc.get('device')}{f' ×{count}' if count and count > 1 else ''}"
+        lines.append(
+            f"| [{title}]({page}#{result_anchor(doc)}) | {cell(device)} | {doc.get('date', '?')[:10]} "
+            f"| {len(doc.get('rows', []))} |"
+        )
+    lines.append("")
+    return lines + result_plots(site, docs[0], name, Path(docs[0]["_file"]).stem, from_uri, limit=2)
+
+
 def benchmarks_page(content: Content, site: Site) -> str:
+    """An overview: each reproduction's result files (linked to their section of the reproduction's
+    page, where the plots, notes and full tables are) and the headline plot of its newest result."""
     lines = [
         "# Benchmarks",
         "",
         "Results committed by `python -m repro.<name>.bench` (and `python -m nanoparallel.bench`) on the GPU",
         "machine, each with its device, library versions and date, beside the peer library's numbers.",
         "Timings are medians of CUDA-event-timed runs after warm-up (see `paperclub.bench.time_ms`).",
+        "Each reproduction's page shows every result in full: its plots, notes and table.",
         "",
     ]
     any_results = False
     for name, repro in sorted(content.repros.items()):
         if repro.planned:
             continue
-        body = bench_sections(content, repro, site, "benchmarks.md", level=3)
+        docs = load_bench_results(name)
         lines += [f"## {name}", ""]
-        if body:
-            any_results = True
-            lines += [body, ""]
-        else:
+        if not docs:
             lines += ["No results committed yet.", ""]
+            continue
+        any_results = True
+        lines += bench_overview(site, name, docs, "benchmarks.md")
     if not any_results:
         lines += ["No benchmark has been run yet: results appear here when a reproduction commits them."]
     return "\n".join(lines) + "\n"
@@ -802,7 +1021,11 @@ def source_page(repo_rel: str, path: Path) -> str:
     lang = {".py": "python", ".yaml": "yaml", ".md": "markdown"}[path.suffix]
     text = path.read_text(encoding="utf-8")
     fence = "````" if "```" in text else "```"
-    return f'# `{repo_rel}`\n\n{fence}{lang} linenums="1"\n{text}\n{fence}\n'
+    # kept out of the search index: it was most of the index (4.3 MB) and drowned the pages in code
+    return (
+        front_matter(search={"exclude": True})
+        + f'# `{repo_rel}`\n\n{fence}{lang} linenums="1"\n{text}\n{fence}\n'
+    )
 
 
 # ---------------------------------------------------------------- links from content to the repository
@@ -815,8 +1038,9 @@ def rewrite_links(
 ) -> str:
     """Point links that content writes relative to its file in the repository at the site's pages.
 
-    A paper page may link ``../repro/kda/chunk.py#L10-L20``; on the site that is the source page
-    of chunk.py at line 10. Links to sessions, papers and repro folders map to their pages.
+    A paper page links ``../repro/kda/chunk.py#chunk_kda`` (a symbol: function, class, ``Class.method``);
+    on the site that is the source page of chunk.py at the line that defines it (``#L10`` links still
+    resolve to line 10). Links to sessions, papers and repro folders map to their pages.
     """
     if origin is None:
         return markdown_text
@@ -831,9 +1055,10 @@ def rewrite_links(
         dest = _site_uri_for(repo_path, root, known_uris)
         if dest is None:
             return m.group(0)
-        if anchor:
-            line = re.match(r"L(\d+)", anchor)
-            anchor = f"__codelineno-0-{line.group(1)}" if line else anchor
+        if anchor and dest.startswith("source/"):
+            # a symbol (chunk.py#chunk_kda, #Class.method) or a line (#L40) -> that line of the source page
+            line = line_for_fragment(root, repo_path, anchor)
+            anchor = f"__codelineno-0-{line}" if line else anchor
         return f"[{text}]({rel_link(page_uri, dest)}{'#' + anchor if anchor else ''})"
 
     return LINK.sub(fix, markdown_text)
@@ -855,6 +1080,8 @@ def _site_uri_for(repo_path: str, root: Path, known: set[str]) -> str | None:
         if repo_path.endswith(".ipynb"):
             candidates.append(f"repro/{parts[-2]}/walkthrough.md")
         name = "nanoparallel" if parts[0] == "nanoparallel" else (parts[1] if len(parts) > 1 else "")
+        if "results" in parts:  # the folder or a file in it: the results log names every file
+            candidates.append(f"repro/{name}/results-log.md")
         if (root / repo_path).is_dir() or len(parts) <= 2:
             candidates.append(f"repro/{name}.md")
         if parts[-1] == "results" or "results" in parts:

@@ -75,7 +75,25 @@ DECK_TEMPLATE = """<!doctype html>
   .reveal ul, .reveal ol {{ display: block; }}
   .reveal table {{ font-size: .7em; }}
   .reveal pre.mermaid {{ box-shadow: none; background: none; font-size: .6em; }}
+  /* a diagram fits its slide: never taller than about two thirds of it */
+  .reveal pre.mermaid svg {{ max-height: 470px; max-width: 100%; height: auto; }}
   .back {{ position: fixed; top: .5em; left: .8em; z-index: 30; font: 14px sans-serif; }}
+  /* a phone: the slides as one readable page (a 960-pixel stage scaled to 390 is unreadable) */
+  .deck-reading {{ font: 17px/1.5 system-ui, sans-serif; color: #222; padding: 2.6em 1em 2em; }}
+  .deck-reading section {{ border-bottom: 1px solid #ddd; padding: .4em 0 1.2em; }}
+  .deck-reading h1, .deck-reading h2 {{ font-weight: 600; }}
+  .deck-reading h1 {{ font-size: 1.45em; margin: .6em 0 .4em; }}
+  .deck-reading h2 {{ font-size: 1.2em; margin: .6em 0 .4em; }}
+  .deck-reading p {{ margin: .5em 0; }}
+  .deck-reading ul, .deck-reading ol {{ padding-left: 1.3em; margin: .5em 0; }}
+  .deck-reading ul {{ list-style: disc; }} .deck-reading ol {{ list-style: decimal; }}
+  .deck-reading table {{ display: block; overflow-x: auto; border-collapse: collapse; font-size: .85em; }}
+  .deck-reading th, .deck-reading td {{ border: 1px solid #ccc; padding: .2em .4em; }}
+  .deck-reading pre {{ overflow-x: auto; font-size: .8em; background: #f6f6f6; padding: .5em; }}
+  .deck-reading pre.mermaid {{ background: none; }}
+  .deck-reading .katex-display {{ overflow-x: auto; overflow-y: hidden; padding: .2em 0; }}
+  .deck-reading svg, .deck-reading img {{ max-width: 100%; height: auto; }}
+  .deck-reading aside.notes {{ display: none; }}
 </style>
 </head>
 <body>
@@ -92,10 +110,28 @@ DECK_TEMPLATE = """<!doctype html>
     var tex = el.textContent.trim().replace(/^\\\\\\(|\\\\\\)$/g, "").replace(/^\\\\\\[|\\\\\\]$/g, "");
     try {{ katex.render(tex, el, {{displayMode: el.tagName === "DIV", throwOnError: false}}); }} catch (e) {{}}
   }});
-  mermaid.initialize({{ startOnLoad: false }});
-  Reveal.initialize({{ hash: true, slideNumber: "c/t", plugins: [RevealNotes] }}).then(function () {{
-    mermaid.run({{ querySelector: ".reveal pre.mermaid" }});
-  }});
+  // SVG text labels: HTML labels are measured through reveal's scaling and come out clipped
+  mermaid.initialize({{ startOnLoad: false, htmlLabels: false, flowchart: {{ htmlLabels: false }} }});
+  var wrapper = document.querySelector(".reveal");
+  if (window.matchMedia("(max-width: 600px)").matches) {{
+    // a phone: no stage, every slide one after another (reveal's styles all hang off .reveal)
+    wrapper.className = "deck-reading";
+    mermaid.run({{ querySelector: ".deck-reading pre.mermaid" }});
+  }} else {{
+    // A diagram drawn while its slide is hidden has no size (mermaid measures an empty box), so a
+    // slide's diagrams are drawn when it is shown: on load (whichever slide the URL opens) and on
+    // every slide change; Reveal re-measures the slide afterwards.
+    var drawDiagrams = function (slide) {{
+      var pending = Array.prototype.filter.call(
+        (slide || document).querySelectorAll("pre.mermaid"), function (el) {{ return !el.dataset.processed; }});
+      if (!pending.length) return Promise.resolve();
+      return mermaid.run({{ nodes: pending }}).then(function () {{ Reveal.layout(); }});
+    }};
+    Reveal.initialize({{ hash: true, slideNumber: "c/t", plugins: [RevealNotes] }}).then(function () {{
+      drawDiagrams(Reveal.getCurrentSlide());
+      Reveal.on("slidechanged", function (event) {{ drawDiagrams(event.currentSlide); }});
+    }});
+  }}
 </script>
 </body>
 </html>

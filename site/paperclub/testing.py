@@ -1,12 +1,18 @@
-"""Shared helpers for the reproductions' tests: relative errors and tolerance checks.
+"""Shared helpers for the reproductions' tests: relative errors and tolerance checks, the GPU job's
+sanitizer pass and measure log, and what a kernel call dispatches.
 
 Every repro compares a fast path against a reference by the relative Frobenius error
 ``||out - ref|| / ||ref||`` (the measure flash-linear-attention and METHOD.md use), so the
 tolerance reads the same everywhere: fp32 vs fp64 about 1e-5, tf32 about 3e-4, bf16 about 1e-2.
+
+A helper that a second reproduction's tests need lives here, not in the first one's ``tests/``:
+one repro's tests never import another's. (The offline sm_90a compile of kernels for CPU tests is
+:func:`paperclub.lab.offline`.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -62,3 +68,50 @@ def log_measure(test: str, **values) -> None:
     if path:
         with open(path, "a", encoding="utf-8") as f:
             f.write(json.dumps({"test": test, **values}, default=str) + "\n")
+
+
+@contextlib.contextmanager
+def dispatched(kernel_module, kernel_names):
+    """Within the block: the aten ops dispatched outside Triton launches (``ops``, names without
+    ``aten.``) and the launches of the kernels ``kernel_names`` of ``kernel_module`` in order
+    (``launches``). Yields ``(ops, launches)``; the kernels are restored afterwards. What a test of
+    "one launch, no host synchronisation, no extra copies" reads. (The CPU interpreter runs a kernel
+    with torch ops of its own: those are not recorded.)"""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops, self.in_kernel = [], False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not self.in_kernel:
+                self.ops.append(str(func).removeprefix("aten."))
+            return func(*args, **(kwargs or {}))
+
+    record, launches = Record(), []
+
+    class Counted:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                launches.append(self.name)
+                record.in_kernel = True
+                try:
+                    return self.kernel[grid](*a, **kw)
+                finally:
+                    record.in_kernel = False
+
+            return launch
+
+    originals = {name: getattr(kernel_module, name) for name in kernel_names}
+    for name, kernel in originals.items():
+        setattr(kernel_module, name, Counted(name, kernel))
+    try:
+        with record:
+            yield record.ops, launches
+    finally:
+        for name, kernel in originals.items():
+            setattr(kernel_module, name, kernel)

@@ -1,8 +1,10 @@
-"""The benchmark's helpers for the flash-attn-4 peer and the Nsight Compute summary.
+"""The benchmark's plumbing: its candidates are valid configs, its parts and settings are checked, and
+the helpers for the flash-attn-4 peer.
 
-The CPU tests check the plumbing (error text, the import guard, the output adapter, the CSV
-reduction); the ``gpu`` test runs flash-attn-4 itself against the float64 reference and is
-skipped without a GPU, or where flash-attn-4 is not installed or does not run.
+The CPU tests check the plumbing (the import guard, the output adapter, the parts and --set); the
+``gpu`` test runs flash-attn-4 itself against the float64 reference and is skipped without a GPU, or
+where flash-attn-4 is not installed or does not run. (The Nsight Compute summary and the error text
+are paperclub's: tests/test_bench_lab.py, tests/test_bench_sweep.py.)
 """
 
 from __future__ import annotations
@@ -15,16 +17,6 @@ import pytest
 import torch
 
 from repro.fa4 import bench
-
-
-def test_error_text_is_one_line_and_bounded():
-    exc = RuntimeError("compile failed:\n  line 1\n\tline 2  " + "x" * 1000)
-    text = bench.error_text(exc, limit=80)
-    assert "\n" not in text and "\t" not in text
-    assert text.startswith("RuntimeError: compile failed: line 1 line 2 x")
-    assert len(text) == 80 and text.endswith("...")
-    assert bench.error_text(ValueError()) == "ValueError"
-    assert bench.error_text(KeyError("k"), limit=400) == "KeyError: 'k'"
 
 
 def test_load_flash_attn_4_reports_a_failed_import(monkeypatch):
@@ -63,46 +55,6 @@ def test_smoke_error_reads_the_smoke_json(tmp_path):
     assert bench._smoke_error(tmp_path) == "smoke test passed"
 
 
-# Three kernels as ncu's raw page prints them with --csv: a header, a units row, one row per kernel.
-NCU_RAW = """==PROF== Connected to process 123
-"ID","Kernel Name","gpu__time_duration.sum","launch__registers_per_thread","sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active","sm__pipe_xu_cycles_active.avg.pct_of_peak_sustained_active","smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio","smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio","smsp__average_warps_issue_stalled_wait_per_issue_active.ratio","smsp__average_warps_issue_stalled_selected_per_issue_active.ratio","gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed"
-"","","nsecond","register/thread","%","%","ratio","ratio","ratio","ratio","%"
-"0","_fwd_kernel","2,401,600","255","61.2","20.5","0.90","0.10","0.35","1","3.58"
-"1","cudnn_generated_fort_native_sdpa_sm90_flash_fprop","1,650,000","168","88.0","31.0","0.05","0.02","0.40","1.00","4.77"
-"2","vectorized_elementwise_kernel","1,200","16","","","0","0","0","1","0"
-"""
-
-
-def test_ncu_summary_picks_metrics_units_and_top_stalls():
-    items = bench.ncu_summary(NCU_RAW, top_stalls=2)
-    assert [i["kernel"] for i in items] == [
-        "_fwd_kernel",
-        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop",
-        "vectorized_elementwise_kernel",
-    ]
-    ours, cudnn, fill = items
-    assert math.isclose(ours["duration (us)"], 2401.6) and math.isclose(cudnn["duration (us)"], 1650.0)
-    assert ours["registers/thread"] == 255.0
-    assert ours["tensor pipe %"] == 61.2 and cudnn["XU (MUFU, exp2) pipe %"] == 31.0
-    assert fill["tensor pipe %"] is None  # empty cells and absent metrics both read as missing
-    assert ours["achieved occupancy %"] is None
-    assert ours["DRAM throughput %"] == 3.58  # ncu's newer metric name, the second candidate
-    assert ours["stalls"] == ["barrier 0.90", "wait 0.35"]  # "selected" (1.0) is not a stall
-    assert cudnn["stalls"] == ["wait 0.40", "barrier 0.05"]
-
-
-def test_ncu_summary_of_an_empty_report():
-    assert bench.ncu_summary("==PROF== No kernels were profiled.\n") == []
-
-
-def test_ncu_summary_cli_needs_no_gpu(tmp_path, capsys):
-    f = tmp_path / "raw.csv"
-    f.write_text(NCU_RAW)
-    bench.main(["--ncu-summary", str(f)])
-    out = capsys.readouterr().out
-    assert "_fwd_kernel" in out and "barrier 0.90" in out and "| kernel |" in out
-
-
 @pytest.mark.gpu
 def test_gpu_flash_attn_4_matches_reference():
     """flash-attn-4 on this GPU against float64, at the tolerances our own kernel meets; skipped where
@@ -128,29 +80,51 @@ def test_gpu_flash_attn_4_matches_reference():
             assert bench.rel_err(a, r) < 3e-2, f"d{name}"
 
 
-@pytest.mark.parametrize("sweep", ["GLUON_SWEEP", "GLUON_COMBOS"])
-def test_gluon_sweep_plan_is_small_and_valid(sweep):
-    from repro.fa4.gluon_fwd import KNOBS, _constexprs
+def test_candidates_are_valid_switches():
+    """Every candidate of ours the bench builds (the ablation, the comparison, the backward comparison,
+    the peer rows) is a Switches the entry point accepts and resolves at the bench's head dim: an unknown
+    field or a combination the API refuses fails here, not on the GPU."""
+    from repro.fa4.api import Switches, resolve
 
-    plan = bench.gluon_sweep_plan(sweep=getattr(bench, sweep))
-    shapes = {(s, c) for s, c, _, _ in plan}
-    assert len(shapes) == 6 and len(plan) + len(shapes) <= 66  # + one cuDNN row per shape
-    if sweep == "GLUON_SWEEP":
-        assert any(kw.get("num_consumers") == 1 for *_, kw in plan)
-    for *_, kw in plan:  # every setting is one the launcher accepts, and its row names every knob it sets
-        st = bench.gluon_sweep_settings(kw)
-        assert set(kw) <= set(st)
-        cx = _constexprs(128, False, st["lazy_rescale"], 8.0, st["num_consumers"], st["pingpong_sync"],
-                         **{k: st[k] for k in KNOBS})  # fmt: skip
-        assert (cx["BLOCK_N"], cx["NUM_STAGES"]) == (st["block_n"], st["num_stages"])
+    named = {**bench.ABLATIONS, **bench.BWD_IMPLS, "best": bench.OURS_BEST, "gluon": bench.OURS_GLUON}
+    for name, changes in named.items():
+        sw = Switches(**bench.switches(changes))
+        resolved = resolve(sw, bench.HEAD_DIM, False)
+        assert resolved.block_m and resolved.bwd_block_m, name
+    assert bench.switches({}) == {} and bench.switches({"tma": True}) == {"tma": True}
+    assert set(bench.DEFAULT_PARTS) < set(bench.PARTS)
 
 
-def test_trial_row_records_errors():
-    report = bench.Report(
-        package="fa4", title="t", columns=["x", "ms", "tflops", "note"], measure_ceilings=False
-    )
-    bench.trial_row(report, {"x": 1}, lambda: 2.0, 4e9)
-    bench.trial_row(report, {"x": 2}, lambda: (1.0, "ok"), 4e9)
-    bench.trial_row(report, {"x": 3}, lambda: 1 / 0, 4e9)
-    assert report.rows[0]["tflops"] == pytest.approx(2.0) and report.rows[1]["note"] == "ok"
-    assert math.isnan(report.rows[2]["ms"]) and report.rows[2]["note"].startswith("ZeroDivisionError")
+def test_parts_and_settings_are_checked(monkeypatch, capsys):
+    """--only names parts (a typo stops the bench, listing them); --set changes the base config every
+    candidate is built from, type-checked; both before any GPU work."""
+    for argv, message in (
+        (["--only", "bwdd"], "no part of that name; known: bwd, compare, rescale, peer, fa4-smoke, heads"),
+        (["--set", "lazy_rescale=1"], "expected a bool"),
+        (["--set", "bwd_dq_defer=True"], "not a field of Switches"),
+    ):
+        with pytest.raises(SystemExit):
+            bench.main(argv)
+        assert message in capsys.readouterr().err
+    monkeypatch.setattr(bench, "BASE", bench.BASE)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        bench.main(["--set", "lazy_rescale=False", "--only", "bwd"])
+    assert bench.switches({"tma": True}) == {"lazy_rescale": False, "tma": True}
+
+
+def test_head_rows_count_the_callers_work():
+    """The head-size part: TFLOP/s count the caller's head sizes and the visible scores (so padding
+    shows as lower TFLOP/s); the tiles of its shapes are the verified ones up to 128 and 256 above,
+    exact (flops_ratio 1) at 64, 128, 256; every window row fits its length."""
+    from repro.fa4.api import head_layout
+
+    assert bench.attention_flops(1, 8, 8, 64, 64, "fwd", 1.0) == 2 * bench.HEADS * 64 * 128
+    assert bench.attention_flops(1, 8, 8, 64, 64, "fwd+bwd", 0.5) == 3.5 * bench.HEADS * 64 * 128
+    assert bench._visible(4, True, None) == pytest.approx(10 / 16)
+    assert bench._visible(4, False, (1, 0)) == pytest.approx(7 / 16)
+    for d, d_v in bench.HEAD_SHAPES:
+        lay = head_layout(d, d_v)
+        assert lay.verified == (d <= 128)
+        assert (lay.flops_ratio() == 1) == (d in (64, 128, 256) and d_v == d)
+    assert all(w[0] < bench.HEAD_SEQLENS[-1] for w in bench.WINDOWS)

@@ -2,7 +2,7 @@
 
 Triton 3.6's interpreter computed bf16 dots on raw bit patterns (``attention`` on bf16 gave a
 relative error of 3e9); ``paperclub.triton_compat.patch_interpreter``, installed by
-``repro.fa4.kernels``, computes them on the values. These tests keep that so, at the public head
+``repro.fa4.triton_fwd`` and the backwards, computes them on the values. These tests keep that so, at the public head
 dim (D = 64) and S = 80 (a padded tail block). The reference runs in fp64 on the same bf16 values,
 so only the kernel's error is measured: bf16 rounding of P before P V, of O, and of the gradients
 (8 mantissa bits, ~2e-3 measured); tolerance 1e-2.

@@ -1,4 +1,4 @@
-"""The fused one-pass backward (``bwd="fused"``, ``repro.fa4.bwd_fused``) against the fp64 reference.
+"""The fused one-pass backward (``bwd="fused"``, ``repro.fa4.triton_bwd_fused``) against the fp64 reference.
 
 Under TRITON_INTERPRET=1 (the pytest plugin sets it without a GPU) through ``attention_any_d`` with
 D in {16, 32} and the interpreter's 16 x 16 tiles, so that every path of the kernel runs on a few
@@ -111,7 +111,7 @@ def test_causal_rows_without_keys_are_zero():
 
 
 def test_dq_tma_refused_in_the_interpreter_and_unknown_config():
-    from repro.fa4.bwd_fused import config_switches
+    from repro.fa4.triton_bwd_fused import config_switches
 
     q = torch.randn(1, 16, 1, 16, requires_grad=True)
     out = attention_any_d(q, q, q, bwd="fused", bwd_dq_tma=True)

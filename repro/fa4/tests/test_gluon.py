@@ -1,7 +1,8 @@
 """The warp-specialised Gluon forward (``repro.fa4.gluon_fwd``).
 
 Gluon kernels do not run under TRITON_INTERPRET, so the CPU check is an offline compile for sm_90a
-(Triton's compiler and the bundled ptxas need no GPU): every variant must compile, fit the H100's
+(``repro.fa4.lab.compile`` through ``paperclub.lab.offline``: Triton's compiler and the bundled ptxas
+need no GPU): every variant must compile, fit the H100's
 227 KiB of shared memory per block and not spill. The tests marked ``gpu`` run it on an H100
 against the float64 reference: output, log-sum-exp and the gradients through the backward
 ``bwd="auto"`` picks (on Hopper the Gluon backward; the Triton one before 2026-11-25).
@@ -16,11 +17,11 @@ import os
 import pytest
 import torch
 
+from paperclub.lab import offline
 from paperclub.testing import assert_rel_close
 from repro.fa4 import attention
 from repro.fa4.gluon_fwd import HAS_GLUON, gluon_attention_forward
 from repro.fa4.reference import attention_exact, causal_mask
-from repro.fa4.tests.offline_compile import compile_offline
 
 needs_gluon = pytest.mark.skipif(not HAS_GLUON, reason="this Triton has no Gluon (triton.experimental.gluon)")
 H100_SMEM_PER_BLOCK = 227 * 1024
@@ -52,9 +53,13 @@ def _case_id(case):
 
 @pytest.fixture(scope="module")
 def compile_rows(tmp_path_factory) -> dict:
-    """All COMPILE_CASES compiled offline for sm_90a in one subprocess (see offline_compile)."""
-    rows = compile_offline("repro.fa4.gluon_fwd", COMPILE_CASES, tmp_path_factory.mktemp("triton-cache"))
-    return {_key(x["d"], x["causal"], x["dtype"], x["consumers"], x["knobs"]): x for x in rows}
+    """All COMPILE_CASES compiled offline for sm_90a in one subprocess (paperclub.lab.offline)."""
+    cases = [
+        dict(kernel="gluon_fwd", d=d, causal=c, dtype=t, num_consumers=n, **(rest[0] if rest else {}))
+        for d, c, t, n, *rest in COMPILE_CASES
+    ]
+    rows = offline("repro.fa4.lab.compile:checks", cases, cache_dir=tmp_path_factory.mktemp("triton-cache"))
+    return {_key(*case): row for case, row in zip(COMPILE_CASES, rows, strict=True)}
 
 
 @needs_gluon
@@ -64,9 +69,9 @@ def test_gluon_forward_compiles_for_sm90(compile_rows, case):
     row = compile_rows[_key(*case)]
     print(row)
     assert "error" not in row, row["error"]
-    assert row["target_ok"] and row["has_wgmma"] and row["has_tma"], row
+    assert row["target_ok"] and row["wgmma"] > 0 and row["tma_loads"] > 0, row
     assert knobs.get("load_regs", 24) in row["setmaxnreg"], row  # the load warp gives its registers away
-    assert row["has_tma_store"] == knobs.get("store_tma", False), row
+    assert (row["tma_stores"] > 0) == knobs.get("store_tma", False), row
     assert 0 < row["shared"] <= H100_SMEM_PER_BLOCK, f"shared memory {row['shared']} B > 227 KiB"
     if "ptxas_error" in row:
         pytest.fail(f"ptxas: {row['ptxas_error']}")

@@ -91,8 +91,9 @@ def _peer(q, k, v, do, causal):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("d, causal, dtype, bwd, fwd", CASES)
-def test_gpu_backward_matrix(d, causal, dtype, bwd, fwd):
-    switches = {"bwd": bwd, **({"gluon": True} if fwd == "gluon" else {})}
+def test_gpu_backward_matrix(d, causal, dtype, bwd, fwd, extra=None):
+    """``extra``: more switches (test_gluon_bwd's atomic-dQ cross-check calls this body with them)."""
+    switches = {"bwd": bwd, **({"gluon": True} if fwd == "gluon" else {}), **(extra or {})}
     failures = []
     for seed, (b, s_q, s_k, h, h_kv) in enumerate(SANITIZER_SHAPES if sanitizing() else SHAPES):
         g = torch.Generator().manual_seed(seed)

@@ -128,8 +128,8 @@ def test_kernel_rescale_count_matches_emulation(seed, sigma, s):
     [
         (lambda: (torch.randn(1, 8, 2, 64), torch.randn(1, 8, 2, 64), torch.randn(1, 8, 2)), "v must be"),
         (
-            lambda: (torch.randn(1, 8, 2, 48), torch.randn(1, 8, 2, 48), torch.randn(1, 8, 2, 48)),
-            "head dim D = 48",
+            lambda: (torch.randn(1, 8, 2, 264), torch.randn(1, 8, 2, 264), torch.randn(1, 8, 2, 264)),
+            "head dim D = 264",
         ),
         (
             lambda: (torch.randn(1, 8, 3, 64), torch.randn(1, 8, 2, 64), torch.randn(1, 8, 2, 64)),
@@ -139,7 +139,7 @@ def test_kernel_rescale_count_matches_emulation(seed, sigma, s):
         (lambda: (torch.randn(2, 8, 2, 64), torch.randn(1, 8, 2, 64), torch.randn(1, 8, 2, 64)), "k must be"),
         (
             lambda: (torch.randn(1, 8, 2, 64), torch.randn(1, 9, 2, 64), torch.randn(1, 8, 2, 64)),
-            "same shape",
+            r"v must be \[B, S_k, H_kv, D_v\]",
         ),
     ],
 )

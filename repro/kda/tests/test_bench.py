@@ -1,5 +1,6 @@
 """The benchmark's logic on the CPU at toy sizes: every shape is checked before it is timed, a
-failing check keeps its row out of the timings, and the report has both gate regimes and varlen."""
+failing check keeps its row out of the timings, and the report has both gate regimes and varlen;
+the lab's precision comparison the same way."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import pytest
 
 from repro.kda import bench
+from repro.kda.lab import tuning
 
 
 def test_bench_checks_before_timing(tmp_path, monkeypatch):
@@ -25,14 +27,14 @@ def test_bench_checks_before_timing(tmp_path, monkeypatch):
     )
     real = bench.impls
 
-    def impls(cu_seqlens=None):
-        out = {n: f for n, f in real(cu_seqlens).items() if n == "ours"}
+    def impls(config=None, cu_seqlens=None):
+        out = {n: f for n, f in real(config, cu_seqlens).items() if n == "ours"}
         # a candidate whose output is wrong: its check must fail and it must not be timed
         out["fla_kda"] = lambda q, k, v, g, beta: out["ours"](q, k, v, g, beta) * 1.5
         return out
 
     monkeypatch.setattr(bench, "impls", impls)
-    bench.run(quick=False, out_dir=tmp_path, budget_s=1e9)
+    bench.run(quick=False, out_dir=tmp_path)
     doc = json.loads(next(tmp_path.glob("*.json")).read_text())
     rows = doc["rows"]
     shapes = {(r["gates"], r["T"]) for r in rows}
@@ -42,38 +44,37 @@ def test_bench_checks_before_timing(tmp_path, monkeypatch):
     wrong = [r for r in rows if r["impl"] == "fla_kda"]
     assert wrong and all(r["ms"] is None and r["check"].startswith("failed: AssertionError") for r in wrong)
     assert "fla_kda at std T=64" in doc["notes"]
-    # --gates varlen: the packed batch alone, in its own file; an unknown regime is named
+    # --only varlen: the packed batch alone, in its own file; an unknown part is named
     for f in tmp_path.glob("*.json"):
         f.unlink()
-    bench.run(quick=False, out_dir=tmp_path, budget_s=1e9, gates=["varlen"])
+    bench.main(["--only", "varlen", "--out", str(tmp_path), "--rounds", "1"])
     (path,) = tmp_path.glob("*.json")
     assert "gates-varlen" in path.name
     assert {r["gates"] for r in json.loads(path.read_text())["rows"]} == {"varlen"}
-    with pytest.raises(SystemExit, match="unknown.*'slow'"):
-        bench.run(quick=False, out_dir=tmp_path, budget_s=1e9, gates=["slow"])
+    with pytest.raises(SystemExit, match="--only slow: no part of that name"):
+        bench.main(["--only", "slow", "--out", str(tmp_path)])
 
 
 def test_precision_rows_checked_and_labelled(tmp_path, monkeypatch):
-    """--precision at a toy size: one row per dtype and product precision, each checked before timing;
-    a wrong peer is reported as failed, not timed."""
+    """lab/tuning.py precision at a toy size: one row per dtype and product precision, each checked
+    before timing; a wrong peer is reported as failed, not timed."""
     monkeypatch.setattr(bench, "DEVICE", "cpu")
     monkeypatch.setattr(bench, "H", 1)
     monkeypatch.setattr(bench, "K", 16)
     monkeypatch.setattr(bench, "V", 16)
-    monkeypatch.setattr(bench, "ROUNDS", 1)
-    monkeypatch.setattr(bench, "PRECISION_SHAPES", ((1, 64),))
+    monkeypatch.setattr(tuning, "PRECISION_SHAPES", ((1, 64),))
     real = bench.impls
 
-    def impls(cu_seqlens=None):
-        out = {n: f for n, f in real(cu_seqlens).items() if n == "ours"}
+    def impls(config=None, cu_seqlens=None):
+        out = {n: f for n, f in real(config, cu_seqlens).items() if n == "ours"}
         out["fla_kda"] = lambda q, k, v, g, beta: out["ours"](q, k, v, g, beta) * 1.5
         return out
 
     monkeypatch.setattr(bench, "impls", impls)
-    bench.precision(tmp_path)
+    tuning.precision(tmp_path, rounds=1)
     rows = json.loads(next(tmp_path.glob("*precision.json")).read_text())["rows"]
     ours = {(r["dtype"], r["prec"]) for r in rows if r["impl"] == "ours" and r["check"] == "ok"}
-    assert ours == {(d, p) for d in ("float16", "bfloat16") for p in bench.DOT_PRECISION_CHOICES}
+    assert ours == {(d, p) for d in ("float16", "bfloat16") for p in tuning.DOT_PRECISION_CHOICES}
     assert all(r["err_max"] is not None and r["ms"] is not None for r in rows if r["impl"] == "ours")
     wrong = [r for r in rows if r["impl"] == "fla_kda"]
     assert len(wrong) == 2 and all(r["check"].startswith("failed") and r["ms"] is None for r in wrong)

@@ -32,13 +32,10 @@ def _bf16_case(seed: int, T: int, group: int):
 
 
 @pytest.mark.parametrize("group", [1, 2], ids=["mha", "gqa"])
-@pytest.mark.parametrize("bf16_dots", [False, True], ids=["bwd-default", "bwd-bf16-dots"])
-def test_chunk_kda_bf16_forward_and_gradients(group, bf16_dots):
+def test_chunk_kda_bf16_forward_and_gradients(group):
     """chunk_kda on bf16 q, k, v, g, beta (T = 70: one full chunk and a padded tail; value heads
     sharing key heads or not): outputs, final state and all six gradients within 2e-2 of the fp64
-    recurrence, with the split backward's default fp32 dots and with its 16-bit dots."""
-    import repro.kda.chunk as chunk_module
-
+    recurrence. (The backward's 16-bit dots, a second case here, left the kernels in issue #40.)"""
     bf, h0 = _bf16_case(seed=11 + group, T=70, group=group)
     ref = [x.double().requires_grad_(True) for x in bf] + [h0.clone().requires_grad_(True)]
     low = [x.clone().requires_grad_(True) for x in bf] + [h0.float().requires_grad_(True)]
@@ -48,13 +45,8 @@ def test_chunk_kda_bf16_forward_and_gradients(group, bf16_dots):
     ds = torch.randn(s_ref.shape, generator=gen, dtype=torch.float64)
     torch.autograd.backward([o_ref, s_ref], [do, ds])
 
-    saved = chunk_module.SPLIT_BF16_DOTS
-    chunk_module.SPLIT_BF16_DOTS = bf16_dots
-    try:
-        o, s = chunk_kda(*low[:5], initial_state=low[5], output_final_state=True)
-        torch.autograd.backward([o, s], [do.to(o.dtype), ds.float()])
-    finally:
-        chunk_module.SPLIT_BF16_DOTS = saved
+    o, s = chunk_kda(*low[:5], initial_state=low[5], output_final_state=True)
+    torch.autograd.backward([o, s], [do.to(o.dtype), ds.float()])
     assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
     assert_rel_close(o, o_ref, TOL, "o (bf16)")
     assert_rel_close(s, s_ref, TOL, "final state (bf16)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from repro.kda import chunk_kda, chunk_kda_torch, decode_step, recurrent_kda
+from repro.kda import KDAConfig, chunk_kda, chunk_kda_torch, decode_step, recurrent_kda
 
 
 def _inputs(B=1, T=8, H=2, HV=4, K=16, V=16, dtype=torch.float32):
@@ -64,15 +64,17 @@ def test_chunk_size_is_checked():
         chunk_kda_torch(**_inputs(), chunk_size=24)
 
 
-def test_unknown_backward_lists_the_valid_ones(monkeypatch):
-    """An unknown chunk.BACKWARD (here "fused", a backward since removed) names the valid ones."""
-    import repro.kda.chunk as chunk_module
-
-    monkeypatch.setattr(chunk_module, "BACKWARD", "fused")
-    d = {name: x.requires_grad_(True) for name, x in _inputs().items()}
-    o, _ = chunk_kda(**d)
-    with pytest.raises(ValueError, match=r"'fused'.*\['triton', 'split', 'torch'\]"):
-        o.sum().backward()
+def test_bad_config_is_named_before_any_kernel():
+    """A config value outside what the kernels take names the field, the value and what is expected;
+    chunk_kda refuses anything but a KDAConfig."""
+    with pytest.raises(ValueError, match=r"KDAConfig.wy_bk = 24: expected one of \(16, 32, 64, 128\)"):
+        KDAConfig(wy_bk=24)
+    with pytest.raises(ValueError, match=r"KDAConfig.bwd_dqk_warps = 3: expected one of"):
+        KDAConfig(bwd_dqk_warps=3)
+    with pytest.raises(ValueError, match=r"KDAConfig.state_bwd_bv = True"):
+        KDAConfig(state_bwd_bv=True)
+    with pytest.raises(ValueError, match=r"config must be a repro.kda.KDAConfig, got dict"):
+        chunk_kda(**_inputs(), config={"wy_bk": 16})
 
 
 def test_decay_outside_the_kernels_range_is_refused():
@@ -90,33 +92,28 @@ def test_decay_outside_the_kernels_range_is_refused():
         chunk_kda(**d)
 
 
-def test_unknown_dot_precision_setting_is_named(monkeypatch):
-    from repro.kda import chunk as ck
-
-    monkeypatch.setattr(ck, "DOT_PREC_BF16", "fp8")
-    with pytest.raises(ValueError, match=r"DOT_PREC_BF16 = 'fp8': expected one of 'tf32', 'tf32x3', 'ieee'"):
-        chunk_kda(**_inputs(dtype=torch.float16))
+def test_unknown_dot_precision_setting_is_named():
+    with pytest.raises(ValueError, match=r"dot_prec_bf16 = 'fp8': expected one of 'tf32', 'tf32x3', 'ieee'"):
+        chunk_kda(**_inputs(dtype=torch.float16), config=KDAConfig(dot_prec_bf16="fp8"))
 
 
-def test_decay_range_check_can_be_turned_off_and_is_on_by_default(monkeypatch):
-    """CHECK_DECAY_RANGE (on by default) refuses g below G_MIN; turned off, the same input is not
-    inspected (the user vouches for the range): no range error, whatever the kernels make of it."""
-    from repro.kda import chunk as ck
-
-    assert ck.CHECK_DECAY_RANGE is True
+def test_decay_range_check_can_be_turned_off_and_is_on_by_default():
+    """KDAConfig.check_decay_range (on by default) refuses g below G_MIN; turned off, the same input
+    is not inspected (the user vouches for the range): no range error, whatever the kernels make of it."""
+    assert KDAConfig().check_decay_range is True
     d = _inputs()
     d["g"][0, 5, 1, 3] = -10.5  # one entry of 512, in the middle: the kernel's count must see it
     with pytest.raises(ValueError, match=r"must lie in \[-10, 0\].*got min -10.5"):
         chunk_kda(**d)
-    monkeypatch.setattr(ck, "CHECK_DECAY_RANGE", False)
-    o, _ = chunk_kda(**d)
+    o, _ = chunk_kda(**d, config=KDAConfig(check_decay_range=False))
     assert o.shape == d["v"].shape
 
 
 def test_decay_check_counts_in_the_first_kernel_over_every_chunk_and_channel_block():
     """DecayCheck's count comes from kda_intra_fwd_kernel: one bad entry anywhere (the last chunk,
     the last key channel, a T that is not a multiple of the chunk) is counted once; none, nothing."""
-    from repro.kda import chunk as ck
+    from repro.kda.chunk import kda_fwd_triton
+    from repro.kda.gate import DecayCheck
 
     d = _inputs(T=70, K=32)
     q, k, v, g, beta = (d[n].contiguous() for n in ("q", "k", "v", "g", "beta"))
@@ -124,6 +121,6 @@ def test_decay_check_counts_in_the_first_kernel_over_every_chunk_and_channel_blo
         gg = g.clone()
         if where is not None:
             gg[where] = value
-        check = ck.DecayCheck(gg, "t")
-        ck.kda_fwd_triton(q, k, v, gg, beta, 0.25, None, False, check)
+        check = DecayCheck(gg, "t")
+        kda_fwd_triton(q, k, v, gg, beta, 0.25, None, False, decay_check=check)
         assert int(check.count[0]) == want, (where, value)

@@ -25,8 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from paperclub.testing import log_measure, rel_error, sanitizing
-from repro.kda import chunk as C
-from repro.kda import chunk_kda, recurrent_kda
+from repro.kda import KDAConfig, chunk_kda, recurrent_kda
 
 CLAIM = "kda/chunk-equals-recurrent"
 SECTION = "§3.1"
@@ -53,7 +52,7 @@ def fla_inputs(B, T, H, D, gate_norm, mask_p, dtype, h0=True, dht=True, seed=42)
     return x, do, dhT
 
 
-def errors(x, do, dhT, dtype, scale, with_fla=True):
+def errors(x, do, dhT, dtype, scale, with_fla=True, config=None):
     """Errors of chunk_kda (in ``dtype``) against the fp64 recurrence, both on the GPU."""
     names = [n for n in ("q", "k", "v", "g", "beta", "h0") if x[n] is not None]
     ref = {n: x[n].to("cuda", copy=True).requires_grad_(True) for n in names}
@@ -77,8 +76,9 @@ def errors(x, do, dhT, dtype, scale, with_fla=True):
         sides.append(("fla", fla, "cuda"))
     for side, t, dev in sides:
         fn = {"ref": recurrent_kda, "ours": chunk_kda, "fla": peer}[side]
+        kw = {"config": config} if side == "ours" else {}
         try:
-            o, hT = fn(t["q"], t["k"], t["v"], t["g"], t["beta"], scale, t.get("h0"), True)
+            o, hT = fn(t["q"], t["k"], t["v"], t["g"], t["beta"], scale, t.get("h0"), True, **kw)
             outs, grads = [o], [do.to(dev, o.dtype)]
             if dhT is not None:
                 outs.append(hT)
@@ -115,14 +115,14 @@ def fla_chunk_kda():
 
 
 def check(case, dtype, with_fla=True, **settings):
+    """``settings``: fields of KDAConfig changed from the defaults for our side."""
     x, do, dhT = fla_inputs(*case["shape"], case["gate_norm"], case["mask_p"], dtype, case["h0"], case["dht"])
     if case.get("refused"):
-        # a difference from fla: per-token decay below chunk.G_MIN is refused, not computed (inf before)
+        # a difference from fla: per-token decay below gate.G_MIN is refused, not computed (inf before)
         with pytest.raises(ValueError, match=r"must lie in \[-10, 0\]"):
             errors(x, do, dhT, dtype, case["scale"])
         return
-    with C.changed_settings(settings):
-        errs, fla_errs = errors(x, do, dhT, dtype, case["scale"], with_fla)
+    errs, fla_errs = errors(x, do, dhT, dtype, case["scale"], with_fla, KDAConfig(**settings))
     log_measure(
         "kda/gpu-matrix", case=case, dtype=str(dtype), settings=settings,
         errors={n: float(f"{e:.3g}") for n, e in errs.items()},
@@ -185,7 +185,7 @@ def test_default_path_on_gpu(name, dtype):
 def test_state_value_blocks_on_gpu(bv, dtype):
     """The fused state backward at every value block its rule can pick, in the mild-gate case where a
     wrong dS carried across chunks shows (fla's B=2, T=1500, H=4, D=128, normaliser 10)."""
-    check(CASES["fla-B2-T1500-D128-mild"], dtype, with_fla=False, STATE_BWD_BV=bv)
+    check(CASES["fla-B2-T1500-D128-mild"], dtype, with_fla=False, state_bwd_bv=bv)
 
 
 @pytest.mark.gpu
@@ -207,9 +207,9 @@ def test_state_value_blocks_on_gpu(bv, dtype):
 @pytest.mark.parametrize("dtype", [torch.float16], ids=["fp16"])
 @pytest.mark.parametrize("name", ["fla-B2-T1500-D128-mild", "B1-H1-T64-D128-no-states"])
 def test_dot_precision_settings_on_gpu(name, dtype, prec):
-    """The other intra-chunk product precisions a user can pick for fp16 (chunk.DOT_PREC_FP16; the
-    default is tf32x3) on the cases where the mild gates make the chunk's triangular solve
+    """The other intra-chunk product precisions a user can pick for fp16 (KDAConfig.dot_prec_fp16;
+    the default is tf32x3) on the cases where the mild gates make the chunk's triangular solve
     ill-conditioned: ieee must pass; tf32 (the bf16 default) is what failed here, kept as an xfail
     (not strict: it sits at the tolerance's edge and passed once) so the record says why fp16 does
     not use it."""
-    check(CASES[name], dtype, with_fla=False, DOT_PREC_FP16=prec)
+    check(CASES[name], dtype, with_fla=False, dot_prec_fp16=prec)

@@ -184,8 +184,8 @@ def test_dmoe_fp16_on_gpu(impl, mlp):
     grouped path must run the TMA kernel (the default for fp16 with these 16-byte-aligned rows): a
     silent fall-back to the pointer kernel would leave that path untested, so its launches are
     counted."""
+    from paperclub.testing import dispatched
     from repro.megablocks import kernels as kn
-    from repro.nsa.tests.helpers import dispatched
 
     with dispatched(kn, ["_gmm_tma_kernel"]) as (_, launches):
         _check_on_gpu(impl, mlp, "random", ((torch.float16, 5e-3),))

@@ -16,11 +16,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paperclub.testing import assert_rel_close
+from paperclub.testing import assert_rel_close, dispatched
 from repro.megablocks import gmm
 from repro.megablocks import kernels as kn
 from repro.megablocks.kernels import kernel_config
-from repro.nsa.tests.helpers import dispatched
 
 CLAIM = "megablocks/kernels-equal-dense"
 SECTION = "§5.1"
@@ -137,10 +136,10 @@ def test_tma_kernel_compiles_for_sm90(tmp_path):
     candidate's 128 x 256 tiles, w read as [G, N, K] and transposed in shared memory (the W_T path,
     the one with more to lower; both layouts and settings: ``python -m repro.megablocks.tests.sm90_gmm``):
     TMA loads feeding wgmma, no register spills."""
-    from repro.fa4.tests.offline_compile import compile_offline
+    from paperclub.lab import offline
 
     cases = [["gmm_n=256", "tma", True]]
-    for row in compile_offline("repro.megablocks.tests.sm90_gmm", cases, tmp_path):
+    for row in offline("repro.megablocks.tests.sm90_gmm", cases, cache_dir=tmp_path):
         assert "error" not in row, row
         assert row["tma_loads"] > 0 and row["wgmma"] > 0, row
         if "registers" in row:  # this Triton has its bundled ptxas

@@ -15,11 +15,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paperclub.testing import assert_rel_close
+from paperclub.testing import assert_rel_close, dispatched
 from repro.megablocks import gmm
 from repro.megablocks import kernels as kn
 from repro.megablocks.kernels import kernel_config
-from repro.nsa.tests.helpers import dispatched
 
 CLAIM = "megablocks/kernels-equal-dense"
 SECTION = "§5.1"
@@ -149,10 +148,10 @@ def test_wgrad_tma_kernel_compiles_for_sm90(tmp_path):
     """The weight gradient's TMA kernel compiled offline for sm_90a (Triton's compiler and bundled
     ptxas, no GPU) at 128 x 128 and 128 x 256 tiles of DW, 64 rows per step: TMA loads feeding wgmma,
     no register spills."""
-    from repro.fa4.tests.offline_compile import compile_offline
+    from paperclub.lab import offline
 
     cases = [["default", "wgrad_tma", False], ["gmm_n=256", "wgrad_tma", False]]
-    for row in compile_offline("repro.megablocks.tests.sm90_gmm", cases, tmp_path):
+    for row in offline("repro.megablocks.tests.sm90_gmm", cases, cache_dir=tmp_path):
         assert "error" not in row, row
         assert row["tma_loads"] > 0 and row["wgmma"] > 0, row
         if "registers" in row:  # this Triton has its bundled ptxas

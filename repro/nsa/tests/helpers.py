@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -46,49 +44,3 @@ FREE_OPS = {
     "empty.memory_format", "empty_like.default", "empty_strided.default", "view.default",
     "unsqueeze.default", "alias.default", "slice.Tensor", "select.int", "detach.default",
 }  # fmt: skip
-
-
-@contextlib.contextmanager
-def dispatched(kernel_module, kernel_names):
-    """Within the block: the aten ops dispatched outside Triton launches (``ops``, names without
-    ``aten.``) and the launches of ``kernel_names`` of ``kernel_module`` in order (``launches``).
-    Yields ``(ops, launches)``; the kernels are restored afterwards. (The CPU interpreter runs a
-    kernel with torch ops of its own: those are not recorded.)"""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Record(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops, self.in_kernel = [], False
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not self.in_kernel:
-                self.ops.append(str(func).removeprefix("aten."))
-            return func(*args, **(kwargs or {}))
-
-    record, launches = Record(), []
-
-    class Counted:
-        def __init__(self, name, kernel):
-            self.name, self.kernel = name, kernel
-
-        def __getitem__(self, grid):
-            def launch(*a, **kw):
-                launches.append(self.name)
-                record.in_kernel = True
-                try:
-                    return self.kernel[grid](*a, **kw)
-                finally:
-                    record.in_kernel = False
-
-            return launch
-
-    originals = {name: getattr(kernel_module, name) for name in kernel_names}
-    for name, kernel in originals.items():
-        setattr(kernel_module, name, Counted(name, kernel))
-    try:
-        with record:
-            yield record.ops, launches
-    finally:
-        for name, kernel in originals.items():
-            setattr(kernel_module, name, kernel)

@@ -8,31 +8,32 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paperclub.testing import assert_rel_close
-from repro.nsa import kernels as kn
-from repro.nsa import nsa_decode
+from paperclub.testing import assert_rel_close, dispatched
+from repro.nsa import decode, nsa_decode
 from repro.nsa import reference as ref
-from repro.nsa.tests.helpers import DEVICE, FP32_TOL, FREE_OPS, dispatched, randn
+from repro.nsa.tests.helpers import DEVICE, FP32_TOL, FREE_OPS, randn
 
 seeds = st.integers(0, 2**31 - 1)
 SMALL = ref.NSAConfig(block_len=16, stride=8, select_len=16, n_select=3, n_initial=1, n_local=1, window=24)
 
 
-def _caches(gen, b, t, hq, h, d, cfg):
+def _caches(gen, b, t, hq, h, d, cfg, dv=None):
+    dv = dv or d
     q = randn(gen, b, 1, hq, d)
-    k_c, v_c, k_s, v_s, k_w, v_w = (randn(gen, b, t, h, d) for _ in range(6))
+    k_c, v_c, k_s, v_s, k_w, v_w = (randn(gen, b, t, h, d if i % 2 == 0 else dv) for i in range(6))
     k_cmp = ref.compress(k_c, ref.mean_pool, cfg.block_len, cfg.stride)
     v_cmp = ref.compress(v_c, ref.mean_pool, cfg.block_len, cfg.stride)
     if k_cmp.shape[1] == 0:  # nothing compressed yet: the kernels still need a (never read) buffer
-        k_cmp, v_cmp = randn(gen, b, 1, h, d), randn(gen, b, 1, h, d)
+        k_cmp, v_cmp = randn(gen, b, 1, h, d), randn(gen, b, 1, h, dv)
     gates = torch.rand(b, 1, hq, 3, generator=gen, dtype=torch.float64)
     return [q, k_cmp, v_cmp, k_s, v_s, k_w, v_w, gates]
 
 
-def _check_decode(seed: int, t: int, g: int, b: int, cfg: ref.NSAConfig) -> None:
-    """The decode kernels' output, selection and counts against the reference layer at position t - 1."""
+def _check_decode(seed: int, t: int, g: int, b: int, cfg: ref.NSAConfig, heads=(16, 16)) -> None:
+    """The decode kernels' output, selection and counts against the reference layer at position t - 1;
+    ``heads`` = (Dk, Dv)."""
     gen = torch.Generator().manual_seed(seed)
-    args = _caches(gen, b, t, 2 * g, 2, 16, cfg)
+    args = _caches(gen, b, t, 2 * g, 2, heads[0], cfg, heads[1])
     o, idx, counts = nsa_decode(*[x.float().to(DEVICE) for x in args], cfg)
     q, k_cmp, v_cmp, k_s, v_s, k_w, v_w, gates = args
     pos = torch.tensor([t - 1])
@@ -56,10 +57,25 @@ def _check_decode(seed: int, t: int, g: int, b: int, cfg: ref.NSAConfig) -> None
 
 @pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
 @settings(max_examples=4, deadline=None)
-@given(seed=seeds, t=st.integers(1, 120), g=st.sampled_from([1, 2, 16]), b=st.integers(1, 2))
-def test_decode_equals_the_reference_at_the_last_position(seed, t, g, b):
-    """The decode kernels' output and selection equal the reference layer's at position t - 1."""
-    _check_decode(seed, t, g, b, SMALL)
+@given(
+    seed=seeds,
+    t=st.integers(1, 120),
+    g=st.sampled_from([1, 2, 16]),
+    b=st.integers(1, 2),
+    heads=st.sampled_from([(16, 16), (16, 32), (32, 16)]),
+)
+def test_decode_equals_the_reference_at_the_last_position(seed, t, g, b, heads):
+    """The decode kernels' output and selection equal the reference layer's at position t - 1, with
+    value head sizes equal to the key's or not."""
+    _check_decode(seed, t, g, b, SMALL, heads)
+
+
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.parametrize("heads", [(192, 128), (60, 100)], ids=["paper-192-128", "padded-60-100"])
+def test_decode_at_the_papers_and_padded_head_sizes(heads):
+    """Decode at the paper's Dk = 192 (two key pieces), Dv = 128 (§4.1), and at sizes the kernels take
+    padded (flash-linear-attention's 60 and 100)."""
+    _check_decode(3, 70, 2, 1, SMALL, heads)
 
 
 # l/d = 3 (compression blocks straddle two selection blocks), no forced blocks, n > blocks so far
@@ -93,7 +109,7 @@ def test_decode_step_does_not_wait_for_the_host():
     gen = torch.Generator().manual_seed(0)
     args = [x.float().to(DEVICE) for x in _caches(gen, 2, 100, 4, 2, 16, SMALL)]
     want = nsa_decode(*args, SMALL)
-    with dispatched(kn, ("_decode_cmp_kernel", "_decode_sparse_kernel")) as (ops, launches):
+    with dispatched(decode, ("_decode_cmp_kernel", "_decode_sparse_kernel")) as (ops, launches):
         got = nsa_decode(*args, SMALL)
     assert launches == ["_decode_cmp_kernel", "_decode_sparse_kernel"]
     work = [op for op in ops if op not in FREE_OPS]

@@ -8,7 +8,9 @@ import torch
 from repro.nsa import (
     NSA,
     NSAConfig,
+    Switches,
     compressed_attention,
+    nsa_attention,
     nsa_decode,
     selected_attention,
     sliding_window_attention,
@@ -31,11 +33,11 @@ def _idx(t=32, h=2, s=2):
 @pytest.mark.parametrize(
     "change, err, match",
     [
-        (lambda a: a.update(q=a["q"][0]), ValueError, r"q must be \[B, T, HQ, D\] \(4 dims\)"),
+        (lambda a: a.update(q=a["q"][0]), ValueError, r"q must be \[B, T, HQ, Dk\] \(4 dims\)"),
         (
             lambda a: a.update(k=a["k"][:, :, :1].expand(1, 32, 3, 16)),
             ValueError,
-            r"k and v must have one shape",
+            r"k and v must have one \[B, T, H\]",
         ),
         (
             lambda a: a.update(k=torch.randn(1, 32, 3, 16), v=torch.randn(1, 32, 3, 16)),
@@ -44,10 +46,20 @@ def _idx(t=32, h=2, s=2):
         ),
         (
             lambda a: a.update(
-                q=torch.randn(1, 32, 4, 24), k=torch.randn(1, 32, 2, 24), v=torch.randn(1, 32, 2, 24)
+                q=torch.randn(1, 32, 4, 200), k=torch.randn(1, 32, 2, 200), v=torch.randn(1, 32, 2, 16)
             ),
             ValueError,
-            r"head dim D = 24 is not supported, expected one of \(16, 32, 64, 128\)",
+            r"head dim Dk = 200 of q and k is not supported, expected 1 to 192",
+        ),
+        (
+            lambda a: a.update(v=torch.randn(1, 32, 2, 130)),
+            ValueError,
+            r"head dim Dv = 130 of v is not supported, expected 1 to 128",
+        ),
+        (
+            lambda a: a.update(k=torch.randn(1, 32, 2, 32)),
+            ValueError,
+            r"k must be \[B=1, T, H, Dk=16\] to match q",
         ),
         (lambda a: a.update(v=a["v"].double()), TypeError, r"v has dtype torch.float64"),
         (lambda a: a.update(v=a["v"].half()), TypeError, r"q, k, v must share one dtype"),
@@ -100,6 +112,26 @@ def test_selected_attention_rejects_invalid_indices():
         selected_attention(q, k, v, idx, 16)
 
 
+def test_head_size_errors():
+    """Head sizes the kernels do not run are refused by name before any launch: the query-major
+    backward with Dk != Dv (it has no split path), branches whose values differ in size (Eq. 5 adds
+    them), and the layer's sizes."""
+    q, k, v = _qkv(d=32)
+    with pytest.raises(
+        ValueError, match=r"slc_backward = 'query-major' takes Dk = Dv, got Dk = 32 .* Dv = 16"
+    ):
+        selected_attention(q, k, v[..., :16], _idx(), 16, switches=Switches(slc_backward="query-major"))
+    g = torch.rand(1, 32, 4, 3, device=DEVICE)
+    kc = k[:, :3]
+    with pytest.raises(
+        ValueError, match=r"the branches' values must share one head size Dv, got \[16, 32, 32\]"
+    ):
+        nsa_attention(q, kc, v[:, :3, :, :16], k, v, k, v, g, NSAConfig(block_len=16, stride=8, select_len=16,
+                                                                        n_select=2, n_local=1, window=8))  # fmt: skip
+    with pytest.raises(ValueError, match=r"head sizes must be >= 1, got head_dim 16, value_head_dim 0"):
+        NSA(dim=8, n_heads=4, n_kv_heads=2, head_dim=16, value_head_dim=0)
+
+
 def test_branch_argument_errors():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match=r"window must be >= 1, got 0"):
@@ -113,7 +145,7 @@ def test_branch_argument_errors():
 def test_decode_and_module_errors():
     q, k, v = _qkv()
     g = torch.rand(1, 1, 4, 3, device=DEVICE)
-    with pytest.raises(ValueError, match=r"q must be one token, \[B, 1, HQ, D\], got \(1, 32, 4, 16\)"):
+    with pytest.raises(ValueError, match=r"q must be one token, \[B, 1, HQ, Dk\], got \(1, 32, 4, 16\)"):
         nsa_decode(q, k, v, k, v, k, v, g)
     cfg = NSAConfig(block_len=16, stride=8, select_len=16, n_select=2, n_local=1, window=8)
     with pytest.raises(ValueError, match=r"compressed cache holds 1 tokens, a cache of 32 needs 3"):

@@ -13,9 +13,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paperclub.testing import assert_rel_close
-from repro.nsa import NSA, ops
+from repro.nsa import (
+    NSA,
+    Switches,
+    compressed_attention,
+    nsa_attention,
+    selected_attention,
+    selection_scores,
+    sliding_window_attention,
+)
 from repro.nsa import reference as ref
+from repro.nsa.common import head_constexprs, kernel_dims
+from repro.nsa.compression import forward_tile, row_dot, strided_forward
+from repro.nsa.gate import gate_grads, gated_sum_fused
 from repro.nsa.tests.helpers import DEVICE, FP32_TOL, grads, leaf, randn, random_block_indices
+from repro.nsa.window import window_tile
 
 seeds = st.integers(0, 2**31 - 1)
 head_dims = st.sampled_from([16, 32])
@@ -38,16 +50,16 @@ def _check_grads(name, out, out_ref, ins, ins_ref, gen):
 
 @pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
 @settings(max_examples=3, deadline=None)
-@given(seed=seeds, t=st.integers(1, 40), g=groups, d=head_dims, s=st.integers(1, 3))
-def test_selected_kernel_equals_reference(seed, t, g, d, s):
+@given(seed=seeds, t=st.integers(1, 40), g=groups, d=head_dims, dv=head_dims, s=st.integers(1, 3))
+def test_selected_kernel_equals_reference(seed, t, g, d, dv, s):
     """Group-centric selected attention, forward and gradients, random valid indices in random order
-    with -1 gaps."""
+    with -1 gaps; value head sizes equal to the key's or not."""
     gen = torch.Generator().manual_seed(seed)
     h, block = 1 + seed % 2, 16
-    q, k, v = randn(gen, 1, t, h * g, d), randn(gen, 1, t, h, d), randn(gen, 1, t, h, d)
+    q, k, v = randn(gen, 1, t, h * g, d), randn(gen, 1, t, h, d), randn(gen, 1, t, h, dv)
     idx = random_block_indices(gen, 1, t, h, s, block)
     ins, ins_ref = _leaves(q, k, v)
-    out = ops.selected_attention(*ins, idx.to(DEVICE), block)
+    out = selected_attention(*ins, idx.to(DEVICE), block)
     out_ref = ref.selected_attention(*ins_ref, idx, block)
     _check_grads("selected", out, out_ref, ins, ins_ref, gen)
 
@@ -59,15 +71,16 @@ def test_selected_kernel_equals_reference(seed, t, g, d, s):
     t=st.integers(1, 48),
     g=groups,
     d=head_dims,
+    dv=head_dims,
     ld=st.sampled_from([(16, 8), (32, 16), (8, 4), (4, 1)]),
 )
-def test_compressed_kernel_equals_reference(seed, t, g, d, ld):
+def test_compressed_kernel_equals_reference(seed, t, g, d, dv, ld):
     l, stride = ld
     gen = torch.Generator().manual_seed(seed)
     nc = max(1, ref.num_compressed(t, l, stride))
-    q, k, v = randn(gen, 1, t, g, d), randn(gen, 1, nc, 1, d), randn(gen, 1, nc, 1, d)
+    q, k, v = randn(gen, 1, t, g, d), randn(gen, 1, nc, 1, d), randn(gen, 1, nc, 1, dv)
     ins, ins_ref = _leaves(q, k, v)
-    out, lse = ops.compressed_attention(*ins, l, stride)
+    out, lse = compressed_attention(*ins, l, stride)
     out_ref, lse_ref = ref.compressed_attention(*ins_ref, l, stride)
     seen = ~torch.isinf(lse_ref)
     assert torch.equal(torch.isinf(lse.cpu()), ~seen)
@@ -78,12 +91,19 @@ def test_compressed_kernel_equals_reference(seed, t, g, d, ld):
 
 @pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
 @settings(max_examples=3, deadline=None)
-@given(seed=seeds, t=st.integers(1, 48), g=st.sampled_from([1, 2, 4]), d=head_dims, w=st.integers(1, 40))
-def test_window_kernel_equals_reference(seed, t, g, d, w):
+@given(
+    seed=seeds,
+    t=st.integers(1, 48),
+    g=st.sampled_from([1, 2, 4]),
+    d=head_dims,
+    dv=head_dims,
+    w=st.integers(1, 40),
+)
+def test_window_kernel_equals_reference(seed, t, g, d, dv, w):
     gen = torch.Generator().manual_seed(seed)
-    q, k, v = randn(gen, 1, t, 2 * g, d), randn(gen, 1, t, 2, d), randn(gen, 1, t, 2, d)
+    q, k, v = randn(gen, 1, t, 2 * g, d), randn(gen, 1, t, 2, d), randn(gen, 1, t, 2, dv)
     ins, ins_ref = _leaves(q, k, v)
-    out = ops.sliding_window_attention(*ins, w)
+    out = sliding_window_attention(*ins, w)
     out_ref = ref.sliding_window_attention(*ins_ref, w)
     _check_grads("window", out, out_ref, ins, ins_ref, gen)
 
@@ -106,9 +126,7 @@ def test_scores_kernel_equals_reference(seed, t, g, cfg):
         k_cmp = randn(gen, 1, 1, 2, 16)
     _, lse = ref.compressed_attention(q, k_cmp, k_cmp, l, stride)
     ns = -(-t // lp)
-    sc = ops.selection_scores(
-        q.float().to(DEVICE), k_cmp.float().to(DEVICE), lse.to(DEVICE), ns, l, stride, lp
-    )
+    sc = selection_scores(q.float().to(DEVICE), k_cmp.float().to(DEVICE), lse.to(DEVICE), ns, l, stride, lp)
     sc_ref = ref.selection_scores(q, k_cmp, lse, ns, l, stride, lp)
     assert_rel_close(sc.cpu(), sc_ref, FP32_TOL, "block scores")
 
@@ -116,9 +134,9 @@ def test_scores_kernel_equals_reference(seed, t, g, cfg):
 SMALL = ref.NSAConfig(block_len=16, stride=8, select_len=16, n_select=3, n_initial=1, n_local=1, window=20)
 
 
-def _layer_args(gen, t, hq, h, d, cfg):
+def _layer_args(gen, t, hq, h, d, cfg, dv=None):
     q = randn(gen, 1, t, hq, d)
-    k_c, v_c, k_s, v_s, k_w, v_w = (randn(gen, 1, t, h, d) for _ in range(6))
+    k_c, v_c, k_s, v_s, k_w, v_w = (randn(gen, 1, t, h, d if i % 2 == 0 else (dv or d)) for i in range(6))
     k_cmp = ref.compress(k_c, ref.mean_pool, cfg.block_len, cfg.stride)
     v_cmp = ref.compress(v_c, ref.mean_pool, cfg.block_len, cfg.stride)
     gates = torch.rand(1, t, hq, 3, generator=gen, dtype=torch.float64)
@@ -135,7 +153,7 @@ def test_nsa_attention_kernels_equal_reference(seed, t, g):
     args = _layer_args(gen, t, 2 * g, 2, 16, SMALL)
     ins = [leaf(x) for x in args]
     ins_ref = [x.clone().requires_grad_() for x in args]
-    out, idx = ops.nsa_attention(*ins, SMALL)
+    out, idx = nsa_attention(*ins, SMALL)
     out_ref, idx_ref = ref.nsa_attention(*ins_ref, SMALL)
     assert torch.equal(idx.cpu(), idx_ref)
     assert_rel_close(out.cpu(), out_ref, FP32_TOL, "nsa output")
@@ -148,11 +166,47 @@ def test_nsa_attention_kernels_equal_reference(seed, t, g):
 
 
 @pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
-def test_nsa_module_kernels_equal_reference():
+@pytest.mark.parametrize(
+    "heads, value_heads, t",
+    [
+        ((192, 128), None, 20),  # the paper's (§4.1): keys in two pieces, values their own size
+        ((60, 100), None, 20),  # flash-linear-attention's test sizes: zero-padded to 64 and 128
+    ],
+    ids=["paper-192-128", "padded-60-100"],
+)
+def test_layer_at_the_papers_and_padded_head_sizes(heads, value_heads, t):
+    """The whole gated layer (Eq. 5) at the paper's Dk = 192, Dv = 128 and at sizes the kernels take
+    padded: selection, output and the gradients of all seven inputs and the gates equal the
+    reference's. At t = 20 block 0 is read by 20 queries, more than the interpreter's work item of 16
+    in the block-major backward: its partial sums meet in atomics, the second key piece's too."""
+    gen = torch.Generator().manual_seed(sum(heads))
+    dk, dv = heads
+    args = _layer_args(gen, t, 2, 1, dk, SMALL, dv)
+    ins = [leaf(x) for x in args]
+    ins_ref = [x.clone().requires_grad_() for x in args]
+    out, idx = nsa_attention(*ins, SMALL)
+    out_ref, idx_ref = ref.nsa_attention(*ins_ref, SMALL)
+    assert out.shape == (1, t, 2, dv)
+    assert torch.equal(idx.cpu(), idx_ref)
+    assert_rel_close(out.cpu(), out_ref, FP32_TOL, "nsa output")
+    do = randn(gen, *out_ref.shape)
+    g_k = torch.autograd.grad(out, ins, do.to(out.device, out.dtype))
+    g_r = torch.autograd.grad(out_ref, ins_ref, do)
+    names = ["q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win", "gates"]
+    for name, a, r in zip(names, g_k, g_r, strict=True):
+        assert a.shape == r.shape
+        assert_rel_close(a.cpu(), r, FP32_TOL, f"d{name}")
+
+
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.parametrize("head_dim, value_head_dim", [(16, None), (24, 16)])
+def test_nsa_module_kernels_equal_reference(head_dim, value_head_dim):
     """The layer with learned compression MLPs and gates: the same parameters through the Triton path
-    and the reference give the same output and parameter gradients."""
+    and the reference give the same output and parameter gradients; with one head size, and with
+    keys of 24 (padded to 32) and values of 16."""
     torch.manual_seed(0)
-    layer = NSA(dim=32, n_heads=4, n_kv_heads=2, head_dim=16, config=SMALL).to(DEVICE)
+    layer = NSA(dim=32, n_heads=4, n_kv_heads=2, head_dim=head_dim, value_head_dim=value_head_dim,
+                config=SMALL).to(DEVICE)  # fmt: skip
     x = torch.randn(1, 33, 32, device=DEVICE)
     y = layer(x)
     gy = torch.randn_like(y)
@@ -186,7 +240,7 @@ def test_kernel_layer_is_causal(seed, t, cut):
         k_cmp = ref.compress(raw[0], ref.mean_pool, cfg.block_len, cfg.stride)
         v_cmp = ref.compress(raw[1], ref.mean_pool, cfg.block_len, cfg.stride)
         args = [q, k_cmp, v_cmp, *raw[2:], gates]
-        return ops.nsa_attention(*[x.float().to(DEVICE) for x in args], cfg)
+        return nsa_attention(*[x.float().to(DEVICE) for x in args], cfg)
 
     o1, i1 = run(q, raw, gates)
     q2, gates2, raw2 = q.clone(), gates.clone(), [x.clone() for x in raw]
@@ -209,7 +263,7 @@ def test_kernel_heads_read_only_their_groups_blocks(seed, t, g, head):
     q, k, v = randn(gen, 1, t, h * g, 16), randn(gen, 1, t, h, 16), randn(gen, 1, t, h, 16)
     idx = random_block_indices(gen, 1, t, h, 2, block)
     ins = [leaf(x) for x in (q, k, v)]
-    out = ops.selected_attention(*ins, idx.to(DEVICE), block)
+    out = selected_attention(*ins, idx.to(DEVICE), block)
     ti, hq = int(torch.randint(0, t, (1,), generator=gen)), head % (h * g)
     do = torch.zeros_like(out)
     do[0, ti, hq] = torch.randn(16, generator=gen).to(do)
@@ -233,7 +287,7 @@ def test_selected_kernel_with_every_block_is_full_attention(seed, t, g):
     q, k, v = randn(gen, 1, t, g, 16), randn(gen, 1, t, 1, 16), randn(gen, 1, t, 1, 16)
     ns = -(-t // block)
     idx = ref.select_blocks(torch.rand(1, t, 1, ns, generator=gen), ns, block, 1, 1)
-    out = ops.selected_attention(*[x.float().to(DEVICE) for x in (q, k, v)], idx.to(DEVICE), block)
+    out = selected_attention(*[x.float().to(DEVICE) for x in (q, k, v)], idx.to(DEVICE), block)
     assert_rel_close(out.cpu(), ref.full_causal_attention(q, k, v), FP32_TOL, "all blocks vs full")
 
 
@@ -243,7 +297,7 @@ def test_selected_kernel_with_every_block_is_full_attention(seed, t, g):
 def test_window_kernel_covering_everything_is_full_attention(seed, t, extra):
     gen = torch.Generator().manual_seed(seed)
     q, k, v = randn(gen, 1, t, 2, 16), randn(gen, 1, t, 1, 16), randn(gen, 1, t, 1, 16)
-    out = ops.sliding_window_attention(*[x.float().to(DEVICE) for x in (q, k, v)], t + extra)
+    out = sliding_window_attention(*[x.float().to(DEVICE) for x in (q, k, v)], t + extra)
     assert_rel_close(out.cpu(), ref.full_causal_attention(q, k, v), FP32_TOL, "window >= T vs full")
 
 
@@ -256,7 +310,7 @@ def test_selected_kernel_half_precision(dtype):
     t, block = 32, 16
     q, k, v = randn(gen, 1, t, 2, 16), randn(gen, 1, t, 1, 16), randn(gen, 1, t, 1, 16)
     idx = random_block_indices(gen, 1, t, 1, 2, block)
-    out = ops.selected_attention(*[x.to(DEVICE, dtype) for x in (q, k, v)], idx.to(DEVICE), block)
+    out = selected_attention(*[x.to(DEVICE, dtype) for x in (q, k, v)], idx.to(DEVICE), block)
     assert out.dtype == dtype
     assert_rel_close(out.float().cpu(), ref.selected_attention(q, k, v, idx, block), 2e-2, "16-bit output")
 
@@ -265,7 +319,7 @@ def test_selected_kernel_half_precision(dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("t", [1, 37])
 def test_fused_gated_sum_equals_eq5(dtype, t):
-    """Eq. 5's gated sum as one kernel (ops.gated_sum_fused, behind ops.FUSED_GATE): output and the
+    """Eq. 5's gated sum as one kernel (gate.gated_sum_fused, behind Switches.fused_gate): output and the
     gradients of the gates and the three branch outputs equal the PyTorch formula's in fp64, for row
     counts on and off the kernel's row tile; mismatched shapes are refused by name."""
     gen = torch.Generator().manual_seed(t)
@@ -273,7 +327,7 @@ def test_fused_gated_sum_equals_eq5(dtype, t):
     gates = torch.rand(2, t, 3, 3, generator=gen, dtype=torch.float64)
     do = randn(gen, 2, t, 3, 16)
     ours = [x.to(dtype).to(DEVICE).requires_grad_() for x in (gates, *xs)]
-    o = ops.gated_sum_fused(*ours)
+    o = gated_sum_fused(*ours)
     got = torch.autograd.grad(o, ours, do.to(dtype).to(DEVICE))
     want_leaves = [x.to(dtype).double().requires_grad_() for x in (gates, *xs)]
     g, a, b, c = want_leaves
@@ -285,7 +339,7 @@ def test_fused_gated_sum_equals_eq5(dtype, t):
     for name, x, y in zip(("d gates", "d o_cmp", "d o_slc", "d o_win"), got, want, strict=True):
         assert_rel_close(x.double().cpu(), y, tol, name)
     with pytest.raises(ValueError, match="o_win must match o_cmp"):
-        ops.gated_sum_fused(ours[0], ours[1], ours[2], ours[3][..., :8])
+        gated_sum_fused(ours[0], ours[1], ours[2], ours[3][..., :8])
 
 
 @pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
@@ -304,14 +358,15 @@ def test_fused_gated_sum_equals_eq5(dtype, t):
 )
 def test_strided_forward_split_loops_equal_reference(split, t, stride, block_len, window):
     """The strided forward with its key tiles in one masked loop, or split into edge, interior (no
-    mask) and diagonal loops (ops.STRIDED_SPLIT: the compressed branch's default; the window's split
+    mask) and diagonal loops (Switches.strided_split: the compressed branch's default; the window's split
     is kept general and checked here): output and lse equal the reference at lengths around the tile."""
     gen = torch.Generator().manual_seed(t + 7 * window + stride)
     d, nk = 16, (t if window else max(1, ref.num_compressed(t, block_len, stride)))
     q, k, v = randn(gen, 1, t, 4, d), randn(gen, 1, nk, 2, d), randn(gen, 1, nk, 2, d)
     offset = 0 if window else block_len - 1
     kq, kk, kv = (x.to(DEVICE, torch.float32) for x in (q, k, v))
-    out, lse = ops._strided_fwd(kq, kk, kv, d**-0.5, stride, offset, window, split=split)
+    tile = window_tile(d, 4) if window else forward_tile(d, 4)
+    out, lse = strided_forward(kq, kk, kv, d**-0.5, stride, offset, window, tile, Switches(), split=split)
     if window:
         s = torch.arange(t)
         mask = ((s[None, :] <= s[:, None]) & (s[None, :] > s[:, None] - window))[None, :, None, :]
@@ -323,3 +378,66 @@ def test_strided_forward_split_loops_equal_reference(split, t, stride, block_len
     if seen.any():
         assert_rel_close(lse.cpu()[seen], lse_ref[seen], FP32_TOL, "strided lse")
     assert_rel_close(out.cpu(), out_ref, FP32_TOL, f"strided output (split={split})")
+
+
+def test_kernel_head_sizes():
+    """What the kernels run a head size at (``common.kernel_dims``) and which constexprs a launch gets:
+    Dk = Dv in {16, 32, 64, 128} (after padding) pass only D, the verified launches; the paper's 192
+    / 128 passes the key's two pieces and the value size."""
+    assert kernel_dims(60, 60) == (64, 64) and kernel_dims(100, 100) == (128, 128)
+    assert kernel_dims(192, 128) == (192, 128) and kernel_dims(150, 1) == (192, 16)
+    assert head_constexprs(64, 64) == {"D": 64} and head_constexprs(128, 128) == {"D": 128}
+    assert head_constexprs(192, 128) == {"D": 128, "D2": 64, "D_V": 128}
+    assert head_constexprs(128, 64) == {"D": 128, "D2": 0, "D_V": 64}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_row_dot_is_the_fp32_formula(dtype):
+    """The strided backward's delta, ``(do.float() * o).sum(-1)``, is bit for bit the formula it
+    replaced, ``(do.float() * o.float()).sum(-1)``: o is promoted to fp32 exactly inside the product."""
+    gen = torch.Generator().manual_seed(0)
+    do, o = (torch.randn(2, 33, 4, 64, generator=gen).to(dtype) for _ in range(2))
+    assert torch.equal(row_dot(do, o), (do.float() * o.float()).sum(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gate_grads_are_the_fp32_formula(dtype):
+    """The fused gate's backward computes dL/dg with dO converted once and each branch output promoted
+    inside its product: bit for bit the formula it replaced, ``(do.float() * x.float()).sum(-1)``."""
+    gen = torch.Generator().manual_seed(1)
+    do, *xs = (torch.randn(2, 17, 3, 32, generator=gen).to(dtype) for _ in range(4))
+    for got, x in zip(gate_grads(do, xs), xs, strict=True):
+        assert torch.equal(got, (do.float() * x.float()).sum(-1))
+
+
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.parametrize("dk, dv, t, w", [(16, 16, 40, 9), (24, 40, 33, 1), (32, 16, 37, 40)])
+def test_fa4_window_equals_reference(dk, dv, t, w):
+    """The window branch through repro.fa4's sliding window (Switches.window_kernel = "fa4", off by
+    default): output and gradients equal the reference's, with key and value sizes equal or not
+    (repro.fa4 pads them itself), a window of one key, and one wider than the sequence."""
+    gen = torch.Generator().manual_seed(t + w)
+    q, k, v = randn(gen, 1, t, 4, dk), randn(gen, 1, t, 2, dk), randn(gen, 1, t, 2, dv)
+    ins, ins_ref = _leaves(q, k, v)
+    out = sliding_window_attention(*ins, w, switches=Switches(window_kernel="fa4"))
+    out_ref = ref.sliding_window_attention(*ins_ref, w)
+    _check_grads("fa4 window", out, out_ref, ins, ins_ref, gen)
+
+
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+def test_layer_with_the_fa4_window_equals_reference():
+    """The gated layer with its window through repro.fa4: the same selection, output and gradients
+    as the reference."""
+    gen = torch.Generator().manual_seed(5)
+    args = _layer_args(gen, 24, 2, 1, 16, SMALL)
+    ins = [leaf(x) for x in args]
+    ins_ref = [x.clone().requires_grad_() for x in args]
+    out, idx = nsa_attention(*ins, SMALL, switches=Switches(window_kernel="fa4"))
+    out_ref, idx_ref = ref.nsa_attention(*ins_ref, SMALL)
+    assert torch.equal(idx.cpu(), idx_ref)
+    assert_rel_close(out.cpu(), out_ref, FP32_TOL, "nsa output")
+    do = randn(gen, *out_ref.shape)
+    for a, r in zip(
+        torch.autograd.grad(out, ins, do.float()), torch.autograd.grad(out_ref, ins_ref, do), strict=True
+    ):
+        assert_rel_close(a.cpu(), r, FP32_TOL, "gradient")

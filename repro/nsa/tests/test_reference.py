@@ -106,9 +106,11 @@ def test_top_n_keeps_forced_blocks_and_the_best(seed, t, lp, n, n_init, n_local)
                 assert min(scores[0, ti, h, list(rest)]) >= max(scores[0, ti, h, list(others)])
 
 
-def _layer_inputs(gen, b, t, hq, h, d, cfg):
+def _layer_inputs(gen, b, t, hq, h, d, cfg, dv=None):
+    """q [B, T, HQ, d]; the raw keys (d) and values (dv, default d) of the three branches in the order
+    k_cmp, v_cmp, k_slc, v_slc, k_win, v_win; gates."""
     q = randn(gen, b, t, hq, d)
-    raw = [randn(gen, b, t, h, d) for _ in range(6)]
+    raw = [randn(gen, b, t, h, d if i % 2 == 0 else (dv or d)) for i in range(6)]
     gates = torch.rand(b, t, hq, 3, generator=gen, dtype=torch.float64)
     return q, raw, gates
 
@@ -125,13 +127,16 @@ SMALL = ref.NSAConfig(block_len=8, stride=4, select_len=8, n_select=3, n_initial
 
 @pytest.mark.claim("nsa/causal", section="§3.2, Eq. 5")
 @settings(max_examples=10, deadline=None)
-@given(seed=seeds, t=st.integers(8, 60), cut=st.floats(0, 1), g=st.integers(1, 3))
-def test_reference_layer_is_causal(seed, t, cut, g):
+@given(
+    seed=seeds, t=st.integers(8, 60), cut=st.floats(0, 1), g=st.integers(1, 3), dv=st.sampled_from([4, 8, 12])
+)
+def test_reference_layer_is_causal(seed, t, cut, g, dv):
     """Change every input after position c (queries, raw keys and values of all branches, gates):
-    outputs 0..c are unchanged."""
+    outputs 0..c are unchanged. Value head sizes drawn apart from the key's (8), as the paper's 192
+    and 128 (§4.1)."""
     gen = torch.Generator().manual_seed(seed)
     c = min(t - 2, int(cut * t))
-    q, raw, gates = _layer_inputs(gen, 1, t, 2 * g, 2, 8, SMALL)
+    q, raw, gates = _layer_inputs(gen, 1, t, 2 * g, 2, 8, SMALL, dv)
     o1, i1 = _layer(q, raw, gates, SMALL)
     q2, gates2 = q.clone(), gates.clone()
     q2[:, c + 1 :] = randn(gen, *q2[:, c + 1 :].shape)
@@ -180,7 +185,7 @@ def test_compressed_branch_attends_the_compressed_blocks(seed, t, cd, g):
 @given(seed=seeds, t=st.integers(1, 70), lp=st.sampled_from([4, 16]), g=st.integers(1, 3))
 def test_reference_selecting_every_block_is_full_attention(seed, t, lp, g):
     gen = torch.Generator().manual_seed(seed)
-    q, k, v = randn(gen, 2, t, 2 * g, 8), randn(gen, 2, t, 2, 8), randn(gen, 2, t, 2, 8)
+    q, k, v = randn(gen, 2, t, 2 * g, 8), randn(gen, 2, t, 2, 8), randn(gen, 2, t, 2, 4 + 4 * (seed % 3))
     ns = -(-t // lp)
     idx = ref.select_blocks(torch.rand(2, t, 2, ns, generator=gen), ns, lp, 1, 1)
     assert_rel_close(ref.selected_attention(q, k, v, idx, lp), ref.full_causal_attention(q, k, v), 1e-12)
@@ -191,19 +196,19 @@ def test_reference_selecting_every_block_is_full_attention(seed, t, lp, g):
 @given(seed=seeds, t=st.integers(1, 70), extra=st.integers(0, 10))
 def test_reference_window_covering_everything_is_full_attention(seed, t, extra):
     gen = torch.Generator().manual_seed(seed)
-    q, k, v = randn(gen, 1, t, 4, 8), randn(gen, 1, t, 2, 8), randn(gen, 1, t, 2, 8)
+    q, k, v = randn(gen, 1, t, 4, 8), randn(gen, 1, t, 2, 8), randn(gen, 1, t, 2, 4 + 4 * (seed % 3))
     full = ref.full_causal_attention(q, k, v)
     assert_rel_close(ref.sliding_window_attention(q, k, v, t + extra), full, 1e-12)
 
 
 @pytest.mark.claim("nsa/group-shared-selection", section="§3.3.2, Eq. 10")
 @settings(max_examples=10, deadline=None)
-@given(seed=seeds, t=st.integers(8, 60), g=st.integers(2, 4))
-def test_selection_ignores_the_order_of_a_groups_heads(seed, t, g):
+@given(seed=seeds, t=st.integers(8, 60), g=st.integers(2, 4), dv=st.sampled_from([4, 8, 12]))
+def test_selection_ignores_the_order_of_a_groups_heads(seed, t, g, dv):
     """Eq. 10 sums over the group's heads, so permuting the query heads inside each group leaves the
     selected blocks unchanged: the selection belongs to the group, not to a head."""
     gen = torch.Generator().manual_seed(seed)
-    q, raw, gates = _layer_inputs(gen, 1, t, 2 * g, 2, 8, SMALL)
+    q, raw, gates = _layer_inputs(gen, 1, t, 2 * g, 2, 8, SMALL, dv)
     _, idx = _layer(q, raw, gates, SMALL)
     perm = torch.cat([hh * g + torch.randperm(g, generator=gen) for hh in range(2)])
     _, idx_perm = _layer(q[:, :, perm], raw, gates[:, :, perm], SMALL)

@@ -10,10 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from repro.nsa import kernels as kn
-from repro.nsa import ops
+from paperclub.testing import dispatched
+from repro.nsa import Switches, selection
 from repro.nsa import reference as ref
-from repro.nsa.tests.helpers import DEVICE, FREE_OPS, dispatched, randn
+from repro.nsa.tests.helpers import DEVICE, FREE_OPS, randn
 
 seeds = st.integers(0, 2**31 - 1)
 
@@ -41,14 +41,14 @@ def _check(seed: int, t: int, b: int, h: int, g: int, cfg: ref.NSAConfig) -> Non
     gen = torch.Generator().manual_seed(seed)
     q, k_cmp, lse = _scores(gen, b, t, h * g, h, cfg)
     ns = -(-t // cfg.select_len)
-    plain = ops.selection_scores(q, k_cmp, lse, ns, cfg.block_len, cfg.stride, cfg.select_len).cpu()
-    masked = ops.masked_selection_scores(q, k_cmp, lse, cfg).cpu()
+    plain = selection.selection_scores(q, k_cmp, lse, ns, cfg.block_len, cfg.stride, cfg.select_len).cpu()
+    masked = selection.masked_selection_scores(q, k_cmp, lse, cfg).cpu()
     forced, future = _masks(t, ns, cfg.select_len, cfg.n_initial, cfg.n_local)
     forced, future = forced[None, :, None, :].expand_as(masked), future[None, :, None, :].expand_as(masked)
     rest = ~forced & ~future
     assert torch.isposinf(masked[forced]).all() and torch.isneginf(masked[future]).all()
     assert torch.equal(masked[rest], plain[rest])  # bit for bit the unmasked kernel's scores
-    idx = ops.topk_blocks(masked.to(DEVICE), cfg.n_select).cpu()
+    idx = selection.topk_blocks(masked.to(DEVICE), cfg.n_select).cpu()
     want = ref.select_blocks(plain, cfg.n_select, cfg.select_len, cfg.n_initial, cfg.n_local)
     assert idx.dtype == torch.int32 and torch.equal(idx, want)
 
@@ -100,7 +100,7 @@ def test_masked_scores_and_topk_equal_reference(seed, t, b, h, g):
     levels=st.sampled_from([2, 5, 1000]),
 )
 def test_topk_blocks_equals_reference_with_ties(seed, t, lp, n, n_init, n_local, levels):
-    """The torch path (torch.topk + the sort kernel, ops.FUSED_TOPK off) on any scores (few distinct
+    """The torch path (torch.topk + the sort kernel, Switches.fused_topk off) on any scores (few distinct
     levels: many ties; -inf picks when fewer blocks than n exist; n larger than Ns): the same
     [B, T, H, n] as reference.select_blocks. (The fused path breaks ties leftmost: a top-n, maybe
     not torch.topk's; test_fused_topk_is_a_top_n checks it on the same kind of scores.)"""
@@ -114,16 +114,18 @@ def test_topk_blocks_equals_reference_with_ties(seed, t, lp, n, n_init, n_local,
     assert torch.equal(idx, ref.select_blocks(scores, n, lp, n_init, n_local))
 
 
-def test_selection_is_two_kernels_and_one_topk(monkeypatch):
-    """With ops.FUSED_TOPK off, nsa_attention's selection dispatches, besides its two Triton launches (masked scores, sort), one
+def test_selection_is_two_kernels_and_one_topk():
+    """With Switches.fused_topk off, nsa_attention's selection dispatches, besides its two Triton launches (masked scores, sort), one
     torch.topk and allocations: no PyTorch pass over the [B, T, H, Ns] scores for masks or sorting
     (selection_scores + reference.select_blocks, the path before, dispatches 21 aten ops: two
     masked_fill passes over the scores, topk, sort and 17 small ones)."""
     gen = torch.Generator().manual_seed(1)
     q, k_cmp, lse = _scores(gen, 1, 40, 4, 2, SMALL)
-    monkeypatch.setattr(ops, "FUSED_TOPK", False)
-    with dispatched(kn, ("_scores_kernel", "_sort_picks_kernel")) as (recorded, launches):
-        idx = ops.topk_blocks(ops.masked_selection_scores(q, k_cmp, lse, SMALL), SMALL.n_select)
+    off = Switches(fused_topk=False)
+    with dispatched(selection, ("_scores_kernel", "_sort_picks_kernel")) as (recorded, launches):
+        idx = selection.topk_blocks(
+            selection.masked_selection_scores(q, k_cmp, lse, SMALL), SMALL.n_select, off
+        )
     assert launches == ["_scores_kernel", "_sort_picks_kernel"]
     work = [op for op in recorded if op not in FREE_OPS]
     assert work == ["topk.default"], f"selection dispatched {work} besides its two kernels"
@@ -132,12 +134,12 @@ def test_selection_is_two_kernels_and_one_topk(monkeypatch):
 
 @pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
 @pytest.mark.parametrize("t", [150, 157])
-def test_scores_equal_at_every_tile_width(t, monkeypatch):
-    """The GPU picks the score kernel's tile by timing (kn.SCORES_CONFIGS: 16 or 32 selection blocks
+def test_scores_equal_at_every_tile_width(t):
+    """The GPU picks the score kernel's tile by timing (selection.SCORES_CONFIGS: 16 or 32 selection blocks
     per tile); both widths give the reference's scores. l/d = 2: each tile's last compression block
     also scores the next tile's first selection block (the kernel carries that share across tiles),
     and 38-40 blocks span three 16-block tiles or two 32-block ones."""
-    assert {c.kwargs["BJ"] for c in kn.SCORES_CONFIGS} == {16, 32}
+    assert {c.kwargs["BJ"] for c in selection.SCORES_CONFIGS} == {16, 32}
     gen = torch.Generator().manual_seed(t)
     q, k_cmp, lse = _scores(gen, 1, t, 4, 2, TINY)
     ns = -(-t // TINY.select_len)
@@ -145,8 +147,10 @@ def test_scores_equal_at_every_tile_width(t, monkeypatch):
         q.cpu(), k_cmp.cpu(), lse.cpu(), ns, TINY.block_len, TINY.stride, TINY.select_len
     )
     for bj in (16, 32):
-        monkeypatch.setattr(ops, "SCORES_INTERP_TILE", {"BM": 16, "BJ": bj})
-        got = ops.selection_scores(q, k_cmp, lse, ns, TINY.block_len, TINY.stride, TINY.select_len).cpu()
+        tile = Switches(scores_tile=(16, bj, 4, 1))
+        got = selection.selection_scores(
+            q, k_cmp, lse, ns, TINY.block_len, TINY.stride, TINY.select_len, switches=tile
+        ).cpu()
         # up to each query's own block: the entries after a tile's last query are left unwritten
         upto_own = (torch.arange(ns)[None, :] <= (torch.arange(t) // TINY.select_len)[:, None])[
             None, :, None, :
@@ -155,19 +159,17 @@ def test_scores_equal_at_every_tile_width(t, monkeypatch):
         torch.testing.assert_close(got[upto_own], want[upto_own], rtol=1e-5, atol=1e-6, msg=f"BJ={bj}")
 
 
-# The fused top-n (ops.topk_blocks_fused, kn._topn_rows_kernel): against topk_blocks' torch path, and a
+# The fused top-n (selection.topk_blocks_fused, selection._topn_rows_kernel): against topk_blocks' torch path, and a
 # valid Eq. 11 selection by reference.selection_shortfall. Interpreter tiles: BR = 64 rows for Ns <= 128
 # (n <= 8), 16 rows at Ns = 300 (512 columns): rows not a multiple of BR, several programs.
 
 
 def _torch_path(masked: torch.Tensor, n: int) -> torch.Tensor:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ops, "FUSED_TOPK", False)
-        return ops.topk_blocks(masked, n)
+    return selection.topk_blocks(masked, n, Switches(fused_topk=False))
 
 
 def _check_fused(masked, plain, n, lp, n_init, n_local, exact=True):
-    got = ops.topk_blocks_fused(masked.to(DEVICE), n).cpu()
+    got = selection.topk_blocks_fused(masked.to(DEVICE), n).cpu()
     assert got.dtype == torch.int32 and got.shape == (*masked.shape[:3], n)
     short = ref.selection_shortfall(got, plain, n, lp, n_init, n_local)
     assert (short == 0).all(), f"{int((short != 0).sum())} rows are not a top-n"
@@ -195,8 +197,8 @@ def test_fused_topk_equals_torch_path_on_masked_scores(cfg, t, b, h, g, n):
     gen = torch.Generator().manual_seed(t + n)
     q, k_cmp, lse = _scores(gen, b, t, h * g, h, cfg)
     ns = -(-t // cfg.select_len)
-    plain = ops.selection_scores(q, k_cmp, lse, ns, cfg.block_len, cfg.stride, cfg.select_len).cpu()
-    masked = ops.masked_selection_scores(q, k_cmp, lse, cfg)
+    plain = selection.selection_scores(q, k_cmp, lse, ns, cfg.block_len, cfg.stride, cfg.select_len).cpu()
+    masked = selection.masked_selection_scores(q, k_cmp, lse, cfg)
     _check_fused(masked.cpu(), plain, n, cfg.select_len, cfg.n_initial, cfg.n_local)
 
 
@@ -240,23 +242,29 @@ def test_fused_topk_is_a_top_n(seed, t, lp, n, n_init, n_local, levels):
     _check_fused(masked, plain, n, lp, n_init, n_local, exact=levels is None and n_init + n_local <= n)
 
 
-def test_topk_blocks_dispatches_the_fused_kernel_behind_its_flag(monkeypatch):
-    """ops.FUSED_TOPK: one launch and no torch op over the scores; Ns above FUSED_TOPK_MAX_NS keeps
-    torch.topk and the sort kernel. On by default since its GPU test passed on an H100."""
+def test_topk_blocks_dispatches_the_fused_kernel_behind_its_flag():
+    """Switches.fused_topk: one launch and no torch op over the scores; Ns above FUSED_TOPK_MAX_NS keeps
+    torch.topk and the sort kernel (and still picks Eq. 11's blocks). On by default since its GPU test
+    passed on an H100."""
     gen = torch.Generator().manual_seed(2)
     q, k_cmp, lse = _scores(gen, 1, 40, 4, 2, SMALL)
-    masked = ops.masked_selection_scores(q, k_cmp, lse, SMALL)
+    masked = selection.masked_selection_scores(q, k_cmp, lse, SMALL)
     want = _torch_path(masked, SMALL.n_select)
-    assert ops.FUSED_TOPK  # the default
-    monkeypatch.setattr(ops, "FUSED_TOPK", True)
+    assert Switches().fused_topk  # the default
     names = ("_topn_rows_kernel", "_sort_picks_kernel")
-    with dispatched(kn, names) as (recorded, launches):
-        got = ops.topk_blocks(masked, SMALL.n_select)
+    with dispatched(selection, names) as (recorded, launches):
+        got = selection.topk_blocks(masked, SMALL.n_select)
     assert launches == ["_topn_rows_kernel"] and torch.equal(got, want)
     assert [op for op in recorded if op not in FREE_OPS] == []
-    monkeypatch.setattr(ops, "FUSED_TOPK_MAX_NS", masked.shape[-1] - 1)
-    with dispatched(kn, names) as (recorded, launches):
-        got = ops.topk_blocks(masked, SMALL.n_select)
-    assert launches == ["_sort_picks_kernel"] and torch.equal(got, want)
+    # one query at position Ns - 1 with l' = 1: all Ns = FUSED_TOPK_MAX_NS + 1 blocks visible, the first
+    # and the last two forced (+inf)
+    ns = selection.FUSED_TOPK_MAX_NS + 1
+    plain = torch.randn(1, 1, 1, ns, generator=gen)
+    forced = (torch.arange(ns) < 1) | (torch.arange(ns) > ns - 3)
+    wide = plain.masked_fill(forced, float("inf"))
+    with dispatched(selection, names) as (recorded, launches):
+        got = selection.topk_blocks(wide.to(DEVICE), 5)
+    assert launches == ["_sort_picks_kernel"]
+    assert torch.equal(got.cpu(), ref.select_blocks(plain, 5, 1, 1, 2, q_pos=torch.tensor([ns - 1])))
     with pytest.raises(ValueError, match="Ns <="):
-        ops.topk_blocks_fused(masked, SMALL.n_select)
+        selection.topk_blocks_fused(wide.to(DEVICE), 5)

@@ -1,6 +1,7 @@
-"""The selected branch's block-major backward (``ops.TILED_SLC_BWD``, the default): the inverted
-selection (``ops.invert_block_indices``) and the gradients of ``ops._slc_bwd_tiled`` against the
-query-major backward (``ops._slc_bwd``) and the float64 reference, on the CPU interpreter.
+"""The selected branch's block-major backward (``Switches.slc_backward``'s default): the inverted
+selection (``selected.invert_block_indices``) and the gradients of ``selected.backward_block_major``
+against the query-major backward (``selected.backward_query_major``) and the float64 reference, on the
+CPU interpreter.
 
 Tolerances: fp32 kernels against fp64, FP32_TOL (helpers.py); against the other fp32 backward 1e-5
 (both sum the same products in another order). bf16: 2e-2 against the reference (a few bf16 roundings
@@ -14,11 +15,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paperclub.testing import assert_rel_close
-from repro.nsa import kernels as kn
-from repro.nsa import ops
+from paperclub.testing import assert_rel_close, dispatched
+from repro.nsa import Switches, selected
 from repro.nsa import reference as ref
-from repro.nsa.tests.helpers import DEVICE, FP32_TOL, FREE_OPS, dispatched, randn, random_block_indices
+from repro.nsa.tests.helpers import DEVICE, FP32_TOL, FREE_OPS, randn, random_block_indices
 
 seeds = st.integers(0, 2**31 - 1)
 
@@ -59,7 +59,7 @@ def test_inversion_lists_every_pair_once(seed, b, t, h, s, block, chunk, hot):
     bi = random_block_indices(gen, b, t, h, s, block)
     if hot:
         bi[..., 0] = torch.where((bi == 0).any(-1), bi[..., 0], 0)  # block 0 in every row, once
-    qidx, offsets, item_seg, first_item, grid = ops.invert_block_indices(bi.to(DEVICE), nb, chunk)
+    qidx, offsets, item_seg, first_item, grid = selected.invert_block_indices(bi.to(DEVICE), nb, chunk)
     qidx, offsets, item_seg, first_item = (x.cpu() for x in (qidx, offsets, item_seg, first_item))
     want = _pairs(bi, nb)
     nseg = b * h * nb
@@ -88,9 +88,10 @@ def _both_backwards(q, k, v, bi, do, block, dtype, chunk, rows):
     scale = q.shape[-1] ** -0.5
     q, k, v, do = (x.to(DEVICE, dtype).contiguous() for x in (q, k, v, do))
     bi = bi.to(DEVICE, torch.int32).contiguous()
-    o, lse = ops._slc_fwd(q, k, v, bi, block, scale)
-    tiled = ops._slc_bwd_tiled(do, q, k, v, o, lse, bi, block, scale, chunk=chunk, rows=rows)
-    old = ops._slc_bwd(do, q, k, v, o, lse, bi, block, scale)
+    o, lse = selected.selected_forward(q, k, v, bi, block, scale)
+    shape = Switches(slc_bwd_chunk=chunk, slc_bwd_rows=rows)
+    tiled = selected.backward_block_major(do, q, k, v, o, lse, bi, block, scale, shape)
+    old = selected.backward_query_major(do, q, k, v, o, lse, bi, block, scale)
     return tiled, old
 
 
@@ -182,18 +183,19 @@ def test_tiled_backward_hot_and_unselected_blocks():
         assert_rel_close(a.cpu().double(), r, FP32_TOL, f"d{name}")
 
 
-def test_tiled_flag_dispatches_its_kernels_without_host_reads(monkeypatch):
-    """With ops.TILED_SLC_BWD on, the autograd backward launches the dQ kernel and the tiled dK/dV
+def test_tiled_flag_dispatches_its_kernels_without_host_reads():
+    """With Switches.slc_backward = "block-major", the autograd backward launches the dQ kernel and the tiled dK/dV
     kernel (not the pair-at-a-time one), and no aten op that reads a value back to the host
     (``.item()`` is ``_local_scalar_dense``; ``nonzero``, ``bincount`` and ``unique`` size their
     outputs from the data). Fails if the flag is ignored or the inversion grows a host sync."""
     gen = torch.Generator().manual_seed(0)
     q, k, v, bi, do = _inputs(gen, 1, 40, 2, 2, 16, 2, 16)
     leaves = [x.float().to(DEVICE).requires_grad_() for x in (q, k, v)]
-    out = ops.selected_attention(*leaves, bi.to(DEVICE), 16)
+    out = selected.selected_attention(
+        *leaves, bi.to(DEVICE), 16, switches=Switches(slc_backward="block-major")
+    )
     names = ("_slc_bwd_dq_kernel", "_slc_bwd_dkdv_kernel", "_slc_bwd_dkdv_tiled_kernel")
-    monkeypatch.setattr(ops, "TILED_SLC_BWD", True)
-    with dispatched(kn, names) as (recorded, launches):
+    with dispatched(selected, names) as (recorded, launches):
         torch.autograd.grad(out, leaves, do.float().to(DEVICE))
     assert launches == ["_slc_bwd_dq_kernel", "_slc_bwd_dkdv_tiled_kernel"]
     syncing = {"_local_scalar_dense.default", "nonzero.default", "bincount.default", "item.default"}
@@ -205,8 +207,8 @@ def test_tiled_flag_dispatches_its_kernels_without_host_reads(monkeypatch):
 def test_inversion_refuses_bad_arguments():
     bi = torch.zeros(1, 4, 1, 2, dtype=torch.int32)
     with pytest.raises(ValueError, match="chunk and num_blocks must be >= 1"):
-        ops.invert_block_indices(bi, 1, 0)
+        selected.invert_block_indices(bi, 1, 0)
     with pytest.raises(TypeError, match="bi must be int32 or int64"):
-        ops.invert_block_indices(bi.float(), 1, 4)
+        selected.invert_block_indices(bi.float(), 1, 4)
     with pytest.raises(ValueError, match=r"bi must be \[B, T, H, S\]"):
-        ops.invert_block_indices(bi[0], 1, 4)
+        selected.invert_block_indices(bi[0], 1, 4)

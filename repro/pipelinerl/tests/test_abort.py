@@ -38,7 +38,7 @@ from repro.pipelinerl.tests.conftest import MODEL, TASK
 from repro.pipelinerl.tests.test_sim import sim_configs
 from repro.pipelinerl.trainer import take_batch
 
-SECTION = "Method: in-flight weight updates"
+SECTION = "Abstract (arXiv v1)"
 
 
 def _policy(flat: torch.Tensor) -> Policy:

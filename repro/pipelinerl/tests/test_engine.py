@@ -24,7 +24,7 @@ from repro.pipelinerl.reference import generate_reference
 from repro.pipelinerl.task import make_prompt, sampling_uniforms
 from repro.pipelinerl.tests.conftest import MODEL, TASK
 
-SECTION = "Method: in-flight weight updates"
+SECTION = "Abstract (arXiv v1)"
 
 
 def _policy(flat: torch.Tensor) -> Policy:

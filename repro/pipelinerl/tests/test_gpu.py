@@ -25,7 +25,7 @@ from repro.pipelinerl.task import make_prompt, sampling_uniforms
 from repro.pipelinerl.tests.conftest import MODEL, TASK
 from repro.pipelinerl.trainer import broadcast_stop, broadcast_weights
 
-SECTION = "Method: in-flight weight updates"
+SECTION = "Abstract (arXiv v1)"
 pytestmark = pytest.mark.gpu
 
 

@@ -24,7 +24,7 @@ from repro.pipelinerl.task import sft_batch
 from repro.pipelinerl.tests.conftest import MODEL, TASK
 from repro.pipelinerl.trainer import collate
 
-SECTION = "Background: importance sampling and effective sample size"
+SECTION = "Abstract (arXiv v1)"
 
 
 def _case(B, T, V, seed):

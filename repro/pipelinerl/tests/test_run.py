@@ -20,7 +20,7 @@ from repro.pipelinerl.sim import SimConfig
 from repro.pipelinerl.tests.conftest import MODEL, TASK
 from repro.pipelinerl.train import main as train_main
 
-SECTION = "Method: in-flight weight updates"
+SECTION = "Abstract (arXiv v1)"
 
 
 def small(mode: str, weights: torch.Tensor, **kw) -> Config:

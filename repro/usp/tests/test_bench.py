@@ -13,7 +13,13 @@ def test_bench_cpu_smoke(tmp_path):
     doc = json.loads(path.read_text())
     rows = doc["rows"]
     impls = {r["impl"] for r in rows}
-    assert {"full sdpa", "usp n=1 (sdpa)", "ring n=2 zigzag (sdpa)", "ring n=4 contiguous (sdpa)"} <= impls
+    assert {
+        "full sdpa",
+        "usp n=1 (auto)",
+        "usp n=1 (sdpa)",
+        "ring n=2 zigzag (auto)",
+        "ring n=4 contiguous (auto)",
+    } <= impls
     assert all(r["check"] == "ok" for r in rows), [r for r in rows if r["check"] != "ok"]
     assert all(r["ms"] and r["ms"] > 0 for r in rows)
     # the emulated ring's per-rank time is its total over the N ranks

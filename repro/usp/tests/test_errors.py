@@ -76,3 +76,23 @@ def test_group_errors(world4):
     assert "ulysses_degree must be an int >= 1, got 0" in msgs[1]
     msgs = world4.run(worker.run_usp_heads_error, 4, 6)
     assert all("Ulysses degree 4 must divide the H = 6 query heads" in m for m in msgs), msgs
+
+
+def test_new_arguments_refuse_bad_values(tmp_path):
+    """head_groups, the fa4 Gluon backend off a GPU, the benchmark's modes and the ingest of nothing."""
+    from repro.usp.ingest import ingest
+    from repro.usp.local import get_backend
+    from repro.usp.ulysses import head_groups_for
+
+    q, k, v = _qkv()
+    for bad in (0, -1, 1.5, "2", True):
+        with pytest.raises(ValueError, match="head_groups must be an int >= 1"):
+            usp_attention(q, k, v, head_groups=bad)
+    with pytest.raises(ValueError, match="head_groups must be an int >= 1, got 0"):
+        head_groups_for(0, 8, 2)
+    assert head_groups_for(4, 8, 2) == 4 and head_groups_for(3, 8, 2) == 2 and head_groups_for(4, 2, 2) == 1
+    with pytest.raises(RuntimeError, match="'fa4_gluon' is a Hopper GPU kernel"):
+        get_backend("fa4_gluon").forward(q, k, v, False, 0.5)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        usp_attention(q, k, v, backend="fa4_gluonn")
+    assert ingest(tmp_path) == []  # no result files: nothing written, no error

@@ -15,6 +15,8 @@ from repro.usp import shard, unshard, usp_attention
 from repro.usp.local import get_backend
 from repro.usp.reference import attention
 from repro.usp.ring import emulated_ring_attention
+from repro.usp.tests import worker
+from repro.usp.tests.sections import HYBRID_SECTION, RING_SECTION
 
 TOL = 2e-2
 
@@ -52,7 +54,7 @@ def _emulated(backend, causal, layout, n=4, S=768, H=4, H_kv=2, D=128, dtype=tor
 
 
 @pytest.mark.gpu
-@pytest.mark.claim("usp/ring-exact", section="SP approaches: Ring-Attention")
+@pytest.mark.claim("usp/ring-exact", section=RING_SECTION)
 @pytest.mark.parametrize("backend", ["sdpa", "fa4"])
 @pytest.mark.parametrize("causal,layout", [(True, "zigzag"), (True, "contiguous"), (False, "zigzag")])
 def test_ring_backends_on_gpu(backend, causal, layout):
@@ -92,3 +94,59 @@ def test_sdpa_fp32_falls_back_to_math_on_gpu():
         _emulated("sdpa", True, "zigzag", n=2, S=256, D=64, dtype=torch.float32)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+@pytest.mark.gpu
+@pytest.mark.claim("usp/ring-exact", section=RING_SECTION)
+@pytest.mark.parametrize("causal,layout", [(True, "zigzag"), (False, "contiguous")])
+def test_auto_backend_ring_on_gpu(causal, layout):
+    """The default local attention ("auto": cuDNN on CUDA bf16) inside the ring: LSE merge in place,
+    ring backward with the global O and LSE, GQA, off-tile length."""
+    _emulated("auto", causal, layout)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,D,S", [(torch.bfloat16, 128, 1000), (torch.float16, 64, 777)])
+def test_auto_backend_world_one_on_gpu(dtype, D, S):
+    """usp_attention's default path at world 1 (one cuDNN call, its own O and gradients, no casts)."""
+    q, k, v, do = _inputs(S, 8, 2, D, dtype, seed=2)
+    want = _reference(q, k, v, do, True)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    o = usp_attention(*leaves, causal=True, layout="contiguous")
+    o.backward(do)
+    for name, got, ref in zip(
+        ("o", "dq", "dk", "dv"), (o.detach(), *(t.grad for t in leaves)), want, strict=True
+    ):
+        assert got.dtype == dtype
+        assert_rel_close(got.float(), ref, TOL, f"auto {name}")
+
+
+@pytest.mark.gpu
+def test_fa4_gluon_backend_ring_on_gpu():
+    """repro.fa4's Gluon forward (and its default backward) as the ring's local attention (Hopper)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("fa4_gluon is a Hopper (sm_90) kernel")
+    _emulated("fa4_gluon", True, "zigzag")
+
+
+@pytest.mark.gpu
+@pytest.mark.claim("usp/usp-exact", section=HYBRID_SECTION)
+def test_multi_gpu_selfcheck_nccl():
+    """Two (or four) GPUs, NCCL: every factorisation, both layouts, causal and not, with and without
+    the Ulysses head-group pipeline, outputs and gradients against one-device attention (bf16)."""
+    from nanoparallel.launch import spawn_ranks
+
+    n = torch.cuda.device_count()
+    if n < 2:
+        pytest.skip("needs two GPUs")
+    world = 4 if n >= 4 else 2
+
+    def crashed(message):
+        rank, failed, rows = message
+        return f"rank {rank}: {rows[0]}" if failed < 0 else None
+
+    out = spawn_ranks(
+        world, worker.nccl_selfcheck_rank, {"seq": 128 * world, "backend": "auto"}, 240, crashed
+    )
+    rank0 = [m for m in out if m[0] == 0][0]
+    assert all(m[1] == 0 for m in out), "\n".join(rank0[2])

@@ -13,9 +13,10 @@ from hypothesis import strategies as st
 from paperclub.testing import assert_rel_close
 from repro.usp.local import get_backend
 from repro.usp.reference import attention_lse, attention_lse_backward, merge
+from repro.usp.tests.sections import RING_SECTION
 
 
-@pytest.mark.claim("usp/ring-exact", section="SP approaches: Ring-Attention")
+@pytest.mark.claim("usp/ring-exact", section=RING_SECTION)
 @settings(max_examples=25, deadline=None)
 @given(
     seed=st.integers(0, 2**16),
@@ -82,7 +83,7 @@ def _block_check(backend: str, dtype, tol: float, seed: int, s: int, causal: boo
         assert_rel_close(got, want, tol, f"{backend} {name}")
 
 
-@pytest.mark.claim("usp/ring-exact", section="SP approaches: Ring-Attention")
+@pytest.mark.claim("usp/ring-exact", section=RING_SECTION)
 @settings(max_examples=15, deadline=None)
 @given(
     seed=st.integers(0, 2**16),
@@ -94,7 +95,7 @@ def test_backends_give_the_lse_and_block_gradients(seed, s, causal, backend):
     _block_check(backend, torch.float64, 1e-12, seed, s, causal, 8)
 
 
-@pytest.mark.claim("usp/ring-exact", section="SP approaches: Ring-Attention")
+@pytest.mark.claim("usp/ring-exact", section=RING_SECTION)
 @settings(max_examples=2, deadline=None)
 @given(seed=st.integers(0, 2**16), s=st.sampled_from([8, 19]), causal=st.booleans())
 def test_fa4_gives_the_lse_and_block_gradients(seed, s, causal):

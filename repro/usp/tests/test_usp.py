@@ -20,6 +20,15 @@ from repro.usp import positions, unshard
 from repro.usp.cost import bytes_per_rank, ring_pairs
 from repro.usp.reference import attention, causal_pairs
 from repro.usp.tests import worker
+from repro.usp.tests.sections import (
+    BALANCE_SECTION,
+    COMM_SECTION,
+    DEEPSPEED_SECTION,
+    GQA_SECTION,
+    HYBRID_SECTION,
+    RING_SECTION,
+    ULYSSES_SECTION,
+)
 from repro.usp.tests.worker import Case
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -95,21 +104,21 @@ def check_exact(world, case: Case) -> list[dict]:
     return rep0
 
 
-@pytest.mark.claim("usp/ulysses-exact", section="SP approaches: DeepSpeed-Ulysses")
+@pytest.mark.claim("usp/ulysses-exact", section=ULYSSES_SECTION)
 @settings(max_examples=12, **SETTINGS)
 @given(case=cases(ulysses=st.integers(1, 4), dtypes=("float64", "float32")))
 def test_ulysses_equals_single_device(world4, case):
     check_exact(world4, case)
 
 
-@pytest.mark.claim("usp/ring-exact", section="SP approaches: Ring-Attention")
+@pytest.mark.claim("usp/ring-exact", section=RING_SECTION)
 @settings(max_examples=16, **SETTINGS)
 @given(case=cases(ring=st.integers(1, 4), dtypes=("float64", "float32")))
 def test_ring_equals_single_device(world4, case):
     check_exact(world4, case)
 
 
-@pytest.mark.claim("usp/ring-exact", section="SP approaches: Ring-Attention")
+@pytest.mark.claim("usp/ring-exact", section=RING_SECTION)
 @settings(max_examples=3, **SETTINGS)
 @given(case=cases(ring=st.integers(2, 3), backends=("fa4",), dtypes=("float32",), head_dims=(16,)))
 def test_ring_with_fa4_kernel(world4, case):
@@ -117,14 +126,14 @@ def test_ring_with_fa4_kernel(world4, case):
     check_exact(world4, case)
 
 
-@pytest.mark.claim("usp/usp-exact", section="Unified SP: Ulysses-Ring hybrid")
+@pytest.mark.claim("usp/usp-exact", section=HYBRID_SECTION)
 @settings(max_examples=25, **SETTINGS)
 @given(case=cases(dtypes=("float64", "float32")))
 def test_usp_equals_single_device(world4, case):
     check_exact(world4, case)
 
 
-@pytest.mark.claim("usp/usp-exact", section="Unified SP: Ulysses-Ring hybrid")
+@pytest.mark.claim("usp/usp-exact", section=HYBRID_SECTION)
 @settings(max_examples=6, **SETTINGS)
 @given(case=cases(ulysses=2, causal=True), pr=st.just(2), data=st.data())
 def test_usp_2x2_more_ranks_than_heads(world4, case, pr, data):
@@ -135,7 +144,7 @@ def test_usp_2x2_more_ranks_than_heads(world4, case, pr, data):
     check_exact(world4, case)
 
 
-@pytest.mark.claim("usp/reduces-to-ulysses-and-ring", section="Unified SP: Ulysses-Ring hybrid")
+@pytest.mark.claim("usp/reduces-to-ulysses-and-ring", section=HYBRID_SECTION)
 @settings(max_examples=10, **SETTINGS)
 @given(
     case=st.one_of(cases(ulysses=st.integers(1, 4)), cases(ring=st.integers(2, 4))),
@@ -155,7 +164,7 @@ def test_usp_reduces_to_ulysses_and_ring(world4, case):
             assert kinds == {"ring"}, f"P_u = 1 must only use the ring, sent {usp['bytes']}"
 
 
-@pytest.mark.claim("usp/zigzag-balanced", section="Unified SP: load balance for causal attention")
+@pytest.mark.claim("usp/zigzag-balanced", section=BALANCE_SECTION)
 @settings(max_examples=8, **SETTINGS)
 @given(case=cases(causal=True, layout="zigzag"), p=st.integers(2, 4), data=st.data())
 def test_zigzag_balances_causal_work(world4, case, p, data):
@@ -180,7 +189,7 @@ def test_zigzag_balances_causal_work(world4, case, p, data):
     ), f"contiguous should grow with the ring rank: {counts['contiguous']}"
 
 
-@pytest.mark.claim("usp/comm-volume", section="Communication and memory analysis")
+@pytest.mark.claim("usp/comm-volume", section=COMM_SECTION)
 @settings(max_examples=12, **SETTINGS)
 @given(case=cases(dtypes=("float64", "float32")))
 def test_bytes_match_the_analysis(world4, case):
@@ -195,19 +204,44 @@ def test_bytes_match_the_analysis(world4, case):
             assert got == want, f"rank {r['sp_rank']} sent {got}, the analysis says {want} ({case})"
 
 
-@pytest.mark.claim("usp/comm-volume", section="Communication and memory analysis")
-@given(p=st.integers(2, 64), s=st.integers(1, 8), h=st.integers(1, 4))
+@pytest.mark.claim("usp/deepspeed-ulysses-volume", section=DEEPSPEED_SECTION)
+@given(p=st.integers(2, 64), c=st.integers(1, 8), h=st.integers(1, 4))
 @settings(max_examples=50, deadline=None)
-def test_ulysses_volume_falls_ring_volume_flat(p, s, h):
-    """The formulas the measured bytes match scale as the paper says: Ulysses ~ 4 S d / P per rank,
-    Ring ~ 2 S d_kv whatever P (here H = H_kv so d = d_kv = H D)."""
-    shape = dict(B=1, S=4 * p * 64 * s, H=2 * p * h, H_kv=2 * p * h, D=8, elem=2, acc=4)
-    uly = [bytes_per_rank(**shape, ulysses_degree=n, ring_degree=1)["ulysses/fwd"] for n in (p, 2 * p)]
-    ring = [bytes_per_rank(**shape, ulysses_degree=1, ring_degree=n)["ring/fwd"] for n in (p, 2 * p)]
-    d_bytes = shape["B"] * shape["S"] * shape["H"] * shape["D"] * shape["elem"]
-    assert uly[0] == 4 * d_bytes * (p - 1) // p**2
-    assert uly[1] < uly[0]
-    assert ring[0] == 2 * d_bytes * (p - 1) // p and d_bytes <= ring[0] <= ring[1] < 2 * d_bytes
+def test_ulysses_volume_constant_when_n_and_p_grow_together(p, c, h):
+    """DeepSpeed-Ulysses' 4Nh/P per link (M/P for each all-to-all of aggregate size M): with N = c P
+    tokens, the bytes a rank sends in the forward, (P-1)/P of 4Nh/P (its own chunk stays), scaled
+    back by P/(P-1), are the same for every P; the ring's per-rank bytes do not fall with P (here
+    H = H_kv, so d = d_kv = H D)."""
+    e = 2
+    shape = dict(B=1, H=2 * p * h, H_kv=2 * p * h, D=8, elem=e, acc=4)
+    per_p = []
+    for n in (p, 2 * p):
+        s_len = 2 * c * n * 8
+        uly = bytes_per_rank(**shape, S=s_len, ulysses_degree=n, ring_degree=1)["ulysses/fwd"]
+        nh_bytes = s_len * shape["H"] * shape["D"] * e
+        assert uly * n * n == 4 * nh_bytes * (n - 1)  # (P-1)/P of 4 N h / P, exactly
+        per_p.append(uly * n // (n - 1))
+    assert per_p[0] == per_p[1], "4Nh/P must not change when N and P double together"
+    ring = [
+        bytes_per_rank(**shape, S=4 * c * p, ulysses_degree=1, ring_degree=n)["ring/fwd"] for n in (p, 2 * p)
+    ]
+    assert ring[0] <= ring[1], "the ring's per-rank traffic does not fall with P at fixed N"
+
+
+@pytest.mark.claim("usp/deepspeed-ulysses-volume", section=DEEPSPEED_SECTION)
+@settings(max_examples=6, **SETTINGS)
+@given(case=cases(ulysses=st.sampled_from([2, 4]), dtypes=("float32",)), data=st.data())
+def test_ulysses_sends_4nh_over_p_measured(world4, case, data):
+    """Measured: with as many K/V heads as query heads (the analysis' setting), each rank of a pure
+    Ulysses group of n sends (n-1)/n of 4 N h / n bytes forward, and the same backward."""
+    case = Case(**{**case.__dict__, "H_kv": case.H})
+    n = case.ulysses
+    nh_bytes = case.B * case.S * case.H * case.D * 4
+    for r in run(world4, case):
+        if r is not None:
+            assert r["bytes"].get("ulysses/fwd") * n * n == 4 * nh_bytes * (n - 1)
+            assert r["bytes"].get("ulysses/bwd") == r["bytes"].get("ulysses/fwd")
+            assert not any(k.startswith("ring") and v for k, v in r["bytes"].items())
 
 
 @given(n=st.integers(1, 6), m=st.integers(1, 4), layout=st.sampled_from(["zigzag", "contiguous"]))
@@ -221,7 +255,7 @@ def test_shards_partition_the_sequence(n, m, layout):
     assert torch.equal(unshard([shard(x, n, r, layout) for r in range(n)], layout), x)
 
 
-@pytest.mark.claim("usp/ring-exact", section="SP approaches: Ring-Attention")
+@pytest.mark.claim("usp/ring-exact", section=RING_SECTION)
 @settings(max_examples=15, deadline=None)
 @given(case=cases(ring=st.integers(1, 8), max_p=8))
 def test_emulated_ring_equals_single_device(case):
@@ -244,14 +278,84 @@ def test_emulated_ring_equals_single_device(case):
         assert_rel_close(unshard(list(got), case.layout), want, TOL[case.dtype], f"{name} ({case})")
 
 
-@pytest.mark.claim("usp/ulysses-exact", section="SP approaches: DeepSpeed-Ulysses")
+def _header_bytes(kind: str, case: Case, n: int) -> int:
+    """The bytes nanoparallel's transport adds for its own headers: (8 + 2n) int64 per message, to each
+    peer before an all-to-all, once per send."""
+    from repro.usp.ulysses import head_groups_for
+
+    one = (8 + 2 * n) * 8
+    if kind == "ulysses":
+        groups = head_groups_for(case.head_groups, case.H_kv if case.H_kv % n == 0 else n, n)
+        return 4 * groups * (n - 1) * one  # all-to-alls: in and out, forward and backward, per head group
+    return ((n - 1) + (n - 1) + n) * one  # ring shifts: K/V forward, K/V backward, dK/dV backward
+
+
+@pytest.mark.claim("usp/comm-volume", section=COMM_SECTION)
+@settings(max_examples=6, **SETTINGS)
+@given(case=st.one_of(cases(ulysses=4), cases(ring=4)), head_groups=st.integers(1, 2))
+def test_bytes_match_an_independent_counter(world4, case, head_groups):
+    """Ulysses or Ring over all 4 ranks through nanoparallel (our collectives library, shared memory)
+    instead of gloo: the same results, and the payload its transport counted (its own counter, headers
+    taken out) equals what repro.usp.comm counted and the formulas."""
+    kind = "ulysses" if case.ulysses == 4 else "ring"
+    case = Case(**{**case.__dict__, "head_groups": head_groups})
+    results = sorted(world4.run(worker.run_nanoparallel, case, kind, timeout=90), key=lambda r: r["sp_rank"])
+    ref = reference(case)
+    for name, want in ref.items():
+        assert_rel_close(unshard([r[name] for r in results], case.layout), want, TOL[case.dtype], name)
+    elem = torch.tensor([], dtype=worker.DTYPES[case.dtype]).element_size()
+    want = bytes_per_rank(
+        B=case.B, S=case.S, H=case.H, H_kv=case.H_kv, D=case.D, ulysses_degree=case.ulysses,
+        ring_degree=case.ring, elem=elem, acc=max(elem, 4),
+    )  # fmt: skip
+    for r in results:
+        counted = sum(r["bytes"].values())
+        assert counted == sum(want.values()), (r["bytes"], want)
+        assert r["transport_bytes"] - _header_bytes(kind, case, 4) == counted
+
+
+@pytest.mark.claim("usp/ulysses-exact", section=ULYSSES_SECTION)
+@settings(max_examples=8, **SETTINGS)
+@given(case=cases(ulysses=st.integers(2, 4), dtypes=("float64", "float32")), head_groups=st.integers(2, 4))
+def test_ulysses_head_group_pipeline_exact(world4, case, head_groups):
+    """The pipelined Ulysses (each rank's heads in groups whose all-to-alls overlap the other groups'
+    attention) computes the same outputs and gradients, and sends the same bytes, as one group."""
+    check_exact(world4, Case(**{**case.__dict__, "head_groups": head_groups}))
+    with_groups = run(world4, Case(**{**case.__dict__, "head_groups": head_groups}))
+    without = run(world4, case)
+    for a, b in zip(with_groups, without, strict=True):
+        if a is not None:
+            assert a["bytes"] == b["bytes"]
+
+
+@pytest.mark.claim("usp/gqa-cuts-comm", section=GQA_SECTION)
+@settings(max_examples=6, **SETTINGS)
+@given(case=cases(), data=st.data())
+def test_gqa_cuts_the_traffic(world4, case, data):
+    """With fewer K/V heads than query heads every rank sends fewer bytes, measured, than with as many
+    (MHA); strictly fewer whenever the K/V heads sent, lcm(H_kv, P_u), are fewer than H, and never more."""
+    h_kv = data.draw(st.sampled_from([d for d in _divisors(case.H) if d < case.H] or [case.H]))
+    gqa = Case(**{**case.__dict__, "H_kv": h_kv})
+    mha = Case(**{**case.__dict__, "H_kv": case.H})
+    sent_gqa = [sum(r["bytes"].values()) for r in run(world4, gqa) if r is not None]
+    sent_mha = [sum(r["bytes"].values()) for r in run(world4, mha) if r is not None]
+    import math
+
+    fewer = math.lcm(h_kv, case.ulysses) < case.H if h_kv % case.ulysses else h_kv < case.H
+    for g, m in zip(sent_gqa, sent_mha, strict=True):
+        assert g <= m
+        if fewer and case.P > 1:
+            assert g < m, (gqa, g, m)
+
+
+@pytest.mark.claim("usp/ulysses-exact", section=ULYSSES_SECTION)
 @settings(max_examples=4, **SETTINGS)
 @given(case=cases(ulysses=4))
 def test_ulysses_through_nanoparallel(world4, case):
     """The Ulysses all-to-all through nanoparallel (our collectives library, shared memory) instead of
     gloo: same results, same bytes counted."""
     results = sorted(
-        world4.run(worker.run_nanoparallel_ulysses, case, timeout=90), key=lambda r: r["sp_rank"]
+        world4.run(worker.run_nanoparallel, case, "ulysses", timeout=90), key=lambda r: r["sp_rank"]
     )
     ref = reference(case)
     for name, want in ref.items():

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from repro.usp.tests.sections import HYBRID_SECTION
 from repro.usp.tests.test_usp import SETTINGS, cases, check_exact
 from repro.usp.tests.worker import Case
 
@@ -41,7 +42,7 @@ def big_cases(draw):
     return Case(**{**case.__dict__, "ring": p // pu, "S": 2 * p * draw(st.integers(1, 2))})
 
 
-@pytest.mark.claim("usp/usp-exact", section="Unified SP: Ulysses-Ring hybrid")
+@pytest.mark.claim("usp/usp-exact", section=HYBRID_SECTION)
 @settings(max_examples=16, **SETTINGS)
 @given(case=big_cases())
 def test_usp_exact_on_6_and_8_ranks(world8, case):

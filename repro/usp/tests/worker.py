@@ -32,6 +32,7 @@ class Case:
     layout: str
     dtype: str = "float64"
     backend: str = "math"
+    head_groups: int = 1
 
     @property
     def P(self) -> int:
@@ -114,6 +115,7 @@ def run_cases(ctx: dict, cases: list[Case]) -> list[dict | None]:
                 ring_group=rg,
                 layout=case.layout,
                 backend=backend,
+                head_groups=case.head_groups,
             )
             o.backward(do)
         out.append(
@@ -271,9 +273,11 @@ def trace_shards(ctx: dict, ulysses: int, ring: int, S: int, H: int, layout: str
     }
 
 
-def run_nanoparallel_ulysses(ctx: dict, case: Case) -> dict:
-    """Ulysses over the whole world with a nanoparallel Communicator (shared-memory transport) as the
-    Ulysses group: the all-to-all goes through our own collectives library instead of gloo."""
+def run_nanoparallel(ctx: dict, case: Case, kind: str = "ulysses") -> dict:
+    """Ulysses (``kind="ulysses"``) or Ring (``"ring"``) over the whole world with a nanoparallel
+    Communicator (shared-memory transport) as the group: the traffic goes through our own collectives
+    library instead of gloo, whose transport counts the payload bytes it hands to peers
+    (``transport.bytes_sent``, headers included) independently of repro.usp.comm's count."""
     import nanoparallel
 
     if "npl" not in ctx:
@@ -284,10 +288,59 @@ def run_nanoparallel_ulysses(ctx: dict, case: Case) -> dict:
     comm = ctx["npl"]
     q, k, v, do = (shard(t, case.P, comm.rank, case.layout) for t in inputs(case))
     q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
+    groups = {"ulysses_group": comm} if kind == "ulysses" else {"ring_group": comm}
+    before = comm.transport.bytes_sent
     with count_bytes() as sent:
         o = usp_attention(
-            q, k, v, causal=case.causal, ulysses_group=comm, layout=case.layout, backend=case.backend
-        )
+            q, k, v, causal=case.causal, layout=case.layout, backend=case.backend, head_groups=case.head_groups,
+            **groups,
+        )  # fmt: skip
         o.backward(do)
     return {"sp_rank": comm.rank, "replica": 0, "o": o.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
-            "bytes": dict(sent)}  # fmt: skip
+            "bytes": dict(sent), "transport_bytes": comm.transport.bytes_sent - before}  # fmt: skip
+
+
+def run_nanoparallel_ulysses(ctx: dict, case: Case) -> dict:
+    """Ulysses through nanoparallel (kept for the walkthrough)."""
+    return run_nanoparallel(ctx, case, "ulysses")
+
+
+def run_dist_bench(ctx: dict, modes: str, out: str, extra: list[str]) -> dict:
+    """repro.usp.dist_bench's modes on this gloo world (tiny sizes): what they wrote, for the parent."""
+    import json
+    from pathlib import Path
+
+    from repro.usp import dist_bench
+
+    args = dist_bench.parse_args(["--mode", modes, "--out", out, "--device", "cpu", "--smoke", *extra])
+    bctx = dist_bench.Ctx(device=torch.device("cpu"), dtype=torch.float32, out=Path(out), budget_s=300.0,
+                          smoke=True, H=8, H_kv=4, D=8, rounds=args.rounds, max_reps=args.max_reps)  # fmt: skip
+    for m in modes.split(","):
+        dist_bench.MODES[m](bctx, args)
+    dist.barrier()
+    return {p.name: json.loads(p.read_text()) for p in Path(out).glob("*.json")} if ctx["rank"] == 0 else {}
+
+
+def nccl_selfcheck_rank(rank: int, world: int, port: int, args, results) -> None:
+    """One rank of a real NCCL world (one GPU each): every factorisation, layout and mask against
+    one-device attention (repro.usp.selfcheck.run_checks); puts (rank, failures, table) on ``results``."""
+    import os
+
+    try:
+        from repro.usp.selfcheck import run_checks
+
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        torch.cuda.set_device(rank)
+        dev = torch.device("cuda", rank)
+        dist.init_process_group(
+            "nccl", rank=rank, world_size=world, device_id=dev, timeout=timedelta(seconds=120)
+        )
+        failed, rows = 0, []
+        for head_groups in (1, 2):
+            r, f = run_checks(dtype=torch.bfloat16, seq=args["seq"], backend=args["backend"], device=dev,
+                              head_groups=head_groups)  # fmt: skip
+            failed, rows = failed + f, rows + r
+        dist.destroy_process_group()
+        results.put((rank, failed, rows))
+    except Exception as exc:  # the parent stops at once instead of waiting for this rank
+        results.put((rank, -1, [f"{type(exc).__name__}: {exc}"]))

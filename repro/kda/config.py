@@ -1,0 +1,120 @@
+"""The kernel choices of chunk_kda as one frozen object: passed to chunk_kda, saved for its backward.
+
+Nothing else chooses a code path: no module setting read at call time, no environment variable
+(except Triton's own ``TRITON_INTERPRET``: its CPU interpreter cannot run inline PTX, so the ftz
+exponentials are on exactly when the kernels are compiled for a GPU). Sweeps and tests build
+configs, ``dataclasses.replace(KDAConfig(), wy_warps=4)``; the defaults are the tuned values, whose
+reasons and measurements sit beside each stage's launcher (intra_chunk.py, wy_ut.py,
+inter_chunk.py, output.py, backward_inter_chunk.py, backward_intra_chunk.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from repro.kda.backward_inter_chunk import STATE_BWD_WARPS
+from repro.kda.backward_intra_chunk import (
+    DQK_BK,
+    DQK_BV,
+    DQK_STAGES,
+    DQK_WARPS,
+    MAT_BK,
+    MAT_BV,
+    MAT_STAGES,
+    MAT_WARPS,
+)
+from repro.kda.inter_chunk import STATE_FWD_WARPS
+from repro.kda.intra_chunk import INTRA_BK, INTRA_STAGES, INTRA_WARPS
+from repro.kda.output import OUT_BV, OUT_WARPS
+from repro.kda.wy_ut import WY_BK, WY_BV, WY_WARPS
+
+# The products of the fp32 intra-chunk and state algebra for 16-bit inputs: "tf32" (tensor cores,
+# 10-bit mantissa), "tf32x3" (three tf32 products, about fp32 accuracy) or "ieee" (fp32 FMA, slow);
+# fp32 inputs always take "ieee" (the tests compare them with fp64 at ~1e-5). Measured on an H100
+# (2026-11-25, fla's test_chunk inputs, RMS error against fp64, ours / fla 0.6.0's on the same
+# inputs, results/nvidia-h100-80gb-hbm3-gpu-matrix.jsonl): with tf32 everywhere, bf16 errors equal
+# fla's (the inputs' 2^-8 rounding dominates), but fp16 ones were 4-13x fla's once the gates are
+# mild (normaliser 10: the chunk's triangular solve is ill-conditioned and amplifies the products'
+# rounding), e.g. dh0 8.2e-3 vs 1.0e-3 and the final state 6.0e-3 vs 4.5e-4, over fla's
+# tolerances. fp16's inputs round at 2^-11, as tf32 does: its products need more than tf32; bf16's
+# do not.
+DOT_PRECISIONS = ("tf32", "tf32x3", "ieee")
+_POWERS_OF_TWO = (16, 32, 64, 128)
+_WARPS = (1, 2, 4, 8, 16)
+
+
+@dataclass(frozen=True)
+class KDAConfig:
+    """Kernel choices of :func:`repro.kda.chunk_kda` (defaults: the tuned values).
+
+    check_decay_range: refuse log-decays outside ``[-10, 0]`` (counted by the intra-chunk kernel,
+        gate.DecayCheck); False where the gates are bounded by construction.
+    dot_prec_bf16, dot_prec_fp16: precision of the fp32 products for bf16 / fp16 inputs, one of
+        DOT_PRECISIONS.
+    intra_bk, intra_warps, intra_stages: the intra-chunk kernel's key block, warps, pipelining.
+    wy_bk, wy_bv, wy_warps: the WY kernel's key and value blocks and warps.
+    state_fwd_bv: the forward state recurrence's value block (None: by the number of programs,
+        inter_chunk.state_block_v); state_fwd_warps its warps.
+    out_bv, out_warps: the output kernel's value block and warps.
+    state_bwd_bv, state_bwd_warps: the same for the state backward (at value block 16 it always
+        takes 4 warps: backward_inter_chunk.STATE_BWD_WARPS_BV16).
+    bwd_mat_bk, bwd_mat_bv, bwd_mat_warps, bwd_mat_stages: the backward's [BT, BT] gradient
+        kernel; bwd_dqk_bk, bwd_dqk_bv, bwd_dqk_warps, bwd_dqk_stages: its per-channel kernel.
+    Blocks are 16, 32, 64 or 128 (taken as min(block, head size)).
+    """
+
+    check_decay_range: bool = True
+    dot_prec_bf16: str = "tf32"
+    dot_prec_fp16: str = "tf32x3"
+    intra_bk: int = INTRA_BK
+    intra_warps: int = INTRA_WARPS
+    intra_stages: int = INTRA_STAGES
+    wy_bk: int = WY_BK
+    wy_bv: int = WY_BV
+    wy_warps: int = WY_WARPS
+    state_fwd_bv: int | None = None
+    state_fwd_warps: int = STATE_FWD_WARPS
+    out_bv: int = OUT_BV
+    out_warps: int = OUT_WARPS
+    state_bwd_bv: int | None = None
+    state_bwd_warps: int = STATE_BWD_WARPS
+    bwd_mat_bk: int = MAT_BK
+    bwd_mat_bv: int = MAT_BV
+    bwd_mat_warps: int = MAT_WARPS
+    bwd_mat_stages: int = MAT_STAGES
+    bwd_dqk_bk: int = DQK_BK
+    bwd_dqk_bv: int = DQK_BV
+    bwd_dqk_warps: int = DQK_WARPS
+    bwd_dqk_stages: int = DQK_STAGES
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name.startswith("dot_prec"):
+                ok, expected = value in DOT_PRECISIONS, f"one of {', '.join(map(repr, DOT_PRECISIONS))}"
+            elif f.name == "check_decay_range":
+                ok, expected = isinstance(value, bool), "True or False"
+            elif f.name.endswith("warps"):
+                ok, expected = value in _WARPS, f"one of {_WARPS}"
+            elif f.name.endswith("stages"):
+                ok, expected = isinstance(value, int) and 1 <= value <= 8, "an int from 1 to 8"
+            else:  # blocks
+                allowed = (
+                    _POWERS_OF_TWO
+                    if f.name not in ("state_fwd_bv", "state_bwd_bv")
+                    else (None, *_POWERS_OF_TWO)
+                )
+                ok, expected = value in allowed, f"one of {allowed}"
+            if not ok or (isinstance(value, bool) and f.name != "check_decay_range"):
+                raise ValueError(f"KDAConfig.{f.name} = {value!r}: expected {expected}")
+
+    def dot_precision(self, dtype: torch.dtype) -> str:
+        """The ``tl.dot`` input precision of the fp32 algebra for inputs of ``dtype``."""
+        if dtype == torch.float32:
+            return "ieee"
+        return self.dot_prec_fp16 if dtype == torch.float16 else self.dot_prec_bf16
+
+
+DEFAULT = KDAConfig()

@@ -1,0 +1,470 @@
+"""The compressed branch (yuan2025nsa §3.3.1, Eq. 7): attention over the compressed tokens, with the
+strided-attention kernels that the sliding window (``window.py``) runs too.
+
+Compression itself, Eq. 7's phi (a learned MLP with an intra-block position encoding, or the mean), is
+PyTorch in both paths and defined once, in ``reference.py``: :func:`compress` of [B, T, H, D] keys or
+values gives [B, Nc, H, D], one token per block of l positions, d apart.
+
+The kernels attend over keys at positions ``i * STRIDE + OFFSET``, causally, with an optional window.
+The compressed branch is STRIDE = d, OFFSET = l - 1 (a compressed token is visible once its block's
+last token is, §3.3.1); the sliding window is STRIDE = 1, OFFSET = 0, WINDOW = w (§3.3.3).
+FlashAttention-2 tiling: a tile of BM queries of one head per program, BN keys per step; the forward
+may walk the key tiles every query of its tile sees without a mask (``SPLIT``). The backward is
+FlashAttention-2's two kernels: dQ per query tile, dK/dV per key tile (the G heads of a group add into
+fp32 dK/dV with atomics).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from repro.nsa.common import (
+    LOG2E,
+    check_qkv,
+    dot,
+    head_constexprs,
+    interpreting,
+    is_fp32,
+    kernel_dims,
+    load_cols,
+    load_pair,
+    normalise,
+    online_softmax_step,
+    pad_heads,
+    query_head,
+    row_stats,
+    softmax_scale,
+    tile_rows,
+    value_strides,
+    visible_keys,
+)
+from repro.nsa.config import Switches
+from repro.nsa.reference import CompressionMLP, compress, mean_pool
+
+__all__ = ["CompressionMLP", "compress", "compressed_attention", "mean_pool"]
+
+
+@triton.jit
+def _key_range(t_first, t_last, NK, STRIDE: tl.constexpr, OFFSET: tl.constexpr, WINDOW: tl.constexpr,
+               BN: tl.constexpr):  # fmt: skip
+    """Key indices [start, end) that queries t_first..t_last may see; start rounded down to BN."""
+    end = tl.where(t_last >= OFFSET, (t_last - OFFSET) // STRIDE + 1, 0)
+    end = tl.minimum(end, NK)
+    start = end * 0
+    if WINDOW > 0:
+        lo = t_first - WINDOW + 1 - OFFSET  # first visible key position is t_first - WINDOW + 1
+        start = tl.where(lo > 0, (lo + STRIDE - 1) // STRIDE, 0)
+        start = (start // BN) * BN
+    return start, end
+
+
+@triton.jit
+def _interior(t_first, t_last, start, end, NK, STRIDE: tl.constexpr, OFFSET: tl.constexpr,
+              WINDOW: tl.constexpr, BN: tl.constexpr):  # fmt: skip
+    """The key tiles [a, b) within [start, end) (BN-aligned from ``start``) that every query
+    t_first..t_last sees, so that they need no mask: key position <= t_first and, with a window,
+    > t_last - WINDOW. start <= a <= b <= end; empty (a = b) when no tile qualifies."""
+    hi = tl.where(t_first >= OFFSET, (t_first - OFFSET) // STRIDE + 1, 0)  # keys seen by the first row
+    hi = tl.minimum(hi, NK)
+    lo = start
+    if WINDOW > 0:
+        first = t_last - WINDOW + 1 - OFFSET  # the last row's first visible key position
+        lo = tl.maximum(tl.where(first > 0, (first + STRIDE - 1) // STRIDE, 0), start)
+    a = tl.minimum(start + ((lo - start + BN - 1) // BN) * BN, end)
+    b = start + ((tl.maximum(hi, start) - start) // BN) * BN
+    b = tl.maximum(tl.minimum(b, end), a)
+    return a, b
+
+
+@triton.jit
+def _strided_fwd_tile(q, Kb, Vb, i0, offs_m, offs_d, NK, skt, m_i, l_i, acc, scale_log2,
+                      STRIDE: tl.constexpr, OFFSET: tl.constexpr, WINDOW: tl.constexpr,
+                      BN: tl.constexpr, MASK: tl.constexpr, IEEE: tl.constexpr,
+                      q2, svt, offs_dv, D: tl.constexpr, D2: tl.constexpr, D_V: tl.constexpr):  # fmt: skip
+    """One key tile of the strided forward; MASK = False for tiles :func:`_interior` proved fully visible
+    (no bounds check, no mask). Head sizes as in :func:`_strided_fwd_kernel` (q2, svt, offs_dv: the
+    split path's, q, skt, offs_d again on the verified one)."""
+    offs_n = i0 + tl.arange(0, BN)
+    kv_off = offs_n[:, None] * skt + offs_d[None, :]
+    v_off = kv_off
+    if D_V > 0:
+        v_off = offs_n[:, None] * svt + offs_dv[None, :]
+    if MASK:
+        k = tl.load(Kb + kv_off, mask=offs_n[:, None] < NK, other=0.0)
+        v = tl.load(Vb + v_off, mask=offs_n[:, None] < NK, other=0.0)
+        k2 = k
+        if D2 > 0:
+            k2 = load_cols(Kb, 0, offs_n * skt, offs_n < NK, D, D2)
+        vis = visible_keys(offs_m, offs_n, NK, STRIDE, OFFSET, WINDOW)
+        _, m_i, l_i, acc = online_softmax_step(q, k, v, vis, m_i, l_i, acc, scale_log2, IEEE, q2, k2, D2)
+    else:
+        k = tl.load(Kb + kv_off)
+        v = tl.load(Vb + v_off)
+        s = dot(q, tl.trans(k), IEEE)
+        if D2 > 0:
+            k2 = tl.load(Kb + offs_n[:, None] * skt + (D + tl.arange(0, D2))[None, :])
+            s += dot(q2, tl.trans(k2), IEEE)
+        s = s * scale_log2
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _strided_fwd_kernel(
+    Q, K, V, O, LSE,
+    sqb, sqt, sqh, skb, skt, skh,
+    T, NK, HQ, G, scale_log2,
+    STRIDE: tl.constexpr, OFFSET: tl.constexpr, WINDOW: tl.constexpr,
+    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
+    D2: tl.constexpr = 0, D_V: tl.constexpr = 0,
+):  # fmt: skip
+    # Head sizes (common.py): key rows of D (+ D2) columns, value and output rows of DVAL = D_V (the
+    # split path, D_V given) or D (the verified path: every line below as before the split); v and o
+    # are contiguous like k and q, so their strides follow from k's and q's.
+    DVAL: tl.constexpr = D if D_V == 0 else D_V
+    pid_m = tl.program_id(0)
+    b, hq, h = query_head(tl.program_id(1), HQ, G)
+    offs_m, offs_d, row_ok = tile_rows(pid_m, BM, T, D)
+    offs_dv, svb, svt, svh, sob, sot, soh = offs_d, skb, skt, skh, sqb, sqt, sqh
+    if D_V > 0:
+        offs_dv = tl.arange(0, DVAL)
+        svb, svt, svh = value_strides(skb, skt, skh, D + D2, DVAL)
+        sob, sot, soh = value_strides(sqb, sqt, sqh, D + D2, DVAL)
+    Qb = Q + b * sqb + hq * sqh  # scalar 64-bit base; the tile's offsets stay 32-bit
+    Kb = K + b * skb + h * skh
+    Vb = V + b * svb + h * svh
+    q = tl.load(Qb + offs_m[:, None] * sqt + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    q2 = q
+    if D2 > 0:
+        q2 = load_cols(Qb, 0, offs_m * sqt, row_ok, D, D2)
+    m_i = tl.full([BM], -1e30, tl.float32)
+    l_i = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, DVAL], tl.float32)
+    t_last = tl.minimum(pid_m * BM + BM, T) - 1
+    start, end = _key_range(pid_m * BM, t_last, NK, STRIDE, OFFSET, WINDOW, BN)
+    if SPLIT:  # masked edge tiles, the unmasked interior, masked tiles at the diagonal
+        a, b_ = _interior(pid_m * BM, t_last, start, end, NK, STRIDE, OFFSET, WINDOW, BN)
+        for i0 in range(start, a, BN):
+            m_i, l_i, acc = _strided_fwd_tile(q, Kb, Vb, i0, offs_m, offs_d, NK, skt, m_i, l_i, acc,
+                                              scale_log2, STRIDE, OFFSET, WINDOW, BN, True, IEEE,
+                                              q2, svt, offs_dv, D, D2, D_V)  # fmt: skip
+        for i0 in range(a, b_, BN):
+            m_i, l_i, acc = _strided_fwd_tile(q, Kb, Vb, i0, offs_m, offs_d, NK, skt, m_i, l_i, acc,
+                                              scale_log2, STRIDE, OFFSET, WINDOW, BN, False, IEEE,
+                                              q2, svt, offs_dv, D, D2, D_V)  # fmt: skip
+        for i0 in range(b_, end, BN):
+            m_i, l_i, acc = _strided_fwd_tile(q, Kb, Vb, i0, offs_m, offs_d, NK, skt, m_i, l_i, acc,
+                                              scale_log2, STRIDE, OFFSET, WINDOW, BN, True, IEEE,
+                                              q2, svt, offs_dv, D, D2, D_V)  # fmt: skip
+    else:
+        for i0 in range(start, end, BN):
+            m_i, l_i, acc = _strided_fwd_tile(q, Kb, Vb, i0, offs_m, offs_d, NK, skt, m_i, l_i, acc,
+                                              scale_log2, STRIDE, OFFSET, WINDOW, BN, True, IEEE,
+                                              q2, svt, offs_dv, D, D2, D_V)  # fmt: skip
+    o, lse = normalise(acc, m_i, l_i)
+    tl.store(O + b * sob + hq * soh + offs_m[:, None] * sot + offs_dv[None, :], o.to(O.dtype.element_ty),
+             mask=row_ok[:, None])  # fmt: skip
+    tl.store(LSE + (b * T + offs_m) * HQ + hq, lse, mask=row_ok)
+
+
+@triton.jit
+def _strided_bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ,
+    sqb, sqt, sqh, skb, skt, skh,
+    T, NK, HQ, G, scale_log2, scale,
+    STRIDE: tl.constexpr, OFFSET: tl.constexpr, WINDOW: tl.constexpr,
+    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr,
+    D2: tl.constexpr = 0, D_V: tl.constexpr = 0,
+):  # fmt: skip
+    DVAL: tl.constexpr = D if D_V == 0 else D_V  # head sizes as in _strided_fwd_kernel
+    pid_m = tl.program_id(0)
+    b, hq, h = query_head(tl.program_id(1), HQ, G)
+    offs_m, offs_d, row_ok = tile_rows(pid_m, BM, T, D)
+    offs_dv, svb, svt, svh, sob, sot, soh = offs_d, skb, skt, skh, sqb, sqt, sqh
+    if D_V > 0:
+        offs_dv = tl.arange(0, DVAL)
+        svb, svt, svh = value_strides(skb, skt, skh, D + D2, DVAL)
+        sob, sot, soh = value_strides(sqb, sqt, sqh, D + D2, DVAL)
+    row_base = b * sqb + hq * sqh  # 64-bit scalar bases, 32-bit tile offsets (fewer registers)
+    row_off = offs_m[:, None] * sqt + offs_d[None, :]
+    do_base, do_off = row_base, row_off
+    if D_V > 0:
+        do_base = b * sob + hq * soh
+        do_off = offs_m[:, None] * sot + offs_dv[None, :]
+    q, do = load_pair(Q, DO, row_base, row_off, row_ok, do_base, do_off)
+    lse2, delta = row_stats(LSE, DELTA, b * T + offs_m, HQ, hq, row_ok)
+    dq = tl.zeros([BM, D], tl.float32)
+    q2, dq2 = q, dq
+    if D2 > 0:
+        q2 = load_cols(Q, row_base, offs_m * sqt, row_ok, D, D2)
+        dq2 = tl.zeros([BM, D2], tl.float32)
+    kv_base = b * skb + h * skh
+    v_base = kv_base
+    if D_V > 0:
+        v_base = b * svb + h * svh
+    t_last = tl.minimum(pid_m * BM + BM, T) - 1
+    start, end = _key_range(pid_m * BM, t_last, NK, STRIDE, OFFSET, WINDOW, BN)
+    for i0 in range(start, end, BN):
+        offs_n = i0 + tl.arange(0, BN)
+        kv_off = offs_n[:, None] * skt + offs_d[None, :]
+        v_off = kv_off
+        if D_V > 0:
+            v_off = offs_n[:, None] * svt + offs_dv[None, :]
+        k, v = load_pair(K, V, kv_base, kv_off, offs_n < NK, v_base, v_off)
+        s = dot(q, tl.trans(k), IEEE)
+        k2 = k
+        if D2 > 0:
+            k2 = load_cols(K, kv_base, offs_n * skt, offs_n < NK, D, D2)
+            s += dot(q2, tl.trans(k2), IEEE)
+        s = s * scale_log2
+        vis = visible_keys(offs_m, offs_n, NK, STRIDE, OFFSET, WINDOW)
+        p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
+        dp = dot(do, tl.trans(v), IEEE)
+        ds = p * (dp - delta[:, None])
+        dq += dot(ds.to(k.dtype), k, IEEE)
+        if D2 > 0:
+            dq2 += dot(ds.to(k.dtype), k2, IEEE)
+    tl.store(DQ + row_base + row_off, (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+    if D2 > 0:
+        cols = D + tl.arange(0, D2)
+        tl.store(DQ + row_base + offs_m[:, None] * sqt + cols[None, :], (dq2 * scale).to(DQ.dtype.element_ty),
+                 mask=row_ok[:, None])  # fmt: skip
+
+
+@triton.jit
+def _strided_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV,
+    sqb, sqt, sqh, skb, skt, skh, sdb, sdt, sdh,
+    T, NK, HQ, G, scale_log2, scale,
+    STRIDE: tl.constexpr, OFFSET: tl.constexpr, WINDOW: tl.constexpr,
+    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr,
+    D2: tl.constexpr = 0, D_V: tl.constexpr = 0,
+):  # fmt: skip
+    # One program per (key tile, query head); the G heads of a group add into fp32 dK/dV with atomics.
+    # Head sizes as in _strided_fwd_kernel; dV contiguous like dK.
+    DVAL: tl.constexpr = D if D_V == 0 else D_V
+    pid_n = tl.program_id(0)
+    b, hq, h = query_head(tl.program_id(1), HQ, G)
+    offs_n, offs_d, col_ok = tile_rows(pid_n, BN, NK, D)
+    offs_dv, svb, svt, svh, sob, sot, soh = offs_d, skb, skt, skh, sqb, sqt, sqh
+    if D_V > 0:
+        offs_dv = tl.arange(0, DVAL)
+        svb, svt, svh = value_strides(skb, skt, skh, D + D2, DVAL)
+        sob, sot, soh = value_strides(sqb, sqt, sqh, D + D2, DVAL)
+    kv_base = b * skb + h * skh
+    kv_off = offs_n[:, None] * skt + offs_d[None, :]
+    v_base, v_off = kv_base, kv_off
+    if D_V > 0:
+        v_base = b * svb + h * svh
+        v_off = offs_n[:, None] * svt + offs_dv[None, :]
+    k, v = load_pair(K, V, kv_base, kv_off, col_ok, v_base, v_off)
+    k2 = k
+    if D2 > 0:
+        k2 = load_cols(K, kv_base, offs_n * skt, col_ok, D, D2)
+    row_base = b * sqb + hq * sqh
+    do_base = row_base
+    if D_V > 0:
+        do_base = b * sob + hq * soh
+    dk = tl.zeros([BN, D], tl.float32)
+    dv = tl.zeros([BN, DVAL], tl.float32)
+    dk2 = dk
+    if D2 > 0:
+        dk2 = tl.zeros([BN, D2], tl.float32)
+    t_start = ((pid_n * BN * STRIDE + OFFSET) // BM) * BM  # first query that can see the tile's first key
+    t_end = T
+    if WINDOW > 0:
+        last = tl.minimum(pid_n * BN + BN, NK) - 1
+        t_end = tl.minimum(T, last * STRIDE + OFFSET + WINDOW)
+    for t0 in range(t_start, t_end, BM):
+        offs_m = t0 + tl.arange(0, BM)
+        row_ok = offs_m < T
+        q_off = offs_m[:, None] * sqt + offs_d[None, :]
+        do_off = q_off
+        if D_V > 0:
+            do_off = offs_m[:, None] * sot + offs_dv[None, :]
+        q, do = load_pair(Q, DO, row_base, q_off, row_ok, do_base, do_off)
+        lse2, delta = row_stats(LSE, DELTA, b * T + offs_m, HQ, hq, row_ok)
+        s_t = dot(k, tl.trans(q), IEEE)  # [BN, BM]
+        q2 = q
+        if D2 > 0:
+            q2 = load_cols(Q, row_base, offs_m * sqt, row_ok, D, D2)
+            s_t += dot(k2, tl.trans(q2), IEEE)
+        s_t = s_t * scale_log2
+        kpos = offs_n * STRIDE + OFFSET
+        vis_t = (kpos[:, None] <= offs_m[None, :]) & col_ok[:, None] & row_ok[None, :]
+        if WINDOW > 0:
+            vis_t = vis_t & (offs_m[None, :] - kpos[:, None] < WINDOW)
+        p_t = tl.where(vis_t, tl.exp2(s_t - lse2[None, :]), 0.0)
+        dv += dot(p_t.to(do.dtype), do, IEEE)
+        dp_t = dot(v, tl.trans(do), IEEE)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += dot(ds_t.to(q.dtype), q, IEEE)
+        if D2 > 0:
+            dk2 += dot(ds_t.to(q.dtype), q2, IEEE)
+    d_off = offs_n[:, None] * sdt + offs_d[None, :]
+    tl.atomic_add(DK + (b * sdb + h * sdh) + d_off, dk * scale, mask=col_ok[:, None])
+    if D_V > 0:
+        sevb, sevt, sevh = value_strides(sdb, sdt, sdh, D + D2, DVAL)
+        dv_off = offs_n[:, None] * sevt + offs_dv[None, :]
+        tl.atomic_add(DV + (b * sevb + h * sevh) + dv_off, dv, mask=col_ok[:, None])
+    else:
+        tl.atomic_add(DV + (b * sdb + h * sdh) + d_off, dv, mask=col_ok[:, None])
+    if D2 > 0:
+        cols = D + tl.arange(0, D2)
+        tl.atomic_add(DK + (b * sdb + h * sdh) + offs_n[:, None] * sdt + cols[None, :], dk2 * scale,
+                      mask=col_ok[:, None])  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch shapes, launchers and autograd
+
+
+def row_dot(do: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    """delta = rowsum(dO * O) in fp32, [B, T, HQ]. ``do.float() * o`` promotes o to fp32 inside the
+    product (exactly, as ``o.float()`` would) without writing an fp32 copy of o: one launch and one
+    [B, T, HQ, Dv] temporary fewer than before, the same bits (``test_row_dot_is_the_fp32_formula``)."""
+    return (do.float() * o).sum(-1)
+
+
+def backward_tile(d: int, itemsize: int = 2) -> dict:
+    """The strided backward's tile (both branches): 64 queries x 64 keys, 2 stages, 8 warps at D >= 64.
+    With 4 warps ptxas (sm_90a, offline) spills 0.4-1 KB per thread at D = 128 (two fp32 64 x 128
+    accumulators beside K and V); with 8 at most 124 bytes. Under the interpreter 16 x 16 (the tests'
+    small shapes)."""
+    if interpreting():
+        return {"BM": 16, "BN": 16, "num_warps": 4, "num_stages": 1}
+    if d > 128 and itemsize > 2:
+        # fp32 at the paper's head sizes (keys 128 + 64, values 128): 64 x 64 tiles spill 10-33 KB a
+        # thread in every strided kernel (lab/sm90_check fp32); fp32 is the tests' exact path
+        return {"BM": 32, "BN": 32, "num_warps": 4, "num_stages": 1}
+    return {"BM": 64, "BN": 64, "num_warps": 8 if d >= 64 else 4, "num_stages": 2}
+
+
+def forward_tile(d: int, itemsize: int) -> dict:
+    """The compressed branch's forward tile: FlashAttention-2's Hopper shape, 128 queries x 64 keys with
+    8 warps and 3 stages (two K/V tiles of 64 x 128 bf16 per stage fit shared memory). On an H100 at
+    T = 64k, bf16 (2026-11-27, 5 interleaved rounds, results/*-strided-sweep.json) it took 10.1 ms
+    split against 11.1 ms at 64 x 64; 128 x 128 and 64 x 128 were slower. fp32 tiles are twice the
+    bytes: the backward's 64 x 64 shape fits at D = 128. Under the interpreter 16 x 16."""
+    if interpreting() or itemsize > 2:
+        return backward_tile(d, itemsize)
+    return {"BM": 128 if d >= 64 else 64, "BN": 64, "num_warps": 8 if d >= 64 else 4, "num_stages": 3}
+
+
+def strided_forward(q, k, v, scale: float, stride: int, offset: int, window: int, tile: dict,
+                    switches: Switches, split: bool | None = None):  # fmt: skip
+    """The strided forward at launch shape ``tile`` (``switches.strided_fwd_tile`` overrides it on a
+    GPU). ``split`` None takes ``switches.strided_split``'s rule (the compressed branch in fp16 / bf16,
+    or any dtype under the interpreter); True / False forces it (tests, sweeps). q [B, T, HQ, Dk],
+    k [B, Nk, H, Dk], v [B, Nk, H, Dv], all contiguous, at kernel sizes (``common.kernel_dims``).
+    Returns (o [B, T, HQ, Dv], lse [B, T, HQ] float32)."""
+    b, t, hq, d = q.shape
+    nk, h, dv = k.shape[1], k.shape[2], v.shape[3]
+    o = torch.empty_like(q) if dv == d else q.new_empty(b, t, hq, dv)
+    lse = torch.empty(b, t, hq, device=q.device, dtype=torch.float32)
+    cfg = dict(tile)
+    if switches.strided_fwd_tile is not None and not interpreting():
+        bm, bn, warps, stages = switches.strided_fwd_tile
+        cfg = {"BM": bm, "BN": bn, "num_warps": warps, "num_stages": stages}
+    if split is None:
+        split = switches.strided_split and window == 0 and (q.element_size() == 2 or interpreting())
+    _strided_fwd_kernel[(triton.cdiv(t, cfg["BM"]), b * hq)](
+        q, k, v, o, lse,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        t, nk, hq, hq // h, scale * LOG2E,
+        STRIDE=stride, OFFSET=offset, WINDOW=window, IEEE=is_fp32(q), SPLIT=bool(split),
+        **head_constexprs(d, dv), **cfg,
+    )  # fmt: skip
+    return o, lse
+
+
+def strided_backward(do, q, k, v, o, lse, scale: float, stride: int, offset: int, window: int):
+    """dQ, dK, dV of :func:`strided_forward` (same layouts; dK, dV summed over each group's heads)."""
+    b, t, hq, d = q.shape
+    nk, h, d_v = k.shape[1], k.shape[2], v.shape[3]
+    do = do.contiguous()
+    delta = row_dot(do, o)  # [B, T, HQ]: rowsum(dO * O) = rowsum(P * dP)
+    dq = torch.empty_like(q)
+    dk = torch.zeros(b, nk, h, d, device=q.device, dtype=torch.float32)
+    dv = (
+        torch.zeros_like(dk) if d_v == d else torch.zeros(b, nk, h, d_v, device=q.device, dtype=torch.float32)
+    )
+    cfg = backward_tile(max(d, d_v), q.element_size())
+    common = dict(
+        STRIDE=stride, OFFSET=offset, WINDOW=window, IEEE=is_fp32(q), **head_constexprs(d, d_v), **cfg
+    )
+    _strided_bwd_dq_kernel[(triton.cdiv(t, cfg["BM"]), b * hq)](
+        q, k, v, do, lse, delta, dq,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        t, nk, hq, hq // h, scale * LOG2E, scale, **common,
+    )  # fmt: skip
+    if nk > 0:
+        _strided_bwd_dkdv_kernel[(triton.cdiv(nk, cfg["BN"]), b * hq)](
+            q, k, v, do, lse, delta, dk, dv,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            dk.stride(0), dk.stride(1), dk.stride(2),
+            t, nk, hq, hq // h, scale * LOG2E, scale, **common,
+        )  # fmt: skip
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+class StridedAttention(torch.autograd.Function):
+    """Strided attention with its backward: ``apply(q, k, v, scale, stride, offset, window, tile,
+    switches)`` -> (o, lse); lse carries no gradient."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, stride, offset, window, tile, switches):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        o, lse = strided_forward(q, k, v, scale, stride, offset, window, tile, switches)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.args = (scale, stride, offset, window)
+        ctx.mark_non_differentiable(lse)
+        # lse's gradient is never read: no [B, T, HQ] zeros allocated and filled for it (a launch)
+        ctx.set_materialize_grads(False)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        if do is None:  # only lse was used downstream: nothing reaches q, k, v
+            return (None,) * 9
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = strided_backward(do, q, k, v, o, lse, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def compressed_attention(
+    q: torch.Tensor,
+    k_cmp: torch.Tensor,
+    v_cmp: torch.Tensor,
+    block_len: int = 32,
+    stride: int = 16,
+    scale: float | None = None,
+    switches: Switches | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compressed branch (§3.3.1) with Triton kernels, forward and backward.
+
+    q [B, T, HQ, Dk]; k_cmp [B, Nc, H, Dk], v_cmp [B, Nc, H, Dv] (compressed token i covers positions
+    i d .. i d + l - 1 and is visible from position i d + l - 1 on). Returns (o [B, T, HQ, Dv], lse
+    [B, T, HQ] float32, natural log, -inf where no compressed token is visible yet; lse carries no
+    gradient). Head sizes the kernels do not take are zero-padded (``common.kernel_dims``).
+    """
+    b, t, hq, h, dk, dv = check_qkv("compressed_attention", q, k_cmp, v_cmp)
+    if block_len < 1 or stride < 1:
+        raise ValueError(
+            f"compressed_attention: block_len and stride must be >= 1, got {block_len}, {stride}"
+        )
+    scale = softmax_scale(scale, dk)
+    dk_k, dv_k = kernel_dims(dk, dv)
+    q, k_cmp, v_cmp = pad_heads(q, dk_k), pad_heads(k_cmp, dk_k), pad_heads(v_cmp, dv_k)
+    tile = forward_tile(max(dk_k, dv_k), q.element_size())
+    o, lse = StridedAttention.apply(
+        q, k_cmp, v_cmp, scale, stride, block_len - 1, 0, tile, switches or Switches()
+    )
+    return (o if dv_k == dv else o[..., :dv]), lse

@@ -1,0 +1,98 @@
+"""The kernel choices of the NSA fast path as one frozen object, :class:`Switches`: passed to every entry
+point (``switches=None`` takes the defaults below), saved by each autograd function for its backward.
+Tests, the benchmark and the lab's sweeps build a ``Switches``; nothing else chooses a code path.
+
+The paper's hyper-parameters (l, d, l', n, w) are not here: they are ``reference.NSAConfig``, the
+function being computed; a ``Switches`` only changes how it is computed (or which launch shape runs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SLC_BACKWARDS = ("block-major", "query-major")
+WINDOW_KERNELS = ("strided", "fa4")
+
+
+@dataclass(frozen=True)
+class Switches:
+    """Which kernels run, and the launch shapes that sweeps vary. Each default says when and on what
+    it was measured (results/ holds the files).
+
+    strided_split: the compressed branch's forward walks its key tiles in three loops: the masked
+        tiles at the window's lower edge (none without a window), the interior every query of the tile
+        sees (no mask, no bounds check), the masked tiles at the diagonal; False: one masked loop over
+        every tile (the kernel before 2026-11-27). On an H100 at T = 64k (bf16, 2026-11-27, 5
+        interleaved rounds, results/*-strided-sweep.json) the compressed branch took 10.1 ms split
+        against 12.5 ms in one loop, the whole forward 43.3 against 46.6 ms. The sliding window keeps
+        one loop whatever this says: split, it took the same time (3.88 against 3.83 ms at its 64 x 64
+        tile, within the rounds' range) and spills more (784 against 284 bytes, lab/sm90_check). fp32
+        inputs on a GPU keep one loop too: their tile already spills at D = 128 and the three loops
+        double that. Under the interpreter the compressed branch splits in every dtype, so the CPU
+        tests cover the GPU's path.
+    strided_fwd_tile: (BM, BN, num_warps, num_stages) of the strided forward (both branches) on a GPU,
+        for sweeps; None takes each branch's launch shape (``compression.forward_tile``,
+        ``window.window_tile``, with the measurements behind them).
+    scores_tile: (BM, BJ, num_warps, num_stages) of the block-score kernel: queries and selection
+        blocks per program. None: on a GPU Triton's autotuner picks one of ``selection.SCORES_CONFIGS``
+        at the first call of each shape; under the interpreter (16, 16). The tests set BJ = 32, the
+        GPU configs' other width; a fixed tile on a GPU has not been timed against the autotuner.
+    fused_topk: Eq. 11's top-n and its sort as one Triton kernel (``selection.topk_blocks_fused``)
+        where Ns <= ``selection.FUSED_TOPK_MAX_NS`` and n <= ``selection.FUSED_TOPK_MAX_N`` (else
+        ``torch.topk`` and the sort kernel). On since the H100 run of 2026-11-25 (13:35 UTC):
+        ``test_gpu_fused_topk_is_a_top_n`` passed, and the breakdown at T = 64k timed it at 2.74 ms
+        against 7.70 ms for torch.topk + the sort kernel.
+    slc_backward: the selected branch's backward. "block-major" (``selected.backward_block_major``):
+        dK/dV per KV block over the inverted selection, BQ queries x G heads per matmul, delta fused
+        into the dQ kernel. "query-major" (``selected.backward_query_major``): dK/dV one (block, query)
+        pair at a time with atomics at every block change, kept as the independent cross-check. The
+        block-major one is the default since 2026-11-27: its GPU tests passed (bf16, fp16, fp32;
+        compute-sanitizer clean) and the H100 timed it at 2.75x (8k) and 2.81x (64k) less time than the
+        query-major backward, 2.0x fla's speed for the branch's forward + backward
+        (results/*-slc-bwd.json).
+    slc_bwd_chunk, slc_bwd_rows, slc_bwd_stages: the block-major dK/dV kernel's queries per work item,
+        rows of its query tile and software-pipelining stages, for sweeps; None takes the tuned
+        launch shape (``selected.BLOCK_MAJOR_CHUNK``, ``BLOCK_MAJOR_ROWS``, ``BLOCK_MAJOR_STAGES`` on
+        a GPU in fp16 / bf16, with the measurements behind them; smaller ones in fp32 and under the
+        interpreter). A value given is used as it is, under the interpreter too (the CPU tests set
+        small chunks so that a block's queries span several work items).
+    fused_gate: Eq. 5's gated sum as one Triton kernel (``gate.gated_sum_fused``) instead of five
+        PyTorch ops (for head dims that are powers of two: all the kernels take). On since its first
+        H100 run (2026-11-25): ``test_gpu_fused_gated_sum_bf16`` passed, and the 64k breakdown timed
+        it at 1.40 ms against 6.13 ms for the PyTorch ops (which read and write 1 GB tensors eight
+        times).
+    window_kernel: the sliding-window branch's kernels. "strided" (``compression.py``'s strided
+        kernels at stride 1: the window forward at 44% of cuDNN's rate per FLOP on an H100 at 64k,
+        2026-11-27), or "fa4": ``repro.fa4``'s attention with a sliding window, (w - 1, 0) in
+        flash-attn's terms (issue #39). Off by default: repro.fa4's window is new code that has not run
+        on a GPU (``window.fa4_window_available`` says whether this checkout's repro.fa4 has one); the
+        bench times it as its ``nsa-fa4win`` rows.
+    """
+
+    strided_split: bool = True
+    strided_fwd_tile: tuple[int, int, int, int] | None = None
+    scores_tile: tuple[int, int, int, int] | None = None
+    fused_topk: bool = True
+    slc_backward: str = "block-major"
+    slc_bwd_chunk: int | None = None
+    slc_bwd_rows: int | None = None
+    slc_bwd_stages: int | None = None
+    fused_gate: bool = True
+    window_kernel: str = "strided"
+
+    def __post_init__(self) -> None:
+        if self.slc_backward not in SLC_BACKWARDS:
+            raise ValueError(
+                f"Switches: slc_backward = {self.slc_backward!r}, expected one of {SLC_BACKWARDS}"
+            )
+        if self.window_kernel not in WINDOW_KERNELS:
+            raise ValueError(
+                f"Switches: window_kernel = {self.window_kernel!r}, expected one of {WINDOW_KERNELS}"
+            )
+        for name in ("strided_fwd_tile", "scores_tile"):
+            tile = getattr(self, name)
+            if tile is not None and (len(tile) != 4 or not all(isinstance(x, int) and x >= 1 for x in tile)):
+                raise ValueError(f"Switches: {name} = {tile!r}, expected four positive ints or None")
+        for name in ("slc_bwd_chunk", "slc_bwd_rows", "slc_bwd_stages"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"Switches: {name} must be >= 1, got {getattr(self, name)}")

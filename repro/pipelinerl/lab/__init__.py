@@ -1,0 +1,1 @@
+"""Measurements and diagnosis, never imported by the fast path."""
