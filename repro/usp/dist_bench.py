@@ -31,7 +31,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import re
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -609,7 +609,12 @@ def mode_selfcheck(ctx: Ctx, args) -> None:
         if dtype == torch.float32 and ctx.cuda:
             torch.backends.cuda.matmul.allow_tf32 = False
         rows, f = run_checks(
-            dtype=dtype, seq=64 * ctx.world, backend="auto", device=ctx.device, head_groups=hg
+            dtype=dtype,
+            seq=64 * ctx.world,
+            backend="auto",
+            device=ctx.device,
+            head_groups=hg,
+            groups=ctx.groups,
         )
         lines += [f"{str(dtype)[6:]:9s} hg{hg} {r}" for r in rows]
         failed += f
@@ -676,7 +681,9 @@ def mode_timeline(ctx: Ctx, args) -> None:
         columns=["config", "rank", "lane", "lane_index", "t_ms", "level"], measure_ceilings=False, packages=PACKAGES,
         notes=("Square waves from the same traces: lane 0 compute (attention and the rest), 1 all-to-all, "
                "2 ring P2P; high while at least one kernel of that kind runs. Gaps shorter than 0.5% of the "
-               "step (doubled until a lane has at most 16 pulses) are merged. Time from the rank's first kernel."),
+               "step (doubled until a lane has at most 16 pulses) are merged. Time from the moment every rank "
+               "had started its step (the last rank's first kernel; one host, one clock): earlier intervals "
+               "are cut there, in the summary too."),
     )  # fmt: skip
     full = make_inputs(ctx, 1, S)
     for c in _timeline_configs(ctx):
@@ -693,31 +700,31 @@ def mode_timeline(ctx: Ctx, args) -> None:
                                   backend=c["backend"], head_groups=c["head_groups"])  # fmt: skip
                 _grad(o, leaves, do)
 
-            slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-            path = ctx.out / "traces" / f"{slug}-rank{ctx.rank}.json.gz"
+            path = ctx.out / "traces" / f"{timeline.trace_slug(name)}-rank{ctx.rank}.json.gz"
             timeline.profile_step(step, path, warmup=2, sync=ctx.sync, barrier=dist.barrier)
-            ivs = timeline.parse_trace(timeline.load_trace(path))
-            mine = {"summary": timeline.summarize(ivs), "waves": timeline.wave_rows(ivs), "n": len(ivs)}
+            mine = {"intervals": timeline.parse_trace(timeline.load_trace(path))}
         except Exception as exc:
             traceback.print_exc()
             mine = {"error": f"{type(exc).__name__}: {exc}"}
         got = [None] * ctx.world
-        dist.all_gather_object(got, mine)
+        dist.all_gather_object(got, mine)  # every rank's intervals: rank 0 aligns them on the host's clock
         if ctx.rank == 0:
-            for r, m in enumerate(got):
-                if "error" in m:
+            errors = [(r, m["error"]) for r, m in enumerate(got) if "error" in m]
+            for r, err in errors:
+                print(f"[timeline] {name} rank {r}: {err}", flush=True)
+            if errors:
+                for r in range(ctx.world):
                     summary.add(config=name, rank=r, kernels=None, step_ms=None)
-                    print(f"[timeline] {name} rank {r}: {m['error']}", flush=True)
-                    continue
-                summary.add(config=name, rank=r, kernels=m["n"], **m["summary"])
-                for row in m["waves"]:
-                    waves.add(config=name, rank=r, **row)
+                continue
+            rows, picture = timeline.config_rows([m["intervals"] for m in got])
+            for row in rows:
+                summary.add(config=name, **row)
+            for row in picture:
+                waves.add(config=name, **row)
     if ctx.rank == 0:
         names = list(dict.fromkeys(r["config"] for r in waves.rows))
         for n in names[:2]:  # the picture of the hybrid, causal and not; the others are in the table
-            waves.plot(
-                title=f"timeline: {n}", x="t_ms", y="level", series="lane", where={"config": n}, facet="rank"
-            )
+            waves.plot(**timeline.picture_plot(n))
         waves.rows = [r for r in waves.rows if r["config"] in names[:2]]
         summary.write(out_dir=ctx.out, tag=f"timeline-{ctx.world}gpu", env=_env(ctx))
         waves.write(out_dir=ctx.out, tag=f"timeline-picture-{ctx.world}gpu", env=_env(ctx))
@@ -872,9 +879,17 @@ def main(argv=None) -> int:
             print(f"[dist_bench] rank {ctx.rank}: mode {m} failed", flush=True)
             traceback.print_exc()
         _free(ctx)
-    dist.destroy_process_group()
+    dist.barrier()  # every rank is past its last collective
     return status
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # Leave without destroying the process groups: NCCL destroys its communicators one by one, and with
+    # the dozens a run creates that took longer than the plan's steps leave for it (2 H100s,
+    # 2026-11-28: still at 19 of 31 communicators after 6 s when the smoke step's timeout killed it;
+    # 4 H100s: the dpsp step, its rows written, likewise). Every rank is past its last collective, the
+    # results are written, and NCCL writes its log a line at a time (the comm report reads it).
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -2,7 +2,7 @@
 # USP on several GPUs (issues #33, #37): the whole GPU plan in one command, from the repository root.
 #
 #   BUDGET_S=520 bash repro/usp/gpu_plan.sh      # the full plan on a 4-GPU host (4 x H100 or H200)
-#   SMOKE=1 bash repro/usp/gpu_plan.sh           # every code path at toy sizes on the GPUs given (2), ~60 s
+#   SMOKE=1 bash repro/usp/gpu_plan.sh           # every code path at toy sizes on the GPUs given (2), ~100 s
 #
 # Every step runs under its own `timeout`, cut to what is left of BUDGET_S (the whole plan ends within
 # it, packing included); a failing step is logged and the next one runs. Results: paperclub.bench
@@ -14,13 +14,13 @@
 # The last lines printed are a summary table of the steps.
 #
 # Steps of the full plan, in priority order, with the time each is given (estimated need in brackets):
-#   setup      peers (yunchang wheel from .whl/), topology                                    10 s  [3]
+#   setup      peers (yunchang wheel from .whl/), topology                                    20 s  [12]
 #   checks     torchrun: selfcheck (every split/layout/mask, bf16+fp32) and the profiler
 #              timeline (hybrid causal and not, ring, Ulysses +- pipeline, flash kernel)    70 s  [45]
 #   sweep      torchrun: weak scaling 1/2/G GPUs at 16k, 64k, 32k per GPU, strong scaling
 #              at 128k, every split, zigzag vs contiguous, flash vs cuDNN                   170 s  [165]
 #   peers      torchrun: torch context parallel and yunchang beside ours                     90 s  [88]
-#   dpsp       torchrun: data vs sequence parallel at equal global batch                     40 s  [38]
+#   dpsp       torchrun: data vs sequence parallel at equal global batch                     45 s  [38]
 #   comm       torchrun with NCCL_DEBUG=INFO: bytes per rank counted / formula / NCCL / NVLink,
 #              MHA vs GQA                                                                     35 s  [30]
 #   comm-report  the comm Report from the NCCL logs                                          8 s  [3]
@@ -38,7 +38,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 PEERS=/tmp/usp-peers
 export PYTHONPATH=$PEERS:$ROOT/site:$ROOT
 SMOKE=${SMOKE:-0}
-if [ "$SMOKE" = 1 ]; then BUDGET_S=${BUDGET_S:-68}; else BUDGET_S=${BUDGET_S:-520}; fi
+if [ "$SMOKE" = 1 ]; then BUDGET_S=${BUDGET_S:-120}; else BUDGET_S=${BUDGET_S:-520}; fi
 OUT=${OUT:-/tmp/usp-out}
 STAGE=$(mktemp -d /tmp/usp-stage.XXXX)
 RES=$STAGE/repro/usp/results
@@ -105,27 +105,32 @@ export PEERS ROOT RAW
 if [ "$SMOKE" = 1 ]; then
   # one launch runs every mode at toy sizes (NCCL's log on, for the comm report's parser); the
   # one-GPU benchmark and a subset of the GPU tests run beside it (numbers mean nothing here)
-  step setup 10 bash -c setup
+  step setup 20 bash -c setup
   (CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} timeout 45 python3 -m repro.usp.bench --out "$RES" --tag smoke \
      --device "$DEVICE" --seqs 2048 --backends auto sdpa --budget-s 30 >"$RAW/logs/kernels.log" 2>&1; echo "kernels rc=$?" >>"$RAW/logs/kernels.log") &
   KPID=$!
   (timeout 45 python3 -m pytest repro/usp/tests/test_gpu.py -m gpu -q -p no:cacheprovider -x -k "auto or multi" \
      >"$RAW/logs/tests.log" 2>&1; echo "tests rc=$?" >>"$RAW/logs/tests.log") &
   TPID=$!
-  step all-modes 45 env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,COLL NCCL_DEBUG_FILE="$RAW/nccl/nccl.%h.%p" \
-    $RUN $DB --smoke --mode selfcheck,timeline,sweep,peers,dpsp,comm --budget-s 28
+  # each of sweep, peers, dpsp and comm has a budget of its own, so that every mode runs at least
+  # one block (with one shared budget of 28 s the first run spent it on selfcheck, timeline and one
+  # sweep block: peers, dpsp and comm ran nothing); the step leaves ~20 s for start-up (11 s measured)
+  step all-modes 85 env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,COLL NCCL_DEBUG_FILE="$RAW/nccl/nccl.%h.%p" \
+    $RUN $DB --smoke --mode selfcheck,timeline,sweep,peers,dpsp,comm --budget-s 30 \
+    --mode-budget sweep=10 --mode-budget peers=10 --mode-budget dpsp=6 --mode-budget comm=14
   wait $KPID $TPID
   STEPS+=("kernels|$(tail -1 "$RAW/logs/kernels.log")|-|45|beside the torchrun")
   STEPS+=("tests|$(tail -1 "$RAW/logs/tests.log")|-|45|$(grep -E 'passed|failed' "$RAW/logs/tests.log" | tail -1 | cut -c1-80)")
   RESERVE=6
   step comm-report 6 python3 -m repro.usp.dist_bench --mode comm-report --out "$RES" --nccl-log-dir "$RAW/nccl"
 else
-  # dist_bench's --budget-s counts from after its start-up (imports, NCCL): about 15 s less than the step
-  step setup 10 bash -c setup
+  # dist_bench's --budget-s counts from after its start-up (imports, NCCL: 11-14 s measured on 2026-11-28),
+  # so each step's limit is 15-20 s above it (the process no longer destroys its communicators at the end)
+  step setup 20 bash -c setup
   step checks 70 $RUN $DB --mode selfcheck,timeline --budget-s 52
   step sweep 170 $RUN $DB --mode sweep --budget-s 150
   step peers 90 $RUN $DB --mode peers --budget-s 72
-  step dpsp 40 $RUN $DB --mode dpsp --budget-s 25
+  step dpsp 45 $RUN $DB --mode dpsp --budget-s 25
   step comm 35 env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,COLL NCCL_DEBUG_FILE="$RAW/nccl/nccl.%h.%p" \
     $RUN $DB --mode comm --budget-s 20
   step comm-report 8 python3 -m repro.usp.dist_bench --mode comm-report --out "$RES" --nccl-log-dir "$RAW/nccl"

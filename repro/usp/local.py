@@ -21,10 +21,11 @@ float64 inputs), and ``backward`` using the o and lse it is given, not those of 
   one SDPA call, most of it this).
 * ``"auto"`` (the default of :func:`repro.usp.usp_attention`): ``"sdpa_cudnn"`` for CUDA fp16/bf16
   with D <= 128, falling back to ``"sdpa"`` if cuDNN refuses the call; ``"sdpa"`` everywhere else.
-* ``"fa4"``: the group's Triton kernel, :mod:`repro.fa4`. Its forward stores the LSE (in log2
-  units: converted here) and its backward takes o and LSE as inputs, so it serves the ring as is.
-  ``"fa4_gluon"``: the same with fa4's warp-specialised Gluon forward (Hopper only); its backward is
-  fa4's default (the Gluon backward on Hopper).
+* ``"fa4"``: the group's Triton kernels, through :mod:`repro.fa4`'s entry points for callers that
+  keep the LSE themselves (:func:`repro.fa4.attention_forward` returns it in natural log,
+  :func:`repro.fa4.attention_backward` takes o and LSE as inputs), so they serve the ring as is.
+  ``"fa4_gluon"``: the same with fa4's warp-specialised Gluon forward (Hopper only). Both run FA2's
+  two-kernel Triton backward (``Switches(bwd="fa2")``), the backward this backend has always run.
 
 GQA: the PyTorch kernels take K/V with as many heads as Q, so those backends expand K/V for each
 call and fold dK/dV back; at the lengths this package is for (a block of thousands of tokens) the
@@ -34,15 +35,11 @@ O(S_q S_k)). fa4 takes GQA natively.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from repro.usp import reference
 
 __all__ = ["BACKENDS", "LocalAttention", "get_backend"]
-
-LN2 = math.log(2.0)
 
 
 class LocalAttention:
@@ -168,47 +165,46 @@ class CudnnAttention(SdpaAttention):
 
 
 class Fa4Attention(LocalAttention):
-    """repro.fa4's Triton forward and backward (its internal entry points, default switches; with
-    ``gluon=True`` its Gluon forward). Every use of repro.fa4 in this package is in this class.
+    """repro.fa4's kernels through its public :func:`~repro.fa4.attention_forward` (the forward and its
+    natural-log LSE) and :func:`~repro.fa4.attention_backward` (gradients from a given o and LSE), with
+    ``Switches(gluon=gluon, bwd="fa2")``: the Triton forward (or, with ``gluon=True``, the Gluon
+    forward) and FA2's two-kernel Triton backward. Every use of repro.fa4 in this package is here.
 
-    Limits are fa4's: D in {64, 128} (16, 32 too under the interpreter), fp16/bf16 (fp32 too under
-    the interpreter), CUDA or TRITON_INTERPRET=1; ``gluon=True`` needs a Hopper GPU.
+    Why ``bwd="fa2"``: it is the backward this backend ran before fa4 had public entry points (the
+    internal dispatch ran "fa2" for a config resolved without tensors), so the ring's GPU tests and
+    benchmark rows stay comparable; fa4's own default on Hopper is now its Gluon backward.
+
+    Limits are fa4's: fp16/bf16 (fp32 too under the interpreter), head sizes up to 256 (64 and 128 are
+    the GPU-verified tiles; others are padded to a tile), CUDA or TRITON_INTERPRET=1; ``gluon=True``
+    needs a Hopper GPU and D 64 or 128. fa4 checks the inputs and names what is wrong.
     """
 
     def __init__(self, gluon: bool = False):
         self.gluon = gluon
         self.name = "fa4_gluon" if gluon else "fa4"
 
-    def _switches(self, q):
+    def _config(self, q):
         from paperclub.triton_compat import interpreting
-        from repro.fa4 import TEST_HEAD_DIMS, Switches, _check, _resolve
+        from repro.fa4 import Switches
 
-        interp = interpreting()
-        if q.device.type != "cuda" and not interp:
+        if q.device.type != "cuda" and not interpreting():
             raise RuntimeError(f"local attention '{self.name}' needs CUDA, or TRITON_INTERPRET=1 on CPU")
         if self.gluon and q.device.type != "cuda":
             raise RuntimeError("local attention 'fa4_gluon' is a Hopper GPU kernel; it does not run on CPU")
-        dtypes = (torch.float16, torch.bfloat16) + ((torch.float32,) if interp else ())
-        return _check, TEST_HEAD_DIMS, dtypes, _resolve(Switches(gluon=self.gluon), q.shape[-1], interp)
+        return Switches(gluon=self.gluon, bwd="fa2")
 
     def forward(self, q, k, v, causal, scale):
-        from repro.fa4 import _forward
+        from repro.fa4 import attention_forward
 
-        check, dims, dtypes, sw = self._switches(q)
-        check(q, k, v, causal, dims, dtypes)
-        o, lse2, _ = _forward(q, k, v, causal, scale, sw)
-        return o, lse2 * LN2, None  # the kernel keeps log2(sum 2^(s log2 e)): natural log = log2 * ln 2
+        o, lse = attention_forward(q, k, v, causal=causal, scale=scale, config=self._config(q))
+        return o, lse, None
 
     def backward(self, do, q, k, v, o, lse, causal, scale, aux):
-        from repro.fa4 import _backward
+        from repro.fa4 import attention_backward
 
-        _, _, _, sw = self._switches(q)
-        lse2 = (lse.float() / LN2).contiguous()
-        # fa4's backward indexes dO and dQ with q's strides: every input must be contiguous (the ring
-        # hands in slices of its local sequence, which are not)
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        do, o = do.to(q.dtype).contiguous(), o.to(q.dtype).contiguous()
-        return _backward(do, q, k, v, o, lse2, causal, scale, sw)
+        # attention_backward makes its inputs contiguous (the ring hands in slices of its local
+        # sequence) and casts do and o to q's dtype
+        return attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale, config=self._config(q))
 
 
 class AutoAttention(LocalAttention):

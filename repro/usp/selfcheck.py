@@ -22,10 +22,13 @@ from repro.usp.reference import attention
 
 
 def run_checks(
-    *, dtype: torch.dtype, seq: int, backend: str, device, head_groups: int = 1
+    *, dtype: torch.dtype, seq: int, backend: str, device, head_groups: int = 1, groups=None
 ) -> tuple[list[str], int]:
     """Every factorisation, layout and mask on the initialised world; returns (table rows, failures).
-    Collective: every rank calls it with the same arguments."""
+    Collective: every rank calls it with the same arguments. ``groups(P_u, P_r)`` gives the (Ulysses,
+    ring) groups of a mesh, default :func:`repro.usp.make_groups` (new groups on every call); a caller
+    that checks several times passes a cache, so that each mesh's communicators are made once."""
+    groups = groups or make_groups
     world = dist.get_world_size()
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     B, H, H_kv, D = 2, 8, 2, 64
@@ -42,7 +45,7 @@ def run_checks(
         o_ref.backward(full[3].float())
         ref = [o_ref.detach(), *(t.grad for t in leaves)]
         for pu in [u for u in range(1, world + 1) if world % u == 0 and H % u == 0]:
-            ug, rg = make_groups(pu, world // pu)
+            ug, rg = groups(pu, world // pu)
             sp_rank = dist.get_rank(rg) * pu + dist.get_rank(ug)
             for layout in ("zigzag", "contiguous"):
                 q, k, v, do = (shard(t, world, sp_rank, layout).clone() for t in full)

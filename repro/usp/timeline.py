@@ -16,8 +16,14 @@ and the idle time. :func:`wave_rows` turns the intervals into rows the site can 
 wave per kind (a logic-analyser picture: high while busy), with short gaps merged so that each kind
 has a bounded number of pulses.
 
-Each rank's clock is its own; every rank's picture starts at its first kernel of the step (the step
-starts after a barrier, so the ranks start within a few microseconds of each other).
+The ranks of one host share its clock, so their traces line up: :func:`aligned` cuts every rank's
+intervals to the moment the last rank started its step, and the pictures of all ranks share that
+origin. (The step starts after a barrier, but a rank whose profiler starts slowly starts late; the
+others then wait in their first collective. The profiler is started once before the barrier for
+that reason: on 4 H100s on 2026-11-28, without it, the first profiled configuration's ranks started
+up to 980 ms apart, the later ones within 2.5 ms.) :func:`config_rows` gives one configuration's
+summary and picture rows from the ranks' intervals; ``python -m repro.usp.timeline`` rebuilds the
+timeline results from a run's traces.
 """
 
 from __future__ import annotations
@@ -25,10 +31,24 @@ from __future__ import annotations
 import bisect
 import gzip
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["KINDS", "Interval", "parse_trace", "profile_step", "summarize", "union_ms", "wave_rows"]
+__all__ = [
+    "KINDS",
+    "Interval",
+    "aligned",
+    "config_rows",
+    "parse_trace",
+    "picture_plot",
+    "profile_step",
+    "rebuild",
+    "summarize",
+    "trace_slug",
+    "union_ms",
+    "wave_rows",
+]
 
 KINDS = ("attention", "other compute", "all-to-all", "ring P2P", "comm (other)")
 COMPUTE = ("attention", "other compute")
@@ -57,6 +77,11 @@ def profile_step(step, path: Path, *, warmup: int = 2, sync=None, barrier=None) 
     for _ in range(warmup):
         step()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    # the profiler's first start (CUPTI on a GPU) takes up to a second, and not the same on every rank:
+    # pay it here, before the barrier, not inside the profiled step
+    with profile(activities=activities):
+        if sync:
+            sync()
     if sync:
         sync()
     if barrier:
@@ -209,14 +234,15 @@ def summarize(intervals: list[Interval]) -> dict[str, float]:
     return out
 
 
-def wave_rows(intervals: list[Interval], *, max_pulses: int = 16) -> list[dict]:
+def wave_rows(intervals: list[Interval], *, max_pulses: int = 16, origin: float | None = None) -> list[dict]:
     """Square-wave rows {lane, lane_index, t_ms, level} for the site's line plots: per lane
     (compute, all-to-all, ring P2P) the level is lane_index while idle and lane_index + 0.8 while busy,
-    time from the step's first kernel. Gaps are merged (doubling the gap from 0.5% of the step) until
-    a lane has at most ``max_pulses`` pulses, so the table stays small."""
+    time from ``origin`` (microseconds on the trace's clock; default the step's first kernel). Gaps
+    are merged (doubling the gap from 0.5% of the step) until a lane has at most ``max_pulses``
+    pulses, so the table stays small."""
     if not intervals:
         return []
-    t0 = min(iv.start for iv in intervals)
+    t0 = min(iv.start for iv in intervals) if origin is None else origin
     t1 = max(iv.end for iv in intervals)
     rows = []
     for i, (lane, kinds) in enumerate(LANES.items()):
@@ -236,3 +262,109 @@ def wave_rows(intervals: list[Interval], *, max_pulses: int = 16) -> list[dict]:
         pts.append(((t1 - t0) / 1e3, i))
         rows += [{"lane": lane, "lane_index": i, "t_ms": t, "level": y} for t, y in pts]
     return rows
+
+
+def aligned(per_rank: list[list[Interval]]) -> tuple[float, list[list[Interval]]]:
+    """(start, the ranks' intervals from ``start`` on): ``start`` is the latest of the ranks' first
+    kernels (the traces of one host share its clock); an interval that began earlier (a rank waiting
+    in its first collective for the late one) is cut to begin there, one that ended earlier dropped."""
+    firsts = [min(iv.start for iv in ivs) for ivs in per_rank if ivs]
+    if not firsts:
+        return 0.0, [list(ivs) for ivs in per_rank]
+    start = max(firsts)
+    cut = [
+        [
+            iv if iv.start >= start else Interval(iv.kind, iv.name, start, iv.end)
+            for iv in ivs
+            if iv.end > start
+        ]
+        for ivs in per_rank
+    ]
+    return start, cut
+
+
+def config_rows(per_rank: list[list[Interval]]) -> tuple[list[dict], list[dict]]:
+    """One configuration's rows from every rank's intervals (index = rank), after :func:`aligned`:
+    the summary per rank ({rank, kernels, **summarize}) and the picture's square waves per rank
+    ({rank, **wave_rows}, time from the common start)."""
+    start, cut = aligned(per_rank)
+    summary, waves = [], []
+    for rank, ivs in enumerate(cut):
+        summary.append({"rank": rank, "kernels": len(ivs), **summarize(ivs)})
+        waves += [{"rank": rank, **w} for w in wave_rows(ivs, origin=start)]
+    return summary, waves
+
+
+def trace_slug(config: str) -> str:
+    """The file name stem of a configuration's traces (``usp 2x2 causal S=64k`` -> ``usp-2x2-causal-s-64k``)."""
+    return re.sub(r"[^a-z0-9]+", "-", config.lower()).strip("-")
+
+
+def picture_plot(config: str) -> dict:
+    """The site's plot of one configuration's square waves: a figure per rank, a line per lane."""
+    return {"title": f"timeline: {config}", "x": "t_ms", "y": "level", "series": "lane",
+            "where": {"config": config}, "facet": "rank", "logx": False, "logy": False}  # fmt: skip
+
+
+def rebuild(
+    traces: Path, summary_file: Path, picture_file: Path, world: int, pictured: list[str] | None = None
+) -> None:
+    """Recompute the rows of a run's timeline summary and picture (Report JSON files, rewritten in
+    place, their date, device and versions kept) from its traces ``<slug>-rank<r>.json.gz``, with the
+    ranks aligned (:func:`aligned`); the configurations are the summary's, the picture's those it
+    holds or ``pictured`` (then its plots are redrawn for them)."""
+    summary_doc = json.loads(summary_file.read_text(encoding="utf-8"))
+    picture_doc = json.loads(picture_file.read_text(encoding="utf-8"))
+    configs = list(dict.fromkeys(r["config"] for r in summary_doc["rows"]))
+    if pictured:
+        unknown = [c for c in pictured if c not in configs]
+        if unknown:
+            raise ValueError(
+                f"rebuild: pictured configurations {unknown} are not in {summary_file}: {configs}"
+            )
+        picture_doc["plots"] = [picture_plot(c) for c in pictured]
+    else:
+        pictured = list(dict.fromkeys(r["config"] for r in picture_doc["rows"]))
+    summary_rows, picture_rows = [], []
+    for config in configs:
+        per_rank = [
+            parse_trace(load_trace(traces / f"{trace_slug(config)}-rank{r}.json.gz")) for r in range(world)
+        ]
+        summary, waves = config_rows(per_rank)
+        summary_rows += [{"config": config, **row} for row in summary]
+        if config in pictured:
+            picture_rows += [{"config": config, **row} for row in waves]
+    note = (
+        " Rows rebuilt from the run's traces by python -m repro.usp.timeline: each rank's intervals from "
+        "the moment every rank had started its step (one host, one clock), the picture's time from there."
+    )
+    for doc, rows, path in (
+        (summary_doc, summary_rows, summary_file),
+        (picture_doc, picture_rows, picture_file),
+    ):
+        doc["rows"] = rows
+        doc["notes"] = doc.get("notes", "").replace(" Time from the rank's first kernel.", "")
+        if note not in doc["notes"]:
+            doc["notes"] = doc.get("notes", "") + note
+        path.write_text(json.dumps(doc, indent=1, default=str) + "\n", encoding="utf-8")
+
+
+def main(argv=None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(
+        description="Rebuild a run's timeline results from its traces (ranks aligned)."
+    )
+    ap.add_argument("traces", type=Path, help="the folder of <slug>-rank<r>.json.gz traces")
+    ap.add_argument("summary", type=Path, help="the timeline summary Report (…-timeline-<G>gpu.json)")
+    ap.add_argument("picture", type=Path, help="the timeline picture Report (…-timeline-picture-<G>gpu.json)")
+    ap.add_argument("--world", type=int, required=True, help="ranks of the run")
+    ap.add_argument("--picture-config", action="append", default=None, metavar="CONFIG",
+                    help="a configuration to draw (repeatable; default: those the picture holds)")  # fmt: skip
+    args = ap.parse_args(argv)
+    rebuild(args.traces, args.summary, args.picture, args.world, args.picture_config)
+    print(f"rebuilt {args.summary} and {args.picture}")
+
+
+if __name__ == "__main__":
+    main()

@@ -3,7 +3,7 @@
 :func:`mode_comm` (a mode of :mod:`repro.usp.dist_bench`) runs every split of the world, MHA against
 GQA, and records per rank the bytes repro.usp.comm counted, the formulas of :mod:`repro.usp.cost`,
 and the NVLink data counters over the same region; it brackets the forward and the backward with
-marker all-reduces of unusual sizes. After the run (NCCL flushes its log at exit),
+marker all-reduces of unusual sizes. After the run (NCCL writes its log a line at a time),
 :func:`comm_report` reads NCCL's own log (NCCL_DEBUG=INFO, NCCL_DEBUG_SUBSYS=INIT,COLL,
 NCCL_DEBUG_FILE) between the markers (:func:`nccl_sent_bytes`) and writes the Report.
 """

@@ -123,7 +123,7 @@ def test_auto_backend_world_one_on_gpu(dtype, D, S):
 
 @pytest.mark.gpu
 def test_fa4_gluon_backend_ring_on_gpu():
-    """repro.fa4's Gluon forward (and its default backward) as the ring's local attention (Hopper)."""
+    """repro.fa4's Gluon forward (with FA2's Triton backward) as the ring's local attention (Hopper)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("fa4_gluon is a Hopper (sm_90) kernel")
     _emulated("fa4_gluon", True, "zigzag")

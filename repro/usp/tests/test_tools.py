@@ -76,6 +76,22 @@ def test_timeline_waves_stay_small():
     assert 0 < len(rows) <= 3 * (2 + 4 * 16)
 
 
+def test_timeline_aligns_the_ranks_on_the_hosts_clock():
+    """Rank 0 starts at 0 us and waits in an all-to-all until rank 1, which started at 900 us, joins:
+    both ranks' rows start at 900 us; rank 0's early compute is dropped, its wait cut to begin there;
+    the picture's time counts from 900 us on both ranks."""
+    iv = timeline.Interval
+    rank0 = [iv("attention", "a", 0, 100), iv("all-to-all", "n", 100, 1000), iv("attention", "a", 1000, 1500)]
+    rank1 = [iv("all-to-all", "n", 900, 1000), iv("attention", "a", 1000, 1500)]
+    start, (cut0, cut1) = timeline.aligned([rank0, rank1])
+    assert start == 900
+    assert cut0 == [iv("all-to-all", "n", 900, 1000), iv("attention", "a", 1000, 1500)] and cut1 == rank1
+    summary, waves = timeline.config_rows([rank0, rank1])
+    assert [s["step_ms"] for s in summary] == pytest.approx([0.6, 0.6])
+    assert [s["exposed_comm_ms"] for s in summary] == pytest.approx([0.1, 0.1])
+    assert min(w["t_ms"] for w in waves) == 0 and max(w["t_ms"] for w in waves) == pytest.approx(0.6)
+
+
 def test_timeline_capture_runs_on_cpu(tmp_path):
     """profile_step writes a readable trace (on CPU it has no device intervals)."""
     path = timeline.profile_step(lambda: torch.ones(4) * 2, tmp_path / "t.json.gz", warmup=1)

@@ -26,6 +26,7 @@ from repro.usp.tests.sections import (
     DEEPSPEED_SECTION,
     GQA_SECTION,
     HYBRID_SECTION,
+    PRACTICE_SECTION,
     RING_SECTION,
     ULYSSES_SECTION,
 )
@@ -187,6 +188,64 @@ def test_zigzag_balances_causal_work(world4, case, p, data):
     assert counts["contiguous"] == sorted(counts["contiguous"]) and len(set(counts["contiguous"])) == len(
         counts["contiguous"]
     ), f"contiguous should grow with the ring rank: {counts['contiguous']}"
+
+
+@pytest.mark.claim("usp/zigzag-faster", section=BALANCE_SECTION)
+@settings(max_examples=4, **SETTINGS)
+@given(case=cases(causal=True, layout="zigzag"), p=st.integers(2, 4), data=st.data())
+def test_zigzag_and_contiguous_rows_compare_like_with_like(world4, case, p, data):
+    """usp/zigzag-faster is measured by the benchmark (its zigzag and contiguous rows of one split, in
+    the same rounds); what a test can check is that those rows differ in the layout alone: for any
+    split with a ring, both layouts compute single-device attention and its gradients, every rank
+    sends the same bytes, and the ranks compute the same unmasked pairs in all. So the time between
+    them is how the work is spread (usp/zigzag-balanced), not more or less work or traffic."""
+    pu = data.draw(st.sampled_from([d for d in _divisors(p) if d < p]))  # ring degree >= 2
+    base = {**case.__dict__, "ulysses": pu, "ring": p // pu, "H": pu * (1 + case.H % 2), "H_kv": pu}
+    base["S"] = 2 * p * data.draw(st.integers(1, 2))
+    got = {}
+    for layout in ("zigzag", "contiguous"):
+        c = Case(**{**base, "layout": layout})
+        check_exact(world4, c)
+        got[layout] = {
+            r["sp_rank"]: (r["bytes"], r["pairs"]) for r in run(world4, c) if r and r["replica"] == 0
+        }
+    for rank, (sent, _) in got["zigzag"].items():
+        assert sent == got["contiguous"][rank][0], f"rank {rank}: the layouts must send the same bytes"
+    assert sum(n for _, n in got["zigzag"].values()) == sum(n for _, n in got["contiguous"].values())
+
+
+@pytest.mark.claim("usp/dp-beats-sp-large-batch", section=PRACTICE_SECTION)
+@settings(max_examples=4, **SETTINGS)
+@given(case=cases(layout="zigzag", max_p=4), data=st.data())
+def test_data_and_sequence_parallel_rows_compare_like_with_like(world4, case, data):
+    """usp/dp-beats-sp-large-batch is measured by the benchmark (its dpsp rows: a global batch of
+    sequences over the GPUs, data parallel against every SP split); what a test can check is that the
+    rows compare like with like: with b sequences per rank whole (data parallel) or b P sequences over
+    an SP group of P, both compute single-device attention and every rank does the same attention
+    work (batch x heads x unmasked pairs), while data parallel sends nothing and SP the analysis'
+    bytes, more than nothing. The measured difference is SP's communication and its smaller blocks."""
+    if case.P == 1:
+        case = Case(
+            **{**case.__dict__, "ulysses": 2, "H": 2 * case.H, "H_kv": 2 * case.H_kv, "S": 4 * case.S}
+        )
+    b = data.draw(st.integers(1, 2))
+    dp = Case(**{**case.__dict__, "ulysses": 1, "ring": 1, "B": b})
+    sp = Case(**{**case.__dict__, "B": b * case.P})
+
+    def work(c: Case, r: dict) -> int:
+        return c.B * (c.H // c.ulysses) * r["pairs"]
+
+    dp_ranks = check_exact(world4, dp)
+    assert all(sum(r["bytes"].values()) == 0 for r in dp_ranks), "data parallel sends no activations"
+    sp_ranks = check_exact(world4, sp)
+    elem = torch.tensor([], dtype=worker.DTYPES[sp.dtype]).element_size()
+    want = bytes_per_rank(
+        B=sp.B, S=sp.S, H=sp.H, H_kv=sp.H_kv, D=sp.D, ulysses_degree=sp.ulysses, ring_degree=sp.ring,
+        elem=elem, acc=max(elem, 4),
+    )  # fmt: skip
+    for r in sp_ranks:
+        assert sum(r["bytes"].values()) == sum(want.values()) > 0
+        assert work(sp, r) == work(dp, dp_ranks[0]), (sp, r["pairs"], dp_ranks[0]["pairs"])
 
 
 @pytest.mark.claim("usp/comm-volume", section=COMM_SECTION)
