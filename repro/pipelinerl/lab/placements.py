@@ -16,7 +16,8 @@ show and the paper page's findings rest on:
   completion length), and the reward of the first steps, which every mode takes from the same
   initial weights.
 
-Reads only; never imported by the reproduction's code.
+Reads only; never imported by the reproduction's code. The digest of the four-H100 run of 28 November
+2026 is ``results/placements-raw/digest.json``; that run's per-step records (2.6 MB) are not committed.
 """
 
 from __future__ import annotations
