@@ -2,6 +2,10 @@
 # PipelineRL with actors and trainers on their own GPUs (issue #34): the whole GPU session in one script.
 #
 #   BUDGET_S=520 bash repro/pipelinerl/gpu_plan.sh   # 4 GPUs: placements 1+1, 1+3, 2+2, three modes each
+#   PLAN_LR=0 BUDGET_S=495 bash repro/pipelinerl/gpu_plan.sh   # the same at learning rate 0: one fixed
+#                                                    # policy, so every mode and placement generates the same
+#                                                    # lengths (throughput only; the reward stays flat);
+#                                                    # results/<device>-placements-lr0.json, raw in placements-raw-lr0/
 #   SMOKE=1 bash repro/pipelinerl/gpu_plan.sh        # 2 GPUs, toy sizes, every code path, <= 70 s:
 #                                                    # pre-training, then 1+1, the one-GPU runs and both
 #                                                    # faults at once, 2 s per mode (~35 s on a GPU host)
@@ -35,7 +39,7 @@ if [ "$SMOKE" = "1" ]; then
   SFLAG=--smoke
 else
   BUDGET="${BUDGET_S:-520}"
-  SUB=placements-raw
+  SUB=placements-raw${PLAN_LR:+-lr$PLAN_LR}
   SFLAG=
 fi
 # PLAN_SIZES=smoke: the full schedule with the toy sizes (a dry run of this script's 4-GPU branch)
@@ -114,6 +118,7 @@ else
   PRE_S=28; FAULT_CAP=60; RESERVE=20; FAULT_STEP=10; FIX=20; PRE_RESERVE=80; FAULT_LAG=2048
 fi
 ARGS="$ARGS --stall-s 60"
+[ -n "${PLAN_LR:-}" ] && ARGS="$ARGS --lr $PLAN_LR"   # after the plan's own --lr: the last one counts
 [ "${PLAN_DEVICE:-cuda}" = "cpu" ] && ARGS="$ARGS --device cpu"
 LATER=0; [ "$NG" -ge 4 ] && LATER=2            # launches after 1+1 (1+3, 2+2)
 
@@ -151,7 +156,7 @@ log "T = ${T}s of training per mode; estimated: step 2 $(( 3 * T + FIX ))s, step
 # the one-GPU runs share GPU 0 with the 1+1 trainer in the smoke run (two GPUs only); alone on GPU 2 otherwise
 if [ "$NG" -ge 3 ]; then OG=$(g 2); else OG=$(g 0); fi
 CUDA_VISIBLE_DEVICES=$OG step onegpu $(( 3 * T + 40 )) $(( RESERVE + LATER * (3 * T + FIX) )) \
-  $PY -m repro.pipelinerl.plan onegpu --dir "$RAW" $SFLAG --time-per-mode "$T" &
+  $PY -m repro.pipelinerl.plan onegpu --dir "$RAW" $SFLAG --time-per-mode "$T" ${PLAN_LR:+--lr "$PLAN_LR"} &
 PID_OG=$!
 CUDA_VISIBLE_DEVICES=$(g 0 1) step launch-1+1 $(( 3 * T + 45 )) $(( RESERVE + LATER * (3 * T + FIX) )) \
   $RUN --nproc-per-node 2 $LAUNCH $ARGS $WFLAG --trainers 1 --name 1+1 --modes conventional,pipeline,async \
@@ -181,6 +186,7 @@ fi
 
 # ---- 5. report, archive, summary -------------------------------------------------------------------
 if [ "$SMOKE" = "1" ]; then TAG=placements-smoke; REP_DIR="$RAW"; else TAG=placements; REP_DIR="$RES"; fi
+TAG="$TAG${PLAN_LR:+-lr$PLAN_LR}"
 step report 40 2 $PY -m repro.pipelinerl.plan report --dir "$RAW" --results-dir "$REP_DIR" --tag "$TAG"
 rm -f "$RAW/weights.pt"                         # 13 MB of pre-trained weights: not worth carrying back
 tar czf "$OUT/pipelinerl.tgz" -C "$WORK" repro/pipelinerl/results

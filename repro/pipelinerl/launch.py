@@ -26,8 +26,9 @@ on disjoint accelerators, the generation engine receives new weights during gene
   it could start; the trainer grants index ranges (``GRANT first count version``), whole groups
   only, under the released code's rule: an index ``i`` may start under weights ``v`` when
   ``i < v + dropped + B + max_lag``, so a grant says the least version the actor must hold first.
-  Groups never straddle actors, so an actor's early abort of doomed groups (``actor.abort_doomed``)
-  needs no other actor.
+  The window is split fairly among the actors that ask (``allocate_grants``). Groups never
+  straddle actors, so an actor's early abort of doomed groups (``actor.abort_doomed``) needs no
+  other actor.
 * **data-parallel trainers** (``--trainers 2``): the lead splits each batch by whole groups and
   sends each trainer its share (``BATCH``); gradients are summed by one all-reduce per step over the
   trainers' group (``trainer.rl_step`` with ``group``).
@@ -245,6 +246,41 @@ def build_model(cfg: Config, device: torch.device) -> Policy:
 # --------------------------------------------------------------------------------- lead trainer
 
 
+def allocate_grants(
+    asks: list[int], room: int, attempts: int, start: int
+) -> tuple[list[tuple[int, int]], int]:
+    """Split ``room`` admissible sample indices among actors asking for ``asks[a]`` each.
+
+    Whole groups only (multiples of ``attempts``). First every actor, visited in turn from ``start``,
+    gets at most a fair share (``room`` spread over all actors, rounded up to whole groups), so that a
+    conventional round of ``G B`` samples goes out as 64 + 64 + 64 to three idle actors, not 128 + 64
+    + 0; then whatever is left goes to whoever still asks, in the same order. Returns ``[(actor,
+    count), ...]`` in grant order (an actor may appear twice) and where the next call starts: one past
+    the first actor served, so that the remainder of an uneven split moves round the actors.
+
+    (Until 28 November 2026 the order was recomputed from a start that moved inside the loop, so with
+    three actors all asking, one was never visited in the first pass and got nothing: the 1+3
+    conventional run on four H100s left actor 1 idle for the whole mode.)"""
+    n_actors = len(asks)
+    if n_actors == 0 or room <= 0:
+        return [], start
+    order = [(start + k) % n_actors for k in range(n_actors)]  # fixed for the call
+    share = -(-room // (n_actors * attempts)) * attempts
+    left = list(asks)
+    grants: list[tuple[int, int]] = []
+    for cap in (share, None):
+        for a in order:
+            n = min(left[a], room) if cap is None else min(left[a], room, cap)
+            n -= n % attempts
+            if n <= 0:
+                continue
+            grants.append((a, n))
+            left[a] -= n
+            room -= n
+    nxt = (grants[0][0] + 1) % n_actors if grants else start
+    return grants, nxt
+
+
 @dataclass
 class ActorBook:
     """What the lead trainer knows of one actor."""
@@ -273,25 +309,15 @@ def lead_trainer(ctx: Ctx, cfg: Config, fault: tuple[str, int, int] | None, stal
         if state["latest"] < 0 or state["stopped"]:
             return  # nothing to grant before the first weights; nothing after the STOP (no one listens)
         limit = state["latest"] + shared.dropped + B + cfg.max_lag
-        # A fair share first (a conventional round spread over the actors, not 128 + 64 + 0), then
-        # whatever is left to whoever still asks.
-        share = -(-(limit - shared.started) // (A * cfg.attempts)) * cfg.attempts
-        for cap in (share, None):
-            for k in range(A):
-                a = (state["next"] + k) % A
-                bk = books[a]
-                n = min(bk.want - (bk.granted - bk.seen), limit - shared.started)
-                if cap is not None:
-                    n = min(n, cap)
-                n -= n % cfg.attempts
-                if n <= 0:
-                    continue
-                first = shared.started
-                shared.started += n
-                bk.granted += n
-                needed = max(0, first + n - shared.dropped - B - cfg.max_lag)
-                out.put(ctx.actor_rank(a), Message(GRANT, [first, n, needed]))
-                state["next"] = (a + 1) % A
+        # each actor's ask: the free slots it last reported, less what was granted since that report
+        asks = [bk.want - (bk.granted - bk.seen) for bk in books]
+        grants, state["next"] = allocate_grants(asks, limit - shared.started, cfg.attempts, state["next"])
+        for a, n in grants:
+            first = shared.started
+            shared.started += n
+            books[a].granted += n
+            needed = max(0, first + n - shared.dropped - B - cfg.max_lag)
+            out.put(ctx.actor_rank(a), Message(GRANT, [first, n, needed]))
 
     def snapshot_locked() -> dict:
         return {"started": shared.started, "consumed": shared.consumed, "dropped": shared.dropped,
@@ -335,6 +361,9 @@ def lead_trainer(ctx: Ctx, cfg: Config, fault: tuple[str, int, int] | None, stal
         followers[j] = channel.unpack_json(msg.ints)
 
     trained = gen_tokens = dropped_total = aborted_total = mixed = 0
+    # what the stale drop throws away: completion tokens already generated (aborted samples: up to the
+    # abort), and the prompt lengths (the task's draw, not the policy's) of dropped and trained samples
+    dropped_tokens = dropped_prompt = trained_prompt = 0
     threads = [
         threading.Thread(target=guarded, args=(ctx, f"receiving from {ctx.name(ctx.actor_rank(a))}", receive, a),
                          daemon=True, name=f"receiver of {ctx.name(ctx.actor_rank(a))}")
@@ -379,6 +408,8 @@ def lead_trainer(ctx: Ctx, cfg: Config, fault: tuple[str, int, int] | None, stal
                     dropped_total += len(dropped)
                     aborted_total += sum(s.truncated for s in dropped)
                     dropped_indices += [s.index for s in dropped]
+                    dropped_tokens += sum(len(s.tokens) for s in dropped)
+                    dropped_prompt += sum(len(s.prompt) for s in dropped)
                     grant_locked()  # the window moved
                 if batch is not None:
                     break
@@ -412,7 +443,8 @@ def lead_trainer(ctx: Ctx, cfg: Config, fault: tuple[str, int, int] | None, stal
         lags = [trained - v for s in batch for v in s.versions]
         for lag in lags:
             lag_hist[lag // B] += 1
-        gen_tokens += sum(len(s.tokens) for s in batch)
+        gen_tokens += sum(len(s.tokens) for s in batch)  # trained completion tokens: the throughput measure
+        trained_prompt += sum(len(s.prompt) for s in batch)
         mixed += sum(len(set(s.versions)) > 1 for s in batch)
         used_indices += [s.index for s in batch]
         reward = sum(s.reward for s in batch) / len(batch)
@@ -473,6 +505,9 @@ def lead_trainer(ctx: Ctx, cfg: Config, fault: tuple[str, int, int] | None, stal
             "dropped": dropped_total,
             "aborted": aborted_total,
             "dropped_fraction": dropped_total / max(1, dropped_total + trained),
+            "dropped_tokens": dropped_tokens,
+            "prompt_len_trained": trained_prompt / max(1, trained),
+            "prompt_len_dropped": dropped_prompt / dropped_total if dropped_total else None,
             "reward_first": steps[0]["reward"] if steps else None,
             "reward_last": _mean([s["reward"] for s in steps[-max(1, len(steps) // 5) :]]),
             "lag_mean": sum(k_ * B * c for k_, c in lag_hist.items()) / max(1, n_tok),
@@ -503,7 +538,8 @@ def account(
     started: int, books: list[ActorBook], used: list[int], dropped: list[int], queued: list[int]
 ) -> dict:
     """Every index granted is trained, dropped, queued, in flight at the stop, or granted unstarted:
-    exactly one of these, once. Returns the counts and ``ok`` (with the problems when not)."""
+    exactly one of these, once. Returns the counts, per actor what it was granted, sent (received
+    here) and started, and ``ok`` (with the problems when not)."""
     problems = []
     places: dict[str, list[int]] = {"trained": used, "dropped": dropped, "queued": queued, "in_flight": [],
                                     "unstarted": []}  # fmt: skip
@@ -533,8 +569,10 @@ def account(
         problems.append(f"lost: {lost[:10]}")
     if extra:
         problems.append(f"never granted: {extra[:10]}")
-    return {"started": started, **{k: len(v) for k, v in places.items()}, "ok": not problems,
-            "problems": problems}  # fmt: skip
+    per_actor = [{"granted": b.granted, "received": b.received, "started": (b.bye or {}).get("started")}
+                 for b in books]  # fmt: skip
+    return {"started": started, **{k: len(v) for k, v in places.items()}, "per_actor": per_actor,
+            "ok": not problems, "problems": problems}  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- other trainers

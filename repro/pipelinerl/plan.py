@@ -5,7 +5,7 @@
 * ``launch-args [--smoke]``: the sizes every launch of the plan uses, as ``launch.py`` flags (one
   source for the shell script; no torch import).
 * ``pretrain --out DIR``: pre-train the policy on one GPU, time-boxed; ``DIR/weights.pt``.
-* ``onegpu --dir DIR --time-per-mode S``: the one-GPU runs: the three modes as threads of one process
+* ``onegpu --dir DIR --time-per-mode S [--lr LR]``: the one-GPU runs: the three modes as threads of one process
   on one GPU (``pipeline.run``, the committed one-GPU setting), the simulator's time model fitted to
   the conventional run (``sim.fit_time_model``) and the trainer step on a half batch timed on the
   same GPU (for the two-trainer prediction); ``DIR/onegpu.json``. Nothing the simulator is given
@@ -122,7 +122,7 @@ def _time_train_step(cfg, weights, samples: list, reps: int) -> float:
     return statistics.median(times)
 
 
-def onegpu_step(dir_: Path, smoke: bool, per_mode: float) -> dict:
+def onegpu_step(dir_: Path, smoke: bool, per_mode: float, lr: float | None = None) -> dict:
     import torch
 
     from repro.pipelinerl.actor import Sample
@@ -131,12 +131,13 @@ def onegpu_step(dir_: Path, smoke: bool, per_mode: float) -> dict:
     from repro.pipelinerl.task import make_prompt
 
     kind = "smoke" if smoke else "full"
+    sizes = SIZES[kind] if lr is None else {**SIZES[kind], "lr": lr}
     weights = torch.load(dir_ / "weights.pt", map_location="cpu", weights_only=False)["weights"]
     doc: dict = {"runs": {}, "device": None}
     results = {}
     for mode in MODES:
         cfg = _config(
-            SIZES[kind], mode, steps=10**9, device=_device(), time_budget_s=per_mode, init_weights=weights
+            sizes, mode, steps=10**9, device=_device(), time_budget_s=per_mode, init_weights=weights
         )
         res = run(cfg)
         results[mode] = res
@@ -199,10 +200,10 @@ def fault_record(case: str, rc: int, seconds: float, log: Path, expect: str, out
 
 COLUMNS = [
     "kind", "placement", "gpus", "trainers", "actors", "mode", "source", "label", "rank", "role", "time_s",
-    "samples", "tokens", "samples_per_s", "tokens_per_s", "vs_conv_samples", "vs_conv_tokens", "reward",
-    "reward_eq_samples", "lag", "fraction", "lag_mean", "lag_max", "ess", "ess_p10", "ess_p90", "dropped",
-    "dropped_fraction", "busy", "pred_samples_per_s", "pred_tokens_per_s", "measured_over_pred", "accounting",
-    "check", "case", "seconds",
+    "samples", "tokens", "tokens_per_sample", "samples_per_s", "tokens_per_s", "vs_conv_samples",
+    "vs_conv_tokens", "reward", "reward_eq_samples", "lag", "fraction", "lag_mean", "lag_max", "ess", "ess_p10",
+    "ess_p90", "dropped", "dropped_fraction", "dropped_token_fraction", "busy", "pred_samples_per_s",
+    "pred_tokens_per_s", "measured_over_pred", "accounting", "check", "case", "seconds",
 ]  # fmt: skip
 
 
@@ -295,6 +296,10 @@ def report_step(dir_: Path, results_dir: Path | None, tag: str, sim_steps: int) 
                 accounting=("ok" if r["accounting"]["ok"] else "FAILED") if "accounting" in r else None,
                 check=r.get("version_check"),
             )  # fmt: skip
+            if row["tokens"]:  # trained completion tokens per trained sample: moves with the policy
+                row["tokens_per_sample"] = row["tokens"] / max(1, sm["samples"])
+            if sm.get("dropped_tokens") is not None and row["tokens"]:  # launches since 28 Nov 2026
+                row["dropped_token_fraction"] = sm["dropped_tokens"] / (sm["dropped_tokens"] + row["tokens"])
             if conv and conv["samples_per_s"] > 0:
                 row["vs_conv_samples"] = sm["samples_per_s"] / conv["samples_per_s"]
                 row["vs_conv_tokens"] = sm["tokens_per_s"] / conv["tokens_per_s"]
@@ -402,8 +407,8 @@ def print_summary(rows: list[dict]) -> None:
     """The short table the plan prints last: one line per placement and mode."""
     from paperclub.bench import markdown_table
 
-    cols = ["placement", "mode", "samples_per_s", "tokens_per_s", "vs_conv_tokens", "pred_tokens_per_s",
-            "reward_eq_samples", "lag_mean", "ess", "dropped_fraction", "accounting", "check"]  # fmt: skip
+    cols = ["placement", "mode", "samples_per_s", "tokens_per_s", "tokens_per_sample", "vs_conv_tokens",
+            "pred_tokens_per_s", "reward_eq_samples", "lag_mean", "ess", "dropped_fraction", "accounting", "check"]  # fmt: skip
     runs = [r for r in rows if r["kind"] == "run"]
     print(markdown_table(cols, runs))
     busy = {}
@@ -454,6 +459,7 @@ def main(argv: list[str] | None = None) -> None:
     a.add_argument("--dir", required=True)
     a.add_argument("--smoke", action="store_true")
     a.add_argument("--time-per-mode", type=float, required=True)
+    a.add_argument("--lr", type=float, default=None, help="instead of the plan's (0: a fixed policy)")
     a = sub.add_parser("fault-record")
     for name in ("--case", "--log", "--expect", "--out"):
         a.add_argument(name, required=True)
@@ -479,7 +485,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.step == "pretrain":
         pretrain_step(Path(args.out), args.smoke, args.budget_s)
     elif args.step == "onegpu":
-        onegpu_step(Path(args.dir), args.smoke, args.time_per_mode)
+        onegpu_step(Path(args.dir), args.smoke, args.time_per_mode, args.lr)
     elif args.step == "fault-record":
         fault_record(args.case, args.rc, args.seconds, Path(args.log), args.expect, Path(args.out))
     elif args.step == "report":

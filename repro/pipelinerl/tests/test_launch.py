@@ -1,7 +1,7 @@
 """Actors and trainers in their own processes (``launch.py``), on CPU processes with gloo: the GPU code in CI.
 
-Every test starts a real ``torchrun`` job of three processes (the toy model, a few optimizer steps per
-mode) under a timeout, so nothing here can hang:
+Every test starts a real ``torchrun`` job of three or four processes (the toy model, a few optimizer
+steps per mode) under a timeout, so nothing here can hang:
 
 * 1 trainer + 2 actors, the three modes in one job: each mode trains its steps; weights reach the
   actors mid-sequence in pipeline mode only (samples whose tokens carry two versions); the version
@@ -11,6 +11,9 @@ mode) under a timeout, so nothing here can hang:
 * 2 data-parallel trainers + 1 actor: the same, and both trainers end with the same weights; in a
   separate check without processes, two trainers' steps on halves of a batch give the weights of one
   step on the whole batch.
+* 1 trainer + 3 actors, conventional mode: every round reaches every actor (the grant rotation that
+  left one of three actors idle on the H100s); beside it, without processes, the admission grants
+  (``allocate_grants``) are whole groups, within the window, work-conserving and fair.
 * Faults: an actor, or the lead trainer, killed with SIGKILL after a few steps ends the job with a
   non-zero status and a message naming the dead process, well before the job's own time limit.
 * The plan's report turns a launch's results into a Report with the simulator's predictions beside
@@ -30,6 +33,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as hst
 
 from paperclub.testing import sanitizing
 from repro.pipelinerl.actor import Engine
@@ -117,6 +122,79 @@ def test_two_data_parallel_trainers_and_an_actor(weights_file, tmp_path):
             (1, "trainer"),
             (2, "actor"),
         ]
+
+
+@pytest.mark.claim("pipelinerl/disjoint-devices", section=SECTION)
+def test_conventional_rounds_reach_every_actor(weights_file, tmp_path):
+    """1 trainer + 3 actors (four processes), conventional mode: each round of ``G B`` samples is
+    granted at once, when the lead publishes new weights, to three idle actors, and each gets a fair
+    share. The sizes scale the 1+3 run on four H100s down by 8 (16 slots per actor, rounds of G B =
+    3 x 8 = 24 samples, shares of 8 = half an actor's slots, as 64 of 128 there), where the rotation
+    bug fixed in ``allocate_grants`` offered one actor nothing after the first round, every round
+    (on the H100s: actor 1 idle for the whole mode). Eight rounds: with the bug that actor starts
+    at most the first round's 16 samples; asserted: every actor starts at least half the mean.
+    (Which actor gets most of the start-up round depends on who reports first; only the bound is
+    timing-free.)"""
+    out = tmp_path / "launch-1+3.json"
+    proc, _ = torchrun(4, "--trainers", "1", "--modes", "conventional", "--slots", "16", "--batch-size", "8",
+                       "--max-lag", "16", "--steps", "24", "--time-per-mode", "60", "--weights", str(weights_file),
+                       "--stall-s", "40", "--out", str(out))  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())["modes"]["conventional"]
+    assert res["summary"]["steps"] == 24 and res["accounting"]["ok"], res["accounting"]
+    started = [a["started"] for a in res["accounting"]["per_actor"]]
+    assert len(started) == 3 and sum(started) >= 24 * 8, started
+    assert min(started) >= 0.5 * sum(started) / 3, f"an actor was starved of work: started {started}"
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    asks=hst.lists(hst.integers(-16, 200), min_size=1, max_size=5),
+    room=hst.integers(0, 400),
+    attempts=hst.sampled_from([1, 2, 8]),
+    start=hst.integers(0, 4),
+)
+def test_grants_are_whole_groups_and_fair(asks, room, attempts, start):
+    """``allocate_grants``: whole groups, never more than an actor asks or the window holds; no room
+    left unused while an actor still asks for a whole group; and fair: every actor gets at least
+    its fair share of the window, or all it asks, or what the shares of the actors before it in
+    the order left (the share is rounded up to whole groups, so the window can run out early). The
+    bug this guards against: an actor asking for a whole round got nothing while another got two
+    shares."""
+    from repro.pipelinerl.launch import allocate_grants
+
+    start %= len(asks)
+    grants, nxt = allocate_grants(asks, room, attempts, start)
+    got = [0] * len(asks)
+    for a, n in grants:
+        assert n > 0 and n % attempts == 0
+        got[a] += n
+    want = [max(0, x) // attempts * attempts for x in asks]
+    assert sum(got) <= max(room, 0)
+    assert all(g <= w for g, w in zip(got, want, strict=True))
+    left = max(room, 0) - sum(got)
+    assert left < attempts or got == want, (got, want, left)
+    if room > 0:
+        share = -(-room // (len(asks) * attempts)) * attempts
+        order = [(start + k) % len(asks) for k in range(len(asks))]
+        for pos, a in enumerate(order):  # at its turn in the first pass at least room - pos shares are left
+            rest = (room - pos * share) // attempts * attempts
+            assert got[a] >= min(want[a], share, rest), (a, got, want, share)
+    assert 0 <= nxt < len(asks)
+    if grants:
+        assert nxt == (grants[0][0] + 1) % len(asks)  # the next call starts one past the first served
+
+
+def test_a_round_over_three_idle_actors():
+    """The case of the H100 run: a conventional round (G B = 192, groups of 8) over three idle actors
+    asking for 128 slots each goes out as 64 + 64 + 64, whichever actor the rotation starts at."""
+    from repro.pipelinerl.launch import allocate_grants
+
+    for start in range(3):
+        grants, nxt = allocate_grants([128, 128, 128], 192, 8, start)
+        assert sorted(grants) == [(0, 64), (1, 64), (2, 64)] and nxt == (start + 1) % 3
+    # two actors (the 2+2 placement): 96 + 96, not 128 + 64
+    assert sorted(allocate_grants([128, 128], 192, 8, 0)[0]) == [(0, 96), (1, 96)]
 
 
 def test_data_parallel_step_equals_one_step_on_the_whole_batch(weights_file):
