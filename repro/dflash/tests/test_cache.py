@@ -18,7 +18,7 @@ from paperclub.testing import assert_rel_close
 from repro.dflash import speculative_generate, speculative_generate_reference
 from repro.dflash.tests.helpers import make_drafter, tiny_dflash, tiny_target
 
-SECTION = "§4.1, Conditioning via KV injection; §A.3"
+SECTION = "§4.1, Conditioning via KV injection; §A.3 (arXiv v2)"
 
 
 @pytest.mark.claim("dflash/cache-equals-recompute", section=SECTION)

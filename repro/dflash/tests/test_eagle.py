@@ -19,8 +19,8 @@ from repro.dflash.eagle import ttt_mask
 from repro.dflash.tests.helpers import tiny_eagle, tiny_target
 from repro.dflash.train import eagle_loss
 
-EAGLE_LOSSLESS = pytest.mark.claim("dflash/eagle-lossless", section="§4, Metrics")
-EAGLE_TTT = pytest.mark.claim("dflash/eagle-ttt-mask", section="§3.2, Figure 6")
+EAGLE_LOSSLESS = pytest.mark.claim("dflash/eagle-lossless", section="§4, Metrics (arXiv v3)")
+EAGLE_TTT = pytest.mark.claim("dflash/eagle-ttt-mask", section="§3.2, Figure 6 (arXiv v3)")
 
 
 @EAGLE_LOSSLESS

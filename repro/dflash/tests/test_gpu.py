@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 SEEDS, NEW = (range(1), 12) if sanitizing() else (range(3), 40)
 
 
-@pytest.mark.claim("dflash/lossless-greedy", section="Abstract; §3.1")
+@pytest.mark.claim("dflash/lossless-greedy", section="Abstract; §3.1 (arXiv v2)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("kind", ["dflash", "eagle", "ar", "random", "oracle1"])
 @pytest.mark.parametrize("mode", ["eager", "auto"])  # auto, the default: CUDA graphs on a CUDA target
@@ -38,7 +38,9 @@ def test_gpu_greedy_equals_target(kind, dtype, mode):
             assert torch.equal(out.tokens, expected), (kind, B, mode)
 
 
-@pytest.mark.claim("dflash/cache-equals-recompute", section="§4.1, Conditioning via KV injection; §A.3")
+@pytest.mark.claim(
+    "dflash/cache-equals-recompute", section="§4.1, Conditioning via KV injection; §A.3 (arXiv v2)"
+)
 @pytest.mark.parametrize("kind", ["dflash", "eagle", "ar"])
 @pytest.mark.parametrize("mode", ["eager", "auto"])
 def test_gpu_sampling_equals_recompute(kind, mode):
@@ -57,7 +59,7 @@ def test_gpu_sampling_equals_recompute(kind, mode):
         assert torch.equal(out.tokens, ref) and out.accepted == accepted
 
 
-@pytest.mark.claim("dflash/lossless-greedy", section="Abstract; §3.1")
+@pytest.mark.claim("dflash/lossless-greedy", section="Abstract; §3.1 (arXiv v2)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("kind", ["dflash", "eagle", "ar", "random"])
 def test_gpu_graphs_equal_eager(kind, dtype):

@@ -25,8 +25,8 @@ from repro.dflash.reference import accept_reference, probabilities, sample_inver
 from repro.dflash.tests.helpers import DRAFTER_KINDS, make_drafter, tiny_dflash, tiny_eagle, tiny_target
 
 ALPHA = 1e-3
-SECTION_GREEDY = "Abstract; §3.1"
-SECTION_SAMPLING = "Abstract; §5.1, Table 1 (temperature = 1)"
+SECTION_GREEDY = "Abstract; §3.1 (arXiv v2)"
+SECTION_SAMPLING = "Abstract; §5.1, Table 1, temperature = 1 (arXiv v2)"
 
 
 @pytest.mark.claim("dflash/lossless-greedy", section=SECTION_GREEDY)
@@ -196,7 +196,7 @@ def test_speculative_sampling_matches_target_distribution():
     _check_joint("dflash")
 
 
-@pytest.mark.claim("dflash/eagle-lossless", section="§4, Metrics")
+@pytest.mark.claim("dflash/eagle-lossless", section="§4, Metrics (arXiv v3)")
 def test_eagle_sampling_matches_target_distribution():
     """EAGLE-style path, through the same verify step: the joint of 5 sampled tokens is the target's."""
     _check_joint("eagle")

@@ -58,7 +58,9 @@ def _tau(target, drafter, prompts, block: int) -> float:
     return sum(a + 1 for a in accepted) / len(accepted)
 
 
-@pytest.mark.claim("dflash/eagle-ttt-raises-acceptance", section="§1 and Figure 4; §4.1 and Figure 7")
+@pytest.mark.claim(
+    "dflash/eagle-ttt-raises-acceptance", section="§1 and Figure 4; §4.1 and Figure 7 (arXiv v3)"
+)
 def test_training_time_test_raises_acceptance(trained):
     target, drafters, prompts = trained
     assert TOY.eagle == EagleConfig(

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from repro.dflash import speculative_generate
 from repro.dflash.tests.helpers import make_drafter, tiny_ar, tiny_dflash, tiny_target
 
-SECTION_VERIFY = "§3.1, Eq. 1"
-SECTION_PARALLEL = "§3.2, Eqs. 2-3"
+SECTION_VERIFY = "§3.1, Eq. 1 (arXiv v2)"
+SECTION_PARALLEL = "§3.2, Eqs. 2-3 (arXiv v2)"
 
 
 def _count_calls(module: torch.nn.Module) -> list[int]:

@@ -25,7 +25,7 @@ from repro.dflash.tests.helpers import (
     tiny_target,
 )
 
-SECTION = "Abstract; §3.1"
+SECTION = "Abstract; §3.1 (arXiv v2)"
 
 
 @pytest.mark.claim("dflash/lossless-greedy", section=SECTION)

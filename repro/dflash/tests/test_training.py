@@ -17,7 +17,7 @@ from repro.dflash.model import training_mask
 from repro.dflash.tests.helpers import tiny_dflash, tiny_target
 from repro.dflash.train import drafter_loss, position_weights, sample_anchors
 
-SECTION = "§4.2, Figure 4"
+SECTION = "§4.2, Figure 4 (arXiv v2)"
 
 
 @pytest.mark.claim("dflash/training-mask", section=SECTION)

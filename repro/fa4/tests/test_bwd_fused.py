@@ -26,7 +26,7 @@ from repro.fa4.reference import attention_exact
 pytestmark = pytest.mark.skipif(not interpreting(), reason="CPU interpreter test (TRITON_INTERPRET=1)")
 
 CLAIM = "fa4/fused-backward-exact"
-SECTION = "Abstract, contribution (3): the backward pass"
+SECTION = "Abstract, contribution (3): the backward pass (arXiv v1)"
 
 
 def _check(b, s_q, s_k, h, h_kv, d, causal, dtype, seed, tol, **switches):

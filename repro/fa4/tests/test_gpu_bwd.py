@@ -42,11 +42,11 @@ SHAPES = [
 SANITIZER_SHAPES = [(2, 113, 113, 8, 2), (1, 113, 1000, 8, 2), (1, 1000, 113, 8, 8)]
 
 FUSED_CLAIM = pytest.mark.claim(
-    "fa4/fused-backward-exact", section="Abstract, contribution (3): the backward pass"
+    "fa4/fused-backward-exact", section="Abstract, contribution (3): the backward pass (arXiv v1)"
 )
 FA2_CLAIM = pytest.mark.claim(
     "fa4/kernel-equals-reference",
-    section="Abstract, contributions (1) and (2): the forward algorithm and its backward",
+    section="Abstract, contributions (1) and (2): the forward algorithm and its backward (arXiv v1)",
 )
 CASES = [
     pytest.param(d, causal, dtype, bwd, fwd, marks=FUSED_CLAIM if bwd == "fused" else FA2_CLAIM,

@@ -61,7 +61,7 @@ def _check_against_reference(q, k, v, causal, out_tol, grad_tol, **switches):
 @needs_triton
 @pytest.mark.claim(
     "fa4/kernel-equals-reference",
-    section="Abstract, contributions (1) and (2): the forward algorithm and its backward",
+    section="Abstract, contributions (1) and (2): the forward algorithm and its backward (arXiv v1)",
 )
 @settings(max_examples=10, deadline=None)
 @given(
@@ -89,7 +89,7 @@ def test_kernel_matches_reference(b, s_q, extra, heads, d, causal, switches, see
 @needs_triton
 @pytest.mark.claim(
     "fa4/kernel-equals-reference",
-    section="Abstract, contributions (1) and (2): the forward algorithm and its backward",
+    section="Abstract, contributions (1) and (2): the forward algorithm and its backward (arXiv v1)",
 )
 @settings(max_examples=2, deadline=None)
 @given(causal=st.booleans(), seed=st.integers(0, 2**16))
@@ -104,7 +104,7 @@ def test_kernel_half_precision(causal, seed):
 
 @needs_triton
 @pytest.mark.claim(
-    "fa4/kernel-rescale-count", section="Abstract, contribution (2): conditional softmax rescaling"
+    "fa4/kernel-rescale-count", section="Abstract, contribution (2): conditional softmax rescaling (arXiv v1)"
 )
 @settings(max_examples=3, deadline=None)
 @given(seed=st.integers(0, 2**16), sigma=st.floats(4.0, 10.0), s=st.sampled_from([48, 64]))

@@ -44,7 +44,9 @@ shapes = st.tuples(
 )
 
 
-@pytest.mark.claim("fa4/online-softmax-exact", section="Background: online softmax (FlashAttention-2)")
+@pytest.mark.claim(
+    "fa4/online-softmax-exact", section="Background: online softmax, as in FlashAttention-2 (arXiv v1)"
+)
 @FEW
 @given(
     shape=shapes, causal=st.booleans(), block_n=st.sampled_from([1, 4, 16, 64]), seed=st.integers(0, 2**16)
@@ -94,7 +96,8 @@ adversarial = st.tuples(
 
 
 @pytest.mark.claim(
-    "fa4/conditional-rescale-exact", section="Abstract, contribution (2): conditional softmax rescaling"
+    "fa4/conditional-rescale-exact",
+    section="Abstract, contribution (2): conditional softmax rescaling (arXiv v1)",
 )
 @FEW
 @given(case=adversarial)
@@ -118,7 +121,8 @@ def test_conditional_rescale_equals_always(case):
 
 
 @pytest.mark.claim(
-    "fa4/conditional-rescale-bounded", section="Abstract, contribution (2): conditional softmax rescaling"
+    "fa4/conditional-rescale-bounded",
+    section="Abstract, contribution (2): conditional softmax rescaling (arXiv v1)",
 )
 @FEW
 @given(case=adversarial)
@@ -138,7 +142,8 @@ def test_conditional_rescale_bound(case):
 
 
 @pytest.mark.claim(
-    "fa4/poly-exp2-error-bound", section="Abstract, contribution (2): software-emulated exponential"
+    "fa4/poly-exp2-error-bound",
+    section="Abstract, contribution (2): software-emulated exponential (arXiv v1)",
 )
 @settings(max_examples=20, deadline=None)
 @given(x=st.lists(st.floats(EXP2_MIN_INPUT, 8.0, allow_nan=False), min_size=1, max_size=64))
@@ -163,7 +168,7 @@ def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.claim(
-    "fa4/poly-exp2-bf16-ulp", section="Abstract, contribution (2): software-emulated exponential"
+    "fa4/poly-exp2-bf16-ulp", section="Abstract, contribution (2): software-emulated exponential (arXiv v1)"
 )
 @settings(max_examples=20, deadline=None)
 @given(x=st.lists(st.floats(-100.0, 8.0, allow_nan=False), min_size=1, max_size=64))
@@ -201,7 +206,8 @@ def rescale_fractions(
 
 
 @pytest.mark.claim(
-    "fa4/rescale-fraction-falls", section="Abstract, contribution (2): conditional softmax rescaling"
+    "fa4/rescale-fraction-falls",
+    section="Abstract, contribution (2): conditional softmax rescaling (arXiv v1)",
 )
 @settings(max_examples=3, deadline=None)
 @given(seed=st.integers(0, 2**16), sigma=st.floats(5.5, 8.0))

@@ -13,7 +13,7 @@ from repro.megablocks import capacity, capacity_moe, moe_dense, moe_per_expert, 
 from repro.megablocks.tests.strategies import moe_cases
 
 CLAIM = "megablocks/capacity-drops"
-SECTION = "§2.2"
+SECTION = "§2.2 (arXiv v1)"
 
 
 @pytest.mark.claim(CLAIM, section=SECTION)

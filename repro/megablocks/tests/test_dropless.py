@@ -18,7 +18,7 @@ from repro.megablocks import dMoE, dmoe_grouped, dmoe_sparse, moe_dense, moe_ref
 from repro.megablocks.tests.strategies import make_case, moe_cases
 
 CLAIM = "megablocks/dropless"
-SECTION = "§4"
+SECTION = "§4 (arXiv v1)"
 
 
 def _run(impl: str, x, weights, indices, w1, w2, w3, E, mlp, block_size=16):

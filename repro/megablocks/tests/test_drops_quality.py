@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from repro.megablocks.toy_training import ToyConfig, train_toy_lm
 
 CLAIM = "megablocks/drops-hurt-quality"
-SECTION = "§3, Figure 2"
+SECTION = "§3, Figure 2 (arXiv v1)"
 MARGIN = 0.05  # nats of validation loss
 
 

@@ -25,7 +25,7 @@ from repro.megablocks.kernels import kernel_config
 from repro.megablocks.topology import permute
 
 CLAIM = "megablocks/dropless"
-SECTION = "§4"
+SECTION = "§4 (arXiv v1)"
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
 
 

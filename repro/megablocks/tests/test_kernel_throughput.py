@@ -22,7 +22,7 @@ from paperclub.testing import assert_rel_close, sanitizing
 from repro.megablocks import bench
 
 CLAIM = "megablocks/kernel-throughput"
-SECTION = "§6.3, Figure 9"
+SECTION = "§6.3, Figure 9 (arXiv v1)"
 
 
 @pytest.mark.claim(CLAIM, section=SECTION)

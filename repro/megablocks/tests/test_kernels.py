@@ -17,7 +17,7 @@ from paperclub.testing import assert_rel_close
 from repro.megablocks import dds, dsd, gmm, sdd, topology_from_mask
 
 CLAIM = "megablocks/kernels-equal-dense"
-SECTION = "§5.1"
+SECTION = "§5.1 (arXiv v1)"
 
 
 @st.composite

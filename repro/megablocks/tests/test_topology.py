@@ -12,7 +12,7 @@ from repro.megablocks import moe_topology, permute, topology_from_mask
 from repro.megablocks.tests.strategies import ROUTINGS, make_routing
 
 CLAIM = "megablocks/padding-and-transpose"
-SECTION = "§5.1.3, §5.1.4"
+SECTION = "§5.1.3, §5.1.4 (arXiv v1)"
 
 
 @st.composite

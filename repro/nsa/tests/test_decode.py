@@ -55,7 +55,7 @@ def _check_decode(seed: int, t: int, g: int, b: int, cfg: ref.NSAConfig, heads=(
     assert counts[..., 2].eq(want["win"]).all()
 
 
-@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4 (arXiv v2)")
 @settings(max_examples=4, deadline=None)
 @given(
     seed=seeds,
@@ -70,7 +70,7 @@ def test_decode_equals_the_reference_at_the_last_position(seed, t, g, b, heads):
     _check_decode(seed, t, g, b, SMALL, heads)
 
 
-@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4 (arXiv v2)")
 @pytest.mark.parametrize("heads", [(192, 128), (60, 100)], ids=["paper-192-128", "padded-60-100"])
 def test_decode_at_the_papers_and_padded_head_sizes(heads):
     """Decode at the paper's Dk = 192 (two key pieces), Dv = 128 (§4.1), and at sizes the kernels take
@@ -82,7 +82,7 @@ def test_decode_at_the_papers_and_padded_head_sizes(heads):
 OVERLAP = ref.NSAConfig(block_len=24, stride=8, select_len=16, n_select=5, n_initial=0, n_local=0, window=20)
 
 
-@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4 (arXiv v2)")
 @pytest.mark.parametrize(
     "cfg, t",
     [
@@ -125,7 +125,7 @@ def _count(t: int, cfg: ref.NSAConfig) -> torch.Tensor:
     return counts[0, 0].cpu()
 
 
-@pytest.mark.claim("nsa/decode-tokens-read", section="§5.2, Table 4")
+@pytest.mark.claim("nsa/decode-tokens-read", section="§5.2, Table 4 (arXiv v2)")
 @settings(max_examples=6, deadline=None)
 @given(t=st.integers(1, 3000))
 def test_counted_tokens_follow_the_bound(t):
@@ -147,7 +147,7 @@ def test_counted_tokens_follow_the_bound(t):
 TABLE4 = {8192: (2048, 4.0), 16384: (2560, 6.4), 32768: (3584, 9.1), 65536: (5632, 11.6)}
 
 
-@pytest.mark.claim("nsa/decode-tokens-read", section="§5.2, Table 4")
+@pytest.mark.claim("nsa/decode-tokens-read", section="§5.2, Table 4 (arXiv v2)")
 @pytest.mark.parametrize("t", sorted(TABLE4))
 def test_table4_by_counting(t):
     """The decode kernels' counters at the paper's lengths: within 1 token of Table 4 (the table

@@ -39,7 +39,7 @@ def _grads(out, leaves, do):
     return torch.autograd.grad(out, leaves, do)
 
 
-@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4 (arXiv v2)")
 @pytest.mark.parametrize("hq, h, d, t", [(64, 4, 128, 1000), (3, 1, 128, 200)])
 def test_gpu_selected_bf16(hq, h, d, t):
     gen = torch.Generator(device="cuda").manual_seed(t)
@@ -58,7 +58,7 @@ def test_gpu_selected_bf16(hq, h, d, t):
         assert_rel_close(a.float(), r, 3e-2, f"selected d{name}")
 
 
-@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4 (arXiv v2)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     "branch, t, split",
@@ -105,7 +105,7 @@ def test_gpu_compressed_and_window(branch, t, dtype, split):
         assert_rel_close(a.float(), r, 3e-2, f"{branch} d{g}")
 
 
-@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4 (arXiv v2)")
 def test_gpu_nsa_layer_fp32():
     """The whole layer at the paper's configuration in fp32: selection agrees with the fp64 reference
     on (nearly) every row, outputs and gradients within 1e-4 on the kernel's selection."""
@@ -133,7 +133,7 @@ def test_gpu_nsa_layer_fp32():
         assert_rel_close(a, r, 1e-4, f"gradient of input {i}")
 
 
-@pytest.mark.claim("nsa/causal", section="§3.2, Eq. 5")
+@pytest.mark.claim("nsa/causal", section="§3.2, Eq. 5 (arXiv v2)")
 def test_gpu_layer_is_causal():
     gen = torch.Generator(device="cuda").manual_seed(3)
     t, c, cfg = 700, 333, ref.NSAConfig()
@@ -155,7 +155,7 @@ def test_gpu_layer_is_causal():
     assert torch.equal(o1[:, : c + 1], o2[:, : c + 1])
 
 
-@pytest.mark.claim("nsa/decode-tokens-read", section="§5.2, Table 4")
+@pytest.mark.claim("nsa/decode-tokens-read", section="§5.2, Table 4 (arXiv v2)")
 @pytest.mark.parametrize("t", [8192, 65536])
 def test_gpu_decode_counts_and_output(t):
     """The decode kernels' counters at Table 4's lengths on the GPU, and (at 8k) the output against the
@@ -180,7 +180,7 @@ def test_gpu_decode_counts_and_output(t):
     assert_rel_close(o[:1].float(), g[..., 0:1] * o_c + g[..., 1:2] * o_s + g[..., 2:3] * o_w, 2e-2, "decode")
 
 
-@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4 (arXiv v2)")
 def test_gpu_decode_step_never_synchronises():
     """A warm decode step (paper shape, 8k cache) under torch's sync debug mode set to "error": any
     host synchronisation inside it (a blocking copy, .item(), nonzero) raises. Its second call returns
@@ -203,7 +203,7 @@ def test_gpu_decode_step_never_synchronises():
     assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
 
 
-@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4 (arXiv v2)")
 def test_gpu_fused_gated_sum_bf16():
     """Eq. 5 as one kernel (Switches.fused_gate, the default since this passed on an H100) at the paper's head
     shape, bf16, T off the kernel's 16-row tile: output and gradients against the fp32 formula."""
@@ -223,7 +223,7 @@ def test_gpu_fused_gated_sum_bf16():
         assert_rel_close(x.float(), y, 3e-2, name)
 
 
-@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4 (arXiv v2)")
 def test_gpu_fused_topk_is_a_top_n():
     """selection.topk_blocks_fused (what selection.topk_blocks runs where Switches.fused_topk, on by
     default) at a long-sequence shape:
@@ -251,7 +251,7 @@ def test_gpu_fused_topk_is_a_top_n():
 # ends the process's CUDA context, and every test after it in the same process would fail with it.
 
 
-@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4 (arXiv v2)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize(
     "b, hq, h, d, t", [(1, 64, 4, 128, 1000), (1, 64, 4, 128, 2113), (1, 3, 1, 128, 200), (2, 16, 1, 64, 333)]
@@ -282,7 +282,7 @@ def test_gpu_selected_tiled_backward(b, hq, h, d, t, dtype):
         assert_rel_close(a.float(), o.float(), 3e-2, f"tiled d{name} vs query-major")
 
 
-@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4 (arXiv v2)")
 def test_gpu_selected_tiled_backward_fp32():
     """The block-major backward in fp32 (ieee dots; its fp32 launch shape: 16-row tiles, one stage)
     against the fp64 reference, 1e-4, at G = 16, D = 64, T = 300 (off the block)."""
@@ -300,7 +300,7 @@ def test_gpu_selected_tiled_backward_fp32():
         assert_rel_close(a, r, 1e-4, f"tiled fp32 d{name}")
 
 
-@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4 (arXiv v2)")
 @pytest.mark.parametrize("d", [100, 64])
 @pytest.mark.parametrize("t", [256, 1000])
 def test_gpu_selected_at_flas_test_cases(t, d):
@@ -334,7 +334,7 @@ def _heads_inputs(gen, b, t, hq, h, dk, dv, dtype):
     return q, k, v
 
 
-@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4 (arXiv v2)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("branch, t", [("selected", 1000), ("compressed", 4100), ("window", 1100)])
 def test_gpu_paper_head_sizes_branches(branch, t, dtype):
@@ -371,7 +371,7 @@ def test_gpu_paper_head_sizes_branches(branch, t, dtype):
         assert_rel_close(a.float(), r, 3e-2, f"{branch} d{g}")
 
 
-@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4 (arXiv v2)")
 def test_gpu_paper_head_sizes_block_major_backward():
     """The selected branch's block-major backward at Dk = 192, Dv = 128, bf16, T = 2113 with block 0
     in every row: its 2113 queries span three work items whose partial sums (both key pieces and the
@@ -391,7 +391,7 @@ def test_gpu_paper_head_sizes_block_major_backward():
         assert_rel_close(a.float(), r, 3e-2, f"block-major d{name} at 192/128")
 
 
-@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4 (arXiv v2)")
 @pytest.mark.parametrize(
     "heads, dtype",
     [((60, 60), torch.bfloat16), ((100, 100), torch.bfloat16), ((60, 100), torch.bfloat16),
@@ -432,7 +432,7 @@ def test_gpu_layer_at_other_head_sizes(heads, dtype):
         assert_rel_close(a.to(r.dtype), r, gtol, f"gradient of input {i}")
 
 
-@pytest.mark.claim("nsa/decode-tokens-read", section="§5.2, Table 4")
+@pytest.mark.claim("nsa/decode-tokens-read", section="§5.2, Table 4 (arXiv v2)")
 def test_gpu_decode_at_the_papers_head_sizes():
     """Decode at an 8k cache with Dk = 192, Dv = 128: the kernels' counts as Table 4's, the output
     against the reference at the last position."""
@@ -455,7 +455,7 @@ def test_gpu_decode_at_the_papers_head_sizes():
     assert_rel_close(o[:1].float(), g[..., 0:1] * o_c + g[..., 1:2] * o_s + g[..., 2:3] * o_w, 2e-2, "decode")
 
 
-@pytest.mark.claim("nsa/window-covers-is-full", section="§3.3.3")
+@pytest.mark.claim("nsa/window-covers-is-full", section="§3.3.3 (arXiv v2)")
 @pytest.mark.parametrize("heads", [(128, 128), PAPER_HEADS], ids=["d128", "paper-192-128"])
 def test_gpu_fa4_window_branch(heads):
     """The window branch through repro.fa4 (Switches.window_kernel = "fa4", off by default): against

@@ -48,7 +48,7 @@ def _check_grads(name, out, out_ref, ins, ins_ref, gen):
         assert_rel_close(a.cpu(), r, FP32_TOL, f"{name} d{label}")
 
 
-@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4 (arXiv v2)")
 @settings(max_examples=3, deadline=None)
 @given(seed=seeds, t=st.integers(1, 40), g=groups, d=head_dims, dv=head_dims, s=st.integers(1, 3))
 def test_selected_kernel_equals_reference(seed, t, g, d, dv, s):
@@ -64,7 +64,7 @@ def test_selected_kernel_equals_reference(seed, t, g, d, dv, s):
     _check_grads("selected", out, out_ref, ins, ins_ref, gen)
 
 
-@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4 (arXiv v2)")
 @settings(max_examples=3, deadline=None)
 @given(
     seed=seeds,
@@ -89,7 +89,7 @@ def test_compressed_kernel_equals_reference(seed, t, g, d, dv, ld):
     _check_grads("compressed", out, out_ref, ins, ins_ref, gen)
 
 
-@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4 (arXiv v2)")
 @settings(max_examples=3, deadline=None)
 @given(
     seed=seeds,
@@ -108,7 +108,7 @@ def test_window_kernel_equals_reference(seed, t, g, d, dv, w):
     _check_grads("window", out, out_ref, ins, ins_ref, gen)
 
 
-@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4 (arXiv v2)")
 @settings(max_examples=3, deadline=None)
 @given(
     seed=seeds,
@@ -143,7 +143,7 @@ def _layer_args(gen, t, hq, h, d, cfg, dv=None):
     return [q, k_cmp, v_cmp, k_s, v_s, k_w, v_w, gates]
 
 
-@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4 (arXiv v2)")
 @settings(max_examples=2, deadline=None)
 @given(seed=seeds, t=st.integers(17, 36), g=st.sampled_from([1, 2]))
 def test_nsa_attention_kernels_equal_reference(seed, t, g):
@@ -165,7 +165,7 @@ def test_nsa_attention_kernels_equal_reference(seed, t, g):
         assert_rel_close(a.cpu(), r, FP32_TOL, f"d{name}")
 
 
-@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4 (arXiv v2)")
 @pytest.mark.parametrize(
     "heads, value_heads, t",
     [
@@ -198,7 +198,7 @@ def test_layer_at_the_papers_and_padded_head_sizes(heads, value_heads, t):
         assert_rel_close(a.cpu(), r, FP32_TOL, f"d{name}")
 
 
-@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4 (arXiv v2)")
 @pytest.mark.parametrize("head_dim, value_head_dim", [(16, None), (24, 16)])
 def test_nsa_module_kernels_equal_reference(head_dim, value_head_dim):
     """The layer with learned compression MLPs and gates: the same parameters through the Triton path
@@ -223,7 +223,7 @@ def test_nsa_module_kernels_equal_reference(head_dim, value_head_dim):
         assert err <= 1e-4 * max(r.norm().item(), 1e-3 * floor), f"grad {name}: error {err:.2e}"
 
 
-@pytest.mark.claim("nsa/causal", section="§3.2, Eq. 5")
+@pytest.mark.claim("nsa/causal", section="§3.2, Eq. 5 (arXiv v2)")
 @settings(max_examples=2, deadline=None)
 @given(seed=seeds, t=st.integers(17, 48), cut=st.floats(0, 1))
 def test_kernel_layer_is_causal(seed, t, cut):
@@ -252,7 +252,7 @@ def test_kernel_layer_is_causal(seed, t, cut):
     assert torch.equal(o1[:, : c + 1], o2[:, : c + 1])
 
 
-@pytest.mark.claim("nsa/group-shared-selection", section="§3.3.2, Eq. 10")
+@pytest.mark.claim("nsa/group-shared-selection", section="§3.3.2, Eq. 10 (arXiv v2)")
 @settings(max_examples=2, deadline=None)
 @given(seed=seeds, t=st.integers(17, 40), g=st.sampled_from([2, 4]), head=st.integers(0, 3))
 def test_kernel_heads_read_only_their_groups_blocks(seed, t, g, head):
@@ -278,7 +278,7 @@ def test_kernel_heads_read_only_their_groups_blocks(seed, t, g, head):
         assert (dk[0, :, hh] == 0).all() and (dv[0, :, hh] == 0).all()
 
 
-@pytest.mark.claim("nsa/selection-all-blocks-is-full", section="§3.3.2, Eq. 12")
+@pytest.mark.claim("nsa/selection-all-blocks-is-full", section="§3.3.2, Eq. 12 (arXiv v2)")
 @settings(max_examples=2, deadline=None)
 @given(seed=seeds, t=st.integers(1, 48), g=st.sampled_from([1, 4]))
 def test_selected_kernel_with_every_block_is_full_attention(seed, t, g):
@@ -291,7 +291,7 @@ def test_selected_kernel_with_every_block_is_full_attention(seed, t, g):
     assert_rel_close(out.cpu(), ref.full_causal_attention(q, k, v), FP32_TOL, "all blocks vs full")
 
 
-@pytest.mark.claim("nsa/window-covers-is-full", section="§3.3.3")
+@pytest.mark.claim("nsa/window-covers-is-full", section="§3.3.3 (arXiv v2)")
 @settings(max_examples=2, deadline=None)
 @given(seed=seeds, t=st.integers(1, 48), extra=st.integers(0, 20))
 def test_window_kernel_covering_everything_is_full_attention(seed, t, extra):
@@ -315,7 +315,7 @@ def test_selected_kernel_half_precision(dtype):
     assert_rel_close(out.float().cpu(), ref.selected_attention(q, k, v, idx, block), 2e-2, "16-bit output")
 
 
-@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4 (arXiv v2)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("t", [1, 37])
 def test_fused_gated_sum_equals_eq5(dtype, t):
@@ -342,7 +342,7 @@ def test_fused_gated_sum_equals_eq5(dtype, t):
         gated_sum_fused(ours[0], ours[1], ours[2], ours[3][..., :8])
 
 
-@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4 (arXiv v2)")
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize(
     "t, stride, block_len, window",
@@ -410,7 +410,7 @@ def test_gate_grads_are_the_fp32_formula(dtype):
         assert torch.equal(got, (do.float() * x.float()).sum(-1))
 
 
-@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4 (arXiv v2)")
 @pytest.mark.parametrize("dk, dv, t, w", [(16, 16, 40, 9), (24, 40, 33, 1), (32, 16, 37, 40)])
 def test_fa4_window_equals_reference(dk, dv, t, w):
     """The window branch through repro.fa4's sliding window (Switches.window_kernel = "fa4", off by
@@ -424,7 +424,7 @@ def test_fa4_window_equals_reference(dk, dv, t, w):
     _check_grads("fa4 window", out, out_ref, ins, ins_ref, gen)
 
 
-@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4 (arXiv v2)")
 def test_layer_with_the_fa4_window_equals_reference():
     """The gated layer with its window through repro.fa4: the same selection, output and gradients
     as the reference."""

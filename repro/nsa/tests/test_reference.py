@@ -17,7 +17,7 @@ from repro.nsa.tests.helpers import randn
 seeds = st.integers(0, 2**31 - 1)
 
 
-@pytest.mark.claim("nsa/block-scores-eq9", section="§3.3.2, Eqs. 8-10")
+@pytest.mark.claim("nsa/block-scores-eq9", section="§3.3.2, Eqs. 8-10 (arXiv v2)")
 @settings(max_examples=30, deadline=None)
 @given(
     seed=seeds,
@@ -42,7 +42,7 @@ def test_eq9_double_sum_is_the_token_overlap(seed, d, c, r, nc):
     assert_rel_close(ref.selection_scores_eq9(p, ns, l, d, lp), p @ w.double(), 1e-12, "Eq. 9")
 
 
-@pytest.mark.claim("nsa/block-scores-eq9", section="§3.3.2, Eqs. 8-10")
+@pytest.mark.claim("nsa/block-scores-eq9", section="§3.3.2, Eqs. 8-10 (arXiv v2)")
 @settings(max_examples=10, deadline=None)
 @given(
     seed=seeds,
@@ -74,7 +74,7 @@ def test_block_scores_sum_over_the_group(seed, t, h, g, cfg):
     assert_rel_close(scores, summed, 1e-12, "group scores")
 
 
-@pytest.mark.claim("nsa/top-n-selection", section="§3.3.2, Eq. 11")
+@pytest.mark.claim("nsa/top-n-selection", section="§3.3.2, Eq. 11; §4.1 (arXiv v2)")
 @settings(max_examples=25, deadline=None)
 @given(
     seed=seeds,
@@ -125,7 +125,7 @@ def _layer(q, raw, gates, cfg, fn=ref.nsa_attention):
 SMALL = ref.NSAConfig(block_len=8, stride=4, select_len=8, n_select=3, n_initial=1, n_local=1, window=12)
 
 
-@pytest.mark.claim("nsa/causal", section="§3.2, Eq. 5")
+@pytest.mark.claim("nsa/causal", section="§3.2, Eq. 5 (arXiv v2)")
 @settings(max_examples=10, deadline=None)
 @given(
     seed=seeds, t=st.integers(8, 60), cut=st.floats(0, 1), g=st.integers(1, 3), dv=st.sampled_from([4, 8, 12])
@@ -149,7 +149,7 @@ def test_reference_layer_is_causal(seed, t, cut, g, dv):
     assert_rel_close(o2[:, : c + 1], o1[:, : c + 1], 1e-12, "outputs before the change")
 
 
-@pytest.mark.claim("nsa/compressed-branch", section="§3.3.1, Eq. 7")
+@pytest.mark.claim("nsa/compressed-branch", section="§3.3.1, Eq. 7 (arXiv v2)")
 @settings(max_examples=10, deadline=None)
 @given(
     seed=seeds,
@@ -180,7 +180,7 @@ def test_compressed_branch_attends_the_compressed_blocks(seed, t, cd, g):
                 assert_rel_close(o[0, ti - 1, hq], p @ vc, 1e-10, f"query {ti}, head {hq}")
 
 
-@pytest.mark.claim("nsa/selection-all-blocks-is-full", section="§3.3.2, Eq. 12")
+@pytest.mark.claim("nsa/selection-all-blocks-is-full", section="§3.3.2, Eq. 12 (arXiv v2)")
 @settings(max_examples=10, deadline=None)
 @given(seed=seeds, t=st.integers(1, 70), lp=st.sampled_from([4, 16]), g=st.integers(1, 3))
 def test_reference_selecting_every_block_is_full_attention(seed, t, lp, g):
@@ -191,7 +191,7 @@ def test_reference_selecting_every_block_is_full_attention(seed, t, lp, g):
     assert_rel_close(ref.selected_attention(q, k, v, idx, lp), ref.full_causal_attention(q, k, v), 1e-12)
 
 
-@pytest.mark.claim("nsa/window-covers-is-full", section="§3.3.3")
+@pytest.mark.claim("nsa/window-covers-is-full", section="§3.3.3 (arXiv v2)")
 @settings(max_examples=10, deadline=None)
 @given(seed=seeds, t=st.integers(1, 70), extra=st.integers(0, 10))
 def test_reference_window_covering_everything_is_full_attention(seed, t, extra):
@@ -201,7 +201,7 @@ def test_reference_window_covering_everything_is_full_attention(seed, t, extra):
     assert_rel_close(ref.sliding_window_attention(q, k, v, t + extra), full, 1e-12)
 
 
-@pytest.mark.claim("nsa/group-shared-selection", section="§3.3.2, Eq. 10")
+@pytest.mark.claim("nsa/group-shared-selection", section="§3.3.2, Eq. 10 (arXiv v2)")
 @settings(max_examples=10, deadline=None)
 @given(seed=seeds, t=st.integers(8, 60), g=st.integers(2, 4), dv=st.sampled_from([4, 8, 12]))
 def test_selection_ignores_the_order_of_a_groups_heads(seed, t, g, dv):

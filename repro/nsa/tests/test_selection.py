@@ -60,7 +60,7 @@ SMALL = ref.NSAConfig(block_len=16, stride=8, select_len=16, n_select=3, n_initi
 TINY = ref.NSAConfig(block_len=8, stride=4, select_len=4, n_select=5, n_initial=2, n_local=2)
 
 
-@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4 (arXiv v2)")
 @pytest.mark.parametrize(
     ("cfg", "t"),
     [
@@ -81,14 +81,14 @@ def test_masked_scores_and_topk_equal_reference_at_edges(cfg, t):
     _check(t, t, 1, 2, 2, cfg)
 
 
-@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4 (arXiv v2)")
 @settings(max_examples=4, deadline=None)
 @given(seed=seeds, t=st.integers(1, 100), b=st.integers(1, 2), h=st.integers(1, 2), g=st.sampled_from([1, 3]))
 def test_masked_scores_and_topk_equal_reference(seed, t, b, h, g):
     _check(seed, t, b, h, g, [SMALL, TINY, PAPERLIKE][seed % 3])
 
 
-@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4 (arXiv v2)")
 @settings(max_examples=6, deadline=None)
 @given(
     seed=seeds,
@@ -132,7 +132,7 @@ def test_selection_is_two_kernels_and_one_topk():
     assert idx.shape == (1, 40, 2, SMALL.n_select)
 
 
-@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4 (arXiv v2)")
 @pytest.mark.parametrize("t", [150, 157])
 def test_scores_equal_at_every_tile_width(t):
     """The GPU picks the score kernel's tile by timing (selection.SCORES_CONFIGS: 16 or 32 selection blocks
@@ -181,7 +181,7 @@ def _check_fused(masked, plain, n, lp, n_init, n_local, exact=True):
         assert torch.equal(got, _torch_path(masked.to(DEVICE), n).cpu())
 
 
-@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4 (arXiv v2)")
 @pytest.mark.parametrize(
     ("cfg", "t", "b", "h", "g", "n"),
     [
@@ -202,7 +202,7 @@ def test_fused_topk_equals_torch_path_on_masked_scores(cfg, t, b, h, g, n):
     _check_fused(masked.cpu(), plain, n, cfg.select_len, cfg.n_initial, cfg.n_local)
 
 
-@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4 (arXiv v2)")
 @pytest.mark.parametrize(("b", "t", "h", "lp", "n"), [(1, 1199, 1, 4, 16), (2, 37, 3, 1, 16)])
 def test_fused_topk_many_blocks(b, t, h, lp, n):
     """Ns = 300 (512 columns, 16-row programs) and Ns = 37 at l' = 1: random float scores, no ties."""
@@ -215,7 +215,7 @@ def test_fused_topk_many_blocks(b, t, h, lp, n):
     _check_fused(masked, plain, n, lp, 1, 2)
 
 
-@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4 (arXiv v2)")
 @settings(max_examples=6, deadline=None)
 @given(
     seed=seeds,

@@ -36,7 +36,7 @@ def _pairs(bi: torch.Tensor, nb: int) -> dict[int, list[int]]:
     return {k: sorted(v) for k, v in out.items()}
 
 
-@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4 (arXiv v2)")
 @settings(max_examples=25, deadline=None)
 @given(
     seed=seeds,
@@ -111,7 +111,7 @@ def _reference_grads(q, k, v, bi, do, block):
     return torch.autograd.grad(ref.selected_attention(*leaves, bi, block), leaves, do)
 
 
-@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4 (arXiv v2)")
 @pytest.mark.parametrize(
     "b, t, h, g, s, chunk, rows",
     [
@@ -135,7 +135,7 @@ def test_tiled_backward_bf16_equals_reference(b, t, h, g, s, chunk, rows):
     _assert_same_backward(tiled, old, want, 2e-2, "bf16")
 
 
-@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4 (arXiv v2)")
 @settings(max_examples=3, deadline=None)
 @given(
     seed=seeds,
@@ -160,7 +160,7 @@ def test_tiled_backward_fp32_equals_reference(seed, t, g, bh, s, chunk):
     _assert_same_backward(tiled, old, want, 1e-5, "fp32")
 
 
-@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4")
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4 (arXiv v2)")
 def test_tiled_backward_hot_and_unselected_blocks():
     """Every query selects block 0 (a list of T queries over many items, summed with atomics) and only
     its own block besides, so most blocks are read by 16 queries and a block no query selects must

@@ -33,7 +33,8 @@ def matmul_cases(draw) -> MatmulCase:
 
 
 @pytest.mark.claim(
-    "parallelism/decomposition-exact", section="Decomposition (AllGather + Einsum, Einsum + ReduceScatter)"
+    "parallelism/decomposition-exact",
+    section="Decomposition: AllGather + Einsum, Einsum + ReduceScatter (ASPLOS 2023)",
 )
 @settings(max_examples=10, **SETTINGS)
 @given(case=matmul_cases())
@@ -61,7 +62,8 @@ def test_decomposed_collective_matmuls_equal_the_plain_pairs(world4, case):
 
 
 @pytest.mark.claim(
-    "parallelism/decomposition-exact", section="Decomposition (AllGather + Einsum, Einsum + ReduceScatter)"
+    "parallelism/decomposition-exact",
+    section="Decomposition: AllGather + Einsum, Einsum + ReduceScatter (ASPLOS 2023)",
 )
 @settings(max_examples=4, **SETTINGS)
 @given(case=layer_cases(ts=(2, 4)))

@@ -19,7 +19,8 @@ TOL = {"float32": 1e-5, "bfloat16": 2e-2}
 
 @pytest.mark.gpu
 @pytest.mark.claim(
-    "parallelism/decomposition-exact", section="Decomposition (AllGather + Einsum, Einsum + ReduceScatter)"
+    "parallelism/decomposition-exact",
+    section="Decomposition: AllGather + Einsum, Einsum + ReduceScatter (ASPLOS 2023)",
 )
 def test_decomposition_on_gpus():
     from nanoparallel.launch import spawn_ranks

@@ -29,7 +29,7 @@ def check_block(world4, case, block: str) -> list[dict]:
     return results
 
 
-@pytest.mark.claim("parallelism/megatron-mlp-exact", section="§3, Fig. 3a")
+@pytest.mark.claim("parallelism/megatron-mlp-exact", section="§3, Fig. 3a (arXiv v4)")
 @settings(max_examples=6, **SETTINGS)
 @given(case=layer_cases())
 def test_tensor_parallel_mlp_equals_unsharded(world4, case):
@@ -41,7 +41,7 @@ def test_tensor_parallel_mlp_equals_unsharded(world4, case):
         assert r["fwd"] == want and r["bwd"] == ({"all_reduce/bwd": 1} if case.t > 1 else {})
 
 
-@pytest.mark.claim("parallelism/megatron-attention-exact", section="§3, Fig. 3b")
+@pytest.mark.claim("parallelism/megatron-attention-exact", section="§3, Fig. 3b (arXiv v4)")
 @settings(max_examples=6, **SETTINGS)
 @given(case=layer_cases())
 def test_tensor_parallel_attention_equals_unsharded(world4, case):
@@ -53,7 +53,7 @@ def test_tensor_parallel_attention_equals_unsharded(world4, case):
         assert r["bwd"] == ({"all_reduce/bwd": 1} if case.t > 1 else {})
 
 
-@pytest.mark.claim("parallelism/megatron-two-allreduces", section="§3, Fig. 4")
+@pytest.mark.claim("parallelism/megatron-two-allreduces", section="§3, Fig. 4 (arXiv v4)")
 @settings(max_examples=5, **SETTINGS)
 @given(case=layer_cases(ts=(2, 4)))
 def test_layer_runs_two_allreduces_each_way(world4, case):

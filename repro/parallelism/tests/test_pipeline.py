@@ -33,7 +33,7 @@ from repro.parallelism.tests.worker import PipelineCase
 times = st.builds(Times, F=st.integers(1, 5), B=st.integers(1, 5), W=st.integers(1, 5))
 
 
-@pytest.mark.claim("parallelism/gpipe-bubble", section="§2.3")
+@pytest.mark.claim("parallelism/gpipe-bubble", section="§2.3 (arXiv v5)")
 @settings(max_examples=60, deadline=None)
 @given(p=st.integers(1, 8), m=st.integers(1, 16), t=times)
 def test_gpipe_bubble_fraction(p, m, t):
@@ -47,7 +47,7 @@ def test_gpipe_bubble_fraction(p, m, t):
         assert tl.peak_in_flight[s] == m  # GPipe holds every micro-batch's activations
 
 
-@pytest.mark.claim("parallelism/1f1b-in-flight", section="Work scheduling (1F1B)")
+@pytest.mark.claim("parallelism/1f1b-in-flight", section="Work scheduling, 1F1B (arXiv v1)")
 @settings(max_examples=60, deadline=None)
 @given(p=st.integers(1, 8), m=st.integers(1, 16), t=times)
 def test_1f1b_bounds_in_flight_micro_batches(p, m, t):
@@ -60,7 +60,7 @@ def test_1f1b_bounds_in_flight_micro_batches(p, m, t):
         assert tl.idle(s) == longer.idle(s) == (p - 1) * (t.F + t.B + t.W)
 
 
-@pytest.mark.claim("parallelism/zb-h1-bubble", section="§2.1")
+@pytest.mark.claim("parallelism/zb-h1-bubble", section="§2.1 (arXiv v1)")
 @settings(max_examples=40, deadline=None)
 @given(p=st.integers(2, 8), extra=st.integers(0, 12), unit=st.integers(1, 4))
 def test_zb_h1_bubble_is_a_third_of_1f1b(p, extra, unit):
@@ -76,7 +76,7 @@ def test_zb_h1_bubble_is_a_third_of_1f1b(p, extra, unit):
         assert h1.peak_in_flight[s] <= base.peak_in_flight[s]
 
 
-@pytest.mark.claim("parallelism/zb-h2-zero-bubble", section="§2.2")
+@pytest.mark.claim("parallelism/zb-h2-zero-bubble", section="§2.2 (arXiv v1)")
 @settings(max_examples=40, deadline=None)
 @given(p=st.integers(2, 8), extra=st.integers(0, 8), unit=st.integers(1, 4))
 def test_zb_h2_has_no_bubble(p, extra, unit):
@@ -126,7 +126,7 @@ def two_stages(schedule: str) -> PipelineCase:
     return PipelineCase(seed=3, p=2, m=4, h=3, batch=6, schedule=schedule)
 
 
-@pytest.mark.claim("parallelism/gpipe-same-gradients", section="§2.2")
+@pytest.mark.claim("parallelism/gpipe-same-gradients", section="§2.2 (arXiv v5)")
 @settings(max_examples=8, **SETTINGS)
 @given(case=pipeline_cases(schedules=("gpipe", "1f1b")))
 @example(case=two_stages("gpipe"))
@@ -137,7 +137,7 @@ def test_pipelined_gradients_equal_the_unpipelined_model(world4, case):
     check_pipeline(world4, case)
 
 
-@pytest.mark.claim("parallelism/zb-split-backward-exact", section="§2")
+@pytest.mark.claim("parallelism/zb-split-backward-exact", section="§2 (arXiv v1)")
 @settings(max_examples=8, **SETTINGS)
 @given(case=pipeline_cases(schedules=("zb-h1", "zb-h2")))
 @example(case=two_stages("zb-h1"))

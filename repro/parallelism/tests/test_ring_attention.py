@@ -45,7 +45,7 @@ def full_attention(case: RingCase) -> dict[str, torch.Tensor]:
     return {"o": o.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
 
-@pytest.mark.claim("parallelism/ring-exact", section="Ring Attention (method)")
+@pytest.mark.claim("parallelism/ring-exact", section="Ring Attention, the method (arXiv v4)")
 @settings(max_examples=8, **SETTINGS)
 @given(case=ring_cases())
 def test_ring_attention_equals_full_attention(world4, case):
@@ -61,7 +61,7 @@ def test_ring_attention_equals_full_attention(world4, case):
         assert_rel_close(got, want, TOL64, f"{name} ({case})")
 
 
-@pytest.mark.claim("parallelism/ring-memory-per-device", section="Memory requirement (Table 1)")
+@pytest.mark.claim("parallelism/ring-memory-per-device", section="Memory requirement, Table 1 (arXiv v4)")
 @settings(max_examples=6, **SETTINGS)
 @given(case=ring_cases(), data=st.data())
 def test_ring_memory_depends_on_the_block_only(world4, case, data):
@@ -77,7 +77,7 @@ def test_ring_memory_depends_on_the_block_only(world4, case, data):
                 assert r["saved"] == want, f"rank {r['rank']} of {n}: {r['saved']} != {want} ({other})"
 
 
-@pytest.mark.claim("parallelism/rsa-exact", section="Ring Self-Attention")
+@pytest.mark.claim("parallelism/rsa-exact", section="Ring Self-Attention (arXiv v3)")
 @settings(max_examples=6, **SETTINGS)
 @given(case=ring_cases())
 def test_ring_self_attention_equals_full_attention(world4, case):
@@ -90,7 +90,9 @@ def test_ring_self_attention_equals_full_attention(world4, case):
         assert r["counts"] == ({"ring_shift/fwd": 2 * (case.n - 1)} if case.n > 1 else {})
 
 
-@pytest.mark.claim("parallelism/bpt-blockwise-exact", section="Blockwise Parallel Transformer (method)")
+@pytest.mark.claim(
+    "parallelism/bpt-blockwise-exact", section="Blockwise Parallel Transformer, the method (arXiv v3)"
+)
 @settings(max_examples=10, deadline=None)
 @given(case=ring_cases(ns=(1, 2, 3, 4, 6)), hidden=st.integers(1, 8))
 def test_blockwise_attention_and_feedforward_equal_the_whole_layer(case, hidden):

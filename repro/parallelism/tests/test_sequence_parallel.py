@@ -17,14 +17,14 @@ from repro.parallelism.tests import worker
 from repro.parallelism.tests.common import SETTINGS, check_sequence_parallel, layer_cases
 
 
-@pytest.mark.claim("parallelism/sp-exact", section="§4.2.2")
+@pytest.mark.claim("parallelism/sp-exact", section="§4.2.2 (arXiv v1)")
 @settings(max_examples=6, **SETTINGS)
 @given(case=layer_cases())
 def test_sequence_parallel_layer_equals_unsharded(world4, case):
     check_sequence_parallel(world4, case, overlap=False)
 
 
-@pytest.mark.claim("parallelism/sp-collectives", section="§4.2.2")
+@pytest.mark.claim("parallelism/sp-collectives", section="§4.2.2 (arXiv v1)")
 @settings(max_examples=4, **SETTINGS)
 @given(case=layer_cases(ts=(2, 4)))
 def test_sequence_parallel_collectives(world4, case):
@@ -35,7 +35,7 @@ def test_sequence_parallel_collectives(world4, case):
         assert r["bwd"] == {"all_gather/bwd": 4, "reduce_scatter/bwd": 2}, r["bwd"]
 
 
-@pytest.mark.claim("parallelism/activation-memory", section="§4.1-4.2.2")
+@pytest.mark.claim("parallelism/activation-memory", section="§4.1-4.2.2 (arXiv v1)")
 @settings(max_examples=8, **SETTINGS)
 @given(case=layer_cases(dtype="bfloat16", p_drop=0.1))
 def test_activation_memory_matches_the_formulas(world4, case):

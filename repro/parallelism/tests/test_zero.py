@@ -35,7 +35,7 @@ def zero_cases(draw, stages=(0, 1, 2, 3), low="float64", high="float64") -> Zero
     )
 
 
-@pytest.mark.claim("parallelism/zero-model-state-memory", section="§5, Fig. 1 (with §3.1)")
+@pytest.mark.claim("parallelism/zero-model-state-memory", section="§5, Fig. 1, with §3.1 (arXiv v3)")
 @settings(max_examples=10, **SETTINGS)
 @given(case=zero_cases(low="bfloat16", high="float32"), data=st.data())
 def test_model_states_per_rank_match_the_formulas(world4, case, data):
@@ -54,7 +54,7 @@ def test_model_states_per_rank_match_the_formulas(world4, case, data):
             assert r["held"] == [want] * case.steps, f"stage {stage}, rank {rank}: {r['held']} != {want}"
 
 
-@pytest.mark.claim("parallelism/zero-model-state-memory", section="§5, Fig. 1 (with §3.1)")
+@pytest.mark.claim("parallelism/zero-model-state-memory", section="§5, Fig. 1, with §3.1 (arXiv v3)")
 def test_the_papers_figure_1_example():
     """Fig. 1's example, from the formulas: Psi = 7.5B, N_d = 64, K = 12 gives 120 GB for plain data
     parallelism and 31.4, 16.6 and 1.9 GB for the three stages (GB = 10^9 bytes, rounded as printed)."""
@@ -63,7 +63,7 @@ def test_the_papers_figure_1_example():
     assert [round(g, 1) for g in got] == [120.0, 31.4, 16.6, 1.9]
 
 
-@pytest.mark.claim("parallelism/zero-same-update-as-dp", section="§5")
+@pytest.mark.claim("parallelism/zero-same-update-as-dp", section="§5 (arXiv v3)")
 @settings(max_examples=8, **SETTINGS)
 @given(case=zero_cases(stages=(1, 2, 3)))
 def test_zero_steps_equal_data_parallel_steps(world4, case):
