@@ -52,7 +52,13 @@ names = st.from_regex(r"[A-Z][a-z]{1,10}", fullmatch=True)
     title=st.from_regex(r"[A-Z][A-Za-z0-9 :\-]{3,60}", fullmatch=True),
     authors=st.lists(st.tuples(names, names), min_size=1, max_size=5),
     year=st.integers(1990, 2030),
-    arxiv=st.from_regex(r"[0-9]{4}\.[0-9]{5}", fullmatch=True),
+    # an identifier of the five-digit scheme (from 1501): a real month, as check requires
+    arxiv=st.builds(
+        lambda yy, mm, n: f"{yy:02d}{mm:02d}.{n:05d}",
+        st.integers(15, 29),
+        st.integers(1, 12),
+        st.integers(0, 99999),
+    ),
 )
 def test_entries_written_by_new_session_parse_back_identically(tmp_path_factory, title, authors, year, arxiv):
     text = format_entry(

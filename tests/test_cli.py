@@ -190,12 +190,13 @@ def test_check_validates_the_clone_you_stand_in(second_clone, tmp_path):
     text = yaml_path.read_text()
     assert re.search(r"^date: 2025-10-19$", text, re.M)
     yaml_path.write_text(re.sub(r"^date: .*$", "date: 2026-13-45", text, flags=re.M))
+    date_line = text.splitlines().index("date: 2025-10-19") + 1
     for cwd in (broken, broken / "sessions" / "2025-10-19-megablocks", broken / "papers"):
         result = _installed("check", cwd=cwd)
         assert result.returncode == 1, f"from {cwd}:\n{result.stdout}{result.stderr}"
         new = _errors(result) - _errors(pristine)
         assert new == {
-            f"error: {MEGABLOCKS}:2: field 'date': '2026-13-45' is not a real date; "
+            f"error: {MEGABLOCKS}:{date_line}: field 'date': '2026-13-45' is not a real date; "
             "write YYYY-MM-DD, or YYYY-MM when only the month is known"
         }, result.stderr
         # one mistake, one message: the paper page listing the session is not told the folder is missing

@@ -23,6 +23,8 @@ LINE = re.compile(r"^L(\d+)(?:-L?(\d+))?$")
 # a markdown link that is not an image: [text](target) or [text](target "title")
 LINK = re.compile(r"(?<!!)\[((?:[^\[\]]|\[[^\]]*\])*)\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 CODE_ROOTS = ("repro", "nanoparallel")  # folders whose files have source pages on the site
+# the kinds of file the site gives a source page (the language its code block is highlighted as)
+SOURCE_LANGUAGES = {".py": "python", ".yaml": "yaml", ".md": "markdown", ".sh": "bash", ".txt": "text"}
 
 
 @dataclass(frozen=True)
@@ -148,6 +150,17 @@ def check_links(text: str, origin: str, root: Path, first_line: int = 1) -> list
                     LinkIssue(lineno, f"links to '{repo_path}', which does not exist; fix the path", True)
                 )
                 continue
+            if path.is_file() and not _has_site_page(repo_path, path):
+                out.append(
+                    LinkIssue(
+                        lineno,
+                        f"links to '{repo_path}', but the site has no page for a '{path.suffix}' file (it "
+                        f"shows {', '.join(sorted(SOURCE_LANGUAGES))} files, walkthroughs and results/); "
+                        "name the file in code instead of linking it",
+                        True,
+                    )
+                )
+                continue
             if not fragment or not path.is_file():
                 continue
             line_link = LINE.match(fragment)
@@ -175,6 +188,14 @@ def check_links(text: str, origin: str, root: Path, first_line: int = 1) -> list
                         )
                     )
     return out
+
+
+def _has_site_page(repo_path: str, path: Path) -> bool:
+    """Whether the site build turns a link to this file into one of its pages (a source page, the
+    walkthrough, or the results log for anything under results/)."""
+    return (
+        path.suffix in SOURCE_LANGUAGES or path.suffix == ".ipynb" or "results" in repo_path.split("/")
+    )
 
 
 def _prose_lines(text: str, first_line: int):

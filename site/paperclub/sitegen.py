@@ -21,12 +21,12 @@ from pathlib import Path
 from paperclub.bench import load_results as load_bench_results
 from paperclub.bench import markdown_table
 from paperclub.claims import GPU_CHECKS_NAME, NOT_RUN, FunctionGroup, summary
-from paperclub.codelinks import line_for_fragment
+from paperclub.codelinks import SOURCE_LANGUAGES, line_for_fragment
 from paperclub.content import Content, Paper, Repro, Session, split_slides
 from paperclub.results_log import results_log_page
 from paperclub.slides import render_deck
 
-SOURCE_SUFFIXES = {".py", ".yaml", ".md"}
+SOURCE_SUFFIXES = set(SOURCE_LANGUAGES)
 STATUS_ICON = {
     "passed": "passed",
     "failed": "failed",
@@ -1018,7 +1018,7 @@ def tags_page(content: Content) -> str:
 
 
 def source_page(repo_rel: str, path: Path) -> str:
-    lang = {".py": "python", ".yaml": "yaml", ".md": "markdown"}[path.suffix]
+    lang = SOURCE_LANGUAGES[path.suffix]
     text = path.read_text(encoding="utf-8")
     fence = "````" if "```" in text else "```"
     # kept out of the search index: it was most of the index (4.3 MB) and drowned the pages in code
