@@ -183,6 +183,11 @@ CASES = [
     ("fp16-ieee", 2, 1500, 4, 4, 128, 128, torch.float16, True, None, {"dot_prec_fp16": "ieee"}),
     ("fp16-state-bv128", 2, 1500, 4, 4, 128, 128, torch.float16, True, None, {"state_bwd_bv": 128}),
     ("bf16-no-decay-check", 2, 300, 2, 2, 64, 64, torch.bfloat16, False, None, {"check_decay_range": False}),
+    # head size 256 (issue #42): new configurations, not in main's snapshot
+    ("d256-bf16", 2, 1000, 4, 4, 256, 256, torch.bfloat16, True, None, {}),
+    ("d256-fp16", 2, 1000, 4, 4, 256, 256, torch.float16, True, None, {}),
+    ("d256-fp32", 1, 200, 2, 2, 256, 256, torch.float32, True, None, {}),
+    ("d256-b1-bf16", 1, 4096, 16, 16, 256, 256, torch.bfloat16, False, None, {}),
 ]
 DECODE_CASES = [
     ("decode-bf16", 2, 4, 8, 128, 128, torch.bfloat16),
