@@ -10,10 +10,10 @@ Shapes: H = 16 heads, K = V = 128, bf16, B x T = 16384 tokens for T = 2k .. 32k;
 lengths (``cu_seqlens``). Two more parts run only when named (issues #42, #37; not in the default
 run): ``d256``, head size K = V = 256 (and 192, zero-padded to 256 by chunk_kda) beside fla's
 chunk_kda, B x T = 16384 tokens at T = 2k and 8k, ``KDAConfig(large_heads=True)``; ``dplr``, the
-Kimi Linear paper's kernel comparison (§3.3, Figure 2: batch 1, 16 heads, K = V = 128) at T = 4k, 16k
-and 64k (``--seqlens`` chooses others): ours and fla's KDA beside fla's general DPLR chunk kernel
-``chunk_dplr_delta_rule``, fed the same recurrence (:func:`dplr_inputs`). Each row is the median over ``--rounds`` rounds (default 3), in each of
-which every implementation and pass at that shape is timed once in turn (``paperclub.bench.measure``,
+Kimi Linear paper's kernel comparison (§3, its Figure 2 as we read v2: batch 1, 16 heads; K = V =
+128 here) at T = 4k, 16k and 64k (``--seqlens`` chooses others): ours and fla's KDA beside fla's
+general DPLR chunk kernel ``chunk_dplr_delta_rule``, fed the same recurrence (:func:`dplr_inputs`).
+Each row is the median over ``--rounds`` rounds (default 3), in each of which every implementation and pass at that shape is timed once in turn (``paperclub.bench.measure``,
 CUDA events through triton's do_bench, itself a median):
 
 * ``ours``: ``repro.kda.chunk_kda`` (Triton: four forward launches, three backward launches);
@@ -21,8 +21,10 @@ CUDA events through triton's do_bench, itself a median):
 * ``fla_gdn``: ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` (scalar gate per head);
 * ``sdpa_flash``: ``torch.nn.functional.scaled_dot_product_attention`` causal, flash backend;
 * ``fla_dplr``, ``fla_dplr_lb`` (part ``dplr``): ``fla.ops.generalized_delta_rule.chunk_dplr_delta_rule``
-  (fla 0.6.0) with its defaults (chunk 16 for unbounded gates), and with ``lower_bound=-5`` (which
-  fla allows for gates in [-5, 0): its chunk 64 and tensor-core scheme; these gates are >= -3.5).
+  (fla 0.6.0) with its defaults (chunk 16, for gates of any size), and with ``lower_bound=-2.5``, the
+  loosest bound fla's ``gate_bound_is_safe`` takes at chunk 64 (its tensor-core scheme there): the
+  part's gates are clamped to [-2.5, 0) for every candidate (DPLR_G_MIN), which moves about 1e-7 of
+  them (logsigmoid(x) / 2 passes -2.5 only for x < -5).
 
 Before timing, ours and fla_kda are checked at the row's shape: output and gradients in bf16 against
 our fp32 path (:func:`gradient_check`); one that fails is not timed. The DPLR candidates are checked
@@ -78,6 +80,7 @@ IMPLS = ("ours", "fla_kda", "fla_gdn", "sdpa_flash", "fla_dplr", "fla_dplr_lb")
 LARGE_HEADS = (256, 192)
 LARGE_HEAD_T = (2048, 8192)
 DPLR_T = (4096, 16384, 65536)
+DPLR_G_MIN = -2.5  # fla's DPLR takes chunk 64 for lower_bound >= -2.6 (gate_bound_is_safe)
 # gradient check before timing, bf16 against our fp32 path at the same shape (relative error):
 # bf16 rounding gives ~4e-3 (o) to ~1.5e-2 (dg) on an H100; a wrong kernel gives 1e-1 and more
 CHECK_TOL = {"o": 2e-2, "dq": 3e-2, "dk": 3e-2, "dv": 3e-2, "dg": 6e-2, "dbeta": 6e-2}
@@ -193,7 +196,7 @@ def impls(config: KDAConfig | None = None, cu_seqlens: torch.Tensor | None = Non
 def dplr_impls(config: KDAConfig | None = None) -> dict:
     """Part ``dplr``: name -> (fn(q, k, v, g, beta) -> o, checked, and the function timed on its own
     inputs, ``None`` for the same as checked, or ``dplr_inputs`` for the mapped tensors): ours, fla's
-    KDA, fla's DPLR chunk kernel with its defaults and with ``lower_bound=-5``."""
+    KDA, fla's DPLR chunk kernel with its defaults and with ``lower_bound=DPLR_G_MIN``."""
     from repro.kda import chunk_kda as ours
 
     out = {"ours": (lambda q, k, v, g, beta: ours(q, k, v, g, beta, config=config)[0], None)}
@@ -204,7 +207,7 @@ def dplr_impls(config: KDAConfig | None = None) -> dict:
         print(f"flash-linear-attention not importable ({exc}); dplr: ours only")
         return out
     out["fla_kda"] = (lambda q, k, v, g, beta: fla_kda(q, k, v, g, beta)[0], None)
-    for name, kw in (("fla_dplr", {}), ("fla_dplr_lb", {"lower_bound": -5.0})):
+    for name, kw in (("fla_dplr", {}), ("fla_dplr_lb", {"lower_bound": DPLR_G_MIN})):
         dplr = lambda q, kw_, v, a, b, gk, kw=kw: chunk_dplr_delta_rule(q, kw_, v, a, b, gk, **kw)[0]  # noqa: E731
         out[name] = (lambda *x, dplr=dplr: dplr(*dplr_inputs(*x)), dplr)
     return out
@@ -363,7 +366,8 @@ def run(
             cands = {n: f for n, f in big.items() if n in ("ours", "fla_kda") and (not names or n in names)}
         elif gates == "dplr":
             B, cu = 1, None
-            inputs = make_inputs(1, T, gate_scale=GATES["std"])
+            q, k, v, g, beta = make_inputs(1, T, gate_scale=GATES["std"])
+            inputs = (q, k, v, g.clamp(min=DPLR_G_MIN), beta)  # the bound fla_dplr_lb is told
             pairs = {n: p for n, p in dplr_impls(config).items() if not names or n in names}
             cands = {n: p[0] for n, p in pairs.items()}
             timed_on = {n: (p[1], dplr_inputs(*inputs)) for n, p in pairs.items() if p[1] is not None}
