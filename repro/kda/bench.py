@@ -9,10 +9,10 @@ Shapes: H = 16 heads, K = V = 128, bf16, B x T = 16384 tokens for T = 2k .. 32k;
 (:data:`GATES`) at every T; ``varlen``, one packed batch of 16384 tokens in sequences of different
 lengths (``cu_seqlens``). Two more parts run only when named (issues #42, #37; not in the default
 run): ``d256``, head size K = V = 256 (and 192, zero-padded to 256 by chunk_kda) beside fla's
-chunk_kda, B x T = 16384 tokens at T = 2k and 8k, ``KDAConfig(large_heads=True)``; ``dplr``, the
+chunk_kda, B x T = 16384 tokens at T = 8k, ``KDAConfig(large_heads=True)``; ``dplr``, the
 Kimi Linear paper's kernel comparison (§3, its Figure 2 as we read v2: batch 1, 16 heads; K = V =
 128 here) at T = 4k, 16k and 64k (``--seqlens`` chooses others): ours and fla's KDA beside fla's
-general DPLR chunk kernel ``chunk_dplr_delta_rule``, fed the same recurrence (:func:`dplr_inputs`).
+general DPLR chunk kernel ``chunk_dplr_delta_rule``, fed the same recurrence (:func:`repro.kda.reference.kda_as_dplr`).
 Each row is the median over ``--rounds`` rounds (default 3), in each of which every implementation and pass at that shape is timed once in turn (``paperclub.bench.measure``,
 CUDA events through triton's do_bench, itself a median):
 
@@ -28,7 +28,7 @@ CUDA events through triton's do_bench, itself a median):
 
 Before timing, ours and fla_kda are checked at the row's shape: output and gradients in bf16 against
 our fp32 path (:func:`gradient_check`); one that fails is not timed. The DPLR candidates are checked
-through :func:`dplr_inputs`' mapping (gradients reach q, k, v, g, beta) and timed on the mapped
+through that mapping (gradients reach q, k, v, g, beta) and timed on the mapped
 tensors, their own inputs (the three elementwise products of the mapping are not in their time). ``rel_err_vs_fla`` (forward rows
 of ``ours``) is ``||o_ours - o_fla|| / ||o_fla||`` on the same inputs; both run in bf16, so about 1e-2
 is agreement. ``tflops``: :func:`flops` over the median time. Tuning sweeps, the product-precision
@@ -58,6 +58,7 @@ from paperclub.bench import (
 )
 from paperclub.testing import rel_error
 from repro.kda.config import KDAConfig
+from repro.kda.reference import kda_as_dplr as dplr_inputs
 from repro.kda.tiles import BT
 
 H, K, V = 16, 128, 128
@@ -78,7 +79,7 @@ IMPLS = ("ours", "fla_kda", "fla_gdn", "sdpa_flash", "fla_dplr", "fla_dplr_lb")
 # head sizes of the d256 part (192: padded to 256 by chunk_kda, fla's kernels take it as it is), its T
 # (B = TOKENS // T), and the T of the dplr part (B = 1, the paper's Figure 2)
 LARGE_HEADS = (256, 192)
-LARGE_HEAD_T = (2048, 8192)
+LARGE_HEAD_T = (8192,)
 DPLR_T = (4096, 16384, 65536)
 DPLR_G_MIN = -2.5  # fla's DPLR takes chunk 64 for lower_bound >= -2.6 (gate_bound_is_safe)
 # gradient check before timing, bf16 against our fp32 path at the same shape (relative error):
@@ -104,16 +105,6 @@ def make_inputs(
     g = (F.logsigmoid(torch.randn(B, T, H, dk, device=device, generator=gen)) * gate_scale).float()
     beta = torch.rand(B, T, H, device=device, generator=gen).float()
     return q, k, v, g, beta
-
-
-def dplr_inputs(q, k, v, g, beta):
-    """KDA's step as fla's general DPLR recurrence ``S_t = (Diag(exp(gk_t)) + b_t a_t^T) S_{t-1} +
-    k'_t v_t^T`` (fla's naive dplr_recurrence): ``(I - beta k k^T) Diag(alpha) = Diag(alpha) -
-    (beta k)(alpha k)^T``, so ``a = exp(g) k``, ``b = -beta k``, ``k' = beta k``, ``gk = g``; q and v
-    as they are. Returns (q, k', v, a, b, gk) in q's dtype (gk fp32)."""
-    kf = k.to(torch.promote_types(k.dtype, torch.float32))
-    bk = beta[..., None] * kf
-    return q, bk.to(q.dtype), v, (torch.exp(g) * kf).to(q.dtype), (-bk).to(q.dtype), g
 
 
 def varlen_offsets(total: int, device: str | None = None) -> torch.Tensor:

@@ -80,32 +80,6 @@ def test_precision_rows_checked_and_labelled(tmp_path, monkeypatch):
     assert len(wrong) == 2 and all(r["check"].startswith("failed") and r["ms"] is None for r in wrong)
 
 
-def test_dplr_mapping_is_kda():
-    """bench.dplr_inputs writes KDA's step as the general DPLR recurrence fla's chunk_dplr_delta_rule
-    computes, ``S_t = (Diag(exp(gk_t)) + b_t a_t^T) S_{t-1} + k'_t v_t^T``, ``o_t = scale S_t^T q_t``
-    (fla's naive form, written here in a few lines): on the mapped inputs it equals the recurrence."""
-    import torch
-
-    from repro.kda import recurrent_kda
-
-    gen = torch.Generator().manual_seed(3)
-    B, T, H, D = 1, 20, 2, 8
-    q, k, v = (torch.randn(B, T, H, D, generator=gen, dtype=torch.float64) for _ in range(3))
-    k = torch.nn.functional.normalize(k, dim=-1)
-    g = -torch.rand(B, T, H, D, generator=gen, dtype=torch.float64)
-    beta = torch.rand(B, T, H, generator=gen, dtype=torch.float64)
-    q_, kw, v_, a, b, gk = bench.dplr_inputs(q, k, v, g, beta)
-    S = torch.zeros(B, H, D, D, dtype=torch.float64)
-    outs = []
-    for t in range(T):
-        aS = torch.einsum("bhk,bhkv->bhv", a[:, t], S)
-        S = torch.exp(gk[:, t])[..., None] * S + b[:, t, :, :, None] * aS[:, :, None, :]
-        S = S + kw[:, t, :, :, None] * v_[:, t, :, None, :]
-        outs.append(torch.einsum("bhk,bhkv->bhv", q_[:, t] * D**-0.5, S))
-    o_ref, _ = recurrent_kda(q, k, v, g, beta)
-    assert torch.allclose(torch.stack(outs, dim=1), o_ref, rtol=1e-10, atol=1e-12)
-
-
 def test_large_head_and_dplr_parts_check_before_timing(tmp_path, monkeypatch):
     """--only d256,dplr at toy sizes on the CPU: rows for ours in the head-size part (its size patched
     small: the logic, not the size) and in the DPLR part, each checked before it is timed, written

@@ -326,25 +326,37 @@ OURS = {
     "B1-T500-H2-D192-mild": Case(1, 500, 2, 192, None, gate_norm=10),
 }
 
-DTYPES = [torch.float16, torch.bfloat16, torch.float32]
-DTYPE_IDS = ["fp16", "bf16", "fp32"]
+FP16, BF16, FP32 = (
+    pytest.param(d, id=n)
+    for d, n in ((torch.float16, "fp16"), (torch.bfloat16, "bf16"), (torch.float32, "fp32"))
+)
+# fla's dtype (fp16) on every case; bf16 (training's) on every test_chunk case and on the varlen cases
+# with D = 128 and 256; fp32 (slow to compile: its ieee products spill) on four
+FP32_CASES = (
+    "B1-T63-H1-D64-safe",
+    "B3-T1024-H4-D100-very-strong",
+    "B1-H1-T300-D128-mild",
+    "B2-T300-H2-D256-strong",
+)
+CHUNK_PARAMS = [(n, d) for n in [*FLA_CHUNK, *OURS] for d in (FP16, BF16)] + [(n, FP32) for n in FP32_CASES]
+VARLEN_PARAMS = [(n, FP16) for n in FLA_VARLEN] + [
+    (n, BF16) for n in ("H4-D128-N3-masked", "H4-D256-N5-safe")
+]
 
 
 @pytest.mark.gpu
 @pytest.mark.claim(CLAIM, section=SECTION)
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("name", list(FLA_CHUNK) + list(OURS))
+@pytest.mark.parametrize("name, dtype", CHUNK_PARAMS)
 def test_fla_chunk_matrix_on_gpu(name, dtype):
-    """fla's test_chunk cases (fp16 as fla, bf16 and fp32 besides) and ours: forward and backward."""
+    """fla's test_chunk cases and ours: forward and backward."""
     check({**FLA_CHUNK, **OURS}[name], dtype)
 
 
 @pytest.mark.gpu
 @pytest.mark.claim("kda/varlen-equals-separate", section="§3")
-@pytest.mark.parametrize("dtype", DTYPES[:2], ids=DTYPE_IDS[:2])
-@pytest.mark.parametrize("name", list(FLA_VARLEN))
+@pytest.mark.parametrize("name, dtype", VARLEN_PARAMS)
 def test_fla_varlen_matrix_on_gpu(name, dtype):
-    """fla's test_chunk_varlen cases (fp16 as fla, and bf16): packed sequences against each run alone."""
+    """fla's test_chunk_varlen cases: packed sequences against each run alone."""
     check(FLA_VARLEN[name], dtype)
 
 
