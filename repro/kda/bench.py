@@ -458,7 +458,8 @@ def main(argv=None) -> None:
     ap.add_argument("--impls", default="", help=f"comma-separated subset of {','.join(IMPLS)}")
     args = parse_bench_args(ap, argv)
     try:
-        parts = select(PARTS, args.only, "part")
+        # d256 and dplr run only when named
+        parts = select(PARTS, args.only, "part") if args.only else list(DEFAULT_PARTS)
         names = select(IMPLS, [x for x in args.impls.split(",") if x], "implementation")
         config = apply_settings(KDAConfig(), args.settings)
     except ValueError as exc:

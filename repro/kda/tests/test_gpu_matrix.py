@@ -200,12 +200,9 @@ def errors(
     ref = {n: x.to(device, copy=True).requires_grad_(True) for n, x in leaves.items()}
 
     def ours_leaf(n, x):
-        kernel_dtype = (
-            dtype if n in ("q", "k", "v", "beta") or (n == "g" and x.dtype != torch.float64) else None
-        )
-        if n == "g" and case.gate_in_kernel and case.draw == "varlen":
-            kernel_dtype = dtype  # fla draws this raw gate in the inputs' dtype
-        return x.to(device, kernel_dtype or torch.float32).requires_grad_(True)
+        # q, k, v, beta in the inputs' dtype (and fla's raw varlen gate, drawn in it); the rest fp32
+        low = n in ("q", "k", "v", "beta") or (n == "g" and case.gate_in_kernel and case.draw == "varlen")
+        return x.to(device, dtype if low else torch.float32).requires_grad_(True)
 
     gpu = {n: ours_leaf(n, x) for n, x in leaves.items()}
     config = config or KDAConfig(large_heads=True)
