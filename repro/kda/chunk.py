@@ -19,6 +19,11 @@ Measured on an H100 (bf16, B=8, T=2048, H=16, K=V=128, median of 3 interleaved r
 with fla 0.6.0, 2026-11-23): forward 0.991 ms and forward + backward 4.799 ms against
 flash-linear-attention's chunk_kda at 1.068 and 5.457 ms (results/nvidia-h100-80gb-hbm3.json:
 every T from 2k to 64k). The kernel choices are one :class:`~repro.kda.config.KDAConfig`.
+
+Log-decays below -10 (which the kernels' factored exponentials cannot take) are clamped to -10:
+the first kernel counts them, and the forward runs again on the clamped g (gate.py: the error bound,
+and why no kernel changed). Head sizes above 128, up to 256, are the same kernels specialised at
+256 (two state value blocks chosen for it), behind ``KDAConfig.large_heads`` until run on a GPU.
 """
 
 from __future__ import annotations
@@ -201,7 +206,7 @@ def chunk_kda(
         name, d, arg = ("key", K, "q.shape[-1]") if K > 128 else ("value", V, "v.shape[-1]")
         raise ValueError(
             f"chunk_kda: {name} head dim {d} ({arg}) is above 128: pass config=KDAConfig(large_heads=True) "
-            "(the head-size-256 kernels compile for sm_90a without new spills but have not yet run on a GPU)"
+            "(the head-size-256 configurations compile offline for sm_90a but have not yet run on a GPU)"
         )
     scale = K**-0.5 if scale is None else float(scale)
     dest = chunk_offsets = None
