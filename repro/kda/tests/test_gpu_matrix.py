@@ -161,13 +161,26 @@ def kda_inputs(case: Case, t: dict) -> tuple:
 
 
 def run(fn, case: Case, t: dict, do, dhT, **kw) -> dict[str, torch.Tensor]:
-    """Outputs and gradients of one side; the reference (recurrent_kda) runs sequence by sequence."""
+    """Outputs and gradients of one side. The reference (recurrent_kda) runs packed sequences one
+    by one, each with its own backward right away (its fp64 autograd graph holds a few [K, V] states
+    per token: 24 GB for fla's 4096 tokens at D = 256 at once, 11 GB for its longest sequence)."""
     q, k, v, g, beta, h0 = kda_inputs(case, t)
+    do = do.to(q.device)
+    dhT = None if dhT is None else dhT.to(q.device)
+
+    def backward(o, hT, do, dhT, **kw):
+        outs, grads = [o], [do.to(o.dtype)]
+        if dhT is not None:
+            outs.append(hT)
+            grads.append(dhT.to(hT.dtype))
+        torch.autograd.backward(outs, grads, **kw)
+
     if case.cu_seqlens is None or fn is not recurrent_kda:
         extra = (
             {} if case.cu_seqlens is None else {"cu_seqlens": torch.tensor(case.cu_seqlens, device=q.device)}
         )
         o, hT = fn(q, k, v, g, beta, case.scale, h0, True, **extra, **kw)
+        backward(o, hT, do, dhT)
     else:
         outs, states = [], []
         for i, (a, b) in enumerate(zip(case.cu_seqlens[:-1], case.cu_seqlens[1:], strict=True)):
@@ -176,14 +189,11 @@ def run(fn, case: Case, t: dict, do, dhT, **kw) -> dict[str, torch.Tensor]:
                 q[:, s], k[:, s], v[:, s], g[:, s], beta[:, s], case.scale,
                 None if h0 is None else h0[i : i + 1], True,
             )  # fmt: skip
-            outs.append(o_i)
-            states.append(h_i)
+            # the shared part of the graph (q's L2 norm, the gate) is kept for the next sequences
+            backward(o_i, h_i, do[:, s], None if dhT is None else dhT[i : i + 1], retain_graph=True)
+            outs.append(o_i.detach())
+            states.append(h_i.detach())
         o, hT = torch.cat(outs, dim=1), torch.cat(states, dim=0)
-    outs, grads = [o], [do.to(o.device, o.dtype)]
-    if dhT is not None:
-        outs.append(hT)
-        grads.append(dhT.to(hT.device, hT.dtype))
-    torch.autograd.backward(outs, grads)
     return {"o": o, "hT": hT, **{"d" + n: x.grad for n, x in t.items()}}
 
 
