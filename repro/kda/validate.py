@@ -145,16 +145,11 @@ def check_cu_seqlens(
 
 
 def check_kernel_device(x: torch.Tensor, fn: str) -> None:
-    """The Triton kernels run on a CUDA device, or on CPU tensors under Triton's interpreter
-    (``TRITON_INTERPRET=1``): anything else is refused before a launch fails obscurely."""
-    if interpreting():
-        if x.device.type != "cpu":
-            raise ValueError(
-                f"{fn}: the tensors are on {x.device}, but TRITON_INTERPRET=1 runs the Triton kernels "
-                "on the CPU: pass CPU tensors, or unset TRITON_INTERPRET"
-            )
-    elif x.device.type != "cuda":
-        raise ValueError(
-            f"{fn}: the tensors are on {x.device}; the Triton kernels run on a CUDA device "
-            "(or on CPU tensors with TRITON_INTERPRET=1, Triton's interpreter)"
-        )
+    """The Triton kernels run on a CUDA device; Triton's interpreter (``TRITON_INTERPRET=1``) also
+    takes CPU tensors. Anything else is refused before a launch fails obscurely."""
+    if x.device.type == "cuda" or (x.device.type == "cpu" and interpreting()):
+        return
+    raise ValueError(
+        f"{fn}: the tensors are on {x.device}; the Triton kernels run on a CUDA device "
+        "(or on CPU tensors with TRITON_INTERPRET=1, Triton's interpreter)"
+    )
