@@ -38,6 +38,10 @@ STATE_BWD_WARPS_BV16 = 4
 # As the code is now (lab/ptx_snapshot.py --ptxas, 2026-11-27, K = V = 128): bf16 BV 64 / 8 warps
 # 255 registers, 280 bytes of spill stores, 96 KiB shared; BV 16 / 4 warps 184 bytes, 56 KiB; fp16
 # (tf32x3 products) BV 16 / 4 warps 1160 bytes, 72 KiB.
+# Key head size 256 (issue #42): value blocks of 32 at 8 warps, always (offline sm_90a, 2026-11-28,
+# bf16: 255 registers, 460 bytes of spill stores, 128 KiB shared; BV 16 at 4 warps spilled 1044
+# bytes). Not yet run on a GPU.
+STATE_BWD_BV_K256 = 32
 
 
 def state_bwd_warps(bv: int, warps: int = STATE_BWD_WARPS) -> int:
@@ -175,6 +179,8 @@ def inter_chunk_bwd(
     dh_all = torch.empty_like(saved["h_all"])
     dh0 = torch.empty(NS, HV, K, V, **f32)
     dhT_c = dhT.float().contiguous() if dhT is not None else None
+    if K > 128 and block_v is None:
+        block_v = STATE_BWD_BV_K256
     BV = state_block_v(V, NS * HV, block_v, STATE_BWD_LARGEST_BV, STATE_MIN_PROGRAMS, STATE_MIN_BV)
     grid = (triton.cdiv(V, BV), B * HV) + (() if chunk_offsets is None else (NS,))
     kda_state_bwd_fused_kernel[grid](

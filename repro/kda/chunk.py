@@ -19,6 +19,11 @@ Measured on an H100 (bf16, B=8, T=2048, H=16, K=V=128, median of 3 interleaved r
 with fla 0.6.0, 2026-11-23): forward 0.991 ms and forward + backward 4.799 ms against
 flash-linear-attention's chunk_kda at 1.068 and 5.457 ms (results/nvidia-h100-80gb-hbm3.json:
 every T from 2k to 64k). The kernel choices are one :class:`~repro.kda.config.KDAConfig`.
+
+Log-decays below -10 (which the kernels' factored exponentials cannot take) are clamped to -10:
+the first kernel counts them, and the forward runs again on the clamped g (gate.py: the error bound,
+and why no kernel changed). Head sizes above 128, up to 256, are the same kernels specialised at
+256 (two state value blocks chosen for it), behind ``KDAConfig.large_heads`` until run on a GPU.
 """
 
 from __future__ import annotations
@@ -31,12 +36,12 @@ from paperclub.triton_compat import interpreting
 from repro.kda.backward_inter_chunk import inter_chunk_bwd
 from repro.kda.backward_intra_chunk import intra_chunk_bwd
 from repro.kda.config import DEFAULT, KDAConfig
-from repro.kda.gate import DecayCheck
+from repro.kda.gate import DecayCheck, check_decay_sign, clamp_decay
 from repro.kda.inter_chunk import inter_chunk_fwd
 from repro.kda.intra_chunk import intra_chunk_fwd
 from repro.kda.output import output_fwd
 from repro.kda.tiles import BT
-from repro.kda.validate import TRITON_K, check_cu_seqlens, check_kda_inputs
+from repro.kda.validate import TRITON_K, check_cu_seqlens, check_kda_inputs, check_kernel_device
 from repro.kda.wy_ut import wy_fwd
 
 
@@ -164,13 +169,16 @@ def chunk_kda(
     """Chunkwise-parallel KDA with Triton kernels, differentiable (module docstring).
 
     q, k ``[B, T, H, K]``; v ``[B, T, HV, V]`` (HV a multiple of H); g ``[B, T, HV, K]`` the
-    log-decay (``alpha = exp(g)``, exact for ``-10 <= g <= 0``); beta ``[B, T, HV]`` in [0, 1];
-    initial_state ``[B, HV, K, V]``; scale defaults to ``K ** -0.5``. Any T.
-    Returns o ``[B, T, HV, V]`` (v's dtype) and the final state ``[B, HV, K, V]`` (fp32) or None.
-    dtypes float32, bfloat16 or float16. K and V up to 128: the kernels are written for 16, 32,
-    64 and 128, and other sizes (fla's tests use 60 and 100) are zero-padded up to the next one
-    (padded key channels have k = q = 0 and g = 0, so they never touch the state; padded value
-    channels are sliced off), at the cost of the padded size's time.
+    log-decay, any ``g <= 0`` (``alpha = exp(g)``; exact for ``-10 <= g <= 0``, below -10 clamped
+    to -10: error bound in gate.py); beta ``[B, T, HV]`` in [0, 1]; initial_state ``[B, HV, K, V]``;
+    scale defaults to ``K ** -0.5``. Any T. Returns o ``[B, T, HV, V]`` (v's dtype) and the final
+    state ``[B, HV, K, V]`` (fp32) or None. dtypes float32, bfloat16 or float16 (q, k, v one dtype;
+    g, beta and the initial state each any of them); any strides (made contiguous here); all on one
+    CUDA device (or CPU tensors under Triton's interpreter). K and V up to 256: the kernels are
+    written for 16, 32, 64, 128 and 256, and other sizes (fla's tests use 60 and 100) are
+    zero-padded up to the next one (padded key channels have k = q = 0 and g = 0, so they never
+    touch the state; padded value channels are sliced off), at the cost of the padded size's time.
+    Sizes above 128 need ``KDAConfig(large_heads=True)`` until they have run on a GPU.
 
     ``cu_seqlens`` (int ``[N + 1]``, offsets ``0 = c_0 < c_1 < ... < c_N = T``): N sequences of
     different lengths packed along T with B = 1, as flash-linear-attention takes them; each
@@ -187,12 +195,19 @@ def chunk_kda(
     if not isinstance(config, KDAConfig):
         raise ValueError(f"chunk_kda: config must be a repro.kda.KDAConfig, got {type(config).__name__}")
     B, T = q.shape[:2] if q.dim() == 4 else (None, None)
+    g_in = g
     check_kda_inputs(
         q, k, v, g, beta, initial_state if cu_seqlens is None else None, "chunk_kda", triton=True,
         pad_heads=True,
     )  # fmt: skip
     K, HV, V = q.shape[3], v.shape[2], v.shape[3]
-    decay_check = DecayCheck(g, "chunk_kda") if config.check_decay_range and g.numel() else None
+    check_kernel_device(q, "chunk_kda")
+    if max(K, V) > 128 and not config.large_heads:
+        name, d, arg = ("key", K, "q.shape[-1]") if K > 128 else ("value", V, "v.shape[-1]")
+        raise ValueError(
+            f"chunk_kda: {name} head dim {d} ({arg}) is above 128: pass config=KDAConfig(large_heads=True) "
+            "(the head-size-256 configurations compile offline for sm_90a but have not yet run on a GPU)"
+        )
     scale = K**-0.5 if scale is None else float(scale)
     dest = chunk_offsets = None
     if cu_seqlens is not None:
@@ -207,11 +222,30 @@ def chunk_kda(
     if initial_state is not None and (Kp, Vp) != (K, V):
         initial_state = F.pad(initial_state, (0, Vp - V, 0, Kp - K))
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    if config.clamp_decay_first:
+        g = clamp_decay(g)
+    # the intra-chunk kernel counts the log-decays outside [G_MIN, 0] (gate.DecayCheck)
+    decay_check = DecayCheck(g, "chunk_kda") if config.check_decay_range and g.numel() else None
     o, hT = ChunkKDAFunction.apply(
         q, k, v, g, beta, scale, initial_state, output_final_state, config, decay_check, chunk_offsets
     )
-    if decay_check is not None:
-        decay_check.raise_if_bad()
+    if decay_check is not None and decay_check.out_of_range():
+        # refuse g > 0 or NaN (naming the range found); decays below G_MIN forget within the token:
+        # clamp them to G_MIN and run the forward again (bound in gate.py; this forward is dropped)
+        check_decay_sign(g_in, "chunk_kda")
+        o, hT = ChunkKDAFunction.apply(
+            q,
+            k,
+            v,
+            clamp_decay(g),
+            beta,
+            scale,
+            initial_state,
+            output_final_state,
+            config,
+            None,
+            chunk_offsets,
+        )
     if Vp != V:
         o = o[..., :V]
     if hT is not None and (Kp, Vp) != (K, V):

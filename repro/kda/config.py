@@ -43,14 +43,23 @@ from repro.kda.wy_ut import WY_BK, WY_BV, WY_WARPS
 DOT_PRECISIONS = ("tf32", "tf32x3", "ieee")
 _POWERS_OF_TWO = (16, 32, 64, 128)
 _WARPS = (1, 2, 4, 8, 16)
+_BOOLS = ("check_decay_range", "clamp_decay_first", "large_heads")
 
 
 @dataclass(frozen=True)
 class KDAConfig:
     """Kernel choices of :func:`repro.kda.chunk_kda` (defaults: the tuned values).
 
-    check_decay_range: refuse log-decays outside ``[-10, 0]`` (counted by the intra-chunk kernel,
-        gate.DecayCheck); False where the gates are bounded by construction.
+    check_decay_range: count the log-decays outside ``[-10, 0]`` in the intra-chunk kernel
+        (gate.DecayCheck): any above 0 or NaN are refused, any below -10 are clamped to -10 and the
+        forward runs again (error bound in gate.py); False where the gates are in ``[-10, 0]`` by
+        construction (nothing counted, nothing clamped: below -10 the kernels overflow).
+    clamp_decay_first: clamp g to ``>= -10`` before the kernels (one elementwise pass over g)
+        rather than on demand (a second forward when the count finds any below -10): for gates
+        known to go below -10.
+    large_heads: key or value head sizes above 128 (up to 256) through the Triton kernels. Off by
+        default: those configurations compile offline for sm_90a (lab/ptx_snapshot.py, d256 cases)
+        but have not yet run on a GPU; chunk_kda refuses such sizes without it, naming this field.
     dot_prec_bf16, dot_prec_fp16: precision of the fp32 products for bf16 / fp16 inputs, one of
         DOT_PRECISIONS.
     intra_bk, intra_warps, intra_stages: the intra-chunk kernel's key block, warps, pipelining.
@@ -66,6 +75,8 @@ class KDAConfig:
     """
 
     check_decay_range: bool = True
+    clamp_decay_first: bool = False
+    large_heads: bool = False
     dot_prec_bf16: str = "tf32"
     dot_prec_fp16: str = "tf32x3"
     intra_bk: int = INTRA_BK
@@ -94,7 +105,7 @@ class KDAConfig:
             value = getattr(self, f.name)
             if f.name.startswith("dot_prec"):
                 ok, expected = value in DOT_PRECISIONS, f"one of {', '.join(map(repr, DOT_PRECISIONS))}"
-            elif f.name == "check_decay_range":
+            elif f.name in _BOOLS:
                 ok, expected = isinstance(value, bool), "True or False"
             elif f.name.endswith("warps"):
                 ok, expected = value in _WARPS, f"one of {_WARPS}"
@@ -107,7 +118,7 @@ class KDAConfig:
                     else (None, *_POWERS_OF_TWO)
                 )
                 ok, expected = value in allowed, f"one of {allowed}"
-            if not ok or (isinstance(value, bool) and f.name != "check_decay_range"):
+            if not ok or (isinstance(value, bool) and f.name not in _BOOLS):
                 raise ValueError(f"KDAConfig.{f.name} = {value!r}: expected {expected}")
 
     def dot_precision(self, dtype: torch.dtype) -> str:

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from repro.kda.validate import check_kda_inputs
+from repro.kda.validate import check_kda_inputs, check_kernel_device
 
 # One program per (value block, b*HV), the [K, BV] state block in registers; 64 value channels and
 # 4 warps (not tuned: the step reads and writes the state once, a few microseconds)
@@ -71,11 +71,13 @@ def decode_step(
     state ``[B, HV, K, V]`` float32 (the cache: its size does not depend on how many tokens
     came before). Forward only (inference).
     """
-    dims = check_kda_inputs(q, k, v, g, beta, state, "decode_step", triton=True)
+    # head sizes up to 128: the step has not been compiled or run at 256
+    dims = check_kda_inputs(q, k, v, g, beta, state, "decode_step", triton=True, max_head=128)
     if dims.T != 1:
         raise ValueError(
             f"decode_step: takes one token, got T={dims.T} (q.shape[1]); use chunk_kda for prefill"
         )
+    check_kernel_device(q, "decode_step")
     if state.dtype != torch.float32 or not state.is_contiguous():
         raise ValueError(f"decode_step: state must be a contiguous float32 tensor, got {state.dtype}")
     scale = dims.K**-0.5 if scale is None else float(scale)

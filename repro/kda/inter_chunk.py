@@ -30,6 +30,10 @@ STATE_FWD_LARGEST_BV = 64
 STATE_FWD_WARPS = 8
 # As the code is now (lab/ptx_snapshot.py --ptxas, 2026-11-27, bf16, K = V = 128, 8 warps): BV 64
 # 211 registers, 48 KiB shared; BV 16 128 registers, 24 KiB; no spills.
+# Key head size 256 (issue #42) holds a [256, BV] state and [BT, 256] tiles: the rule starts from
+# value blocks of 32 there. Compiled offline for sm_90a (2026-11-28, bf16, 8 warps): BV 32 210
+# registers, 56 KiB shared; BV 16 190, 44 KiB; no spills. Not yet run on a GPU.
+STATE_FWD_LARGEST_BV_K256 = 32
 
 
 def state_block_v(V: int, heads: int, fixed: int | None, largest: int, min_programs: int, min_bv: int) -> int:
@@ -166,6 +170,8 @@ def inter_chunk_fwd(
     h_all = torch.empty(B, HV, NT, K, V, device=W.device, dtype=state_dtype(W.dtype))
     U_new = torch.empty_like(U_prime)
     hT = torch.empty(NS, HV, K, V, device=W.device, dtype=torch.float32) if output_final_state else None
+    if K > 128:
+        largest_bv = min(largest_bv, STATE_FWD_LARGEST_BV_K256)
     BV = state_block_v(V, NS * HV, block_v, largest_bv, min_programs, min_bv)
     h0c = h0.float().contiguous() if h0 is not None else None
     grid = (triton.cdiv(V, BV), B * HV) + (() if chunk_offsets is None else (NS,))

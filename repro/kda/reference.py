@@ -16,7 +16,10 @@ KDA generalises Gated DeltaNet, which generalises DeltaNet):
 
 * :func:`delta_rule_reference`: DeltaNet, ``S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T``,
   written in its "error-correcting" form rather than as a product of transitions;
-* :func:`gated_delta_rule_reference`: Gated DeltaNet, one scalar decay per head and token.
+* :func:`gated_delta_rule_reference`: Gated DeltaNet, one scalar decay per head and token;
+* :func:`dplr_reference`: the general diagonal-plus-low-rank recurrence (two free vectors per
+  token), with :func:`kda_as_dplr`, KDA written in its terms (the abstract's "specialized variant
+  of the DPLR transition matrices": both vectors tied to the key).
 
 Shapes follow flash-linear-attention: ``q, k [B, T, H, K]``, ``v [B, T, HV, V]`` with ``HV`` a
 multiple of ``H`` (value head ``j`` reads key head ``j // (HV // H)``), ``g [B, T, HV, K]``,
@@ -143,3 +146,36 @@ def gated_delta_rule_reference(
         S = S + beta[t] * torch.outer(k[t], error)
         outs.append(scale * (q[t] @ S))
     return torch.stack(outs), S
+
+
+def dplr_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    gk: torch.Tensor,
+    scale: float,
+    initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The general DPLR recurrence, one head, in flash-linear-attention's convention (its
+    ``chunk_dplr_delta_rule``): ``S_t = (Diag(exp(gk_t)) + b_t a_t^T) S_{t-1} + k_t v_t^T``,
+    ``o_t = scale S_t^T q_t``; the two low-rank vectors a, b are free.
+
+    q, k, a, b, gk ``[T, K]``; v ``[T, V]``; initial_state ``[K, V]``. Returns (o ``[T, V]``, S_T)."""
+    S = torch.zeros(k.shape[1], v.shape[1], dtype=v.dtype) if initial_state is None else initial_state.clone()
+    outs = []
+    for t in range(k.shape[0]):
+        S = torch.exp(gk[t])[:, None] * S + torch.outer(b[t], a[t] @ S) + torch.outer(k[t], v[t])
+        outs.append(scale * (q[t] @ S))
+    return torch.stack(outs), S
+
+
+def kda_as_dplr(q, k, v, g, beta):
+    """KDA's step in DPLR terms: ``(I - beta k k^T) Diag(alpha) = Diag(alpha) - (beta k)(alpha k)^T``,
+    so ``a = exp(g) k``, ``b = -beta k``, the written key ``beta k``, ``gk = g``; q and v as they
+    are. Any layout whose last dimension is the key's (beta one dimension less); returns (q, k', v,
+    a, b, gk) with k', a, b in k's dtype, products formed in at least fp32."""
+    kf = k.to(torch.promote_types(k.dtype, torch.float32))
+    bk = beta[..., None] * kf
+    return q, bk.to(k.dtype), v, (torch.exp(g) * kf).to(k.dtype), (-bk).to(k.dtype), g

@@ -6,11 +6,14 @@ from dataclasses import dataclass
 
 import torch
 
+from paperclub.triton_compat import interpreting
+
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-# The Triton kernels hold a [K, V] state tile and [chunk, K] tiles in registers; these sizes
-# are the ones they are written and tested for.
-TRITON_K = (16, 32, 64, 128)
-TRITON_V = (16, 32, 64, 128)
+# The Triton kernels hold a [K, BV] state tile and [chunk, K] tiles in registers; these sizes
+# are the ones they are written and tested for (256: issue #42, behind KDAConfig.large_heads in
+# chunk_kda until it has run on a GPU).
+TRITON_K = (16, 32, 64, 128, 256)
+TRITON_V = (16, 32, 64, 128, 256)
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -39,6 +42,7 @@ def check_kda_inputs(
     *,
     triton: bool,
     pad_heads: bool = False,
+    max_head: int = max(TRITON_K),
 ) -> KDADims:
     """Check shapes, head grouping, dtypes and devices; return the dimensions.
 
@@ -92,16 +96,18 @@ def check_kda_inputs(
             if d > max(TRITON_K):
                 raise ValueError(
                     f"{fn}: {name} head dim {d} ({arg}) is larger than the Triton kernels take "
-                    f"(at most {max(TRITON_K)}; flash-linear-attention also takes 256)"
+                    f"(at most {max(TRITON_K)}, as flash-linear-attention)"
                 )
     elif triton:
-        if K not in TRITON_K:
+        sizes_k = tuple(d for d in TRITON_K if d <= max_head)
+        sizes_v = tuple(d for d in TRITON_V if d <= max_head)
+        if K not in sizes_k:
             raise ValueError(
-                f"{fn}: key head dim K={K} is not supported by the Triton kernels; supported: {TRITON_K}"
+                f"{fn}: key head dim K={K} is not supported by the Triton kernels; supported: {sizes_k}"
             )
-        if V not in TRITON_V:
+        if V not in sizes_v:
             raise ValueError(
-                f"{fn}: value head dim V={V} is not supported by the Triton kernels; supported: {TRITON_V}"
+                f"{fn}: value head dim V={V} is not supported by the Triton kernels; supported: {sizes_v}"
             )
     return KDADims(B=B, T=T, H=H, K=K, HV=HV, V=V)
 
@@ -136,3 +142,14 @@ def check_cu_seqlens(
             f"{(N, HV, K, V)}, got {tuple(initial_state.shape)}"
         )
     return lengths
+
+
+def check_kernel_device(x: torch.Tensor, fn: str) -> None:
+    """The Triton kernels run on a CUDA device; Triton's interpreter (``TRITON_INTERPRET=1``) also
+    takes CPU tensors. Anything else is refused before a launch fails obscurely."""
+    if x.device.type == "cuda" or (x.device.type == "cpu" and interpreting()):
+        return
+    raise ValueError(
+        f"{fn}: the tensors are on {x.device}; the Triton kernels run on a CUDA device "
+        "(or on CPU tensors with TRITON_INTERPRET=1, Triton's interpreter)"
+    )

@@ -78,3 +78,26 @@ def test_precision_rows_checked_and_labelled(tmp_path, monkeypatch):
     assert all(r["err_max"] is not None and r["ms"] is not None for r in rows if r["impl"] == "ours")
     wrong = [r for r in rows if r["impl"] == "fla_kda"]
     assert len(wrong) == 2 and all(r["check"].startswith("failed") and r["ms"] is None for r in wrong)
+
+
+def test_large_head_and_dplr_parts_check_before_timing(tmp_path, monkeypatch):
+    """--only d256,dplr at toy sizes on the CPU: rows for ours in the head-size part (its size patched
+    small: the logic, not the size) and in the DPLR part, each checked before it is timed, written
+    under their tag."""
+    import torch
+
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "H", 1)
+    monkeypatch.setattr(bench, "K", 16)
+    monkeypatch.setattr(bench, "V", 16)
+    monkeypatch.setattr(bench, "TOKENS", 64)
+    monkeypatch.setattr(bench, "LARGE_HEADS", (24,))  # padded to 32: the logic, not the size
+    monkeypatch.setattr(bench, "LARGE_HEAD_T", (64,))
+    monkeypatch.setattr(bench, "DPLR_T", (64,))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    bench.main(["--only", "d256,dplr", "--out", str(tmp_path), "--rounds", "1"])
+    (path,) = tmp_path.glob("*.json")
+    assert "gates-d256-dplr" in path.name
+    rows = json.loads(path.read_text())["rows"]
+    assert {(r["gates"], r["D"]) for r in rows} == {("d24", 24), ("dplr", 16)}
+    assert all(r["impl"] == "ours" and r["check"] == "ok" and r["ms"] is not None for r in rows)

@@ -44,8 +44,19 @@ def test_triton_head_dims_are_listed():
     d = _inputs(K=24, T=1)
     with pytest.raises(ValueError, match=r"K=24 is not supported.*\(16, 32, 64, 128\)"):
         decode_step(**d, state=torch.zeros(1, 4, 24, 16))
-    with pytest.raises(ValueError, match=r"value head dim 256 \(v.shape\[-1\]\) is larger"):
+    with pytest.raises(ValueError, match=r"value head dim 512 \(v.shape\[-1\]\) is larger.*at most 256"):
+        chunk_kda(**_inputs(V=512))
+    # 256 (and sizes padded up to it) are behind KDAConfig.large_heads until they have run on a GPU
+    with pytest.raises(
+        ValueError, match=r"key head dim 200 \(q.shape\[-1\]\) is above 128.*large_heads=True"
+    ):
+        chunk_kda(**_inputs(K=200))
+    with pytest.raises(
+        ValueError, match=r"value head dim 256 \(v.shape\[-1\]\) is above 128.*large_heads=True"
+    ):
         chunk_kda(**_inputs(V=256))
+    with pytest.raises(ValueError, match=r"K=256 is not supported.*\(16, 32, 64, 128\)"):
+        decode_step(**_inputs(K=256, T=1), state=torch.zeros(1, 4, 256, 16))
     with pytest.raises(ValueError, match=r"float64"):
         chunk_kda(**_inputs(dtype=torch.float64))
 
@@ -77,19 +88,51 @@ def test_bad_config_is_named_before_any_kernel():
         chunk_kda(**_inputs(), config={"wy_bk": 16})
 
 
-def test_decay_outside_the_kernels_range_is_refused():
-    """g below -10 per token overflows the kernels' fp32 factors (inf on the interpreter at -12 and on
-    an H100 at fla's very-strong-gate case): refused with the range and what was got."""
+def test_decay_above_zero_or_nan_is_refused():
+    """g > 0 (a growing state) and NaN are refused with the range found; below -10 is clamped, not
+    refused (test_decay_clamp.py)."""
     d = _inputs()
-    d["g"] = torch.full_like(d["g"], -12.0)
-    with pytest.raises(ValueError, match=r"g \(log-decay.*must lie in \[-10, 0\].*got min -12"):
-        chunk_kda(**d)
     d["g"] = torch.full_like(d["g"], 0.5)
-    with pytest.raises(ValueError, match=r"got min 0.5, max 0.5"):
+    with pytest.raises(ValueError, match=r"g \(log-decay.*must be <= 0.*got min 0.5, max 0.5"):
         chunk_kda(**d)
     d["g"] = torch.full_like(d["g"], float("nan"))
-    with pytest.raises(ValueError, match=r"must lie in"):
+    with pytest.raises(ValueError, match=r"must be <= 0"):
         chunk_kda(**d)
+    d["g"] = torch.full_like(d["g"], -12.0)
+    d["g"][0, 3, 2, 1] = 1e-3  # one positive entry among strong decays: still refused
+    with pytest.raises(ValueError, match=r"must be <= 0.*got min -12, max 0.001"):
+        chunk_kda(**d)
+
+
+@pytest.mark.skipif(
+    __import__("os").environ.get("TRITON_INTERPRET") != "1", reason="interpreter case (CPU tensors allowed)"
+)
+def test_tensors_on_a_device_the_kernels_do_not_run_on_are_refused():
+    """Under the interpreter the kernels take CPU tensors; a tensor elsewhere is named before any launch."""
+    from repro.kda.validate import check_kernel_device
+
+    check_kernel_device(torch.zeros(1), "chunk_kda")  # CPU under TRITON_INTERPRET=1 (conftest)
+    with pytest.raises(
+        ValueError, match=r"chunk_kda: the tensors are on meta; the Triton kernels run on a CUDA"
+    ):
+        check_kernel_device(torch.zeros(1, device="meta"), "chunk_kda")
+
+
+def test_non_contiguous_and_mixed_dtype_inputs_work():
+    """Strided views (a transposed layout) and g, beta, initial_state in other dtypes than q, k, v
+    give what the contiguous same-dtype call gives."""
+    d = _inputs(T=20, K=16, V=16)
+    h0 = torch.randn(1, 4, 16, 16)
+    o_ref, h_ref = chunk_kda(**d, initial_state=h0, output_final_state=True)
+    strided = {n: x.transpose(1, 2).contiguous().transpose(1, 2) for n, x in d.items()}
+    assert not strided["q"].is_contiguous()
+    o, h = chunk_kda(
+        **strided, initial_state=h0.transpose(-1, -2).contiguous().transpose(-1, -2), output_final_state=True
+    )
+    assert torch.equal(o, o_ref) and torch.equal(h, h_ref)
+    mixed = dict(d, g=d["g"].to(torch.bfloat16), beta=d["beta"].to(torch.float16))
+    o, h = chunk_kda(**mixed, initial_state=h0.to(torch.bfloat16), output_final_state=True)
+    assert o.dtype == torch.float32 and torch.isfinite(o).all() and h.dtype == torch.float32
 
 
 def test_unknown_dot_precision_setting_is_named():
@@ -98,15 +141,17 @@ def test_unknown_dot_precision_setting_is_named():
 
 
 def test_decay_range_check_can_be_turned_off_and_is_on_by_default():
-    """KDAConfig.check_decay_range (on by default) refuses g below G_MIN; turned off, the same input
-    is not inspected (the user vouches for the range): no range error, whatever the kernels make of it."""
+    """KDAConfig.check_decay_range (on by default) counts g outside [-10, 0] and clamps what is below;
+    turned off, the same input is not inspected (the user vouches for the range): nothing clamped,
+    so the one entry at -10.5 reaches the kernels as it is (still finite here: one token at -10.5)."""
     assert KDAConfig().check_decay_range is True
     d = _inputs()
     d["g"][0, 5, 1, 3] = -10.5  # one entry of 512, in the middle: the kernel's count must see it
-    with pytest.raises(ValueError, match=r"must lie in \[-10, 0\].*got min -10.5"):
-        chunk_kda(**d)
-    o, _ = chunk_kda(**d, config=KDAConfig(check_decay_range=False))
-    assert o.shape == d["v"].shape
+    o, _ = chunk_kda(**d)
+    o_clamped, _ = chunk_kda(**dict(d, g=d["g"].clamp(min=-10.0)))
+    assert torch.equal(o, o_clamped)
+    o_unchecked, _ = chunk_kda(**d, config=KDAConfig(check_decay_range=False))
+    assert o_unchecked.shape == d["v"].shape and not torch.equal(o_unchecked, o_clamped)
 
 
 def test_decay_check_counts_in_the_first_kernel_over_every_chunk_and_channel_block():

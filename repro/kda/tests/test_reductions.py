@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from paperclub.testing import assert_rel_close
 from repro.kda import chunk_kda, chunk_kda_torch, recurrent_kda
-from repro.kda.reference import delta_rule_reference, gated_delta_rule_reference
+from repro.kda.reference import delta_rule_reference, dplr_reference, gated_delta_rule_reference, kda_as_dplr
 from repro.kda.tests.strategies import kda_cases
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -110,3 +110,27 @@ def test_beta_zero_only_decays(case):
     for name, o, s in _all_impls(case, case.g, beta):
         assert_rel_close(o, o_expected, _tol(name), f"{name} o")
         assert_rel_close(s, s_expected, _tol(name), f"{name} state")
+
+
+@pytest.mark.claim("kda/dplr-special-case", section="Abstract; §3")
+@settings(max_examples=10, deadline=None)
+@given(kda_cases(max_T=40))
+def test_kda_is_dplr_with_tied_vectors(case):
+    """The general DPLR recurrence (reference.dplr_reference, two free vectors) fed KDA's tied ones
+    (reference.kda_as_dplr: a = alpha k, b = -beta k, the written key beta k) gives the KDA
+    recurrence: outputs and final state to fp64 rounding. The bench's DPLR rows rest on this."""
+    o_ref, S_ref = recurrent_kda(
+        case.q, case.k, case.v, case.g, case.beta, initial_state=case.h0, output_final_state=True
+    )
+    K = case.q.shape[-1]
+    group = case.v.shape[2] // case.q.shape[2]
+    q, k = (x.repeat_interleave(group, dim=2) for x in (case.q, case.k))
+    q, kw, v, a, b, gk = kda_as_dplr(q, k, case.v, case.g, case.beta)
+
+    def head(bi, j, _hk, h0):
+        return dplr_reference(q[bi, :, j], kw[bi, :, j], v[bi, :, j], a[bi, :, j], b[bi, :, j], gk[bi, :, j],
+                              K**-0.5, h0)  # fmt: skip
+
+    o, S = _per_head(case, case.g, case.beta, head)
+    assert_rel_close(o, o_ref, 1e-10)
+    assert_rel_close(S, S_ref, 1e-10)
