@@ -21,9 +21,12 @@
 # summary table. Exit status 1 if any step failed or timed out.
 # A narrower run (defaults in brackets): CHECK_GROUPS ["new faults"] and CHECK_S [95] for step 1,
 # CHECK2_GROUPS ["new"] for the 2-GPU check, DIAG_COLLECTIVES [all] for step 2, SWEEP_MIN_BYTES [16]
-# for steps 3-4, CHECK_OLD [1] (0 skips the old check). The follow-up of the 2026-11-28 run, which
-# gives two_shot_pipelined's check the time it lacked and times every collective a second time:
-#   WORLD=4 BUDGET_S=500 CHECK_GROUPS="all_reduce/two_shot_pipelined new faults" CHECK_S=200 \
+# for steps 3-4, CHECK_OLD [1] (0 skips the old check), RUN [busbw] (the result files' tags:
+# <device>-cuda-x4-RUN.json, -cuda-x2-RUN.json, -cuda-x4-RUN-diagnose.json, -cuda-x4-RUN-nccl.json;
+# a new name keeps a later run from overwriting an earlier one's files). The follow-up of the
+# 2026-11-28 run, which gives two_shot_pipelined's check the time it lacked, runs the faults of
+# every new kernel and times every collective from 64 MiB a second time (about 6 minutes):
+#   WORLD=4 BUDGET_S=500 RUN=busbw2 CHECK_GROUPS="all_reduce/two_shot_pipelined new faults" CHECK_S=200 \
 #     CHECK2_GROUPS=all_reduce/two_shot_pipelined DIAG_COLLECTIVES=all_reduce SWEEP_MIN_BYTES=67108864 \
 #     CHECK_OLD=0 bash nanoparallel/cuda/gpu_plan.sh
 export PYTHONPATH=$PWD/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -38,6 +41,7 @@ CHECK2_GROUPS=${CHECK2_GROUPS:-new}
 DIAG_COLLECTIVES=${DIAG_COLLECTIVES:-broadcast all_gather all_to_all all_reduce reduce_scatter}
 SWEEP_MIN_BYTES=${SWEEP_MIN_BYTES:-16}
 CHECK_OLD=${CHECK_OLD:-1}
+RUN=${RUN:-busbw}
 RESERVE_S=20 # packing and the summary at the end
 STAGE=$(mktemp -d)
 RES=$STAGE/nanoparallel/results
@@ -94,19 +98,19 @@ step check "$CHECK_S" "$PY" -m nanoparallel.cuda.check --world-size "$WORLD" --g
   --budget-s $(($(left) < CHECK_S ? $(left) - 8 : CHECK_S - 8)) --timeout-s 15 --out "$CHECK"
 # shellcheck disable=SC2086
 step diagnose 70 "$PY" -m nanoparallel.cuda.diagnose --world-size "$WORLD" --checked "$CHECK" \
-  --collectives $DIAG_COLLECTIVES --tag "cuda-x$WORLD-busbw-diagnose" --out "$RES"
-step nccl 35 "$PY" -m nanoparallel.cuda.nccl_info --world-size "$WORLD" --out "$RES"
+  --collectives $DIAG_COLLECTIVES --tag "cuda-x$WORLD-$RUN-diagnose" --out "$RES"
+step nccl 35 "$PY" -m nanoparallel.cuda.nccl_info --world-size "$WORLD" --tag "cuda-x$WORLD-$RUN-nccl" --out "$RES"
 mv "$RES"/nccl-debug-x*.log "$AUX"/ 2>/dev/null
-DIAG=$(ls "$RES"/*-cuda-x$WORLD-busbw-diagnose.json 2>/dev/null | head -n 1)
+DIAG=$(ls "$RES"/*-cuda-x$WORLD-$RUN-diagnose.json 2>/dev/null | head -n 1)
 TUNING=()
 if [[ -n $DIAG ]] && "$PY" -m nanoparallel.cuda.tuning --diagnose "$DIAG" --tuning-out "$AUX/tuning-x$WORLD.json" \
   >>"$LOG" 2>&1; then
   TUNING=(--tuning "$AUX/tuning-x$WORLD.json")
 fi
 step sweep$WORLD 110 "$PY" -m nanoparallel.cuda.sweep --world-size "$WORLD" --min-bytes "$SWEEP_MIN_BYTES" --step 4 \
-  --max-iters 30 --checked "$CHECK" ${TUNING[@]+"${TUNING[@]}"} --tag "cuda-x$WORLD-busbw" --out "$RES"
+  --max-iters 30 --checked "$CHECK" ${TUNING[@]+"${TUNING[@]}"} --tag "cuda-x$WORLD-$RUN" --out "$RES"
 step sweep2 90 env CUDA_VISIBLE_DEVICES=0,1 "$PY" -m nanoparallel.cuda.sweep --world-size 2 --min-bytes "$SWEEP_MIN_BYTES" --step 4 \
-  --max-iters 30 --checked "$CHECK" --tag "cuda-x2-busbw" --out "$RES"
+  --max-iters 30 --checked "$CHECK" --tag "cuda-x2-$RUN" --out "$RES"
 # extras, only with budget to spare
 # shellcheck disable=SC2086
 step check2 60 env CUDA_VISIBLE_DEVICES=0,1 "$PY" -m nanoparallel.cuda.check --world-size 2 --groups $CHECK2_GROUPS \
@@ -117,7 +121,7 @@ if ((CHECK_OLD)); then
 fi
 
 # the tables auto would take from this run, for the coordinator to review (not written into the tree)
-SWEEPS=$(ls "$RES"/*-cuda-x2-busbw.json "$RES"/*-cuda-x$WORLD-busbw.json 2>/dev/null)
+SWEEPS=$(ls "$RES"/*-cuda-x2-$RUN.json "$RES"/*-cuda-x$WORLD-$RUN.json 2>/dev/null)
 if [[ -n $SWEEPS ]]; then
   # shellcheck disable=SC2086
   "$PY" -m nanoparallel.cuda.tuning --sweep $SWEEPS ${DIAG:+--diagnose "$DIAG"} --write "$AUX/auto_tables.py" \
@@ -128,14 +132,14 @@ tar czf "$OUT/nanoparallel.tgz" -C "$STAGE" nanoparallel
 echo "packed $(tar tzf "$OUT/nanoparallel.tgz" | wc -l) paths into $OUT/nanoparallel.tgz ($(du -h "$OUT/nanoparallel.tgz" | cut -f1))"
 
 # the short summary: best of ours against NCCL at the sizes of the targets, per world size
-"$PY" - "$RES" "$CHECK" <<'EOF' || true
+"$PY" - "$RES" "$CHECK" "$RUN" <<'EOF' || true
 import json, sys
 from pathlib import Path
 res, check = Path(sys.argv[1]), Path(sys.argv[2])
 if check.exists():
     groups = json.loads(check.read_text())["groups"]
     print("check:", ", ".join(f"{g} {r['status']} ({r['cases']})" for g, r in groups.items()))
-for f in sorted(res.glob("*-busbw.json")):
+for f in sorted(res.glob(f"*-{sys.argv[3]}.json")):
     doc = json.loads(f.read_text())
     rows = [r for r in doc["rows"] if r.get("time_us")]
     nccl = {(r["collective"], r["bytes"]): r for r in rows if r["algorithm"] == "nccl"}
