@@ -271,11 +271,15 @@ NEW_GROUPS = (
 STATUS = ("passed", "failed", "mismatch", "timeout", "error")  # worse to the right
 
 
-def check_algorithm(backend, collective: str, algorithm: str, seed: int = 0, sizes=SIZES, dtypes=DTYPES):
+def check_algorithm(
+    backend, collective: str, algorithm: str, seed: int = 0, sizes=SIZES, dtypes=DTYPES, progress=None
+):  # fmt: skip
     """Every case of one algorithm (or "auto") of one collective: each dtype and size, every op and
     root, then the knobs at sizes where they change the partition. After each call the backend
     synchronises and checks its error word, so a timeout or mismatch raises at the call that caused
-    it (CommTimeoutError, MismatchError) and the caller can stop there. Returns (cases, failures)."""
+    it (CommTimeoutError, MismatchError) and the caller can stop there. ``progress(what)``, if
+    given, is told each case that passed that check (where a stuck rank stopped: the next one).
+    Returns (cases, failures)."""
     rank, W = backend.rank, backend.world_size
     failures: list[str] = []
     cases = 0
@@ -284,6 +288,8 @@ def check_algorithm(backend, collective: str, algorithm: str, seed: int = 0, siz
         nonlocal cases
         backend.check(what)
         cases += 1
+        if progress is not None:
+            progress(what)
         if problem:
             failures.append(f"rank {rank}: {what}: {problem}")
 
@@ -418,6 +424,10 @@ def _group_rank_main(rank: int, world: int, port: int, args, results) -> None:
         results.put(("start", rank, group))
         t0 = time.perf_counter()
         status, cases, failures = "passed", 0, []
+
+        def progress(what: str, group=group, t0=t0) -> None:  # a heartbeat per case: where a rank is
+            results.put(("case", rank, group, what, round(time.perf_counter() - t0, 1)))
+
         try:
             if group == "faults":
                 cases, failures = check_faults(be, [g for g in NEW_GROUPS if g in passed])
@@ -427,12 +437,16 @@ def _group_rank_main(rank: int, world: int, port: int, args, results) -> None:
                 )
             else:
                 coll, algo = group.split("/")
-                cases, failures = check_algorithm(be, coll, algo)
+                cases, failures = check_algorithm(be, coll, algo, progress=progress)
             status = "failed" if failures else "passed"
         except Exception as exc:
             kind = type(exc).__name__
             status = {"CommTimeoutError": "timeout", "MismatchError": "mismatch"}.get(kind, "error")
             failures.append(f"rank {rank}: {group}: {kind}: {exc}\n{traceback.format_exc()[-1500:]}")
+        # what this rank saw, before the agreement below: a peer that never reaches it (stuck in a
+        # kernel, or killed by the budget) must not take this rank's message with it (on 2 H100s,
+        # 2026-11-28, a rank that had left two_shot_pipelined died in that agreement, its reason lost)
+        results.put(("saw", rank, group, status, failures[:3], round(time.perf_counter() - t0, 1)))
         # every rank learns the worst status, so all of them rebuild together
         worst = torch.tensor([STATUS.index(status)], dtype=torch.int32)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
@@ -456,7 +470,10 @@ def run_groups(world: int, groups: list[str], budget_s: float, timeout_s: float,
     time, within ``budget_s``. A rank that crashes (a CUDA error ends its context) or a group that
     makes no progress for ``timeout_s`` * 6 s stops that group as "crashed"/"hung"; the ranks are
     started again for the groups left. After each group the summary is written to ``out_path``:
-    {"world", "groups": {group: {"status", "cases", "failures", "seconds"}}, "passed": [...]}."""
+    {"world", "groups": {group: {"status", "cases", "failures", "seconds"}}, "passed": [...]}; a
+    group that did not finish also gets "ranks": per rank the last case it passed ("last_case",
+    seconds into the group) and what it saw if it left the group ("saw": status, first failures),
+    so a stall says which rank stopped where."""
     import argparse
     import json
     import queue
@@ -488,6 +505,7 @@ def run_groups(world: int, groups: list[str], budget_s: float, timeout_s: float,
             pr.start()
         done: dict[str, list] = {}
         current, ended, stalled = None, 0, None
+        ranks: dict[int, dict] = {}  # of the current group: last case passed, what a rank saw
         last = time.monotonic()
         try:
             while ended < world:
@@ -509,8 +527,20 @@ def run_groups(world: int, groups: list[str], budget_s: float, timeout_s: float,
                 last = time.monotonic()
                 kind, rank, group = msg[0], msg[1], msg[2]
                 if kind == "start":
-                    current = group
+                    if group != current:  # each rank says so: keep what the first ones sent since
+                        current, ranks = group, {}
                     print(f"[{time.strftime('%X')}] rank {rank}: {group}", flush=True) if rank == 0 else None
+                elif kind == "case":
+                    ranks.setdefault(rank, {})["last_case"] = [msg[3], msg[4]]
+                elif kind == "saw":
+                    ranks.setdefault(rank, {})["saw"] = {
+                        "status": msg[3],
+                        "failures": msg[4],
+                        "seconds": msg[5],
+                    }
+                    if msg[3] != "passed":
+                        first = msg[4][0].splitlines()[0] if msg[4] else ""
+                        print(f"  rank {rank} left {group} after {msg[5]} s: {msg[3]} {first}", flush=True)
                 elif kind == "done":
                     done.setdefault(group, []).append(msg)
                     if len(done[group]) == world:
@@ -536,7 +566,12 @@ def run_groups(world: int, groups: list[str], budget_s: float, timeout_s: float,
                     pr.kill()
         if stalled and current in remaining:
             summary["groups"][current] = {"status": stalled if stalled != "budget" else "not finished", "cases": 0,
-                                          "failures": [], "seconds": None}  # fmt: skip
+                                          "failures": [], "seconds": None, "ranks": ranks}  # fmt: skip
+            for r in range(world):
+                got = ranks.get(r, {})
+                print(f"  {current} {summary['groups'][current]['status']}: rank {r} last passed "
+                      f"{got.get('last_case', 'no case')}, then {got.get('saw', {}).get('status', 'still in it')}",
+                      flush=True)  # fmt: skip
             remaining.remove(current)
             save()
         elif stalled and current is None:  # the ranks failed before the first group: no retry helps
@@ -625,7 +660,10 @@ def main(argv=None) -> None:
     p.add_argument("--out", default=None, help="with --groups: the JSON summary (sweep/diagnose --checked)")
     args = p.parse_args(argv)
     if args.groups:
-        groups = [g for name in args.groups for g in (NEW_GROUPS if name == "new" else (name,))]
+        # "new" expands to NEW_GROUPS; a group named twice runs once, where it was first named
+        groups = list(
+            dict.fromkeys(g for name in args.groups for g in (NEW_GROUPS if name == "new" else (name,)))
+        )
         summary = run_groups(args.world_size, groups, args.budget_s, args.timeout_s, args.out)
         bad = {g: r["status"] for g, r in summary["groups"].items() if r["status"] != "passed"}
         print(f"passed: {summary['passed']}" + (f"; not passed: {bad}" if bad else ""))

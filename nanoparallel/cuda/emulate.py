@@ -7,6 +7,14 @@ GPU. The interpreter runs the programs of a grid one after another, in index ord
 at once, so program ``b`` of each rank meets program ``b`` of the others at the flag barriers just
 as on GPUs. This is how the tests exercise the real kernels, barriers included, without a GPU.
 
+That default hides what a GPU does and the interpreter does not: all programs of a launch run at
+once, in no fixed order, and a rank starts its next call while its peers are still in the last one.
+A :class:`Schedule` puts that back: ``resident`` programs of a rank run at once (threads, each with
+its own ``tl.program_id``), dispatched in index order, reversed, or shuffled per rank, a new one as
+soon as one ends (the GPU's block scheduler, with ``resident`` standing for what fits on the SMs);
+``run_launcher`` with ``calls`` runs several calls per rank back to back with no host barrier
+between them, and ``skew_s`` makes chosen ranks late for each call, so a fast rank is one call ahead.
+
     with EmulatedPeers(world_size=3) as peers:
         peers.run("one_shot_all_reduce_kernel", grid, per_rank_args, symmetric={"buf": (bufs, "D")})
         peers.run("broadcast.ring_broadcast_kernel", ...)  # a kernel of nanoparallel.cuda.broadcast
@@ -15,14 +23,154 @@ as on GPUs. This is how the tests exercise the real kernels, barriers included, 
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import queue
+import random
+import threading
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.multiprocessing as mp
 
 from paperclub.triton_compat import patch_interpreter
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How the programs of one launch run on each rank (see the module docstring).
+
+    ``resident``: programs of a rank running at once (1: the interpreter's own loop, one after
+    another); ``order``: the order they are dispatched in, "index", "reversed", or "shuffled"
+    (a permutation per rank and launch, from ``seed``)."""
+
+    resident: int = 1
+    order: str = "index"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.order not in ("index", "reversed", "shuffled"):
+            raise ValueError(f"Schedule: order must be 'index', 'reversed' or 'shuffled', got {self.order!r}")
+        if self.resident < 1:
+            raise ValueError(f"Schedule: resident must be at least 1, got {self.resident}")
+
+    def programs(self, grid: int, rank: int, launch: int) -> list[int]:
+        """The program ids of a grid in dispatch order on ``rank``."""
+        ids = list(range(grid))
+        if self.order == "reversed":
+            ids.reverse()
+        elif self.order == "shuffled":
+            random.Random(hash((self.seed, rank, launch))).shuffle(ids)
+        return ids
+
+
+SEQUENTIAL = Schedule()
+_program = threading.local()
+
+
+def _thread_local_program_ids() -> None:
+    """Make the interpreter's program id per thread (it is one attribute of one global builder)."""
+    from triton.runtime import interpreter as interp
+
+    cls = type(interp.interpreter_builder)
+    if getattr(cls, "_nanoparallel_per_thread", False):
+        return
+
+    def get(self):
+        return getattr(_program, "idx", None) or self.__dict__.get("_shared_grid_idx")
+
+    def set_(self, value):
+        if getattr(_program, "idx", None) is None:  # the interpreter's own loop, on the calling thread
+            self.__dict__["_shared_grid_idx"] = value
+        else:
+            _program.idx = value
+
+    cls.grid_idx = property(get, set_)
+    atomic_rmw = cls.create_atomic_rmw
+
+    def polite_atomic_rmw(self, *args, **kwargs):
+        # a program spinning on a flag would keep the GIL from the one that is to set it: every
+        # atomic of a program thread first lets the others run (the waits poll through atomics)
+        if getattr(_program, "idx", None) is not None:
+            time.sleep(0)
+        return atomic_rmw(self, *args, **kwargs)
+
+    cls.create_atomic_rmw = polite_atomic_rmw
+    cls._nanoparallel_per_thread = True
+
+
+def _launch(kernel, grid: int, args: tuple, kwargs: dict, schedule: Schedule, rank: int, launch: int) -> None:
+    """``kernel[(grid,)](*args, **kwargs)`` with the programs run as ``schedule`` says."""
+    if schedule.resident == 1 and schedule.order == "index":
+        kernel[(grid,)](*args, **kwargs)
+        return
+    from triton.runtime import interpreter as interp
+
+    _thread_local_program_ids()
+    order = schedule.programs(grid, rank, launch)
+
+    class Concurrent(interp.GridExecutor):
+        """Triton's GridExecutor.__call__ (3.6) with its loop over programs replaced by threads."""
+
+        def __call__(self, *args_dev, **kw):
+            argspec = inspect.getfullargspec(self.fn)
+            kw = {k: v for k, v in kw.items() if k in argspec.args}
+            args_hst, kwargs_hst = self._init_args_hst(args_dev, kw)
+            patch_lang = interp._patch_lang
+            patch_scope = patch_lang(self.fn)
+            # every call of a device function patches triton.language again; from several threads at
+            # once that swaps methods under a running program (seen: Tensor.__index__ without
+            # paperclub's fix). Patched once here, the nested calls leave it alone.
+            interp._patch_lang = lambda fn: _NO_PATCH
+            try:
+                bound = inspect.getcallargs(self.fn, *args_hst, **kwargs_hst)
+                bound = {n: a if n in self.constexprs else interp._implicit_cvt(a) for n, a in bound.items()}
+                interp.interpreter_builder.set_grid_dim(grid, 1, 1)
+                _run_threads(self.fn, bound, order, schedule.resident)
+            finally:
+                interp._patch_lang = patch_lang
+                patch_scope.restore()
+            self._restore_args_dev(args_dev, args_hst, kw, kwargs_hst)
+
+    Concurrent(kernel.rewrite(), kernel.arg_names, (grid,), kernel.pre_run_hooks)(*args, **kwargs)
+
+
+class _NoPatch:
+    def restore(self) -> None:
+        pass
+
+
+_NO_PATCH = _NoPatch()
+
+
+def _run_threads(fn, bound: dict, order: list[int], resident: int) -> None:
+    """Program ``b`` of ``order`` as a thread with its own program id, at most ``resident`` at once,
+    each started when a slot frees (in dispatch order, as a GPU's block scheduler)."""
+    slots = threading.Semaphore(resident)
+    errors: list[BaseException] = []
+
+    def program(b: int) -> None:
+        _program.idx = (b, 0, 0)
+        try:
+            fn(**bound)
+        except BaseException as exc:  # the launch raises it after every program has ended
+            errors.append(exc)
+        finally:
+            _program.idx = None
+            slots.release()
+
+    threads = []
+    for b in order:
+        slots.acquire()
+        t = threading.Thread(target=program, args=(b,), daemon=True)
+        t.start()
+        threads.append(t)
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
 
 
 def _deltas(tensors: Sequence[torch.Tensor], rank: int) -> tuple[int, ...]:
@@ -32,10 +180,14 @@ def _deltas(tensors: Sequence[torch.Tensor], rank: int) -> tuple[int, ...]:
 
 
 def _worker(rank: int, jobs, results) -> None:
+    import sys
+
     os.environ["TRITON_INTERPRET"] = "1"
     patch_interpreter()  # run-time loop bounds and scalar truth, and bf16 right, under the interpreter
+    sys.setswitchinterval(1e-3)  # concurrent programs: a spinning thread yields the GIL sooner
     from nanoparallel.cuda import kernels as K
 
+    launches = 0
     while True:
         job = jobs.get()
         if job is None:
@@ -43,8 +195,9 @@ def _worker(rank: int, jobs, results) -> None:
         if job[0] == "launcher":
             _run_launcher(rank, job[1:], results)
             continue
+        launches += 1
         try:
-            name, grid, args, symmetric = job
+            name, grid, args, symmetric, schedule = job
             args = dict(args)
             for arg, (tensors, delta_arg) in symmetric.items():
                 args[arg] = tensors[rank]
@@ -54,7 +207,7 @@ def _worker(rank: int, jobs, results) -> None:
                 kernel = getattr(importlib.import_module(f"nanoparallel.cuda.{module}"), attr)
             else:
                 kernel = getattr(K, name)
-            kernel[(grid,)](**args)
+            _launch(kernel, grid, (), args, schedule, rank, launches)
             results.put((rank, None))
         except Exception as exc:  # report, do not die: the parent raises with the message
             results.put((rank, f"{type(exc).__name__}: {exc}"))
@@ -78,11 +231,13 @@ class EmulatedBackend:
     on the emulator's shared host buffers: so the launchers themselves (pieces, positional
     arguments, epochs, the header of each call) run under the interpreter, not only the kernels."""
 
-    def __init__(self, rank, world_size, staging, headers, flags, err, epoch, staging_cap, programs, steps):
+    def __init__(self, rank, world_size, staging, headers, flags, err, epoch, staging_cap, programs, steps,
+                 schedule: Schedule = SEQUENTIAL):  # fmt: skip
         self.rank, self.world_size, self.staging_cap = rank, world_size, staging_cap
         self.staging, self.headers, self.epoch, self.parity = staging, headers, epoch, 0
         self.programs, self.steps, self.max_spins = programs, steps, 2_000_000
         self._sync = (flags[rank], _deltas(flags, rank), err)
+        self.schedule, self.launches = schedule, 0
 
     def _programs(self, collective: str, algorithm: str, nbytes: int) -> int:
         return self.programs
@@ -102,17 +257,20 @@ class EmulatedBackend:
         return _Sym(self.headers[self.parity ^ 1], self.rank)
 
     def _launch(self, kernel, grid: int, args: tuple, num_warps: int = 8) -> None:
-        kernel[(grid,)](*args)  # positionally, as CudaPeerBackend._launch passes them
+        self.launches += 1  # positionally, as CudaPeerBackend._launch passes them
+        _launch(kernel, grid, args, {}, self.schedule, self.rank, self.launches)
 
 
 def _run_launcher(rank: int, job: tuple, results) -> None:
-    name, per_rank, shared, epoch, staging_cap, programs, steps = job
+    name, calls, shared, epoch, staging_cap, programs, steps, schedule, skew_s = job
     try:
         module, attr = name.rsplit(".", 1)
         fn = getattr(importlib.import_module(f"nanoparallel.cuda.{module}"), attr)
         be = EmulatedBackend(rank, len(shared["flags"]), shared["staging"], shared["headers"], shared["flags"],
-                             shared["err"][rank], epoch, staging_cap, programs, steps)  # fmt: skip
-        fn(be, *per_rank[rank])
+                             shared["err"][rank], epoch, staging_cap, programs, steps, schedule)  # fmt: skip
+        for per_rank in calls:  # back to back: no host barrier with the peers between calls
+            time.sleep(skew_s.get(rank, 0.0))
+            fn(be, *per_rank[rank])
         results.put((rank, ("epoch", be.epoch)))
     except Exception as exc:
         results.put((rank, f"{type(exc).__name__}: {exc}"))
@@ -173,25 +331,30 @@ class EmulatedPeers:
         barriers: int,
         max_spins: int = 2_000_000,
         timeout_s: float = 120.0,
+        schedule: Schedule = SEQUENTIAL,
     ) -> None:
         """Launch ``kernel`` on every rank; ``per_rank[r]`` holds rank r's own arguments.
 
         ``symmetric`` maps an argument to (one tensor per rank, name of its offsets argument); the
-        flags are added here. Raises with every rank's message if any rank failed or timed out.
+        flags are added here; ``schedule`` says how each rank runs the programs. Raises with every
+        rank's message if any rank failed or timed out.
         """
         if grid > self.max_programs:
             raise ValueError(f"grid {grid} exceeds the {self.max_programs} programs the flags were sized for")
         symmetric = {"flags": (self.flags, "F"), **symmetric}
         for r in range(self.world_size):
             args = dict(per_rank[r], err=self.err[r], epoch=self.epoch, max_spins=max_spins)
-            self._jobs[r].put((kernel, grid, args, symmetric))
+            self._jobs[r].put((kernel, grid, args, symmetric, schedule))
         self.epoch += barriers
         errors = {}
         for _ in range(self.world_size):
             try:
                 rank, msg = self._results.get(timeout=timeout_s)
             except queue.Empty:
-                raise TimeoutError(f"{kernel}: a worker did not answer within {timeout_s} s") from None
+                raise TimeoutError(
+                    f"{kernel}: a worker did not answer within {timeout_s} s"
+                    + (f" (the others said: {errors})" if errors else "")
+                ) from None
             if msg:
                 errors[rank] = msg
         if errors:
@@ -200,12 +363,15 @@ class EmulatedPeers:
 
     def run_launcher(
         self, name: str, per_rank: Sequence[tuple], staging_cap: int, programs: int, steps: int,
-        staging_bytes: int = 1 << 20, timeout_s: float = 120.0,
+        staging_bytes: int = 1 << 20, timeout_s: float = 120.0, schedule: Schedule = SEQUENTIAL,
+        calls: Sequence[Sequence[tuple]] | None = None, skew_s: dict[int, float] | None = None,
     ) -> None:  # fmt: skip
         """Call launcher ``name`` ("broadcast.broadcast_ring") on every rank as ``fn(be, *per_rank[r])``
         with an :class:`EmulatedBackend`: two staging buffers of ``staging_bytes``, ``staging_cap``
-        (small, so that messages go in pieces), a grid of at most ``programs`` and ``steps`` steps.
-        Raises as :meth:`run` does."""
+        (small, so that messages go in pieces), a grid of at most ``programs`` and ``steps`` steps,
+        the programs run as ``schedule`` says. ``calls`` (a list of ``per_rank``s) instead makes
+        every rank call it once per entry, back to back, each call after a sleep of ``skew_s[rank]``
+        seconds (a late rank). Raises as :meth:`run` does."""
         W = self.world_size
         if not hasattr(self, "_staging") or self._staging[0][0].numel() != staging_bytes:
             self._staging = [[torch.zeros(staging_bytes, dtype=torch.uint8).share_memory_() for _ in range(W)]
@@ -214,16 +380,31 @@ class EmulatedPeers:
                 [torch.zeros(8, dtype=torch.int64).share_memory_() for _ in range(W)] for _ in range(2)
             ]
         shared = dict(staging=self._staging, headers=self._headers, flags=self.flags, err=self.err)
+        calls = [list(c) for c in calls] if calls is not None else [list(per_rank)]
         for r in range(W):
             self._jobs[r].put(
-                ("launcher", name, list(per_rank), shared, self.epoch, staging_cap, programs, steps)
+                (
+                    "launcher",
+                    name,
+                    calls,
+                    shared,
+                    self.epoch,
+                    staging_cap,
+                    programs,
+                    steps,
+                    schedule,
+                    skew_s or {},
+                )
             )
         errors, epochs = {}, set()
         for _ in range(W):
             try:
                 rank, msg = self._results.get(timeout=timeout_s)
             except queue.Empty:
-                raise TimeoutError(f"{name}: a worker did not answer within {timeout_s} s") from None
+                raise TimeoutError(
+                    f"{name}: a worker did not answer within {timeout_s} s"
+                    + (f" (the others said: {errors})" if errors else "")
+                ) from None
             if isinstance(msg, tuple):
                 epochs.add(msg[1])
             else:

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from nanoparallel.cuda import kernels as K
 from nanoparallel.cuda import pipeline_steps, slice_size, split_work
-from nanoparallel.cuda.emulate import EmulatedPeers
+from nanoparallel.cuda.emulate import EmulatedPeers, Schedule
 from paperclub.testing import assert_rel_close
 
 BLOCK = 16
@@ -350,3 +350,72 @@ def test_launchers_cut_pieces_and_pass_their_arguments_in_order(peers):
     ref = reduce_ref(inputs, "sum")
     for r in range(W):
         assert_rel_close(ys[r], ref, TOL[torch.float32], f"two_shot_pipelined launcher rank {r}")
+
+
+# -- as a GPU runs them: every program at once, in any order, and calls back to back ------------
+# The sequential interpreter runs program b of every rank at the same moment and finishes a call on
+# every rank before the next: a kernel whose program waits for another program of its own launch,
+# or that overwrites a buffer a slow peer still reads, passes there and hangs or corrupts on a GPU.
+# emulate.Schedule runs the programs as threads instead (all resident, started in a different order
+# on every rank, or fewer resident than the grid, dispatched in index order as a GPU's block
+# scheduler does), and run_launcher(calls=...) runs calls back to back with a late rank.
+
+CONCURRENT = (Schedule(resident=MAX_PROGRAMS, order="shuffled", seed=7), Schedule(resident=2, order="index"))
+
+
+@pytest.fixture(scope="module")
+def four():
+    with EmulatedPeers(4, max_programs=MAX_PROGRAMS) as p:
+        yield p
+
+
+@pytest.mark.parametrize("schedule", CONCURRENT, ids=["all-resident-shuffled", "two-resident-in-order"])
+def test_new_kernels_with_programs_running_at_once(four, schedule):
+    W, n = 4, 200  # 4 programs of 64 elements, steps of 16 (BLOCK): every loop runs several times
+    inputs = [draw(n, torch.float32, 70 + r) for r in range(W)]
+    xs = four.shared(lambda r: inputs[r].clone())
+    run_two_shot_pipelined(four, xs, n, "sum", 3, schedule=schedule)
+    ref = reduce_ref(inputs, "sum")
+    for r in range(W):
+        assert_rel_close(xs[r], ref, TOL[torch.float32], f"two_shot_pipelined rank {r} ({schedule})")
+    xs = four.shared(lambda r: inputs[r].clone())
+    run_broadcast(four, xs, n, 2, 3, schedule=schedule)
+    assert all(torch.equal(xs[r], inputs[2]) for r in range(W)), f"ring broadcast ({schedule})"
+    xs = four.shared(lambda r: inputs[r].clone())
+    outs = four.shared(lambda r: torch.full((W * n,), 7.0))
+    run_all_gather(four, xs, outs, n, n, True, 3, schedule=schedule)
+    assert all(torch.equal(outs[r], torch.cat(inputs)) for r in range(W)), f"push all-gather ({schedule})"
+
+
+def test_two_shot_pipelined_calls_back_to_back_with_a_late_rank(four):
+    # four calls per rank without a host barrier between them (staging buffers and headers
+    # alternate, so calls 0 and 2 share a buffer), sizes that change the grid and the steps, every
+    # program at once; rank 0 starts each call late, so the others run a call ahead of it
+    W = 4
+    sizes = [2500, 97, 1800, 2500]  # pieces of 1024 (4 KiB staging cap): 3, 1, 2, 3 launches
+    inputs = [[draw(n, torch.float32, 100 * c + r) for r in range(W)] for c, n in enumerate(sizes)]
+    ys = [four.shared(lambda r, c=c: inputs[c][r].clone()) for c in range(len(sizes))]
+    calls = [[(ys[c][r], K.OP_CODES["sum"]) for r in range(W)] for c in range(len(sizes))]
+    four.run_launcher("all_reduce.all_reduce_two_shot_pipelined", calls[0], 8192, MAX_PROGRAMS, 3,
+                      schedule=CONCURRENT[0], calls=calls, skew_s={0: 0.3})  # fmt: skip
+    for c in range(len(sizes)):
+        ref = reduce_ref(inputs[c], "sum")
+        for r in range(W):
+            assert_rel_close(ys[c][r], ref, TOL[torch.float32], f"call {c} rank {r}")
+
+
+def test_the_barriers_need_every_program_resident_or_the_same_order(four):
+    # what the backend's grid rule protects: with one resident program per rank and a different
+    # dispatch order on each rank, program b of one rank waits for program b of a peer that is not
+    # running; the waits expire and say so (on a GPU, the same launch would hang until timeout_s)
+    W, schedule = 4, Schedule(resident=1, order="shuffled", seed=3)
+    assert len({tuple(schedule.programs(MAX_PROGRAMS, r, 1)) for r in range(W)}) > 1
+    inputs = [draw(200, torch.float32, r) for r in range(W)]
+    xs = four.shared(lambda r: inputs[r].clone())
+    try:
+        with pytest.raises(RuntimeError, match="error words set on ranks") as info:
+            run_two_shot_pipelined(four, xs, 200, "sum", 3, max_spins=1000, schedule=schedule)
+    finally:
+        four.epoch += 1000  # past any flag a rank left ahead
+    codes = ast.literal_eval(str(info.value).split("ranks ")[1])
+    assert any(code & K.ERR_TIMEOUT for code in codes.values()), codes

@@ -120,7 +120,9 @@ def test_pins_and_summary(tmp_path):
              peer="NCCL", environment={"device": "NVIDIA H100", "device_count": 4}, rows=sweep_rows(times))
         for w in (2, 4)
     ]  # fmt: skip
-    rep = summary_report(docs, table)
+    # a fixed policy, not the committed tables (those change with every GPU run): direct everywhere
+    fixed = {w: Policy(algorithms={"all_gather": ((0, "direct"),)}) for w in (2, 4)}
+    rep = summary_report(docs, fixed)
     got = {(r["gpus"], r["bytes"]): r for r in rep.rows}
     assert set(got) == {(2, 1024), (4, 1024), (2, 64 * M), (4, 64 * M)}
     assert got[(4, 1024)]["auto"] == "direct" and got[(4, 1024)]["speedup_vs_nccl"] == round(40 / 30, 3)
