@@ -43,7 +43,7 @@ def seen_by(res: dict, rank: int) -> dict:
     return payload[0]
 
 
-@pytest.mark.claim("nanoparallel/fault-mismatch", section="Fault tolerance")
+@pytest.mark.claim("nanoparallel/fault-mismatch", section="Abstract (arXiv 2505.14065v1)")
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("scenario", list(MISMATCH_NAMES))
 def test_mismatch_raises_on_every_rank(worlds, scenario):
@@ -63,7 +63,7 @@ def test_mismatch_raises_on_every_rank(worlds, scenario):
         assert MISMATCH_NAMES[scenario] in seen["message"], f"rank {r}: {seen['message']}"
 
 
-@pytest.mark.claim("nanoparallel/fault-dead-peer", section="Fault tolerance")
+@pytest.mark.claim("nanoparallel/fault-dead-peer", section="Abstract (arXiv 2505.14065v1)")
 @pytest.mark.timeout(120)
 def test_dead_rank_detected_by_liveness():
     """A rank that exits mid-job: both survivors raise PeerFailureError saying that rank 2 (its
@@ -80,7 +80,7 @@ def test_dead_rank_detected_by_liveness():
         assert "rank 2 (pid" in seen["message"] and seen["message"].endswith("is dead"), seen["message"]
 
 
-@pytest.mark.claim("nanoparallel/fault-timeout", section="Fault tolerance")
+@pytest.mark.claim("nanoparallel/fault-timeout", section="Abstract (arXiv 2505.14065v1)")
 @pytest.mark.timeout(120)
 def test_hung_rank_times_out_with_context(worlds):
     """A rank that is alive but never arrives (rank 1 waits, outside any collective, until a peer
@@ -107,7 +107,7 @@ def test_hung_rank_times_out_with_context(worlds):
     assert "aborted its communicator" in late["message"], late["message"]
 
 
-@pytest.mark.claim("nanoparallel/fault-dead-peer", section="Fault tolerance")
+@pytest.mark.claim("nanoparallel/fault-dead-peer", section="Abstract (arXiv 2505.14065v1)")
 @pytest.mark.timeout(120)
 def test_frozen_rank_on_another_host_detected_by_heartbeat():
     """Ranks on different hosts (simulated): a rank that freezes (SIGSTOP: its sockets stay open,
