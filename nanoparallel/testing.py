@@ -11,6 +11,7 @@ import time
 import torch
 
 import nanoparallel as npl
+from nanoparallel.errors import PeerFailureError
 
 # Small slots on purpose in tests: tensors of a few hundred elements already span many chunks,
 # channels and slot reuse (back-pressure), which is where pipelining bugs live.
@@ -185,8 +186,17 @@ def fault_case(ctx: dict, scenario: str, timeout_s: float) -> dict:
             comm.all_reduce(torch.ones(1 << 12))
         elif scenario == "hung-rank":
             if r == 1:
-                time.sleep(timeout_s * 3)
-            comm.all_reduce(torch.ones(1 << 12))
+                # alive but absent: stay out of the collective until a peer gives up on this rank
+                # (its abort word says so), however long that takes on a loaded machine; the cap
+                # only stops a hang if nobody ever gives up
+                give_up = time.monotonic() + 20 * timeout_s
+                while time.monotonic() < give_up:
+                    try:
+                        comm.liveness.check("hung-rank scenario")
+                    except PeerFailureError:
+                        break
+                    time.sleep(0.05)
+            comm.all_reduce(torch.ones(1 << 12))  # rank 1 arrives late: its peers are gone
         else:
             raise ValueError(scenario)
     except Exception as exc:

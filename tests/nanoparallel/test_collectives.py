@@ -46,7 +46,9 @@ def run_and_check(world, key, collective, algorithm, dtype, count, op, root, see
     return res
 
 
-@pytest.mark.claim("nanoparallel/collectives-correct", section="Collective algorithms")
+@pytest.mark.claim(
+    "nanoparallel/collectives-correct", section="Abstract; Collective algorithms (arXiv 2507.04786v1)"
+)
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("key", ["shm-simple", "shm-ll", "torch"])
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 6, 8])  # 6: recursive halving folds two extra ranks
@@ -75,7 +77,9 @@ def test_all_reduce_every_algorithm(worlds, n, key):
     prop()
 
 
-@pytest.mark.claim("nanoparallel/collectives-correct", section="Collective algorithms")
+@pytest.mark.claim(
+    "nanoparallel/collectives-correct", section="Abstract; Collective algorithms (arXiv 2507.04786v1)"
+)
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("key", ["shm-simple", "shm-ll", "torch"])
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
@@ -108,7 +112,7 @@ def test_other_collectives(worlds, n, key):
     prop()
 
 
-@pytest.mark.claim("nanoparallel/deterministic-runs", section="Bit-identical state")
+@pytest.mark.claim("nanoparallel/deterministic-runs", section="Abstract (arXiv 2505.14065v1)")
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_bitwise_deterministic(worlds, n):
@@ -134,7 +138,7 @@ def test_bitwise_deterministic(worlds, n):
     prop()
 
 
-@pytest.mark.claim("nanoparallel/ring-traffic", section="Ring AllReduce")
+@pytest.mark.claim("nanoparallel/ring-traffic", section="Ring AllReduce (arXiv 2507.04786v1)")
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("n", [2, 3, 4, 8])
 def test_ring_moves_2_n_minus_1_over_n(worlds, n):

@@ -92,7 +92,9 @@ def _spawn(job: str, world: int) -> list[tuple]:
 
 @pytest.mark.gpu
 @needs_two_gpus
-@pytest.mark.claim("nanoparallel/p2p-kernels", section="Intra-node data transfer: P2P transport")
+@pytest.mark.claim(
+    "nanoparallel/p2p-kernels", section="Intra-node data transfer: P2P transport (arXiv 2507.04786v1)"
+)
 def test_every_collective_and_algorithm_on_gpus():
     world = min(N_GPUS, 8)
     out = _spawn("check", world)

@@ -131,7 +131,9 @@ def reduce_ref(xs: list[torch.Tensor], op: str) -> torch.Tensor:
 @SETTINGS
 @given(n=sizes, dtype=dtypes, root=st.integers(0, 3), steps=steps_, seed=st.integers(0, 10**6))
 @example(n=200, dtype=torch.float32, root=1, steps=5, seed=1)  # 4 programs x 64 elements, steps of 16
-@pytest.mark.claim("nanoparallel/p2p-kernels", section="Intra-node data transfer: P2P transport")
+@pytest.mark.claim(
+    "nanoparallel/p2p-kernels", section="Intra-node data transfer: P2P transport (arXiv 2507.04786v1)"
+)
 def test_ring_broadcast(peers, n, dtype, root, steps, seed):
     W = peers.world_size
     root %= W
@@ -153,7 +155,9 @@ def test_ring_broadcast(peers, n, dtype, root, steps, seed):
 )
 @example(m=200, dtype=torch.bfloat16, push=True, steps=3, pad=0, seed=2)
 @example(m=97, dtype=torch.int64, push=False, steps=1, pad=5, seed=3)
-@pytest.mark.claim("nanoparallel/p2p-kernels", section="Intra-node data transfer: P2P transport")
+@pytest.mark.claim(
+    "nanoparallel/p2p-kernels", section="Intra-node data transfer: P2P transport (arXiv 2507.04786v1)"
+)
 def test_all_gather_pairwise_and_push(peers, m, dtype, push, steps, pad, seed):
     # ld = m + pad: the row stride of a piece of a larger message (the launcher's piece loop)
     W = peers.world_size
@@ -175,7 +179,9 @@ def test_all_gather_pairwise_and_push(peers, m, dtype, push, steps, pad, seed):
        seed=st.integers(0, 10**6))  # fmt: skip
 @example(n=200, dtype=torch.float32, op="sum", steps=4, seed=1)
 @example(n=97, dtype=torch.int32, op="avg", steps=5, seed=2)
-@pytest.mark.claim("nanoparallel/p2p-kernels", section="Intra-node data transfer: P2P transport")
+@pytest.mark.claim(
+    "nanoparallel/p2p-kernels", section="Intra-node data transfer: P2P transport (arXiv 2507.04786v1)"
+)
 def test_two_shot_pipelined_all_reduce(peers, n, dtype, op, steps, seed):
     W = peers.world_size
     inputs = [draw(n, dtype, seed * 10 + r) for r in range(W)]
@@ -204,7 +210,9 @@ def test_two_shot_pipelined_all_reduce(peers, n, dtype, op, steps, seed):
        seed=st.integers(0, 10**6))  # fmt: skip
 @example(counts=[150, 131, 7, 64, 0, 192, 5, 17, 160, 33, 1, 128, 80, 16, 48, 99], dtype=torch.float32, steps=3,
          seed=3)  # fmt: skip
-@pytest.mark.claim("nanoparallel/p2p-kernels", section="Intra-node data transfer: P2P transport")
+@pytest.mark.claim(
+    "nanoparallel/p2p-kernels", section="Intra-node data transfer: P2P transport (arXiv 2507.04786v1)"
+)
 def test_all_to_all_pairwise(peers, counts, dtype, steps, seed):
     W = peers.world_size
     c = [counts[s * 4 : s * 4 + W] for s in range(W)]  # c[s][d]: elements rank s sends to rank d

@@ -78,7 +78,9 @@ def check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, name: str, s
 @given(
     n=sizes, dtype=all_dtypes, op=st.sampled_from(["sum", "max", "min", "avg"]), seed=st.integers(0, 10**6)
 )
-@pytest.mark.claim("nanoparallel/p2p-kernels", section="Intra-node data transfer: P2P transport")
+@pytest.mark.claim(
+    "nanoparallel/p2p-kernels", section="Intra-node data transfer: P2P transport (arXiv 2507.04786v1)"
+)
 def test_one_shot_all_reduce(peers, n, dtype, op, seed):
     inputs = draw_inputs(n, dtype, seed)
     xs = peers.shared(lambda r: inputs[r].clone())
@@ -100,7 +102,9 @@ def test_one_shot_all_reduce(peers, n, dtype, op, seed):
 @given(
     n=sizes, dtype=all_dtypes, op=st.sampled_from(["sum", "max", "min", "avg"]), seed=st.integers(0, 10**6)
 )
-@pytest.mark.claim("nanoparallel/p2p-kernels", section="Intra-node data transfer: P2P transport")
+@pytest.mark.claim(
+    "nanoparallel/p2p-kernels", section="Intra-node data transfer: P2P transport (arXiv 2507.04786v1)"
+)
 def test_one_shot_push_all_reduce(peers, n, dtype, op, seed):
     inputs = draw_inputs(n, dtype, seed)
     S = -(-n // 64) * 64
@@ -151,7 +155,9 @@ def launch_two_shot(peers, xs, outs, bufs, n: int, S: int, op: str, ring: bool, 
     ring=st.booleans(),
     seed=st.integers(0, 10**6),
 )
-@pytest.mark.claim("nanoparallel/p2p-kernels", section="Intra-node data transfer: P2P transport")
+@pytest.mark.claim(
+    "nanoparallel/p2p-kernels", section="Intra-node data transfer: P2P transport (arXiv 2507.04786v1)"
+)
 def test_two_shot_and_ring_all_reduce(peers, n, dtype, op, ring, seed):
     inputs = draw_inputs(n, dtype, seed)
     S = slice_size(n, W)
@@ -172,7 +178,9 @@ def test_two_shot_and_ring_all_reduce(peers, n, dtype, op, ring, seed):
     ring=st.booleans(),
     seed=st.integers(0, 10**6),
 )
-@pytest.mark.claim("nanoparallel/p2p-kernels", section="Intra-node data transfer: P2P transport")
+@pytest.mark.claim(
+    "nanoparallel/p2p-kernels", section="Intra-node data transfer: P2P transport (arXiv 2507.04786v1)"
+)
 def test_reduce_scatter(peers, m, dtype, op, ring, seed):
     inputs = draw_inputs(W * m, dtype, seed)
     xs = peers.shared(lambda r: inputs[r].clone())
@@ -193,7 +201,9 @@ def test_reduce_scatter(peers, m, dtype, op, ring, seed):
 
 @SETTINGS
 @given(m=sizes, dtype=all_dtypes, seed=st.integers(0, 10**6))
-@pytest.mark.claim("nanoparallel/p2p-kernels", section="Intra-node data transfer: P2P transport")
+@pytest.mark.claim(
+    "nanoparallel/p2p-kernels", section="Intra-node data transfer: P2P transport (arXiv 2507.04786v1)"
+)
 def test_all_gather(peers, m, dtype, seed):
     inputs = draw_inputs(m, dtype, seed)
     xs = peers.shared(lambda r: inputs[r].clone())
@@ -211,7 +221,9 @@ def test_all_gather(peers, m, dtype, seed):
 
 @SETTINGS
 @given(n=sizes, dtype=all_dtypes, root=st.integers(0, W - 1), seed=st.integers(0, 10**6))
-@pytest.mark.claim("nanoparallel/p2p-kernels", section="Intra-node data transfer: P2P transport")
+@pytest.mark.claim(
+    "nanoparallel/p2p-kernels", section="Intra-node data transfer: P2P transport (arXiv 2507.04786v1)"
+)
 def test_broadcast(peers, n, dtype, root, seed):
     inputs = draw_inputs(n, dtype, seed)
     xs = peers.shared(lambda r: inputs[r].clone())
@@ -229,7 +241,9 @@ def test_broadcast(peers, n, dtype, root, seed):
     dtype=all_dtypes,
     seed=st.integers(0, 10**6),
 )
-@pytest.mark.claim("nanoparallel/p2p-kernels", section="Intra-node data transfer: P2P transport")
+@pytest.mark.claim(
+    "nanoparallel/p2p-kernels", section="Intra-node data transfer: P2P transport (arXiv 2507.04786v1)"
+)
 def test_all_to_all_uneven(peers, counts, dtype, seed):
     # counts[s][d]: elements rank s sends to rank d (zeros included)
     inputs = [draw_inputs(max(sum(counts[s]), 1), dtype, seed + s)[s][: sum(counts[s])] for s in range(W)]
@@ -264,7 +278,9 @@ def test_all_to_all_uneven(peers, counts, dtype, seed):
     dtype=all_dtypes,
     seed=st.integers(0, 10**6),
 )
-@pytest.mark.claim("nanoparallel/p2p-kernels", section="Intra-node data transfer: P2P transport")
+@pytest.mark.claim(
+    "nanoparallel/p2p-kernels", section="Intra-node data transfer: P2P transport (arXiv 2507.04786v1)"
+)
 def test_all_to_all_push_uneven(peers, counts, dtype, seed):
     slot = 48  # elements per sender in every rank's buffer: each split (<= 40) fits
     inputs = [draw_inputs(max(sum(counts[s]), 1), dtype, seed + s)[s][: sum(counts[s])] for s in range(W)]
@@ -319,7 +335,9 @@ def launch_pipelined(peers, kernel: str, xs, outs, size: str, n: int, dtype, op:
 )
 @example(n=200, dtype=torch.float32, op="sum", steps=3, seed=1)  # 4 programs x 64, 3 steps of 32 or 16
 @example(n=97, dtype=torch.int32, op="avg", steps=5, seed=2)
-@pytest.mark.claim("nanoparallel/p2p-kernels", section="Intra-node data transfer: P2P transport")
+@pytest.mark.claim(
+    "nanoparallel/p2p-kernels", section="Intra-node data transfer: P2P transport (arXiv 2507.04786v1)"
+)
 def test_one_shot_pipelined_all_reduce(peers, n, dtype, op, steps, seed):
     inputs = draw_inputs(n, dtype, seed)
     xs = peers.shared(lambda r: inputs[r].clone())
@@ -348,7 +366,9 @@ def test_one_shot_pipelined_all_reduce(peers, n, dtype, op, steps, seed):
 @example(m=97, dtype=torch.int32, op="avg", steps=5, seed=2)
 # 3 programs x 48 in 3 steps of 16, the last program 34 (its third step short); bf16 widened sums
 @example(m=130, dtype=torch.bfloat16, op="sum", steps=3, seed=3)
-@pytest.mark.claim("nanoparallel/p2p-kernels", section="Intra-node data transfer: P2P transport")
+@pytest.mark.claim(
+    "nanoparallel/p2p-kernels", section="Intra-node data transfer: P2P transport (arXiv 2507.04786v1)"
+)
 def test_reduce_scatter_pipelined(peers, m, dtype, op, steps, seed):
     inputs = draw_inputs(W * m, dtype, seed)
     xs = peers.shared(lambda r: inputs[r].clone())
@@ -420,7 +440,9 @@ def a2a_case(peers, counts, dtype, seed, slot):
 # shares of 64 elements per program cut into 2 or 3 steps; splits not multiples of 16 included
 @example(counts=[[200, 131, 7], [64, 192, 0], [5, 17, 160]], dtype=torch.float32, steps=3, seed=3)
 @example(counts=[[190, 200, 33], [1, 150, 128], [0, 0, 199]], dtype=torch.bfloat16, steps=2, seed=4)
-@pytest.mark.claim("nanoparallel/p2p-kernels", section="Intra-node data transfer: P2P transport")
+@pytest.mark.claim(
+    "nanoparallel/p2p-kernels", section="Intra-node data transfer: P2P transport (arXiv 2507.04786v1)"
+)
 def test_all_to_all_pipelined_uneven(peers, counts, dtype, steps, seed):
     slot = 256
     xs, outs, bufs, metas, expected, totals_out = a2a_case(peers, counts, dtype, seed, slot)

@@ -19,7 +19,7 @@ from nanoparallel.transport.base import Recv, Send
 from nanoparallel.transport.shm import ShmTransport
 
 
-@pytest.mark.claim("nanoparallel/tree-log-depth", section="Tree AllReduce")
+@pytest.mark.claim("nanoparallel/tree-log-depth", section="Tree AllReduce (arXiv 2507.04786v1)")
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(1, 512))
 def test_double_binary_tree_shape(n):
@@ -77,7 +77,7 @@ def _pair(protocol: str, slot_bytes: int = 256, nslots: int = 2):
     return out
 
 
-@pytest.mark.claim("nanoparallel/ll-protocol", section="Protocols: LL")
+@pytest.mark.claim("nanoparallel/ll-protocol", section="Communication protocols: LL (arXiv 2507.04786v1)")
 @settings(max_examples=25, deadline=None)
 @given(nbytes=st.integers(1, 2000), seed=st.integers(0, 1000), torn=st.integers(0, 10_000))
 def test_ll_flags_gate_every_line(nbytes, seed, torn):
@@ -112,7 +112,9 @@ def test_ll_flags_gate_every_line(nbytes, seed, torn):
     b.close()
 
 
-@pytest.mark.claim("nanoparallel/simple-protocol", section="Protocols: Simple")
+@pytest.mark.claim(
+    "nanoparallel/simple-protocol", section="Communication protocols: Simple (arXiv 2507.04786v1)"
+)
 @settings(max_examples=10, deadline=None)
 @given(nbytes=st.integers(1, 3000), nslots=st.integers(1, 4))
 def test_simple_flag_and_backpressure(nbytes, nslots):
@@ -140,7 +142,7 @@ def test_simple_flag_and_backpressure(nbytes, nslots):
     b.close()
 
 
-@pytest.mark.claim("nanoparallel/auto-cost-model", section="Algorithm and protocol selection")
+@pytest.mark.claim("nanoparallel/auto-cost-model", section="Abstract (arXiv 2507.04786v1)")
 @settings(max_examples=100, deadline=None)
 @given(
     alpha=st.floats(1e-7, 1e-3),

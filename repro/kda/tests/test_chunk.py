@@ -21,7 +21,7 @@ from repro.kda.tests.strategies import kda_cases
 CLAIM = "kda/chunk-equals-recurrent"
 
 
-SECTION = "§3.1"
+SECTION = "§3.1 (arXiv v2)"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

@@ -32,7 +32,7 @@ case_args = st.tuples(
 )
 
 
-@pytest.mark.claim("kda/prefill-then-decode", section="§3")
+@pytest.mark.claim("kda/prefill-then-decode", section="Abstract; Figure 1b; §3 (arXiv v2)")
 @settings(max_examples=6, deadline=None)
 @given(args=case_args, split=st.floats(0.0, 1.0))
 def test_prefill_then_decode_equals_recurrence(args, split):
@@ -58,7 +58,7 @@ def test_prefill_then_decode_equals_recurrence(args, split):
     assert_rel_close(state.cpu(), s_ref, 1e-4, "state after decoding")
 
 
-@pytest.mark.claim("kda/constant-state", section="Abstract")
+@pytest.mark.claim("kda/constant-state", section="Abstract (arXiv v2)")
 @settings(max_examples=5, deadline=None)
 @given(args=case_args)
 def test_state_size_does_not_grow_and_carries_everything(args):

@@ -53,7 +53,7 @@ from repro.kda import KDAConfig, chunk_kda, recurrent_kda
 from repro.kda.gate import G_MIN
 
 CLAIM = "kda/chunk-equals-recurrent"
-SECTION = "§3.1"
+SECTION = "§3.1 (arXiv v2)"
 
 CHUNK_TOL = {
     "o": 5e-3,
@@ -360,7 +360,7 @@ def test_fla_chunk_matrix_on_gpu(name, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.claim("kda/varlen-equals-separate", section="§3")
+@pytest.mark.claim("kda/varlen-equals-separate", section="§3 (arXiv v2)")
 @pytest.mark.parametrize("name, dtype", VARLEN_PARAMS)
 def test_fla_varlen_matrix_on_gpu(name, dtype):
     """fla's test_chunk_varlen cases: packed sequences against each run alone."""

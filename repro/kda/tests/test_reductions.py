@@ -56,7 +56,7 @@ def _tol(name):
     return 1e-4 if name == "chunk_triton" else 1e-10
 
 
-@pytest.mark.claim("kda/reduces-to-delta-rule", section="§3")
+@pytest.mark.claim("kda/reduces-to-delta-rule", section="§3 (arXiv v2)")
 @settings(max_examples=6, deadline=None)
 @given(case=kda_cases(max_T=64))
 def test_zero_decay_is_delta_rule(case):
@@ -71,7 +71,7 @@ def test_zero_decay_is_delta_rule(case):
         assert_rel_close(s, s_ref, _tol(name), f"{name} state")
 
 
-@pytest.mark.claim("kda/reduces-to-gated-delta-rule", section="§3")
+@pytest.mark.claim("kda/reduces-to-gated-delta-rule", section="Abstract; §3 (arXiv v2)")
 @settings(max_examples=6, deadline=None)
 @given(case=kda_cases(max_T=64), strength=st.sampled_from([0.1, 1.0, 5.0]))
 def test_channel_equal_decay_is_gated_delta_rule(case, strength):
@@ -91,7 +91,7 @@ def test_channel_equal_decay_is_gated_delta_rule(case, strength):
         assert_rel_close(s, s_ref, _tol(name), f"{name} state")
 
 
-@pytest.mark.claim("kda/beta-zero-decays-only", section="§3")
+@pytest.mark.claim("kda/beta-zero-decays-only", section="§3 (arXiv v2)")
 @settings(max_examples=6, deadline=None)
 # decay kept mild enough that exp(G_T) stays a normal fp32 number: here the state is nothing but
 # exp(G_T) * S_0, and a relative error on a value fp32 flushes to zero would say nothing
@@ -112,7 +112,7 @@ def test_beta_zero_only_decays(case):
         assert_rel_close(s, s_expected, _tol(name), f"{name} state")
 
 
-@pytest.mark.claim("kda/dplr-special-case", section="Abstract; §3")
+@pytest.mark.claim("kda/dplr-special-case", section="Abstract; §3 (arXiv v2)")
 @settings(max_examples=10, deadline=None)
 @given(kda_cases(max_T=40))
 def test_kda_is_dplr_with_tied_vectors(case):

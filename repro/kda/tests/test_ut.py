@@ -35,7 +35,7 @@ def _solve(A):
     return torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False, unitriangular=True)
 
 
-@pytest.mark.claim("kda/ut-transform", section="§3.1")
+@pytest.mark.claim("kda/ut-transform", section="§3.1 (arXiv v2)")
 @settings(max_examples=20, deadline=None)
 @given(
     seed=st.integers(0, 2**31 - 1),
@@ -57,7 +57,7 @@ def test_ut_transform_equals_triangular_solve(seed, C, K, g_max):
         )
 
 
-@pytest.mark.claim("kda/ut-transform", section="§3.1")
+@pytest.mark.claim("kda/ut-transform", section="§3.1 (arXiv v2)")
 @settings(max_examples=5, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), T=st.integers(1, 128), g_max=st.sampled_from([0.01, 2.0, 10.0]))
 def test_triton_ut_transform_equals_triangular_solve(seed, T, g_max):

@@ -18,7 +18,7 @@ from paperclub.testing import assert_rel_close, sanitizing
 from repro.kda import chunk_kda, recurrent_kda
 
 CLAIM = "kda/varlen-equals-separate"
-SECTION = "§3"
+SECTION = "§3 (arXiv v2)"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
