@@ -5,7 +5,7 @@
 
 Why: program b of a rank waits for program b of every peer, so whether a launch's whole grid is
 resident at once decides whether it runs in one wave or relies on the GPU starting programs in
-index order (``PROGRAMS_PER_SM`` in ``nanoparallel/cuda/__init__.py``). A program has
+index order (``PROGRAMS_PER_SM`` in ``nanoparallel/cuda/backend.py``). A program has
 ``NUM_WARPS`` x 32 threads; an H100 SM has 65536 registers, given out per warp in units of 256, so
 two programs fit where a thread needs at most 128 registers. Each row is one kernel, world size
 and dtype, over every rank (``RANK`` is a constexpr, so each rank compiles its own kernel): the
@@ -27,13 +27,13 @@ from __future__ import annotations
 KERNELS = {
     # name: (module, kernel, constexprs besides RANK, W and BLOCK)
     "all_reduce two_shot_pipelined": ("all_reduce", "two_shot_pipelined_all_reduce_kernel", {"OP": 0}),
-    "all_reduce one_shot_pipelined": ("kernels", "one_shot_pipelined_all_reduce_kernel", {"OP": 0}),
-    "all_reduce ring": ("kernels", "ring_all_reduce_kernel", {"OP": 0, "GATHER": True}),
-    "reduce_scatter pipelined": ("kernels", "reduce_scatter_pipelined_kernel", {"OP": 0}),
+    "all_reduce one_shot_pipelined": ("all_reduce", "one_shot_pipelined_all_reduce_kernel", {"OP": 0}),
+    "all_reduce ring": ("all_reduce", "ring_all_reduce_kernel", {"OP": 0, "GATHER": True}),
+    "reduce_scatter pipelined": ("reduce_scatter", "reduce_scatter_pipelined_kernel", {"OP": 0}),
     "all_gather push_pipelined": ("all_gather", "all_gather_push_kernel", {}),
     "all_gather pairwise": ("all_gather", "all_gather_pairwise_kernel", {}),
     "broadcast ring": ("broadcast", "ring_broadcast_kernel", {}),
-    "all_to_all pairwise": ("kernels", "all_to_all_pipelined_kernel", {"ROTATE": True}),
+    "all_to_all pairwise": ("all_to_all", "all_to_all_pipelined_kernel", {"ROTATE": True}),
 }
 POINTERS = {"f32": ("*fp32", 4), "bf16": ("*bf16", 2), "i64": ("*i64", 8)}
 # every dtype of the backend (DTYPES), for --fingerprints
