@@ -1,4 +1,4 @@
-"""Uneven all-to-all among the GPUs of one host (``all_to_all_single``'s splits): kernels, split tables, launcher.
+"""Uneven all-to-all among the GPUs of one host: the kernels, the split tables, the launcher.
 
 The algorithms (``CudaPeerBackend.all_to_all(algorithm=...)``):
 

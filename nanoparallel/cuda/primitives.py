@@ -4,7 +4,7 @@ The kernels themselves are in one file per collective (``all_reduce.py``, ``redu
 ``all_gather.py``, ``broadcast.py``, ``all_to_all.py``); here are the ``@triton.jit`` functions they
 share and ``barrier_kernel``, the bare barrier of the copy-engine paths.
 
-Every kernel here sees the *same* staging buffer on every rank (symmetric memory: one buffer per
+Every peer kernel sees the *same* staging buffer on every rank (symmetric memory: one buffer per
 rank, each mapped into every rank's address space). Kernels get the local buffer ``buf`` and a
 tuple ``D`` of element offsets: rank ``p``'s buffer starts at ``buf + D[p]`` (``D[RANK] == 0``).
 Passing peers as offsets from a real tensor argument, rather than as raw integer addresses, keeps
