@@ -1,6 +1,11 @@
-"""All-gather that keeps every NVLink busy: reads in rotated order, or pipelined pushes.
+"""All-gather among the GPUs of one host: every algorithm's kernel, and the backend's ``all_gather``.
 
-Why the ``direct`` all-gather (``kernels.all_gather_kernel``) reached only 0.51-0.62x NCCL's bus
+The algorithms (``CudaPeerBackend.all_gather(algorithm=...)``): ``direct`` (copy in, one barrier,
+read every peer's buffer: ``all_gather_kernel``), ``copy_engine`` (the same reads as
+``Tensor.copy_`` from peers' buffers, peers in rotated order), and the two that keep every NVLink
+busy, reads in rotated order (``pairwise``) or pipelined pushes (``push_pipelined``).
+
+Why the ``direct`` all-gather (``all_gather_kernel``) reached only 0.51-0.62x NCCL's bus
 bandwidth on 4 H100s (2026-11-27): after its barrier every program reads peer 0's range, then peer
 1's, then peer 2's, in rank order, and so does every rank. At any moment all readers pull from the
 same GPU, whose egress (about 370 GB/s) is then split three ways, while the other GPUs' egress is
@@ -26,10 +31,28 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoparallel.cuda.kernels import _check_headers, _copy, _meet, _publish_header, _step
+from nanoparallel.cuda.partition import STEP_BYTES, _round_up, pipeline_steps, split_work
+from nanoparallel.cuda.primitives import _barrier, _check_headers, _copy, _meet, _publish_header, _step
 
 PAIRWISE_TAG = 2 << 12
 PUSH_TAG = 3 << 12
+
+
+@triton.jit(do_not_specialize=["epoch", "max_spins"])
+def all_gather_kernel(
+    inp, out, buf, D, flags, F, err, m, chunk, epoch, max_spins,
+    RANK: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """out[p*m:(p+1)*m] = inp of rank p. inp: [m], out: [W*m]; one barrier, (W-1) m bytes read."""
+    lo = tl.program_id(0) * chunk
+    hi = tl.minimum(lo + chunk, m)
+    _copy(buf, inp, lo, hi, BLOCK)
+    _barrier(flags, F, err, epoch + 1, max_spins, RANK, W)
+    for p in tl.static_range(W):
+        if p == RANK:
+            _copy(out + p * m, inp, lo, hi, BLOCK)
+        else:
+            _copy(out + p * m, buf + D[p], lo, hi, BLOCK)
 
 
 @triton.jit(do_not_specialize=["tag", "epoch", "max_spins"])
@@ -95,8 +118,6 @@ def all_gather_new(be, output: torch.Tensor, input: torch.Tensor, algorithm: str
     """Launch ``pairwise`` or ``push_pipelined`` on backend ``be``: input [m] -> output [W*m].
     A message larger than the staging buffer goes in pieces of k elements per rank; the kernels
     write the [W, k] block of a piece with row stride m, so no temporary is needed."""
-    from nanoparallel.cuda import STEP_BYTES, _round_up, pipeline_steps, split_work
-
     W, elem, dtype = be.world_size, input.element_size(), input.dtype
     block = STEP_BYTES // elem
     m = input.numel()
@@ -128,4 +149,63 @@ def all_gather_new(be, output: torch.Tensor, input: torch.Tensor, algorithm: str
                 src, dst, buf.view(dtype), buf.deltas(dtype), hdr.view(torch.int64), hdr.deltas(torch.int64),
                 *be._sync, k, m, chunk, tag, epoch, be.max_spins, be.rank, W, block,
             ))  # fmt: skip
+    return output
+
+
+# -- the host side: CudaPeerBackend.all_gather is ``all_gather`` (bound in backend.py) ---------------
+
+
+def all_gather(be, output: torch.Tensor, input: torch.Tensor, algorithm: str = "auto") -> torch.Tensor:
+    """output[p*m:(p+1)*m] <- input of rank p. input: [m], output: [W*m]."""
+    what = "all_gather"
+    be._check_sharded(what, output, input, "output")
+    W = be.world_size
+    elem = input.element_size()
+    algorithm = be._algorithm(what, algorithm, output.numel() * elem)
+    m = input.numel()
+    if m == 0:
+        return output
+    if algorithm in ("pairwise", "push_pipelined"):
+        all_gather_new(be, output, input, algorithm)
+        be._after(what)
+        return output
+    piece = max(be.staging_cap // elem // 1024 * 1024, 1024)
+    if m <= piece and algorithm == "direct":  # the common case, without reshaping
+        buf, epoch = be._next(m * elem, 1)
+        chunk, grid = be._chunk(m, elem)
+        be._launch(all_gather_kernel, grid, (
+            input, output, buf.view(input.dtype), buf.deltas(input.dtype), *be._sync, m, chunk, epoch,
+            be.max_spins, be.rank, W, STEP_BYTES // elem,
+        ))  # fmt: skip
+        be._after(what)
+        return output
+    inp, out = input.view(-1), output.view(W, m)
+    for start in range(0, m, piece):
+        k = min(piece, m - start)
+        src = inp[start : start + k]
+        buf, epoch = be._next(k * elem, 1)
+        if algorithm == "copy_engine":
+            buf.view(input.dtype)[:k].copy_(src)
+            be._barrier_kernel(epoch)
+            # peers in rotated order (rank + i in round i): in rank order every rank would
+            # first copy from rank 0, whose NVLink egress then serves W - 1 readers at once
+            for i in range(W):
+                p = (be.rank + i) % W
+                view = src if p == be.rank else buf.peer(p).view(input.dtype)[:k]
+                out[p, start : start + k].copy_(view)
+            continue
+        dst = out[:, start : start + k]
+        if not dst.is_contiguous():
+            # a piece of a [W, m] output is W strided rows; gather into a contiguous [W, k] first
+            tmp = torch.empty(W, k, dtype=input.dtype, device=be.device)
+        else:
+            tmp = dst
+        chunk, grid = be._chunk(k, elem)
+        be._launch(all_gather_kernel, grid, (
+            src, tmp, buf.view(input.dtype), buf.deltas(input.dtype), *be._sync, k, chunk, epoch,
+            be.max_spins, be.rank, W, STEP_BYTES // elem,
+        ))  # fmt: skip
+        if tmp is not dst:
+            dst.copy_(tmp)
+    be._after(what)
     return output

@@ -47,6 +47,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from nanoparallel.cost_model import bus_factor  # noqa: E402
+from nanoparallel.cuda.primitives import _copy  # noqa: E402
 
 COLUMNS = ["section", "variant", "bytes", "programs", "steps", "tunable", "checked", "time_us", "host_us",
            "GBps", "busbw_GBps", "vs_nccl"]  # fmt: skip
@@ -94,6 +95,18 @@ def link_probe_kernel(local, buf, D, n, chunk, PEERS: tl.constexpr, READ: tl.con
                     tl.store(local + ((RANK + i) % W) * n + offs, y, mask=mask)
                 else:
                     tl.store(buf + D[(RANK + i) % W] + RANK * n + offs, x, mask=mask)
+
+
+@triton.jit
+def peer_copy_kernel(local, buf, D, n, chunk, PEER: tl.constexpr, READ: tl.constexpr, BLOCK: tl.constexpr):
+    """Raw NVLink bandwidth probe, one peer (``link_probe_kernel`` is the one the diagnosis runs): READ copies peer PEER's buffer into
+    ``local``, otherwise ``local`` into the peer's buffer; program b moves [b*chunk, (b+1)*chunk)."""
+    lo = tl.program_id(0) * chunk
+    hi = tl.minimum(lo + chunk, n)
+    if READ:
+        _copy(local, buf + D[PEER], lo, hi, BLOCK)
+    else:
+        _copy(buf + D[PEER], local, lo, hi, BLOCK)
 
 
 def peers_of(pattern: str, rank: int, world: int) -> list[int]:

@@ -16,8 +16,8 @@ soon as one ends (the GPU's block scheduler, with ``resident`` standing for what
 between them, and ``skew_s`` makes chosen ranks late for each call, so a fast rank is one call ahead.
 
     with EmulatedPeers(world_size=3) as peers:
-        peers.run("one_shot_all_reduce_kernel", grid, per_rank_args, symmetric={"buf": (bufs, "D")})
-        peers.run("broadcast.ring_broadcast_kernel", ...)  # a kernel of nanoparallel.cuda.broadcast
+        peers.run("all_reduce.one_shot_all_reduce_kernel", grid, per_rank_args, symmetric={"buf": (bufs, "D")})
+        peers.run("broadcast.ring_broadcast_kernel", ...)  # "file.kernel": a kernel of nanoparallel.cuda.broadcast
 """
 
 from __future__ import annotations
@@ -185,8 +185,6 @@ def _worker(rank: int, jobs, results) -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     patch_interpreter()  # run-time loop bounds and scalar truth, and bf16 right, under the interpreter
     sys.setswitchinterval(1e-3)  # concurrent programs: a spinning thread yields the GIL sooner
-    from nanoparallel.cuda import kernels as K
-
     launches = 0
     while True:
         job = jobs.get()
@@ -202,11 +200,13 @@ def _worker(rank: int, jobs, results) -> None:
             for arg, (tensors, delta_arg) in symmetric.items():
                 args[arg] = tensors[rank]
                 args[delta_arg] = _deltas(tensors, rank)
-            if "." in name:  # "broadcast.ring_broadcast_kernel": a kernel of nanoparallel.cuda.broadcast
-                module, attr = name.rsplit(".", 1)
-                kernel = getattr(importlib.import_module(f"nanoparallel.cuda.{module}"), attr)
-            else:
-                kernel = getattr(K, name)
+            # "broadcast.ring_broadcast_kernel": a kernel of nanoparallel.cuda.broadcast
+            module, _, attr = name.rpartition(".")
+            if not module:
+                raise ValueError(
+                    f"kernel {name!r}: expected 'module.kernel', e.g. 'all_reduce.ring_all_reduce_kernel'"
+                )
+            kernel = getattr(importlib.import_module(f"nanoparallel.cuda.{module}"), attr)
             _launch(kernel, grid, (), args, schedule, rank, launches)
             results.put((rank, None))
         except Exception as exc:  # report, do not die: the parent raises with the message

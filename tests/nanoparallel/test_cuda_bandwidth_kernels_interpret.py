@@ -2,7 +2,7 @@
 
 Ring broadcast (``cuda/broadcast.py``), all-gather ``pairwise`` and ``push_pipelined``
 (``cuda/all_gather.py``), all-reduce ``two_shot_pipelined`` (``cuda/all_reduce.py``) and the
-all-to-all ``pairwise`` (``kernels.all_to_all_pipelined_kernel`` with ROTATE): each against a
+all-to-all ``pairwise`` (``all_to_all.all_to_all_pipelined_kernel`` with ROTATE): each against a
 float64 reference (or exact, for the data-moving ones) at odd sizes, every dtype, every root, and
 step counts from 1 to more steps than a program has blocks. The faults every one of them must
 surface on the ranks that did come: a rank that never launches (the others' waits expire and
@@ -22,9 +22,9 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from nanoparallel.cuda import kernels as K
 from nanoparallel.cuda import pipeline_steps, slice_size, split_work
 from nanoparallel.cuda.emulate import EmulatedPeers, Schedule
+from nanoparallel.cuda.primitives import ERR_SPLITS, ERR_TIMEOUT, OP_CODES
 from paperclub.testing import assert_rel_close
 
 BLOCK = 16
@@ -108,7 +108,7 @@ def run_two_shot_pipelined(peers, xs, n: int, op: str, steps: int, sizes=None, *
     parts = [partition(S[r], steps) for r in range(W)]
     per_rank = [
         dict(inp=xs[r], out=xs[r], n=ns[r], S=S[r], chunk=parts[r]["chunk"], sub=parts[r]["sub"],
-             steps=parts[r]["steps"], tag=K.OP_CODES[op], OP=K.OP_CODES[op], RANK=r, W=W, BLOCK=BLOCK)
+             steps=parts[r]["steps"], tag=OP_CODES[op], OP=OP_CODES[op], RANK=r, W=W, BLOCK=BLOCK)
         for r in range(peers.world_size)
     ]  # fmt: skip
     peers.run("all_reduce.two_shot_pipelined_all_reduce_kernel", parts[0]["grid"], per_rank,
@@ -199,9 +199,9 @@ def test_two_shot_pipelined_all_reduce(peers, n, dtype, op, steps, seed):
     S = slice_size(n, W)
     bufs = peers.shared(lambda r: torch.full((W * S,), 7, dtype=dtype))
     chunk, grid = split_work(S, MAX_PROGRAMS, BLOCK)
-    per_rank = [dict(inp=ys[r], out=ys[r], n=n, S=S, chunk=chunk, OP=K.OP_CODES[op], RANK=r, W=W, BLOCK=BLOCK,
+    per_rank = [dict(inp=ys[r], out=ys[r], n=n, S=S, chunk=chunk, OP=OP_CODES[op], RANK=r, W=W, BLOCK=BLOCK,
                      GATHER=True) for r in range(W)]  # fmt: skip
-    peers.run("two_shot_all_reduce_kernel", grid, per_rank, {"buf": (bufs, "D")}, barriers=2)
+    peers.run("all_reduce.two_shot_all_reduce_kernel", grid, per_rank, {"buf": (bufs, "D")}, barriers=2)
     assert torch.equal(xs[0], ys[0]), "two_shot_pipelined and two_shot differ in bits"
 
 
@@ -225,7 +225,7 @@ def test_all_to_all_pairwise(peers, counts, dtype, steps, seed):
     metas = peers.shared(lambda r: torch.tensor(c[r] + [c[s][r] for s in range(W)], dtype=torch.int64))
     per_rank = [dict(inp=xs[r], out=outs[r], slot=slot, steps=steps, RANK=r, W=W, BLOCK=BLOCK, ROTATE=True)
                 for r in range(W)]  # fmt: skip
-    peers.run("all_to_all_pipelined_kernel", MAX_PROGRAMS, per_rank, {"buf": (bufs, "D"), "meta": (metas, "M")},
+    peers.run("all_to_all.all_to_all_pipelined_kernel", MAX_PROGRAMS, per_rank, {"buf": (bufs, "D"), "meta": (metas, "M")},
               barriers=steps)  # fmt: skip
     for d in range(W):
         expected = torch.cat([inputs[s][sum(c[s][:d]) : sum(c[s][: d + 1])] for s in range(W)])
@@ -265,13 +265,13 @@ def test_size_mismatch_raises_on_every_rank(peers, kind):
         peers.epoch += 1000  # past any flag a rank that took other steps may have left ahead
     codes = ast.literal_eval(str(info.value).split("ranks ")[1])  # {rank: error word}
     assert set(codes) == set(range(W)), f"{kind}: only ranks {sorted(codes)} noticed"
-    assert all(code & K.ERR_SPLITS for code in codes.values()), f"{kind}: {codes} lack the mismatch bit"
+    assert all(code & ERR_SPLITS for code in codes.values()), f"{kind}: {codes} lack the mismatch bit"
 
 
 def test_a_rank_that_never_comes_times_out_on_the_others():
     # three ranks of four launch: every wait gives up after max_spins and says so; the later waits
     # of the same call give up at once (the timeout bit is set), so the call ends in one timeout
-    # (every kernel waits through the same two helpers, kernels._wait_for and _meet: the chain's
+    # (every kernel waits through the same two helpers, primitives._wait_for and _meet: the chain's
     # signal and the all-peer barrier stand for all four)
     W = 4
     with EmulatedPeers(W - 1, max_programs=MAX_PROGRAMS) as three:
@@ -281,7 +281,7 @@ def test_a_rank_that_never_comes_times_out_on_the_others():
                 launch(kind, _FourOfThree(three, W), W, 100, max_spins=300)
             codes = ast.literal_eval(str(info.value).split("ranks ")[1])
             assert set(codes) == {0, 1, 2}, f"{kind}: only ranks {sorted(codes)} noticed"
-            assert all(code & K.ERR_TIMEOUT for code in codes.values()), f"{kind}: {codes}"
+            assert all(code & ERR_TIMEOUT for code in codes.values()), f"{kind}: {codes}"
 
 
 class _FourOfThree:
@@ -353,7 +353,7 @@ def test_launchers_cut_pieces_and_pass_their_arguments_in_order(peers):
         )
         assert all(torch.equal(outs[r], torch.cat(halves)) for r in range(W)), f"all-gather {algo} in pieces"
     ys = peers.shared(lambda r: inputs[r].clone())
-    peers.run_launcher("all_reduce.all_reduce_two_shot_pipelined", [(ys[r], K.OP_CODES["sum"]) for r in range(W)],
+    peers.run_launcher("all_reduce.all_reduce_two_shot_pipelined", [(ys[r], OP_CODES["sum"]) for r in range(W)],
                        1 << 20, 4, 3)  # fmt: skip
     ref = reduce_ref(inputs, "sum")
     for r in range(W):
@@ -403,7 +403,7 @@ def test_two_shot_pipelined_calls_back_to_back_with_a_late_rank(four):
     sizes = [2500, 97, 1800, 2500]  # pieces of 1024 (4 KiB staging cap): 3, 1, 2, 3 launches
     inputs = [[draw(n, torch.float32, 100 * c + r) for r in range(W)] for c, n in enumerate(sizes)]
     ys = [four.shared(lambda r, c=c: inputs[c][r].clone()) for c in range(len(sizes))]
-    calls = [[(ys[c][r], K.OP_CODES["sum"]) for r in range(W)] for c in range(len(sizes))]
+    calls = [[(ys[c][r], OP_CODES["sum"]) for r in range(W)] for c in range(len(sizes))]
     four.run_launcher("all_reduce.all_reduce_two_shot_pipelined", calls[0], 8192, MAX_PROGRAMS, 3,
                       schedule=CONCURRENT[0], calls=calls, skew_s={0: 0.3})  # fmt: skip
     for c in range(len(sizes)):
@@ -426,4 +426,4 @@ def test_the_barriers_need_every_program_resident_or_the_same_order(four):
     finally:
         four.epoch += 1000  # past any flag a rank left ahead
     codes = ast.literal_eval(str(info.value).split("ranks ")[1])
-    assert any(code & K.ERR_TIMEOUT for code in codes.values()), codes
+    assert any(code & ERR_TIMEOUT for code in codes.values()), codes

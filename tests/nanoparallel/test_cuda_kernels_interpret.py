@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from nanoparallel.cuda import copy_engine_pieces, pipeline_steps, ring_barriers, slice_size, split_work
-from nanoparallel.cuda import kernels as K
 from nanoparallel.cuda.emulate import EmulatedPeers
+from nanoparallel.cuda.primitives import OP_CODES
 from paperclub.testing import assert_rel_close
 
 W = 3
@@ -87,10 +87,10 @@ def test_one_shot_all_reduce(peers, n, dtype, op, seed):
     bufs = peers.shared(lambda r: torch.full((n,), 7, dtype=dtype))  # poisoned: must be overwritten
     chunk, grid = split_work(n, MAX_PROGRAMS, BLOCK)
     per_rank = [
-        dict(inp=xs[r], out=xs[r], n=n, chunk=chunk, OP=K.OP_CODES[op], RANK=r, W=W, BLOCK=BLOCK)
+        dict(inp=xs[r], out=xs[r], n=n, chunk=chunk, OP=OP_CODES[op], RANK=r, W=W, BLOCK=BLOCK)
         for r in range(W)
     ]
-    peers.run("one_shot_all_reduce_kernel", grid, per_rank, {"buf": (bufs, "D")}, barriers=1)
+    peers.run("all_reduce.one_shot_all_reduce_kernel", grid, per_rank, {"buf": (bufs, "D")}, barriers=1)
     ref = reference(inputs, op)
     for r in range(W):
         check(xs[r], ref, dtype, f"one-shot {op} rank {r}")
@@ -112,10 +112,10 @@ def test_one_shot_push_all_reduce(peers, n, dtype, op, seed):
     bufs = peers.shared(lambda r: torch.full((W * S,), 7, dtype=dtype))
     chunk, grid = split_work(n, MAX_PROGRAMS, BLOCK)
     per_rank = [
-        dict(inp=xs[r], out=xs[r], n=n, S=S, chunk=chunk, OP=K.OP_CODES[op], RANK=r, W=W, BLOCK=BLOCK)
+        dict(inp=xs[r], out=xs[r], n=n, S=S, chunk=chunk, OP=OP_CODES[op], RANK=r, W=W, BLOCK=BLOCK)
         for r in range(W)
     ]
-    peers.run("one_shot_push_all_reduce_kernel", grid, per_rank, {"buf": (bufs, "D")}, barriers=1)
+    peers.run("all_reduce.one_shot_push_all_reduce_kernel", grid, per_rank, {"buf": (bufs, "D")}, barriers=1)
     ref = reference(inputs, op)
     for r in range(W):
         check(xs[r], ref, dtype, f"one-shot push {op} rank {r}")
@@ -133,7 +133,7 @@ def launch_two_shot(peers, xs, outs, bufs, n: int, S: int, op: str, ring: bool, 
             n=n,
             S=S,
             chunk=chunk,
-            OP=K.OP_CODES[op],
+            OP=OP_CODES[op],
             RANK=r,
             W=W,
             BLOCK=BLOCK,
@@ -141,7 +141,7 @@ def launch_two_shot(peers, xs, outs, bufs, n: int, S: int, op: str, ring: bool, 
         )
         for r in range(W)
     ]
-    kernel = "ring_all_reduce_kernel" if ring else "two_shot_all_reduce_kernel"
+    kernel = "all_reduce.ring_all_reduce_kernel" if ring else "all_reduce.two_shot_all_reduce_kernel"
     barriers = ring_barriers(W, gather) if ring else (2 if gather else 1)
     peers.run(kernel, grid, per_rank, {"buf": (bufs, "D")}, barriers=barriers)
     return kernel
@@ -211,7 +211,7 @@ def test_all_gather(peers, m, dtype, seed):
     bufs = peers.shared(lambda r: torch.full((m,), 7, dtype=dtype))
     chunk, grid = split_work(m, MAX_PROGRAMS, BLOCK)
     per_rank = [dict(inp=xs[r], out=outs[r], m=m, chunk=chunk, RANK=r, W=W, BLOCK=BLOCK) for r in range(W)]
-    peers.run("all_gather_kernel", grid, per_rank, {"buf": (bufs, "D")}, barriers=1)
+    peers.run("all_gather.all_gather_kernel", grid, per_rank, {"buf": (bufs, "D")}, barriers=1)
     expected = torch.cat(inputs)
     for r in range(W):
         assert torch.equal(outs[r], expected), (
@@ -230,7 +230,7 @@ def test_broadcast(peers, n, dtype, root, seed):
     bufs = peers.shared(lambda r: torch.full((n,), 7, dtype=dtype))
     chunk, grid = split_work(n, MAX_PROGRAMS, BLOCK)
     per_rank = [dict(tensor=xs[r], n=n, chunk=chunk, root=root, RANK=r, W=W, BLOCK=BLOCK) for r in range(W)]
-    peers.run("broadcast_kernel", grid, per_rank, {"buf": (bufs, "D")}, barriers=1)
+    peers.run("broadcast.broadcast_kernel", grid, per_rank, {"buf": (bufs, "D")}, barriers=1)
     for r in range(W):
         assert torch.equal(xs[r], inputs[root]), f"broadcast from {root}: rank {r} differs"
 
@@ -259,7 +259,11 @@ def test_all_to_all_uneven(peers, counts, dtype, seed):
     )
     per_rank = [dict(inp=xs[r], out=outs[r], RANK=r, W=W, WP2=4, BLOCK=BLOCK) for r in range(W)]
     peers.run(
-        "all_to_all_kernel", MAX_PROGRAMS, per_rank, {"buf": (bufs, "D"), "meta": (metas, "M")}, barriers=1
+        "all_to_all.all_to_all_kernel",
+        MAX_PROGRAMS,
+        per_rank,
+        {"buf": (bufs, "D"), "meta": (metas, "M")},
+        barriers=1,
     )
     for d in range(W):
         pieces = []
@@ -295,7 +299,7 @@ def test_all_to_all_push_uneven(peers, counts, dtype, seed):
     )
     per_rank = [dict(inp=xs[r], out=outs[r], slot=slot, RANK=r, W=W, BLOCK=BLOCK) for r in range(W)]
     peers.run(
-        "all_to_all_push_kernel",
+        "all_to_all.all_to_all_push_kernel",
         MAX_PROGRAMS,
         per_rank,
         {"buf": (bufs, "D"), "meta": (metas, "M")},
@@ -310,14 +314,14 @@ def test_all_to_all_push_uneven(peers, counts, dtype, seed):
 
 def launch_pipelined(peers, kernel: str, xs, outs, size: str, n: int, dtype, op: str, steps: int):
     """Run a pipelined kernel (the one-shot all-reduce, the reduce-scatter: the same arguments, as in
-    CudaPeerBackend._launch_pipelined) with ``n`` elements per slot, passed as ``size``; the W
+    all_reduce._launch_pipelined) with ``n`` elements per slot, passed as ``size``; the W
     staging slots of S >= n elements start as 7s. Returns the slots, S and the steps taken."""
     S = -(-n // 64) * 64
     bufs = peers.shared(lambda r: torch.full((W * S,), 7, dtype=dtype))
     chunk, grid = split_work(n, MAX_PROGRAMS, BLOCK)
     sub, steps = pipeline_steps(chunk, steps, BLOCK)
     per_rank = [
-        dict(inp=xs[r], out=outs[r], **{size: n}, S=S, chunk=chunk, sub=sub, steps=steps, OP=K.OP_CODES[op],
+        dict(inp=xs[r], out=outs[r], **{size: n}, S=S, chunk=chunk, sub=sub, steps=steps, OP=OP_CODES[op],
              RANK=r, W=W, BLOCK=BLOCK)
         for r in range(W)
     ]  # fmt: skip
@@ -342,7 +346,7 @@ def test_one_shot_pipelined_all_reduce(peers, n, dtype, op, steps, seed):
     inputs = draw_inputs(n, dtype, seed)
     xs = peers.shared(lambda r: inputs[r].clone())
     bufs, S, steps = launch_pipelined(
-        peers, "one_shot_pipelined_all_reduce_kernel", xs, xs, "n", n, dtype, op, steps
+        peers, "all_reduce.one_shot_pipelined_all_reduce_kernel", xs, xs, "n", n, dtype, op, steps
     )
     ref = reference(inputs, op)
     for r in range(W):
@@ -374,7 +378,7 @@ def test_reduce_scatter_pipelined(peers, m, dtype, op, steps, seed):
     xs = peers.shared(lambda r: inputs[r].clone())
     outs = peers.shared(lambda r: torch.full((m,), 7, dtype=dtype))
     bufs, S, steps = launch_pipelined(
-        peers, "reduce_scatter_pipelined_kernel", xs, outs, "m", m, dtype, op, steps
+        peers, "reduce_scatter.reduce_scatter_pipelined_kernel", xs, outs, "m", m, dtype, op, steps
     )
     ref = reference(inputs, op)
     for r in range(W):
@@ -450,7 +454,7 @@ def test_all_to_all_pipelined_uneven(peers, counts, dtype, steps, seed):
         dict(inp=xs[r], out=outs[r], slot=slot, steps=steps, RANK=r, W=W, BLOCK=BLOCK) for r in range(W)
     ]
     peers.run(
-        "all_to_all_pipelined_kernel",
+        "all_to_all.all_to_all_pipelined_kernel",
         MAX_PROGRAMS,
         per_rank,
         {"buf": (bufs, "D"), "meta": (metas, "M")},
@@ -482,7 +486,9 @@ def test_all_to_all_copy_engine_schedule_in_emulation(peers):
                 else:
                     bufs[d][s * 48 + start : s * 48 + end] = xs[s][in_off + start : in_off + end]
         per_rank = [dict(RANK=r, W=W) for r in range(W)]
-        peers.run("all_to_all_check_barrier_kernel", 1, per_rank, {"meta": (metas, "M")}, barriers=1)
+        peers.run(
+            "all_to_all.all_to_all_check_barrier_kernel", 1, per_rank, {"meta": (metas, "M")}, barriers=1
+        )
         for d in range(W):
             recv = [counts[s][d] for s in range(W)]
             for s, start, end in copy_engine_pieces(recv, d, c, pieces):
@@ -500,7 +506,9 @@ def test_all_to_all_check_barrier_reports_mismatch(peers):
     metas = peers.shared(lambda r: torch.tensor(counts[r] + expect[r], dtype=torch.int64))
     per_rank = [dict(RANK=r, W=W) for r in range(W)]
     with pytest.raises(RuntimeError, match=r"error words set on ranks \{2: 2\}"):
-        peers.run("all_to_all_check_barrier_kernel", 1, per_rank, {"meta": (metas, "M")}, barriers=1)
+        peers.run(
+            "all_to_all.all_to_all_check_barrier_kernel", 1, per_rank, {"meta": (metas, "M")}, barriers=1
+        )
 
 
 @pytest.mark.parametrize("read", [True, False])
@@ -512,7 +520,7 @@ def test_peer_copy_kernel(peers, read):
     per_rank = [
         dict(local=locals_[r], n=n, chunk=chunk, PEER=(r + 1) % W, READ=read, BLOCK=BLOCK) for r in range(W)
     ]
-    peers.run("peer_copy_kernel", grid, per_rank, {"buf": (bufs, "D")}, barriers=0)
+    peers.run("diagnose.peer_copy_kernel", grid, per_rank, {"buf": (bufs, "D")}, barriers=0)
     for r in range(W):
         nxt, prev = (r + 1) % W, (r - 1) % W
         if read:
@@ -537,7 +545,7 @@ def test_all_to_all_split_mismatch_is_reported(peers):
     per_rank = [dict(inp=xs[r], out=outs[r], RANK=r, W=W, WP2=4, BLOCK=BLOCK) for r in range(W)]
     with pytest.raises(RuntimeError, match=r"error words set on ranks \{1: 2\}"):
         peers.run(
-            "all_to_all_kernel",
+            "all_to_all.all_to_all_kernel",
             MAX_PROGRAMS,
             per_rank,
             {"buf": (bufs, "D"), "meta": (metas, "M")},
@@ -551,7 +559,9 @@ def test_barrier_times_out_instead_of_hanging():
         flags3 = [torch.zeros(3, dtype=torch.int32).share_memory_() for _ in range(3)]
         per_rank = [dict(RANK=r, W=3) for r in range(2)]
         with pytest.raises(RuntimeError, match="error words set"):
-            two.run("barrier_kernel", 1, per_rank, {"flags": (flags3, "F")}, barriers=1, max_spins=200)
+            two.run(
+                "primitives.barrier_kernel", 1, per_rank, {"flags": (flags3, "F")}, barriers=1, max_spins=200
+            )
 
 
 def test_split_work_covers_every_element():
