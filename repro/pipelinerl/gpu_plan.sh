@@ -6,6 +6,7 @@
 #                                                    # policy, so every mode and placement generates the same
 #                                                    # lengths (throughput only; the reward stays flat);
 #                                                    # results/<device>-placements-lr0.json, raw in placements-raw-lr0/
+#   BUDGET_S=420 bash repro/pipelinerl/gpu_plan.sh   # on a 2-GPU host: the two-GPU plan (below), about 415 s
 #   SMOKE=1 bash repro/pipelinerl/gpu_plan.sh        # 2 GPUs, toy sizes, every code path, <= 70 s:
 #                                                    # pre-training, then 1+1, the one-GPU runs and both
 #                                                    # faults at once, 2 s per mode (~35 s on a GPU host)
@@ -22,6 +23,18 @@
 #   3. placement 1+3 on GPUs 0-3 (3 T + ~15 s)  ||  the simulator's predictions for 1+1, 1+3, 2+2 (CPU)
 #   4. placement 2+2 on GPUs 0-3 (3 T + ~15 s)
 #   5. the report (paperclub.bench Report JSON, ~8 s), the archive, the summary
+#
+# The two-GPU plan (2 or 3 GPUs, not SMOKE): only placement 1+1, and no step shares a GPU with a timed
+# one (the 4-GPU plan's one-GPU runs and faults would have to share GPUs here: left out, so there are
+# no simulator predictions in it). Estimated at BUDGET_S=420 on 2 H100s, T about 30 s:
+#   1. pre-training on GPU 0, stopped after PLAN_PRETRAIN_STEPS (201: the steps the 4-GPU run of 28 Nov
+#      2026 made in its 28 s) with the same schedule, so every run starts from that run's policy (~40 s)
+#   2. one launch of 1+1 (three modes, T each, ~3 T + 20 s) per entry "lr:seed" of PLAN_RUNS, in order,
+#      default "0:0 2e-4:0 2e-4:1": learning rate 0 first (one fixed policy: every mode generates the same
+#      lengths, so trained tokens/s compares the schedules alone), then the plan's lr 2e-4 on seed 0 (the
+#      4-GPU run's) and seed 1 (how far one seed's length drift moves the ratio)
+#   3. the report (<device>-placements-2gpu.json, raw records and digest.json in placements-raw-2gpu/),
+#      the archive, the summary
 # Every step runs under its own `timeout`, cut to what is left of the budget; a failing step is logged
 # (steps.tsv, and its log) and the rest go on. Modes run in the order conventional, pipeline, async, and
 # each launch rewrites its results after every mode, so a launch cut short keeps the modes it finished.
@@ -31,7 +44,18 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONPATH="$PWD/site:$PWD"
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
 
+# GPUs given to us: CUDA_VISIBLE_DEVICES if set, else every GPU the machine has. PLAN_DEVICE=cpu (a dry
+# run of this script on a CPU machine, with gloo) pretends to have PLAN_GPUS GPUs.
+if [ "${PLAN_DEVICE:-cuda}" = "cpu" ]; then
+  mapfile -t GPUS < <(seq 0 $(( ${PLAN_GPUS:-2} - 1 )))
+elif [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
+  IFS=, read -r -a GPUS <<< "$CUDA_VISIBLE_DEVICES"
+else
+  mapfile -t GPUS < <(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | tr -d ' ')
+fi
+NG=${#GPUS[@]}
 SMOKE="${SMOKE:-0}"
+TWO=0; [ "$SMOKE" != "1" ] && [ "$NG" -lt 4 ] && TWO=1   # the two-GPU plan
 START=$(date +%s)
 if [ "$SMOKE" = "1" ]; then
   BUDGET=$(( ${BUDGET_S:-66} < 66 ? ${BUDGET_S:-66} : 66 ))
@@ -40,6 +64,7 @@ if [ "$SMOKE" = "1" ]; then
 else
   BUDGET="${BUDGET_S:-520}"
   SUB=placements-raw${PLAN_LR:+-lr$PLAN_LR}
+  [ "$TWO" = "1" ] && SUB=placements-raw-2gpu
   SFLAG=
 fi
 # PLAN_SIZES=smoke: the full schedule with the toy sizes (a dry run of this script's 4-GPU branch)
@@ -54,16 +79,6 @@ PY="${PYTHON:-python3}"
 RUN="$PY -m torch.distributed.run --standalone --monitor-interval 1"
 LAUNCH="-m repro.pipelinerl.launch"
 
-# GPUs given to us: CUDA_VISIBLE_DEVICES if set, else every GPU the machine has. PLAN_DEVICE=cpu (a dry
-# run of this script on a CPU machine, with gloo) pretends to have PLAN_GPUS GPUs.
-if [ "${PLAN_DEVICE:-cuda}" = "cpu" ]; then
-  mapfile -t GPUS < <(seq 0 $(( ${PLAN_GPUS:-2} - 1 )))
-elif [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
-  IFS=, read -r -a GPUS <<< "$CUDA_VISIBLE_DEVICES"
-else
-  mapfile -t GPUS < <(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | tr -d ' ')
-fi
-NG=${#GPUS[@]}
 g() { local IFS=,; local out=(); for i in "$@"; do out+=("${GPUS[$i]}"); done; echo "${out[*]}"; }
 
 left() { echo $(( BUDGET - ($(date +%s) - START) )); }
@@ -126,6 +141,52 @@ if [ "$NG" -lt 2 ]; then
   log "needs at least 2 GPUs, found $NG"; exit 2
 fi
 
+# ---- 5. (defined here, run last): report, digest, archive, summary; the two-GPU plan calls it too ----
+finish() {
+  if [ "$SMOKE" = "1" ]; then TAG=placements-smoke; REP_DIR="$RAW"; else TAG=placements; REP_DIR="$RES"; fi
+  if [ "$TWO" = "1" ]; then TAG=placements-2gpu; else TAG="$TAG${PLAN_LR:+-lr$PLAN_LR}"; fi
+  step report 40 2 $PY -m repro.pipelinerl.plan report --dir "$RAW" --results-dir "$REP_DIR" --tag "$TAG"
+  # the diagnosis behind the page's findings (lab/placements.py), while the per-step records are here
+  step digest 20 2 $PY -m repro.pipelinerl.lab.placements "$RAW" --out "$RAW/digest.json"
+  rm -f "$RAW/weights.pt"                         # 13 MB of pre-trained weights: not worth carrying back
+  tar czf "$OUT/pipelinerl.tgz" -C "$WORK" repro/pipelinerl/results
+  log "wrote $OUT/pipelinerl.tgz ($(du -h "$OUT/pipelinerl.tgz" | cut -f1)); steps:"
+  column -t -s $'\t' "$RAW/steps.tsv" 2>/dev/null || cat "$RAW/steps.tsv"
+  REPORT=$(ls "$REP_DIR"/*-"$TAG".json 2>/dev/null | head -n 1)
+  if [ -n "$REPORT" ]; then
+    $PY -m repro.pipelinerl.plan summary "$REPORT"
+  else
+    log "no report was written: see $RAW/report.log in the archive"
+  fi
+  log "done in $(( $(date +%s) - START ))s"
+}
+
+# ---- the two-GPU plan: pre-training, then 1+1 once per "lr:seed" of PLAN_RUNS, nothing beside them ----
+if [ "$TWO" = "1" ]; then
+  read -r -a RUNS <<< "${PLAN_RUNS:-0:0 2e-4:0 2e-4:1}"
+  N=${#RUNS[@]}
+  PRE_STEPS="${PLAN_PRETRAIN_STEPS:-201}"
+  CUDA_VISIBLE_DEVICES=$(g 0) step pretrain $(( PRE_S + 40 )) $(( RESERVE + N * (3 * 8 + FIX) )) \
+    $PY -m repro.pipelinerl.plan pretrain --out "$RAW" $SFLAG --budget-s $(( PRE_S + 20 )) --stop-after "$PRE_STEPS"
+  if [ -f "$RAW/weights.pt" ]; then WFLAG="--weights $RAW/weights.pt"; else
+    log "no pre-trained weights: the runs start from random weights, at max_lag $FAULT_LAG"
+    WFLAG="--max-lag $FAULT_LAG"
+  fi
+  T=$(( ( $(left) - N * FIX - RESERVE - 10 ) / (3 * N) )); [ "$T" -gt 60 ] && T=60; [ "$T" -lt 8 ] && T=8
+  log "two-GPU plan: runs (lr:seed) ${RUNS[*]}, T = ${T}s of training per mode; estimated $(( N * (3 * T + FIX) ))s of launches, report and archive ~${RESERVE}s; left $(left)s"
+  k=0
+  for run in "${RUNS[@]}"; do
+    k=$(( k + 1 ))
+    lr=${run%%:*}; seed=${run##*:}
+    tag="lr$lr-seed$seed"
+    CUDA_VISIBLE_DEVICES=$(g 0 1) step "launch-1+1-$tag" $(( 3 * T + 45 )) $(( RESERVE + (N - k) * (3 * T + FIX) )) \
+      $RUN --nproc-per-node 2 $LAUNCH $ARGS $WFLAG --lr "$lr" --seed "$seed" --trainers 1 --name "1+1 $tag" \
+      --modes conventional,pipeline,async --time-per-mode "$T" --out "$RAW/launch-1+1-$tag.json"
+  done
+  finish
+  exit 0
+fi
+
 # ---- 1. pre-training || faults (the smoke run starts the faults with step 2: its critical path) ----
 if [ "$SMOKE" = "1" ] || [ "$NG" -lt 4 ]; then FA=$(g 0 1); FT=$(g 1 0); else FA=$(g 1 2); FT=$(g 3 2); fi
 start_faults() {
@@ -184,18 +245,6 @@ fi
 [ -n "$PID_PR" ] && wait "$PID_PR"
 [ "$SMOKE" = "1" ] && wait $PID_FA $PID_FT
 
-# ---- 5. report, archive, summary -------------------------------------------------------------------
-if [ "$SMOKE" = "1" ]; then TAG=placements-smoke; REP_DIR="$RAW"; else TAG=placements; REP_DIR="$RES"; fi
-TAG="$TAG${PLAN_LR:+-lr$PLAN_LR}"
-step report 40 2 $PY -m repro.pipelinerl.plan report --dir "$RAW" --results-dir "$REP_DIR" --tag "$TAG"
-rm -f "$RAW/weights.pt"                         # 13 MB of pre-trained weights: not worth carrying back
-tar czf "$OUT/pipelinerl.tgz" -C "$WORK" repro/pipelinerl/results
-log "wrote $OUT/pipelinerl.tgz ($(du -h "$OUT/pipelinerl.tgz" | cut -f1)); steps:"
-column -t -s $'\t' "$RAW/steps.tsv" 2>/dev/null || cat "$RAW/steps.tsv"
-REPORT=$(ls "$REP_DIR"/*-"$TAG".json 2>/dev/null | head -n 1)
-if [ -n "$REPORT" ]; then
-  $PY -m repro.pipelinerl.plan summary "$REPORT"
-else
-  log "no report was written: see $RAW/report.log in the archive"
-fi
-log "done in $(( $(date +%s) - START ))s"
+
+# ---- 5. ----------------------------------------------------------------------------------------------
+finish

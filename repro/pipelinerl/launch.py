@@ -289,6 +289,8 @@ class ActorBook:
     seen: int = 0  # samples granted to it that it had received when it reported ``want``
     granted: int = 0  # samples granted to it so far
     received: int = 0  # samples (finished or aborted) received from it
+    messages: int = 0  # SAMPLES messages received from it
+    handling_s: float = 0.0  # the lead's receiving thread's time on them after each arrives (unpack, grant)
     bye: dict | None = None
 
 
@@ -339,14 +341,17 @@ def lead_trainer(ctx: Ctx, cfg: Config, fault: tuple[str, int, int] | None, stal
                 return
             if msg.kind != SAMPLES:
                 raise RuntimeError(f"unexpected {channel.KIND_NAMES[msg.kind]} from {ctx.name(src)}")
+            th = time.perf_counter()
             samples = channel.unpack_samples(msg.ints, msg.floats)
             with shared.cond:
+                books[a].messages += 1
                 books[a].received += len(samples)
                 books[a].want, books[a].seen = msg.args[0], msg.args[1]
                 shared.finished.extend(samples)  # what Shared.put does, under the lock held here
                 shared.aborted += sum(s.truncated for s in samples)
                 grant_locked()
                 shared.cond.notify_all()
+            books[a].handling_s += time.perf_counter() - th
 
     followers: dict[int, dict] = {}
 
@@ -485,7 +490,19 @@ def lead_trainer(ctx: Ctx, cfg: Config, fault: tuple[str, int, int] | None, stal
     with shared.lock:
         queued = [s.index for s in shared.finished]
         accounting = account(shared.started, books, used_indices, dropped_indices, queued)
-    busy = [{"rank": 0, "role": "trainer", "busy_s": busy_s, "window_s": window, "busy": busy_s / window}]
+    # the receiving threads share the lead's interpreter with its optimizer steps (issue #34: the step
+    # is slower in pipeline and async mode): how many messages they handled and for how long
+    busy = [
+        {
+            "rank": 0,
+            "role": "trainer",
+            "busy_s": busy_s,
+            "window_s": window,
+            "busy": busy_s / window,
+            "messages_received": sum(b.messages for b in books),
+            "receiver_handling_s": sum(b.handling_s for b in books),
+        }
+    ]
     busy += [{"rank": j, "role": "trainer", **followers[j]["busy"]} for j in sorted(followers)]
     busy += [
         {"rank": ctx.actor_rank(a), "role": "actor", **(b.bye or {}).get("busy", {})}
@@ -623,6 +640,7 @@ class ActorOutbox:
         self.dirty = False
         self.bye: dict | None = None
         self.sent = 0
+        self.messages = 0  # SAMPLES messages sent (bare want updates included)
         self.thread = threading.Thread(target=guarded, args=(ctx, "sending samples", self._loop), daemon=True)
         self.thread.start()
 
@@ -656,7 +674,9 @@ class ActorOutbox:
                     ints, floats = channel.pack_samples(samples)
                     channel.send(Message(SAMPLES, [want, seen], ints, floats), 0, up)
                     self.sent += len(samples)
+                    self.messages += 1
                 if bye is not None:
+                    bye["busy"]["messages"] = self.messages
                     channel.send(Message(BYE, ints=channel.pack_json({**bye, "sent": self.sent})), 0, up)
                     return
             except RuntimeError as exc:
@@ -713,6 +733,10 @@ def actor(ctx: Ctx, cfg: Config, fault: tuple[str, int, int] | None, stall_s: fl
     outbox = ActorOutbox(ctx)
     started = swaps = n_steps = 0
     busy_s = slot_s = 0.0
+    # the actor's loop time outside engine steps (issue #34: host time between steps): waiting with no
+    # sequence to decode, and joining broadcasts (with the swap into the engine); the rest of the window
+    # is the loop's own host work (grants, messages, aborts) and waiting for the interpreter
+    idle_s = bcast_s = 0.0
     pending_version = -1  # staged weights not yet in the engine (async, conventional)
     stopping = False
     fault_version = fault[2] * cfg.batch_size if fault is not None and fault[:2] == ("actor", a) else None
@@ -731,7 +755,10 @@ def actor(ctx: Ctx, cfg: Config, fault: tuple[str, int, int] | None, stall_s: fl
                     break
                 version = item[1]
                 target = engine.flat if cfg.mode == "pipeline" else staging
+                tb = time.perf_counter()
                 dist.broadcast(target, src=0, group=ctx.groups["weights"])
+                if t_first is not None:  # the window opens at the first weights
+                    bcast_s += time.perf_counter() - tb
                 if cfg.mode == "pipeline":
                     engine.mark_loaded(version)  # in flight: the next step decodes with them
                     swaps, swapped = swaps + 1, True
@@ -748,7 +775,9 @@ def actor(ctx: Ctx, cfg: Config, fault: tuple[str, int, int] | None, stall_s: fl
                 wake.clear()
                 continue
             if pending_version > engine.version and engine.n_active == 0:
+                tb = time.perf_counter()
                 engine.flat.copy_(staging)  # between sequences: async and conventional mode
+                bcast_s += time.perf_counter() - tb
                 engine.mark_loaded(pending_version)
                 swaps, swapped = swaps + 1, True
             if fault_version is not None and engine.version >= fault_version:
@@ -776,8 +805,10 @@ def actor(ctx: Ctx, cfg: Config, fault: tuple[str, int, int] | None, stall_s: fl
             want -= want % cfg.attempts
             outbox.post(handed, want, seen)
             if engine.n_active == 0:
+                ti = time.perf_counter()
                 wake.wait(0.0005)
                 wake.clear()
+                idle_s += time.perf_counter() - ti
                 continue
             t = time.perf_counter()
             busy = engine.n_active
@@ -801,7 +832,9 @@ def actor(ctx: Ctx, cfg: Config, fault: tuple[str, int, int] | None, stall_s: fl
         "busy": {"busy_s": busy_s, "window_s": window, "busy": busy_s / window if window > 0 else 0.0,
                  "steps": n_steps, "swaps": swaps, "slot_utilisation": slot_s / (window * cfg.slots) if window else 0.0,
                  "ms_per_step": 1e3 * busy_s / max(1, n_steps), "cuda_graph": engine.graph is not None,
-                 "cuda_graph_error": graph_error},
+                 "cuda_graph_error": graph_error, "idle_s": idle_s, "broadcast_s": bcast_s,
+                 "host_s": max(0.0, window - busy_s - idle_s - bcast_s),
+                 "host_ms_per_step": 1e3 * max(0.0, window - busy_s - idle_s - bcast_s) / max(1, n_steps)},
     }  # fmt: skip
     outbox.close(record, stall_s)
 

@@ -205,15 +205,19 @@ def pretrain(
     seed: int = 0,
     device: str | torch.device = "cpu",
     time_budget_s: float | None = None,
+    stop_after: int | None = None,
 ) -> dict:
     """Supervised pre-training on noisy demonstrations (see :func:`task.sft_batch`).
 
-    Returns ``{"steps", "loss", "seconds"}``. Stops early when ``time_budget_s`` runs out."""
+    Returns ``{"steps", "loss", "seconds"}``. Stops early when ``time_budget_s`` runs out or after
+    ``stop_after`` steps; the learning-rate schedule is that of ``steps`` either way."""
     if task.max_seq_len > model.cfg.max_len:
         raise ValueError(
             f"pretrain: the task needs sequences of {task.max_seq_len} tokens, "
             f"the model's max_len is {model.cfg.max_len}"
         )
+    if stop_after is not None and stop_after < 1:
+        raise ValueError(f"pretrain: stop_after must be at least 1 step, got {stop_after}")
     model.to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=max(steps, 1), pct_start=0.1)
@@ -221,7 +225,8 @@ def pretrain(
     t0 = time.perf_counter()
     loss = torch.tensor(float("nan"))
     done = 0
-    while done < steps:
+    last = steps if stop_after is None else min(steps, stop_after)
+    while done < last:
         done += 1
         tokens, mask = sft_batch(task, batch, g, noise)
         tokens, mask = tokens.to(device), mask.to(device)

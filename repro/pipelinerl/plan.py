@@ -17,8 +17,9 @@
 * ``report --dir DIR``: one ``paperclub.bench`` Report from ``DIR``: the placements' runs beside the
   simulator's predictions for the same placements, the one-GPU runs, busy fractions, reward curves,
   lag distributions, faults; prints the summary table (``summary FILE`` prints it again).
-* ``ingest FILE.tgz``: unpack the plan's archive into the repository (only under
-  ``repro/pipelinerl/results/``) and print the report's summary: the coordinator's whole job.
+* ``ingest FILE.tgz [--overwrite]``: unpack the plan's archive into the repository (only under
+  ``repro/pipelinerl/results/``, never over a different existing file unless ``--overwrite``) and
+  print the report's summary: the coordinator's whole job.
 """
 
 from __future__ import annotations
@@ -73,7 +74,13 @@ def _device() -> str:
 # ------------------------------------------------------------------------------------- pretrain
 
 
-def pretrain_step(out: Path, smoke: bool, budget_s: float) -> dict:
+def pretrain_step(out: Path, smoke: bool, budget_s: float, stop_after: int | None = None) -> dict:
+    """Pre-train for ``budget_s`` seconds, or ``stop_after`` optimizer steps if sooner.
+
+    The learning-rate schedule is always the one of ``PRETRAIN``'s full step count, so stopping after
+    ``k`` steps gives the weights a time-boxed run that made ``k`` steps gave (up to GPU
+    nondeterminism), whatever the device's speed: the two-GPU plan starts from the four-GPU run's
+    policy (201 steps on the H100s of 28 November 2026) on an H100 or an H200."""
     import torch
 
     from repro.pipelinerl.model import Policy, flat_weights, pretrain
@@ -84,7 +91,7 @@ def pretrain_step(out: Path, smoke: bool, budget_s: float) -> dict:
     model = Policy(cfg.model)
     p = PRETRAIN[kind]
     info = pretrain(model, cfg.task, steps=p["steps"], batch=p["batch"], lr=p["lr"], noise=0.1, seed=cfg.seed,
-                    device=_device(), time_budget_s=budget_s)  # fmt: skip
+                    device=_device(), time_budget_s=budget_s, stop_after=stop_after)  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     blob = {"weights": flat_weights(model).cpu(), "model": cfg.model.__dict__, "task": SIZES[kind]["task"],
             "pretrain": info}  # fmt: skip
@@ -267,8 +274,10 @@ def report_step(dir_: Path, results_dir: Path | None, tag: str, sim_steps: int) 
     launches = [json.loads(p.read_text()) for p in sorted(dir_.glob("launch-*.json"))]
     faults = [json.loads(p.read_text()) for p in sorted(dir_.glob("fault-*.json"))]
     faults = [f for f in faults if "case" in f]  # records of fault-record, not a launch's own files
-    rep = Report(package="pipelinerl", title="PipelineRL: actors and trainers on their own GPUs (torchrun, NCCL)",
-                 columns=COLUMNS, peer="", measure_ceilings=False)  # fmt: skip
+    title = "PipelineRL: actors and trainers on their own GPUs (torchrun, NCCL)"
+    if launches:  # which launches: a two-GPU plan's report must not read as the four-GPU one's
+        title += ": " + ", ".join(d["placement"] for d in launches)
+    rep = Report(package="pipelinerl", title=title, columns=COLUMNS, peer="", measure_ceilings=False)
     notes: list[str] = []
     summary_rows: list[dict] = []
     env = environment()
@@ -279,7 +288,7 @@ def report_step(dir_: Path, results_dir: Path | None, tag: str, sim_steps: int) 
             env["device"] = d["device"]
 
     def add_mode_rows(
-        placement: str, gpus: int, T: int, A: int, modes: dict[str, dict], *, one_gpu: bool
+        placement: str, gpus: int, T: int, A: int, modes: dict[str, dict], *, one_gpu: bool, variant: str = ""
     ) -> None:
         conv = modes.get("conventional", {}).get("summary")
         eq = _reward_eq({m: r["steps"] for m, r in modes.items()})
@@ -320,10 +329,12 @@ def report_step(dir_: Path, results_dir: Path | None, tag: str, sim_steps: int) 
                         f"simulation of {placement} {mode} failed: {type(exc).__name__}: {exc}"[:300]
                     )
             rep.add(**row)
-            summary_rows.append(row)
+            summary_rows.append({**row, "variant": variant})
             if not one_gpu:
+                # several launches of one placement (the two-GPU plan: lr 0 and seeds) are told apart by name
+                label = f"{mode} measured" if placement in PLAN_PLACEMENTS else f"{mode}, {placement}"
                 rep.add(kind="tput", placement=placement, actors=A, trainers=T, gpus=gpus, mode=mode, source="measured",
-                        label=f"{mode} measured", tokens_per_s=sm["tokens_per_s"],
+                        label=label, tokens_per_s=sm["tokens_per_s"],
                         samples_per_s=sm["samples_per_s"])  # fmt: skip
             steps = r["steps"]
             stride = max(1, len(steps) // 60)
@@ -352,7 +363,9 @@ def report_step(dir_: Path, results_dir: Path | None, tag: str, sim_steps: int) 
         )
     for d in sorted(launches, key=lambda d: PLACEMENT_ORDER.index(d["placement"])
                     if d["placement"] in PLACEMENT_ORDER else 99):  # fmt: skip
-        add_mode_rows(d["placement"], d["world"], d["trainers"], d["actors"], d["modes"], one_gpu=False)
+        c = d.get("config", {})
+        add_mode_rows(d["placement"], d["world"], d["trainers"], d["actors"], d["modes"], one_gpu=False,
+                      variant=f"lr {c.get('lr')}, seed {c.get('seed')}")  # fmt: skip
     for f in faults:
         rep.add(kind="fault", case=f["case"], seconds=f["seconds"], check="ok" if f["ok"] else "FAILED",
                 label=f["first_report"][:200])  # fmt: skip
@@ -365,8 +378,9 @@ def report_step(dir_: Path, results_dir: Path | None, tag: str, sim_steps: int) 
             if row.get("pred_tokens_per_s") and conv_pred:
                 pred = (f" (simulator, fitted on one GPU: {row['pred_tokens_per_s'] / conv_pred['tokens_per_s']:.2f}x "
                         f"tokens/s; measured over predicted pipeline tokens/s {row['measured_over_pred']:.2f})")  # fmt: skip
+            variant = f", {row['variant']}" if row.get("variant") else ""
             notes.append(
-                f"{row['placement']} ({row['gpus']} GPU{'s' if row['gpus'] > 1 else ''}): pipeline / conventional "
+                f"{row['placement']} ({row['gpus']} GPU{'s' if row['gpus'] > 1 else ''}{variant}): pipeline / conventional "
                 f"{row['vs_conv_tokens']:.2f}x trained tokens/s, {row['vs_conv_samples']:.2f}x samples/s, "
                 f"dropped {100 * row['dropped_fraction']:.0f}%{pred}."
             )
@@ -381,7 +395,10 @@ def report_step(dir_: Path, results_dir: Path | None, tag: str, sim_steps: int) 
         c = launches[0].get("config", {})
         notes.insert(0, f"Each mode {launches[0].get('time_per_mode')} s of training per placement; "
                         f"model {c.get('model')}, task {c.get('task')}, slots {c.get('slots')}, B {c.get('batch_size')} "
-                        f"in groups of {c.get('attempts')}, max_lag {c.get('max_lag')} for every mode, lr {c.get('lr')}. "
+                        f"in groups of {c.get('attempts')}, max_lag {c.get('max_lag')} for every mode, "
+                        + ", ".join(sorted({f"lr {d['config'].get('lr')} seed {d['config'].get('seed')}"
+                                            for d in launches if 'config' in d}))
+                        + ". "
                         "Busy: the share of each process's wall-clock spent in synchronised GPU work (actor: engine "
                         "steps; trainer: optimizer steps and the weight broadcast), timed on the host.")  # fmt: skip
     rep.notes = " ".join(notes)
@@ -427,13 +444,25 @@ def print_summary(rows: list[dict]) -> None:
 # ---------------------------------------------------------------------------------------- ingest
 
 
-def ingest(tgz: Path, root: Path) -> None:
+def ingest(tgz: Path, root: Path, overwrite: bool = False) -> None:
+    """Unpack the plan's archive under ``root``; refuse anything outside ``repro/pipelinerl/results/``
+    and, unless ``overwrite``, any file that would replace a different one already there (a later run
+    must not replace an earlier run's committed results: each plan writes its own tag and raw folder)."""
     with tarfile.open(tgz) as tar:
         members = tar.getmembers()
         for m in members:
             inside = m.name.rstrip("/").startswith("repro/pipelinerl/results")
             if not inside or ".." in Path(m.name).parts or not (m.isfile() or m.isdir()):
                 raise SystemExit(f"ingest: refusing {m.name}: only files under repro/pipelinerl/results/")
+        clash = [
+            m.name for m in members
+            if m.isfile() and (root / m.name).is_file() and (root / m.name).read_bytes() != tar.extractfile(m).read()
+        ]  # fmt: skip
+        if clash and not overwrite:
+            raise SystemExit(
+                "ingest: refusing to replace existing results with different contents (pass --overwrite to "
+                "replace them): " + ", ".join(clash)
+            )
         tar.extractall(root, filter="data")
     reports = [m.name for m in members if "-placements" in m.name and m.name.endswith(".json")]
     print("unpacked:", *[m.name for m in members if m.isfile()], sep="\n  ")
@@ -455,6 +484,9 @@ def main(argv: list[str] | None = None) -> None:
     a.add_argument("--out", required=True)
     a.add_argument("--smoke", action="store_true")
     a.add_argument("--budget-s", type=float, default=30.0)
+    a.add_argument(
+        "--stop-after", type=int, default=None, help="optimizer steps (the schedule stays the full one)"
+    )
     a = sub.add_parser("onegpu")
     a.add_argument("--dir", required=True)
     a.add_argument("--smoke", action="store_true")
@@ -479,11 +511,12 @@ def main(argv: list[str] | None = None) -> None:
     a = sub.add_parser("ingest")
     a.add_argument("tgz")
     a.add_argument("--root", default=".")
+    a.add_argument("--overwrite", action="store_true", help="replace existing files with different contents")
     args = ap.parse_args(argv)
     if args.step == "launch-args":
         print(launch_args(args.smoke))
     elif args.step == "pretrain":
-        pretrain_step(Path(args.out), args.smoke, args.budget_s)
+        pretrain_step(Path(args.out), args.smoke, args.budget_s, args.stop_after)
     elif args.step == "onegpu":
         onegpu_step(Path(args.dir), args.smoke, args.time_per_mode, args.lr)
     elif args.step == "fault-record":
@@ -499,7 +532,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{doc['device']} x{doc['device_count']}, {doc['date']}")
         print_summary(doc["rows"])
     else:
-        ingest(Path(args.tgz), Path(args.root))
+        ingest(Path(args.tgz), Path(args.root), args.overwrite)
 
 
 if __name__ == "__main__":

@@ -49,6 +49,17 @@ def run_digest(r: dict, pred: dict | None, G: int, B: int, slots: int) -> dict:
             "broadcast_mean": 1e3 * _mean([s["broadcast_s"] for s in st]),
         },
         "trainers": [b["busy"] for b in r["busy"] if b["role"] == "trainer"],
+        # the lead's receiving threads: messages handled per optimizer step and their time per step
+        **(
+            {
+                "lead_receiving": {
+                    "messages_per_step": r["busy"][0]["messages_received"] / max(1, n),
+                    "handling_ms_per_step": 1e3 * r["busy"][0]["receiver_handling_s"] / max(1, n),
+                }
+            }
+            if "receiver_handling_s" in r["busy"][0]
+            else {}
+        ),
         "actors": [
             {
                 "rank": b["rank"],
@@ -60,6 +71,18 @@ def run_digest(r: dict, pred: dict | None, G: int, B: int, slots: int) -> dict:
                 "mean_busy_slots": b["slot_utilisation"] * b["window_s"] * slots / b["busy_s"]
                 if b["busy_s"]
                 else 0.0,
+                # launches since December 2026: the loop's time outside engine steps, split (idle: no
+                # sequence to decode; broadcast: joining one and the swap; host: the rest), per step
+                **(
+                    {
+                        "idle_ms_per_step": 1e3 * b["idle_s"] / max(1, b["steps"]),
+                        "broadcast_ms_per_step": 1e3 * b["broadcast_s"] / max(1, b["steps"]),
+                        "host_ms_per_step": b["host_ms_per_step"],
+                        "messages_per_step": b.get("messages", 0) / max(1, b["steps"]),
+                    }
+                    if "host_ms_per_step" in b
+                    else {}
+                ),
             }
             for b in r["busy"]
             if b["role"] == "actor"
@@ -152,23 +175,41 @@ def show(doc: dict) -> None:
             p = r.get("predicted", {})
             mop = r.get("measured_over_predicted", {})
             acts = ", ".join(
-                f"a{a['rank']} {a['busy']:.2f} ({a['engine_ms_per_step']:.2f}/{a['loop_ms_per_step'] or 0:.2f} ms)"
+                f"a{a['rank']} {a['busy']:.2f} ({a['engine_ms_per_step']:.2f}/{a['loop_ms_per_step'] or 0:.2f} ms"
+                + (
+                    f"; idle {a['idle_ms_per_step']:.2f}, broadcast {a['broadcast_ms_per_step']:.2f}, host "
+                    f"{a['host_ms_per_step']:.2f} ms, {a['messages_per_step']:.2f} messages per step"
+                    if "host_ms_per_step" in a
+                    else ""
+                )
+                + ")"
                 for a in r["actors"]
             )
             print(
-                f"{name:4} {mode:12} tok/sample {r['tokens_per_sample']:5.1f} (sim {p.get('tokens_per_sample', 0):4.1f}) "
-                f"samples/s {r['samples_per_s']:5.0f} x{mop.get('samples_per_s', 0):.2f} of sim, tokens/s "
-                f"{r['tokens_per_s']:6.0f} x{mop.get('tokens_per_s', 0):.2f}; step ms wait "
+                f"{name:4} {mode:12} tok/sample {r['tokens_per_sample']:5.1f}"
+                + (f" (sim {p.get('tokens_per_sample', 0):4.1f})" if p else "")
+                + f" samples/s {r['samples_per_s']:5.0f}"
+                + (f" x{mop.get('samples_per_s', 0):.2f} of sim" if p else "")
+                + f", tokens/s {r['tokens_per_s']:6.0f}"
+                + (f" x{mop.get('tokens_per_s', 0):.2f}" if p else "")
+                + "; step ms wait "
                 f"{r['step_ms']['wait_mean']:.1f} train {r['step_ms']['train_median']:.1f} bcast "
                 f"{r['step_ms']['broadcast_mean']:.2f}; actors (busy, engine/loop ms per step) {acts}"
             )
+            if "lead_receiving" in r:
+                lr_ = r["lead_receiving"]
+                print(
+                    f"     lead's receiving threads: {lr_['messages_per_step']:.1f} messages, "
+                    f"{lr_['handling_ms_per_step']:.2f} ms per optimizer step"
+                )
             if "round_ms" in r:
                 m, q = r["round_ms"], p.get("round_ms", {})
                 print(
                     f"     round ms: period {m['period']:.0f} = engine {m['busiest_engine']:.0f} + trainer "
-                    f"{m['trainer']:.0f} + unaccounted {m['unaccounted']:.0f}; simulated {q.get('period', 0):.0f} = "
-                    f"generation {q.get('generation', 0):.0f} + trainer {q.get('trainer', 0):.0f}"
-                )
+                    f"{m['trainer']:.0f} + unaccounted {m['unaccounted']:.0f}"
+                    + (f"; simulated {q.get('period', 0):.0f} = generation {q.get('generation', 0):.0f} + trainer "
+                       f"{q.get('trainer', 0):.0f}" if q else "")
+                )  # fmt: skip
             rw = r["reward"]
             terc = " ".join(f"{t['mean_completion']:.0f}:{t['reward']:.3f}" for t in rw["by_length_tercile"])
             print(

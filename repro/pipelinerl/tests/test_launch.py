@@ -104,6 +104,13 @@ def test_one_trainer_two_actors_in_their_own_processes(three_modes, mode):
         assert 0.0 <= b["busy"] <= 1.0, b
     assert res["busy"][0]["busy"] > 0 and sum(b["busy"] for b in res["busy"][1:]) > 0
     assert abs(sum(res["lag_hist"].values()) - 1.0) < 1e-9
+    # the actors' loop time outside engine steps, split; every SAMPLES message sent was received
+    actors = [b for b in res["busy"] if b["role"] == "actor"]
+    for b in actors:
+        assert min(b["idle_s"], b["broadcast_s"], b["host_s"]) >= 0.0, b
+        assert b["busy_s"] + b["idle_s"] + b["broadcast_s"] <= b["window_s"] + 1e-6, b
+    assert res["busy"][0]["messages_received"] == sum(b["messages"] for b in actors) > 0
+    assert res["busy"][0]["receiver_handling_s"] >= 0.0
 
 
 @pytest.mark.claim("pipelinerl/disjoint-devices", section=SECTION)
@@ -304,6 +311,76 @@ def test_plan_report_from_a_launch(three_modes, tmp_path, capsys):
     assert doc["device_count"] == 3 and "pipeline / conventional" in doc["notes"]
     print_summary(doc["rows"])
     assert "1+2" in capsys.readouterr().out
+
+
+def test_plan_report_tells_launches_of_one_placement_apart(three_modes, tmp_path):
+    """The two-GPU plan's report: several launches of one placement (lr 0, two seeds) each with their
+    own ratio, learning rate and seed, and their own series in the throughput plot."""
+    from repro.pipelinerl.plan import report_step
+
+    d = tmp_path / "raw"
+    d.mkdir()
+    for lr, seed in ((0.0, 0), (1e-2, 1)):
+        doc = copy.deepcopy(three_modes)
+        doc["placement"] = f"1+2 lr{lr:g}-seed{seed}"
+        doc["config"] |= {"lr": lr, "seed": seed}
+        (d / f"launch-1+2-lr{lr:g}-seed{seed}.json").write_text(json.dumps(doc))
+    doc = json.loads(report_step(d, tmp_path, "placements-2gpu", sim_steps=20).read_text())
+    assert doc["device_count"] == 3  # the launches' world
+    labels = {r["label"] for r in doc["rows"] if r["kind"] == "tput"}
+    assert len(labels) == 2 * 3 and "pipeline, 1+2 lr0-seed0" in labels
+    assert "lr 0.0, seed 0): pipeline / conventional" in doc["notes"]
+    assert "lr 0.01, seed 1): pipeline / conventional" in doc["notes"]
+
+
+def test_plan_ingest_never_replaces_other_results(tmp_path):
+    """``plan.py ingest`` unpacks only under repro/pipelinerl/results/ and refuses to replace an
+    existing file with different contents unless told to (the 4-GPU results stay when a 2-GPU run
+    comes in); a file already there with the same contents is fine."""
+    import tarfile
+
+    from repro.pipelinerl.plan import ingest
+
+    src, root = tmp_path / "src", tmp_path / "repo"
+    res = Path("repro/pipelinerl/results")
+    (src / res / "raw-2gpu").mkdir(parents=True)
+    (src / res / "x-results-2gpu.json").write_text('{"new": 1}')
+    (src / res / "raw-2gpu" / "steps.tsv").write_text("step\n")
+    (root / res).mkdir(parents=True)
+    (root / res / "x-placements.json").write_text('{"four gpus": 1}')
+    tgz = tmp_path / "a.tgz"
+    with tarfile.open(tgz, "w:gz") as tar:
+        tar.add(src / res, arcname=str(res))  # as gpu_plan.sh packs it: no parent folders
+    ingest(tgz, root)  # new files only: unpacked, the 4-GPU file untouched
+    assert (root / res / "x-results-2gpu.json").read_text() == '{"new": 1}'
+    assert (root / res / "x-placements.json").read_text() == '{"four gpus": 1}'
+    ingest(tgz, root)  # again: the same contents, nothing to refuse
+    (root / res / "x-results-2gpu.json").write_text('{"edited": 1}')
+    with pytest.raises(SystemExit, match=r"refusing to replace existing results.*x-results-2gpu\.json"):
+        ingest(tgz, root)
+    assert (root / res / "x-results-2gpu.json").read_text() == '{"edited": 1}'
+    ingest(tgz, root, overwrite=True)
+    assert (root / res / "x-results-2gpu.json").read_text() == '{"new": 1}'
+    with tarfile.open(tgz, "w:gz") as tar:
+        tar.add(src / res, arcname="elsewhere/results")
+    with pytest.raises(SystemExit, match=r"refusing elsewhere"):
+        ingest(tgz, root)
+
+
+def test_pretrain_stops_after_steps_on_the_full_schedule():
+    """``stop_after`` ends pre-training after that many steps with the long schedule's learning
+    rates (the two-GPU plan's start from the 4-GPU run's 201 steps); 0 steps is refused."""
+    runs = []
+    for steps, stop_after in ((40, 3), (3, None)):
+        torch.manual_seed(0)
+        model = Policy(TINY_MODEL)
+        info = pretrain(model, TINY, steps=steps, batch=4, lr=1e-2, seed=0, stop_after=stop_after)
+        runs.append((info["steps"], flat_weights(model)))
+    assert runs[0][0] == runs[1][0] == 3
+    # the same data, but the 40-step schedule is still warming up at step 3: other weights
+    assert not torch.equal(runs[0][1], runs[1][1])
+    with pytest.raises(ValueError, match=r"stop_after must be at least 1 step, got 0"):
+        pretrain(Policy(TINY_MODEL), TINY, steps=10, stop_after=0)
 
 
 def test_plan_sizes_are_valid_launches():
