@@ -91,6 +91,32 @@ def _offsets(splits: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(out)
 
 
+def all_to_all_algorithm(be, plan: SplitPlan, algorithm: str, nbytes: int, slot: int, even: bool) -> str:
+    """The algorithm one all-to-all launches; a named one that cannot take a split of ``slot``
+    elements raises.
+
+    The ranks must launch the same algorithm or they exchange garbage, and a rank knows only its
+    own splits: with uneven splits the ranks' sizes differ (on 2 x H200, 2026-11-28, rank 0
+    sending 516 bytes took ``direct``, rank 1 sending 27 KB took ``push``, and rank 0 received the
+    wrong data), and not even a rank whose own splits are all equal can tell that the others' are.
+    So ``auto`` picks by size only for ``even`` calls (``input_splits`` and ``output_splits`` None,
+    which every rank of the call must pass alike: then every rank has the same size and largest
+    split); with splits given it takes ``direct``, which takes any split. A caller who wants
+    another algorithm for uneven splits names it, the same on every rank."""
+    requested = algorithm
+    if algorithm == "auto" and not even:
+        algorithm = "direct"
+    algorithm = be._algorithm("all_to_all", algorithm, nbytes)
+    if algorithm != "direct" and plan.largest > slot:
+        if requested != "auto":
+            raise ValueError(
+                f"all_to_all: algorithm {algorithm!r} gives each sender {slot} elements in a peer's buffer, "
+                f"but a split has {plan.largest}; use 'direct' or raise staging_bytes"
+            )
+        algorithm = "direct"  # a split too large for the per-sender slot (the same on every rank)
+    return algorithm
+
+
 class SplitCache:
     """Validated all-to-all split tables and their device copies, keyed by the splits as given.
 
@@ -397,9 +423,10 @@ def all_to_all(
     rows_in = input.shape[0] if input.dim() else 1
     rows_out = output.shape[0] if output.dim() else 1
     plan = be._split_cache.plan(rows_in, rows_out, row, input_splits, output_splits, be.cache_splits)
-    requested = algorithm
     elem = input.element_size()
-    algorithm = be._algorithm(what, algorithm, input.numel() * elem)
+    slot = be.staging_cap // elem // W // 64 * 64  # push: one slot per sender in every buffer
+    even = input_splits is None and output_splits is None
+    algorithm = all_to_all_algorithm(be, plan, algorithm, input.numel() * elem, slot, even)
     if W == 1:
         output.view(-1).copy_(input.view(-1))
         return output
@@ -408,14 +435,6 @@ def all_to_all(
             f"{what}: input is {input.numel() * elem} bytes, more than staging_bytes={be.staging_cap}; "
             "raise staging_bytes when creating the backend"
         )
-    slot = be.staging_cap // elem // W // 64 * 64  # push: one slot per sender in every buffer
-    if algorithm != "direct" and plan.largest > slot:
-        if requested != "auto":
-            raise ValueError(
-                f"{what}: algorithm {algorithm!r} gives each sender {slot} elements in a peer's buffer, "
-                f"but a split has {plan.largest}; use 'direct' or raise staging_bytes"
-            )
-        algorithm = "direct"  # a split too large for the per-sender slot
     steps = be._pipeline_steps(what, input.numel() * elem, algorithm)
     if algorithm in ("push_pipelined", "pairwise"):
         barriers = steps

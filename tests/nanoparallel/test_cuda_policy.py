@@ -283,3 +283,56 @@ def test_split_cache_validates_once_and_keys_by_value():
 def test_check_splits_says_what_is_wrong(splits, total, message):
     with pytest.raises(ValueError, match=message):
         check_splits("all_to_all", "input_splits", splits, total, 3)
+
+
+def _rank_plans(counts: list[list[int]]):
+    """Each rank's SplitPlan of one all-to-all: counts[s][d] rows from rank s to rank d."""
+    W = len(counts)
+    plans = []
+    for r in range(W):
+        ins = counts[r]
+        outs = [counts[s][r] for s in range(W)]
+        plans.append(SplitCache(W, torch.device("cpu")).plan(sum(ins), sum(outs), 1, ins, outs, cache=False))
+    return plans
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("seed", range(6))
+def test_auto_all_to_all_takes_one_algorithm_on_every_rank(world, seed):
+    """The ranks must launch the same all-to-all kernel; each sees only its own splits. A 2 x H200
+    check found rank 0 (516 bytes) taking direct and rank 1 (27 KB) push, and wrong data."""
+    from nanoparallel.cuda.all_to_all import all_to_all_algorithm
+
+    gen = torch.Generator().manual_seed(seed)
+    scale = [1, 1 << 10, 1 << 18, 1 << 24][seed % 4]
+    uneven = torch.randint(0, 4 * scale, (world, world), generator=gen).tolist()
+    even = [[scale] * world for _ in range(world)]
+    for counts, elem in ((uneven, 4), (even, 4), (even, 2)):
+        be = backend(world)
+        be.staging_cap = 1 << 30
+        slot = be.staging_cap // elem // world // 64 * 64
+        chosen = {
+            all_to_all_algorithm(be, plan, "auto", sum(plan.input_splits) * elem, slot, counts is even)
+            for plan in _rank_plans(counts)
+        }
+        assert len(chosen) == 1, f"counts {counts}: the ranks take {chosen}"
+    # the case the GPU check failed on
+    plans = _rank_plans([[53, 76], [3094, 3732]])
+    be = backend(2)
+    be.staging_cap = 64 << 20
+    assert {all_to_all_algorithm(be, p, "auto", sum(p.input_splits) * 4, 1 << 20, False) for p in plans} == {
+        "direct"
+    }
+    # even splits (None on every rank) keep the table's choice by size
+    plans = _rank_plans([[1 << 18] * 2] * 2)
+    assert all_to_all_algorithm(be, plans[0], "auto", (1 << 19) * 4, 1 << 20, True) == be._algorithm(
+        "all_to_all", "auto", (1 << 19) * 4
+    )
+
+
+def test_named_all_to_all_too_large_for_a_slot_says_so():
+    from nanoparallel.cuda.all_to_all import all_to_all_algorithm
+
+    plan = _rank_plans([[10, 300], [5, 7]])[0]
+    with pytest.raises(ValueError, match=r"'push' gives each sender 64 elements.*a split has 300"):
+        all_to_all_algorithm(backend(2), plan, "push", 1240, 64, False)
