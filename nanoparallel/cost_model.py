@@ -62,7 +62,7 @@ DEFAULT_CACHE = (
 
 def bus_factor(collective: str, world_size: int) -> float:
     """nccl-tests' bus-bandwidth factor: ``busbw = algbw * bus_factor``, the one definition that
-    ``nanoparallel.bench``, ``nanoparallel.cuda.sweep`` and ``nanoparallel.cuda.diagnose`` use.
+    ``nanoparallel.bench``, ``nanoparallel.cuda.sweep`` and ``nanoparallel.cuda.lab.diagnose`` use.
 
     It turns a collective's algorithm bandwidth (bytes per rank over time) into what the busiest
     link carries under the optimal algorithm, so that one number is comparable with a link's

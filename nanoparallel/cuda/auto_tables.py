@@ -1,7 +1,7 @@
 """What ``algorithm="auto"`` picks, per measured world size. Generated: do not edit by hand.
 
-Made by ``nanoparallel.cuda.tuning`` (its docstring says how) with:
-    python -m nanoparallel.cuda.tuning --sweep nvidia-h100-80gb-hbm3-cuda-x2-busbw.json --sweep nvidia-h100-80gb-hbm3-cuda-x4-busbw.json --diagnose nvidia-h100-80gb-hbm3-cuda-x4-busbw-diagnose.json
+Made by ``nanoparallel.cuda.lab.tuning`` (its docstring says how) with:
+    python -m nanoparallel.cuda.lab.tuning --sweep nvidia-h100-80gb-hbm3-cuda-x2-busbw.json --sweep nvidia-h100-80gb-hbm3-cuda-x4-busbw.json --diagnose nvidia-h100-80gb-hbm3-cuda-x4-busbw-diagnose.json
 Each table is ((from this many bytes, choice), ...); ``source`` names the measurements.
 """
 

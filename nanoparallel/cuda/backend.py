@@ -21,7 +21,7 @@ The data path of every call:
   ``Tensor.copy_`` from a peer's buffer).
 
 What ``algorithm="auto"`` picks is :mod:`nanoparallel.cuda.policy` (tables per world size in
-``auto_tables.py``, made from GPU runs by :mod:`nanoparallel.cuda.tuning`).
+``auto_tables.py``, made from GPU runs by :mod:`nanoparallel.cuda.lab.tuning`).
 
 Two staging buffers alternate between calls, which is why no call needs a closing barrier (see
 ``primitives.py``). All work goes on the current CUDA stream; callers must use one stream for all
@@ -89,14 +89,14 @@ REDUCE_OPS = tuple(OP_CODES)
 # (tests/nanoparallel/test_cuda_bandwidth_kernels_interpret.py runs both schedules). Two programs
 # of 256 threads fit an SM where a kernel needs at most 128 registers per thread: most kernels, but
 # not two_shot_pipelined in 16-bit types at 4 ranks (182-244) nor the pipelined all-to-all in 16-bit
-# types (186 at 2 ranks, 252-255 and spilling at 4): `python -m nanoparallel.cuda.registers`, offline
+# types (186 at 2 ranks, 252-255 and spilling at 4): `python -m nanoparallel.cuda.lab.registers`, offline
 # sm_90a, 2026-11-28. Their 264-program grids run in two waves; the all-to-all pairwise passed its
 # GPU check that way (bf16 cases included) on 4 and 2 H100s.
 PROGRAMS_PER_SM = 2
 MIN_STAGING_BYTES = 16 << 20
 SPINS_PER_S = 5e6
 # "auto": tables per world size in nanoparallel/cuda/auto_tables.py (generated from the GPU runs by
-# nanoparallel.cuda.tuning, which says how; read by CudaPeerBackend.policy). What the measurements
+# nanoparallel.cuda.lab.tuning, which says how; read by CudaPeerBackend.policy). What the measurements
 # behind them found, and why, is on site/pages/nanoparallel/one-shot-two-shot.md and index.md.
 # Steps of a pipelined algorithm without a table there:
 PIPELINE_STEPS = 4
@@ -225,7 +225,7 @@ class CudaPeerBackend:
 
     Knobs a measurement may change between calls (the same value on every rank):
         policy: what "auto" picks, and the steps and programs of the pipelined algorithms
-            (:class:`~nanoparallel.cuda.tuning.Policy`; default: the committed tables of the nearest
+            (:class:`~nanoparallel.cuda.policy.Policy`; default: the committed tables of the nearest
             measured world size, nanoparallel/cuda/auto_tables.py).
         programs: programs per kernel launch (None, the default: the policy's, else
             ``max_programs``, 2 per SM).

@@ -18,6 +18,7 @@ between them, and ``skew_s`` makes chosen ranks late for each call, so a fast ra
     with EmulatedPeers(world_size=3) as peers:
         peers.run("all_reduce.one_shot_all_reduce_kernel", grid, per_rank_args, symmetric={"buf": (bufs, "D")})
         peers.run("broadcast.ring_broadcast_kernel", ...)  # "file.kernel": a kernel of nanoparallel.cuda.broadcast
+        peers.run("lab.diagnose.peer_copy_kernel", ...)    # a lab probe: nanoparallel.cuda.lab.diagnose
 """
 
 from __future__ import annotations

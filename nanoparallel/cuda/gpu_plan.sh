@@ -9,9 +9,9 @@
 #    raise; the summary (check-x$WORLD.json) is what later steps read: a new algorithm that did not
 #    pass is never timed;
 # 2. diagnosis: NVLink by traffic pattern (one pair, ring, all links at once, incast), every
-#    collective's algorithms over steps x programs at 64 MiB, 256 MiB, 1 GiB (diagnose.py); then
-#    NCCL's own choice (NCCL_DEBUG=INFO) and its pinned algorithms and protocols (nccl_info.py);
-#    the steps and programs the diagnosis found best go to the sweeps (tuning.py --tuning-out);
+#    collective's algorithms over steps x programs at 64 MiB, 256 MiB, 1 GiB (lab/diagnose.py); then
+#    NCCL's own choice (NCCL_DEBUG=INFO) and its pinned algorithms and protocols (lab/nccl_info.py);
+#    the steps and programs the diagnosis found best go to the sweeps (lab/tuning.py --tuning-out);
 # 3. the sweep of every collective against NCCL, 8 B to 1 GiB, on WORLD GPUs, each implementation
 #    checked at each size before it is timed;
 # 4. the same sweep on 2 GPUs (CUDA_VISIBLE_DEVICES=0,1), the same code;
@@ -97,13 +97,13 @@ CHECK=$AUX/check-x$WORLD.json
 step check "$CHECK_S" "$PY" -m nanoparallel.cuda.check --world-size "$WORLD" --groups $CHECK_GROUPS \
   --budget-s $(($(left) < CHECK_S ? $(left) - 8 : CHECK_S - 8)) --timeout-s 15 --out "$CHECK"
 # shellcheck disable=SC2086
-step diagnose 70 "$PY" -m nanoparallel.cuda.diagnose --world-size "$WORLD" --checked "$CHECK" \
+step diagnose 70 "$PY" -m nanoparallel.cuda.lab.diagnose --world-size "$WORLD" --checked "$CHECK" \
   --collectives $DIAG_COLLECTIVES --tag "cuda-x$WORLD-$RUN-diagnose" --out "$RES"
-step nccl 35 "$PY" -m nanoparallel.cuda.nccl_info --world-size "$WORLD" --tag "cuda-x$WORLD-$RUN-nccl" --out "$RES"
+step nccl 35 "$PY" -m nanoparallel.cuda.lab.nccl_info --world-size "$WORLD" --tag "cuda-x$WORLD-$RUN-nccl" --out "$RES"
 mv "$RES"/nccl-debug-x*.log "$AUX"/ 2>/dev/null
 DIAG=$(ls "$RES"/*-cuda-x$WORLD-$RUN-diagnose.json 2>/dev/null | head -n 1)
 TUNING=()
-if [[ -n $DIAG ]] && "$PY" -m nanoparallel.cuda.tuning --diagnose "$DIAG" --tuning-out "$AUX/tuning-x$WORLD.json" \
+if [[ -n $DIAG ]] && "$PY" -m nanoparallel.cuda.lab.tuning --diagnose "$DIAG" --tuning-out "$AUX/tuning-x$WORLD.json" \
   >>"$LOG" 2>&1; then
   TUNING=(--tuning "$AUX/tuning-x$WORLD.json")
 fi
@@ -124,7 +124,7 @@ fi
 SWEEPS=$(ls "$RES"/*-cuda-x2-$RUN.json "$RES"/*-cuda-x$WORLD-$RUN.json 2>/dev/null)
 if [[ -n $SWEEPS ]]; then
   # shellcheck disable=SC2086
-  "$PY" -m nanoparallel.cuda.tuning --sweep $SWEEPS ${DIAG:+--diagnose "$DIAG"} --write "$AUX/auto_tables.py" \
+  "$PY" -m nanoparallel.cuda.lab.tuning --sweep $SWEEPS ${DIAG:+--diagnose "$DIAG"} --write "$AUX/auto_tables.py" \
     --summary "$RES" --pins >"$AUX/tuning.log" 2>&1 || echo "tuning failed (see tuning.log)" | tee -a "$LOG"
 fi
 echo "[$SECONDS s] done" | tee -a "$LOG"

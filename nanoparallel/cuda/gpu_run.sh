@@ -4,7 +4,7 @@
 #   WORLD=4 BUDGET_S=570 bash nanoparallel/cuda/gpu_run.sh   # 4 GPUs, results tagged cuda-x4
 # 1. check.py: every collective, algorithm, dtype and awkward size against a float64 reference,
 #    plus the knobs (pipeline steps, copy-engine pieces, programs, uncached splits);
-# 2. diagnose.py: NVLink by traffic pattern, each collective's algorithms over steps x programs
+# 2. lab/diagnose.py: NVLink by traffic pattern, each collective's algorithms over steps x programs
 #    at 64 MiB / 256 MiB / 1 GiB;
 # 3. sweep.py: every collective and algorithm against NCCL, 8 B and 16 B x 4^k to 1 GiB, each
 #    implementation checked at each size before it is timed.
@@ -46,7 +46,7 @@ step() {  # step NAME LIMIT_S COMMAND...: run with the smaller of LIMIT_S and th
 
 # the full check grows with the ranks (broadcast roots, references): 220 s did not cover 4 H100s
 step check $((110 * WORLD)) "$PY" -m nanoparallel.cuda.check --world-size "$WORLD"
-step diagnose 150 "$PY" -m nanoparallel.cuda.diagnose --world-size "$WORLD" --out "$OUT"
+step diagnose 150 "$PY" -m nanoparallel.cuda.lab.diagnose --world-size "$WORLD" --out "$OUT"
 # the sweep checks again in its own job (check_all quick, and each timed shape) so its JSON says so
 step sweep 200 "$PY" -m nanoparallel.cuda.sweep --world-size "$WORLD" --min-bytes 16 --step 4 --tag "cuda-x$WORLD" \
   --check-all --max-iters 50 --out "$OUT"

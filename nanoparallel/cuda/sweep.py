@@ -10,7 +10,7 @@ One collective at the large sizes only (``--extra-bytes`` with no value drops th
 
 ``--pipeline-steps K`` fixes the steps of every pipelined variant (the backend's knob) for the timed
 part; without it each takes the policy's steps. ``--tuning FILE`` replaces the policy's steps and
-programs with those a diagnose run just measured (``nanoparallel.cuda.tuning --tuning-out``).
+programs with those a diagnose run just measured (``nanoparallel.cuda.lab.tuning --tuning-out``).
 ``--checked FILE`` (``nanoparallel.cuda.check --groups ... --out``) holds back every new algorithm
 that did not pass its check in this run.
 
@@ -264,7 +264,7 @@ def apply_tuning(be, path) -> dict:
     """Replace the backend's steps and programs tables by those of a ``--tuning-out`` file."""
     from dataclasses import replace
 
-    from nanoparallel.cuda.tuning import load_tuning
+    from nanoparallel.cuda.lab.tuning import load_tuning
 
     got = load_tuning(path, be.world_size) if path else {}
     if got:

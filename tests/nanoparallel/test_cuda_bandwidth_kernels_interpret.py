@@ -306,7 +306,7 @@ class _FourOfThree:
 def test_link_probe_moves_what_each_pattern_says(peers):
     # diagnose's raw-copy probe: writes land in slot `rank` of each peer's buffer, reads fill
     # local[p*n:] from peer p's slot for `rank`; ranks idle in a pattern touch nothing
-    from nanoparallel.cuda.diagnose import PATTERNS, peers_of
+    from nanoparallel.cuda.lab.diagnose import PATTERNS, peers_of
 
     W, n, block = peers.world_size, 40, BLOCK
     chunk, grid = split_work(n, MAX_PROGRAMS, block)
@@ -320,7 +320,7 @@ def test_link_probe_moves_what_each_pattern_says(peers):
                      RANK=r, W=W, BLOCK=block)
                 for r in range(W)
             ]  # fmt: skip
-            peers.run("diagnose.link_probe_kernel", grid, per_rank, {"buf": (bufs, "D")}, barriers=0)
+            peers.run("lab.diagnose.link_probe_kernel", grid, per_rank, {"buf": (bufs, "D")}, barriers=0)
             for r in range(W):
                 for p in range(W):
                     active = p in peers_of(pattern, r, W)

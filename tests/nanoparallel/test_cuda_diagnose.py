@@ -1,4 +1,4 @@
-"""nanoparallel.cuda.diagnose and nccl_info without a GPU: plans, arithmetic, dry runs, log parsing.
+"""nanoparallel.cuda.lab.diagnose and nccl_info without a GPU: plans, arithmetic, dry runs, log parsing.
 
 The measurements need GPUs (nanoparallel/cuda/gpu_plan.sh runs them); what can go wrong before
 that is here: a cause or size missing from the plan, bandwidth or ratios computed from the wrong
@@ -14,8 +14,18 @@ import pytest
 
 from nanoparallel.cost_model import bus_factor
 from nanoparallel.cuda import ALGORITHMS
-from nanoparallel.cuda.diagnose import COLUMNS, GRIDS, PATTERNS, SIZES, finish, main, peers_of, plan, plots
-from nanoparallel.cuda.nccl_info import marker_elements, parse_log
+from nanoparallel.cuda.lab.diagnose import (
+    COLUMNS,
+    GRIDS,
+    PATTERNS,
+    SIZES,
+    finish,
+    main,
+    peers_of,
+    plan,
+    plots,
+)
+from nanoparallel.cuda.lab.nccl_info import marker_elements, parse_log
 
 
 def test_plan_covers_every_cause_at_every_size():

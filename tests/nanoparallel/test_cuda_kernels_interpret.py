@@ -520,7 +520,7 @@ def test_peer_copy_kernel(peers, read):
     per_rank = [
         dict(local=locals_[r], n=n, chunk=chunk, PEER=(r + 1) % W, READ=read, BLOCK=BLOCK) for r in range(W)
     ]
-    peers.run("diagnose.peer_copy_kernel", grid, per_rank, {"buf": (bufs, "D")}, barriers=0)
+    peers.run("lab.diagnose.peer_copy_kernel", grid, per_rank, {"buf": (bufs, "D")}, barriers=0)
     for r in range(W):
         nxt, prev = (r + 1) % W, (r - 1) % W
         if read:

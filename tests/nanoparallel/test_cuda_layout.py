@@ -1,13 +1,15 @@
 """The layout of nanoparallel/cuda (issue #40), read from the source without importing it.
 
 One file per collective, the backend and the shared pieces import each other without a cycle and
-never import the tools (check, sweep, diagnose, ...) or the tests; the package's ``__init__.py``
-turns NVLink multicast off before its first import, so before anything can import torch.
+never import the tools (check, sweep, emulate), the lab (``nanoparallel/cuda/lab/``: diagnosis,
+tuning, compile reports) or the tests; the package's ``__init__.py`` turns NVLink multicast off
+before its first import, so before anything can import torch.
 """
 
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,8 @@ FAST_PATH = (
     "policy",
     "auto_tables",
 )
+# tuning, diagnosis and compile reports: in nanoparallel/cuda/lab/, never beside the collectives
+LAB = ("diagnose", "nccl_info", "tuning", "registers")
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
 NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -36,16 +40,27 @@ def _tree(name: str) -> ast.Module:
 
 
 def imports(name: str, top_level: bool = True) -> set[str]:
-    """Modules ``name`` imports (dotted), at module level only or anywhere in the file."""
+    """Modules ``name`` imports (dotted), at module level only or anywhere in the file; relative
+    imports are resolved (the fast path's modules sit in nanoparallel.cuda), and so are
+    ``importlib.import_module("...")`` calls with a constant name."""
     nodes = _tree(name).body if top_level else ast.walk(_tree(name))
     out = set()
     for node in nodes:
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            out.add(node.module)
+        elif isinstance(node, ast.ImportFrom) and (node.module or node.level):
+            base = "nanoparallel.cuda".split(".")[: 3 - node.level] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            out.add(module)
             # "from nanoparallel.cuda import x": x may be a submodule
-            out |= {f"{node.module}.{a.name}" for a in node.names}
+            out |= {f"{module}.{a.name}" for a in node.names}
+        elif (
+            isinstance(node, ast.Call)
+            and ast.unparse(node.func) in ("importlib.import_module", "import_module", "__import__")
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+        ):
+            out.add(node.args[0].value)
     return out
 
 
@@ -92,11 +107,39 @@ def test_no_import_cycle_among_the_fast_path_modules():
 
 
 @pytest.mark.parametrize("name", FAST_PATH)
-def test_the_fast_path_never_imports_tools_or_tests(name):
+def test_the_fast_path_never_imports_tools_the_lab_or_tests(name):
     tools = {p.stem for p in CUDA.glob("*.py")} - set(FAST_PATH)
     got = imports(name, top_level=False)
-    bad = sorted(m for m in got if m.startswith("tests") or any(m == f"nanoparallel.cuda.{t}" for t in tools))
+    bad = sorted(
+        m
+        for m in got
+        if m.startswith("tests")
+        or any(m == f"nanoparallel.cuda.{t}" for t in tools)
+        or m == "nanoparallel.cuda.lab"
+        or m.startswith("nanoparallel.cuda.lab.")
+    )
     assert not bad, f"nanoparallel/cuda/{name}.py imports {bad}"
+
+
+def test_the_lab_holds_the_tuning_diagnosis_and_compile_tools():
+    lab = CUDA / "lab"
+    doc = ast.get_docstring(ast.parse((lab / "__init__.py").read_text()))
+    assert doc, "nanoparallel/cuda/lab/__init__.py has no docstring saying what the lab is"
+    for tool in LAB:
+        assert (lab / f"{tool}.py").is_file(), f"nanoparallel/cuda/lab/{tool}.py is missing"
+        assert not (CUDA / f"{tool}.py").exists(), f"nanoparallel/cuda/{tool}.py belongs in lab/"
+        assert f"`{tool}.py`" in (lab / "README.md").read_text(), f"lab/README.md does not list {tool}.py"
+
+
+def test_the_import_check_sees_relative_and_dynamic_imports(tmp_path, monkeypatch):
+    # the check above can fail: a fast-path file that reached the lab by either route is caught
+    (tmp_path / "probe.py").write_text(
+        "import importlib\nfrom .lab import tuning\nfrom . import lab\n"
+        "def f():\n    return importlib.import_module('nanoparallel.cuda.lab.diagnose')\n"
+    )
+    monkeypatch.setattr(sys.modules[__name__], "CUDA", tmp_path)
+    got = imports("probe", top_level=False)
+    assert {"nanoparallel.cuda.lab.tuning", "nanoparallel.cuda.lab", "nanoparallel.cuda.lab.diagnose"} <= got
 
 
 def test_init_turns_nvlink_multicast_off_before_any_import():

@@ -1,9 +1,9 @@
 """The GPU backend's choice for algorithm="auto", and its argument checks that need no GPU.
 
 The choices come from nanoparallel/cuda/auto_tables.py, made from the GPU runs by
-nanoparallel.cuda.tuning. PINS and STEP_PINS below fix them at a few sizes so that a change of
+nanoparallel.cuda.lab.tuning. PINS and STEP_PINS below fix them at a few sizes so that a change of
 policy is deliberate: after new tables are written, paste the output of
-``python -m nanoparallel.cuda.tuning --pins`` (with the same --sweep/--diagnose files) over them.
+``python -m nanoparallel.cuda.lab.tuning --pins`` (with the same --sweep/--diagnose files) over them.
 The backend is built without __init__ (that needs GPUs); only the pure methods are exercised.
 """
 
@@ -25,7 +25,7 @@ from nanoparallel.cuda import (
 )
 from nanoparallel.cuda.policy import SIZE_INDEPENDENT, Policy, policies, policy_for
 
-# what auto picks (python -m nanoparallel.cuda.tuning --pins)
+# what auto picks (python -m nanoparallel.cuda.lab.tuning --pins)
 PINS = {
     (2, "all_gather", 8): "pairwise",
     (2, "all_gather", 64 << 10): "direct",

@@ -1,4 +1,4 @@
-"""nanoparallel.cuda.tuning: the script that turns a GPU run's result files into auto's tables.
+"""nanoparallel.cuda.lab.tuning: the script that turns a GPU run's result files into auto's tables.
 
 Synthetic sweep and diagnose rows stand in for a run, so each rule can be seen to hold: the
 fastest checked algorithm wins a size, a choice within the margin is kept (noise does not flip the
@@ -14,7 +14,7 @@ import json
 import pytest
 
 from nanoparallel.cost_model import bus_factor
-from nanoparallel.cuda.tuning import (
+from nanoparallel.cuda.lab.tuning import (
     Policy,
     algorithm_tables,
     build,
@@ -82,7 +82,7 @@ def test_steps_and_programs_come_from_the_diagnose_grid():
 
 def test_generated_module_reads_back_as_the_same_tables(tmp_path):
     table = policies()
-    text = module_text(table, "python -m nanoparallel.cuda.tuning (test)")
+    text = module_text(table, "python -m nanoparallel.cuda.lab.tuning (test)")
     space: dict = {}
     exec(compile(text, "auto_tables.py", "exec"), space)
     again = {w: Policy(**p) for w, p in space["POLICIES"].items()}

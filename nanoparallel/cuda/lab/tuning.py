@@ -2,7 +2,7 @@
 
 After a GPU run, one command turns its result files into new tables and a summary report::
 
-    python -m nanoparallel.cuda.tuning \\
+    python -m nanoparallel.cuda.lab.tuning \\
         --sweep nanoparallel/results/<device>-cuda-x2.json nanoparallel/results/<device>-cuda-x4.json \\
         --diagnose nanoparallel/results/<device>-cuda-x4-diagnose.json \\
         --write nanoparallel/cuda/auto_tables.py --summary nanoparallel/results --pins
@@ -74,7 +74,7 @@ def algorithm_tables(
 
 
 def knob_tables(rows: list[dict], sm_count: int, base: Policy | None = None) -> tuple[dict, dict]:
-    """(steps, programs_per_sm) tables from a diagnose file's rows (``nanoparallel.cuda.diagnose``):
+    """(steps, programs_per_sm) tables from a diagnose file's rows (``nanoparallel.cuda.lab.diagnose``):
     rows whose ``section`` is a collective and whose ``variant`` an algorithm timed at several
     (steps, programs). ``base`` gives each table's first row (the choice below the swept sizes)."""
     configs: dict[str, dict[int, dict[tuple, float]]] = defaultdict(lambda: defaultdict(dict))
@@ -178,7 +178,7 @@ def module_text(table: Mapping[int, Policy], command: str) -> str:
     lines = [
         '"""What ``algorithm="auto"`` picks, per measured world size. Generated: do not edit by hand.',
         "",
-        "Made by ``nanoparallel.cuda.tuning`` (its docstring says how) with:",
+        "Made by ``nanoparallel.cuda.lab.tuning`` (its docstring says how) with:",
         f"    {command}",
         "Each table is ((from this many bytes, choice), ...); ``source`` names the measurements.",
         '"""',
@@ -261,7 +261,7 @@ def summary_report(sweeps: list[dict], table: Mapping[int, Policy]):
         packages=["torch", "triton"],
         measure_ceilings=False,
         notes=(
-            "Made by nanoparallel.cuda.tuning --summary from the sweeps "
+            "Made by nanoparallel.cuda.lab.tuning --summary from the sweeps "
             + ", ".join(f"{d['device']} x{world_of(d)} of {d['date'][:10]}" for d in sweeps)
             + ": per size, the row of the algorithm that auto now picks (nanoparallel/cuda/auto_tables.py), "
             "beside NCCL in the same sweep. busbw with nccl-tests' factors (nanoparallel.cost_model.bus_factor); "
@@ -314,7 +314,7 @@ def main(argv=None) -> None:
         args.tuning_out.write_text(json.dumps(tuning, indent=1))
         print(f"wrote {args.tuning_out}")
     if args.write:
-        command = "python -m nanoparallel.cuda.tuning " + " ".join(
+        command = "python -m nanoparallel.cuda.lab.tuning " + " ".join(
             [f"--sweep {Path(f).name}" for f in args.sweep]
             + [f"--diagnose {Path(f).name}" for f in args.diagnose]
         )

@@ -1,7 +1,7 @@
 """Why a GPU collective misses its target: measurements that separate the candidate causes.
 
-    python -m nanoparallel.cuda.diagnose --world-size 4 --out DIR --checked DIR/check-x4.json
-    python -m nanoparallel.cuda.diagnose --world-size 4 --dry-run     # the plan only, no GPU needed
+    python -m nanoparallel.cuda.lab.diagnose --world-size 4 --out DIR --checked DIR/check-x4.json
+    python -m nanoparallel.cuda.lab.diagnose --world-size 4 --dry-run     # the plan only, no GPU needed
 
 The sweep (``nanoparallel.cuda.sweep``) says *that* a collective falls short of NCCL; this says
 *where the time goes*, every rank measuring at once:
@@ -18,7 +18,7 @@ The sweep (``nanoparallel.cuda.sweep``) says *that* a collective falls short of 
 * one section per collective (``all_reduce``, ``reduce_scatter``, ``all_gather``, ``broadcast``,
   ``all_to_all``) at 64 MiB, 256 MiB and 1 GiB: NCCL, each of our algorithms as the policy runs it,
   and the pipelined ones over a grid of steps and programs (``tunable`` rows, from which
-  ``nanoparallel.cuda.tuning`` picks each size's best).
+  ``nanoparallel.cuda.lab.tuning`` picks each size's best).
 
 Every row of ours is checked against NCCL's result at its shape before it is timed (as in the
 sweep); ``--checked FILE`` holds back new algorithms whose check failed in this job. Timing as in
@@ -26,7 +26,7 @@ the sweep: all ranks meet, CUDA events around back-to-back calls issued from Pyt
 rank reported. ``busbw_GBps`` uses nccl-tests' factors (``nanoparallel.cost_model.bus_factor``);
 ``vs_nccl`` is busbw over the NCCL row of the same section and size (send/recv for ``nvlink``).
 What NCCL itself chose (algorithm, protocol, channels) and how its pinned variants fare is
-``nanoparallel.cuda.nccl_info``. The JSON goes through paperclub's Report:
+``nanoparallel.cuda.lab.nccl_info``. The JSON goes through paperclub's Report:
 ``<out>/<device>-cuda-x<W>-diagnose.json``.
 """
 
@@ -310,7 +310,7 @@ def report(rows: list[dict], world: int, dry_run: bool, sm_count: int):
         measure_ceilings=False,
         notes=(
             ("DRY RUN: the plan only, no measurements. " if dry_run else "")
-            + "nanoparallel.cuda.diagnose. nvlink: GBps per direction moved by one active rank, all active ranks at "
+            + "nanoparallel.cuda.lab.diagnose. nvlink: GBps per direction moved by one active rank, all active ranks at "
             "once; pair: ranks 0 and 1 only; ring: every rank with rank+1; all_peers: every rank with every other, "
             "interleaved every 8 KiB; incast: every rank with rank 0; programs = grid of the Triton probe. "
             "Collective sections: GBps = algbw, busbw with nccl-tests' factors; steps and programs as the row ran "

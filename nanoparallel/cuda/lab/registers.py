@@ -1,8 +1,8 @@
 """Registers per thread of the peer kernels compiled offline for sm_90a, and how many programs fit an SM.
 
-    python -m nanoparallel.cuda.registers            # the table, no GPU needed (about a minute)
-    python -m nanoparallel.cuda.registers --fingerprints FILE [--jobs 2]   # every kernel's PTX fingerprint
-    python -m nanoparallel.cuda.registers --compare OLD NEW   # exit 1 if two fingerprint files differ
+    python -m nanoparallel.cuda.lab.registers            # the table, no GPU needed (about a minute)
+    python -m nanoparallel.cuda.lab.registers --fingerprints FILE [--jobs 2]   # every kernel's PTX fingerprint
+    python -m nanoparallel.cuda.lab.registers --compare OLD NEW   # exit 1 if two fingerprint files differ
 
 Why: program b of a rank waits for program b of every peer, so whether a launch's whole grid is
 resident at once decides whether it runs in one wave or relies on the GPU starting programs in
@@ -50,7 +50,7 @@ MODULES = (
     "all_gather",
     "broadcast",
     "all_to_all",
-    "diagnose",
+    "lab.diagnose",
 )
 # every value of the constexprs that are not RANK, W, BLOCK or derived from them
 CONSTEXPR_VALUES = {
@@ -212,11 +212,12 @@ def fingerprints(path: str, jobs: int = 1) -> dict[str, str]:
 
     from paperclub.lab import offline
 
-    cases = fingerprint_cases(offline("nanoparallel.cuda.registers:kernel_names", []))
+    cases = fingerprint_cases(offline("nanoparallel.cuda.lab.registers:kernel_names", []))
     parts = [cases[i::jobs] for i in range(max(jobs, 1))]
     with ThreadPoolExecutor(len(parts)) as pool:
         done = pool.map(
-            lambda part: offline("nanoparallel.cuda.registers:fingerprint_rows", part, timeout_s=7200), parts
+            lambda part: offline("nanoparallel.cuda.lab.registers:fingerprint_rows", part, timeout_s=7200),
+            parts,
         )
         rows = [r for part in done for r in part]
     result = {r["key"]: r.get("ptx_sha") or r["error"] for r in rows}
@@ -253,7 +254,7 @@ def main(argv=None) -> int:
     from paperclub.lab import offline
 
     ap = argparse.ArgumentParser(
-        prog="python -m nanoparallel.cuda.registers", description=__doc__.split("\n")[0]
+        prog="python -m nanoparallel.cuda.lab.registers", description=__doc__.split("\n")[0]
     )
     ap.add_argument("--fingerprints", metavar="FILE", help="write every kernel's PTX fingerprint to FILE")
     ap.add_argument("--jobs", type=int, default=2, help="compile processes for --fingerprints (default 2)")
@@ -279,7 +280,7 @@ def main(argv=None) -> int:
     cases = [{"kernel": k, "world": w, "dtype": d} for k in KERNELS for w in (2, 4) for d in POINTERS]
     print("| kernel | ranks | dtype | registers (most over ranks) | spilled bytes | programs per SM |")
     print("|---|---|---|---|---|---|")
-    for r in offline("nanoparallel.cuda.registers:rows", cases):
+    for r in offline("nanoparallel.cuda.lab.registers:rows", cases):
         cells = r.get("error") or f"{r['registers']} | {r['spill_stores']} | {r['programs_per_sm']}"
         print(f"| {r['kernel']} | {r['world']} | {r['dtype']} | {cells} |")
     return 0

@@ -1,6 +1,6 @@
 """What NCCL chose, and what its other choices would have given: the peer's side of the diagnosis.
 
-    python -m nanoparallel.cuda.nccl_info --world-size 4 --out DIR
+    python -m nanoparallel.cuda.lab.nccl_info --world-size 4 --out DIR
 
 hu2025demystifying describes how NCCL picks an algorithm (ring, tree) and a protocol (Simple, LL,
 LL128) per call from a cost model, and how many channels (CUDA blocks, each with its own buffers)
@@ -221,7 +221,7 @@ def main(argv=None) -> None:
         packages=["torch"],
         measure_ceilings=False,
         notes=(
-            "nanoparallel.cuda.nccl_info. Each variant is its own communicator, created with NCCL_ALGO / "
+            "nanoparallel.cuda.lab.nccl_info. Each variant is its own communicator, created with NCCL_ALGO / "
             "NCCL_PROTO as named (default: unset); nccl_algo, nccl_proto, nccl_channels are what NCCL's log "
             "(NCCL_DEBUG=INFO, NCCL_DEBUG_SUBSYS=TUNING, rank 0) says it ran. Logging is on for every variant, "
             "so compare these times among themselves, not with the sweep's. busbw with nccl-tests' factors. "
