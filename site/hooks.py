@@ -3,7 +3,7 @@
 * ``on_config``: load and validate all content (``paperclub.content``); any problem stops the build
   with the same messages ``paperclub check`` prints.
 * ``on_files``: add the generated pages (sessions, papers, reproductions, claims, benchmarks,
-  bibliography, tags, source views, notebooks), slide decks, plots and the vendored front-end assets.
+  lab tools, bibliography, tags, source views, notebooks), slide decks, plots and the vendored front-end assets.
 * ``on_page_markdown``: point links that content writes relative to its place in the repository at
   the matching pages of the site (links to code by symbol resolve to the definition's line).
 * ``on_page_content``: register the source pages' line anchors, which mkdocs does not see.

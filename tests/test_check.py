@@ -60,7 +60,7 @@ def test_broken_fixture_is_rejected_with_a_clear_message(tmp_path, case):
 def test_every_kind_of_mistake_has_a_fixture():
     """The broken fixtures cover schema, dates, cross references, bib, papers, decks and claims."""
     kinds = {"yaml", "title", "date", "bib", "paper", "slug", "slides", "repro", "claim", "tag", "url", "math",
-             "mermaid", "code-link", "duplicate-key", "placeholder", "note", "front-matter", "empty-section"}  # fmt: skip
+             "mermaid", "code-link", "duplicate-key", "placeholder", "note", "front-matter", "empty-section", "lab"}  # fmt: skip
     covered = {k for k in kinds if any(k in case for case in BROKEN)}
     assert covered == kinds, f"no broken fixture for: {kinds - covered}"
 

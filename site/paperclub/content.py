@@ -593,6 +593,7 @@ def load(root: Path = ROOT) -> tuple[Content, list[Problem]]:
     problems += _check_claims(content, root, broken)
     problems += _check_results(content, root)
     problems += _check_pages(content, root)
+    problems += _check_lab(content, root)
     problems += [
         Problem(key_file, f"@article{{{key}}}", "the key is a placeholder (made from a TODO author); name it "
                 "<firstauthorlastname><year><firstword>, e.g. dao2022flashattention, and rename the paper page")
@@ -646,6 +647,15 @@ def _check_pages(content: Content, root: Path) -> list[Problem]:
             problem = Problem(doc.file, "", issue.message, issue.line)
             (out if issue.error else content.warnings).append(problem)
     return out
+
+
+def _check_lab(content: Content, root: Path) -> list[Problem]:
+    """The lab tools (``repro/<name>/lab/``, ``nanoparallel/cuda/lab/``): each module needs a docstring and
+    each shell script a leading comment, which the site's Lab tools page shows (``paperclub.lab_page``)."""
+    from paperclub.lab_page import lab_problems
+
+    packages = [(name, r.path) for name, r in content.repros.items() if not r.planned]
+    return [Problem(file, "", message, line) for file, line, message in lab_problems(packages, root)]
 
 
 def _locate(p: Problem, root: Path) -> Problem:

@@ -23,6 +23,7 @@ from paperclub.bench import markdown_table
 from paperclub.claims import GPU_CHECKS_NAME, NOT_RUN, FunctionGroup, summary
 from paperclub.codelinks import SOURCE_LANGUAGES, line_for_fragment
 from paperclub.content import Content, Paper, Repro, Session, split_slides
+from paperclub.lab_page import lab_page
 from paperclub.results_log import results_log_page
 from paperclub.slides import render_deck
 
@@ -134,6 +135,8 @@ def generate(content: Content, *, render_notebook=None) -> Site:
                 site.files[f"repro/{name}/{fname}"] = data
     site.pages["claims.md"] = claims_dashboard(content)
     site.pages["benchmarks.md"] = benchmarks_page(content, site)
+    built = [(name, r.path) for name, r in content.repros.items() if not r.planned]
+    site.pages["lab.md"] = lab_page(built, root, repro_pages={name for name, _ in built})
     site.pages["bibliography.md"] = bibliography(content)
     site.pages["tags.md"] = tags_page(content)
     return site
