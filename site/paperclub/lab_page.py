@@ -15,7 +15,6 @@ the page would have nothing to say about it.
 from __future__ import annotations
 
 import ast
-import html
 import json
 import posixpath
 import re
@@ -212,28 +211,17 @@ def lab_problems(packages: Iterable[tuple[str, Path]], root: Path) -> list[tuple
     return out
 
 
-def _cell(text: str) -> str:
-    """Table-safe text (as ``sitegen.cell``)."""
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
-def _code(text: str) -> str:
-    """``text`` as a table-safe <code> element that markdown leaves alone (as ``sitegen.code_html``: a
-    command's ``[a|b]`` would otherwise end the cell)."""
-    return f"<code>{_cell(html.escape(text, quote=False).replace('`', '&#96;'))}</code>"
-
-
-def _link(from_uri: str, rel: str, text: str) -> str:
-    """A link to the site's source page of ``rel`` (the site has one for every .py, .sh and .md file of
-    a package: see ``sitegen.generate``)."""
-    return f"[{text}]({posixpath.relpath(f'source/{rel}.md', posixpath.dirname(from_uri) or '.')})"
-
-
 def lab_page(
     packages: Iterable[tuple[str, Path]], root: Path, repro_pages: set[str] | None = None, uri: str = PAGE_URI
 ) -> str:
     """The markdown of the lab tools page (see the module docstring). ``repro_pages``: the names whose
     reproduction page exists (``repro/<name>.md``), linked from their heading."""
+    # sitegen imports this module to build the site, so its helpers are imported at call time
+    from paperclub.sitegen import cell, code_html, rel_link
+
+    def source_link(rel: str, text: str) -> str:  # the site has a source page for every .py, .sh, .md
+        return f"[{text}]({rel_link(uri, f'source/{rel}.md')})"
+
     folders = lab_folders(packages)
     lines = [
         "# Lab tools",
@@ -256,12 +244,12 @@ def lab_page(
         lines += [heading, ""]
         where = f"`{folder_rel}/`"
         if repro_pages is not None and name in repro_pages:
-            where += f" ([the reproduction]({posixpath.relpath(f'repro/{name}.md', posixpath.dirname(uri) or '.')}))"
+            where += f" ([the reproduction]({rel_link(uri, f'repro/{name}.md')}))"
         init = next((e for e in entries if e.path.endswith("/__init__.py") and e.kind == "module"), None)
         intro = f"{where}: {init.summary}" if init and init.summary else where
         readmes = [e for e in entries if e.kind == "readme"]
         if readmes:
-            links = ", ".join(_link(uri, e.path, posixpath.basename(e.path)) for e in readmes)
+            links = ", ".join(source_link(e.path, posixpath.basename(e.path)) for e in readmes)
             intro += f" See also its {links}."
         lines += [intro, ""]
         tools = [e for e in entries if e.kind in ("module", "script") and not e.path.endswith("/__init__.py")]
@@ -270,13 +258,13 @@ def lab_page(
             for e in tools:
                 label = posixpath.relpath(e.path, folder_rel)
                 if e.commands:
-                    run = "<br>".join(_code(c) for c in e.commands)
+                    run = "<br>".join(code_html(c) for c in e.commands)
                 elif e.kind == "module" and not e.has_main:
                     run = "no command line: the other tools import it"
                 else:
                     run = "—"
                 what = e.summary or e.error or "(no docstring)"
-                lines.append(f"| {_link(uri, e.path, f'`{label}`')} | {_cell(what)} | {run} |")
+                lines.append(f"| {source_link(e.path, f'`{label}`')} | {cell(what)} | {run} |")
             lines.append("")
         data = [e for e in entries if e.kind == "data"]
         if data:
