@@ -40,8 +40,13 @@ STATE_BWD_WARPS_BV16 = 4
 # (tf32x3 products) BV 16 / 4 warps 1160 bytes, 72 KiB.
 # Key head size 256 (issue #42): value blocks of 32 at 8 warps, always (offline sm_90a, 2026-11-28,
 # bf16: 255 registers, 460 bytes of spill stores, 128 KiB shared; BV 16 at 4 warps spilled 1044
-# bytes). Not yet run on a GPU.
+# bytes). Run on an H200 on 2026-11-28: bf16 and fp16 passed fla's D = 256 case.
 STATE_BWD_BV_K256 = 32
+# ... but fp32 inputs (ieee products) at K = 256 take value blocks of 16: at 32 the kernel needs
+# 237,568 bytes of shared memory, over Hopper's 232,448 per block (Triton's OutOfResources at
+# launch, fla's B2-T300-H2-D256 fp32 case on an H200, 2026-11-28; the offline snapshot had shown
+# the same number). At 16: see lab/ptx_snapshot.py's d256-fp32 case.
+STATE_BWD_BV_K256_FP32 = 16
 
 
 def state_bwd_warps(bv: int, warps: int = STATE_BWD_WARPS) -> int:
@@ -180,7 +185,7 @@ def inter_chunk_bwd(
     dh0 = torch.empty(NS, HV, K, V, **f32)
     dhT_c = dhT.float().contiguous() if dhT is not None else None
     if K > 128 and block_v is None:
-        block_v = STATE_BWD_BV_K256
+        block_v = STATE_BWD_BV_K256_FP32 if q.dtype == torch.float32 else STATE_BWD_BV_K256
     BV = state_block_v(V, NS * HV, block_v, STATE_BWD_LARGEST_BV, STATE_MIN_PROGRAMS, STATE_MIN_BV)
     grid = (triton.cdiv(V, BV), B * HV) + (() if chunk_offsets is None else (NS,))
     kda_state_bwd_fused_kernel[grid](

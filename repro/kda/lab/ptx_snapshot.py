@@ -7,8 +7,9 @@ leaves the compiled code as it was. No kernel runs: ``JITFunction.run`` is repla
 the public entry points run on CPU tensors (their outputs are never read: garbage in, nothing
 checked), and each recorded launch is then compiled offline with Triton's own binder (the same
 signature, specialisation and constexprs as that launch on the GPU) for ``GPUTarget("cuda", 90,
-32)``. Each row: case, launch index, kernel, constexprs, num_warps, num_stages, and fingerprints
-(16 hex digits of SHA-256):
+32)``. Each row: case, launch index, kernel, constexprs, num_warps, num_stages, the shared memory
+Triton asks for at launch (``shared``, bytes; more than an H100's or H200's 232,448 per block fails
+there with OutOfResources), and fingerprints (16 hex digits of SHA-256):
 
 * ``ptx_body_sha``: the PTX without debug information (``paperclub.lab.normalized_ptx``: the
   ``.loc``/``.file`` lines and ``.debug_*`` sections name source files and lines) and with its
@@ -283,6 +284,7 @@ def snapshot(only: str = "", ptx_dir: str | None = None, ptxas: bool = False) ->
                 "case": case_name, "launch": i, "kernel": kernel.__name__,
                 "constexprs": {n: _value(v) for n, v in sorted(constexprs.items())},
                 "num_warps": options.num_warps, "num_stages": options.num_stages,
+                "shared": compiled.metadata.shared,
                 "params": declared, "ptx_body_sha": digest, "ttgir_sha": ir_digest,
                 "opcodes_sha": opcodes, **({"usage": usage} if usage else {}),
             })  # fmt: skip
