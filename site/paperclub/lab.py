@@ -61,6 +61,7 @@ from paperclub import ROOT
 from paperclub.triton_compat import ptxas_usage
 
 __all__ = [
+    "HOPPER_SMEM_PER_BLOCK",
     "NCU_PIPE_METRICS",
     "NCU_SECTIONS",
     "NCU_SUMMARY",
@@ -158,6 +159,10 @@ def compile_sm90(
         options["num_stages"] = num_stages
     return triton.compile(src, target=GPUTarget("cuda", capability, ptx_version), options=options)
 
+
+# the most shared memory one block may use on an H100 or H200 (227 KiB, the opt-in maximum); a
+# compiled kernel asking for more (``compile_report``'s ``shared``) is refused at launch there
+HOPPER_SMEM_PER_BLOCK = 227 * 1024
 
 _DEBUG_SECTION = re.compile(r"^\s*\.section\s+\.debug_\w+\s*\{.*?^\s*\}", re.S | re.M)
 

@@ -24,8 +24,7 @@ from repro.fa4.gluon_fwd import HAS_GLUON, gluon_attention_forward
 from repro.fa4.reference import attention_exact, causal_mask
 
 needs_gluon = pytest.mark.skipif(not HAS_GLUON, reason="this Triton has no Gluon (triton.experimental.gluon)")
-H100_SMEM_PER_BLOCK = 227 * 1024
-
+from paperclub.lab import HOPPER_SMEM_PER_BLOCK as H100_SMEM_PER_BLOCK  # noqa: E402
 
 COMPILE_CASES = [(d, causal, "bf16", 2) for d in (64, 128) for causal in (False, True)]
 COMPILE_CASES += [(128, False, "fp16", 2), (128, True, "bf16", 1)]

@@ -25,7 +25,8 @@ from repro.fa4.gluon_fwd import GLUON_HEAD_DIMS, HAS_GLUON
 from repro.fa4.tests import test_gpu_bwd as matrix
 
 needs_gluon = pytest.mark.skipif(not HAS_GLUON, reason="this Triton has no Gluon (triton.experimental.gluon)")
-H100_SMEM_PER_BLOCK = 227 * 1024
+from paperclub.lab import HOPPER_SMEM_PER_BLOCK as H100_SMEM_PER_BLOCK  # noqa: E402
+
 #: Spilled bytes (ptxas, stores) allowed per head dim, as compiled on 2026-11-25 / -26 (Triton 3.6):
 #: none at D = 64; at D = 128 44 (causal 92) bytes of scalars with the atomic adds, 24 / 96 with the
 #: bulk reductions, where the Triton one-pass kernel spills 630-780 bytes of its dK/dV tiles. A change

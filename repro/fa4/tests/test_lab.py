@@ -146,7 +146,8 @@ def test_fast_path_imports_no_lab_no_tests_and_no_cycle():
 # The kernels issue #42 made reachable: offline sm_90a compiles at their default launches
 # ---------------------------------------------------------------------------------------------
 
-H100_SMEM_PER_BLOCK = 227 * 1024
+from paperclub.lab import HOPPER_SMEM_PER_BLOCK as H100_SMEM_PER_BLOCK  # noqa: E402
+
 #: main's FA2 backward at D = 128, for the determinism check beside the new kernels
 _FA2_MAIN = [
     dict(kernel=k, d=128, dtype="bf16", causal=True, block_m=64, block_n=64, num_warps=4, num_stages=2,

@@ -15,10 +15,7 @@ import subprocess
 import sys
 
 from paperclub import ROOT
-
-# the most shared memory one block may use on an H100 or H200 (cudaDevAttrMaxSharedMemoryPerBlockOptin,
-# 227 KiB); Triton refuses a launch above it
-HOPPER_SHARED_PER_BLOCK = 232_448
+from paperclub.lab import HOPPER_SMEM_PER_BLOCK
 
 
 def test_head256_fp32_launches_fit_hopper_shared_memory(tmp_path):
@@ -36,6 +33,6 @@ def test_head256_fp32_launches_fit_hopper_shared_memory(tmp_path):
     too_big = [
         (row["kernel"], row["constexprs"].get("BV"), row["num_warps"], row["shared"])
         for row in rows
-        if row["shared"] > HOPPER_SHARED_PER_BLOCK
+        if row["shared"] > HOPPER_SMEM_PER_BLOCK
     ]
-    assert not too_big, f"launches over {HOPPER_SHARED_PER_BLOCK} bytes of shared memory: {too_big}"
+    assert not too_big, f"launches over {HOPPER_SMEM_PER_BLOCK} bytes of shared memory: {too_big}"
