@@ -34,7 +34,8 @@
 #      lengths, so trained tokens/s compares the schedules alone), then the plan's lr 2e-4 on seed 0 (the
 #      4-GPU run's) and seed 1 (how far one seed's length drift moves the ratio)
 #   3. the report (<device>-placements-2gpu.json, raw records and digest.json in placements-raw-2gpu/),
-#      the archive, the summary
+#      the archive, the summary. PLAN_SUFFIX=-more (say) appends to both names, so a second session's runs
+#      land beside the first's instead of replacing them.
 # Every step runs under its own `timeout`, cut to what is left of the budget; a failing step is logged
 # (steps.tsv, and its log) and the rest go on. Modes run in the order conventional, pipeline, async, and
 # each launch rewrites its results after every mode, so a launch cut short keeps the modes it finished.
@@ -64,7 +65,7 @@ if [ "$SMOKE" = "1" ]; then
 else
   BUDGET="${BUDGET_S:-520}"
   SUB=placements-raw${PLAN_LR:+-lr$PLAN_LR}
-  [ "$TWO" = "1" ] && SUB=placements-raw-2gpu
+  [ "$TWO" = "1" ] && SUB=placements-raw-2gpu${PLAN_SUFFIX:-}
   SFLAG=
 fi
 # PLAN_SIZES=smoke: the full schedule with the toy sizes (a dry run of this script's 4-GPU branch)
@@ -144,7 +145,7 @@ fi
 # ---- 5. (defined here, run last): report, digest, archive, summary; the two-GPU plan calls it too ----
 finish() {
   if [ "$SMOKE" = "1" ]; then TAG=placements-smoke; REP_DIR="$RAW"; else TAG=placements; REP_DIR="$RES"; fi
-  if [ "$TWO" = "1" ]; then TAG=placements-2gpu; else TAG="$TAG${PLAN_LR:+-lr$PLAN_LR}"; fi
+  if [ "$TWO" = "1" ]; then TAG=placements-2gpu${PLAN_SUFFIX:-}; else TAG="$TAG${PLAN_LR:+-lr$PLAN_LR}"; fi
   step report 40 2 $PY -m repro.pipelinerl.plan report --dir "$RAW" --results-dir "$REP_DIR" --tag "$TAG"
   # the diagnosis behind the page's findings (lab/placements.py), while the per-step records are here
   step digest 20 2 $PY -m repro.pipelinerl.lab.placements "$RAW" --out "$RAW/digest.json"
