@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from paperclub import ROOT
-from paperclub.gpu import GpuJobError, package_share, read_peers, sanitizer_errors
+from paperclub.gpu import GpuJobError, package_share, read_peers, sanitizer_errors, sanitizer_probes
 
 BENCH = """
 import argparse, json, pathlib
@@ -152,6 +152,37 @@ def test_sanitizer_summary_parsing():
     assert sanitizer_errors("========= ERROR SUMMARY: 0 errors\n") == 0
     assert sanitizer_errors("x\n========= ERROR SUMMARY: 17 errors\n========= ERROR SUMMARY: 1 error\n") == 18
     assert sanitizer_errors("no summary here") is None
+
+
+def _api_report(call: str, first_frame: str) -> str:
+    return (
+        f'========= Program hit someError (error 1) due to "x" on CUDA API call to {call}.\n'
+        "=========     Saved host backtrace up to driver entry point at error\n"
+        f"=========         Host Frame: {first_frame} [0x1] in libsomething.so\n"
+        "=========         Host Frame: caller_of_it() in init.cc:1 [0x2] in libsomething.so\n"
+        "========= \n"
+    )
+
+
+def test_sanitizer_probes_are_named_by_their_first_frame_only():
+    """A 2-GPU NCCL test under memcheck (H200 x2, 2026-11-28) reported 18 API errors, all from NCCL's
+    kernel probe and PyTorch's fabric probe at start-up: those are counted apart; an API error whose
+    first frame is ours, or which only passes through a probe further down, is not."""
+    log = (
+        _api_report(
+            "cudaFuncGetAttributes", "ncclInitKernelsForDevice(int, int, unsigned long*) in enqueue.cc:52"
+        )
+        + _api_report(
+            "cudaGetLastError", "ncclInitKernelsForDevice(int, int, unsigned long*) in enqueue.cc:54"
+        )
+        + _api_report("cuMemCreate", "c10::cuda::(anonymous namespace)::isFabricSupported()")
+        + _api_report("cudaMemcpy", "our_launcher(float*) in ours.cc:3")
+        + "=========         Host Frame: ncclInitKernelsForDevice(int) in a later frame\n"
+        + "========= ERROR SUMMARY: 4 errors\n"
+    )
+    assert sanitizer_probes(log) == {"ncclInitKernelsForDevice": 2, "isFabricSupported": 1}
+    assert sanitizer_errors(log) - sum(sanitizer_probes(log).values()) == 1
+    assert sanitizer_probes("========= ERROR SUMMARY: 0 errors\n") == {}
 
 
 def test_partial_summary_of_a_run_cut_before_its_summary():

@@ -21,9 +21,13 @@ rounding of the bf16 outputs and of the reduction's order):
   max of the two.
 
 Every rank times the same fixed number of calls (no per-rank adaptive repeat counts: a collective
-called a different number of times on two ranks hangs), between barriers; rank 0 reports. ``overlap``
-= (collective only + matmul only - candidate) / min(collective only, matmul only): 1 when the shorter
-part is hidden entirely, 0 when nothing is.
+called a different number of times on two ranks hangs); rank 0 reports. ``ms`` is read from a
+torch.profiler timeline (:func:`timeline_timer`): each call starts after a CPU barrier, and its time is
+the span from its first kernel's start to its last kernel's end on any stream, so work that a CUDA
+event on the calling stream would not wait for (NCCL's stream, the copy engines) is counted and the
+ranks' start-up skew is not. ``ms_events`` keeps the CUDA-event time on the calling stream beside it
+(:func:`fixed_timer`), as a cross-check. ``overlap`` = (collective only + matmul only - candidate) /
+min(collective only, matmul only): 1 when the shorter part is hidden entirely, 0 when nothing is.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ COLUMNS = [
     "ms",
     "ms_min",
     "ms_max",
+    "ms_events",
     "check",
     "tflops_per_gpu",
     "overlap",
@@ -85,6 +90,60 @@ def fixed_timer(fn, *, warmup: int, rep: int) -> float:
             times.append((time.perf_counter() - t0) * 1e3)
     times.sort()
     return times[len(times) // 2]
+
+
+_CPU_GROUP = None  # a gloo group over the same ranks: barriers that put no kernel on the timeline
+
+
+def _cpu_barrier() -> None:
+    global _CPU_GROUP
+    if _CPU_GROUP is None:
+        _CPU_GROUP = dist.new_group(backend="gloo")
+    dist.barrier(group=_CPU_GROUP)
+
+
+def call_spans_ms(events, n_calls: int, label: str = "bench:call") -> list[float]:
+    """Each timed call's device span from a profiler's events: the calls are the host ranges named
+    ``label``, the device work of call i is every CUDA event (kernel, copy, set) that starts between
+    the start of host range i and the start of range i + 1 (calls are separated by a synchronize and
+    a CPU barrier, so nothing else runs there), and its span is the last end minus the first start.
+    ``events``: (name, is_device, start_us, end_us) tuples."""
+    starts = sorted(s for name, dev, s, _ in events if not dev and name == label)
+    if len(starts) != n_calls:
+        raise RuntimeError(f"call_spans_ms: found {len(starts)} '{label}' ranges, expected {n_calls}")
+    bounds = starts + [float("inf")]
+    spans = []
+    for i in range(n_calls):
+        work = [(s, e) for _, dev, s, e in events if dev and bounds[i] <= s < bounds[i + 1]]
+        if not work:
+            raise RuntimeError(f"call_spans_ms: call {i} put no work on the device")
+        spans.append((max(e for _, e in work) - min(s for s, _ in work)) / 1e3)
+    return spans
+
+
+def timeline_timer(fn, *, warmup: int, rep: int) -> float:
+    """Median ms of ``rep`` calls read from a torch.profiler timeline (see the module docstring); the
+    same counts on every rank. On a CPU (no device timeline) it falls back to :func:`fixed_timer`."""
+    if not torch.cuda.is_available():
+        return fixed_timer(fn, warmup=warmup, rep=rep)
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(rep):
+            _cpu_barrier()
+            with record_function("bench:call"):
+                fn()
+            torch.cuda.synchronize()
+    events = [
+        (e.name, e.device_type == DeviceType.CUDA, e.time_range.start, e.time_range.end)
+        for e in prof.events()
+    ]
+    spans = sorted(call_spans_ms(events, rep))
+    return spans[len(spans) // 2]
 
 
 def _torch_ops(group):
@@ -155,7 +214,7 @@ def bench_shape(report: Report, *, s: int, h: int, device: str, dtype, rounds: i
             lambda: ops.fused_matmul_reduce_scatter(a_row, w_row, "sum", 0, group_name), want_rs
         )
     for op, candidates in pairs.items():
-        measured = _measure_agreed(candidates, rounds=rounds, rep=rep)
+        measured, events_ms = _measure_agreed(candidates, rounds=rounds, rep=rep)
         parts = [measured[k].median_ms for k in ("matmul only", "collective only")]
         if rank != 0:
             continue
@@ -164,15 +223,21 @@ def bench_shape(report: Report, *, s: int, h: int, device: str, dtype, rounds: i
             if m.median_ms is not None and None not in parts and "only" not in impl:
                 overlap = (sum(parts) - m.median_ms) / min(parts)
             tflops = None if m.median_ms is None or "only" in impl else flops / (m.median_ms * 1e-3) / 1e12
-            report.add(op=op, impl=impl, G=g, s=s, h=h, **m.row(), tflops_per_gpu=tflops, overlap=overlap)
+            report.add(
+                op=op, impl=impl, G=g, s=s, h=h, **m.row(), ms_events=events_ms.get(impl),
+                tflops_per_gpu=tflops, overlap=overlap,
+            )  # fmt: skip
         if ops is None:
             report.add(op=op, impl="torch symm_mem", G=g, s=s, h=h, check="not run", note=why)
 
 
-def _measure_agreed(candidates: dict[str, Candidate], *, rounds: int, rep: int) -> dict[str, Measured]:
+def _measure_agreed(
+    candidates: dict[str, Candidate], *, rounds: int, rep: int
+) -> tuple[dict[str, Measured], dict[str, float | None]]:
     """Every rank checks every candidate, the ranks agree (one all-reduce) on those that passed
     everywhere, and only those are timed, with the same fixed counts on every rank: a candidate timed on
-    some ranks only would leave the others waiting in its collectives."""
+    some ranks only would leave the others waiting in its collectives. Returns the timeline times and
+    the CUDA-event cross-check (one round) of the timed ones."""
     errors: dict[str, str] = {}
     for name, cand in candidates.items():
         try:
@@ -185,11 +250,12 @@ def _measure_agreed(candidates: dict[str, Candidate], *, rounds: int, rep: int) 
         flags = flags.cuda()
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)
     live = {n: Candidate(c.fn) for (n, c), ok in zip(candidates.items(), flags.tolist(), strict=True) if ok}
-    out = measure(live, rounds=rounds, warmup=3, rep=rep, timer=fixed_timer)
+    out = measure(live, rounds=rounds, warmup=3, rep=rep, timer=timeline_timer)
+    events = measure(live, rounds=1, warmup=3, rep=rep, timer=fixed_timer)  # the cross-check
     for name in candidates:
         if name not in live:
             out[name] = Measured(ok=False, error=errors.get(name, "its check failed on another rank"))
-    return {name: out[name] for name in candidates}
+    return {name: out[name] for name in candidates}, {n: events[n].median_ms for n in live}
 
 
 def run(args, out_dir: Path | None) -> Report | None:
@@ -204,7 +270,8 @@ def run(args, out_dir: Path | None) -> Report | None:
         measure_ceilings=device == "cuda",
         notes=(
             "bf16, one rank per GPU, NCCL with NVLink multicast off. ms: median over rounds of the median of "
-            "fixed repeat counts; overlap = (collective only + matmul only - impl) / min(the two)."
+            "fixed repeat counts, each call's span on the profiler's timeline (first kernel start to last "
+            "kernel end, any stream); ms_events: CUDA events on the calling stream, one round; overlap = (collective only + matmul only - impl) / min(the two)."
         ),
     )
     if device == "cuda":
