@@ -33,7 +33,7 @@ def test_on_gpu():
 """
 
 
-def toy_repo(tmp_path: Path, sanitizer_errors_reported: int) -> tuple[Path, dict]:
+def toy_repo(tmp_path: Path, sanitizer_errors_reported: int, probes: int = 0) -> tuple[Path, dict]:
     root = tmp_path / "repo"
     pkg = root / "repro" / "toy"
     (pkg / "tests").mkdir(parents=True)
@@ -50,9 +50,14 @@ def toy_repo(tmp_path: Path, sanitizer_errors_reported: int) -> tuple[Path, dict
     bin_dir.mkdir()
     fake = bin_dir / "compute-sanitizer"
     # a stand-in: runs the command after the sanitizer's own options, then prints the summary line
+    # (``probes``: that many reports of NCCL's start-up probe among the errors; any error exits 86, as
+    # --error-exitcode 86 does)
+    probe = "========= Program hit x on CUDA API call to y.\n=========         Host Frame: ncclInitKernelsForDevice(int) in z\n"
     fake.write_text(
         '#!/usr/bin/env bash\nwhile [[ $1 == --* ]]; do shift 2; done\n"$@"\nrc=$?\n'
-        f"echo '========= ERROR SUMMARY: {sanitizer_errors_reported} errors'\nexit $rc\n"
+        + "".join(f"printf '%s' '{probe}'\n" for _ in range(probes))
+        + f"echo '========= ERROR SUMMARY: {sanitizer_errors_reported} errors'\n"
+        + ("exit 86\n" if sanitizer_errors_reported else "exit $rc\n")
     )
     fake.chmod(0o755)
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", PYTHONPATH=str(ROOT / "site"))
@@ -132,6 +137,17 @@ def test_sanitizer_errors_fail_the_job(tmp_path):
     meta = json.loads((out / "gpu-job.json").read_text())
     san = next(s for s in meta["steps"] if s["name"] == "sanitizer")
     assert san["status"] == "failed" and "compute-sanitizer errors: 3" in san["detail"]
+
+
+def test_probe_reports_alone_leave_the_sanitizer_step_ok(tmp_path):
+    for probes, reported, want in ((2, 2, "ok"), (2, 3, "failed")):
+        root, env = toy_repo(tmp_path / f"{probes}-{reported}", reported, probes=probes)
+        out = tmp_path / f"out-{reported}"
+        run_gpu_job(root, env, out, "--budget-s", "200", "--skip-bench")
+        meta = json.loads((out / "gpu-job.json").read_text())
+        san = next(s for s in meta["steps"] if s["name"] == "sanitizer")
+        assert san["status"] == want, san["detail"]
+        assert f"compute-sanitizer errors: {reported - probes}; not counted" in san["detail"]
 
 
 def test_manifest_and_package_errors(tmp_path):
