@@ -9,7 +9,7 @@ Shapes: H = 16 heads, K = V = 128, bf16, B x T = 16384 tokens for T = 2k .. 32k;
 (:data:`GATES`) at every T; ``varlen``, one packed batch of 16384 tokens in sequences of different
 lengths (``cu_seqlens``). Two more parts run only when named (issues #42, #37; not in the default
 run): ``d256``, head size K = V = 256 (and 192, zero-padded to 256 by chunk_kda) beside fla's
-chunk_kda, B x T = 16384 tokens at T = 8k, ``KDAConfig(large_heads=True)``; ``dplr``, the
+chunk_kda, B x T = 16384 tokens at T = 8k, the default ``KDAConfig()``; ``dplr``, the
 Kimi Linear paper's kernel comparison (§3, its Figure 2 as we read v2: batch 1, 16 heads; K = V =
 128 here) at T = 4k, 16k and 64k (``--seqlens`` chooses others): ours and fla's KDA beside fla's
 general DPLR chunk kernel ``chunk_dplr_delta_rule``, fed the same recurrence (:func:`repro.kda.reference.kda_as_dplr`).
@@ -39,7 +39,6 @@ comparison, the per-kernel breakdown, Nsight Compute and the backward's diagnosi
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -209,7 +208,7 @@ def fp32_path():
     gradient check (head sizes above 128 allowed)."""
     from repro.kda import chunk_kda
 
-    config = KDAConfig(large_heads=True)
+    config = KDAConfig()
     return lambda q, k, v, g, beta, cu_seqlens=None: chunk_kda(
         q.float(), k.float(), v.float(), g.float(), beta.float(), cu_seqlens=cu_seqlens, config=config
     )[0]
@@ -353,7 +352,7 @@ def run(
         elif gates.startswith("d") and gates[1:].isdigit():  # d256, d192: large heads beside fla
             B, cu, D = max(1, TOKENS // T), None, int(gates[1:])
             inputs = make_inputs(B, T, gate_scale=GATES["std"], dk=D, dv=D)
-            big = impls(replace(config, large_heads=True))
+            big = impls(config)
             cands = {n: f for n, f in big.items() if n in ("ours", "fla_kda") and (not names or n in names)}
         elif gates == "dplr":
             B, cu = 1, None

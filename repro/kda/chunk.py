@@ -23,7 +23,7 @@ every T from 2k to 64k). The kernel choices are one :class:`~repro.kda.config.KD
 Log-decays below -10 (which the kernels' factored exponentials cannot take) are clamped to -10:
 the first kernel counts them, and the forward runs again on the clamped g (gate.py: the error bound,
 and why no kernel changed). Head sizes above 128, up to 256, are the same kernels specialised at
-256 (two state value blocks chosen for it), behind ``KDAConfig.large_heads`` until run on a GPU.
+256 (two state value blocks chosen for it), on by default since fla's test matrix at 192 and 256 passed on an H200 (28 Nov 2026).
 """
 
 from __future__ import annotations
@@ -178,7 +178,6 @@ def chunk_kda(
     written for 16, 32, 64, 128 and 256, and other sizes (fla's tests use 60 and 100) are
     zero-padded up to the next one (padded key channels have k = q = 0 and g = 0, so they never
     touch the state; padded value channels are sliced off), at the cost of the padded size's time.
-    Sizes above 128 need ``KDAConfig(large_heads=True)`` until they have run on a GPU.
 
     ``cu_seqlens`` (int ``[N + 1]``, offsets ``0 = c_0 < c_1 < ... < c_N = T``): N sequences of
     different lengths packed along T with B = 1, as flash-linear-attention takes them; each
@@ -202,12 +201,6 @@ def chunk_kda(
     )  # fmt: skip
     K, HV, V = q.shape[3], v.shape[2], v.shape[3]
     check_kernel_device(q, "chunk_kda")
-    if max(K, V) > 128 and not config.large_heads:
-        name, d, arg = ("key", K, "q.shape[-1]") if K > 128 else ("value", V, "v.shape[-1]")
-        raise ValueError(
-            f"chunk_kda: {name} head dim {d} ({arg}) is above 128: pass config=KDAConfig(large_heads=True) "
-            "(the head-size-256 configurations compile offline for sm_90a but have not yet run on a GPU)"
-        )
     scale = K**-0.5 if scale is None else float(scale)
     dest = chunk_offsets = None
     if cu_seqlens is not None:

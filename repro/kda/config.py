@@ -43,7 +43,7 @@ from repro.kda.wy_ut import WY_BK, WY_BV, WY_WARPS
 DOT_PRECISIONS = ("tf32", "tf32x3", "ieee")
 _POWERS_OF_TWO = (16, 32, 64, 128)
 _WARPS = (1, 2, 4, 8, 16)
-_BOOLS = ("check_decay_range", "clamp_decay_first", "large_heads")
+_BOOLS = ("check_decay_range", "clamp_decay_first")
 
 
 @dataclass(frozen=True)
@@ -57,9 +57,6 @@ class KDAConfig:
     clamp_decay_first: clamp g to ``>= -10`` before the kernels (one elementwise pass over g)
         rather than on demand (a second forward when the count finds any below -10): for gates
         known to go below -10.
-    large_heads: key or value head sizes above 128 (up to 256) through the Triton kernels. Off by
-        default: those configurations compile offline for sm_90a (lab/ptx_snapshot.py, d256 cases)
-        but have not yet run on a GPU; chunk_kda refuses such sizes without it, naming this field.
     dot_prec_bf16, dot_prec_fp16: precision of the fp32 products for bf16 / fp16 inputs, one of
         DOT_PRECISIONS.
     intra_bk, intra_warps, intra_stages: the intra-chunk kernel's key block, warps, pipelining.
@@ -76,7 +73,6 @@ class KDAConfig:
 
     check_decay_range: bool = True
     clamp_decay_first: bool = False
-    large_heads: bool = False
     dot_prec_bf16: str = "tf32"
     dot_prec_fp16: str = "tf32x3"
     intra_bk: int = INTRA_BK

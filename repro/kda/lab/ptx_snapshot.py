@@ -184,12 +184,12 @@ CASES = [
     ("fp16-ieee", 2, 1500, 4, 4, 128, 128, torch.float16, True, None, {"dot_prec_fp16": "ieee"}),
     ("fp16-state-bv128", 2, 1500, 4, 4, 128, 128, torch.float16, True, None, {"state_bwd_bv": 128}),
     ("bf16-no-decay-check", 2, 300, 2, 2, 64, 64, torch.bfloat16, False, None, {"check_decay_range": False}),
-    # head size 256 (issue #42): new configurations, not in main's snapshot; behind large_heads
-    ("d256-bf16", 2, 1000, 4, 4, 256, 256, torch.bfloat16, True, None, {"large_heads": True}),
-    ("d256-fp16", 2, 1000, 4, 4, 256, 256, torch.float16, True, None, {"large_heads": True}),
-    ("d256-fp32", 1, 200, 2, 2, 256, 256, torch.float32, True, None, {"large_heads": True}),
-    ("d256-b1-bf16", 1, 4096, 16, 16, 256, 256, torch.bfloat16, False, None, {"large_heads": True}),
-    ("d256-bench-bf16", 8, 2048, 16, 16, 256, 256, torch.bfloat16, False, None, {"large_heads": True}),
+    # head size 256 (issue #42): configurations added after main's snapshot
+    ("d256-bf16", 2, 1000, 4, 4, 256, 256, torch.bfloat16, True, None, {}),
+    ("d256-fp16", 2, 1000, 4, 4, 256, 256, torch.float16, True, None, {}),
+    ("d256-fp32", 1, 200, 2, 2, 256, 256, torch.float32, True, None, {}),
+    ("d256-b1-bf16", 1, 4096, 16, 16, 256, 256, torch.bfloat16, False, None, {}),
+    ("d256-bench-bf16", 8, 2048, 16, 16, 256, 256, torch.bfloat16, False, None, {}),
     (
         "d256-varlen-fp16",
         1,
@@ -201,7 +201,7 @@ CASES = [
         torch.float16,
         True,
         [0, 100, 300, 1200, 3000, 4096],
-        {"large_heads": True},
+        {},
     ),
 ]
 DECODE_CASES = [

@@ -46,15 +46,6 @@ def test_triton_head_dims_are_listed():
         decode_step(**d, state=torch.zeros(1, 4, 24, 16))
     with pytest.raises(ValueError, match=r"value head dim 512 \(v.shape\[-1\]\) is larger.*at most 256"):
         chunk_kda(**_inputs(V=512))
-    # 256 (and sizes padded up to it) are behind KDAConfig.large_heads until they have run on a GPU
-    with pytest.raises(
-        ValueError, match=r"key head dim 200 \(q.shape\[-1\]\) is above 128.*large_heads=True"
-    ):
-        chunk_kda(**_inputs(K=200))
-    with pytest.raises(
-        ValueError, match=r"value head dim 256 \(v.shape\[-1\]\) is above 128.*large_heads=True"
-    ):
-        chunk_kda(**_inputs(V=256))
     with pytest.raises(ValueError, match=r"K=256 is not supported.*\(16, 32, 64, 128\)"):
         decode_step(**_inputs(K=256, T=1), state=torch.zeros(1, 4, 256, 16))
     with pytest.raises(ValueError, match=r"float64"):
