@@ -1,4 +1,5 @@
-"""What ``algorithm="auto"`` picks, per measured world size. Generated: do not edit by hand.
+"""What ``algorithm="auto"`` picks, per measured world size. Generated; the entries a table's
+``source`` says were set by hand are the only edits, each naming the measurement it follows.
 
 Made by ``nanoparallel.cuda.lab.tuning`` (its docstring says how) with:
     python -m nanoparallel.cuda.lab.tuning --sweep nvidia-h100-80gb-hbm3-cuda-x2-busbw.json --sweep nvidia-h100-80gb-hbm3-cuda-x4-busbw.json --diagnose nvidia-h100-80gb-hbm3-cuda-x4-busbw-diagnose.json
@@ -70,7 +71,7 @@ POLICIES = {
         "programs_per_sm": {},
     },
     4: {
-        "source": "NVIDIA H100 80GB HBM3 x4 sweep 2026-11-27 (cuda-x4) for all-reduce and all-to-all, by hand; the rest as 2 GPUs; NVIDIA H100 80GB HBM3 x4 sweep 2026-11-28; NVIDIA H100 80GB HBM3 x4 diagnose 2026-11-28",
+        "source": "NVIDIA H100 80GB HBM3 x4 sweep 2026-11-27 (cuda-x4) for all-reduce and all-to-all, by hand; the rest as 2 GPUs; NVIDIA H100 80GB HBM3 x4 sweep 2026-11-28; NVIDIA H100 80GB HBM3 x4 diagnose 2026-11-28; all-reduce from 64 MiB by hand from the NVIDIA H200 x4 sweep 2026-11-28 (cuda-x4-busbw2: two_shot_pipelined 0.84-0.94x NCCL against ring's 0.82-0.85x)",
         "algorithms": {
             "all_gather": (
                 (0, "direct"),
@@ -82,7 +83,7 @@ POLICIES = {
                 (256, "two_shot"),
                 (64 << 10, "one_shot_push"),
                 (4 << 20, "two_shot"),
-                (64 << 20, "ring"),
+                (64 << 20, "two_shot_pipelined"),
             ),
             "all_to_all": (
                 (0, "push"),
