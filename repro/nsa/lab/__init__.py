@@ -7,4 +7,8 @@ Nothing in the fast path imports it.
 * ``sm90_check``: every kernel launch compiled offline for sm_90a, registers and spills (no GPU).
 * ``fingerprints``: offline PTX / SASS fingerprints of every launch, to show a change of files left the
   kernels as they were (no GPU); ``launches`` records the launches both of these compile.
+* ``fixed_costs``: the launches and PyTorch ops of one layer forward and backward, their bytes and any
+  host wait, counted on CPU tensors (no GPU).
+* ``decode_host``: the host time of one decode step with the kernels stubbed, this layout or the one
+  before the stage split (no GPU).
 """

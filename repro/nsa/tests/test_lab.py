@@ -78,3 +78,17 @@ def test_fixed_costs_counts_the_layers_launches_and_host_waits():
     assert fwd["ops"] == {} and fwd["sync"] == [] and bwd["sync"] == []
     assert len(bwd["launches"]) == 6 and sum(bwd["ops"].values()) <= 57, bwd["ops"]
     assert bwd["ops"]["_to_copy.default"] <= 11
+
+
+def test_decode_host_runs_the_step_as_two_launches():
+    """lab/decode_host (a process of its own, Triton without the interpreter) at a small cache: a
+    decode step is the two kernels of decode.py and nothing else launched, and its host time is
+    reported (how long is a property of the machine, not asserted)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "repro.nsa.lab.decode_host", "--b", "2", "--t", "512", "--calls", "5",
+         "--heads", "192,128"],
+        capture_output=True, text=True, timeout=300, check=True, env={**os.environ, "TRITON_INTERPRET": "0"},
+    )  # fmt: skip
+    assert "B=2 T=512 Dk=192 Dv=128" in out.stdout and out.stdout.rstrip().endswith(", 2 launches"), (
+        out.stdout
+    )
