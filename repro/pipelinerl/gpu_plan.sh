@@ -7,6 +7,11 @@
 #                                                    # lengths (throughput only; the reward stays flat);
 #                                                    # results/<device>-placements-lr0.json, raw in placements-raw-lr0/
 #   BUDGET_S=420 bash repro/pipelinerl/gpu_plan.sh   # on a 2-GPU host: the two-GPU plan (below), about 415 s
+#   PLAN_LR=0 PLAN_SKIP="faults onegpu 1+1" BUDGET_S=330 bash repro/pipelinerl/gpu_plan.sh
+#                                                    # 4 GPUs: only 1+3 and 2+2 (after pre-training), for a
+#                                                    # session with little device time; PLAN_SKIP names any
+#                                                    # of faults, onegpu, 1+1, 1+3, 2+2 (the 4-GPU plan);
+#                                                    # PLAN_SUFFIX=-x names its files apart, as below
 #   SMOKE=1 bash repro/pipelinerl/gpu_plan.sh        # 2 GPUs, toy sizes, every code path, <= 70 s:
 #                                                    # pre-training, then 1+1, the one-GPU runs and both
 #                                                    # faults at once, 2 s per mode (~35 s on a GPU host)
@@ -64,7 +69,7 @@ if [ "$SMOKE" = "1" ]; then
   SFLAG=--smoke
 else
   BUDGET="${BUDGET_S:-520}"
-  SUB=placements-raw${PLAN_LR:+-lr$PLAN_LR}
+  SUB=placements-raw${PLAN_LR:+-lr$PLAN_LR}${PLAN_SUFFIX:-}
   [ "$TWO" = "1" ] && SUB=placements-raw-2gpu${PLAN_SUFFIX:-}
   SFLAG=
 fi
@@ -78,6 +83,7 @@ RAW="$RES/$SUB"                                # raw records and logs
 mkdir -p "$RAW"
 PY="${PYTHON:-python3}"
 RUN="$PY -m torch.distributed.run --standalone --monitor-interval 1"
+skip() { [[ " ${PLAN_SKIP:-} " == *" $1 "* ]]; }   # a step of the 4-GPU plan left out by PLAN_SKIP
 LAUNCH="-m repro.pipelinerl.launch"
 
 g() { local IFS=,; local out=(); for i in "$@"; do out+=("${GPUS[$i]}"); done; echo "${out[*]}"; }
@@ -145,7 +151,7 @@ fi
 # ---- 5. (defined here, run last): report, digest, archive, summary; the two-GPU plan calls it too ----
 finish() {
   if [ "$SMOKE" = "1" ]; then TAG=placements-smoke; REP_DIR="$RAW"; else TAG=placements; REP_DIR="$RES"; fi
-  if [ "$TWO" = "1" ]; then TAG=placements-2gpu${PLAN_SUFFIX:-}; else TAG="$TAG${PLAN_LR:+-lr$PLAN_LR}"; fi
+  if [ "$TWO" = "1" ]; then TAG=placements-2gpu${PLAN_SUFFIX:-}; else TAG="$TAG${PLAN_LR:+-lr$PLAN_LR}${PLAN_SUFFIX:-}"; fi
   step report 40 2 $PY -m repro.pipelinerl.plan report --dir "$RAW" --results-dir "$REP_DIR" --tag "$TAG"
   # the diagnosis behind the page's findings (lab/placements.py), while the per-step records are here
   step digest 20 2 $PY -m repro.pipelinerl.lab.placements "$RAW" --out "$RAW/digest.json"
@@ -196,10 +202,11 @@ start_faults() {
   fault trainer "$FT" "trainer@$FAULT_STEP" "trainer 0 (rank 0) died" &
   PID_FT=$!
 }
+if skip faults; then start_faults() { PID_FA=; PID_FT=; log "faults: skipped (PLAN_SKIP)"; }; fi
 [ "$SMOKE" != "1" ] && start_faults
 CUDA_VISIBLE_DEVICES=$(g 0) step pretrain $(( PRE_S + 40 )) "$PRE_RESERVE" \
   $PY -m repro.pipelinerl.plan pretrain --out "$RAW" $SFLAG --budget-s $PRE_S
-[ "$SMOKE" != "1" ] && wait $PID_FA $PID_FT
+[ "$SMOKE" != "1" ] && [ -n "$PID_FA" ] && wait $PID_FA $PID_FT
 if [ -f "$RAW/weights.pt" ]; then
   WFLAG="--weights $RAW/weights.pt"
 else  # random weights: with max_lag 128 a random policy's long sequences would nearly all go stale
@@ -211,19 +218,26 @@ fi
 if [ "$SMOKE" = "1" ]; then
   T=2
 else
-  T=$(( ( $(left) - (LATER + 1) * FIX - RESERVE - 10 ) / (3 * (LATER + 1)) )); [ "$T" -gt 60 ] && T=60; [ "$T" -lt 8 ] && T=8
+  # launches still to come: 1+1 (with the one-GPU runs beside it) and the LATER ones, less the skipped
+  LATER=0; [ "$NG" -ge 4 ] && { skip 1+3 || LATER=$((LATER + 1)); skip 2+2 || LATER=$((LATER + 1)); }
+  FIRST=1; skip 1+1 && skip onegpu && FIRST=0
+  [ $((LATER + FIRST)) -eq 0 ] && { log "PLAN_SKIP leaves no launch"; finish; exit 0; }
+  T=$(( ( $(left) - (LATER + FIRST) * FIX - RESERVE - 10 ) / (3 * (LATER + FIRST)) )); [ "$T" -gt 60 ] && T=60; [ "$T" -lt 8 ] && T=8
 fi
 log "T = ${T}s of training per mode; estimated: step 2 $(( 3 * T + FIX ))s, steps 3-4 $(( LATER * (3 * T + FIX) ))s, report and archive ~${RESERVE}s; left $(left)s"
 [ "$SMOKE" = "1" ] && start_faults   # on the same two GPUs as the rest: timings do not matter in the smoke run
 # the one-GPU runs share GPU 0 with the 1+1 trainer in the smoke run (two GPUs only); alone on GPU 2 otherwise
 if [ "$NG" -ge 3 ]; then OG=$(g 2); else OG=$(g 0); fi
-CUDA_VISIBLE_DEVICES=$OG step onegpu $(( 3 * T + 40 )) $(( RESERVE + LATER * (3 * T + FIX) )) \
-  $PY -m repro.pipelinerl.plan onegpu --dir "$RAW" $SFLAG --time-per-mode "$T" ${PLAN_LR:+--lr "$PLAN_LR"} &
-PID_OG=$!
-CUDA_VISIBLE_DEVICES=$(g 0 1) step launch-1+1 $(( 3 * T + 45 )) $(( RESERVE + LATER * (3 * T + FIX) )) \
+PID_OG=
+if ! skip onegpu; then
+  CUDA_VISIBLE_DEVICES=$OG step onegpu $(( 3 * T + 40 )) $(( RESERVE + LATER * (3 * T + FIX) )) \
+    $PY -m repro.pipelinerl.plan onegpu --dir "$RAW" $SFLAG --time-per-mode "$T" ${PLAN_LR:+--lr "$PLAN_LR"} &
+  PID_OG=$!
+fi
+skip 1+1 || CUDA_VISIBLE_DEVICES=$(g 0 1) step launch-1+1 $(( 3 * T + 45 )) $(( RESERVE + LATER * (3 * T + FIX) )) \
   $RUN --nproc-per-node 2 $LAUNCH $ARGS $WFLAG --trainers 1 --name 1+1 --modes conventional,pipeline,async \
   --time-per-mode "$T" --out "$RAW/launch-1+1.json"
-wait $PID_OG
+[ -n "$PID_OG" ] && wait $PID_OG
 
 # ---- 3. placement 1+3 || predictions; 4. placement 2+2 -------------------------------------------
 if [ -f "$RAW/onegpu.json" ]; then
@@ -234,10 +248,10 @@ else
   PID_PR=
 fi
 if [ "$NG" -ge 4 ]; then
-  CUDA_VISIBLE_DEVICES=$(g 0 1 2 3) step launch-1+3 $(( 3 * T + 45 )) $(( RESERVE + 3 * T + FIX )) \
+  skip 1+3 || CUDA_VISIBLE_DEVICES=$(g 0 1 2 3) step launch-1+3 $(( 3 * T + 45 )) $(( RESERVE + 3 * T + FIX )) \
     $RUN --nproc-per-node 4 $LAUNCH $ARGS $WFLAG --trainers 1 --name 1+3 --modes conventional,pipeline,async \
     --time-per-mode "$T" --out "$RAW/launch-1+3.json"
-  CUDA_VISIBLE_DEVICES=$(g 0 1 2 3) step launch-2+2 $(( 3 * T + 45 )) "$RESERVE" \
+  skip 2+2 || CUDA_VISIBLE_DEVICES=$(g 0 1 2 3) step launch-2+2 $(( 3 * T + 45 )) "$RESERVE" \
     $RUN --nproc-per-node 4 $LAUNCH $ARGS $WFLAG --trainers 2 --name 2+2 --modes conventional,pipeline,async \
     --time-per-mode "$T" --out "$RAW/launch-2+2.json"
 else
