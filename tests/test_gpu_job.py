@@ -30,6 +30,10 @@ import pytest
 @pytest.mark.gpu
 def test_on_gpu():
     assert 1 + 1 == 2
+
+@pytest.mark.gpu
+def test_other_on_gpu():
+    assert 2 + 2 == 4
 """
 
 
@@ -127,6 +131,33 @@ def test_skipped_checks_keep_the_earlier_record(tmp_path):
     checks = json.loads((tmp_path / "repro/toy/results/gpu-checks.json").read_text())["checks"]
     assert (checks["tests"]["status"], checks["tests"]["date"]) == ("failed", "d2")
     assert (checks["sanitizer"]["status"], checks["sanitizer"]["date"]) == ("ok", "d1")
+
+
+def test_selected_part_runs_alone_and_is_recorded_apart(tmp_path):
+    """--select runs the -k part of a package's GPU tests in the tests and sanitizer steps, says so in
+    the details, and keeps its record beside the whole package's, never in its place."""
+    from paperclub.gpu import record_checks
+
+    root, env = toy_repo(tmp_path, 0)
+    out = tmp_path / "out"
+    r = run_gpu_job(root, env, out, "--budget-s", "200", "--skip-bench", "--select", "toy=other")
+    assert r.returncode == 0, r.stdout + r.stderr
+    meta = json.loads((out / "gpu-job.json").read_text())
+    tests, sanitizer = meta["steps"][1], meta["steps"][2]
+    assert tests["detail"].startswith("-k 'other' only: ") and "1 deselected" in tests["detail"]
+    assert sanitizer["status"] == "ok" and sanitizer["selection"] == "other"
+    whole = {"status": "ok", "detail": "2 passed", "date": "d0"}
+    results = root / "repro/toy/results"
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "gpu-checks.json").write_text(json.dumps({"checks": {"tests": whole}}))
+    record_checks(meta, root)
+    checks = json.loads((results / "gpu-checks.json").read_text())["checks"]
+    assert checks["tests"] == whole
+    assert checks["tests -k other"]["detail"] == tests["detail"]
+    assert checks["sanitizer -k other"]["status"] == "ok"
+    # a malformed selection stops the job before anything runs
+    r = run_gpu_job(root, env, tmp_path / "out2", "--select", "toy=")
+    assert r.returncode == 2 and "--select 'toy='" in r.stderr
 
 
 def test_sanitizer_errors_fail_the_job(tmp_path):

@@ -4,6 +4,7 @@ On the GPU machine, from the repository root::
 
     python -m paperclub.gpu repro/kda repro/nsa --budget-s 560 --out "$OUT"
     python -m paperclub.gpu repro/fa4 --bench-args "fa4=--only bwd --rounds 9" --skip-sanitizer
+    python -m paperclub.gpu repro/fa4 --select "fa4=peer_matrix and bfloat16" --skip-bench
 
 For each package, in order, each step under a timeout cut from what is left of the budget:
 
@@ -71,6 +72,8 @@ class Step:
     seconds: float = 0.0
     detail: str = ""
     log: str = ""
+    #: the ``-k`` expression the tests and sanitizer steps ran under (``--select``); "" for all of them
+    selection: str = ""
 
 
 @dataclass
@@ -230,6 +233,7 @@ def sanitizer_probes(text: str) -> dict[str, int]:
 def run_job(
     root: Path, specs: list[str], budget_s: float, out: Path, *, bench_args: dict[str, str],
     skip: set[str], python: str = sys.executable, shares: dict[str, float] | None = None,
+    select: dict[str, str] | None = None,
 ) -> Job:  # fmt: skip
     packages = [package_path(root, s) for s in specs]
     for p in packages:
@@ -292,6 +296,9 @@ def run_job(
         # 2. GPU tests (claims recorded into results/claims-gpu.json by the plugin)
         test_cmd = [python, "-m", "pytest", "-m", "gpu", str(pkg.relative_to(root)), "-v", "--tb=short",
                     "-p", "no:cacheprovider", "--durations=15"]  # fmt: skip
+        selection = (select or {}).get(name, "")
+        if selection:  # a part of the package's GPU tests (a job too long for one call, run in parts)
+            test_cmd += ["-k", selection]
         measures = str(logs / f"{name}-measures.jsonl")
         for step_name, cmd, extra_env in (
             ("tests", [*test_cmd, *_xdist_args()], {"PAPERCLUB_TEST_LOG": measures}),
@@ -299,7 +306,7 @@ def run_job(
             ("sanitizer", ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "86", *test_cmd, "-x"],
              {"PAPERCLUB_RECORD_CLAIMS": "0", "PAPERCLUB_SANITIZER": "1"}),
         ):  # fmt: skip
-            step = Step(name, step_name)
+            step = Step(name, step_name, selection=selection)
             log = logs / f"{name}-{step_name}.log"
             # the benchmark keeps about half of the share, unless it is skipped
             bench_reserve = 0.0 if "bench" in skip else 0.45 * max(left(), 0)
@@ -340,6 +347,8 @@ def run_job(
                     if step.exit_code == 5:  # pytest: nothing collected (no gpu tests)
                         step.status = "ok"
                 step.detail += _pytest_summary(text) or _partial_summary(text) or _tail(log)
+                if selection:
+                    step.detail = f"-k '{selection}' only: {step.detail}"
                 if step_name == "tests" and step.exit_code == 5:
                     step.status, step.detail = "ok", "no gpu-marked tests"
             step.log = str(log.relative_to(stage))
@@ -502,7 +511,9 @@ def record_checks(job: dict, root: Path) -> list[Path]:
         path = pkg / "results" / GPU_CHECKS_NAME
         doc = json.loads(path.read_text()) if path.exists() else {"checks": {}}
         for s in ran:
-            doc["checks"][s["name"]] = {
+            # a selected part is kept beside the whole package's record, never in its place
+            key = s["name"] + (f" -k {s['selection']}" if s.get("selection") else "")
+            doc["checks"][key] = {
                 "status": s["status"],
                 "detail": s.get("detail", ""),
                 "date": job.get("date"),
@@ -547,6 +558,12 @@ def _per_package(items: list[str], flag: str, expected: str, convert) -> dict:
     return out
 
 
+def _nonempty(value: str) -> str:
+    if not value.strip():
+        raise ValueError("empty")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m paperclub.gpu",
@@ -560,6 +577,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--bench-args", action="append", default=[], metavar="NAME=ARGS",
                     help="extra arguments for one package's bench, e.g. 'kda=--quick'")  # fmt: skip
+    ap.add_argument("--select", action="append", default=[], metavar="NAME=EXPR",
+                    help="run only the tests of one package that pytest's -k EXPR selects (tests and "
+                    "sanitizer steps), e.g. 'fa4=peer_matrix and bfloat16'; recorded apart in gpu-checks.json")  # fmt: skip
     ap.add_argument("--share", action="append", default=[], metavar="NAME=SECONDS",
                     help="one package's part of the budget (the others split the rest), e.g. kda=300")  # fmt: skip
     for s in ("peers", "tests", "sanitizer", "bench"):
@@ -582,11 +602,19 @@ def main(argv: list[str] | None = None) -> int:
             return download(root, args.packages)
         bench_args = _per_package(args.bench_args, "--bench-args", "NAME=ARGS, e.g. kda=--quick", str)
         shares = _per_package(args.share, "--share", "NAME=SECONDS, e.g. kda=300", float)
+        select = _per_package(args.select, "--select", "NAME=EXPR, e.g. 'fa4=peer_matrix'", _nonempty)
         skip = {s for s in ("peers", "tests", "sanitizer", "bench") if getattr(args, f"skip_{s}")}
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         job = run_job(
-            root, args.packages, args.budget_s, out, bench_args=bench_args, skip=skip, shares=shares
+            root,
+            args.packages,
+            args.budget_s,
+            out,
+            bench_args=bench_args,
+            skip=skip,
+            shares=shares,
+            select=select,
         )
     except GpuJobError as exc:
         print(f"paperclub.gpu: {exc}", file=sys.stderr)

@@ -672,10 +672,11 @@ def gpu_checks_table(repros: dict[str, Repro]) -> str:
         except (ValueError, KeyError, TypeError) as exc:
             rows.append(f"| {cell(name)} | — | unreadable | {cell(f'{path.name}: {exc}')} | | |")
             continue
-        for step in ("tests", "sanitizer"):
-            c = checks.get(step)
-            if c is None:
-                continue
+        # the whole package's record of each step, then the parts run with --select ("tests -k EXPR")
+        steps = [k for k in ("tests", "sanitizer") if k in checks]
+        steps += sorted(k for k in checks if k.split(" -k ")[0] in ("tests", "sanitizer") and k not in steps)
+        for step in steps:
+            c = checks[step]
             rows.append(
                 f"| {cell(name)} | {step} | {cell(c.get('status', '?'))} | {cell(c.get('detail', ''))} "
                 f"| {cell(c.get('device') or '')} | {cell((c.get('date') or '')[:10])} |"
