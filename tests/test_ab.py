@@ -51,7 +51,7 @@ def test_ab_runs_both_trees_and_summarises(tmp_path):
     (row,) = doc["rows"]
     assert row["case"] == "one" and row["new_vs_old"] > 3  # 20 ms of work against 2 ms
     assert 0.3 < row["peer_drift"] < 3
-    assert row["check_rel"] == pytest.approx(0.5 / 1.5)
+    assert row["check_rel"] == pytest.approx(0.5 / 1.5) and row["check_noise"] == 0.0
     # a tree that is not a directory, or one tree only: refused before anything runs
     bad = subprocess.run(
         [sys.executable, "-m", "paperclub.ab", "--driver", str(driver), "--tree", "old=/nonexistent",

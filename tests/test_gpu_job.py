@@ -248,6 +248,17 @@ def test_partial_summary_of_a_run_cut_before_its_summary():
     assert _partial_summary("    waiter.acquire()\nKeyboardInterrupt\n") == ""
 
 
+def test_unfinished_tests_of_a_cut_run_are_named():
+    from paperclub.gpu import _unfinished
+
+    log = (
+        "a.py::test_x[1] \na.py::test_x[2] \n[gw0] [ 50%] PASSED a.py::test_x[1] \n"
+        "b.py::test_y PASSED\nb.py::test_z \n12.0s call     a.py::test_x[1]\n"
+    )
+    assert _unfinished(log) == ["test_x[2]", "test_z"]
+    assert _unfinished("b.py::test_y PASSED\n") == []
+
+
 def test_budget_shares():
     # equal parts without shares
     assert package_share(600, ["a", "b", "c"], {}) == 200

@@ -16,8 +16,9 @@ of a peer that does not change between the trees (cuDNN, SDPA) in the same proce
 The trees run as separate processes, ``--rounds`` times each, the order alternating (old new, new
 old, ...), so that drift of clocks and temperature falls on both. Per case the result has each
 tree's median time of ours and of the peer, ``new_vs_old`` (ours' time after / before, > 1 slower),
-``peer_drift`` (the same for the peer, the noise floor of the comparison) and ``check_rel``, the
-largest relative difference of the check numbers between the trees.
+``peer_drift`` (the same for the peer, the noise floor of the comparison), ``check_rel``, the
+largest relative difference of the check numbers between the trees, and ``check_noise``, the same
+between two runs of one tree (nonzero for a kernel that is not deterministic: atomics).
 """
 
 from __future__ import annotations
@@ -51,6 +52,13 @@ def run_tree(
     return json.loads(lines[-1])
 
 
+def _rel(a: list[float], b: list[float]) -> float:
+    """The largest relative difference between two lists of check numbers (inf if they differ in length)."""
+    if len(a) != len(b):
+        return float("inf")
+    return max((abs(x - y) / max(abs(x), abs(y), 1e-30) for x, y in zip(a, b, strict=True)), default=0.0)
+
+
 def summarise(runs: dict[str, list[dict]], old: str, new: str) -> list[dict]:
     """Rows per case from each tree's runs (``{label: [driver output, ...]}``)."""
     rows = []
@@ -65,7 +73,15 @@ def summarise(runs: dict[str, list[dict]], old: str, new: str) -> list[dict]:
         row["peer_drift"] = round(row[f"{new}_peer_ms"] / row[f"{old}_peer_ms"], 4)
         a, b = runs[old][0]["cases"][case].get("check", []), runs[new][0]["cases"][case].get("check", [])
         if a and len(a) == len(b):
-            row["check_rel"] = max(abs(x - y) / max(abs(x), abs(y), 1e-30) for x, y in zip(a, b, strict=True))
+            row["check_rel"] = _rel(a, b)
+        # the same between two runs of one tree: what a nondeterministic kernel (atomics) gives anyway
+        same = [
+            _rel(rs[0]["cases"][case].get("check", []), r["cases"][case].get("check", []))
+            for rs in runs.values()
+            for r in rs[1:]
+        ]
+        if same:
+            row["check_noise"] = max(same)
         rows.append(row)
     return rows
 
@@ -116,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
 
     old, new = trees
     columns = ["case", f"{old}_ms", f"{new}_ms", "new_vs_old", f"{old}_peer_ms", f"{new}_peer_ms",
-               "peer_drift", "check_rel"]  # fmt: skip
+               "peer_drift", "check_rel", "check_noise"]  # fmt: skip
     labels = {label: (p / "COMMIT").read_text().strip() if (p / "COMMIT").exists() else str(p)
               for label, p in trees.items()}  # fmt: skip
     report = Report(

@@ -193,6 +193,22 @@ def _partial_summary(text: str) -> str:
     )
 
 
+def _unfinished(text: str) -> list[str]:
+    """The tests a verbose pytest log names (``path::test[id]``, as started or as scheduled by xdist)
+    without ever giving their outcome: those a timeout cut, by their ids (the part after ``::``)."""
+    named, done = [], set()
+    for ln in text.splitlines():
+        m = re.search(r"(\S+::\S+)", ln)
+        if not m or ln.lstrip().startswith(("FAILED ", "ERROR ")) and " - " in ln:
+            continue
+        test = m.group(1)
+        if re.search(r"\b(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b", ln):
+            done.add(test)
+        elif test not in named:
+            named.append(test)
+    return [t.split("::", 1)[1] for t in named if t not in done]
+
+
 def sanitizer_errors(text: str) -> int | None:
     """The error count of compute-sanitizer's ``ERROR SUMMARY: N errors`` lines (summed), or None."""
     found = re.findall(r"ERROR SUMMARY: (\d+) error", text)
@@ -347,6 +363,9 @@ def run_job(
                     if step.exit_code == 5:  # pytest: nothing collected (no gpu tests)
                         step.status = "ok"
                 step.detail += _pytest_summary(text) or _partial_summary(text) or _tail(log)
+                if step.status == "timeout" and (cut := _unfinished(text)):
+                    step.detail += f"; cut by the step's timeout while running: {', '.join(cut[:8])}"
+                    step.detail += f" (+{len(cut) - 8} more)" if len(cut) > 8 else ""
                 if selection:
                     step.detail = f"-k '{selection}' only: {step.detail}"
                 if step_name == "tests" and step.exit_code == 5:
