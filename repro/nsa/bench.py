@@ -42,8 +42,7 @@ by name (``'train fwd*'``). The forward's stage breakdown and the selected backw
 are timed by ``repro.nsa.lab.breakdown`` and ``repro.nsa.lab.slc_backward``.
 """
 
-from __future__ import annotations
-
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -61,11 +60,13 @@ from paperclub.bench import (
     apply_settings,
     bench_parser,
     error_text,
-    measure,
+    failed_candidate,
+    measure_logged,
     parse_bench_args,
     quiet_write,
     select,
     time_ms,
+    timed_pass,
 )
 from paperclub.testing import assert_rel_close
 from repro.nsa import reference as ref
@@ -97,6 +98,23 @@ FIRST_COST = {("fwd", "peers"): 2.0, ("fwd+bwd", "core"): 3.0, ("fwd+bwd", "peer
 FIRST_COST |= {("bwd", "core"): 3.0, ("bwd", "peers"): 6.0, ("decode", "core"): 0.5}
 FIRST_COST |= {("fwd", "extra"): 1.0, ("bwd", "extra"): 2.0, ("fwd+bwd", "extra"): 2.0}
 PASSES = ("fwd", "bwd", "fwd+bwd")
+PEER = {  # the reports' peer and the packages whose versions they record
+    "peer": "flash-linear-attention (fla-core) 0.6.0, parallel_nsa",
+    "packages": ["fla-core", "flash-linear-attention"],
+}
+NOTES = (
+    "nsa: paper configuration l=32, d=16, l'=64, n=16 (1 initial + 2 local), w=512, compressed keys "
+    "given (mean-pooled here; the compression MLP is outside the timing). cmp+slc rows: fla's setting "
+    "(mean pooling, l=d=l'=64, n=16, no window). slc rows: the selected branch alone on one set of "
+    "indices. Each step checks every candidate's forward output at the row's shape (sampled query rows "
+    "against the PyTorch reference; fla against ours) before timing; bwd and fwd+bwd rows are checked "
+    "on the forward (the gradients are the tests' business). bwd: the backward of one kept forward "
+    "(retain_graph, a fixed cotangent). Rows of one step (a length, a pass, and 'core' = nsa and SDPA "
+    "or 'peers' = fa4, cmp+slc, slc) are timed interleaved (paperclub.bench.measure). "
+    "speedup_vs_full: the fastest full-attention (SDPA) time over this row's, same pass and length; "
+    "vs_cudnn, vs_fa2: SDPA's cuDNN and FlashAttention-2 backends' times over this row's. tflops: the "
+    "row's matmul FLOPs (repro.nsa.bench.train_flops) over its time."
+)
 
 
 def load_fla():
@@ -214,63 +232,26 @@ def sample_rows(t: int, gen: torch.Generator, device: str, n: int = 24) -> torch
     return torch.cat([torch.randint(0, t, (n,), generator=gen), torch.tensor([t - 1])]).unique().to(device)
 
 
-def train_inputs(setup: Setup, t: int, seed: int = 0):
-    """q [1, T, HQ, Dk], the six raw key / value tensors (k_cmp, v_cmp, k_slc, v_slc, k_win, v_win:
-    keys [1, T, H, Dk], values [1, T, H, Dv]) and gates [1, T, HQ, 3]."""
+def train_inputs(setup: Setup, t: int, seed: int = 0, b: int = 1, queries: int | None = None):
+    """q [B, T, HQ, Dk] (``queries`` rows instead of T where given: the decode step's one), the six raw
+    key / value tensors (k_cmp, v_cmp, k_slc, v_slc, k_win, v_win: keys [B, T, H, Dk], values
+    [B, T, H, Dv]) and gates [B, T, HQ, 3] (or ``queries`` rows)."""
     g = torch.Generator(device=setup.device).manual_seed(seed)
+    tq = t if queries is None else queries
 
     def rn(*s):
         return torch.randn(*s, device=setup.device, dtype=setup.dtype, generator=g)
 
-    q = rn(1, t, setup.hq, setup.d)
-    kv = [rn(1, t, setup.h, setup.d if i % 2 == 0 else setup.d_v) for i in range(6)]
-    gates = torch.rand(1, t, setup.hq, 3, device=setup.device, generator=g).to(setup.dtype)
+    q = rn(b, tq, setup.hq, setup.d)
+    kv = [rn(b, t, setup.h, setup.d if i % 2 == 0 else setup.d_v) for i in range(6)]
+    gates = torch.rand(b, tq, setup.hq, 3, device=setup.device, generator=g).to(setup.dtype)
     return q, kv, gates
 
 
-def fwd_bwd(f, leaves):
-    """A closure running f's forward and the backward of a random cotangent (drawn on the first call)."""
-    state = {}
-
-    def run():
-        o = f()
-        if "do" not in state:
-            state["do"] = torch.randn_like(o)
-        torch.autograd.grad(o, leaves() if callable(leaves) else leaves, state["do"], allow_unused=True)
-
-    return run
-
-
-def bwd_only(f, leaves):
-    """A closure running the backward alone: f's forward once (on the first call, with a random
-    cotangent drawn then), kept, and its backward on every call (``retain_graph``), as the paper times
-    the backward pass apart from the forward."""
-    state = {}
-
-    def run():
-        if "o" not in state:
-            state["o"] = f()
-            state["do"] = torch.randn_like(state["o"])
-        ls = leaves() if callable(leaves) else leaves
-        torch.autograd.grad(state["o"], ls, state["do"], retain_graph=True, allow_unused=True)
-
-    return run
-
-
-def timed_closure(pass_: str, f, leaves):
-    """The function a row of pass ``pass_`` times: the forward, the backward alone or both."""
-    if pass_ == "fwd":
-        return f
-    return bwd_only(f, leaves) if pass_ == "bwd" else fwd_bwd(f, leaves)
-
-
-def failing(err: str):
-    """A candidate function or check that raises ``err`` (a peer that cannot run)."""
-
-    def fail():
-        raise RuntimeError(err)
-
-    return fail
+def failed(why: str) -> Candidate:
+    """A row that cannot run here (a peer or kernel missing): its check raises ``why`` as a RuntimeError
+    (the row's check says so), it is not timed."""
+    return failed_candidate(RuntimeError(why))
 
 
 def check_selection(picks, q, k_cmp, lse, cfg: ref.NSAConfig, t: int, pos, what: str) -> None:
@@ -278,10 +259,12 @@ def check_selection(picks, q, k_cmp, lse, cfg: ref.NSAConfig, t: int, pos, what:
     Eq. 11's top-n up to SEL_TOL under the reference's float64 scores for those rows (q [B, P, HQ, D]
     and lse [B, P, HQ] of the rows, k_cmp [B, Nc, H, D])."""
     ns = -(-t // cfg.select_len)
-    scores = ref.selection_scores(q.double(), k_cmp.double(), lse.double(), ns, cfg.block_len, cfg.stride,
-                                  cfg.select_len, q_pos=pos)  # fmt: skip
-    short = ref.selection_shortfall(picks, scores, cfg.n_select, cfg.select_len, cfg.n_initial, cfg.n_local,
-                                    q_pos=pos)  # fmt: skip
+    scores = ref.selection_scores(
+        q.double(), k_cmp.double(), lse.double(), ns, cfg.block_len, cfg.stride, cfg.select_len, q_pos=pos
+    )
+    short = ref.selection_shortfall(
+        picks, scores, cfg.n_select, cfg.select_len, cfg.n_initial, cfg.n_local, q_pos=pos
+    )
     worst = short.max().item()
     if not worst <= SEL_TOL:
         raise AssertionError(
@@ -292,10 +275,16 @@ def check_selection(picks, q, k_cmp, lse, cfg: ref.NSAConfig, t: int, pos, what:
 
 def eq5_rows(q, kc, vc, ks, vs, kw, vw, gates, idx, pos, cfg: ref.NSAConfig):
     """Eq. 5 from the reference on the rows ``pos``, on the given selection ``idx`` [B, T, H, n]."""
-    o_c, _ = ref.compressed_attention(q[:, pos], kc, vc, cfg.block_len, cfg.stride, q_pos=pos)
-    o_s = ref.selected_attention(q[:, pos], ks, vs, idx[:, pos], cfg.select_len, q_pos=pos)
-    o_w = ref.sliding_window_attention(q[:, pos], kw, vw, cfg.window, q_pos=pos)
-    g = gates[:, pos].float()
+    return eq5_at(q[:, pos], kc, vc, ks, vs, kw, vw, gates[:, pos], idx[:, pos], pos, cfg)
+
+
+def eq5_at(q_rows, kc, vc, ks, vs, kw, vw, gate_rows, idx_rows, pos, cfg: ref.NSAConfig):
+    """Eq. 5 from the reference for queries ``q_rows`` at the positions ``pos`` (their gates and
+    selected blocks given)."""
+    o_c, _ = ref.compressed_attention(q_rows, kc, vc, cfg.block_len, cfg.stride, q_pos=pos)
+    o_s = ref.selected_attention(q_rows, ks, vs, idx_rows, cfg.select_len, q_pos=pos)
+    o_w = ref.sliding_window_attention(q_rows, kw, vw, cfg.window, q_pos=pos)
+    g = gate_rows.float()
     return g[..., 0:1] * o_c + g[..., 1:2] * o_s + g[..., 2:3] * o_w
 
 
@@ -303,90 +292,48 @@ def eq5_rows(q, kc, vc, ks, vs, kw, vw, gates, idx, pos, cfg: ref.NSAConfig):
 # Candidates
 
 
-def train_candidates(setup: Setup, t: int, fla, gen: torch.Generator, passes=PASSES,
-                     group: str = "all", sdpa: dict | None = None,
-                     notes: list | None = None) -> dict[tuple[str, str], Candidate]:  # fmt: skip
-    """{(impl, pass): Candidate} for one length: ``group`` "core" (SDPA and nsa), "peers" (fa4,
-    cmp+slc, slc, fla), "extra" (``setup.extra_nsa``: kernels not yet run on a GPU, in steps of their
-    own after every other, so that a fault there cannot end the run's other rows) or "all"; only the
-    ``passes`` asked for (``PASSES``); ``sdpa`` {name: SDPBackend}. ``notes`` gets a line for each
-    SDPA backend that ran with v zero-padded."""
-    core, peers = group in ("core", "all"), group in ("peers", "all")
-    extra = group in ("extra", "all")
+def train_candidates(setup: Setup, t: int, fla, gen, pass_: str, group: str, sdpa=None, notes=None):
+    """{impl: Candidate} of pass ``pass_`` (``PASSES``) at one length: ``group`` "core" (SDPA's
+    backends ``sdpa`` {name: SDPBackend}, and nsa), "peers" (fa4, cmp+slc, slc, fla) or "extra"
+    (``setup.extra_nsa``: kernels not yet run on a GPU, in steps of their own after every other, so
+    that a fault there cannot end the run's other rows). ``notes`` gets a line for each SDPA backend
+    that ran with v zero-padded."""
     q, (kc_raw, vc_raw, ks, vs, kw, vw), gates = train_inputs(setup, t)
     pos = sample_rows(t, gen, setup.device)
-    cands, cache = {}, {}
     notes = [] if notes is None else notes
-
-    def add(name, f, leaves, check):
-        for p in passes:
-            cands[(name, p)] = Candidate(fn=timed_closure(p, f, leaves), check=check)
-
-    def ref_full():  # the reference rows of full attention, computed once, when a check needs them
-        if "full" not in cache:
-            cache["full"] = ref.full_causal_attention(q[:, pos], ks, vs, q_pos=pos)
-        return cache["full"]
-
-    if core:  # full attention: [B, HQ, T, D] with the KV heads repeated for SDPA's kernels
-        g = setup.hq // setup.h
-        qt = q.transpose(1, 2).contiguous().requires_grad_()
-        kt = ks.repeat_interleave(g, 2).transpose(1, 2).contiguous().requires_grad_()
-        vt = vs.repeat_interleave(g, 2).transpose(1, 2).contiguous().requires_grad_()
-        for name, backend in (sdpa or {}).items():
-            f, sdpa_leaves = _sdpa_candidate(name, backend, qt, kt, vt, notes)
-
-            def check(f=f):
-                assert_rel_close(f().transpose(1, 2)[:, pos].float(), ref_full(), TOL, "sdpa rows")
-
-            add(name, f, sdpa_leaves, check)
+    # the reference rows of full attention, computed once, when a check needs them
+    ref_full = functools.cache(lambda: ref.full_causal_attention(q[:, pos], ks, vs, q_pos=pos))
+    cands = {}
+    if group == "core":
+        cands |= _sdpa_candidates(setup, pass_, q, ks, vs, sdpa or {}, ref_full, pos, notes)
     fa4_heads = setup.d == setup.d_v and setup.d in (64, 128)
-    if peers and t <= setup.fa4_max_t and fa4_heads:
-        try:
-            from repro.fa4 import attention
-
-            ql4, kl4, vl4 = (x.detach().clone().requires_grad_() for x in (q, ks, vs))
-
-            def f4():
-                return attention(ql4, kl4, vl4, causal=True)
-
-            def check4():
-                assert_rel_close(f4()[:, pos].float(), ref_full(), TOL, "fa4 rows")
-
-            add("fa4", f4, (ql4, kl4, vl4), check4)
-        except Exception as exc:
-            fail = failing(error_text(exc))
-            for p in passes:
-                cands[("fa4", p)] = Candidate(fn=fail, check=fail)
-
-    # NSA at the paper's configuration, with the default switches and each extra row's
+    if group == "peers" and t <= setup.fa4_max_t and fa4_heads:
+        cands |= _fa4_candidate(pass_, q, ks, vs, ref_full, pos)
     cfg = setup.paper
     k_cmp = ref.compress(kc_raw, ref.mean_pool, cfg.block_len, cfg.stride).contiguous()
     v_cmp = ref.compress(vc_raw, ref.mean_pool, cfg.block_len, cfg.stride).contiguous()
     leaves = [x.detach().clone().requires_grad_() for x in (q, k_cmp, v_cmp, ks, vs, kw, vw, gates)]
-    rows = [("nsa", setup.switches)] if core else []
-    rows += [(name, replace(setup.switches, **changes)) for name, changes in setup.extra_nsa] if extra else []
-    for name, sw in rows:
-        ok, why = extra_available(dict(setup.extra_nsa).get(name, {}))
-        if not ok:  # an extra row that cannot run here: a failed check, not timed
-            for p in passes:
-                cands[(name, p)] = Candidate(fn=failing(why), check=failing(why))
-            continue
+    cands |= _nsa_candidates(setup, t, pass_, group, leaves, pos)
+    if group == "peers":
+        cands |= _peer_candidates(setup, t, fla, q, ks, vs, gates, leaves, pos, pass_)
+    return cands
 
-        def nsa(sw=sw):
-            return nsa_attention(*leaves, cfg, switches=sw)[0]
 
-        def check_nsa(sw=sw, name=name):
-            o, idx = nsa_attention(*leaves, cfg, switches=sw)
-            ql, kcl, vcl, ksl, vsl, kwl, vwl, gl = (x.detach() for x in leaves)
-            _, lse_c = ref.compressed_attention(ql[:, pos], kcl, vcl, cfg.block_len, cfg.stride, q_pos=pos)
-            check_selection(idx[:, pos], ql[:, pos], kcl, lse_c, cfg, t, pos, f"{name} selection")
-            want = eq5_rows(ql, kcl, vcl, ksl, vsl, kwl, vwl, gl, idx, pos, cfg)
-            assert_rel_close(o[:, pos].float(), want, TOL, f"{name} rows")
+def _sdpa_candidates(setup: Setup, pass_: str, q, ks, vs, sdpa: dict, ref_full, pos, notes: list):
+    """Full causal attention through each SDPA backend: [B, HQ, T, D] with the KV heads repeated."""
+    g = setup.hq // setup.h
+    qt = q.transpose(1, 2).contiguous().requires_grad_()
+    kt = ks.repeat_interleave(g, 2).transpose(1, 2).contiguous().requires_grad_()
+    vt = vs.repeat_interleave(g, 2).transpose(1, 2).contiguous().requires_grad_()
+    cands = {}
+    for name, backend in sdpa.items():
+        f, leaves = _sdpa_candidate(name, backend, qt, kt, vt, notes)
 
-        add(name, nsa, leaves, check_nsa)
-    if peers:
-        cands |= _peer_candidates(setup, t, fla, q, ks, vs, gates, leaves, pos, passes)
-    return {k: c for k, c in cands.items() if k[1] in passes}
+        def check(f=f):
+            assert_rel_close(f().transpose(1, 2)[:, pos].float(), ref_full(), TOL, "sdpa rows")
+
+        cands[name] = Candidate(fn=timed_pass(pass_, f, leaves), check=check)
+    return cands
 
 
 def _sdpa_candidate(name: str, backend, qt, kt, vt, notes: list):
@@ -419,17 +366,109 @@ def _sdpa_candidate(name: str, backend, qt, kt, vt, notes: list):
     return f, lambda: (qt, kt, vt_pad if state["pad"] else vt)
 
 
-def _peer_candidates(setup: Setup, t, fla, q, ks, vs, gates, leaves, pos, passes=PASSES):
-    """The cmp+slc and slc rows, ours and fla's, for each of ``passes``."""
-    cfg, fs, sw = setup.paper, setup.fla_setting, setup.switches
+def _fa4_candidate(pass_: str, q, ks, vs, ref_full, pos) -> dict[str, Candidate]:
+    """repro.fa4's causal attention (a failed check where it cannot be imported)."""
+    try:
+        from repro.fa4 import attention
+    except Exception as exc:
+        return {"fa4": failed(error_text(exc))}
+    ql4, kl4, vl4 = (x.detach().clone().requires_grad_() for x in (q, ks, vs))
+
+    def f4():
+        return attention(ql4, kl4, vl4, causal=True)
+
+    def check4():
+        assert_rel_close(f4()[:, pos].float(), ref_full(), TOL, "fa4 rows")
+
+    return {"fa4": Candidate(fn=timed_pass(pass_, f4, (ql4, kl4, vl4)), check=check4)}
+
+
+def _nsa_candidates(setup: Setup, t: int, pass_: str, group: str, leaves, pos) -> dict[str, Candidate]:
+    """NSA at the paper's configuration: ``nsa`` with the run's switches ("core"), or each extra row
+    with its own ("extra"; a failed check where it cannot run here)."""
+    cfg = setup.paper
+    rows = [("nsa", setup.switches)] if group == "core" else []
+    if group == "extra":
+        rows += [(name, replace(setup.switches, **changes)) for name, changes in setup.extra_nsa]
     cands = {}
-    # flash-linear-attention's setting: mean-pooled compression, l = d = l' = 64, no window
+    for name, sw in rows:
+        ok, why = extra_available(dict(setup.extra_nsa).get(name, {}))
+        if not ok:
+            cands[name] = failed(why)
+            continue
+
+        def nsa(sw=sw):
+            return nsa_attention(*leaves, cfg, switches=sw)[0]
+
+        def check_nsa(sw=sw, name=name):
+            o, idx = nsa_attention(*leaves, cfg, switches=sw)
+            ql, kcl, vcl, ksl, vsl, kwl, vwl, gl = (x.detach() for x in leaves)
+            _, lse_c = ref.compressed_attention(ql[:, pos], kcl, vcl, cfg.block_len, cfg.stride, q_pos=pos)
+            check_selection(idx[:, pos], ql[:, pos], kcl, lse_c, cfg, t, pos, f"{name} selection")
+            want = eq5_rows(ql, kcl, vcl, ksl, vsl, kwl, vwl, gl, idx, pos, cfg)
+            assert_rel_close(o[:, pos].float(), want, TOL, f"{name} rows")
+
+        cands[name] = Candidate(fn=timed_pass(pass_, nsa, leaves), check=check_nsa)
+    return cands
+
+
+def _peer_candidates(setup: Setup, t, fla, q, ks, vs, gates, leaves, pos, pass_) -> dict[str, Candidate]:
+    """The cmp+slc rows (flash-linear-attention's setting: mean-pooled compression, l = d = l' = 64,
+    no window) and the slc rows (the selected branch alone, on the indices the paper configuration
+    selects for these inputs), ours and fla's."""
+    cfg, sw = setup.paper, setup.switches
     ql, kl, vl = (x.detach().clone().requires_grad_() for x in (q, ks, vs))
     g_cmp = gates[..., 0].detach().clone().requires_grad_()
     g_slc = gates[..., 1].detach().clone().requires_grad_()
+    cs = (ql, kl, vl, g_cmp, g_slc)
+    cs_want = _cmp_slc_reference(setup.fla_setting, t, pos, cs)
+    ours_cs, check_ours_cs = _ours_cmp_slc(setup, cs, cs_want, pos)
+
+    @functools.cache  # on first use, so that a failing kernel fails this row's check, not the run
+    def indices():
+        with torch.no_grad():
+            return nsa_attention(*[x.detach() for x in leaves], cfg, switches=sw)[1]
+
+    def ours_slc():
+        return selected_attention(ql, kl, vl, indices(), cfg.select_len, check_indices=False, switches=sw)
+
+    def check_ours_slc():
+        qd, kd, vd = ql.detach(), kl.detach(), vl.detach()
+        want = ref.selected_attention(qd[:, pos], kd, vd, indices()[:, pos], cfg.select_len, q_pos=pos)
+        assert_rel_close(ours_slc()[:, pos].detach().float(), want, TOL, "ours slc rows")
+
+    cands = {
+        "ours-cmp+slc": Candidate(fn=timed_pass(pass_, ours_cs, cs), check=check_ours_cs),
+        "ours-slc": Candidate(fn=timed_pass(pass_, ours_slc, (ql, kl, vl)), check=check_ours_slc),
+    }
+    return cands | _fla_candidates(setup, t, fla, pass_, cs, cs_want, indices, ours_slc, pos)
+
+
+def _cmp_slc_reference(fs: ref.NSAConfig, t: int, pos, cs):
+    """``want(idx, what)``: the reference's cmp+slc rows ``pos`` on the selection ``idx``, after
+    checking that selection (:func:`check_selection`); ``cs`` the leaves q, k, v and the two gates."""
+    ql, kl, vl, g_cmp, g_slc = cs
+
+    def want(idx, what):
+        qd, kd, vd = ql.detach(), kl.detach(), vl.detach()
+        kc = ref.compress(kd, ref.mean_pool, fs.block_len, fs.stride)
+        vc = ref.compress(vd, ref.mean_pool, fs.block_len, fs.stride)
+        o_c, lse_c = ref.compressed_attention(qd[:, pos], kc, vc, fs.block_len, fs.stride, q_pos=pos)
+        check_selection(idx[:, pos], qd[:, pos], kc, lse_c, fs, t, pos, f"{what} cmp+slc selection")
+        o_s = ref.selected_attention(qd[:, pos], kd, vd, idx[:, pos], fs.select_len, q_pos=pos)
+        return g_cmp[:, pos, :, None].float() * o_c + g_slc[:, pos, :, None].float() * o_s
+
+    return want
+
+
+def _ours_cmp_slc(setup: Setup, cs, cs_want, pos):
+    """(f, check) of our compressed + selected branches with gates in fla's setting, computing their
+    own top-n."""
+    fs, sw = setup.fla_setting, setup.switches
+    ql, kl, vl, g_cmp, g_slc = cs
     state = {}
 
-    def ours_cs():
+    def f():
         kc = ref.compress(kl, ref.mean_pool, fs.block_len, fs.stride)
         vc = ref.compress(vl, ref.mean_pool, fs.block_len, fs.stride)
         o_c, lse = compressed_attention(ql, kc, vc, fs.block_len, fs.stride, switches=sw)
@@ -439,111 +478,76 @@ def _peer_candidates(setup: Setup, t, fla, q, ks, vs, gates, leaves, pos, passes
         o_s = selected_attention(ql, kl, vl, idx, fs.select_len, check_indices=False, switches=sw)
         return g_cmp[..., None] * o_c + g_slc[..., None] * o_s
 
-    def cs_want(idx, what):  # the reference's cmp+slc rows on the selection idx, after checking it
-        qd, kd, vd = ql.detach(), kl.detach(), vl.detach()
-        kc = ref.compress(kd, ref.mean_pool, fs.block_len, fs.stride)
-        vc = ref.compress(vd, ref.mean_pool, fs.block_len, fs.stride)
-        o_c, lse_c = ref.compressed_attention(qd[:, pos], kc, vc, fs.block_len, fs.stride, q_pos=pos)
-        check_selection(idx[:, pos], qd[:, pos], kc, lse_c, fs, t, pos, f"{what} cmp+slc selection")
-        o_s = ref.selected_attention(qd[:, pos], kd, vd, idx[:, pos], fs.select_len, q_pos=pos)
-        return g_cmp[:, pos, :, None].float() * o_c + g_slc[:, pos, :, None].float() * o_s
-
-    def check_ours_cs():
-        o = ours_cs()
+    def check():
+        o = f()
         assert_rel_close(o[:, pos].detach().float(), cs_want(state["idx"], "ours"), TOL, "ours cmp+slc rows")
 
-    cs_leaves = (ql, kl, vl, g_cmp, g_slc)
-    for p in passes:
-        cands[("ours-cmp+slc", p)] = Candidate(fn=timed_closure(p, ours_cs, cs_leaves), check=check_ours_cs)
+    return f, check
 
-    # the selected branch alone, on the indices the paper configuration selects for these inputs
-    # (computed on first use, so that a failing kernel fails this row's check, not the whole run)
-    sl = (ql, kl, vl)
 
-    def indices():
-        if "slc_idx" not in state:
-            with torch.no_grad():
-                state["slc_idx"] = nsa_attention(*[x.detach() for x in leaves], cfg, switches=sw)[1]
-        return state["slc_idx"]
-
-    def ours_slc():
-        return selected_attention(ql, kl, vl, indices(), cfg.select_len, check_indices=False, switches=sw)
-
-    def check_ours_slc():
-        want = ref.selected_attention(
-            ql.detach()[:, pos], kl.detach(), vl.detach(), indices()[:, pos], cfg.select_len, q_pos=pos
-        )
-        assert_rel_close(ours_slc()[:, pos].detach().float(), want, TOL, "ours slc rows")
-
-    for p in passes:
-        cands[("ours-slc", p)] = Candidate(fn=timed_closure(p, ours_slc, sl), check=check_ours_slc)
-
+def _fla_candidates(setup: Setup, t, fla, pass_, cs, cs_want, indices, ours_slc, pos):
+    """fla's parallel_nsa in the cmp+slc setting (its own top-n) and on our slc indices (failed
+    checks where fla cannot be imported)."""
     parallel_nsa, why = fla
     if parallel_nsa is None:
-        for name in ("fla-cmp+slc", "fla-slc"):
-            for p in passes:
-                cands[(name, p)] = Candidate(fn=failing(why), check=failing(why))
-        return cands
+        return {"fla-cmp+slc": failed(why), "fla-slc": failed(why)}
+    cfg, fs = setup.paper, setup.fla_setting
+    ql, kl, vl, g_cmp, g_slc = cs
+    # n blocks of l' keys, no window (fla's window calls flash-attn, absent here)
+    cs_blocks = {"block_counts": fs.n_select, "block_size": fs.select_len, "window_size": 0}
+    slc_blocks = {"block_counts": cfg.n_select, "block_size": cfg.select_len, "window_size": 0}
 
     def fla_cs():
-        return parallel_nsa(ql, kl, vl, g_cmp=g_cmp, g_slc=g_slc, block_counts=fs.n_select,
-                            block_size=fs.select_len, window_size=0)  # fmt: skip
-
-    def fla_picks():
-        """fla's block indices for these inputs, from the same internal steps parallel_nsa takes
-        (mean pooling, its compression kernel for the lse, its top-n kernel)."""
-        from fla.ops.nsa.compression import parallel_nsa_compression
-        from fla.ops.nsa.parallel import parallel_nsa_topk
-        from fla.ops.utils.pooling import mean_pooling
-
-        # parallel_nsa fills in scale = D^-1/2 before these calls; its kernels do not take None
-        # (the first run with scale=None ended in a CompilationError of fla's top-n kernel)
-        scale = ql.shape[-1] ** -0.5
-        with torch.no_grad():
-            qd, kd, vd = ql.detach(), kl.detach(), vl.detach()
-            kc, vc = mean_pooling(kd, fs.select_len, None), mean_pooling(vd, fs.select_len, None)
-            _, lse = parallel_nsa_compression(q=qd, k=kc, v=vc, TK=t, block_size=fs.select_len, scale=scale,
-                                              cu_seqlens=None)  # fmt: skip
-            return parallel_nsa_topk(q=qd, k=kc, lse=lse, TK=t, block_counts=fs.n_select,
-                                     block_size=fs.select_len, scale=scale, cu_seqlens=None)  # fmt: skip
+        return parallel_nsa(ql, kl, vl, g_cmp=g_cmp, g_slc=g_slc, **cs_blocks)
 
     def check_fla_cs():
         # fla picks its own blocks from its own bf16 scores: its picks must be a top-n up to SEL_TOL
         # (as ours), and its output must equal the reference computed on its own picks
         a = fla_cs().float()
         assert torch.isfinite(a).all(), "fla cmp+slc: non-finite output"
-        assert_rel_close(a[:, pos], cs_want(fla_picks(), "fla"), TOL, "fla cmp+slc rows (on fla's own picks)")
+        want = cs_want(fla_picks(fs, t, ql, kl, vl), "fla")
+        assert_rel_close(a[:, pos], want, TOL, "fla cmp+slc rows (on fla's own picks)")
 
     def fla_slc():
-        return parallel_nsa(ql, kl, vl, block_indices=indices(), block_counts=cfg.n_select,
-                            block_size=cfg.select_len, window_size=0)  # fmt: skip
+        return parallel_nsa(ql, kl, vl, block_indices=indices(), **slc_blocks)
 
     def check_fla_slc():
         assert_rel_close(fla_slc().float(), ours_slc().float(), TOL, "fla slc vs ours")
 
-    for p in passes:
-        cands[("fla-cmp+slc", p)] = Candidate(fn=timed_closure(p, fla_cs, cs_leaves), check=check_fla_cs)
-        cands[("fla-slc", p)] = Candidate(fn=timed_closure(p, fla_slc, sl), check=check_fla_slc)
-    return cands
+    return {
+        "fla-cmp+slc": Candidate(fn=timed_pass(pass_, fla_cs, cs), check=check_fla_cs),
+        "fla-slc": Candidate(fn=timed_pass(pass_, fla_slc, (ql, kl, vl)), check=check_fla_slc),
+    }
+
+
+def fla_picks(fs: ref.NSAConfig, t: int, ql, kl, vl):
+    """fla's block indices for these inputs, from the same internal steps parallel_nsa takes (mean
+    pooling, its compression kernel for the lse, its top-n kernel)."""
+    from fla.ops.nsa.compression import parallel_nsa_compression
+    from fla.ops.nsa.parallel import parallel_nsa_topk
+    from fla.ops.utils.pooling import mean_pooling
+
+    # parallel_nsa fills in scale = D^-1/2 before these calls; its kernels do not take None
+    # (the first run with scale=None ended in a CompilationError of fla's top-n kernel)
+    scale = ql.shape[-1] ** -0.5
+    bs = fs.select_len
+    with torch.no_grad():
+        qd, kd, vd = ql.detach(), kl.detach(), vl.detach()
+        kc, vc = mean_pooling(kd, bs, None), mean_pooling(vd, bs, None)
+        _, lse = parallel_nsa_compression(q=qd, k=kc, v=vc, TK=t, block_size=bs, scale=scale, cu_seqlens=None)
+        return parallel_nsa_topk(
+            q=qd, k=kc, lse=lse, TK=t, block_counts=fs.n_select, block_size=bs, scale=scale, cu_seqlens=None
+        )
 
 
 def decode_candidates(setup: Setup, t: int, b: int) -> tuple[dict[str, Candidate], dict]:
     """The decode step at a cache of ``t`` tokens and batch ``b``, ours and SDPA's; the dict gets the
     tokens our kernels counted once the check has run."""
     cfg, dev = setup.paper, setup.device
-    g = torch.Generator(device=dev).manual_seed(t)
-
-    def rn(*s):
-        return torch.randn(*s, device=dev, dtype=setup.dtype, generator=g)
-
-    q = rn(b, 1, setup.hq, setup.d)
-    kc_raw, vc_raw, ks, vs, kw, vw = (
-        rn(b, t, setup.h, setup.d if i % 2 == 0 else setup.d_v) for i in range(6)
-    )
+    q, (kc_raw, vc_raw, ks, vs, kw, vw), gates = train_inputs(setup, t, seed=t, b=b, queries=1)
     k_cmp = ref.compress(kc_raw, ref.mean_pool, cfg.block_len, cfg.stride).contiguous()
     v_cmp = ref.compress(vc_raw, ref.mean_pool, cfg.block_len, cfg.stride).contiguous()
     del kc_raw, vc_raw
-    gates = torch.rand(b, 1, setup.hq, 3, device=dev, generator=g).to(setup.dtype)
     args = (q, k_cmp, v_cmp, ks, vs, kw, vw, gates)
     counted = {}
     last = torch.tensor([t - 1], device=dev)
@@ -554,12 +558,8 @@ def decode_candidates(setup: Setup, t: int, b: int) -> tuple[dict[str, Candidate
     def check_ours():
         o, idx, counts = nsa_decode(*args, cfg)
         counted["tokens"] = int(counts[0, 0].sum())
-        a1 = [x[:1] for x in args]
-        o_c, _ = ref.compressed_attention(a1[0], a1[1], a1[2], cfg.block_len, cfg.stride, q_pos=last)
-        o_s = ref.selected_attention(a1[0], a1[3], a1[4], idx[:1], cfg.select_len, q_pos=last)
-        o_w = ref.sliding_window_attention(a1[0], a1[5], a1[6], cfg.window, q_pos=last)
-        gg = a1[7].float()
-        want = gg[..., 0:1] * o_c + gg[..., 1:2] * o_s + gg[..., 2:3] * o_w
+        q1, kc1, vc1, ks1, vs1, kw1, vw1, g1 = (x[:1] for x in args)
+        want = eq5_at(q1, kc1, vc1, ks1, vs1, kw1, vw1, g1, idx[:1], last, cfg)
         assert_rel_close(o[:1].float(), want, TOL, "decode row")
 
     qt, kt, vt = q.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2)
@@ -590,205 +590,147 @@ def plan_steps(lengths: list[int], decode_batch: int, extra: bool = False) -> li
     then (``extra``) the extra nsa rows at every length and pass. A step's cost scales
     from the last of its kind as T^2 (train; pessimistic where launch overheads dominate) or T
     (decode); the first of a kind costs ``FIRST_COST`` times the first step."""
-    steps = [
-        Step(
-            f"train {p} T={t} {g}",
-            kind=f"train {p} {g}",
-            size=t,
-            exponent=2,
-            first_cost=FIRST_COST.get((p, g)),
-            data=("train", p, g, t, 1),
-        )  # fmt: skip
-        for t in lengths
-        for p in PASSES
-        for g in ("core", "peers")
-    ]
-    return (
-        steps
-        + [
-            Step(
-                f"decode T={t} B={decode_batch}",
-                kind="decode",
-                size=t,
-                exponent=1,
-                first_cost=FIRST_COST[("decode", "core")],
-                data=("decode", "decode", "core", t, decode_batch),
-            )  # fmt: skip
-            for t in lengths
-        ]
-        + [
-            Step(
-                f"train {p} T={t} extra",
-                kind=f"train {p} extra",
-                size=t,
-                exponent=2,
-                first_cost=FIRST_COST.get((p, "extra")),
-                data=("train", p, "extra", t, 1),
-            )  # fmt: skip
-            for t in (lengths if extra else [])
-            for p in PASSES
-        ]
-    )
+
+    # Step(name, kind, size, exponent, first_cost, data)
+    def train(p: str, g: str, t: int) -> Step:
+        data = ("train", p, g, t, 1)
+        return Step(f"train {p} T={t} {g}", f"train {p} {g}", t, 2, FIRST_COST.get((p, g)), data)
+
+    def decode(t: int) -> Step:
+        data = ("decode", "decode", "core", t, decode_batch)
+        return Step(f"decode T={t} B={decode_batch}", "decode", t, 1, FIRST_COST[("decode", "core")], data)
+
+    steps = [train(p, g, t) for t in lengths for p in PASSES for g in ("core", "peers")]
+    steps += [decode(t) for t in lengths]
+    return steps + [train(p, "extra", t) for t in (lengths if extra else []) for p in PASSES]
 
 
-def measure_logged(cands: dict[str, Candidate], label: str, rounds: int, timer) -> tuple[dict, float]:
-    """``measure`` over ``cands`` with each check and timing logged as ``label: ...``. Returns its
-    results and the seconds the checks took (the first call of each compiles its kernels)."""
-    spent = {"check": 0.0}
-    names, named = {}, {}
-    for name, c in cands.items():
-
-        def check(name=name, c=c):
-            log(f"{label}: {name}: checking (its first call compiles its kernels, autotunes fla's)")
-            t0 = time.perf_counter()
-            try:
-                c.check()
-            except Exception as exc:
-                log(
-                    f"{label}: {name}: check FAILED after {time.perf_counter() - t0:.1f} s: {error_text(exc, 200)}"
-                )
-                raise
-            finally:
-                spent["check"] += time.perf_counter() - t0
-            log(f"{label}: {name}: check ok ({time.perf_counter() - t0:.1f} s)")
-
-        fn = lambda f=c.fn: f()  # noqa: E731 (a closure of its own, so that the timer can name it)
-        names[id(fn)] = name
-        named[name] = Candidate(fn=fn, check=check if c.check else None)
-
-    def timed(fn, warmup, rep):
-        ms = timer(fn, warmup=warmup, rep=rep)
-        log(f"{label}: timed {names[id(fn)]}: {ms:.3f} ms")
-        return ms
-
-    return measure(named, rounds=rounds, warmup=WARMUP, rep=REP, timer=timed), spent["check"]
+def new_report(setup: Setup) -> Report:
+    """The run's report: its title (the shape), columns, peer and plots."""
+    heads = f"D = {setup.d}" if setup.d == setup.d_v else f"Dk = {setup.d}, Dv = {setup.d_v}"
+    dtype = str(setup.dtype).removeprefix("torch.").replace("bfloat16", "bf16")
+    title = f"NSA forward, backward and decode ({setup.hq} query heads, {setup.h} KV heads, {heads}, {dtype})"
+    report = Report(package="nsa", title=title, columns=COLUMNS, measure_ceilings=False, **PEER)
+    for p in PASSES:
+        where = {"section": "train", "pass": p}
+        report.plot(title=f"{p} time", x="T", y="ms", series="impl", where=where, logx=True, logy=True)
+    where = {"section": "decode"}
+    report.plot(title="decode step time", x="T", y="ms", series="impl", where=where, logx=True)
+    return report
 
 
-def run(setup: Setup, out: Path | None, budget: Budget, lengths: list[int], decode_batch: int, *,
-        quick: bool = False, only: tuple[str, ...] = (), tag: str = "") -> Path:  # fmt: skip
+def measure_step(setup: Setup, step: Step, fla, gen: torch.Generator, sdpa: dict, sdpa_notes: list):
+    """Build one step's candidates, check them and time them in interleaved rounds: (results, what the
+    decode kernels counted, seconds of building and checking)."""
+    section, pass_, group, t, b = step.data
+    t_start = time.perf_counter()
+    if section == "train":
+        sdpa = sdpa if group == "core" else {}
+        cands, counted = train_candidates(setup, t, fla, gen, pass_, group, sdpa, sdpa_notes), {}
+    else:
+        cands, counted = decode_candidates(setup, t, b)
+    build_s = time.perf_counter() - t_start
+    log(f"{step.name}: {len(cands)} candidates ({', '.join(cands)}) built in {build_s:.1f} s")
+    kw = {"rounds": setup.rounds(t), "warmup": WARMUP, "rep": REP, "timer": setup.timer}
+    res, check_s = measure_logged(cands, step.name, log, **kw)
+    return res, counted, build_s + check_s
+
+
+def ratio(base_ms: float | None, ms: float | None) -> float | None:
+    return base_ms / ms if base_ms and ms else None
+
+
+def add_train_rows(report: Report, setup: Setup, step: Step, res: dict, full_ms: dict) -> None:
+    """A row per candidate of a train step, with its ratios to full attention's times (this step's or
+    the core step's before it, kept in ``full_ms``) and its TFLOP/s."""
+    _, pass_, _, t, _ = step.data
+    for impl, m in res.items():
+        if impl.startswith("sdpa") and m.median_ms is not None:
+            full_ms[(t, pass_)] = min(full_ms.get((t, pass_), math.inf), m.median_ms)
+            full_ms[(t, pass_, impl)] = m.median_ms
+    bases = {"speedup_vs_full": (t, pass_), "vs_cudnn": (t, pass_, "sdpa-cudnn")}
+    bases["vs_fa2"] = (t, pass_, "sdpa-flash")
+    for impl, m in res.items():
+        ratios = {col: ratio(full_ms.get(base), m.median_ms) for col, base in bases.items()}
+        fl = train_flops(impl, pass_, t, setup)
+        tf = fl / (m.median_ms * 1e9) if fl and m.median_ms else None
+        report.add(section="train", impl=impl, B=1, T=t, tflops=tf, **ratios, **{"pass": pass_}, **m.row())
+
+
+def add_decode_rows(report: Report, step: Step, res: dict, counted: dict) -> None:
+    """A row per candidate of a decode step: its speedup over SDPA's and the tokens it read."""
+    _, _, _, t, b = step.data
+    full = res["sdpa-decode"].median_ms
+    for impl, m in res.items():
+        ours = impl == "nsa-decode"
+        tokens, paper = (counted.get("tokens"), TABLE4.get(t)) if ours else (t, t)
+        row = {"section": "decode", "impl": impl, "pass": "decode", "B": b, "T": t, "tokens": tokens}
+        report.add(**row, paper_tokens=paper, speedup_vs_full=ratio(full, m.median_ms), **m.row())
+
+
+def write_report(
+    report: Report, plan: Plan, notes: list, out: Path | None, tag: str, final: bool, ceilings: bool = False
+) -> Path:
+    """Save the report, its notes naming the steps not measured and (while the run goes on) those not
+    reached; quietly, but for the ``final`` write, which prints the table (and measures the machine's
+    ceilings where ``ceilings``)."""
+    pending = [s.name for s in plan.pending()]
+    parts = [*notes, plan.notes()]
+    if pending and not final:
+        parts.append(
+            f"Not reached (the run was still going when this file was written): {', '.join(pending)}."
+        )
+    report.notes = " ".join([p for p in parts if p] + [NOTES])
+    if not final:
+        return quiet_write(report, tag=tag, out_dir=out)
+    report.measure_ceilings = ceilings
+    return report.write(tag=tag, out_dir=out)
+
+
+def run(
+    setup: Setup, out, budget: Budget, lengths, decode_batch: int, *, quick=False, only=(), tag=""
+) -> Path:
     """Run the plan (:func:`plan_steps`) within ``budget``, writing the report after every step."""
     from torch.nn.attention import SDPBackend
 
     steps = plan_steps(lengths, decode_batch, extra=bool(setup.extra_nsa))
     steps = [s for s in steps if s.name in select([s.name for s in steps], only, "step")]
     plan = Plan(steps, budget, log=log)
-    log(
-        f"device {setup.device}; budget {budget.describe()}; {len(steps)} steps: {', '.join(s.name for s in steps)}"
-    )
+    names = ", ".join(s.name for s in steps)
+    log(f"device {setup.device}; budget {budget.describe()}; {len(steps)} steps: {names}")
     gen = torch.Generator().manual_seed(0)
     fla = setup.fla()
     log("fla: " + ("imported" if fla[0] is not None else fla[1]))
-    report = Report(
-        package="nsa",
-        title=f"NSA forward, backward and decode ({setup.hq} query heads, {setup.h} KV heads, "
-        + (f"D = {setup.d}" if setup.d == setup.d_v else f"Dk = {setup.d}, Dv = {setup.d_v}")
-        + f", {str(setup.dtype).removeprefix('torch.').replace('bfloat16', 'bf16')})",
-        columns=COLUMNS,
-        peer="flash-linear-attention (fla-core) 0.6.0, parallel_nsa",
-        packages=["fla-core", "flash-linear-attention"],
-        measure_ceilings=False,
-    )
-    for p in PASSES:
-        report.plot(title=f"{p} time", x="T", y="ms", series="impl", where={"section": "train", "pass": p},
-                    logx=True, logy=True)  # fmt: skip
-    report.plot(
-        title="decode step time", x="T", y="ms", series="impl", where={"section": "decode"}, logx=True
-    )
+    report = new_report(setup)
     notes = [] if fla[0] is not None else [fla[1]]
     if setup.switches != Switches():
         notes.append(f"Switches changed from the defaults: {setup.switches}.")
     sdpa = {n: getattr(SDPBackend, b) for n, b in setup.sdpa_backends}
-    fixed = (
-        "nsa: paper configuration l=32, d=16, l'=64, n=16 (1 initial + 2 local), w=512, compressed keys "
-        "given (mean-pooled here; the compression MLP is outside the timing). cmp+slc rows: fla's setting "
-        "(mean pooling, l=d=l'=64, n=16, no window). slc rows: the selected branch alone on one set of "
-        "indices. Each step checks every candidate's forward output at the row's shape (sampled query rows "
-        "against the PyTorch reference; fla against ours) before timing; bwd and fwd+bwd rows are checked "
-        "on the forward (the gradients are the tests' business). bwd: the backward of one kept forward "
-        "(retain_graph, a fixed cotangent). Rows of one step (a length, a pass, and 'core' = nsa and SDPA "
-        "or 'peers' = fa4, cmp+slc, slc) are timed interleaved (paperclub.bench.measure). "
-        "speedup_vs_full: the fastest full-attention (SDPA) time over this row's, same pass and length; "
-        "vs_cudnn, vs_fa2: SDPA's cuDNN and FlashAttention-2 backends' times over this row's. tflops: the "
-        "row's matmul FLOPs (repro.nsa.bench.train_flops) over its time."
-    )
-    full_ms: dict = {}
-    sdpa_notes: list = []
-
-    def write(final: bool) -> Path:
-        pending = [s.name for s in plan.pending()]
-        parts = [*notes, plan.notes()]
-        if pending and not final:
-            parts.append(
-                f"Not reached (the run was still going when this file was written): {', '.join(pending)}."
-            )
-        report.notes = " ".join([p for p in parts if p] + [fixed])
-        if final:
-            report.measure_ceilings = not quick and budget.left() > 0
-            return report.write(tag=tag, out_dir=out)
-        return quiet_write(report, tag=tag, out_dir=out)
-
+    full_ms, sdpa_notes = {}, []
     for step in plan:
-        section, pass_, group, t, b = step.data
+        section, pass_, _, t, b = step.data
         t_start = time.perf_counter()
         try:
-            if section == "train":
-                cands = train_candidates(setup, t, fla, gen, passes=(pass_,), group=group,
-                                         sdpa=sdpa if group == "core" else {}, notes=sdpa_notes)  # fmt: skip
-                cands, counted = {impl: c for (impl, _), c in cands.items()}, {}
-            else:
-                cands, counted = decode_candidates(setup, t, b)
-            build_s = time.perf_counter() - t_start
-            log(f"{step.name}: {len(cands)} candidates ({', '.join(cands)}) built in {build_s:.1f} s")
-            res, check_s = measure_logged(cands, step.name, setup.rounds(t), setup.timer)
+            res, counted, check_s = measure_step(setup, step, fla, gen, sdpa, sdpa_notes)
         except Exception as exc:  # e.g. out of memory while building the inputs: record it, go on
             log(f"{step.name}: failed: {error_text(exc, 300)}")
-            report.add(section=section, impl="all", B=b, T=t, check=f"failed: {error_text(exc, 290)}",
-                       **{"pass": pass_})  # fmt: skip
+            check = f"failed: {error_text(exc, 290)}"
+            report.add(section=section, impl="all", B=b, T=t, check=check, **{"pass": pass_})
             plan.record(step, check_s=time.perf_counter() - t_start, time_s=0.0)
-            if setup.device == "cuda":
-                torch.cuda.empty_cache()
-            write(final=False)
-            continue
-        total = time.perf_counter() - t_start
-        check_s += build_s
-        plan.record(step, check_s=check_s, time_s=max(0.0, total - check_s))
-        if section == "decode":
-            full = res["sdpa-decode"].median_ms
-            for impl, m in res.items():
-                sp = full / m.median_ms if full and m.median_ms else None
-                tokens = counted.get("tokens") if impl == "nsa-decode" else t
-                report.add(section="decode", impl=impl, B=b, T=t, speedup_vs_full=sp, tokens=tokens,
-                           paper_tokens=TABLE4.get(t) if impl == "nsa-decode" else t,
-                           **{"pass": "decode"}, **m.row())  # fmt: skip
         else:
-            for impl, m in res.items():
-                if impl.startswith("sdpa") and m.median_ms is not None:
-                    full_ms[(t, pass_)] = min(full_ms.get((t, pass_), math.inf), m.median_ms)
-                    full_ms[(t, pass_, impl)] = m.median_ms
-            for impl, m in res.items():
-                ratio = {}
-                for col, base in (("speedup_vs_full", (t, pass_)), ("vs_cudnn", (t, pass_, "sdpa-cudnn")),
-                                  ("vs_fa2", (t, pass_, "sdpa-flash"))):  # fmt: skip
-                    f = full_ms.get(base)
-                    ratio[col] = f / m.median_ms if f and m.median_ms else None
-                fl = train_flops(impl, pass_, t, setup)
-                tf = fl / (m.median_ms * 1e9) if fl and m.median_ms else None
-                report.add(section="train", impl=impl, B=1, T=t, tflops=tf, **ratio, **{"pass": pass_},
-                           **m.row())  # fmt: skip
-            for line in sdpa_notes:
-                if line not in notes:
-                    notes.append(line)
-        for impl, m in res.items():
-            log(
-                f"{step.name}: {impl}: "
-                + (f"{m.median_ms:.3f} ms" if m.median_ms is not None else m.row()["check"])
-            )
-        log(f"{step.name}: done in {total:.1f} s; writing the report")
-        del res, cands
+            total = time.perf_counter() - t_start
+            plan.record(step, check_s=check_s, time_s=max(0.0, total - check_s))
+            if section == "decode":
+                add_decode_rows(report, step, res, counted)
+            else:
+                add_train_rows(report, setup, step, res, full_ms)
+                notes += [line for line in dict.fromkeys(sdpa_notes) if line not in notes]
+            log(f"{step.name}: done in {total:.1f} s; writing the report")
+            del res
         if setup.device == "cuda":
             torch.cuda.empty_cache()
-        write(final=False)
-    path = write(final=True)
+        write_report(report, plan, notes, out, tag, final=False)
+    path = write_report(report, plan, notes, out, tag, final=True, ceilings=not quick and budget.left() > 0)
     log(f"finished; {len(plan.finished)} of {len(steps)} steps run")
     return path
 
@@ -826,8 +768,8 @@ def main(argv=None) -> None:
         raise SystemExit("repro.nsa.bench needs a CUDA GPU")
     lengths = [int(x) for x in args.lengths.split(",") if x] or ([8192] if args.quick else sorted(TABLE4))
     setup = Setup(switches=switches, d=d, dv=dv)
-    run(setup, args.out, args.budget, sorted(lengths), args.decode_batch, quick=args.quick, only=args.only,
-        tag=args.tag or setup.heads())  # fmt: skip
+    kw = {"quick": args.quick, "only": args.only, "tag": args.tag or setup.heads()}
+    run(setup, args.out, args.budget, sorted(lengths), args.decode_batch, **kw)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ candidates and FLOP counts:
 
 * **Timing**: :func:`time_ms` (one candidate), :func:`measure` (check each :class:`Candidate` once,
   then time those that passed in interleaved rounds; :class:`Measured` gives the row columns
-  ``ms, ms_min, ms_max, check``), :func:`kernel_times` (torch.profiler, for reading).
+  ``ms, ms_min, ms_max, check``), :func:`failed_candidate` (one known not to run: its row says why),
+  :func:`kernel_times` (torch.profiler, for reading).
 * **Command line**: :func:`bench_parser` declares the options every bench takes and
   :func:`parse_bench_args` checks them::
 
@@ -218,6 +219,17 @@ class Candidate:
 
     fn: Callable[[], object]
     check: Callable[[], object] | None = None
+
+
+def failed_candidate(error: BaseException | str) -> Candidate:
+    """A :class:`Candidate` known not to run (its check failed before, at the shape; its build raised):
+    its check raises ``error`` (a message: an ``AssertionError`` with it), so that :func:`measure` gives
+    its row that error as a failed check and never times it."""
+
+    def check() -> None:
+        raise AssertionError(error) if isinstance(error, str) else error
+
+    return Candidate(fn=lambda: None, check=check)
 
 
 @dataclass
@@ -823,7 +835,7 @@ def sweep(
         try:
             cands[name] = build(cfg)
         except Exception as exc:  # the build's failure is this row's result
-            cands[name] = Candidate(fn=lambda: None, check=_raiser(exc))
+            cands[name] = failed_candidate(exc)
     cands.update(peers)
     res = measure(cands, rounds=rounds, warmup=warmup, rep=rep, timer=timer)
     base_ms = res[baseline].median_ms
@@ -845,8 +857,101 @@ def sweep(
     return rows
 
 
-def _raiser(exc: BaseException) -> Callable[[], None]:
-    def check() -> None:
-        raise exc
+def measure_logged(
+    candidates: Mapping[str, Candidate | Callable[[], object]],
+    label: str,
+    log: Callable[[str], None] = print,
+    **kw,
+) -> tuple[dict[str, Measured], float]:
+    """:func:`measure` (``kw``: its ``rounds``, ``warmup``, ``rep``, ``timer``) with a line to ``log``
+    for each check (started; passed or failed, and in how long), each timing and, at the end, each
+    candidate's median or failed check, every line starting ``label: ``: a run that its timeout kills
+    shows where it was. Returns the results and the seconds the checks took (the first calls, which
+    compile), the part of a step that :meth:`Plan.record` counts apart from the timing."""
+    timer = kw.pop("timer", None) or time_ms
+    spent = [0.0]
+    names: dict[int, str] = {}
+    logged: dict[str, Candidate] = {}
+    for name, cand in candidates.items():
+        if not isinstance(cand, Candidate):
+            if not callable(cand):
+                raise TypeError(f"measure_logged: candidate '{name}' is neither a Candidate nor callable")
+            cand = Candidate(fn=cand)
 
-    return check
+        def check(name=name, check=cand.check):
+            log(f"{label}: {name}: checking (its first call compiles its kernels)")
+            t0 = time.perf_counter()
+            try:
+                check()
+            except Exception as exc:
+                took = time.perf_counter() - t0
+                log(f"{label}: {name}: check FAILED after {took:.1f} s: {error_text(exc, 200)}")
+                raise
+            finally:
+                spent[0] += time.perf_counter() - t0
+            log(f"{label}: {name}: check ok ({time.perf_counter() - t0:.1f} s)")
+
+        fn = lambda f=cand.fn: f()  # noqa: E731 (a closure of its own, so that the timer can name it)
+        names[id(fn)] = name
+        logged[name] = Candidate(fn=fn, check=check if cand.check else None)
+
+    def timed(fn, warmup, rep):
+        ms = timer(fn, warmup=warmup, rep=rep)
+        log(f"{label}: timed {names[id(fn)]}: {ms:.3f} ms")
+        return ms
+
+    res = measure(logged, timer=timed, **kw)
+    for name, m in res.items():
+        log(f"{label}: {name}: " + (f"{m.median_ms:.3f} ms" if m.median_ms is not None else m.row()["check"]))
+    return res, spent[0]
+
+
+def fwd_bwd(f: Callable[[], Any], leaves: Any, grad: Any = None) -> Callable[[], Any]:
+    """A closure running ``f()`` and the backward of its output to ``leaves`` (a sequence of tensors,
+    or a callable giving it at call time) on every call; it returns the gradients rather than
+    accumulating ``.grad``. The cotangent is ``grad``, else one drawn (``randn_like``) on the first
+    call and kept."""
+    import torch
+
+    state = {} if grad is None else {"do": grad}
+
+    def run():
+        o = f()
+        if "do" not in state:
+            state["do"] = torch.randn_like(o)
+        ls = leaves() if callable(leaves) else leaves
+        return torch.autograd.grad(o, ls, state["do"], allow_unused=True)
+
+    return run
+
+
+def bwd_only(f: Callable[[], Any], leaves: Any, grad: Any = None) -> Callable[[], Any]:
+    """A closure timing the backward alone: ``f()`` runs once (on the first call), its output is kept,
+    and every call runs its backward to ``leaves`` again (``retain_graph``); ``leaves`` and ``grad``
+    as in :func:`fwd_bwd` (a drawn cotangent is drawn after that first forward)."""
+    import torch
+
+    state = {} if grad is None else {"do": grad}
+
+    def run():
+        if "o" not in state:
+            state["o"] = f()
+            if "do" not in state:
+                state["do"] = torch.randn_like(state["o"])
+        ls = leaves() if callable(leaves) else leaves
+        return torch.autograd.grad(state["o"], ls, state["do"], retain_graph=True, allow_unused=True)
+
+    return run
+
+
+def timed_pass(pass_: str, f: Callable[[], Any], leaves: Any, grad: Any = None) -> Callable[[], Any]:
+    """What a row of pass ``pass_`` times: ``"fwd"`` ``f`` itself (building its autograd graph where
+    ``leaves`` require grad, as training does), ``"bwd"`` the backward alone (:func:`bwd_only`),
+    ``"fwd+bwd"`` both (:func:`fwd_bwd`); ``leaves`` and ``grad`` as there."""
+    if pass_ == "fwd":
+        return f
+    if pass_ == "bwd":
+        return bwd_only(f, leaves, grad)
+    if pass_ == "fwd+bwd":
+        return fwd_bwd(f, leaves, grad)
+    raise ValueError(f"timed_pass: pass {pass_!r} is none of 'fwd', 'bwd', 'fwd+bwd'")

@@ -17,15 +17,16 @@ from pathlib import Path
 
 import torch
 
-from paperclub.bench import Candidate, Report, apply_settings, bench_parser, parse_bench_args
+from paperclub.bench import Candidate, Report, apply_settings, bench_parser, measure_logged, parse_bench_args
 from paperclub.testing import assert_rel_close
 from repro.nsa import reference as ref
 from repro.nsa.bench import (
+    REP,
     TOL,
+    WARMUP,
     Setup,
     add_heads_arg,
     log,
-    measure_logged,
     parse_heads,
     sample_rows,
     train_inputs,
@@ -174,7 +175,8 @@ def run(setup: Setup, out: Path | None, t: int, gen: torch.Generator) -> Path:
     ``<device>-breakdown.json``: a row per stage and ``whole``, with its share of ``whole``'s time, and
     a ``sum-of-stages`` row (the stages' medians added, not timed)."""
     log(f"breakdown T={t}: building inputs and the stages")
-    res, _ = measure_logged(candidates(setup, t, gen), f"breakdown T={t}", setup.rounds(t), setup.timer)
+    kw = {"rounds": setup.rounds(t), "warmup": WARMUP, "rep": REP, "timer": setup.timer}
+    res, _ = measure_logged(candidates(setup, t, gen), f"breakdown T={t}", log, **kw)
     report = Report(
         package="nsa",
         title=f"NSA forward by stage at T = {t} ({setup.hq} query heads, {setup.h} KV heads, {setup.heads()}, bf16)",
@@ -185,10 +187,6 @@ def run(setup: Setup, out: Path | None, t: int, gen: torch.Generator) -> Path:
     for stage, m in res.items():
         share = m.median_ms / whole if whole and m.median_ms is not None else None
         report.add(stage=stage, T=t, share_of_whole=share, **m.row())
-        log(
-            f"breakdown T={t}: {stage}: "
-            + (f"{m.median_ms:.3f} ms" if m.median_ms is not None else m.row()["check"])
-        )
     parts = [res[s].median_ms for s in STAGES]
     total = sum(parts) if all(p is not None for p in parts) else None
     report.add(stage="sum-of-stages", T=t, ms=total, check="not timed: the stages' medians added",

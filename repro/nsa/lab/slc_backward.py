@@ -19,15 +19,16 @@ from pathlib import Path
 
 import torch
 
-from paperclub.bench import Candidate, Report, bench_parser, parse_bench_args, sweep, variants
+from paperclub.bench import Candidate, Report, bench_parser, parse_bench_args, sweep, timed_pass, variants
 from paperclub.testing import assert_rel_close, rel_error
 from repro.nsa import reference as ref
 from repro.nsa.bench import (
     GRAD_TOL,
+    PEER,
     TOL,
     Setup,
     add_heads_arg,
-    failing,
+    failed,
     log,
     parse_heads,
     sample_rows,
@@ -85,25 +86,15 @@ def candidates(setup: Setup, t: int, fla, gen: torch.Generator, impls: dict = IM
 
         return check
 
-    def timed(f, key, pass_):
-        if pass_ == "fwd+bwd":
-            return lambda: torch.autograd.grad(f(), leaves, do)
-
-        def bwd():
-            if key not in cache:
-                cache[key] = f()  # the forward, once; its graph is kept for every timed backward
-            torch.autograd.grad(cache[key], leaves, do, retain_graph=True)
-
-        return bwd
-
     def build(sw: Switches, pass_: str) -> Candidate:
-        return Candidate(fn=timed(lambda: forward(sw), (sw, pass_), pass_), check=check_of(sw))
+        # bwd: the forward once, its graph kept for every timed backward (paperclub.bench.bwd_only)
+        return Candidate(fn=timed_pass(pass_, lambda: forward(sw), leaves, do), check=check_of(sw))
 
     parallel_nsa, why = fla
     peers = {}
     for pass_ in ("bwd", "fwd+bwd"):
         if parallel_nsa is None:
-            peers[pass_] = Candidate(fn=failing(why), check=failing(why))
+            peers[pass_] = failed(why)
             continue
 
         def fla_fwd():
@@ -117,7 +108,7 @@ def candidates(setup: Setup, t: int, fla, gen: torch.Generator, impls: dict = IM
             errs = [rel_error(x.float(), y.float()) for x, y in zip(got, base_grads(), strict=True)]
             log(f"slc-bwd T={t}: fla's dq, dk, dv against ours: " + ", ".join(f"{e:.2e}" for e in errs))
 
-        peers[pass_] = Candidate(fn=timed(fla_fwd, ("fla", pass_), pass_), check=check_fla)
+        peers[pass_] = Candidate(fn=timed_pass(pass_, fla_fwd, leaves, do), check=check_fla)
     configs = variants(setup.switches, {k: v for k, v in impls.items() if v}, baseline=next(iter(impls)))
     return configs, build, peers
 
@@ -131,9 +122,8 @@ def run(
         package="nsa",
         title=f"NSA selected branch backward ({setup.hq} query heads, {setup.h} KV heads, {setup.heads()}, bf16)",
         columns=COLUMNS,
-        peer="flash-linear-attention (fla-core) 0.6.0, parallel_nsa",
-        packages=["fla-core", "flash-linear-attention"],
         measure_ceilings=False,
+        **PEER,
         notes=" ".join(__doc__.split("\n\n")[1:]).replace("\n", " "),
     )
     path = None

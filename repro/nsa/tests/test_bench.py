@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import torch
 
-from paperclub.bench import Budget, Plan
+from paperclub.bench import Budget, Plan, bwd_only, fwd_bwd
 from repro.nsa import bench, window
 from repro.nsa import reference as ref
 
@@ -30,7 +30,7 @@ def test_fwd_bwd_draws_one_cotangent_and_differentiates_every_leaf():
         seen.append(out)
         return out
 
-    run = bench.fwd_bwd(f, (x, y))
+    run = fwd_bwd(f, (x, y))
     run()
     run()
     assert len(seen) == 2  # one forward per call, none when the closure is built
@@ -220,7 +220,7 @@ def test_bwd_only_runs_one_forward_and_many_backwards():
         forwards.append(1)
         return x * 2
 
-    run = bench.bwd_only(f, (x,))
+    run = bwd_only(f, (x,))
     for _ in range(3):
         run()
     assert len(forwards) == 1 and x.grad is None
