@@ -321,12 +321,31 @@ def _grad_errors(out_fn, leaves, grad, layout, ref) -> dict[str, float]:
     return {n: rel_err(a, r) for n, a, r in zip(("o", "dq", "dk", "dv"), got, ref, strict=True)}
 
 
+#: The most two SDPA backends may disagree (relative L2, any of o, dq, dk, dv) for either to be the
+#: yardstick: bf16 rounding gives about 3e-3. Above it (on an H200, 2026-11-29, cuDNN's gradients came
+#: out uncorrelated with FA2's and ours, 1.4 relative, in a run where the peer part had timed cuDNN at
+#: the same shape first; the cause is not established) a tolerance of 3x the distance would pass
+#: anything, so the check fails instead.
+REFERENCE_AGREEMENT = 5e-2
+
+
+def _tolerance(yardstick_err: float) -> float:
+    """The check's tolerance from the yardstick's distance to the reference: 3x it, at least 2e-2;
+    a distance over REFERENCE_AGREEMENT raises (no trustworthy reference at this shape)."""
+    if not yardstick_err <= REFERENCE_AGREEMENT:
+        raise AssertionError(
+            f"no reference: two SDPA backends' outputs and gradients differ by {yardstick_err:.1e} "
+            f"(relative L2), more than {REFERENCE_AGREEMENT:.0e}; neither can check ours at this shape"
+        )
+    return max(3 * yardstick_err, 2e-2)
+
+
 def _cudnn_grads(x: _Inputs, causal: bool):
     """cuDNN's output and gradients on ``x``, FA2's (SDPA) largest distance from them, and the check
-    tolerance: 3x that distance, at least 2e-2."""
+    tolerance (:func:`_tolerance`, which raises when FA2 and cuDNN disagree)."""
     ref, fa2 = x.sdpa_grads(causal, "cudnn"), x.sdpa_grads(causal, "flash2")
     fa2_err = max(rel_err(a, r) for a, r in zip(fa2, ref, strict=True))
-    return ref, fa2_err, max(3 * fa2_err, 2e-2)
+    return ref, fa2_err, _tolerance(fa2_err)
 
 
 def _bwd_shape(b: int, s: int, causal: bool):
@@ -628,7 +647,8 @@ def bwd_compare(
         "pass=bwd times torch.autograd.grad on a kept graph (the backward kernels alone, with their "
         "preprocess). vs_cudnn: cuDNN's ms / this row's ms (> 1 is faster). check: output and "
         "gradients against cuDNN's on the same inputs, tolerance 3x the FA2 backend's own distance "
-        "from cuDNN (at least 2e-2). fa4-gluon = Gluon forward + fa2 backward (the previous default "
+        "from cuDNN (at least 2e-2); where FA2 and cuDNN differ by more than REFERENCE_AGREEMENT (5e-2) "
+        "there is no reference and ours is not timed. fa4-gluon = Gluon forward + fa2 backward (the previous default "
         "pairing); fa4-gluon-fused = Gluon forward + fused backward (FUSED_DEFAULTS); "
         "fa4-triton-tma-fused = Triton forward (TMA) + fused backward; fa4-gluon-gluonbwd = Gluon forward + "
         "the warp-specialised Gluon backward (repro.fa4.gluon_bwd, bwd='auto' on Hopper); "
@@ -639,9 +659,15 @@ def bwd_compare(
     for causal, s, b in _shapes(seqlens, budget, 45, skipped):
         print(f"bwd: S={s} causal={causal}: checking against cuDNN", flush=True)
         x = _Inputs.make(b, s)
-        ref, fa2_err, tol = _cudnn_grads(x, causal)
         mine = {n: ours(*x.leaves, causal, changes) for n, changes in impls.items()}
-        errs, bad = _check_all(mine, x.leaves, x.grad, ref, tol)
+        try:
+            ref, fa2_err, tol = _cudnn_grads(x, causal)
+        except AssertionError as exc:  # no trustworthy reference: every row of ours says so, untimed
+            ref, fa2_err, tol = None, float("nan"), None
+            errs, bad = {}, {n: str(exc) for n in mine}
+            print(f"  {exc}", flush=True)
+        else:
+            errs, bad = _check_all(mine, x.leaves, x.grad, ref, tol)
         errs["sdpa-flash2"] = {"max": fa2_err}
         notes = functools.partial(_errors_note, errs)
         for passes in ("fwd+bwd", "bwd"):
@@ -718,9 +744,13 @@ def heads(
         if ref is None:
             skipped.append(f"D={d} D_v={d_v} S={s} causal={causal} (no SDPA backend ran)")
             continue
-        tol = max(3 * max(rel_err(a, r) for a, r in zip(fa2, ref, strict=True)), 2e-2) if fa2 else 2e-2
         mine = {"fa4": ours(*x.leaves, causal, {})}
-        bad = _check_all(mine, x.leaves, x.grad, ref, tol)[1]
+        try:
+            tol = _tolerance(max(rel_err(a, r) for a, r in zip(fa2, ref, strict=True))) if fa2 else 2e-2
+        except AssertionError as exc:  # no trustworthy reference: ours is not timed, its rows say why
+            bad = {"fa4": str(exc)}
+        else:
+            bad = _check_all(mine, x.leaves, x.grad, ref, tol)[1]
         tiles = functools.partial(_tiles, head_layout(d, d_v))
         for passes in ("fwd", "fwd+bwd"):
             cands = {**_sdpa_candidates(x, causal, passes), **_ours_candidates(x, mine, bad, passes)}

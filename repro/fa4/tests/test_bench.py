@@ -128,3 +128,14 @@ def test_head_rows_count_the_callers_work():
         assert lay.verified == (d <= 128)
         assert (lay.flops_ratio() == 1) == (d in (64, 128, 256) and d_v == d)
     assert all(w[0] < bench.HEAD_SEQLENS[-1] for w in bench.WINDOWS)
+
+
+def test_check_tolerance_refuses_a_reference_the_yardstick_disagrees_with():
+    """3x the yardstick's distance, at least 2e-2; two SDPA backends that disagree beyond
+    REFERENCE_AGREEMENT give no reference (a tolerance from their distance would pass anything)."""
+    from repro.fa4.bench import REFERENCE_AGREEMENT, _tolerance
+
+    assert _tolerance(3.2e-3) == 2e-2 and _tolerance(1e-2) == pytest.approx(3e-2)
+    for bad in (1.4, REFERENCE_AGREEMENT * 1.01, float("nan")):
+        with pytest.raises(AssertionError, match="no reference"):
+            _tolerance(bad)
