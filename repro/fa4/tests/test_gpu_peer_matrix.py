@@ -24,6 +24,9 @@ cuDNN, else the flash, memory-efficient or math backend, whichever first takes t
 a boolean mask, which the flash backend refuses); rows that see no key are zeros in ours and in the
 reference (flash-attn's convention) and NaN in SDPA's, which are taken as zeros. Measured errors go
 to ``$PAPERCLUB_TEST_LOG``. ``PAPERCLUB_FA4_MATRIX=fa2`` or ``fa3`` runs one matrix (the default both);
+``gluon`` (opt-in, e.g. ``fa2,fa3,gluon``) adds both matrices once more through the Gluon forward
+(``gluon=True``) at every case it takes (D <= 128 with D_v = D, no window): what must pass before the
+Gluon forward can be the default on Hopper (issue #42: the default Triton forward is 0.63-0.70x cuDNN);
 under compute-sanitizer each case runs two variants (a window with GQA, causal with MQA) on its
 two smallest shapes, ours only (the values were checked in the plain pass).
 
@@ -83,6 +86,13 @@ def _cases():
                 pytest.param("fa3", d, dv, dtype, id=f"fa3-d{d}-dv{dv}-{t}")
                 for d in FA3_HEAD_DIMS
                 for dv in fa3_dv(d)
+            ]
+        if "gluon" in wanted:  # the Gluon forward's cases: D <= 128, D_v = D (it runs no window)
+            cases += [
+                pytest.param(f"gluon-{m}", d, d, dtype, id=f"gluon-{m}-d{d}-{t}")
+                for m, dims in (("fa2", FA2_HEAD_DIMS), ("fa3", FA3_HEAD_DIMS))
+                for d in dims
+                if d <= 128
             ]
     return cases
 
@@ -160,14 +170,22 @@ def _window(local: bool, s_k: int, g: torch.Generator):
 @CLAIM
 @pytest.mark.parametrize("matrix, d, d_v, dtype", _cases())
 def test_gpu_peer_matrix(matrix, d, d_v, dtype):
+    switches = {}
+    variants = SANITIZER_VARIANTS if sanitizing() else VARIANTS
+    if matrix.startswith("gluon-"):
+        if torch.cuda.get_device_capability() != (9, 0):
+            pytest.skip("the Gluon forward is a Hopper (sm_90) kernel")
+        matrix, switches = matrix.removeprefix("gluon-"), {"gluon": True}
+        variants = [v for v in variants if not v[2]] or [("mqa", True, False)]  # no window
     failures = []
-    for variant in SANITIZER_VARIANTS if sanitizing() else VARIANTS:
-        failures += _run_variant(matrix, d, d_v, dtype, *variant)
+    for variant in variants:
+        failures += _run_variant(matrix, d, d_v, dtype, *variant, **switches)
     assert not failures, f"{len(failures)} errors over tolerance:\n" + "\n".join(failures)
 
 
-def _run_variant(matrix, d, d_v, dtype, mha, causal, local) -> list[str]:
-    """Every shape of one (head grouping, causal, local) of a case; the failures, as lines."""
+def _run_variant(matrix, d, d_v, dtype, mha, causal, local, **switches) -> list[str]:
+    """Every shape of one (head grouping, causal, local) of a case, ours with ``switches``; the
+    failures, as lines."""
     shapes = _shapes(matrix, causal, local)
     if sanitizing():  # memory accesses only: the two smallest shapes (ragged ones among them)
         shapes = sorted(shapes, key=lambda s: s[0] * s[1] * s[2])[:2]
@@ -183,7 +201,7 @@ def _run_variant(matrix, d, d_v, dtype, mha, causal, local) -> list[str]:
         do = torch.randn(b, s_q, h, d_v, device=DEVICE, generator=g).to(dtype)
         window = _window(local, s_k, gw)
         leaves = [t.clone().requires_grad_(want_grads) for t in (q, k, v)]
-        out = attention(*leaves, causal=causal, window=window)
+        out = attention(*leaves, causal=causal, window=window, **switches)
         ours = [out.detach(), *(torch.autograd.grad(out, leaves, do) if want_grads else [])]
         if sanitizing():
             torch.cuda.synchronize()
@@ -210,7 +228,7 @@ def _run_variant(matrix, d, d_v, dtype, mha, causal, local) -> list[str]:
             usable = peer_err == peer_err and peer_err <= 10 * FLOOR[dtype]
             tol = max(2 * peer_err, FLOOR[dtype]) if usable else FLOOR[dtype]
             log_measure(
-                "fa4/gpu-peer-matrix", matrix=matrix, d=d, d_v=d_v, local=local, mha=mha,
+                "fa4/gpu-peer-matrix", matrix=matrix, **switches, d=d, d_v=d_v, local=local, mha=mha,
                 dtype=str(dtype), **shape, tensor=name, error=float(f"{err:.3g}"), peer=peer_name,
                 peer_error=float(f"{peer_err:.3g}"), tolerance=float(f"{tol:.3g}"),
             )  # fmt: skip
