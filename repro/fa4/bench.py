@@ -348,9 +348,10 @@ def _cudnn_grads(x: _Inputs, causal: bool):
     return ref, fa2_err, _tolerance(fa2_err)
 
 
-def _bwd_shape(b: int, s: int, causal: bool):
-    """lab/tuning's backward sweeps: (ours, SDPA's leaves, dO, cuDNN's grads, FA2's distance, tolerance)."""
-    x = _Inputs.make(b, s)
+def _bwd_shape(b: int, s: int, causal: bool, d: int = HEAD_DIM):
+    """lab/tuning's backward sweeps: (ours, SDPA's leaves, dO, cuDNN's grads, FA2's distance, tolerance)
+    at head size ``d``."""
+    x = _Inputs.make(b, s, d)
     return x.leaves, x.sdpa, x.grad, *_cudnn_grads(x, causal)
 
 

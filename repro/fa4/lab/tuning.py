@@ -6,6 +6,7 @@
     python -m repro.fa4.lab.tuning gluon-combos  ...   # the winners of ``gluon`` combined -> <device>-gluon-combos.json
     python -m repro.fa4.lab.tuning bwd-fused     ...   # triton_bwd_fused.FUSED_CONFIGS at S = 8k -> <device>-bwd-sweep.json
     python -m repro.fa4.lab.tuning gluon-bwd-dq  ...   # the Gluon backward's dQ by TMA vs by atomics -> <device>-bwd-gluon-dq.json
+    python -m repro.fa4.lab.tuning bwd-d256      ...   # the D = 256 backwards' launches (issue #42) -> <device>-bwd-d256.json
 
 What each sweep found is in the constant it tuned (``triton_fwd.FWD_DEFAULTS``, ``triton_bwd.BWD_DEFAULTS``,
 ``api.GLUON_LAUNCH``, ``triton_bwd_fused.FUSED_DEFAULTS``, ``gluon_bwd.DQ_TMA``), each with its date,
@@ -298,6 +299,36 @@ def dq_configs() -> dict[str, Switches]:
     )
 
 
+#: The D = 256 backward launches ``bwd-d256`` times (issue #42: the default is 0.26-0.33x cuDNN
+#: forward + backward on an H200, 2026-11-29): every (block_m, block_n, warps, stages) of the fused
+#: and the FA2 backward that compiles for sm_90a (bf16, offline, 2026-11-29, ``lab/compile.py``) within
+#: the 232,448 bytes of shared memory a block may use and with at most 140 bytes of register spills
+#: (the screen: block_m 16-128, block_n 32/64, 4/8 warps, 1/2 stages; every 4-warp launch spilled
+#: 52-6,404 bytes). In brackets: registers, spill bytes (the two FA2 kernels: dK/dV; dQ).
+D256_SWEEP = {
+    "fused-m32-n32-w8-s1": ("fused", 32, 32, 8, 1),  # the default (192 registers, 0)
+    "fused-m32-n32-w8-s2": ("fused", 32, 32, 8, 2),  # (226, 0)
+    "fused-m16-n32-w8-s2": ("fused", 16, 32, 8, 2),  # (182, 0)
+    "fused-m16-n64-w8-s2": ("fused", 16, 64, 8, 2),  # (252, 0), 147,584 B shared
+    "fused-m64-n32-w8-s1": ("fused", 64, 32, 8, 1),  # (255, 20)
+    "fused-m64-n32-w8-s2": ("fused", 64, 32, 8, 2),  # (255, 24)
+    "fused-m32-n64-w8-s2": ("fused", 32, 64, 8, 2),  # (255, 140)
+    "fa2-m64-n32-w8-s2": ("fa2", 64, 32, 8, 2),  # the FA2 default (244, 0; 168, 0)
+    "fa2-m64-n32-w8-s1": ("fa2", 64, 32, 8, 1),  # (218, 0; 254, 0)
+    "fa2-m32-n32-w8-s2": ("fa2", 32, 32, 8, 2),  # (174, 0; 128, 16)
+    "fa2-m32-n64-w8-s2": ("fa2", 32, 64, 8, 2),  # (255, 8; 159, 0)
+    "fa2-m128-n32-w8-s2": ("fa2", 128, 32, 8, 2),  # (255, 8; 255, 0)
+}
+
+
+def d256_configs() -> dict[str, Switches]:
+    """D256_SWEEP's launches as configs (the Triton forward at D = 256, its default)."""
+    return {
+        name: Switches(bwd=bwd, bwd_block_m=bm, bwd_block_n=bn, bwd_num_warps=nw, bwd_num_stages=ns)
+        for name, (bwd, bm, bn, nw, ns) in D256_SWEEP.items()
+    }
+
+
 def _bwd_candidate(leaves, grad, ref, tol: float, causal: bool, cfg: Switches, *, passes: str) -> Candidate:
     """Ours with ``cfg`` timed for ``passes`` ("bwd" or "fwd+bwd"), checked against cuDNN's output and
     gradients ``ref`` within ``tol``."""
@@ -315,13 +346,13 @@ def _bwd_candidate(leaves, grad, ref, tol: float, causal: bool, cfg: Switches, *
 
 
 def backward_sweep(out: Path | None, rounds: int, budget: Budget, configs: dict[str, Switches], tag: str,
-                   title: str, seqlens=(8192,)) -> Report:  # fmt: skip
+                   title: str, seqlens=(8192,), d: int = bench.HEAD_DIM) -> Report:  # fmt: skip
     """``configs`` beside cuDNN and FA2 (SDPA) at each S of ``seqlens``, causal and not, backward alone
     and forward + backward; every config checked first against cuDNN's output and gradients on the same
     values (bench's tolerance: 3x FA2's own distance from cuDNN, at least 2e-2)."""
     report = Report(
         package="fa4",
-        title=f"{title}, D=128, 16 heads, B*S=16k, bf16",
+        title=f"{title}, D={d}, 16 heads, B*S=16k, bf16",
         peer=f"torch {torch.__version__} SDPA (cuDNN {torch.backends.cudnn.version()}, FlashAttention-2 backend)",
         columns=["pass", "causal", "S", "B", *SWEEP_COLUMNS, "tflops"],
         packages=["triton", "torch"],
@@ -338,7 +369,7 @@ def backward_sweep(out: Path | None, rounds: int, budget: Budget, configs: dict[
             if not budget.allows(None, reserve_s=45):
                 report.notes += f" S={s} causal={causal}: not run (time budget)."
                 continue
-            ours_leaves, sdpa_leaves, grad, ref, _, tol = bench._bwd_shape(b, s, causal)
+            ours_leaves, sdpa_leaves, grad, ref, _, tol = bench._bwd_shape(b, s, causal, d)
             grad_t = grad.transpose(1, 2).contiguous()
             for passes in ("bwd", "fwd+bwd"):
                 build = functools.partial(_bwd_candidate, ours_leaves, grad, ref, tol, causal, passes=passes)
@@ -347,7 +378,7 @@ def backward_sweep(out: Path | None, rounds: int, budget: Budget, configs: dict[
                     for be in ("cudnn", "flash2")
                 }  # fmt: skip
                 rows = sweep(configs, build, peers=peers, baseline="sdpa-cudnn", rounds=rounds)
-                f_ = flops(b, s, causal, "fwd") * (3.5 if passes == "fwd+bwd" else 2.5)
+                f_ = flops(b, s, causal, "fwd") * d / bench.HEAD_DIM * (3.5 if passes == "fwd+bwd" else 2.5)
                 for r in rows:
                     ms = r["ms"]
                     report.add(**{"pass": passes}, causal=causal, S=s, B=b, **r,
@@ -360,7 +391,7 @@ def backward_sweep(out: Path | None, rounds: int, budget: Budget, configs: dict[
     return report
 
 
-SWEEPS = ("launch", "gluon", "gluon-combos", "bwd-fused", "gluon-bwd-dq")
+SWEEPS = ("launch", "gluon", "gluon-combos", "bwd-fused", "gluon-bwd-dq", "bwd-d256")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -380,6 +411,9 @@ def main(argv: list[str] | None = None) -> None:
         backward_sweep(
             out, args.rounds, budget, fused_configs(), "bwd-sweep", "Fused backward launch sweep vs cuDNN"
         )
+    elif args.sweep == "bwd-d256":
+        backward_sweep(out, args.rounds, budget, d256_configs(), "bwd-d256",
+                       "D = 256 backward launches (fused and FA2) vs cuDNN", d=256)  # fmt: skip
     else:
         backward_sweep(out, args.rounds, budget, dq_configs(), "bwd-gluon-dq",
                        "Gluon backward: dQ by TMA bulk reductions vs by atomics, vs cuDNN",
