@@ -77,14 +77,15 @@ TUNE_COLUMNS = [
 
 
 def tune(
-    B: int = 8, T: int = 2048, rounds: int = kb.ROUNDS, changes: dict[str, dict] | None = None, base=None
-) -> list[dict]:
+    B: int = 8, T: int = 2048, rounds: int = kb.ROUNDS, changes: dict[str, dict] | None = None, base=None,
+    head_size: int = kb.K,
+) -> list[dict]:  # fmt: skip
     """Time ours (fwd, fwd+bwd) with ``base`` (default KDAConfig()) and with each change of ``changes``
     (default TUNING) applied alone, in ``rounds`` interleaved rounds (medians; the row keeps the
-    range). A change that does not build or run is reported and left out."""
+    range), at K = V = ``head_size``. A change that does not build or run is reported and left out."""
     base = KDAConfig() if base is None else base
     changes = TUNING if changes is None else changes
-    inputs = kb.make_inputs(B, T)
+    inputs = kb.make_inputs(B, T, dk=head_size, dv=head_size)
     leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
     do = torch.randn_like(inputs[2])
     from repro.kda import chunk_kda
@@ -111,6 +112,7 @@ def tune(
             continue
         fwd_med, fb_med = statistics.median(f_ms), statistics.median(fb_ms)
         change = describe_changes(config, base) or "defaults"
+        change += f" (K=V={head_size})" if head_size != kb.K else ""
         rows.append({"B": B, "T": T, "change": change, "fwd_ms": round(fwd_med, 4),
                      "fwd_range": [round(min(f_ms), 4), round(max(f_ms), 4)], "fwd_bwd_ms": round(fb_med, 4),
                      "fwd_bwd_range": [round(min(fb_ms), 4), round(max(fb_ms), 4)]})  # fmt: skip
@@ -212,14 +214,16 @@ def precision(out_dir=None, budget: Budget | None = None, base=None, rounds: int
     report.write(out_dir=out_dir, tag="precision")
 
 
-def breakdown(B: int = 8, T: int = 2048, names: tuple[str, ...] = ("ours", "fla_kda"), base=None) -> dict:
+def breakdown(
+    B: int = 8, T: int = 2048, names: tuple[str, ...] = ("ours", "fla_kda"), base=None, head_size: int = kb.K
+) -> dict:
     """GPU time of every kernel in one forward and one forward+backward, per implementation.
 
     Runs each implementation three times under torch.profiler (after a warm-up) and prints, for
     each, the kernels sorted by time per call: where the time goes, to compare launch by launch
     with the peer. Returns ``{impl: {pass: [(kernel, us_per_call), ...]}}``."""
     fns = kb.impls(base)
-    inputs = kb.make_inputs(B, T)
+    inputs = kb.make_inputs(B, T, dk=head_size, dv=head_size)
     do = torch.randn_like(inputs[2])
     out: dict = {}
     for name in names:
@@ -238,7 +242,9 @@ def breakdown(B: int = 8, T: int = 2048, names: tuple[str, ...] = ("ours", "fla_
         for label, f in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
             rows = [(k, ms * 1000) for k, ms, _ in kernel_times(f, reps=3)]
             total = sum(us for _, us in rows)
-            print(f"\n{name} {label} B={B} T={T}: {total / 1000:.3f} ms of kernel time per call")
+            print(
+                f"\n{name} {label} B={B} T={T} K=V={head_size}: {total / 1000:.3f} ms of kernel time per call"
+            )
             for kname, us in rows[:14]:
                 print(f"  {us:9.1f} us  {100 * us / total:5.1f}%  {kname[:90]}")
             out[name][label] = [(k, round(us, 1)) for k, us in rows]
@@ -256,6 +262,9 @@ def main(argv=None) -> None:
         help="tune: one change to time instead of TUNING's (repeatable)",
     )  # fmt: skip
     ap.add_argument("--impls", default="ours,fla_kda", help="breakdown: comma-separated implementations")
+    ap.add_argument(
+        "--head-size", type=int, default=kb.K, help="tune and breakdown: K = V (default 128; issue #42's 256)"
+    )
     args = parse_bench_args(ap, argv)
     try:
         base = apply_settings(KDAConfig(), args.settings)
@@ -272,7 +281,9 @@ def main(argv=None) -> None:
     if args.mode == "precision":
         precision(args.out, args.budget, base, args.rounds)
     elif args.mode == "breakdown":
-        result = breakdown(names=tuple(x for x in args.impls.split(",") if x), base=base)
+        result = breakdown(
+            names=tuple(x for x in args.impls.split(",") if x), base=base, head_size=args.head_size
+        )
         if args.out is not None:
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "breakdown.json").write_text(json.dumps(result, indent=1))
@@ -282,7 +293,7 @@ def main(argv=None) -> None:
             if not args.budget.allows():
                 print(f"tune: budget spent, T={T} not measured", flush=True)
                 continue
-            rows += tune(max(1, kb.TOKENS // T), T, args.rounds, changes, base)
+            rows += tune(max(1, kb.TOKENS // T), T, args.rounds, changes, base, args.head_size)
         stamp = time.strftime("%H:%M UTC", time.gmtime())
         tune_report(rows, describe_changes(base, KDAConfig()), stamp, args.rounds).write(
             out_dir=args.out, tag="tune"

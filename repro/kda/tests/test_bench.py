@@ -101,3 +101,15 @@ def test_large_head_and_dplr_parts_check_before_timing(tmp_path, monkeypatch):
     rows = json.loads(path.read_text())["rows"]
     assert {(r["gates"], r["D"]) for r in rows} == {("d24", 24), ("dplr", 16)}
     assert all(r["impl"] == "ours" and r["check"] == "ok" and r["ms"] is not None for r in rows)
+
+
+def test_tune_at_another_head_size(monkeypatch):
+    """lab/tuning.py tune --head-size: the defaults and a change timed at K = V = the given size (on the
+    CPU at a toy size), and the rows say which size; a change that does not build is left out."""
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "H", 1)
+    rows = tuning.tune(
+        B=1, T=64, rounds=1, changes={"wy_warps": {"wy_warps": 2}, "bad": {"wy_bk": 3}}, head_size=32
+    )
+    assert [r["change"] for r in rows] == ["defaults (K=V=32)", "wy_warps=2 (K=V=32)"]
+    assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 for r in rows)
