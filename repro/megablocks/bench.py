@@ -60,7 +60,7 @@ from pathlib import Path
 
 import torch
 
-from paperclub.bench import Candidate, Report, bench_parser, ceilings, measure, parse_bench_args
+from paperclub.bench import Candidate, Report, bench_parser, ceilings, fwd_bwd, measure, parse_bench_args
 from paperclub.testing import assert_rel_close
 from repro.megablocks.kernels import GPU_CONFIG, dsd, kernel_config, sdd
 from repro.megablocks.moe import _combine, dmoe_grouped, dmoe_sparse
@@ -204,16 +204,6 @@ def megablocks_experts(mb_dmoe, E, k, d, f, w1, w2, w3, mlp: str = MLP):
     return fn, params
 
 
-def _fwd_bwd(forward, leaves, grad_out):
-    """forward() then the gradients of every leaf (no accumulation into .grad)."""
-
-    def run():
-        y = forward()
-        return torch.autograd.grad(y, leaves, grad_out)
-
-    return run
-
-
 def run_config(
     shape: str,
     dims: dict,
@@ -265,13 +255,13 @@ def run_config(
     extra: dict[str, dict] = {}
     sparse = lambda: dmoe_sparse(x, weights, indices, w1, w2, w3, E, MLP, block_size)
     grouped = lambda: dmoe_grouped(x, weights, indices, w1, w2, w3, E, MLP)
-    cands["ours_sparse"] = Candidate(_fwd_bwd(sparse, leaves, grad_out), checked(sparse))
-    cands["ours_grouped"] = Candidate(_fwd_bwd(grouped, leaves, grad_out), checked(grouped))
+    cands["ours_sparse"] = Candidate(fwd_bwd(sparse, leaves, grad_out), checked(sparse))
+    cands["ours_grouped"] = Candidate(fwd_bwd(grouped, leaves, grad_out), checked(grouped))
     if not want("torch_grouped_mm"):
         pass
     elif hasattr(torch, "_grouped_mm"):
         gmm_fn = lambda: grouped_mm_moe(x, weights, indices, w1, w2, w3, E, MLP)
-        cands["torch_grouped_mm"] = Candidate(_fwd_bwd(gmm_fn, leaves, grad_out), checked(gmm_fn))
+        cands["torch_grouped_mm"] = Candidate(fwd_bwd(gmm_fn, leaves, grad_out), checked(gmm_fn))
     else:
         notes.append(f"torch {torch.__version__} has no torch._grouped_mm: that peer did not run.")
     for cf in (1.0, 2.0) if want("capacity_1.0") else ():
@@ -282,7 +272,7 @@ def run_config(
                 x.float(), (weights * kept).float(), indices, w1.float(), w2.float(), w3.float(), E, MLP
             )
         name = f"capacity_{cf}"
-        cands[name] = Candidate(_fwd_bwd(cap, leaves, grad_out), checked(cap, ref_kept))
+        cands[name] = Candidate(fwd_bwd(cap, leaves, grad_out), checked(cap, ref_kept))
         extra[name] = {"drop_rate": round(1.0 - float(kept.float().mean()), 4)}
     mb, why = (None, "")
     if want("megablocks_sparse"):
@@ -292,7 +282,7 @@ def run_config(
             mb_fn, mb_params = megablocks_experts(mb, E, k, d, f, w1.detach(), w2.detach(), w3.detach())
             mbf = lambda: mb_fn(x, weights, indices)
             cands["megablocks_sparse"] = Candidate(
-                _fwd_bwd(mbf, [x, weights, *mb_params], grad_out), checked(mbf)
+                fwd_bwd(mbf, [x, weights, *mb_params], grad_out), checked(mbf)
             )
         except Exception as exc:
             why = f"megablocks dMoE could not be built: {type(exc).__name__}: {' '.join(str(exc).split())[:200]}"

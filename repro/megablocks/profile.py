@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from paperclub.bench import kernel_times
+from paperclub.bench import fwd_bwd, kernel_times
 from repro.megablocks import bench
 from repro.megablocks.moe import dmoe_grouped, dmoe_sparse
 
@@ -50,7 +50,7 @@ def profile_shape(shape: str, iters: int = 3, top: int = 14) -> None:
     else:
         print(f"{shape}: megablocks not profiled: {why}")
     for name, (forward, params) in impls.items():
-        rows = kernel_times(bench._fwd_bwd(forward, params, grad_out), reps=iters, warmup=iters)
+        rows = kernel_times(fwd_bwd(forward, params, grad_out), reps=iters, warmup=iters)
         print(f"\n=== {shape} {name}: {sum(ms for _, ms, _ in rows):.2f} ms GPU per iteration")
         for kernel, ms, launches in rows[:top]:
             print(f"  {ms:7.2f} ms  x{launches:<3} {kernel[:110]}")

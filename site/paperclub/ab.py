@@ -11,7 +11,7 @@ The driver is a file that imports only torch and the reproduction's public API, 
 the tree on ``PYTHONPATH`` (``TREE/site:TREE``): so one driver file runs both trees. It defines
 ``cases(args)``, run by :mod:`paperclub.ab_worker` (which times them): per case the time of ours and
 of a peer that does not change between the trees (cuDNN, SDPA) in the same process, and a ``check``
-(numbers summarising ours' outputs, e.g. sums of the output and gradients) to compare.
+(numbers summarising what ours returns, e.g. sums of the output and gradients) to compare.
 
 The trees run as separate processes, ``--rounds`` times each, the order alternating (old new, new
 old, ...), so that drift of clocks and temperature falls on both. Per case the result has each

@@ -3,9 +3,10 @@ it imports nothing of paperclub, so that the tree on ``PYTHONPATH`` (old or new)
 of ours in the process besides the driver.
 
 The driver file defines ``cases(args) -> [(name, make)]``; ``make()`` builds the inputs and returns
-``(ours, peer, check)``: two callables to time and one returning a list of floats that summarise
-ours' outputs (compared between the trees). Each case: ``check()`` once, warm-up, then ``--reps``
-timings of ours and the peer alternating, CUDA events, the median of each. Prints one JSON line."""
+``(ours, peer)``, the two callables to time; ``ours()`` returns its outputs (a tensor, a number, or a
+sequence of them), which the first call summarises for the comparison between the trees (a
+tensor by its sum and the sum of its absolute values). Each case: warm-up, then ``REPS`` timings of
+ours and the peer alternating, CUDA events, the median of each. Prints one JSON line."""
 
 from __future__ import annotations
 
@@ -29,6 +30,19 @@ def _time(fn, start, end) -> float:
     return start.elapsed_time(end)
 
 
+def summary(outputs) -> list[float]:
+    """The numbers that stand for ``ours()``'s outputs: per tensor its sum and the sum of its absolute
+    values (in float32), per number itself."""
+    items = outputs if isinstance(outputs, list | tuple) else [outputs]
+    out = []
+    for x in items:
+        if hasattr(x, "float"):
+            out += [x.float().sum().item(), x.float().abs().sum().item()]
+        else:
+            out.append(float(x))
+    return out
+
+
 def main(argv: list[str]) -> int:
     import torch
 
@@ -41,8 +55,8 @@ def main(argv: list[str]) -> int:
     reps = getattr(driver, "REPS", 15)
     out = {}
     for name, make in driver.cases(argv[1:]):
-        ours, peer, check = make()
-        summary = [float(x) for x in check()]
+        ours, peer = make()
+        check = summary(ours())
         for _ in range(3):
             ours()
             peer()
@@ -57,10 +71,10 @@ def main(argv: list[str]) -> int:
         out[name] = {
             "ours_ms": statistics.median(t_ours),
             "peer_ms": statistics.median(t_peer),
-            "check": summary,
+            "check": check,
         }
         print(f"# {name}: ours {out[name]['ours_ms']:.3f} ms, peer {out[name]['peer_ms']:.3f} ms", flush=True)
-        del ours, peer, check
+        del ours, peer
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     print(json.dumps({"cases": out}))

@@ -176,6 +176,10 @@ def _tail(log: Path, n: int = 3) -> str:
     return " | ".join(lines[-n:])[-400:]
 
 
+#: a verbose pytest line's outcome word (``path::test PASSED``, xdist's ``[gw0] ... PASSED path::test``)
+_OUTCOME = re.compile(r"\b(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+
+
 def _partial_summary(text: str) -> str:
     """For a pytest run cut off before its closing line: the outcomes its verbose lines reported so
     far (``path::test PASSED`` or xdist's ``[gw0] ... PASSED path::test``), or '' if none."""
@@ -183,7 +187,7 @@ def _partial_summary(text: str) -> str:
     for ln in text.splitlines():
         if "::" not in ln:
             continue
-        m = re.search(r"\b(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b", ln)
+        m = _OUTCOME.search(ln)
         if m:
             counts[m.group(1).lower()] = counts.get(m.group(1).lower(), 0) + 1
     if not counts:
@@ -202,7 +206,7 @@ def _unfinished(text: str) -> list[str]:
         if not m or ln.lstrip().startswith(("FAILED ", "ERROR ")) and " - " in ln:
             continue
         test = m.group(1)
-        if re.search(r"\b(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b", ln):
+        if _OUTCOME.search(ln):
             done.add(test)
         elif test not in named:
             named.append(test)
