@@ -20,6 +20,7 @@ from repro.fa4.api import (
     attention_backward,
     attention_forward,
     auto_backward,
+    auto_forward,
     check_inputs,
     forward_with_counts,
     resolve,
@@ -34,6 +35,7 @@ __all__ = [
     "attention_backward",
     "attention_forward",
     "auto_backward",
+    "auto_forward",
     "forward_with_counts",
 ]
 

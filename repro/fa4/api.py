@@ -12,8 +12,8 @@ Causal masks are bottom-right aligned (query i sees keys j <= i + S_k - S_q; wit
 S_q - S_k queries see no key and get zero output and zero gradient, as in flash-attn). ``window=(left,
 right)`` is flash-attn's sliding window: query i sees keys i' - left <= j <= i' + right, i' = i + S_k -
 S_q; None or a negative bound is unbounded on that side, and ``causal=True`` makes right 0. The
-switches are checked and resolved (:func:`resolve`: the launch shapes filled in, ``bwd="auto"`` made
-concrete by :func:`auto_backward`) once, before any kernel runs, and the resolved config is saved for
+switches are checked and resolved (:func:`resolve`: the launch shapes filled in, ``gluon=None`` and
+``bwd="auto"`` made concrete by :func:`auto_forward` and :func:`auto_backward`) once, before any kernel runs, and the resolved config is saved for
 the backward, so that what ran forward decides what runs backward.
 
 Head sizes and tiles (:func:`head_layout`). The kernels' tiles are powers of two (Triton's and
@@ -42,8 +42,9 @@ bytes and so on: memory passes, small beside the S^2 work at S >= 1k).
 The kernels, one file per stage of the pipeline (zadouri2026flashattention4; FA3's Hopper schedule,
 shah2024flashattention3, where the paper's Blackwell one has no Hopper form):
 
-* ``triton_fwd``: the Triton forward with FA4's conditional rescaling and software exp2 as switches;
-* ``gluon_fwd``: the warp-specialised Gluon forward (``gluon=True``; Hopper);
+* ``triton_fwd``: the Triton forward with FA4's conditional rescaling and software exp2 as switches
+  (off Hopper, with a window, D > 128, or ``gluon=False``);
+* ``gluon_fwd``: the warp-specialised Gluon forward (Hopper; the default there, :func:`auto_forward`);
 * ``gluon_bwd``: the warp-specialised Gluon backward (``bwd="gluon"``; Hopper; the default there);
 * ``triton_bwd_fused``: FA3's one-pass backward in Triton (``bwd="fused"``; off Hopper when causal);
 * ``triton_bwd``: FA2's two-kernel backward (``bwd="fa2"``; off Hopper otherwise; the cross-check);
@@ -79,6 +80,7 @@ __all__ = [
     "attention_backward",
     "attention_forward",
     "auto_backward",
+    "auto_forward",
     "forward_with_counts",
     "head_layout",
 ]
@@ -120,6 +122,9 @@ class Switches:
         (block_m, block_n, num_warps, num_stages) is ignored; it launches with GLUON_LAUNCH. Measured
         on an H100 (results/*-gluon-combos.json, *-peer.json): 0.98-1.13x cuDNN's forward at S = 4k-16k
         (1.30-1.50x the Triton kernel with tma=True); lazy_rescale costs nothing there (within 0.6%).
+        None (the default): :func:`auto_forward` picks it where it runs (Hopper, bf16/fp16, q, k and v
+        on one tile of 64 or 128, no window) and no Triton-only forward switch is set; False: the
+        Triton kernel always (the ablation's baseline, FA4's ideas one at a time).
     block_m, block_n, num_warps, num_stages: launch shape; None picks the tuned default
         (``triton_fwd.FWD_DEFAULTS``).
     bwd: which backward runs. "fa2": FA2's two kernels (``repro.fa4.triton_bwd``: dK/dV per key block,
@@ -159,7 +164,7 @@ class Switches:
     warp_specialize: bool = False
     persistent: bool = False
     tma: bool = False
-    gluon: bool = False
+    gluon: bool | None = None
     block_m: int | None = None
     block_n: int | None = None
     num_warps: int | None = None
@@ -428,6 +433,40 @@ def resolve(sw: Switches, d: int, interpret: bool, window: bool = False) -> Swit
     )
 
 
+#: The forward switches only the Triton kernel has: any of them set (not at its default) asks for it,
+#: so ``gluon=None`` leaves them to the Triton forward rather than refusing them.
+TRITON_FORWARD_ONLY = (
+    "soft_exp", "pingpong", "persistent", "warp_specialize", "tma",
+    "block_m", "block_n", "num_warps", "num_stages", "own_v_tile",
+)  # fmt: skip
+
+
+def auto_forward(q: torch.Tensor, window, layout: HeadLayout, sw: Switches) -> bool:
+    """Whether ``gluon=None`` runs the Gluon forward for ``q`` on ``layout``'s tiles: on a Hopper GPU
+    (sm_90) where Triton has Gluon, q bf16/fp16, q, k and v on one verified tile (64 or 128: head sizes
+    1-128 padded to it, v in chunks of it), no ``window``, and none of :data:`TRITON_FORWARD_ONLY` set.
+    Measured (results/nvidia-h200-peer.json, 2026-11-29, D = 128, bf16, 16 heads, B x S = 16k): 0.88-1.09x
+    cuDNN's forward at S = 2k-8k against the Triton kernel's 0.66-0.76x (with TMA); flash-attn's FA2 and
+    FA3 test matrices pass through it at every head size up to 128 (gpu-checks.json, 2026-11-29, H200).
+    Elsewhere (other GPUs, the CPU interpreter, D > 128, a window) the Triton forward."""
+    if sw.gluon is not None:
+        return sw.gluon
+    default = Switches()
+    if any(getattr(sw, n) != getattr(default, n) for n in TRITON_FORWARD_ONLY):
+        return False
+    if (
+        q.device.type != "cuda"
+        or interpreting()
+        or q.dtype not in (torch.bfloat16, torch.float16)
+        or window is not None
+        or not layout.verified
+    ):
+        return False
+    from repro.fa4 import gluon_fwd
+
+    return gluon_fwd.HAS_GLUON and torch.cuda.get_device_capability(q.device) == (9, 0)
+
+
 def auto_backward(
     q: torch.Tensor, causal: bool, window=None, d: int | None = None, d_v: int | None = None
 ) -> str:
@@ -626,6 +665,8 @@ def _prepare(q, k, v, causal, scale, window, sw: Switches, tiles, dtypes, dims=N
             "for the CPU interpreter"
         )
     layout = head_layout(d, d_v, tiles, sw.own_v_tile)
+    if sw.gluon is None:
+        sw = replace(sw, gluon=auto_forward(q, window, layout, sw))
     if sw.bwd == "auto":
         sw = replace(sw, bwd=auto_backward(q, causal, window, layout.tile, layout.tile_v))
     gluon_parts = [n for n, on in (("gluon=True", sw.gluon), ("bwd='gluon'", sw.bwd == "gluon")) if on]

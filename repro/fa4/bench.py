@@ -71,24 +71,31 @@ HEAD_DIM = 128
 TOKENS = 16384
 SEQLENS = (1024, 2048, 4096, 8192, 16384)
 
-#: One switch changed at a time against the default kernel (lazy rescaling on, hardware exp2).
+#: The Triton forward whatever the device (``gluon=False``; the default picks Gluon on Hopper).
+TRITON = {"gluon": False}
+
+#: One switch of the Triton forward changed at a time against its defaults (lazy rescaling on, hardware
+#: exp2): FA4's ideas one by one, on the kernel that has them all as switches.
 ABLATIONS: dict[str, dict] = {
-    "default": {},
-    "no-lazy-rescale": {"lazy_rescale": False},
-    "soft-exp-1/4": {"soft_exp": 1},
-    "soft-exp-1/2": {"soft_exp": 2},
-    "soft-exp-all": {"soft_exp": 4},
-    "pingpong": {"pingpong": True},
-    "persistent": {"persistent": True},
-    "tma": {"tma": True},
-    "tma+soft-exp-1/4": {"tma": True, "soft_exp": 1},
-    "warp-specialize": {"warp_specialize": True},
-    "stages-2": {"num_stages": 2},
-    "stages-4": {"num_stages": 4},
+    name: {**TRITON, **changes}
+    for name, changes in {
+        "default": {},
+        "no-lazy-rescale": {"lazy_rescale": False},
+        "soft-exp-1/4": {"soft_exp": 1},
+        "soft-exp-1/2": {"soft_exp": 2},
+        "soft-exp-all": {"soft_exp": 4},
+        "pingpong": {"pingpong": True},
+        "persistent": {"persistent": True},
+        "tma": {"tma": True},
+        "tma+soft-exp-1/4": {"tma": True, "soft_exp": 1},
+        "warp-specialize": {"warp_specialize": True},
+        "stages-2": {"num_stages": 2},
+        "stages-4": {"num_stages": 4},
+    }.items()
 }
 
-#: Our fastest forward in results/nvidia-h100-80gb-hbm3.json (S = 4k-16k): TMA on, default launch shape.
-OURS_BEST = {"tma": True}
+#: The Triton forward's fastest in results/nvidia-h100-80gb-hbm3.json (S = 4k-16k): TMA on, default launch shape.
+OURS_BEST = {**TRITON, "tma": True}
 
 #: The warp-specialised Gluon forward (repro.fa4.gluon_fwd; sm_90 only, launched with
 #: repro.fa4.GLUON_LAUNCH) and the backward bwd="auto" picks: the Gluon one on Hopper since
@@ -471,7 +478,7 @@ def full(out_dir: Path | None, seqlens, ablate_passes=("fwd",), budget: Budget |
     # fa4-gluon: the warp-specialised Gluon forward (its backward: what bwd="auto" picks, Gluon on Hopper)
     compare = [
         ("compare", n, ch)
-        for n, ch in (("fa4-triton", {}), ("fa4-triton-tma", OURS_BEST), ("fa4-gluon", OURS_GLUON))
+        for n, ch in (("fa4-triton", TRITON), ("fa4-triton-tma", OURS_BEST), ("fa4-gluon", OURS_GLUON))
     ]
     compare += [("compare", "sdpa-cudnn", None), ("compare", "sdpa-flash2", None)]
     skipped = []
@@ -696,8 +703,9 @@ def heads(
     out_dir: Path | None, seqlens=HEAD_SEQLENS, budget: Budget | None = None, rounds: int = 3
 ) -> Report:
     """Issue #42's head sizes and the sliding window beside cuDNN and FA2 (SDPA), forward and forward +
-    backward, ours with the default switches (D <= 128: the verified kernels on padded tiles, the
-    layout in ``tiles``: tile / v's tile x chunks; D > 128: the 256 tile; a window: the window kernels).
+    backward, ours with the default switches (D <= 128: the verified kernels on padded tiles, the Gluon
+    forward on Hopper where v shares q's tile and there is no window; the layout in ``tiles``: tile /
+    v's tile x chunks; D > 128: the 256 tile; a window: the window kernels).
 
     Each shape's candidates are checked once against cuDNN's output and gradients (tolerance 3x FA2's
     own distance from cuDNN, at least 2e-2; where cuDNN does not run, against FA2's or the
@@ -718,7 +726,8 @@ def heads(
         "the scores (causal about 1/2, a (left, 0) window about left/S), x3.5 for forward + backward. "
         "vs_cudnn: cuDNN's ms / this row's (> 1 faster). tiles: the tile q and k ran on / v's tile x chunks; "
         "flops_ratio: matmul work on the tiles over the caller's (1 = no padding). fa4 = ours with the "
-        "default switches (bwd='auto'). Issue #42's target: at least 0.9x cuDNN where the tile is the head "
+        "default switches (gluon=None: the Gluon forward on Hopper where q, k, v share the 64 or 128 tile "
+        "and there is no window, else the Triton one; bwd='auto'). Issue #42's target: at least 0.9x cuDNN where the tile is the head "
         f"size itself (64, 128, 256); elsewhere the padding's cost is flops_ratio. group=window: D = 128, a "
         "(left, 0) window; every row's TFLOP/s count the window's work, so the causal rows (ours, cuDNN) show "
         "what the window saves as time, and sdpa-cudnn-window-mask is cuDNN given the window as a boolean "

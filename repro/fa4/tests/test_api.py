@@ -76,3 +76,42 @@ def test_lower_level_entry_points_refuse_what_they_cannot_do():
             attention_backward(q2, q2, k2, v2, q2, torch.zeros(1, 4, 23), config=Switches(bwd="fa2"))
     with pytest.raises(ValueError, match="bwd_dq_defer: .*removed"):
         attention_any_d(q, k, v, bwd="gluon", bwd_dq_defer=False)
+
+
+def test_auto_forward_picks_gluon_only_where_it_runs(monkeypatch):
+    """gluon=None (the default) runs the Gluon forward on a Hopper GPU with bf16/fp16, q, k and v on one
+    verified tile and no window, and the Triton one wherever any of these fails or a Triton-only
+    switch is set; an explicit gluon=True/False is kept as given."""
+    from types import SimpleNamespace
+
+    from repro.fa4 import api, auto_forward, gluon_fwd
+    from repro.fa4.api import head_layout
+
+    monkeypatch.setattr(api, "interpreting", lambda: False)
+    monkeypatch.setattr(gluon_fwd, "HAS_GLUON", True)
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    q = SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.bfloat16)
+    on_tile = head_layout(96, 96)  # padded to the verified 128 tile
+    assert on_tile.verified
+    assert auto_forward(q, None, on_tile, Switches()) is True
+    assert auto_forward(q, None, on_tile, Switches(lazy_rescale=False)) is True  # the Gluon kernel has it
+    assert auto_forward(q, None, on_tile, Switches(gluon=False)) is False
+    for changes in ({"tma": True}, {"soft_exp": 2}, {"pingpong": True}, {"block_m": 64}):
+        assert auto_forward(q, None, on_tile, Switches(**changes)) is False, changes
+    assert auto_forward(q, (128, 0), on_tile, Switches()) is False  # a window: the Triton window kernel
+    assert auto_forward(q, None, head_layout(256, 256), Switches()) is False  # the 256 tile: Triton only
+    assert (
+        auto_forward(SimpleNamespace(device=q.device, dtype=torch.float32), None, on_tile, Switches())
+        is False
+    )
+    assert (
+        auto_forward(SimpleNamespace(device=torch.device("cpu"), dtype=q.dtype), None, on_tile, Switches())
+        is False
+    )
+    capability[0] = (8, 0)  # an A100: no Gluon kernel for it
+    assert auto_forward(q, None, on_tile, Switches()) is False
+    assert auto_forward(q, None, on_tile, Switches(gluon=True)) is True  # asked for: checked at launch
+    monkeypatch.setattr(api, "interpreting", lambda: True)
+    capability[0] = (9, 0)
+    assert auto_forward(q, None, on_tile, Switches()) is False  # the CPU interpreter runs no Gluon
