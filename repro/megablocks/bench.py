@@ -29,13 +29,9 @@ a correctness check of its output against ``moe_per_expert`` in fp32 at that sha
 also stored in the JSON). ``tflops`` counts the useful work of the routed assignments for every row (fwd + bwd = 3 x forward;
 forward = 2 T k d f x 3 matmuls for SwiGLU), so a capacity row's padding or drops are not credited.
 
-With budget left after the main table, rows under ``8e-top2 (tuning)`` and ``64e-top8 (tuning)``
-time our two paths with other tile settings (``repro.megablocks.kernels.GPU_CONFIG`` through
-``kernel_config``; column ``config``, ``tune:default`` being GPU_CONFIG as it stands), balanced
-routing, beside torch._grouped_mm once per shape (at the default). The variants go in the order of
-``TUNING``, each on both shapes, so that a short budget still compares the first ones;
-``group_m=1`` is the launch order before the grouped one (column tiles fastest). ``--tune-first``
-runs these rows before the main table (to compare settings within a short budget).
+With budget left after the main table (before it with ``--tune-first``), rows under ``8e-top2
+(tuning)`` and ``64e-top8 (tuning)`` time our two paths with other tile settings: see
+``repro.megablocks.lab.tuning``.
 
 ``--kernels`` times the paper's per-kernel comparison instead (§6.3, Figure 9) and writes
 ``results/<device>-kernels.json``: our block-sparse SDD and DSD kernels against cuBLAS batched matmul
@@ -50,8 +46,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -60,10 +54,21 @@ from pathlib import Path
 
 import torch
 
-from paperclub.bench import Candidate, Report, bench_parser, ceilings, fwd_bwd, measure, parse_bench_args
+from paperclub.bench import (
+    Budget,
+    Candidate,
+    Report,
+    bench_parser,
+    ceilings,
+    fwd_bwd,
+    measure,
+    parse_bench_args,
+    run_paced,
+)
 from paperclub.testing import assert_rel_close
-from repro.megablocks.kernels import GPU_CONFIG, dsd, kernel_config, sdd
+from repro.megablocks.kernels import dsd, sdd
 from repro.megablocks.moe import _combine, dmoe_grouped, dmoe_sparse
+from repro.megablocks.peer import load_megablocks, megablocks_experts, probe_main, probe_megablocks
 from repro.megablocks.reference import activation, capacity_moe, moe_per_expert
 from repro.megablocks.topology import moe_topology, permute
 
@@ -73,30 +78,6 @@ SHAPES = {
 }
 QUICK_TOKENS = {"64e-top8": 4096, "8e-top2": 2048}
 ROUTINGS = ("balanced", "skewed")
-# GPU_CONFIG variants timed after the main table while budget remains (the first is the default),
-# in this order, each on the TUNE_SHAPES.
-# History: the first H100 run of the grouped order found single wins (256-wide grouped tiles at 8
-# experts; 4 warps, 4 stages for the sparse kernels); the run of 2026-11-25 13:45 UTC timed them
-# combined and found each path's winner on both shapes, split into per-path settings in
-# kernels.GPU_CONFIG, the defaults since the GPU tests of 16:05 UTC passed with them. The run of
-# 16:05 also timed, on top of them, the TMA grouped GEMM (best grouped row at both shapes, by 2-3%),
-# grouped 4 stages, 64-row grouped tiles, 32-deep k steps and group_m 4 (none better than the
-# default). Rows now: the default; the grouped GEMM's other kernel; the layer's glue through PyTorch ops
-# instead of the fused kernels (what the fused ones save); the defaults before 16:05 (8 warps,
-# 3 stages, 128-wide grouped tiles). Since 16:32 UTC the TMA grouped GEMM is the default (its row
-# was the best grouped row at both shapes), so its row is now the pointer kernel's (gmm_tma False).
-# Last, the weight gradient's TMA kernel (gmm_wgrad_tma True, off by default until a GPU run has
-# tested and timed it; the wgrad was 10.6 ms of the grouped path's ~29 ms GEMM time at 8 experts).
-PREVIOUS_DEFAULT = {"num_warps": 8, "num_stages": 3, "gmm_n": 128}
-TUNING = [
-    {},
-    {"gmm_tma": False},
-    {"fused_glue": False},
-    PREVIOUS_DEFAULT,
-    {"gmm_wgrad_tma": True},
-]
-# 8e-top2 first: an expert's weight (117 MB) exceeds the L2, where the launch order matters most
-TUNE_SHAPES = ("8e-top2", "64e-top8")
 SKEW = 1.2
 MLP = "glu"
 TOL_BF16 = 2e-2  # bf16 outputs vs the fp32 per-expert reference: 8 mantissa bits, fp32 accumulation
@@ -140,68 +121,6 @@ def grouped_mm_moe(x, weights, indices, w1, w2, w3, num_experts: int, mlp: str =
     h3 = torch._grouped_mm(xs, w3.view(E, f, d).transpose(1, 2), offs=offs) if mlp == "glu" else None
     y = torch._grouped_mm(activation(h1, h3, mlp), w2.view(E, f, d), offs=offs)
     return _combine(y[perm.dest], perm, weights, x.shape[0])
-
-
-def load_megablocks():
-    """``(megablocks module, '')`` or ``(None, why)``."""
-    try:
-        import megablocks  # noqa: F401
-        import megablocks.layers.dmoe as mb_dmoe
-        from megablocks.layers.arguments import Arguments  # noqa: F401
-        from megablocks.layers.dmoe import dMoE  # noqa: F401
-
-        return mb_dmoe, ""
-    except Exception as exc:  # not installed, or its extension/Triton guard refused
-        why = f"import megablocks failed: {type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
-        return None, why + _setup_outcome()
-
-
-def _setup_outcome() -> str:
-    """The last verdict line of peers_setup.sh's log, if it ran (why the build did not happen)."""
-    log = Path(os.environ.get("MEGABLOCKS_SETUP_LOG", "/tmp/megablocks_peer_setup.log"))
-    try:
-        lines = [ln for ln in log.read_text().splitlines() if "FAILED" in ln or "installed" in ln]
-    except OSError:
-        return " (peers_setup.sh left no log)"
-    return f" (peers_setup.sh: {lines[-1].split('] ', 1)[-1]})" if lines else ""
-
-
-def megablocks_experts(mb_dmoe, E, k, d, f, w1, w2, w3, mlp: str = MLP):
-    """megablocks' dMoE with our weights (w1 -> w1, w3 -> v1, w2 -> w2); returns
-    ``fn(x, weights, indices) -> [T, d]`` calling its expert computation with our routing."""
-    import torch.nn.functional as F
-    from megablocks.layers.arguments import Arguments
-
-    args = Arguments(
-        hidden_size=d,
-        ffn_hidden_size=f,
-        moe_num_experts=E,
-        moe_top_k=k,
-        bias=False,
-        return_bias=False,
-        activation_fn=F.silu if mlp == "glu" else (lambda t: F.gelu(t, approximate="tanh")),
-        mlp_type=mlp,
-        mlp_impl="sparse",
-        bf16=w1.dtype == torch.bfloat16,
-        fp16=w1.dtype == torch.float16,
-        device=w1.device,
-        moe_loss_weight=0.0,
-    )
-    layer = mb_dmoe.dMoE(args)
-    mlp_mod = layer.experts.mlp
-    with torch.no_grad():
-        mlp_mod.w1.copy_(w1)
-        mlp_mod.w2.copy_(w2)
-        if mlp == "glu":
-            mlp_mod.v1.copy_(w3)
-    params = [p for p in layer.experts.parameters() if p.requires_grad]
-
-    def fn(x, weights, indices):
-        out = layer.experts(x.view(x.shape[0], 1, d), None, weights, indices)
-        out = out[0] if isinstance(out, tuple) else out
-        return out.view(x.shape[0], d)
-
-    return fn, params
 
 
 def run_config(
@@ -311,56 +230,16 @@ def run_config(
     return rows
 
 
-def _shapes(quick: bool) -> dict:
+def bench_shapes(quick: bool) -> dict:
+    """The shapes of a run: ``--quick`` has 64e-top8 only, at fewer tokens."""
     if quick:
         return {"64e-top8": dict(SHAPES["64e-top8"], T=QUICK_TOKENS["64e-top8"])}
     return SHAPES
 
 
-def probe_megablocks(quick: bool, timeout_s: float = 150.0) -> tuple[bool, str]:
-    """Run megablocks' forward + backward once per benchmark shape (skewed routing: the largest
-    expert) in a child process; ``(ok, note)``."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "repro.megablocks.bench",
-        "--probe-megablocks",
-        *(["--quick"] if quick else []),
-    ]
-    t0 = time.perf_counter()
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return False, f"megablocks probe timed out after {timeout_s:.0f} s: megablocks not timed."
-    if res.returncode != 0:
-        tail = " ".join((res.stdout + res.stderr).strip().splitlines()[-3:])[-300:]
-        return False, f"megablocks probe failed (exit {res.returncode}): {tail}: megablocks not timed."
-    # its own lines only (stdout): the child's stderr holds library warnings, which are no result
-    errors = "; ".join(ln.strip() for ln in res.stdout.splitlines() if "rel. error" in ln)
-    return True, f"megablocks probe passed in {time.perf_counter() - t0:.0f} s" + (
-        f" ({errors})." if errors else "."
-    )
-
-
-def _probe_main(quick: bool) -> None:
-    mb, why = load_megablocks()
-    if mb is None:
-        print(why)
-        sys.exit(3)
-    for shape, dims in _shapes(quick).items():
-        E, k, d, f, T = (dims[c] for c in ("E", "k", "d", "f", "T"))
-        x = torch.randn(T, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        w1, w2, w3 = (
-            torch.randn(E * f, d, device="cuda", dtype=torch.bfloat16) / math.sqrt(d) for _ in range(3)
-        )
-        weights, indices = make_routing(T, E, k, "skewed", "cuda")
-        weights = weights.to(torch.bfloat16).requires_grad_(True)
-        fn, params = megablocks_experts(mb, E, k, d, f, w1, w2, w3)
-        y = fn(x, weights, indices)
-        torch.autograd.grad(y, [x, weights, *params], torch.randn_like(y))
-        torch.cuda.synchronize()
-        ref = moe_per_expert(x.float(), weights.float(), indices, w1.float(), w2.float(), w3.float(), E, MLP)
-        print(f"{shape}: megablocks output rel. error {float((y.float() - ref).norm() / ref.norm()):.1e}")
+def _why(exc: BaseException) -> str:
+    """An error for a note: its type and the first 160 characters of its message on one line."""
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
 
 
 def _with_pct(row: dict, ceil: dict) -> dict:
@@ -368,48 +247,6 @@ def _with_pct(row: dict, ceil: dict) -> dict:
     if row.get("tflops") and ceil.get("matmul_bf16_tflops"):
         row["pct_of_matmul"] = round(100 * row["tflops"] / ceil["matmul_bf16_tflops"], 1)
     return row
-
-
-def _tuning(report, quick: bool, start: float, budget_s: float, ceil: dict, notes: list) -> dict:
-    """The tuning rows (see the module docstring): every TUNING variant on each of TUNE_SHAPES
-    (those of this run: --quick has 64e-top8 only), while the budget lasts; a (variant, shape)
-    whose expected time (1.2 x the longest so far at that shape) does not fit is skipped, with a
-    note. Returns the longest time of a row at each shape."""
-    shapes = _shapes(quick)
-    tune_shapes = [s for s in TUNE_SHAPES if s in shapes]
-    notes.append(f"Tuning rows: tune:default is GPU_CONFIG = {dict(GPU_CONFIG)}.")
-    base_ms: dict[str, float] = {}  # torch_grouped_mm at the default, per shape
-    longest: dict[str, float] = {}
-    skipped = []
-    for variant in TUNING:
-        label = "tune:" + (",".join(f"{k}={v}" for k, v in variant.items()) or "default")
-        for shape in tune_shapes:
-            elapsed = time.perf_counter() - start
-            expect = longest.get(shape, max(longest.values(), default=0.0))
-            if elapsed + 1.2 * expect > budget_s - 15:
-                skipped.append(f"{shape} {label}")
-                continue
-            t0 = time.perf_counter()
-            try:
-                with kernel_config(**variant):
-                    for row in run_config(
-                        f"{shape} (tuning)", shapes[shape], "balanced", rounds=3, notes=notes,
-                        only=("ours_sparse", "ours_grouped", "torch_grouped_mm" if not variant else ""),
-                        config=label, base_ms=base_ms.get(shape),
-                    ):  # fmt: skip
-                        if row["impl"] == "torch_grouped_mm" and row.get("ms"):
-                            base_ms[shape] = row["ms"]
-                        report.add(**_with_pct(row, ceil))
-            except Exception as exc:  # a variant that does not compile or fit is a result, not a crash
-                notes.append(
-                    f"tuning {shape} {label}: {type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
-                )
-            torch.cuda.empty_cache()
-            longest[shape] = max(longest.get(shape, 0.0), time.perf_counter() - t0)
-            print(f"tuning {shape} {label} done in {time.perf_counter() - t0:.1f} s", flush=True)
-    if skipped:
-        notes.append(f"tuning rows skipped (budget {budget_s:.0f} s): {'; '.join(skipped)}")
-    return longest
 
 
 # ---------------------------------------------------------------------------------------------
@@ -582,7 +419,7 @@ def kernels_main(args) -> Path | None:
     if not torch.cuda.is_available():
         print("repro.megablocks.bench --kernels needs a CUDA GPU", file=sys.stderr)
         return None
-    start = time.perf_counter()
+    budget = Budget(args.budget_s, clock=lambda: time.perf_counter())
     ceil = ceilings()
     report = Report(
         package="megablocks",
@@ -593,24 +430,20 @@ def kernels_main(args) -> Path | None:
         ceilings_used=ceil,
     )
     models = {"MoE-Medium": PAPER_KERNEL_SHAPES["MoE-Medium"]} if args.quick else PAPER_KERNEL_SHAPES
-    notes, longest = [], 0.0
-    for dtype_name in KERNEL_DTYPES:
-        for model, dims in models.items():
-            elapsed = time.perf_counter() - start
-            if elapsed + 1.2 * longest > args.budget_s - 15:
-                notes.append(f"skipped {model}/{dtype_name}: budget {args.budget_s:.0f} s")
-                continue
-            t0 = time.perf_counter()
-            try:
-                for row in kernel_rows(model, dims, dtype_name, rounds=args.rounds):
-                    report.add(**_with_pct(row, ceil))
-            except Exception as exc:  # out of memory or a failed build: noted, the rest still runs
-                notes.append(
-                    f"{model}/{dtype_name}: {type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
-                )
-            torch.cuda.empty_cache()
-            longest = max(longest, time.perf_counter() - t0)
-            print(f"{model}/{dtype_name} done in {time.perf_counter() - t0:.1f} s", flush=True)
+
+    def rows(model, dims, dtype_name):
+        for row in kernel_rows(model, dims, dtype_name, rounds=args.rounds):
+            report.add(**_with_pct(row, ceil))
+
+    notes: list[str] = []
+    items = [
+        (f"{model}/{dtype_name}", lambda m=model, dims=dims, dt=dtype_name: rows(m, dims, dt))
+        for dtype_name in KERNEL_DTYPES
+        for model, dims in models.items()
+    ]
+    run_paced(items, budget, notes, skip_note=lambda name: f"skipped {name}: budget {args.budget_s:.0f} s",
+              error_note=lambda name, exc: f"{name}: {_why(exc)}", after_each=torch.cuda.empty_cache,
+              clock=lambda: time.perf_counter())  # fmt: skip
     report.notes = " ".join(
         [
             "Each row: one product of Figure 9 at the model's problem size (uniform routing, block 128, "
@@ -637,13 +470,16 @@ def main(argv=None) -> Path | None:
     ap.add_argument("--probe-megablocks", action="store_true", help=argparse.SUPPRESS)
     args = parse_bench_args(ap, argv)
     if args.probe_megablocks:
-        return _probe_main(args.quick)
+        return probe_main(args.quick)
     if args.kernels:
         return kernels_main(args)
     if not torch.cuda.is_available():
         print("repro.megablocks.bench needs a CUDA GPU", file=sys.stderr)
         return None
-    start = time.perf_counter()
+    from repro.megablocks.lab.tuning import tuning_rows
+
+    clock = lambda: time.perf_counter()  # looked up at each call (the tests' fake clock)
+    budget = Budget(args.budget_s, clock=clock)
     notes: list[str] = []
     ceil = ceilings()
     report = Report(
@@ -654,7 +490,7 @@ def main(argv=None) -> Path | None:
         packages=["megablocks", "stanford-stk", "triton"],
         ceilings_used=ceil,  # pct_of_matmul's denominator, stored with the rows
     )
-    configs = [(shape, dims, r) for shape, dims in _shapes(args.quick).items() for r in ROUTINGS]
+    shapes = bench_shapes(args.quick)
     # megablocks runs in this process beside the others; a fault in its kernels would end the CUDA
     # context for every later row, so it first runs once at each shape in a child process
     skip = ()
@@ -662,28 +498,29 @@ def main(argv=None) -> Path | None:
         ok, why = probe_megablocks(args.quick, timeout_s=max(60.0, args.budget_s / 3))
         notes.append(why)
         skip = () if ok else ("megablocks_sparse",)
-    if args.tune_first:
-        tune_times = _tuning(report, args.quick, start, args.budget_s, ceil, notes)
-        # the main table's configurations take about twice a tuning row (twice the candidates)
-        longest = 2.0 * max(tune_times.values(), default=0.0)
-    else:
-        longest = 0.0
-    for shape, dims, routing in configs:
-        elapsed = time.perf_counter() - start
-        if elapsed + 1.2 * longest > args.budget_s - 15:  # leave time for the ceilings and the write
-            notes.append(f"skipped {shape}/{routing}: budget {args.budget_s:.0f} s (elapsed {elapsed:.0f} s)")
-            continue
-        t0 = time.perf_counter()
-        try:
-            for row in run_config(shape, dims, routing, rounds=args.rounds, notes=notes, skip=skip):
-                report.add(**_with_pct(row, ceil))
-        except Exception as exc:  # out of memory, or a setup step failing: noted, the rest still runs
-            notes.append(f"{shape}/{routing}: {type(exc).__name__}: {' '.join(str(exc).split())[:160]}")
-        torch.cuda.empty_cache()
-        longest = max(longest, time.perf_counter() - t0)
-        print(f"{shape}/{routing} done in {time.perf_counter() - t0:.1f} s", flush=True)
+
+    def tuning() -> dict:  # repro.megablocks.lab.tuning's rows, into this report
+        return tuning_rows(report, shapes, budget, notes, run_config, lambda r: _with_pct(r, ceil), clock)
+
+    # with --tune-first, the main table's configurations take about twice a tuning row (twice the candidates)
+    longest = 2.0 * max(tuning().values(), default=0.0) if args.tune_first else 0.0
+
+    def rows(shape, dims, routing):
+        for row in run_config(shape, dims, routing, rounds=args.rounds, notes=notes, skip=skip):
+            report.add(**_with_pct(row, ceil))
+
+    items = [
+        (f"{shape}/{routing}", lambda s=shape, dims=dims, r=routing: rows(s, dims, r))
+        for shape, dims in shapes.items()
+        for routing in ROUTINGS
+    ]
+    run_paced(
+        items, budget, notes, longest=longest, after_each=torch.cuda.empty_cache, clock=clock,
+        skip_note=lambda name: f"skipped {name}: budget {args.budget_s:.0f} s (elapsed {budget.elapsed():.0f} s)",
+        error_note=lambda name, exc: f"{name}: {_why(exc)}",
+    )  # fmt: skip
     if not args.tune_first:
-        _tuning(report, args.quick, start, args.budget_s, ceil, notes)
+        tuning()
     report.notes = " ".join(
         [
             "Each row: forward + backward of the expert layer for a fixed routing (router excluded), median over "

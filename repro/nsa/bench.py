@@ -38,8 +38,9 @@ tests'). The steps run most important first while the budget allows (``paperclub
 first length ``nsa`` against SDPA forward ("core"), then the peers forward ("peers"), then both for
 the backward alone and for forward + backward, then each longer length, then decode.
 ``--set`` changes a field of ``repro.nsa.config.Switches`` for every NSA row; ``--only`` picks steps
-by name (``'train fwd*'``). The forward's stage breakdown and the selected backward's launch shapes
-are timed by ``repro.nsa.lab.breakdown`` and ``repro.nsa.lab.slc_backward``.
+by name (``'train fwd*'``). The checks against the reference are ``repro.nsa.checks``; the loop over
+the plan is ``paperclub.bench.run_plan``. The forward's stage breakdown and the selected backward's
+launch shapes are timed by ``repro.nsa.lab.breakdown`` and ``repro.nsa.lab.slc_backward``.
 """
 
 import functools
@@ -61,15 +62,19 @@ from paperclub.bench import (
     bench_parser,
     error_text,
     failed_candidate,
+    logger,
     measure_logged,
+    only_steps,
     parse_bench_args,
-    quiet_write,
-    select,
+    ratio,
+    run_plan,
+    sdpa_causal,
     time_ms,
     timed_pass,
 )
 from paperclub.testing import assert_rel_close
 from repro.nsa import reference as ref
+from repro.nsa.checks import TOL, check_selection, cmp_slc_reference, eq5_at, eq5_rows, fla_picks, sample_rows
 from repro.nsa.compression import compressed_attention
 from repro.nsa.config import Switches
 from repro.nsa.decode import nsa_decode
@@ -80,13 +85,6 @@ from repro.nsa.selection import masked_selection_scores, topk_blocks
 PAPER = ref.NSAConfig()
 FLA_SETUP = ref.NSAConfig(block_len=64, stride=64, select_len=64, n_select=16, n_initial=1, n_local=2)
 TABLE4 = {8192: 2048, 16384: 2560, 32768: 3584, 65536: 5632}
-TOL = 2e-2  # bf16 output against an fp32 reference: a few bf16 roundings (2^-8 each)
-GRAD_TOL = 3e-2  # bf16 gradients of two backwards: dK, dV sum bf16-rounded products over many queries
-# A selection (block indices) against Eq. 11's top-n under the reference's float64 scores: the k-th
-# best picked block may score at most this much (relative) below the k-th best block. Two correct
-# kernels with tf32 or bf16 scores pick differently among near-ties only (the bench's random inputs
-# put the n-th and (n+1)-th block within about 1e-3 of each other in half of the rows).
-SEL_TOL = 1e-2
 COLUMNS = ["section", "impl", "pass", "B", "T", "ms", "ms_min", "ms_max", "check", "speedup_vs_full"]
 COLUMNS += ["vs_cudnn", "vs_fa2", "tokens", "paper_tokens", "tflops"]
 WARMUP, REP = 5, 20  # per time_ms call (ms for triton's do_bench)
@@ -173,11 +171,7 @@ def extra_available(changes: dict) -> tuple[bool, str]:
     return True, ""
 
 
-_T0 = time.monotonic()
-
-
-def log(msg: str) -> None:
-    print(f"[nsa bench {time.monotonic() - _T0:6.1f} s] {msg}", flush=True)
+log = logger("nsa bench")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -227,11 +221,6 @@ def train_flops(impl: str, pass_: str, t: int, setup: Setup) -> float | None:
 # Inputs and checks
 
 
-def sample_rows(t: int, gen: torch.Generator, device: str, n: int = 24) -> torch.Tensor:
-    """A sample of query positions (the last always among them) that the checks compare."""
-    return torch.cat([torch.randint(0, t, (n,), generator=gen), torch.tensor([t - 1])]).unique().to(device)
-
-
 def train_inputs(setup: Setup, t: int, seed: int = 0, b: int = 1, queries: int | None = None):
     """q [B, T, HQ, Dk] (``queries`` rows instead of T where given: the decode step's one), the six raw
     key / value tensors (k_cmp, v_cmp, k_slc, v_slc, k_win, v_win: keys [B, T, H, Dk], values
@@ -252,40 +241,6 @@ def failed(why: str) -> Candidate:
     """A row that cannot run here (a peer or kernel missing): its check raises ``why`` as a RuntimeError
     (the row's check says so), it is not timed."""
     return failed_candidate(RuntimeError(why))
-
-
-def check_selection(picks, q, k_cmp, lse, cfg: ref.NSAConfig, t: int, pos, what: str) -> None:
-    """Raise unless ``picks`` [B, P, H, n] (the sampled rows ``pos`` of a length-``t`` sequence) are
-    Eq. 11's top-n up to SEL_TOL under the reference's float64 scores for those rows (q [B, P, HQ, D]
-    and lse [B, P, HQ] of the rows, k_cmp [B, Nc, H, D])."""
-    ns = -(-t // cfg.select_len)
-    scores = ref.selection_scores(
-        q.double(), k_cmp.double(), lse.double(), ns, cfg.block_len, cfg.stride, cfg.select_len, q_pos=pos
-    )
-    short = ref.selection_shortfall(
-        picks, scores, cfg.n_select, cfg.select_len, cfg.n_initial, cfg.n_local, q_pos=pos
-    )
-    worst = short.max().item()
-    if not worst <= SEL_TOL:
-        raise AssertionError(
-            f"{what}: the selected blocks fall {worst:.2e} (relative score) short of Eq. 11's top-n "
-            f"on the sampled rows (allowed {SEL_TOL:.0e}; inf: a forced block missing or a future block)"
-        )
-
-
-def eq5_rows(q, kc, vc, ks, vs, kw, vw, gates, idx, pos, cfg: ref.NSAConfig):
-    """Eq. 5 from the reference on the rows ``pos``, on the given selection ``idx`` [B, T, H, n]."""
-    return eq5_at(q[:, pos], kc, vc, ks, vs, kw, vw, gates[:, pos], idx[:, pos], pos, cfg)
-
-
-def eq5_at(q_rows, kc, vc, ks, vs, kw, vw, gate_rows, idx_rows, pos, cfg: ref.NSAConfig):
-    """Eq. 5 from the reference for queries ``q_rows`` at the positions ``pos`` (their gates and
-    selected blocks given)."""
-    o_c, _ = ref.compressed_attention(q_rows, kc, vc, cfg.block_len, cfg.stride, q_pos=pos)
-    o_s = ref.selected_attention(q_rows, ks, vs, idx_rows, cfg.select_len, q_pos=pos)
-    o_w = ref.sliding_window_attention(q_rows, kw, vw, cfg.window, q_pos=pos)
-    g = gate_rows.float()
-    return g[..., 0:1] * o_c + g[..., 1:2] * o_s + g[..., 2:3] * o_w
 
 
 # ----------------------------------------------------------------------------------------------
@@ -327,43 +282,13 @@ def _sdpa_candidates(setup: Setup, pass_: str, q, ks, vs, sdpa: dict, ref_full, 
     vt = vs.repeat_interleave(g, 2).transpose(1, 2).contiguous().requires_grad_()
     cands = {}
     for name, backend in sdpa.items():
-        f, leaves = _sdpa_candidate(name, backend, qt, kt, vt, notes)
+        f, leaves = sdpa_causal(name, backend, qt, kt, vt, notes)
 
         def check(f=f):
             assert_rel_close(f().transpose(1, 2)[:, pos].float(), ref_full(), TOL, "sdpa rows")
 
         cands[name] = Candidate(fn=timed_pass(pass_, f, leaves), check=check)
     return cands
-
-
-def _sdpa_candidate(name: str, backend, qt, kt, vt, notes: list):
-    """(f, leaves) of full causal attention through one SDPA backend on [B, HQ, T, D] tensors; leaves
-    a callable (the v a backward differentiates is the one the forward used). The flash backend takes
-    one head size for q, k and v: with Dv < Dk, v is zero-padded to Dk (a leaf of its own, made here,
-    outside the timing) and the output sliced back to Dv; another backend pads only if it refuses
-    Dv != Dk on its first call (the check's), which ``notes`` then says."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    dk, dv = qt.shape[-1], vt.shape[-1]
-    state = {"pad": dv != dk and backend == SDPBackend.FLASH_ATTENTION}
-    vt_pad = torch.nn.functional.pad(vt.detach(), (0, dk - dv)).requires_grad_() if dv != dk else vt
-    if state["pad"]:
-        notes.append(f"{name}: v zero-padded from Dv = {dv} to Dk = {dk} (the backend takes one head size).")
-
-    def f():
-        v = vt_pad if state["pad"] else vt
-        try:
-            with sdpa_kernel(backend):
-                o = torch.nn.functional.scaled_dot_product_attention(qt, kt, v, is_causal=True)
-        except RuntimeError as exc:
-            if state["pad"] or dv == dk:
-                raise
-            state["pad"] = True
-            notes.append(f"{name}: v zero-padded from Dv = {dv} to Dk = {dk} ({error_text(exc, 120)}).")
-            return f()
-        return o[..., :dv] if state["pad"] else o
-
-    return f, lambda: (qt, kt, vt_pad if state["pad"] else vt)
 
 
 def _fa4_candidate(pass_: str, q, ks, vs, ref_full, pos) -> dict[str, Candidate]:
@@ -421,7 +346,7 @@ def _peer_candidates(setup: Setup, t, fla, q, ks, vs, gates, leaves, pos, pass_)
     g_cmp = gates[..., 0].detach().clone().requires_grad_()
     g_slc = gates[..., 1].detach().clone().requires_grad_()
     cs = (ql, kl, vl, g_cmp, g_slc)
-    cs_want = _cmp_slc_reference(setup.fla_setting, t, pos, cs)
+    cs_want = cmp_slc_reference(setup.fla_setting, t, pos, cs)
     ours_cs, check_ours_cs = _ours_cmp_slc(setup, cs, cs_want, pos)
 
     @functools.cache  # on first use, so that a failing kernel fails this row's check, not the run
@@ -442,23 +367,6 @@ def _peer_candidates(setup: Setup, t, fla, q, ks, vs, gates, leaves, pos, pass_)
         "ours-slc": Candidate(fn=timed_pass(pass_, ours_slc, (ql, kl, vl)), check=check_ours_slc),
     }
     return cands | _fla_candidates(setup, t, fla, pass_, cs, cs_want, indices, ours_slc, pos)
-
-
-def _cmp_slc_reference(fs: ref.NSAConfig, t: int, pos, cs):
-    """``want(idx, what)``: the reference's cmp+slc rows ``pos`` on the selection ``idx``, after
-    checking that selection (:func:`check_selection`); ``cs`` the leaves q, k, v and the two gates."""
-    ql, kl, vl, g_cmp, g_slc = cs
-
-    def want(idx, what):
-        qd, kd, vd = ql.detach(), kl.detach(), vl.detach()
-        kc = ref.compress(kd, ref.mean_pool, fs.block_len, fs.stride)
-        vc = ref.compress(vd, ref.mean_pool, fs.block_len, fs.stride)
-        o_c, lse_c = ref.compressed_attention(qd[:, pos], kc, vc, fs.block_len, fs.stride, q_pos=pos)
-        check_selection(idx[:, pos], qd[:, pos], kc, lse_c, fs, t, pos, f"{what} cmp+slc selection")
-        o_s = ref.selected_attention(qd[:, pos], kd, vd, idx[:, pos], fs.select_len, q_pos=pos)
-        return g_cmp[:, pos, :, None].float() * o_c + g_slc[:, pos, :, None].float() * o_s
-
-    return want
 
 
 def _ours_cmp_slc(setup: Setup, cs, cs_want, pos):
@@ -518,26 +426,6 @@ def _fla_candidates(setup: Setup, t, fla, pass_, cs, cs_want, indices, ours_slc,
         "fla-cmp+slc": Candidate(fn=timed_pass(pass_, fla_cs, cs), check=check_fla_cs),
         "fla-slc": Candidate(fn=timed_pass(pass_, fla_slc, (ql, kl, vl)), check=check_fla_slc),
     }
-
-
-def fla_picks(fs: ref.NSAConfig, t: int, ql, kl, vl):
-    """fla's block indices for these inputs, from the same internal steps parallel_nsa takes (mean
-    pooling, its compression kernel for the lse, its top-n kernel)."""
-    from fla.ops.nsa.compression import parallel_nsa_compression
-    from fla.ops.nsa.parallel import parallel_nsa_topk
-    from fla.ops.utils.pooling import mean_pooling
-
-    # parallel_nsa fills in scale = D^-1/2 before these calls; its kernels do not take None
-    # (the first run with scale=None ended in a CompilationError of fla's top-n kernel)
-    scale = ql.shape[-1] ** -0.5
-    bs = fs.select_len
-    with torch.no_grad():
-        qd, kd, vd = ql.detach(), kl.detach(), vl.detach()
-        kc, vc = mean_pooling(kd, bs, None), mean_pooling(vd, bs, None)
-        _, lse = parallel_nsa_compression(q=qd, k=kc, v=vc, TK=t, block_size=bs, scale=scale, cu_seqlens=None)
-        return parallel_nsa_topk(
-            q=qd, k=kc, lse=lse, TK=t, block_counts=fs.n_select, block_size=bs, scale=scale, cu_seqlens=None
-        )
 
 
 def decode_candidates(setup: Setup, t: int, b: int) -> tuple[dict[str, Candidate], dict]:
@@ -636,10 +524,6 @@ def measure_step(setup: Setup, step: Step, fla, gen: torch.Generator, sdpa: dict
     return res, counted, build_s + check_s
 
 
-def ratio(base_ms: float | None, ms: float | None) -> float | None:
-    return base_ms / ms if base_ms and ms else None
-
-
 def add_train_rows(report: Report, setup: Setup, step: Step, res: dict, full_ms: dict) -> None:
     """A row per candidate of a train step, with its ratios to full attention's times (this step's or
     the core step's before it, kept in ``full_ms``) and its TFLOP/s."""
@@ -668,33 +552,13 @@ def add_decode_rows(report: Report, step: Step, res: dict, counted: dict) -> Non
         report.add(**row, paper_tokens=paper, speedup_vs_full=ratio(full, m.median_ms), **m.row())
 
 
-def write_report(
-    report: Report, plan: Plan, notes: list, out: Path | None, tag: str, final: bool, ceilings: bool = False
-) -> Path:
-    """Save the report, its notes naming the steps not measured and (while the run goes on) those not
-    reached; quietly, but for the ``final`` write, which prints the table (and measures the machine's
-    ceilings where ``ceilings``)."""
-    pending = [s.name for s in plan.pending()]
-    parts = [*notes, plan.notes()]
-    if pending and not final:
-        parts.append(
-            f"Not reached (the run was still going when this file was written): {', '.join(pending)}."
-        )
-    report.notes = " ".join([p for p in parts if p] + [NOTES])
-    if not final:
-        return quiet_write(report, tag=tag, out_dir=out)
-    report.measure_ceilings = ceilings
-    return report.write(tag=tag, out_dir=out)
-
-
 def run(
     setup: Setup, out, budget: Budget, lengths, decode_batch: int, *, quick=False, only=(), tag=""
 ) -> Path:
     """Run the plan (:func:`plan_steps`) within ``budget``, writing the report after every step."""
     from torch.nn.attention import SDPBackend
 
-    steps = plan_steps(lengths, decode_batch, extra=bool(setup.extra_nsa))
-    steps = [s for s in steps if s.name in select([s.name for s in steps], only, "step")]
+    steps = only_steps(plan_steps(lengths, decode_batch, extra=bool(setup.extra_nsa)), only)
     plan = Plan(steps, budget, log=log)
     names = ", ".join(s.name for s in steps)
     log(f"device {setup.device}; budget {budget.describe()}; {len(steps)} steps: {names}")
@@ -707,32 +571,25 @@ def run(
         notes.append(f"Switches changed from the defaults: {setup.switches}.")
     sdpa = {n: getattr(SDPBackend, b) for n, b in setup.sdpa_backends}
     full_ms, sdpa_notes = {}, []
-    for step in plan:
-        section, pass_, _, t, b = step.data
-        t_start = time.perf_counter()
-        try:
-            res, counted, check_s = measure_step(setup, step, fla, gen, sdpa, sdpa_notes)
-        except Exception as exc:  # e.g. out of memory while building the inputs: record it, go on
-            log(f"{step.name}: failed: {error_text(exc, 300)}")
-            check = f"failed: {error_text(exc, 290)}"
-            report.add(section=section, impl="all", B=b, T=t, check=check, **{"pass": pass_})
-            plan.record(step, check_s=time.perf_counter() - t_start, time_s=0.0)
+
+    def run_step(step: Step) -> float:
+        res, counted, check_s = measure_step(setup, step, fla, gen, sdpa, sdpa_notes)
+        if step.data[0] == "decode":
+            add_decode_rows(report, step, res, counted)
         else:
-            total = time.perf_counter() - t_start
-            plan.record(step, check_s=check_s, time_s=max(0.0, total - check_s))
-            if section == "decode":
-                add_decode_rows(report, step, res, counted)
-            else:
-                add_train_rows(report, setup, step, res, full_ms)
-                notes += [line for line in dict.fromkeys(sdpa_notes) if line not in notes]
-            log(f"{step.name}: done in {total:.1f} s; writing the report")
-            del res
-        if setup.device == "cuda":
-            torch.cuda.empty_cache()
-        write_report(report, plan, notes, out, tag, final=False)
-    path = write_report(report, plan, notes, out, tag, final=True, ceilings=not quick and budget.left() > 0)
-    log(f"finished; {len(plan.finished)} of {len(steps)} steps run")
-    return path
+            add_train_rows(report, setup, step, res, full_ms)
+            notes.extend([line for line in dict.fromkeys(sdpa_notes) if line not in notes])
+        return check_s
+
+    def failed_row(step: Step, check: str) -> dict:
+        section, pass_, _, t, b = step.data
+        return {"section": section, "impl": "all", "B": b, "T": t, "check": check, "pass": pass_}
+
+    free = torch.cuda.empty_cache if setup.device == "cuda" else lambda: None
+    return run_plan(
+        plan, run_step, report, failed_row=failed_row, notes=notes, trailer=NOTES, out_dir=out, tag=tag,
+        ceilings=lambda: not quick and budget.left() > 0, after_step=free, log=log,
+    )  # fmt: skip
 
 
 def add_heads_arg(ap) -> None:

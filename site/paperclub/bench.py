@@ -54,6 +54,13 @@ candidates and FLOP counts:
   never patch modules.
 * **Results**: :class:`Report` (rows, plots, ``write``), :func:`quiet_write` (save without printing,
   so that a run killed by its timeout keeps its rows), :func:`load_results`.
+* **Driving a run**: :func:`run_plan` (a :class:`Plan`'s loop: each step built, checked, timed, its rows
+  added, a failed step one row saying why, the report rewritten after every step by
+  :func:`write_progress`, its notes naming the steps not measured and not reached), :func:`only_steps`
+  (``--only`` on a plan), :func:`run_paced` (a simpler pacing for items of one kind: each runs while the
+  budget allows 1.2 x the longest so far), :func:`logger` (lines stamped with the run's seconds),
+  :func:`ratio`, and :func:`sdpa_causal` (full causal attention through one SDPA backend, v zero-padded
+  where the backend takes one head size: an attention bench's baseline).
 
 Nsight Compute (discovery, running, parsing) and the offline sm_90a compile report live in
 :mod:`paperclub.lab`: tools for the lab folders, never imported by a fast path.
@@ -955,3 +962,171 @@ def timed_pass(pass_: str, f: Callable[[], Any], leaves: Any, grad: Any = None) 
     if pass_ == "fwd+bwd":
         return fwd_bwd(f, leaves, grad)
     raise ValueError(f"timed_pass: pass {pass_!r} is none of 'fwd', 'bwd', 'fwd+bwd'")
+
+
+def sdpa_causal(
+    name: str, backend: Any, qt: Any, kt: Any, vt: Any, notes: list[str]
+) -> tuple[Callable, Callable]:
+    """(f, leaves) of full causal attention through one SDPA backend (``name`` for the notes) on
+    [B, H, T, D] tensors, the baseline of an attention bench; leaves a callable (the v a backward
+    differentiates is the one the forward used). The flash backend takes one head size for q, k and v:
+    with Dv < Dk, v is zero-padded to Dk (a leaf of its own, made here, outside the timing) and the
+    output sliced back to Dv; another backend pads only if it refuses Dv != Dk on its first call (the
+    check's), which ``notes`` then says."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    dk, dv = qt.shape[-1], vt.shape[-1]
+    state = {"pad": dv != dk and backend == SDPBackend.FLASH_ATTENTION}
+    vt_pad = torch.nn.functional.pad(vt.detach(), (0, dk - dv)).requires_grad_() if dv != dk else vt
+    if state["pad"]:
+        notes.append(f"{name}: v zero-padded from Dv = {dv} to Dk = {dk} (the backend takes one head size).")
+
+    def f():
+        v = vt_pad if state["pad"] else vt
+        try:
+            with sdpa_kernel(backend):
+                o = torch.nn.functional.scaled_dot_product_attention(qt, kt, v, is_causal=True)
+        except RuntimeError as exc:
+            if state["pad"] or dv == dk:
+                raise
+            state["pad"] = True
+            notes.append(f"{name}: v zero-padded from Dv = {dv} to Dk = {dk} ({error_text(exc, 120)}).")
+            return f()
+        return o[..., :dv] if state["pad"] else o
+
+    return f, lambda: (qt, kt, vt_pad if state["pad"] else vt)
+
+
+# ---------------------------------------------------------------------------------------------
+# Driving a run: a log with the run's clock, the plan's loop, a budget-paced loop, the report's notes
+# ---------------------------------------------------------------------------------------------
+
+
+def logger(name: str) -> Callable[[str], None]:
+    """A log function printing ``[name  12.3 s] message`` (seconds since this call), flushed at once, so
+    that a run killed by its timeout shows where it was."""
+    t0 = time.monotonic()
+
+    def log(msg: str) -> None:
+        print(f"[{name} {time.monotonic() - t0:6.1f} s] {msg}", flush=True)
+
+    return log
+
+
+def ratio(base_ms: float | None, ms: float | None) -> float | None:
+    """``base_ms / ms`` (above 1: the row is faster than the base), None where either was not timed."""
+    return base_ms / ms if base_ms and ms else None
+
+
+def only_steps(steps: Sequence[Step], only: Sequence[str]) -> list[Step]:
+    """The ``steps`` that ``--only`` names (:func:`select`: a pattern matching no step is an error)."""
+    keep = select([s.name for s in steps], only, "step")
+    return [s for s in steps if s.name in keep]
+
+
+def write_progress(
+    report: Report,
+    plan: Plan,
+    notes: Sequence[str],
+    *,
+    trailer: str = "",
+    out_dir: Path | None = None,
+    tag: str = "",
+    final: bool = False,
+    ceilings: bool = False,
+) -> Path:
+    """Save ``report`` with its notes: ``notes``, the steps the budget left out (:meth:`Plan.notes`),
+    while the run goes on the steps not reached yet, and ``trailer`` (what the rows mean); quietly
+    (:func:`quiet_write`) but for the ``final`` write, which prints the table (and measures the
+    machine's ceilings where ``ceilings``)."""
+    pending = [s.name for s in plan.pending()]
+    parts = [*notes, plan.notes()]
+    if pending and not final:
+        parts.append(
+            f"Not reached (the run was still going when this file was written): {', '.join(pending)}."
+        )
+    report.notes = " ".join([p for p in parts if p] + ([trailer] if trailer else []))
+    if not final:
+        return quiet_write(report, tag=tag, out_dir=out_dir)
+    report.measure_ceilings = ceilings
+    return report.write(tag=tag, out_dir=out_dir)
+
+
+def run_plan(
+    plan: Plan,
+    run_step: Callable[[Step], float],
+    report: Report,
+    *,
+    failed_row: Callable[[Step, str], dict],
+    notes: Sequence[str] = (),
+    trailer: str = "",
+    out_dir: Path | None = None,
+    tag: str = "",
+    ceilings: Callable[[], bool] = lambda: False,
+    after_step: Callable[[], object] = lambda: None,
+    log: Callable[[str], None] = print,
+) -> Path:
+    """Run ``plan``'s steps, writing the report after each (:func:`write_progress`, quietly), then once
+    more, printed (with the ceilings where ``ceilings()`` says so after the last step).
+
+    ``run_step(step)`` builds, checks and times one step, adds its rows to ``report`` and returns the
+    seconds its building and checking took (the rest of its time is timing, for :meth:`Plan.record`).
+    A step that raises (out of memory building its inputs, say) is logged and leaves one row,
+    ``failed_row(step, "failed: <error>")``; the run goes on. ``after_step`` runs after every step
+    (``torch.cuda.empty_cache``, say). ``notes`` may grow while the run goes (a list the steps add to)."""
+    for step in plan:
+        t_start = time.perf_counter()
+        try:
+            check_s = run_step(step)
+        except Exception as exc:  # e.g. out of memory while building the inputs: record it, go on
+            log(f"{step.name}: failed: {error_text(exc, 300)}")
+            report.add(**failed_row(step, f"failed: {error_text(exc, 290)}"))
+            plan.record(step, check_s=time.perf_counter() - t_start, time_s=0.0)
+        else:
+            total = time.perf_counter() - t_start
+            plan.record(step, check_s=check_s, time_s=max(0.0, total - check_s))
+            log(f"{step.name}: done in {total:.1f} s; writing the report")
+        after_step()
+        write_progress(report, plan, notes, trailer=trailer, out_dir=out_dir, tag=tag)
+    path = write_progress(
+        report, plan, notes, trailer=trailer, out_dir=out_dir, tag=tag, final=True, ceilings=ceilings()
+    )
+    log(f"finished; {len(plan.finished)} of {len(plan.steps)} steps run")
+    return path
+
+
+def run_paced(
+    items: Iterable[tuple[str, Callable[[], object]]],
+    budget: Budget,
+    notes: list[str],
+    *,
+    longest: float = 0.0,
+    margin: float = 1.2,
+    reserve_s: float = 15.0,
+    skip_note: Callable[[str], str] | None = None,
+    error_note: Callable[[str, BaseException], str] | None = None,
+    after_each: Callable[[], object] = lambda: None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
+    """Run each ``(name, fn)`` of ``items`` while ``budget`` allows ``margin`` times the longest item so
+    far (``longest`` to start with) and ``reserve_s`` to spare (for the ceilings and the write): a
+    simpler pacing than :class:`Plan`'s, for items of one kind and size. An item that does not fit is
+    skipped with ``skip_note(name)`` in ``notes``; one that raises (out of memory, a failed build) adds
+    ``error_note(name, exc)`` and the rest still run. ``after_each`` runs after every item that ran;
+    each prints ``<name> done in <s> s``. Returns the longest item's seconds."""
+    skip_note = skip_note or (lambda name: f"skipped {name}: budget {budget.describe()}")
+    error_note = error_note or (lambda name, exc: f"{name}: {error_text(exc, 200)}")
+    for name, fn in items:
+        if not budget.allows(margin * longest, reserve_s):
+            notes.append(skip_note(name))
+            continue
+        t0 = clock()
+        try:
+            fn()
+        except Exception as exc:  # a result, not a crash: noted, the rest still runs
+            notes.append(error_note(name, exc))
+        after_each()
+        longest = max(longest, clock() - t0)
+        print(f"{name} done in {clock() - t0:.1f} s", flush=True)
+    return longest

@@ -20,17 +20,8 @@ import torch
 from paperclub.bench import Candidate, Report, apply_settings, bench_parser, measure_logged, parse_bench_args
 from paperclub.testing import assert_rel_close
 from repro.nsa import reference as ref
-from repro.nsa.bench import (
-    REP,
-    TOL,
-    WARMUP,
-    Setup,
-    add_heads_arg,
-    log,
-    parse_heads,
-    sample_rows,
-    train_inputs,
-)
+from repro.nsa.bench import REP, WARMUP, Setup, add_heads_arg, log, parse_heads, train_inputs
+from repro.nsa.checks import TOL, sample_rows
 from repro.nsa.compression import compressed_attention
 from repro.nsa.config import Switches
 from repro.nsa.gate import gated_sum, gated_sum_fused

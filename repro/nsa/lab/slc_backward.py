@@ -8,7 +8,7 @@ over ``Switches``: :data:`IMPLS` names each setting (the default block-major bac
 baseline), fla's ``parallel_nsa`` beside them. Two passes per length: ``bwd`` (the backward of one
 forward kept for every timed call, with a fixed cotangent) and ``fwd+bwd``. Checked first: the
 query-major backward's forward rows against the reference, every other setting's dQ, dK, dV against
-the query-major backward's (``bench.GRAD_TOL``), fla's output against ours (its gradients' errors
+the query-major backward's (``checks.GRAD_TOL``), fla's output against ours (its gradients' errors
 against ours are logged). Writes ``results/<device>-slc-bwd.json`` after each length. What the
 default of ``Switches.slc_backward`` and ``selected.BLOCK_MAJOR_ROWS`` / ``_STAGES`` rest on.
 """
@@ -22,18 +22,8 @@ import torch
 from paperclub.bench import Candidate, Report, bench_parser, parse_bench_args, sweep, timed_pass, variants
 from paperclub.testing import assert_rel_close, rel_error
 from repro.nsa import reference as ref
-from repro.nsa.bench import (
-    GRAD_TOL,
-    PEER,
-    TOL,
-    Setup,
-    add_heads_arg,
-    failed,
-    log,
-    parse_heads,
-    sample_rows,
-    train_inputs,
-)
+from repro.nsa.bench import PEER, Setup, add_heads_arg, failed, log, parse_heads, train_inputs
+from repro.nsa.checks import GRAD_TOL, TOL, sample_rows
 from repro.nsa.config import Switches
 from repro.nsa.layer import nsa_attention
 from repro.nsa.selected import selected_attention

@@ -22,7 +22,8 @@ import torch
 from paperclub.bench import Candidate, Report, bench_parser, measure, parse_bench_args
 from paperclub.testing import assert_rel_close
 from repro.nsa import reference as ref
-from repro.nsa.bench import TOL, Setup, add_heads_arg, eq5_rows, log, parse_heads, sample_rows, train_inputs
+from repro.nsa.bench import Setup, add_heads_arg, log, parse_heads, train_inputs
+from repro.nsa.checks import TOL, eq5_rows, sample_rows
 from repro.nsa.compression import forward_tile, strided_forward
 from repro.nsa.config import Switches
 from repro.nsa.layer import nsa_attention
