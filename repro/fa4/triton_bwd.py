@@ -30,10 +30,14 @@ from paperclub.triton_compat import patch_interpreter
 #: D = 256 (issue #42, not yet run on a GPU): 64 query rows x 32 keys with 8 warps, the launch at which
 #: both kernels compile for sm_90a without spills (offline: 244 and 168 registers; 64 x 64 spills
 #: 550 bytes in the dK/dV kernel).
-BWD_DEFAULTS = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (64, 32, 8, 2)}
+#: D = 256 (issue #42): 32 x 64, 8 warps, 2 stages, the fastest FA2 launch of ``lab/tuning.py bwd-d256``
+#: on an H200 (results/nvidia-h200-bwd-d256.json, 2026-11-29, S = 8k): 0.37x cuDNN's backward non-causal
+#: (where bwd="auto" runs this one) against 0.29x for the first default, 64 x 32.
+BWD_DEFAULTS = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (32, 64, 8, 2)}
 #: The general (window, D_V != D) kernels' launch where it differs: at D = 128 their masks push the
-#: dK/dV kernel at 4 warps to 436 bytes of spills; with 8 warps none (offline compile).
-BWD_WINDOW_DEFAULTS = {128: (64, 64, 8, 2)}
+#: dK/dV kernel at 4 warps to 436 bytes of spills; with 8 warps none (offline compile). D = 256 keeps the
+#: first default there (the launch above was timed and GPU-tested on the plain kernels only).
+BWD_WINDOW_DEFAULTS = {128: (64, 64, 8, 2), 256: (64, 32, 8, 2)}
 #: The interpreter's launch (and any other head dim's).
 BWD_INTERPRET = (16, 16, 4, 1)
 

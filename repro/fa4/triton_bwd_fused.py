@@ -85,13 +85,16 @@ FUSED_CONFIGS: dict[str, tuple[int, int, int, int, bool, bool]] = {
 FUSED_DEFAULTS = {
     64: FUSED_CONFIGS["m64-n128-w8-s2"],
     128: FUSED_CONFIGS["m64-n128-w8-s2"],
-    # D = 256 (issue #42, not yet run on a GPU): the largest tile that compiles without spills
-    # (offline: 32 x 32, 8 warps, 186 registers; 64 x 32 spills 32 bytes, 32 x 64 488)
-    256: (32, 32, 8, 1, False, False),
+    # D = 256 (issue #42): the fastest of the 13 launches of ``lab/tuning.py bwd-d256`` on an H200
+    # (results/nvidia-h200-bwd-d256.json, 2026-11-29, S = 8k, 3 interleaved rounds, each checked against
+    # cuDNN first): 32 x 64, 8 warps, 2 stages, 0.37x cuDNN's backward causal and not, where the first
+    # default (32 x 32, 1 stage: the largest tile without spills offline) ran 0.21-0.24x.
+    256: (32, 64, 8, 2, False, False),
 }
 #: The general (window, D_V != D) kernel's launch where it differs: at D = 128 FA3's 64 x 128 spills 256
-#: bytes with the window's masks, 32 x 128 none (offline compile); D = 256 as above (222 registers).
-FUSED_WINDOW_DEFAULTS = {128: (32, 128, 8, 2, False, False)}
+#: bytes with the window's masks, 32 x 128 none (offline compile); at D = 256 the first default (222
+#: registers, no spills offline): the launch above was timed and GPU-tested on the plain kernel only.
+FUSED_WINDOW_DEFAULTS = {128: (32, 128, 8, 2, False, False), 256: (32, 32, 8, 1, False, False)}
 #: The interpreter's launch: small tiles keep the CPU tests fast and exercise every masked path.
 FUSED_INTERPRET = (16, 16, 4, 1, False, False)
 

@@ -103,8 +103,8 @@ def issue42_cases() -> list[dict]:
     """The kernels issue #42 made reachable, at the launches ``api.resolve`` gives them on a GPU: the
     Triton forward and both Triton backwards at D = 256 (padded head sizes above 128; v on its own
     tile of 128 for D = 192 / D_v = 128), v on its own tile at D = 64 (``own_v_tile``, off by default),
-    and the sliding-window entry points at D = 64, 128 and 256. New code: offline-compiled here (no
-    spills: ``tests/test_lab.py``), not yet run on a GPU."""
+    and the sliding-window entry points at D = 64, 128 and 256: offline-compiled here (spills checked
+    in ``tests/test_lab.py``), run on a GPU by flash-attn's test matrix (``tests/test_gpu_peer_matrix.py``)."""
     from repro.fa4.api import Switches, resolve
 
     out = []

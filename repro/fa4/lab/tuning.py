@@ -299,24 +299,24 @@ def dq_configs() -> dict[str, Switches]:
     )
 
 
-#: The D = 256 backward launches ``bwd-d256`` times (issue #42: the default is 0.26-0.33x cuDNN
+#: The D = 256 backward launches ``bwd-d256`` times (issue #42: the first default was 0.26-0.33x cuDNN
 #: forward + backward on an H200, 2026-11-29): every (block_m, block_n, warps, stages) of the fused
 #: and the FA2 backward that compiles for sm_90a (bf16, offline, 2026-11-29, ``lab/compile.py``) within
 #: the 232,448 bytes of shared memory a block may use and with at most 140 bytes of register spills
 #: (the screen: block_m 16-128, block_n 32/64, 4/8 warps, 1/2 stages; at 4 warps every fused launch
 #: spilled 52-6,404 bytes, and of the FA2 ones only 32 x 32 in two stages kept both kernels clean). In brackets: registers, spill bytes (the two FA2 kernels: dK/dV; dQ).
 D256_SWEEP = {
-    "fused-m32-n32-w8-s1": ("fused", 32, 32, 8, 1),  # the default (192 registers, 0)
+    "fused-m32-n32-w8-s1": ("fused", 32, 32, 8, 1),  # the first default (192 registers, 0)
     "fused-m32-n32-w8-s2": ("fused", 32, 32, 8, 2),  # (226, 0)
     "fused-m16-n32-w8-s2": ("fused", 16, 32, 8, 2),  # (182, 0)
     "fused-m16-n64-w8-s2": ("fused", 16, 64, 8, 2),  # (252, 0), 147,584 B shared
     "fused-m64-n32-w8-s1": ("fused", 64, 32, 8, 1),  # (255, 20)
     "fused-m64-n32-w8-s2": ("fused", 64, 32, 8, 2),  # (255, 24)
-    "fused-m32-n64-w8-s2": ("fused", 32, 64, 8, 2),  # (255, 140)
-    "fa2-m64-n32-w8-s2": ("fa2", 64, 32, 8, 2),  # the FA2 default (244, 0; 168, 0)
+    "fused-m32-n64-w8-s2": ("fused", 32, 64, 8, 2),  # (255, 140); the default since this sweep
+    "fa2-m64-n32-w8-s2": ("fa2", 64, 32, 8, 2),  # the first FA2 default (244, 0; 168, 0)
     "fa2-m64-n32-w8-s1": ("fa2", 64, 32, 8, 1),  # (218, 0; 254, 0)
     "fa2-m32-n32-w8-s2": ("fa2", 32, 32, 8, 2),  # (174, 0; 128, 16)
-    "fa2-m32-n64-w8-s2": ("fa2", 32, 64, 8, 2),  # (255, 8; 159, 0)
+    "fa2-m32-n64-w8-s2": ("fa2", 32, 64, 8, 2),  # (255, 8; 159, 0); the FA2 default since this sweep
     "fa2-m128-n32-w8-s2": ("fa2", 128, 32, 8, 2),  # (255, 8; 255, 0)
     "fa2-m32-n32-w4-s2": ("fa2", 32, 32, 4, 2),  # (255, 0; 210, 0)
 }

@@ -173,18 +173,26 @@ def issue42_rows(tmp_path_factory) -> dict:
     return {c["name"]: row for c, row in zip(cases, rows, strict=True)}
 
 
+#: Spill bytes (stores) allowed at launches a GPU sweep chose over spill-free ones because they ran
+#: faster (lab/tuning.py bwd-d256, results/nvidia-h200-bwd-d256.json, 2026-11-29: 32 x 64 in 2 stages,
+#: 0.37x cuDNN's backward against 0.21-0.29x for the spill-free first defaults): what they spilled when
+#: timed, so that more spilling (a compiler or kernel change) still fails here.
+SPILLS_TIMED_ON_GPU = {"bwd_dkdv d256": 16, "fused d256": 140}
+
+
 @pytest.mark.parametrize("name", [c["name"] for c in fingerprints.issue42_cases()])
 def test_new_kernels_compile_for_sm90_without_spills(issue42_rows, name):
-    """The D = 256 launches and the sliding-window kernels (new code, not yet run on a GPU) compile
-    for sm_90a at the launches resolve() gives them, inside an H100's 227 KiB of shared memory per
-    block and without register spills."""
+    """The D = 256 launches and the sliding-window kernels compile for sm_90a at the launches resolve()
+    gives them, inside an H100's 227 KiB of shared memory per block and without register spills
+    (beyond :data:`SPILLS_TIMED_ON_GPU` at the launches a GPU sweep chose)."""
     row = issue42_rows[name]
     assert "error" not in row, row["error"]
     assert row["target_ok"] and 0 < row["shared"] <= H100_SMEM_PER_BLOCK, row
     if "ptxas_error" in row:
         pytest.fail(f"ptxas: {row['ptxas_error']}")
     if "spill_stores" in row:  # absent only when this Triton bundles no ptxas
-        assert row["spill_stores"] == 0 and row["spill_loads"] == 0, row
+        allowed = SPILLS_TIMED_ON_GPU.get(name, 0)
+        assert row["spill_stores"] <= allowed and row["spill_loads"] <= allowed, row
 
 
 @pytest.mark.claim(

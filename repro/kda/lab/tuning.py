@@ -126,7 +126,7 @@ def tune_report(rows: list[dict], base_changes: str = "", run: str = "", rounds:
     (``change`` "defaults" or the fields as NAME=VALUE, over the base config), median and range."""
     report = Report(
         package="kda",
-        title="KDA launch settings, one change at a time (ours, bf16, H=16, K=V=128)",
+        title="KDA launch settings, one change at a time (ours, bf16, H=16, K=V=128 unless a row says)",
         columns=TUNE_COLUMNS,
         notes=f"lab/tuning.py tune: each change against the defaults{' with ' + base_changes if base_changes else ''}, "
         f"every setting timed once per round in {rounds} interleaved rounds; ms is the median, min/max the range.",
