@@ -29,15 +29,17 @@ bytes and so on: memory passes, small beside the S^2 work at S >= 1k).
 * D <= 128: the GPU-verified kernels at D = 64 or 128 (the same compiled code as before issue #42:
   ``lab/fingerprints.py``), v sharing q's tile; a D_v wider than the tile is cut into chunks of the
   tile, each a call of the kernels on the same q and k (exact: O's columns and, backward, dV's are
-  independent per chunk, dQ and dK the sums of the chunks'), so D_v up to 512 reuses them too.
-* D > 128: the Triton kernels at D = 256 (v on a tile of its own, 64, 128 or 256): new launch shapes,
-  not yet run on a GPU; the only way these inputs are served (they were refused before).
+  independent per chunk, dQ and dK the sums of the chunks'), so D_v up to 512 reuses them too. On
+  Hopper the forward there is the Gluon kernel (:func:`auto_forward`).
+* D > 128: the Triton kernels at D = 256 (v on a tile of its own, 64, 128 or 256).
 * ``window``: the Triton kernels' sliding-window entry points (``triton_fwd._fwd_window_kernel``,
-  ``triton_bwd._bwd_*_window_kernel``, ``triton_bwd_fused._bwd_fused_window_kernel``): new code, not
-  yet run on a GPU; again the only way windows are served. A window that hides nothing, or only the
-  future, runs the plain (or causal) kernels.
+  ``triton_bwd._bwd_*_window_kernel``, ``triton_bwd_fused._bwd_fused_window_kernel``). A window that
+  hides no key from any row, or only the future, runs the plain (or causal) kernels.
 * ``Switches(own_v_tile=True)``: v on its own tile at D <= 128 too (the kernels' D_V != D paths, new
   code, not yet run on a GPU; off by default since padding serves those inputs with verified kernels).
+
+Sizes above 128 and windows, refused before issue #42, have run flash-attn's FA2 and FA3 test
+matrices on an H200 (``tests/test_gpu_peer_matrix.py``; the results on the fa4 page).
 
 The kernels, one file per stage of the pipeline (zadouri2026flashattention4; FA3's Hopper schedule,
 shah2024flashattention3, where the paper's Blackwell one has no Hopper form):
