@@ -20,7 +20,7 @@ Parts (``--only`` picks some; the default runs the first three, in this order, i
 * ``rescale``: the kernel's own count of rescaling steps by length -> <device>-rescale.json; a lab
   tool, ``repro.fa4.lab.rescale``, run from here (when a minute of the budget is left).
 * ``peer``: flash-attn-4 beside cuDNN and our two forwards, forward and forward + backward
-  (:func:`peer`, ``--no-fa4`` leaves flash-attn-4 out) -> <device>-peer.json.
+  (``repro.fa4.peer``, with flash-attn-4's import; ``--no-fa4`` leaves it out) -> <device>-peer.json.
 * ``fa4-smoke``: flash-attn-4 at one small shape against float64; exit status 3 when it does not
   import, compile or run -> <device>-fa4-smoke.json; a lab tool, ``repro.fa4.lab.fa4_smoke``, run
   from here.
@@ -38,32 +38,38 @@ from __future__ import annotations
 
 import functools
 import itertools
-import json
 import sys
 import traceback
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 
 from paperclub.bench import (
+    AttentionInputs,
     Budget,
-    Candidate,
     Report,
+    add_measured_rows,
     apply_settings,
     bench_parser,
     error_text,
-    failed_candidate,
     measure,
     parse_bench_args,
+    plot_tflops_by_length,
     quiet_write,
+    reference_tolerance,
+    sdpa,
+    sdpa_reference,
     select,
-    time_ms,
-    timed_pass,
-    versions,
+    time_alone,
+    within_budget,
 )
 from paperclub.testing import rel_error as rel_err
 from repro.fa4.api import Switches
+
+# the part ``peer`` and flash-attn-4's import, adapter and smoke verdict (read from here by the tests)
+from repro.fa4.peer import fa4_cute, load_flash_attn_4, peer  # noqa: F401
+from repro.fa4.peer import smoke_error as _smoke_error  # noqa: F401
 
 #: The paper's sweep: 16 heads of D = 128, B x S = 16k tokens, S = 1k..16k.
 HEADS = 16
@@ -124,21 +130,6 @@ HEAD_SEQLENS = (4096, 8192)
 #: (left, right) windows of the window rows (D = 128): 1k and 4k keys of history.
 WINDOWS = ((1023, 0), (4095, 0))
 
-#: Distributions whose versions go into the peer JSON.
-FA4_DISTRIBUTIONS = [
-    "flash-attn-4",
-    "nvidia-cutlass-dsl",
-    "nvidia-cutlass-dsl-libs-cu13",
-    "quack-kernels",
-    "apache-tvm-ffi",
-    "triton",
-    "torch",
-]
-
-#: Rounds of the peer comparison (``--rounds`` changes it): each shape's candidates are timed in turn
-#: this many times; back-to-back single timings of one candidate moved by up to 8% on one H100.
-PEER_ROUNDS = 3
-
 #: The columns of the comparison (<device>.json) and of the peer table (<device>-peer.json).
 COLUMNS = ["group", "impl", "causal", "S", "B", "pass", "ms", "tflops", "note"]
 BWD_COLUMNS = ["group", "impl", "causal", "S", "B", "pass", "ms", "ms_min", "ms_max", "tflops", "vs_cudnn"]
@@ -181,7 +172,7 @@ def _visible(s: int, causal: bool, window) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# Inputs and candidates: ours, SDPA's backends, flash-attn-4
+# Inputs and candidates: ours (SDPA's backends: paperclub.bench.sdpa; flash-attn-4: repro.fa4.peer)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -196,28 +187,9 @@ def make_inputs(b: int, s: int, layout: str = "bshd", d: int = HEAD_DIM, d_v: in
     return [leaf(d), leaf(d), leaf(d if d_v is None else d_v)]
 
 
-@dataclass
-class _Inputs:
-    """One shape's inputs for the checked rows: our leaves [B, S, H, D], SDPA's [B, H, S, D] contiguous
-    copies of the same values (leaves too), and dO (``grad_t``: SDPA's layout)."""
-
-    leaves: list
-    sdpa: list
-    grad: torch.Tensor
-
-    @classmethod
-    def make(cls, b: int, s: int, d: int = HEAD_DIM, d_v: int | None = None) -> _Inputs:
-        leaves = make_inputs(b, s, d=d, d_v=d_v)
-        copies = [t.detach().transpose(1, 2).contiguous().requires_grad_() for t in leaves]
-        return cls(leaves, copies, torch.randn_like(leaves[2]))
-
-    @functools.cached_property
-    def grad_t(self) -> torch.Tensor:
-        return self.grad.transpose(1, 2).contiguous()
-
-    def sdpa_grads(self, causal: bool, backend: str, mask=None):
-        """Output and gradients of SDPA on ``backend``, as float32 [B, S, H, D] (:func:`_grads`)."""
-        return _grads(sdpa(*self.sdpa, causal, backend, mask), self.sdpa, self.grad, "bhsd")
+def _inputs(b: int, s: int, d: int = HEAD_DIM, d_v: int | None = None) -> AttentionInputs:
+    """:func:`make_inputs` with SDPA's copies of the same values and dO (``paperclub.bench``)."""
+    return AttentionInputs.of(make_inputs(b, s, d=d, d_v=d_v))
 
 
 def ours(q, k, v, causal, changes, window=None):
@@ -227,105 +199,9 @@ def ours(q, k, v, causal, changes, window=None):
     return lambda: attention(q, k, v, causal=causal, window=window, **sw)
 
 
-def sdpa(q, k, v, causal, backend, mask=None):
-    """SDPA on one backend (q, k, v [B, H, S, D]), causal or with a boolean ``mask`` (a window)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    be = {
-        "cudnn": SDPBackend.CUDNN_ATTENTION,
-        "flash2": SDPBackend.FLASH_ATTENTION,
-        "efficient": SDPBackend.EFFICIENT_ATTENTION,
-    }[backend]
-
-    def run():
-        with sdpa_kernel(be):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
-
-    return run
-
-
-def load_flash_attn_4():
-    """(forward, version) of flash-attn-4, or (None, why the import failed).
-
-    The forward is ``flash_attn.cute.flash_attn_func(q, k, v, softmax_scale=None, causal=False, ...)``
-    on [B, S, H, D] tensors (H_kv dividing H, scale 1/sqrt(D) by default); it returns ``(out, lse)``
-    and is differentiable in ``out``. On an H100 it dispatches to its sm90 kernels.
-    """
-    try:
-        from flash_attn.cute import flash_attn_func
-    except Exception as exc:  # not installed, or its CuTe-DSL runtime does not load
-        return None, f"import flash_attn.cute failed: {error_text(exc)}"
-    return flash_attn_func, versions(["flash-attn-4"])["flash-attn-4"]
-
-
-def fa4_cute(fn, q, k, v, causal: bool):
-    """flash-attn-4 on [B, S, H, D] inputs; the callable returns only the output, not the LSE."""
-
-    def run():
-        out = fn(q, k, v, causal=causal)
-        return out[0] if isinstance(out, tuple) else out
-
-    return run
-
-
 # ---------------------------------------------------------------------------------------------
-# What is timed, the checks against cuDNN, the rows
+# The checks against cuDNN, the rows' notes and columns, the shapes within the budget
 # ---------------------------------------------------------------------------------------------
-
-
-def _timer(f, leaves, grad, passes: str):
-    """What one timed call runs: ``paperclub.bench.timed_pass``, but the forward without an autograd
-    graph (our forward rows time inference)."""
-    if passes != "fwd":
-        return timed_pass(passes, f, leaves, grad)
-
-    def run():
-        with torch.no_grad():
-            return f()
-
-    return run
-
-
-def timed(fn, passes: str, inputs=None) -> float:
-    """Median ms of one candidate timed alone (``time_ms``), the forward or forward + backward to q, k, v
-    (a fresh dO each call): :func:`full` and lab/tuning's sweeps time one candidate at a time."""
-    grad = None if passes == "fwd" else torch.randn_like(fn())
-    return time_ms(_timer(fn, inputs, grad, passes))
-
-
-def _sdpa_candidates(
-    x: _Inputs, causal: bool, passes: str, backends=("cudnn", "flash2"), mask=None, suffix=""
-):
-    """SDPA on each of ``backends`` (with a boolean ``mask``: not causal) timed for ``passes``."""
-    return {
-        f"sdpa-{be}{suffix}": Candidate(fn=_timer(sdpa(*x.sdpa, causal, be, mask), x.sdpa, x.grad_t, passes))
-        for be in backends
-    }
-
-
-def _ours_candidates(x: _Inputs, mine: dict, bad: dict, passes: str) -> dict[str, Candidate]:
-    """Ours (``mine``) timed for ``passes``; one whose check failed at the shape (``bad``: the message)
-    fails its check with it, so that its row says why and it is not timed."""
-    return {
-        name: failed_candidate(bad[name])
-        if name in bad
-        else Candidate(fn=_timer(f, x.leaves, x.grad, passes))
-        for name, f in mine.items()
-    }
-
-
-def _grads(out_fn, leaves, grad, layout: str):
-    """Output and (dq, dk, dv) of one call, as float32 [B, S, H, D]."""
-    out = out_fn()
-    grads = torch.autograd.grad(out, leaves, grad if layout == "bshd" else grad.transpose(1, 2))
-    to = (lambda t: t.float()) if layout == "bshd" else (lambda t: t.transpose(1, 2).float())
-    return [to(t) for t in (out, *grads)]
-
-
-def _grad_errors(out_fn, leaves, grad, layout, ref) -> dict[str, float]:
-    """Relative L2 errors of the output and dq, dk, dv of one call against ``ref`` (cuDNN's)."""
-    got = _grads(out_fn, leaves, grad, layout)
-    return {n: rel_err(a, r) for n, a, r in zip(("o", "dq", "dk", "dv"), got, ref, strict=True)}
 
 
 #: The most two SDPA backends may disagree (relative L2, any of o, dq, dk, dv) for either to be the
@@ -339,53 +215,7 @@ REFERENCE_AGREEMENT = 5e-2
 def _tolerance(yardstick_err: float) -> float:
     """The check's tolerance from the yardstick's distance to the reference: 3x it, at least 2e-2;
     a distance over REFERENCE_AGREEMENT raises (no trustworthy reference at this shape)."""
-    if not yardstick_err <= REFERENCE_AGREEMENT:
-        raise AssertionError(
-            f"no reference: two SDPA backends' outputs and gradients differ by {yardstick_err:.1e} "
-            f"(relative L2), more than {REFERENCE_AGREEMENT:.0e}; neither can check ours at this shape"
-        )
-    return max(3 * yardstick_err, 2e-2)
-
-
-def _cudnn_grads(x: _Inputs, causal: bool):
-    """cuDNN's output and gradients on ``x``, FA2's (SDPA) largest distance from them, and the check
-    tolerance (:func:`_tolerance`, which raises when FA2 and cuDNN disagree)."""
-    ref, fa2 = x.sdpa_grads(causal, "cudnn"), x.sdpa_grads(causal, "flash2")
-    fa2_err = max(rel_err(a, r) for a, r in zip(fa2, ref, strict=True))
-    return ref, fa2_err, _tolerance(fa2_err)
-
-
-def _bwd_shape(b: int, s: int, causal: bool, d: int = HEAD_DIM):
-    """lab/tuning's backward sweeps: (ours, SDPA's leaves, dO, cuDNN's grads, FA2's distance, tolerance)
-    at head size ``d``."""
-    x = _Inputs.make(b, s, d)
-    return x.leaves, x.sdpa, x.grad, *_cudnn_grads(x, causal)
-
-
-def _check_all(fns: dict, leaves, grad, ref, tol: float) -> tuple[dict, dict]:
-    """Compile and check each of our candidates once: (errors by name, failure message by name). Not
-    a ``Candidate.check``: one check serves both passes of a shape, and its errors go in the notes."""
-    errs, bad = {}, {}
-    for name, f in fns.items():
-        try:
-            errs[name] = _grad_errors(f, leaves, grad, "bshd", ref)
-            over = {n: f"{e:.1e}" for n, e in errs[name].items() if not e <= tol}
-            if over:
-                bad[name] = f"vs cuDNN over {tol:.1e}: {over}"
-        except Exception as exc:  # fails to compile or run: its rows say why
-            bad[name] = error_text(exc)
-        print(
-            f"  check {name}: {bad.get(name) or {n: f'{e:.1e}' for n, e in errs[name].items()}}", flush=True
-        )
-    return errs, bad
-
-
-def _cudnn_reference(qt, kt, vt, causal: bool):
-    """SDPA's inputs as [B, S, H, D] (ours on the same values) and cuDNN's output on them, float32."""
-    same = [t.detach().transpose(1, 2).contiguous() for t in (qt, kt, vt)]
-    with torch.no_grad():
-        ref = sdpa(qt, kt, vt, causal, "cudnn")().transpose(1, 2).float()
-    return same, ref
+    return reference_tolerance(yardstick_err, REFERENCE_AGREEMENT)
 
 
 def _err_note(err: float) -> str:
@@ -421,37 +251,17 @@ def _row_error(report: Report, **row) -> None:
     report.add(**row, ms=float("nan"), tflops=float("nan"))
 
 
-def _add_rows(report: Report, res: dict, work: float, per_name, **fixed) -> None:
-    """One row per candidate ``measure`` returned: its times and check, TFLOP/s of ``work`` FLOPs, cuDNN's
-    ms over its own (``vs_cudnn``, > 1 faster) and ``per_name(name)``'s columns."""
-    cudnn_ms = res["sdpa-cudnn"].median_ms
-    for name, m in res.items():
-        ms = m.median_ms
-        tflops = work / (ms * 1e-3) / 1e12 if ms else None
-        vs_cudnn = cudnn_ms / ms if ms and cudnn_ms else None
-        report.add(**fixed, impl=name, **m.row(), tflops=tflops, vs_cudnn=vs_cudnn, **per_name(name))
-        print(report.rows[-1], flush=True)
+def _head_shape_name(shape) -> str:
+    causal, s, (d, d_v) = shape
+    return f"D={d} D_v={d_v} S={s} causal={causal}"
 
 
 def _shapes(seqlens, budget: Budget, reserve_s: float, skipped: list):
     """(causal, S, B) of each length, not causal first, B x S = TOKENS; a shape that would start with
     less than ``reserve_s`` of the budget left is named in ``skipped`` instead."""
-    for causal, s in itertools.product((False, True), seqlens):
-        if budget.left() < reserve_s:
-            skipped.append(f"S={s} causal={causal}")
-            continue
+    shapes = itertools.product((False, True), seqlens)
+    for causal, s in within_budget(shapes, budget, reserve_s, skipped, lambda c: f"S={c[1]} causal={c[0]}"):
         yield causal, s, max(1, TOKENS // s)
-
-
-_BY_LENGTH = dict(x="S", y="tflops", series="impl", logx=True)
-
-
-def _tflops_plots(report: Report, panels) -> None:
-    """A TFLOP/s plot by length for each (title, where) of ``panels``, causal and not."""
-    for causal in (False, True):
-        for title, where in panels:
-            where = {**where, "causal": causal}
-            report.plot(title=f"{title} TFLOP/s, causal={causal}", where=where, **_BY_LENGTH)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -462,8 +272,8 @@ def _tflops_plots(report: Report, panels) -> None:
 def full(out_dir: Path | None, seqlens, ablate_passes=("fwd",), budget: Budget | None = None) -> None:
     """The comparison and the ablation (see the module docstring), shape by shape while ``budget`` lasts.
 
-    Not ``measure``: each candidate is timed once, alone (:func:`timed`), and a WRONG output is still
-    timed, its note saying so (the committed table's semantics)."""
+    Not ``measure``: each candidate is timed once, alone (``paperclub.bench.time_alone``), and a WRONG
+    output is still timed, its note saying so (the committed table's semantics)."""
     budget = budget or Budget(None)
     report = _report(
         "FA4 ideas in Triton vs cuDNN and FlashAttention-2 (SDPA), D=128, 16 heads, B*S=16k, bf16",
@@ -485,7 +295,7 @@ def full(out_dir: Path | None, seqlens, ablate_passes=("fwd",), budget: Budget |
     for causal, s, b in _shapes(seqlens, budget, 60, skipped):
         q, k, v = make_inputs(b, s)
         qt, kt, vt = make_inputs(b, s, layout="bhsd")
-        same, ref = _cudnn_reference(qt, kt, vt, causal)  # the yardstick of each variant's check
+        same, ref = sdpa_reference(qt, kt, vt, causal)  # the yardstick of each variant's check
         for passes in ("fwd", "fwd+bwd"):
             ablation = [("ablation", n, ch) for n, ch in ABLATIONS.items()] if passes in ablate_passes else []
             for group, name, changes in compare + ablation:
@@ -499,7 +309,7 @@ def full(out_dir: Path | None, seqlens, ablate_passes=("fwd",), budget: Budget |
                         if passes == "fwd":
                             with torch.no_grad():
                                 note = _err_note(rel_err(ours(*same, causal, changes)(), ref))
-                    ms = timed(fn, passes, inputs)
+                    ms = time_alone(fn, passes, inputs)
                     report.add(
                         **row, ms=ms, tflops=flops(b, s, causal, passes) / (ms * 1e-3) / 1e12, note=note
                     )
@@ -512,7 +322,7 @@ def full(out_dir: Path | None, seqlens, ablate_passes=("fwd",), budget: Budget |
         quiet_write(report, out_dir=out_dir)
     if skipped:
         report.notes += f" Not measured (time budget of the run): {', '.join(skipped)}."
-    _tflops_plots(
+    plot_tflops_by_length(
         report,
         [
             ("forward", {"group": "compare", "pass": "fwd"}),
@@ -521,108 +331,6 @@ def full(out_dir: Path | None, seqlens, ablate_passes=("fwd",), budget: Budget |
         ],
     )
     report.write(out_dir=out_dir)
-
-
-# ---------------------------------------------------------------------------------------------
-# peer: flash-attn-4, the paper's own CuTe-DSL kernels, on Hopper (lab/gpu_run_peer.sh runs this)
-# ---------------------------------------------------------------------------------------------
-
-
-def _smoke_error(out_dir: Path | None) -> str:
-    """The smoke test's note about flash-attn-4, if its JSON is in ``out_dir``."""
-    for f in sorted((out_dir or Path(".")).glob("*-fa4-smoke.json")):
-        notes = json.loads(f.read_text(encoding="utf-8")).get("notes", "")
-        return notes.split("flash-attn-4 ", 1)[-1] if "flash-attn-4 " in notes else "smoke test passed"
-    return "no smoke-test result found"
-
-
-def _peer_candidate(
-    report: Report, row: dict, f, inputs, f_same, ref, failed: dict, notes: dict
-) -> Candidate:
-    """One candidate of :func:`peer`. Its check compiles it (one call) and, forward, notes its distance
-    from cuDNN's output; a failure is its row (flash-attn-4's first also the notes'), the rest go on."""
-    name, passes, causal, s = row["impl"], row["pass"], row["causal"], row["S"]
-    fn = _timer(f, inputs, None if passes == "fwd" else torch.randn_like(inputs[0]), passes)
-
-    def check():
-        try:
-            if passes == "fwd" and f_same is not None:
-                with torch.no_grad():
-                    notes[name] = _err_note(rel_err(f_same(), ref))
-            fn()
-            torch.cuda.synchronize()
-        except Exception as exc:  # record and go on
-            msg = error_text(exc)
-            print(f"[{name} S={s} causal={causal} {passes}] failed: {msg}", file=sys.stderr)
-            if name == "fa4-cute":
-                if not failed:
-                    traceback.print_exc()
-                    report.notes += f" First flash-attn-4 failure ({passes}, causal={causal}, S={s}): {msg}"
-                failed[(passes, causal)] = msg
-            _row_error(report, **row, note=msg)
-            raise
-
-    return Candidate(fn=fn, check=check)
-
-
-def peer(out_dir: Path | None, seqlens, use_fa4: bool = True, rounds: int = PEER_ROUNDS) -> None:
-    """flash-attn-4, cuDNN (SDPA) and ours (OURS_BEST) at the shapes of :func:`full`, one process.
-
-    Each flash-attn-4 failure is recorded in its row and in the notes; after one failure for a
-    (pass, causal) pair the rest of that pair is not retried (each retry would recompile).
-    """
-    report = _report(
-        "flash-attn-4 (CuTe-DSL) beside cuDNN (SDPA) and ours (TMA on), D=128, 16 heads, B*S=16k, bf16",
-        COLUMNS,
-        "TFLOP/s as in the main result file (4 B H S^2 D forward, halved when causal, x3.5 for forward+backward). "
-        "All timed in one process: for each shape and pass, fa4-cute, sdpa-cudnn, fa4-triton-tma and "
-        "fa4-gluon (ours with the warp-specialised Gluon forward and the default backward, bwd='auto': the Gluon backward on Hopper) in turn, "
-        f"{rounds} rounds, "
-        "each row the median (the note gives the range); rel.err is against cuDNN's output on the same inputs.",
-        peer=f"flash-attn-4 (flash_attn.cute.flash_attn_func); torch {torch.__version__} SDPA, cuDNN {torch.backends.cudnn.version()}",
-        packages=FA4_DISTRIBUTIONS,
-    )
-    fn4, info = load_flash_attn_4() if use_fa4 else (None, f"not run (--no-fa4): {_smoke_error(out_dir)}")
-    report.notes += f" flash-attn-4: {info}."
-    failed: dict[tuple[str, bool], str] = {}
-    for causal, s, b in _shapes(seqlens, Budget(None), 0, []):
-        q, k, v = make_inputs(b, s)
-        qt, kt, vt = make_inputs(b, s, layout="bhsd")
-        same, ref = _cudnn_reference(qt, kt, vt, causal)
-        impls = (
-            [("fa4-cute", fa4_cute(fn4, q, k, v, causal), (q, k, v), fa4_cute(fn4, *same, causal))]
-            if fn4
-            else []
-        )
-        impls.append(("sdpa-cudnn", sdpa(qt, kt, vt, causal, "cudnn"), (qt, kt, vt), None))
-        for name, changes in (("fa4-triton-tma", OURS_BEST), ("fa4-gluon", OURS_GLUON)):
-            impls.append((name, ours(q, k, v, causal, changes), (q, k, v), ours(*same, causal, changes)))
-        for passes in ("fwd", "fwd+bwd"):
-            row = dict(group="peer", causal=causal, S=s, B=b, **{"pass": passes})
-            cands, notes = {}, {}
-            for name, f, inputs, f_same in impls:
-                if name == "fa4-cute" and (passes, causal) in failed:
-                    _row_error(
-                        report, **row, impl=name, note=f"not retried: {failed[(passes, causal)][:120]}"
-                    )
-                    continue
-                cands[name] = _peer_candidate(
-                    report, {**row, "impl": name}, f, inputs, f_same, ref, failed, notes
-                )
-            # rep=50: time_ms's default, what each round ran before the move
-            for name, m in measure(cands, rounds=rounds, rep=50).items():
-                if m.error.startswith("while timing"):  # as before the move: this ends the part
-                    raise RuntimeError(f"{name}: {m.error}")
-                if m.ok:  # (a failed check is its row already)
-                    spread = f"median of {len(m.rounds)} rounds, {m.min_ms:.3f}-{m.max_ms:.3f} ms"
-                    note = f"{notes[name]}; {spread}" if notes.get(name) else spread
-                    tflops = flops(b, s, causal, passes) / (m.median_ms * 1e-3) / 1e12
-                    report.add(**row, impl=name, ms=m.median_ms, tflops=tflops, note=note)
-            torch.cuda.empty_cache()
-        print(f"done causal={causal} S={s}", flush=True)
-        quiet_write(report, tag="peer", out_dir=out_dir)
-    _tflops_plots(report, [(p, {"pass": p}) for p in ("fwd", "fwd+bwd")])
-    report.write(tag="peer", out_dir=out_dir)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -666,30 +374,30 @@ def bwd_compare(
     skipped = []
     for causal, s, b in _shapes(seqlens, budget, 45, skipped):
         print(f"bwd: S={s} causal={causal}: checking against cuDNN", flush=True)
-        x = _Inputs.make(b, s)
+        x = _inputs(b, s)
         mine = {n: ours(*x.leaves, causal, changes) for n, changes in impls.items()}
         try:
-            ref, fa2_err, tol = _cudnn_grads(x, causal)
+            ref, fa2_err, tol = x.reference(causal, REFERENCE_AGREEMENT)
         except AssertionError as exc:  # no trustworthy reference: every row of ours says so, untimed
             ref, fa2_err, tol = None, float("nan"), None
             errs, bad = {}, {n: str(exc) for n in mine}
             print(f"  {exc}", flush=True)
         else:
-            errs, bad = _check_all(mine, x.leaves, x.grad, ref, tol)
+            errs, bad = x.check(mine, ref, tol)
         errs["sdpa-flash2"] = {"max": fa2_err}
         notes = functools.partial(_errors_note, errs)
         for passes in ("fwd+bwd", "bwd"):
-            cands = {**_sdpa_candidates(x, causal, passes), **_ours_candidates(x, mine, bad, passes)}
+            cands = {**x.sdpa_candidates(causal, passes), **x.candidates(mine, bad, passes)}
             res = measure(cands, rounds=rounds)
             fixed = dict(group="bwd", causal=causal, S=s, B=b, **{"pass": passes})
-            _add_rows(report, res, flops(b, s, causal, passes), notes, **fixed)
+            add_measured_rows(report, res, flops(b, s, causal, passes), notes, **fixed)
             del cands, res
         del mine, ref, x
         torch.cuda.empty_cache()
         quiet_write(report, tag=tag, out_dir=out_dir)
     if skipped:
         report.notes += f" Not measured (time budget of the run): {', '.join(skipped)}."
-    _tflops_plots(report, [(p, {"pass": p}) for p in ("fwd+bwd", "bwd")])
+    plot_tflops_by_length(report, [(p, {"pass": p}) for p in ("fwd+bwd", "bwd")])
     report.write(tag=tag, out_dir=out_dir)
     return report
 
@@ -734,23 +442,12 @@ def heads(
         f"mask. Interleaved: {rounds} rounds.",
     )
     skipped = []
-    for causal, s, (d, d_v) in itertools.product((False, True), seqlens, HEAD_SHAPES):
-        if budget.left() < 30:
-            skipped.append(f"D={d} D_v={d_v} S={s} causal={causal}")
-            continue
+    shapes = itertools.product((False, True), seqlens, HEAD_SHAPES)
+    for causal, s, (d, d_v) in within_budget(shapes, budget, 30, skipped, _head_shape_name):
         b = max(1, TOKENS // s)
-        x = _Inputs.make(b, s, d, d_v)
-        ref = fa2 = None
-        # the first backend that runs: the reference; the next one: the yardstick (FA2's, else the
-        # memory-efficient backend's where FA2 does not take the head sizes)
-        for be in ("cudnn", "flash2", "efficient"):
-            if fa2 is not None:
-                break
-            try:
-                got = x.sdpa_grads(causal, be)
-            except Exception:  # this backend does not take the head sizes
-                continue
-            ref, fa2 = (got, None) if ref is None else (ref, got)
+        x = _inputs(b, s, d, d_v)
+        # the reference: cuDNN where it runs; the yardstick: FA2, else the memory-efficient backend
+        ref, fa2 = x.first_references(causal)
         if ref is None:
             skipped.append(f"D={d} D_v={d_v} S={s} causal={causal} (no SDPA backend ran)")
             continue
@@ -760,13 +457,13 @@ def heads(
         except AssertionError as exc:  # no trustworthy reference: ours is not timed, its rows say why
             bad = {"fa4": str(exc)}
         else:
-            bad = _check_all(mine, x.leaves, x.grad, ref, tol)[1]
+            bad = x.check(mine, ref, tol)[1]
         tiles = functools.partial(_tiles, head_layout(d, d_v))
         for passes in ("fwd", "fwd+bwd"):
-            cands = {**_sdpa_candidates(x, causal, passes), **_ours_candidates(x, mine, bad, passes)}
+            cands = {**x.sdpa_candidates(causal, passes), **x.candidates(mine, bad, passes)}
             work = attention_flops(b, s, s, d, d_v, passes, _visible(s, causal, None))
             fixed = dict(group="heads", D=d, D_v=d_v, causal=causal, window="", S=s, B=b, **{"pass": passes})
-            _add_rows(report, measure(cands, rounds=rounds), work, tiles, **fixed)
+            add_measured_rows(report, measure(cands, rounds=rounds), work, tiles, **fixed)
         del x, ref, fa2, mine, cands
         torch.cuda.empty_cache()
         quiet_write(report, tag="heads", out_dir=out_dir)
@@ -775,23 +472,23 @@ def heads(
         if budget.left() < 30 or window[0] >= s:
             continue
         b = max(1, TOKENS // s)
-        x = _Inputs.make(b, s)
+        x = _inputs(b, s)
         mask = window_mask(s, s, window[0], window[1], "cuda")
         mine = {"fa4-window": ours(*x.leaves, False, {}, window=window)}
         try:
             ref = x.sdpa_grads(False, "efficient", mask)
-            bad = _check_all(mine, x.leaves, x.grad, ref, 2e-2)[1]
+            bad = x.check(mine, ref, 2e-2)[1]
         except Exception as exc:  # no reference: our rows are not timed
             bad = {"fa4-window": f"no reference ran: {error_text(exc)}"}
         for passes in ("fwd", "fwd+bwd"):
             # beside ours: cuDNN causal (the work a window saves), cuDNN with the window as a mask, ours causal
-            cands = _sdpa_candidates(x, True, passes, ("cudnn",))
-            cands.update(_sdpa_candidates(x, False, passes, ("cudnn",), mask, suffix="-window-mask"))
-            cands["fa4-causal"] = Candidate(fn=_timer(ours(*x.leaves, True, {}), x.leaves, x.grad, passes))
-            cands.update(_ours_candidates(x, mine, bad, passes))
+            cands = x.sdpa_candidates(True, passes, ("cudnn",))
+            cands.update(x.sdpa_candidates(False, passes, ("cudnn",), mask, suffix="-window-mask"))
+            cands.update(x.candidates({"fa4-causal": ours(*x.leaves, True, {})}, {}, passes))
+            cands.update(x.candidates(mine, bad, passes))
             work = attention_flops(b, s, s, HEAD_DIM, HEAD_DIM, passes, _visible(s, False, window))
             fixed = dict(group="window", D=HEAD_DIM, D_v=HEAD_DIM, causal=False, window=str(window), S=s, B=b)
-            _add_rows(report, measure(cands, rounds=rounds), work, tiles, **fixed, **{"pass": passes})
+            add_measured_rows(report, measure(cands, rounds=rounds), work, tiles, **fixed, **{"pass": passes})
         del x, mask, mine, cands
         torch.cuda.empty_cache()
         quiet_write(report, tag="heads", out_dir=out_dir)

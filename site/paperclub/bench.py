@@ -61,6 +61,14 @@ candidates and FLOP counts:
   budget allows 1.2 x the longest so far), :func:`logger` (lines stamped with the run's seconds),
   :func:`ratio`, and :func:`sdpa_causal` (full causal attention through one SDPA backend, v zero-padded
   where the backend takes one head size: an attention bench's baseline).
+* **Attention benches** (SDPA's backends as reference and peer): :func:`sdpa` (one backend by name),
+  :class:`AttentionInputs` (leaves, SDPA's copies, dO; the cuDNN reference and FA2 yardstick, each
+  candidate checked once for all its passes, candidates and SDPA peers timed), :func:`sdpa_reference`
+  (an output to check forwards against), :func:`grads_of` / :func:`grad_errors` (output and gradients
+  against a reference), :func:`reference_tolerance` (3x a second backend's distance, no reference
+  where two disagree), :func:`check_each`, :func:`time_alone`, :func:`add_measured_rows` (TFLOP/s and
+  the ratio to a base row), :func:`within_budget` (items while the budget keeps a reserve) and
+  :func:`plot_tflops_by_length`.
 
 Nsight Compute (discovery, running, parsing) and the offline sm_90a compile report live in
 :mod:`paperclub.lab`: tools for the lab folders, never imported by a fast path.
@@ -74,6 +82,7 @@ import contextlib
 import dataclasses
 import datetime as _dt
 import fnmatch
+import functools
 import importlib.metadata
 import io
 import json
@@ -951,10 +960,21 @@ def bwd_only(f: Callable[[], Any], leaves: Any, grad: Any = None) -> Callable[[]
     return run
 
 
-def timed_pass(pass_: str, f: Callable[[], Any], leaves: Any, grad: Any = None) -> Callable[[], Any]:
+def timed_pass(
+    pass_: str, f: Callable[[], Any], leaves: Any, grad: Any = None, *, inference: bool = False
+) -> Callable[[], Any]:
     """What a row of pass ``pass_`` times: ``"fwd"`` ``f`` itself (building its autograd graph where
-    ``leaves`` require grad, as training does), ``"bwd"`` the backward alone (:func:`bwd_only`),
-    ``"fwd+bwd"`` both (:func:`fwd_bwd`); ``leaves`` and ``grad`` as there."""
+    ``leaves`` require grad, as training does; with ``inference``, under ``torch.no_grad``), ``"bwd"``
+    the backward alone (:func:`bwd_only`), ``"fwd+bwd"`` both (:func:`fwd_bwd`); ``leaves`` and ``grad``
+    as there."""
+    if pass_ == "fwd" and inference:
+        import torch
+
+        def run():
+            with torch.no_grad():
+                return f()
+
+        return run
     if pass_ == "fwd":
         return f
     if pass_ == "bwd":
@@ -1130,3 +1150,240 @@ def run_paced(
         longest = max(longest, clock() - t0)
         print(f"{name} done in {clock() - t0:.1f} s", flush=True)
     return longest
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention benches: SDPA's backends as reference and peer, checks against a reference, the rows
+# ---------------------------------------------------------------------------------------------
+
+
+def sdpa(q: Any, k: Any, v: Any, causal: bool, backend: str, mask: Any = None) -> Callable[[], Any]:
+    """SDPA on one backend, ``"cudnn"``, ``"flash2"`` or ``"efficient"`` (q, k, v [B, H, S, D]), causal
+    or with a boolean ``mask`` (a window)."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    be = {
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "flash2": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    }[backend]
+
+    def run():
+        with sdpa_kernel(be):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+
+    return run
+
+
+def grads_of(out_fn: Callable[[], Any], leaves: Any, grad: Any, layout: str = "bshd") -> list:
+    """Output and gradients to ``leaves`` of one call, as float32 [B, S, H, D]; ``grad`` is dO as
+    [B, S, H, D], and ``layout="bhsd"`` says the call takes and gives [B, H, S, D] (SDPA's)."""
+    import torch
+
+    out = out_fn()
+    grads = torch.autograd.grad(out, leaves, grad if layout == "bshd" else grad.transpose(1, 2))
+    to = (lambda t: t.float()) if layout == "bshd" else (lambda t: t.transpose(1, 2).float())
+    return [to(t) for t in (out, *grads)]
+
+
+def grad_errors(
+    out_fn: Callable[[], Any], leaves: Any, grad: Any, layout: str, ref: Sequence[Any]
+) -> dict[str, float]:
+    """Relative L2 errors of the output and dq, dk, dv of one call (:func:`grads_of`) against ``ref``."""
+    from paperclub.testing import rel_error
+
+    got = grads_of(out_fn, leaves, grad, layout)
+    return {n: rel_error(a, r) for n, a, r in zip(("o", "dq", "dk", "dv"), got, ref, strict=True)}
+
+
+@dataclass
+class AttentionInputs:
+    """One shape's inputs for the checked rows: the leaves q, k, v as [B, S, H, D], SDPA's [B, H, S, D]
+    contiguous copies of the same values (leaves too), and dO (``grad``; ``grad_t``: SDPA's layout)."""
+
+    leaves: list
+    sdpa: list
+    grad: Any
+
+    @classmethod
+    def of(cls, leaves: list) -> AttentionInputs:
+        """From q, k, v: SDPA's copies made and dO drawn (``randn_like`` v)."""
+        import torch
+
+        copies = [t.detach().transpose(1, 2).contiguous().requires_grad_() for t in leaves]
+        return cls(leaves, copies, torch.randn_like(leaves[2]))
+
+    @functools.cached_property
+    def grad_t(self) -> Any:
+        return self.grad.transpose(1, 2).contiguous()
+
+    def sdpa_grads(self, causal: bool, backend: str, mask: Any = None) -> list:
+        """Output and gradients of SDPA on ``backend``, as float32 [B, S, H, D] (:func:`grads_of`)."""
+        return grads_of(sdpa(*self.sdpa, causal, backend, mask), self.sdpa, self.grad, "bhsd")
+
+    def reference(self, causal: bool, agreement: float) -> tuple[list, float, float]:
+        """cuDNN's output and gradients, FA2's (SDPA) largest distance from them, and the check's
+        tolerance (:func:`reference_tolerance`, which raises when the two disagree by over ``agreement``)."""
+        from paperclub.testing import rel_error
+
+        ref, fa2 = self.sdpa_grads(causal, "cudnn"), self.sdpa_grads(causal, "flash2")
+        fa2_err = max(rel_error(a, r) for a, r in zip(fa2, ref, strict=True))
+        return ref, fa2_err, reference_tolerance(fa2_err, agreement)
+
+    def first_references(self, causal: bool, backends: Sequence[str] = ("cudnn", "flash2", "efficient")):
+        """(reference, yardstick): the output and gradients of the first of ``backends`` that runs at
+        these head sizes and of the next one (None where fewer run)."""
+        ref = None
+        for be in backends:
+            try:
+                got = self.sdpa_grads(causal, be)
+            except Exception:  # this backend does not take the head sizes
+                continue
+            if ref is not None:
+                return ref, got
+            ref = got
+        return ref, None
+
+    def check(self, fns: Mapping[str, Any], ref: Sequence[Any], tol: float) -> tuple[dict, dict]:
+        """Each of ``fns`` (on :attr:`leaves`) checked once against ``ref`` (:func:`check_each`)."""
+        return check_each(fns, lambda f: grad_errors(f, self.leaves, self.grad, "bshd", ref), tol)
+
+    def candidates(self, fns: Mapping[str, Any], bad: Mapping[str, str], passes: str) -> dict[str, Candidate]:
+        """``fns`` (on :attr:`leaves`) timed for ``passes`` (the forward as inference); one whose check
+        failed (``bad``: the message) fails its check with it, so that its row says why, untimed."""
+        return {
+            name: failed_candidate(bad[name])
+            if name in bad
+            else Candidate(fn=timed_pass(passes, f, self.leaves, self.grad, inference=True))
+            for name, f in fns.items()
+        }
+
+    def sdpa_candidates(
+        self, causal: bool, passes: str, backends=("cudnn", "flash2"), mask: Any = None, suffix: str = ""
+    ) -> dict[str, Candidate]:
+        """SDPA on each of ``backends`` (with a boolean ``mask``: not causal) timed for ``passes``, as
+        ``sdpa-<backend><suffix>``."""
+        return {
+            f"sdpa-{be}{suffix}": Candidate(
+                fn=timed_pass(
+                    passes, sdpa(*self.sdpa, causal, be, mask), self.sdpa, self.grad_t, inference=True
+                )
+            )
+            for be in backends
+        }
+
+
+def sdpa_reference(qt: Any, kt: Any, vt: Any, causal: bool, backend: str = "cudnn") -> tuple[list, Any]:
+    """SDPA's inputs ([B, H, S, D]) as [B, S, H, D] copies (a candidate on the same values) and
+    ``backend``'s output on them, float32 [B, S, H, D], without gradients."""
+    import torch
+
+    same = [t.detach().transpose(1, 2).contiguous() for t in (qt, kt, vt)]
+    with torch.no_grad():
+        ref = sdpa(qt, kt, vt, causal, backend)().transpose(1, 2).float()
+    return same, ref
+
+
+def reference_tolerance(yardstick_err: float, agreement: float, *, floor: float = 2e-2) -> float:
+    """A check's tolerance from a yardstick's distance to the reference (two SDPA backends): 3x it, at
+    least ``floor``; a distance over ``agreement`` raises (no trustworthy reference at this shape: a
+    tolerance of 3x it would pass anything)."""
+    if not yardstick_err <= agreement:
+        raise AssertionError(
+            f"no reference: two SDPA backends' outputs and gradients differ by {yardstick_err:.1e} "
+            f"(relative L2), more than {agreement:.0e}; neither can check ours at this shape"
+        )
+    return max(3 * yardstick_err, floor)
+
+
+def check_each(
+    fns: Mapping[str, Any], errors_of: Callable[[Any], dict[str, float]], tol: float, against: str = "cuDNN"
+) -> tuple[dict, dict]:
+    """Run and check each candidate once: (errors by name, failure message by name), one line printed for
+    each. Not a ``Candidate.check``: one check serves every pass of a shape, and its errors go in the
+    notes; a candidate that raises (fails to compile or run) has its error as the message."""
+    errs: dict[str, dict[str, float]] = {}
+    bad: dict[str, str] = {}
+    for name, f in fns.items():
+        try:
+            errs[name] = errors_of(f)
+            over = {n: f"{e:.1e}" for n, e in errs[name].items() if not e <= tol}
+            if over:
+                bad[name] = f"vs {against} over {tol:.1e}: {over}"
+        except Exception as exc:  # fails to compile or run: its rows say why
+            bad[name] = error_text(exc)
+        print(
+            f"  check {name}: {bad.get(name) or {n: f'{e:.1e}' for n, e in errs[name].items()}}", flush=True
+        )
+    return errs, bad
+
+
+def time_alone(fn: Callable[[], Any], passes: str, leaves: Any = None) -> float:
+    """Median ms of one candidate timed alone (:func:`time_ms`): the forward without an autograd graph,
+    or forward + backward to ``leaves`` (a dO drawn once)."""
+    import torch
+
+    grad = None if passes == "fwd" else torch.randn_like(fn())
+    return time_ms(timed_pass(passes, fn, leaves, grad, inference=True))
+
+
+def add_measured_rows(
+    report: Report,
+    res: Mapping[str, Measured],
+    work: float,
+    per_name: Callable[[str], dict] = lambda name: {},
+    *,
+    base: str = "sdpa-cudnn",
+    ratio_column: str = "vs_cudnn",
+    **fixed,
+) -> None:
+    """One row per candidate :func:`measure` returned (printed): ``fixed`` columns, ``impl``, its times and
+    check, ``tflops`` of ``work`` FLOPs, the ``base`` candidate's ms over its own in ``ratio_column``
+    (> 1: faster) and ``per_name(name)``'s columns."""
+    base_ms = res[base].median_ms
+    for name, m in res.items():
+        ms = m.median_ms
+        tflops = work / (ms * 1e-3) / 1e12 if ms else None
+        report.add(
+            **fixed,
+            impl=name,
+            **m.row(),
+            tflops=tflops,
+            **{ratio_column: ratio(base_ms, ms)},
+            **per_name(name),
+        )
+        print(report.rows[-1], flush=True)
+
+
+def within_budget(
+    items: Iterable[Any],
+    budget: Budget,
+    reserve_s: float,
+    skipped: list[str],
+    describe: Callable[[Any], str] = str,
+) -> Iterator[Any]:
+    """The ``items`` that start with at least ``reserve_s`` of ``budget`` left; the others are named
+    (``describe``) in ``skipped``, for the notes."""
+    for item in items:
+        if budget.left() < reserve_s:
+            skipped.append(describe(item))
+            continue
+        yield item
+
+
+def plot_tflops_by_length(report: Report, panels: Iterable[tuple[str, dict]]) -> None:
+    """A TFLOP/s plot by length ``S`` (one line per ``impl``) for each (title, where) of ``panels``, not
+    causal then causal."""
+    panels = list(panels)
+    for causal in (False, True):
+        for title, where in panels:
+            where = {**where, "causal": causal}
+            report.plot(
+                title=f"{title} TFLOP/s, causal={causal}",
+                where=where,
+                x="S",
+                y="tflops",
+                series="impl",
+                logx=True,
+            )

@@ -19,19 +19,10 @@ from pathlib import Path
 
 import torch
 
-from paperclub.bench import Report, apply_settings, bench_parser, error_text, parse_bench_args
+from paperclub.bench import Report, apply_settings, bench_parser, error_text, parse_bench_args, sdpa
 from repro.fa4.api import Switches
-from repro.fa4.bench import (
-    FA4_DISTRIBUTIONS,
-    HEAD_DIM,
-    HEADS,
-    OURS_BEST,
-    fa4_cute,
-    load_flash_attn_4,
-    rel_err,
-    sdpa,
-    switches,
-)
+from repro.fa4.bench import HEAD_DIM, HEADS, OURS_BEST, rel_err, switches
+from repro.fa4.peer import FA4_DISTRIBUTIONS, fa4_cute, load_flash_attn_4
 
 #: (B, S, H, D) of the smoke test: small enough for a float64 reference with gradients.
 SMOKE_SHAPE = (2, 512, HEADS, HEAD_DIM)

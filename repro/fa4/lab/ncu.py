@@ -27,16 +27,9 @@ from paperclub.lab import print_ncu_summary, profile_once, run_ncu
 
 def target(use_fa4: bool = True, s: int = 8192, causal: bool = False) -> None:
     """One forward each of ours (OURS_BEST and OURS_GLUON), cuDNN and flash-attn-4, each profiled once."""
-    from repro.fa4.bench import (
-        OURS_BEST,
-        OURS_GLUON,
-        TOKENS,
-        fa4_cute,
-        load_flash_attn_4,
-        make_inputs,
-        ours,
-        sdpa,
-    )
+    from paperclub.bench import sdpa
+    from repro.fa4.bench import OURS_BEST, OURS_GLUON, TOKENS, make_inputs, ours
+    from repro.fa4.peer import fa4_cute, load_flash_attn_4
 
     b = TOKENS // s
     q, k, v = (t.detach() for t in make_inputs(b, s))

@@ -25,18 +25,23 @@ import torch
 
 from paperclub.bench import (
     SWEEP_COLUMNS,
+    AttentionInputs,
     Budget,
     Candidate,
     Report,
     bench_parser,
+    grad_errors,
     parse_bench_args,
     quiet_write,
+    sdpa,
     sweep,
+    time_alone,
+    timed_pass,
     variants,
 )
 from repro.fa4 import bench
 from repro.fa4.api import Switches
-from repro.fa4.bench import HEAD_DIM, TOKENS, flops, make_inputs, rel_err, sdpa, timed
+from repro.fa4.bench import HEAD_DIM, TOKENS, flops, make_inputs, rel_err
 
 # ---------------------------------------------------------------------------------------------
 # launch: the Triton forward's and the FA2 backward's launch shapes
@@ -89,13 +94,13 @@ def _ours(q, k, v, causal: bool, cfg: Switches, *, passes: str, ref=None) -> Can
             assert err < 2e-2, f"relative error vs cuDNN {err:.1e} over 2e-2"
 
     def fn():
-        return timed(lambda: attention(q, k, v, causal=causal, config=cfg), passes, (q, k, v))
+        return time_alone(lambda: attention(q, k, v, causal=causal, config=cfg), passes, (q, k, v))
 
     return Candidate(fn=fn, check=check)
 
 
 def _timer_only(fn, warmup, rep) -> float:
-    return fn()  # each candidate's fn returns its own median ms (bench.timed)
+    return fn()  # each candidate's fn returns its own median ms (paperclub.bench.time_alone)
 
 
 def launch(out: Path | None, rounds: int, budget: Budget, s: int = 8192) -> Report:
@@ -210,7 +215,7 @@ def _gluon_candidate(q, k, v, causal: bool, kw: dict, *, ref) -> Candidate:
             err = rel_err(fwd(), ref)
         assert err < 2e-2, f"relative error vs cuDNN {err:.1e} over 2e-2"
 
-    return Candidate(fn=lambda: timed(fwd, "fwd"), check=check)
+    return Candidate(fn=lambda: time_alone(fwd, "fwd"), check=check)
 
 
 def gluon(out: Path | None, rounds: int, budget: Budget, plan=None, tag: str = "gluon-sweep") -> Report:
@@ -246,7 +251,7 @@ def gluon(out: Path | None, rounds: int, budget: Budget, plan=None, tag: str = "
 
             build = functools.partial(_gluon_candidate, q, k, v, causal, ref=ref)
             cudnn = sdpa(qt, kt, vt, causal, "cudnn")
-            rows = sweep(configs, build, peers={"sdpa-cudnn": lambda f=cudnn: timed(f, "fwd")},
+            rows = sweep(configs, build, peers={"sdpa-cudnn": lambda f=cudnn: time_alone(f, "fwd")},
                          baseline="sdpa-cudnn", rounds=rounds, timer=_timer_only)  # fmt: skip
             for r in rows:
                 ms = r["ms"]
@@ -339,11 +344,18 @@ def _bwd_candidate(leaves, grad, ref, tol: float, causal: bool, cfg: Switches, *
         return attention(*leaves, causal=causal, config=cfg)
 
     def check():
-        errs = bench._grad_errors(f, leaves, grad, "bshd", ref)
+        errs = grad_errors(f, leaves, grad, "bshd", ref)
         over = {n: f"{e:.1e}" for n, e in errs.items() if not e <= tol}
         assert not over, f"vs cuDNN over {tol:.1e}: {over}"
 
-    return Candidate(fn=bench._timer(f, leaves, grad, passes), check=check)
+    return Candidate(fn=timed_pass(passes, f, leaves, grad, inference=True), check=check)
+
+
+def _bwd_shape(b: int, s: int, causal: bool, d: int = HEAD_DIM):
+    """The backward sweeps' shape: (ours, SDPA's leaves, dO, cuDNN's grads, FA2's distance, tolerance)
+    at head size ``d`` (the bench's inputs and check)."""
+    x = AttentionInputs.of(make_inputs(b, s, d=d))
+    return x.leaves, x.sdpa, x.grad, *x.reference(causal, bench.REFERENCE_AGREEMENT)
 
 
 def backward_sweep(out: Path | None, rounds: int, budget: Budget, configs: dict[str, Switches], tag: str,
@@ -370,12 +382,12 @@ def backward_sweep(out: Path | None, rounds: int, budget: Budget, configs: dict[
             if not budget.allows(None, reserve_s=45):
                 report.notes += f" S={s} causal={causal}: not run (time budget)."
                 continue
-            ours_leaves, sdpa_leaves, grad, ref, _, tol = bench._bwd_shape(b, s, causal, d)
+            ours_leaves, sdpa_leaves, grad, ref, _, tol = _bwd_shape(b, s, causal, d)
             grad_t = grad.transpose(1, 2).contiguous()
             for passes in ("bwd", "fwd+bwd"):
                 build = functools.partial(_bwd_candidate, ours_leaves, grad, ref, tol, causal, passes=passes)
                 peers = {
-                    f"sdpa-{be}": Candidate(fn=bench._timer(sdpa(*sdpa_leaves, causal, be), sdpa_leaves, grad_t, passes))
+                    f"sdpa-{be}": Candidate(fn=timed_pass(passes, sdpa(*sdpa_leaves, causal, be), sdpa_leaves, grad_t, inference=True))
                     for be in ("cudnn", "flash2")
                 }  # fmt: skip
                 rows = sweep(configs, build, peers=peers, baseline="sdpa-cudnn", rounds=rounds)
