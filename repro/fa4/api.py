@@ -31,7 +31,8 @@ bytes and so on: memory passes, small beside the S^2 work at S >= 1k).
   tile, each a call of the kernels on the same q and k (exact: O's columns and, backward, dV's are
   independent per chunk, dQ and dK the sums of the chunks'), so D_v up to 512 reuses them too. On
   Hopper the forward there is the Gluon kernel (:func:`auto_forward`).
-* D > 128: the Triton kernels at D = 256 (v on a tile of its own, 64, 128 or 256).
+* D > 128: the 256 tile (v on a tile of its own, 64, 128 or 256): on Hopper the Gluon forward where v
+  shares the 256 tile, else the Triton one; the Triton backward.
 * ``window``: the Triton kernels' sliding-window entry points (``triton_fwd._fwd_window_kernel``,
   ``triton_bwd._bwd_*_window_kernel``, ``triton_bwd_fused._bwd_fused_window_kernel``). A window that
   hides no key from any row, or only the future, runs the plain (or causal) kernels.
@@ -96,6 +97,9 @@ MAX_HEAD_DIM_V = 512
 VERIFIED_TILES = (64, 128)
 #: The tiles of the public entry points: 256 only in the Triton kernels (not yet run on a GPU).
 PUBLIC_TILES = (64, 128, 256)
+#: The tiles the Gluon forward runs (q, k and v on one of them): the verified ones and 256 (its own
+#: launch, GLUON_DEFAULTS[256] in gluon_fwd: 64-key tiles, two stages, 192 KiB of shared memory).
+GLUON_FORWARD_TILES = (64, 128, 256)
 #: ... and of the interpreter's tests (attention_any_d): small tiles keep the CPU fast.
 TEST_TILES = (16, 32, 64, 128, 256)
 #: The kernel-level entry points' head sizes (run_forward / run_backward, repro.usp): no padding there.
@@ -125,7 +129,7 @@ class Switches:
         on an H100 (results/*-gluon-combos.json, *-peer.json): 0.98-1.13x cuDNN's forward at S = 4k-16k
         (1.30-1.50x the Triton kernel with tma=True); lazy_rescale costs nothing there (within 0.6%).
         None (the default): :func:`auto_forward` picks it where it runs (Hopper, bf16/fp16, q, k and v
-        on one tile of 64 or 128, no window) and no Triton-only forward switch is set; False: the
+        on one tile of 64, 128 or 256, no window) and no Triton-only forward switch is set; False: the
         Triton kernel always (the ablation's baseline, FA4's ideas one at a time).
     block_m, block_n, num_warps, num_stages: launch shape; None picks the tuned default
         (``triton_fwd.FWD_DEFAULTS``).
@@ -275,6 +279,11 @@ class HeadLayout:
     def verified(self) -> bool:
         """The kernels that ran on a GPU before issue #42 serve it (one tile of 64 or 128 for q, k, v)."""
         return self.tile == self.tile_v and self.tile in VERIFIED_TILES
+
+    @property
+    def gluon_forward(self) -> bool:
+        """The Gluon forward takes it: q, k and v on one tile of GLUON_FORWARD_TILES."""
+        return self.tile == self.tile_v and self.tile in GLUON_FORWARD_TILES
 
     @property
     def exact(self) -> bool:
@@ -445,12 +454,13 @@ TRITON_FORWARD_ONLY = (
 
 def auto_forward(q: torch.Tensor, window, layout: HeadLayout, sw: Switches) -> bool:
     """Whether ``gluon=None`` runs the Gluon forward for ``q`` on ``layout``'s tiles: on a Hopper GPU
-    (sm_90) where Triton has Gluon, q bf16/fp16, q, k and v on one verified tile (64 or 128: head sizes
-    1-128 padded to it, v in chunks of it), no ``window``, and none of :data:`TRITON_FORWARD_ONLY` set.
+    (sm_90) where Triton has Gluon, q bf16/fp16, q, k and v on one tile of GLUON_FORWARD_TILES (64 or
+    128: head sizes 1-128 padded to it, v in chunks of it; 256: D and D_v in 129-256 padded to it), no
+    ``window``, and none of :data:`TRITON_FORWARD_ONLY` set.
     Measured (results/nvidia-h200-peer.json, 2026-11-29, D = 128, bf16, 16 heads, B x S = 16k): 0.88-1.09x
     cuDNN's forward at S = 2k-8k against the Triton kernel's 0.66-0.76x (with TMA); flash-attn's FA2 and
     FA3 test matrices pass through it at every head size up to 128 (gpu-checks.json, 2026-11-29, H200).
-    Elsewhere (other GPUs, the CPU interpreter, D > 128, a window) the Triton forward."""
+    Elsewhere (other GPUs, the CPU interpreter, v off q's tile, a window) the Triton forward."""
     if sw.gluon is not None:
         return sw.gluon
     default = Switches()
@@ -461,7 +471,7 @@ def auto_forward(q: torch.Tensor, window, layout: HeadLayout, sw: Switches) -> b
         or interpreting()
         or q.dtype not in (torch.bfloat16, torch.float16)
         or window is not None
-        or not layout.verified
+        or not layout.gluon_forward
     ):
         return False
     from repro.fa4 import gluon_fwd
@@ -671,10 +681,15 @@ def _prepare(q, k, v, causal, scale, window, sw: Switches, tiles, dtypes, dims=N
         sw = replace(sw, gluon=auto_forward(q, window, layout, sw))
     if sw.bwd == "auto":
         sw = replace(sw, bwd=auto_backward(q, causal, window, layout.tile, layout.tile_v))
-    gluon_parts = [n for n, on in (("gluon=True", sw.gluon), ("bwd='gluon'", sw.bwd == "gluon")) if on]
-    if gluon_parts and (window is not None or not layout.verified):
+    if sw.gluon and (window is not None or not layout.gluon_forward):
         raise ValueError(
-            f"attention: {' and '.join(gluon_parts)} runs head sizes 64 and 128 with v's equal to q's, "
+            f"attention: gluon=True runs q, k and v on one tile of {GLUON_FORWARD_TILES} (D_v on D's "
+            f"tile) without a window; got D = {d}, D_v = {d_v} (tiles {layout.tile}, {layout.tile_v}), "
+            f"window = {window}: leave it off, the Triton kernels take these"
+        )
+    if sw.bwd == "gluon" and (window is not None or not layout.verified):
+        raise ValueError(
+            f"attention: bwd='gluon' runs head sizes 64 and 128 with v's equal to q's, "
             f"padded (D <= 128, own_v_tile off) and without a window; got D = {d}, D_v = {d_v}, "
             f"window = {window}, own_v_tile = {sw.own_v_tile}: leave it off, the Triton kernels take these"
         )

@@ -434,7 +434,7 @@ def heads(
         "the scores (causal about 1/2, a (left, 0) window about left/S), x3.5 for forward + backward. "
         "vs_cudnn: cuDNN's ms / this row's (> 1 faster). tiles: the tile q and k ran on / v's tile x chunks; "
         "flops_ratio: matmul work on the tiles over the caller's (1 = no padding). fa4 = ours with the "
-        "default switches (gluon=None: the Gluon forward on Hopper where q, k, v share the 64 or 128 tile "
+        "default switches (gluon=None: the Gluon forward on Hopper where q, k, v share the 64, 128 or 256 tile "
         "and there is no window, else the Triton one; bwd='auto'). Issue #42's target: at least 0.9x cuDNN where the tile is the head "
         f"size itself (64, 128, 256); elsewhere the padding's cost is flops_ratio. group=window: D = 128, a "
         "(left, 0) window; every row's TFLOP/s count the window's work, so the causal rows (ours, cuDNN) show "

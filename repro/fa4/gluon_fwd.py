@@ -65,14 +65,15 @@ __all__ = [
     "launch_config",
 ]
 
-GLUON_HEAD_DIMS = (64, 128)
+GLUON_HEAD_DIMS = (64, 128, 256)
 GLUON_DTYPES = (torch.bfloat16, torch.float16)
 #: D -> (BLOCK_M rows per consumer warpgroup, BLOCK_N keys per tile, NUM_STAGES K/V buffers).
 #: 64 rows per warpgroup keeps S (64 x 128 fp32), the next P and O (64 x D fp32) in registers, as
 #: FA3 does (its 128-row tile is two warpgroups of 64). Shared memory at D = 128: Q 2 x 16 KiB +
 #: 2 stages x (K + V) 64 KiB = 160 KiB (3 stages: 224 KiB, just inside 227 KiB); at D = 64:
-#: 16 KiB + 3 x 32 KiB = 112 KiB.
-GLUON_DEFAULTS = {64: (64, 128, 3), 128: (64, 128, 2)}
+#: 16 KiB + 3 x 32 KiB = 112 KiB. At D = 256 O is 128 registers a thread, so 64-key tiles (S 32
+#: registers; 128-key ones spill ~550 bytes) and two stages: Q 64 KiB + 2 x 64 KiB = 192 KiB.
+GLUON_DEFAULTS = {64: (64, 128, 3), 128: (64, 128, 2), 256: (64, 64, 2)}
 NUM_CONSUMERS = 2
 #: Registers per thread asked for (setmaxnreg) by the load warp and by the worker consumer.
 LOAD_REGS = 24
@@ -510,7 +511,7 @@ def gluon_attention_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward by the Gluon kernel: returns (o [B, S_q, H, D], lse [B, H, S_q] float32, base 2).
 
-    q: [B, S_q, H, D]; k, v: [B, S_k, H_kv, D], H_kv dividing H, D in {64, 128}, bf16 or fp16, on
+    q: [B, S_q, H, D]; k, v: [B, S_k, H_kv, D], H_kv dividing H, D in {64, 128, 256}, bf16 or fp16, on
     an sm_90 (Hopper) GPU; causal needs S_q <= S_k (bottom-right aligned). ``lse`` is
     m + log2(l) with m in units of scores * scale * log2(e), as ``repro.fa4``'s backward expects.
     block_n, num_stages (None: GLUON_DEFAULTS), store_tma, load_regs, consumer_regs: see KNOBS.

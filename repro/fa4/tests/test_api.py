@@ -80,7 +80,7 @@ def test_lower_level_entry_points_refuse_what_they_cannot_do():
 
 def test_auto_forward_picks_gluon_only_where_it_runs(monkeypatch):
     """gluon=None (the default) runs the Gluon forward on a Hopper GPU with bf16/fp16, q, k and v on one
-    verified tile and no window, and the Triton one wherever any of these fails or a Triton-only
+    tile of 64, 128 or 256 and no window, and the Triton one wherever any of these fails or a Triton-only
     switch is set; an explicit gluon=True/False is kept as given."""
     from types import SimpleNamespace
 
@@ -100,7 +100,8 @@ def test_auto_forward_picks_gluon_only_where_it_runs(monkeypatch):
     for changes in ({"tma": True}, {"soft_exp": 2}, {"pingpong": True}, {"block_m": 64}):
         assert auto_forward(q, None, on_tile, Switches(**changes)) is False, changes
     assert auto_forward(q, (128, 0), on_tile, Switches()) is False  # a window: the Triton window kernel
-    assert auto_forward(q, None, head_layout(256, 256), Switches()) is False  # the 256 tile: Triton only
+    assert auto_forward(q, None, head_layout(200, 200), Switches()) is True  # q, k, v on the 256 tile
+    assert auto_forward(q, None, head_layout(256, 64), Switches()) is False  # v on a tile of its own
     assert (
         auto_forward(SimpleNamespace(device=q.device, dtype=torch.float32), None, on_tile, Switches())
         is False

@@ -28,6 +28,8 @@ from paperclub.lab import HOPPER_SMEM_PER_BLOCK as H100_SMEM_PER_BLOCK  # noqa: 
 
 COMPILE_CASES = [(d, causal, "bf16", 2) for d in (64, 128) for causal in (False, True)]
 COMPILE_CASES += [(128, False, "fp16", 2), (128, True, "bf16", 1)]
+# D = 256 (q, k, v padded to the 256 tile): 64-key tiles, two stages (192 KiB); 128-key tiles spill.
+COMPILE_CASES += [(256, False, "bf16", 2), (256, True, "fp16", 2), (256, True, "bf16", 2, {"store_tma": True})]
 # The launcher's knobs (gluon_fwd.KNOBS); 3 stages at D = 128 is the tightest fit (224 KiB + barriers).
 COMPILE_CASES += [
     (128, False, "bf16", 2, {"store_tma": True}),
@@ -127,7 +129,7 @@ def _lse_exact(q, k, causal):
     return torch.logsumexp(s, dim=-1) / math.log(2.0)
 
 
-# (B, S_q, S_k, H, H_kv, D): ragged S, GQA, S_q < S_k, both head dims.
+# (B, S_q, S_k, H, H_kv, D): ragged S, GQA, S_q < S_k, every head dim.
 GPU_SHAPES = [
     (2, 1000, 1000, 4, 2, 128),
     (1, 2048, 2048, 8, 8, 128),
@@ -135,6 +137,8 @@ GPU_SHAPES = [
     (1, 300, 700, 4, 1, 128),
     (2, 1000, 1000, 4, 2, 64),
     (1, 513, 1025, 6, 3, 64),
+    (2, 1000, 1000, 4, 2, 256),
+    (1, 300, 700, 4, 1, 256),
 ]
 GPU_CASES = [
     (shape, causal, lazy) for shape in GPU_SHAPES for causal in (False, True) for lazy in (True, False)
@@ -193,6 +197,8 @@ GPU_KNOBS = [
     ((2, 333, 500, 4, 4, 128), {"store_tma": True, "num_consumers": 1}),
     ((2, 1000, 1000, 4, 2, 64), {"store_tma": True}),
     ((2, 1000, 1000, 4, 2, 128), {"load_regs": 32, "consumer_regs": 232}),
+    ((3, 700, 700, 4, 2, 256), {"store_tma": True}),
+    ((2, 1000, 1000, 4, 2, 256), {"num_stages": 1}),
 ]
 
 

@@ -25,14 +25,15 @@ a boolean mask, which the flash backend refuses); rows that see no key are zeros
 reference (flash-attn's convention) and NaN in SDPA's, which are taken as zeros. Measured errors go
 to ``$PAPERCLUB_TEST_LOG``. ``PAPERCLUB_FA4_MATRIX=fa2`` or ``fa3`` runs one matrix (the default both);
 ``gluon`` (opt-in, e.g. ``fa2,fa3,gluon``) adds both matrices once more through the Gluon forward
-(``gluon=True``) at every case it takes (D <= 128 with D_v = D, no window): what must pass before the
-Gluon forward can be the default on Hopper (issue #42: the default Triton forward is 0.63-0.70x cuDNN);
+(``gluon=True``) at every case it takes (D_v = D, every head size up to 256, no window variant): what
+had to pass before the Gluon forward became the default on Hopper (D <= 128 on 2026-11-29; D > 128,
+the 256 tile, after its own run);
 under compute-sanitizer each case runs two variants (a window with GQA, causal with MQA) on its
 two smallest shapes, ours only (the values were checked in the plain pass).
 
-What runs where: D <= 128 without a window is the GPU-verified kernels on padded tiles; D > 128 and
-every window run the Triton kernels' new paths (the D = 256 tile, the window entry points), whose
-first GPU run this matrix is.
+What runs where: without a window, on Hopper, the Gluon forward on q, k and v's tile (64, 128 or 256;
+padded), elsewhere the Triton one; the backward is the Gluon one at tiles 64 and 128, the Triton
+kernels at 256; every window runs the Triton kernels' window entry points.
 """
 
 from __future__ import annotations
@@ -87,12 +88,11 @@ def _cases():
                 for d in FA3_HEAD_DIMS
                 for dv in fa3_dv(d)
             ]
-        if "gluon" in wanted:  # the Gluon forward's cases: D <= 128, D_v = D (it runs no window)
+        if "gluon" in wanted:  # the Gluon forward's cases: D_v = D, every D (it runs no window)
             cases += [
                 pytest.param(f"gluon-{m}", d, d, dtype, id=f"gluon-{m}-d{d}-{t}")
                 for m, dims in (("fa2", FA2_HEAD_DIMS), ("fa3", FA3_HEAD_DIMS))
                 for d in dims
-                if d <= 128
             ]
     return cases
 
