@@ -34,6 +34,34 @@ def _gate_sum_kernel(G, A, B, C, O, ROWS, D: tl.constexpr, BR: tl.constexpr):
     tl.store(O + off, (g0 * a + g1 * b + g2 * c).to(O.dtype.element_ty), mask=ok[:, None])
 
 
+@triton.jit
+def _gate_branch_bwd(G, X, DX, DG, do, r64, off, ok, I: tl.constexpr):
+    # branch I's two gradients for BR rows: dX = g_I dO (g_I rounded to dO's dtype first, as PyTorch's
+    # product of the two does) and dL/dg_I = rowsum(dO * X) in fp32
+    g = tl.load(G + r64 * 3 + I, mask=ok, other=0.0).to(DX.dtype.element_ty).to(tl.float32)
+    tl.store(DX + off, (g[:, None] * do).to(DX.dtype.element_ty), mask=ok[:, None])
+    x = tl.load(X + off, mask=ok[:, None], other=0.0).to(tl.float32)
+    tl.store(DG + r64 * 3 + I, tl.sum(do * x, axis=1).to(DG.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _gate_bwd_kernel(G, A, B, C, DO, DA, DB, DC, DG, ROWS, D: tl.constexpr, BR: tl.constexpr):
+    # Eq. 5's backward for BR rows: one read of dO, the gates and each branch output, one write of each
+    # gradient (the PyTorch formula reads dO four times and writes three [rows, D] fp32 temporaries)
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    ok = rows < ROWS
+    r64 = rows.to(tl.int64)
+    off = r64[:, None] * D + tl.arange(0, D)[None, :]
+    do = tl.load(DO + off, mask=ok[:, None], other=0.0).to(tl.float32)
+    _gate_branch_bwd(G, A, DA, DG, do, r64, off, ok, 0)
+    _gate_branch_bwd(G, B, DB, DG, do, r64, off, ok, 1)
+    _gate_branch_bwd(G, C, DC, DG, do, r64, off, ok, 2)
+
+
+def _rows_per_program(d: int) -> int:
+    return 16 if interpreting() else max(1, 2048 // d)  # 2048 elements a program: 16 per thread
+
+
 def gated_sum(
     gates: torch.Tensor,
     o_cmp: torch.Tensor,
@@ -55,7 +83,7 @@ def gated_sum_fused(
     gates: torch.Tensor, o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win: torch.Tensor
 ) -> torch.Tensor:
     """Eq. 5's gated sum in one Triton kernel (fp32 sum, one rounding to the outputs' dtype);
-    differentiable in the gates and the three outputs (the backward in PyTorch). Shapes as
+    differentiable in the gates and the three outputs (the backward one kernel too). Shapes as
     :func:`gated_sum`; D a power of two."""
     check_gates("gated_sum_fused", gates, (*o_cmp.shape[:-1], 3), "[B, T, HQ, 3]")
     for name, x in (("o_slc", o_slc), ("o_win", o_win)):
@@ -71,25 +99,48 @@ def gated_sum_fused(
 
 
 class _GatedSum(torch.autograd.Function):
-    """The fused gated sum; its backward in PyTorch (three products and three row sums)."""
+    """The fused gated sum; its backward one Triton kernel too (:func:`gated_sum_backward`)."""
 
     @staticmethod
     def forward(ctx, gates, a, b, c):
         gates, a, b, c = (x.contiguous() for x in (gates, a, b, c))
         o = torch.empty_like(a)
         rows, d = a.numel() // a.shape[-1], a.shape[-1]
-        br = 16 if interpreting() else max(1, 2048 // d)  # 2048 elements a program: 16 per thread
+        br = _rows_per_program(d)
         _gate_sum_kernel[(triton.cdiv(rows, br),)](gates, a, b, c, o, rows, D=d, BR=br, num_warps=4)
         ctx.save_for_backward(gates, a, b, c)
         return o
 
     @staticmethod
     def backward(ctx, do):
-        gates, a, b, c = ctx.saved_tensors
-        g = gates.to(do.dtype)
-        grads = [g[..., i : i + 1] * do for i in range(3)]
-        dg = torch.stack(gate_grads(do, (a, b, c)), -1).to(gates.dtype)
-        return (dg, *grads)
+        return gated_sum_backward(do, *ctx.saved_tensors)
+
+
+def gated_sum_backward(do, gates, a, b, c) -> tuple[torch.Tensor, ...]:
+    """Eq. 5's backward in one kernel: (d gates, d a, d b, d c) with d x_i = g_i dO in dO's dtype and
+    d g_i = rowsum(dO * x_i) in fp32, then the gates' dtype. The branch gradients are bit for bit
+    :func:`gated_sum_backward_torch`'s, the gates' its fp32 sums in another order
+    (``test_gate_backward_kernel_equals_the_torch_formula``). At the paper's shape it is one read of
+    dO, the gates and the three outputs and one write of each gradient: the PyTorch formula took 1.8 ms
+    of the 16.5 ms backward at 8k on an H200 (``lab/breakdown.py --pass bwd``)."""
+    do = do.contiguous()
+    rows, d = do.numel() // do.shape[-1], do.shape[-1]
+    da, db, dc = (torch.empty_like(do) for _ in range(3))
+    dg = torch.empty_like(gates)
+    br = _rows_per_program(d)
+    _gate_bwd_kernel[(triton.cdiv(rows, br),)](
+        gates, a, b, c, do, da, db, dc, dg, rows, D=d, BR=br, num_warps=4
+    )
+    return dg, da, db, dc
+
+
+def gated_sum_backward_torch(do, gates, a, b, c) -> tuple[torch.Tensor, ...]:
+    """The same gradients as PyTorch ops (three products and :func:`gate_grads`): the kernel's
+    cross-check, and what the fused gate's backward ran before it."""
+    g = gates.to(do.dtype)
+    grads = [g[..., i : i + 1] * do for i in range(3)]
+    dg = torch.stack(gate_grads(do, (a, b, c)), -1).to(gates.dtype)
+    return (dg, *grads)
 
 
 def gate_grads(do: torch.Tensor, outputs) -> list[torch.Tensor]:

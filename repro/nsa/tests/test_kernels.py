@@ -25,7 +25,7 @@ from repro.nsa import (
 from repro.nsa import reference as ref
 from repro.nsa.common import head_constexprs, kernel_dims
 from repro.nsa.compression import forward_tile, row_dot, strided_forward
-from repro.nsa.gate import gate_grads, gated_sum_fused
+from repro.nsa.gate import gate_grads, gated_sum_backward, gated_sum_backward_torch, gated_sum_fused
 from repro.nsa.tests.helpers import DEVICE, FP32_TOL, grads, leaf, randn, random_block_indices
 from repro.nsa.window import window_tile
 
@@ -398,6 +398,23 @@ def test_row_dot_is_the_fp32_formula(dtype):
     gen = torch.Generator().manual_seed(0)
     do, o = (torch.randn(2, 33, 4, 64, generator=gen).to(dtype) for _ in range(2))
     assert torch.equal(row_dot(do, o), (do.float() * o.float()).sum(-1))
+
+
+@pytest.mark.parametrize("gate_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gate_backward_kernel_equals_the_torch_formula(dtype, gate_dtype):
+    """The fused gate's backward kernel against the PyTorch formula it replaced, rows on and off its
+    row tile: the branch gradients bit for bit, the gates' as the same fp32 sums in another order."""
+    gen = torch.Generator().manual_seed(2)
+    do, a, b, c = (torch.randn(2, 19, 3, 32, generator=gen).to(dtype).to(DEVICE) for _ in range(4))
+    gates = torch.rand(2, 19, 3, 3, generator=gen).to(gate_dtype).to(DEVICE)
+    got = gated_sum_backward(do, gates, a, b, c)
+    want = gated_sum_backward_torch(do, gates, a, b, c)
+    assert got[0].dtype == gate_dtype and all(x.dtype == dtype for x in got[1:])
+    for name, x, y in zip(("d o_cmp", "d o_slc", "d o_win"), got[1:], want[1:], strict=True):
+        assert torch.equal(x, y), name
+    tol = 1e-2 if gate_dtype == torch.bfloat16 else 1e-5
+    assert_rel_close(got[0].double().cpu(), want[0].double().cpu(), tol, "d gates")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
