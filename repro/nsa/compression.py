@@ -245,13 +245,14 @@ def _strided_bwd_dkdv_kernel(
     T, NK, HQ, G, scale_log2, scale,
     STRIDE: tl.constexpr, OFFSET: tl.constexpr, WINDOW: tl.constexpr,
     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr,
-    D2: tl.constexpr = 0, D_V: tl.constexpr = 0,
+    D2: tl.constexpr = 0, D_V: tl.constexpr = 0, HEADS: tl.constexpr = 1,
 ):  # fmt: skip
-    # One program per (key tile, query head); the G heads of a group add into fp32 dK/dV with atomics.
-    # Head sizes as in _strided_fwd_kernel; dV contiguous like dK.
+    # One program per (key tile, HEADS query heads of one group): K and V loaded once, dK and dV summed
+    # over the HEADS heads in registers, then added into fp32 dK/dV with atomics (G / HEADS programs
+    # add into each tile). Head sizes as in _strided_fwd_kernel; dV contiguous like dK.
     DVAL: tl.constexpr = D if D_V == 0 else D_V
     pid_n = tl.program_id(0)
-    b, hq, h = query_head(tl.program_id(1), HQ, G)
+    b, hq0, h = query_head(tl.program_id(1) * HEADS, HQ, G)
     offs_n, offs_d, col_ok = tile_rows(pid_n, BN, NK, D)
     offs_dv, svb, svt, svh, sob, sot, soh = offs_d, skb, skt, skh, sqb, sqt, sqh
     if D_V > 0:
@@ -268,10 +269,6 @@ def _strided_bwd_dkdv_kernel(
     k2 = k
     if D2 > 0:
         k2 = load_cols(K, kv_base, offs_n * skt, col_ok, D, D2)
-    row_base = b * sqb + hq * sqh
-    do_base = row_base
-    if D_V > 0:
-        do_base = b * sob + hq * soh
     dk = tl.zeros([BN, D], tl.float32)
     dv = tl.zeros([BN, DVAL], tl.float32)
     dk2 = dk
@@ -282,7 +279,14 @@ def _strided_bwd_dkdv_kernel(
     if WINDOW > 0:
         last = tl.minimum(pid_n * BN + BN, NK) - 1
         t_end = tl.minimum(T, last * STRIDE + OFFSET + WINDOW)
-    for t0 in range(t_start, t_end, BM):
+    n_steps = tl.cdiv(t_end - t_start, BM)
+    for i in range(HEADS * n_steps):  # the HEADS heads one after another, each over its query tiles
+        hq = hq0 + i // n_steps
+        t0 = t_start + (i % n_steps) * BM
+        row_base = b * sqb + hq * sqh
+        do_base = row_base
+        if D_V > 0:
+            do_base = b * sob + hq * soh
         offs_m = t0 + tl.arange(0, BM)
         row_ok = offs_m < T
         q_off = offs_m[:, None] * sqt + offs_d[None, :]
@@ -385,10 +389,20 @@ def strided_forward(q, k, v, scale: float, stride: int, offset: int, window: int
     return o, lse
 
 
-def strided_backward(do, q, k, v, o, lse, scale: float, stride: int, offset: int, window: int):
-    """dQ, dK, dV of :func:`strided_forward` (same layouts; dK, dV summed over each group's heads)."""
+def strided_backward(
+    do, q, k, v, o, lse, scale: float, stride: int, offset: int, window: int, heads_per_program: int = 1
+):
+    """dQ, dK, dV of :func:`strided_forward` (same layouts; dK, dV summed over each group's heads).
+    ``heads_per_program``: query heads of a group one dK/dV program walks (a divisor of the group;
+    larger values are clamped to the group)."""
     b, t, hq, d = q.shape
     nk, h, d_v = k.shape[1], k.shape[2], v.shape[3]
+    g = hq // h
+    heads = min(int(heads_per_program), g)
+    if heads < 1 or g % heads:
+        raise ValueError(
+            f"strided_backward: heads_per_program = {heads_per_program} must divide the group of {g} query heads"
+        )
     do = do.contiguous()
     delta = row_dot(do, o)  # [B, T, HQ]: rowsum(dO * O) = rowsum(P * dP)
     dq = torch.empty_like(q)
@@ -406,11 +420,11 @@ def strided_backward(do, q, k, v, o, lse, scale: float, stride: int, offset: int
         t, nk, hq, hq // h, scale * LOG2E, scale, **common,
     )  # fmt: skip
     if nk > 0:
-        _strided_bwd_dkdv_kernel[(triton.cdiv(nk, cfg["BN"]), b * hq)](
+        _strided_bwd_dkdv_kernel[(triton.cdiv(nk, cfg["BN"]), b * hq // heads)](
             q, k, v, do, lse, delta, dk, dv,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             dk.stride(0), dk.stride(1), dk.stride(2),
-            t, nk, hq, hq // h, scale * LOG2E, scale, **common,
+            t, nk, hq, hq // h, scale * LOG2E, scale, HEADS=heads, **common,
         )  # fmt: skip
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
@@ -425,6 +439,8 @@ class StridedAttention(torch.autograd.Function):
         o, lse = strided_forward(q, k, v, scale, stride, offset, window, tile, switches)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.args = (scale, stride, offset, window)
+        sw = switches or Switches()
+        ctx.heads = sw.window_bwd_heads if window > 0 else sw.cmp_bwd_heads
         ctx.mark_non_differentiable(lse)
         # lse's gradient is never read: no [B, T, HQ] zeros allocated and filled for it (a launch)
         ctx.set_materialize_grads(False)
@@ -435,7 +451,7 @@ class StridedAttention(torch.autograd.Function):
         if do is None:  # only lse was used downstream: nothing reaches q, k, v
             return (None,) * 9
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = strided_backward(do, q, k, v, o, lse, *ctx.args)
+        dq, dk, dv = strided_backward(do, q, k, v, o, lse, *ctx.args, heads_per_program=ctx.heads)
         return dq, dk, dv, None, None, None, None, None, None
 
 

@@ -67,6 +67,14 @@ class Switches:
         flash-attn's terms (issue #39). Off by default: repro.fa4's window is new code that has not run
         on a GPU (``window.fa4_window_available`` says whether this checkout's repro.fa4 has one); the
         bench times it as its ``nsa-fa4win`` rows.
+    window_bwd_heads, cmp_bwd_heads: query heads of a GQA group that one program of the strided
+        dK/dV kernel walks, for the window and the compressed branch (1: a program per query head,
+        the kernel before 2026-11-29; values above the group are clamped to it). One program loads
+        its key tile once and adds into fp32 dK/dV once for all its heads, instead of once per head.
+        On an H200 at the paper's shape, T = 16k (2026-11-29, lab/breakdown.py --pass bwd,
+        results/*-T16384-heads-w*.json): the window's backward 11.02 ms at 1 head a program, 8.97 at
+        the whole group (16: the default); the compressed branch's 9.44 ms at 1 (the default) and
+        11.48 at 4, its key tiles few (T / 16 keys) and its query loops long already.
     """
 
     strided_split: bool = True
@@ -79,6 +87,8 @@ class Switches:
     slc_bwd_stages: int | None = None
     fused_gate: bool = True
     window_kernel: str = "strided"
+    window_bwd_heads: int = 16
+    cmp_bwd_heads: int = 1
 
     def __post_init__(self) -> None:
         if self.slc_backward not in SLC_BACKWARDS:
@@ -93,6 +103,9 @@ class Switches:
             tile = getattr(self, name)
             if tile is not None and (len(tile) != 4 or not all(isinstance(x, int) and x >= 1 for x in tile)):
                 raise ValueError(f"Switches: {name} = {tile!r}, expected four positive ints or None")
+        for name in ("window_bwd_heads", "cmp_bwd_heads"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"Switches: {name} must be an int >= 1, got {getattr(self, name)!r}")
         for name in ("slc_bwd_chunk", "slc_bwd_rows", "slc_bwd_stages"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"Switches: {name} must be >= 1, got {getattr(self, name)}")

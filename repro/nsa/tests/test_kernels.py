@@ -24,7 +24,7 @@ from repro.nsa import (
 )
 from repro.nsa import reference as ref
 from repro.nsa.common import head_constexprs, kernel_dims
-from repro.nsa.compression import forward_tile, row_dot, strided_forward
+from repro.nsa.compression import forward_tile, row_dot, strided_backward, strided_forward
 from repro.nsa.gate import gate_grads, gated_sum_backward, gated_sum_backward_torch, gated_sum_fused
 from repro.nsa.tests.helpers import DEVICE, FP32_TOL, grads, leaf, randn, random_block_indices
 from repro.nsa.window import window_tile
@@ -398,6 +398,29 @@ def test_row_dot_is_the_fp32_formula(dtype):
     gen = torch.Generator().manual_seed(0)
     do, o = (torch.randn(2, 33, 4, 64, generator=gen).to(dtype) for _ in range(2))
     assert torch.equal(row_dot(do, o), (do.float() * o.float()).sum(-1))
+
+
+@pytest.mark.parametrize("stride, window", [(1, 9), (4, 0)], ids=["window", "compressed"])
+def test_strided_backward_heads_per_program(stride, window):
+    """The strided dK/dV kernel walking several query heads of a group per program
+    (Switches.window_bwd_heads / cmp_bwd_heads) gives the gradients of one program per head: dQ
+    bit for bit (its kernel is the same), dK and dV the same fp32 sums in another order; a count
+    that does not divide the group is refused by name."""
+    gen = torch.Generator().manual_seed(3)
+    t, g, d, dv = 37, 4, 16, 32
+    nk = t if window else 9
+    q, do = randn(gen, 1, t, 2 * g, d).to(DEVICE), randn(gen, 1, t, 2 * g, dv).to(DEVICE)
+    k, v = randn(gen, 1, nk, 2, d).to(DEVICE), randn(gen, 1, nk, 2, dv).to(DEVICE)
+    args = (0.25, stride, 3 * (stride > 1), window)
+    o, lse = strided_forward(q, k, v, *args, forward_tile(max(d, dv), 4), Switches())
+    one = strided_backward(do, q, k, v, o, lse, *args)
+    for heads in (2, 4, 64):  # 64: clamped to the group
+        got = strided_backward(do, q, k, v, o, lse, *args, heads_per_program=heads)
+        assert torch.equal(got[0], one[0])
+        for name, x, y in zip(("dk", "dv"), got[1:], one[1:], strict=True):
+            assert_rel_close(x.cpu(), y.cpu(), 1e-5, f"{name} heads={heads}")
+    with pytest.raises(ValueError, match="heads_per_program = 3 must divide the group of 4"):
+        strided_backward(do, q, k, v, o, lse, *args, heads_per_program=3)
 
 
 @pytest.mark.parametrize("gate_dtype", [torch.float32, torch.bfloat16])
