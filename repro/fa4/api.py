@@ -100,6 +100,9 @@ PUBLIC_TILES = (64, 128, 256)
 #: The tiles the Gluon forward runs (q, k and v on one of them): the verified ones and 256 (its own
 #: launch, GLUON_DEFAULTS[256] in gluon_fwd: 64-key tiles, two stages, 192 KiB of shared memory).
 GLUON_FORWARD_TILES = (64, 128, 256)
+#: The tiles the Gluon backward runs (``bwd="gluon"``); ``bwd="auto"`` picks it at the verified ones
+#: only: at 256 (its own schedule, gluon_bwd's D = 256 section) flash-attn's matrix has not run it yet.
+GLUON_BACKWARD_TILES = (64, 128, 256)
 #: ... and of the interpreter's tests (attention_any_d): small tiles keep the CPU fast.
 TEST_TILES = (16, 32, 64, 128, 256)
 #: The kernel-level entry points' head sizes (run_forward / run_backward, repro.usp): no padding there.
@@ -139,8 +142,13 @@ class Switches:
         registers, dQ by fp32 atomic adds, 5 matmuls; a preprocess kernel for delta = rowsum(dO * O)).
         "gluon": the same 5-matmul schedule warp-specialised in Gluon (``repro.fa4.gluon_bwd``: a TMA
         load warp, two consumer warpgroups of 64 keys each with asynchronous wgmma, dQ by TMA bulk
-        reductions); Hopper (sm_90) only, refused in the CPU interpreter. "auto" (the default,
-        :func:`auto_backward`): "gluon" on Hopper, else "fused" when causal and "fa2" otherwise.
+        reductions; at the 256 tile its own schedule: 64 keys a program, one consumer for dV and
+        one for dK, P^T and dS^T exchanged through shared memory); Hopper (sm_90) only, refused in the
+        CPU interpreter. "auto" (the default, :func:`auto_backward`): "gluon" on Hopper at tiles 64
+        and 128, else "fused" when causal and "fa2" otherwise. At D = 256 (H200, 2026-11-29,
+        results/nvidia-h200-gluon-bwd-d256.json, backward alone, bf16, S = 4k-8k) "gluon" ran
+        1.00-1.25x cuDNN's speed and "fused" 0.34-0.37x; "auto" stays "fused" there until flash-attn's
+        test matrix and compute-sanitizer have run through it.
         Measured on an H100 (results/*-bwd-gluon-dq.json, 2026-11-27, D = 128, bf16, S = 4k-16k,
         forward + backward behind the Gluon forward, 9 interleaved rounds): gluon 0.99-1.05x cuDNN's
         speed; (results/*-bwd.json, 2026-11-25) fused 0.67-0.75x; fa2 0.67-0.73x.
@@ -284,6 +292,11 @@ class HeadLayout:
     def gluon_forward(self) -> bool:
         """The Gluon forward takes it: q, k and v on one tile of GLUON_FORWARD_TILES."""
         return self.tile == self.tile_v and self.tile in GLUON_FORWARD_TILES
+
+    @property
+    def gluon_backward(self) -> bool:
+        """The Gluon backward takes it (``bwd="gluon"``): q, k and v on one tile of GLUON_BACKWARD_TILES."""
+        return self.tile == self.tile_v and self.tile in GLUON_BACKWARD_TILES
 
     @property
     def exact(self) -> bool:
@@ -687,11 +700,12 @@ def _prepare(q, k, v, causal, scale, window, sw: Switches, tiles, dtypes, dims=N
             f"tile) without a window; got D = {d}, D_v = {d_v} (tiles {layout.tile}, {layout.tile_v}), "
             f"window = {window}: leave it off, the Triton kernels take these"
         )
-    if sw.bwd == "gluon" and (window is not None or not layout.verified):
+    if sw.bwd == "gluon" and (window is not None or not layout.gluon_backward):
         raise ValueError(
-            f"attention: bwd='gluon' runs head sizes 64 and 128 with v's equal to q's, "
-            f"padded (D <= 128, own_v_tile off) and without a window; got D = {d}, D_v = {d_v}, "
-            f"window = {window}, own_v_tile = {sw.own_v_tile}: leave it off, the Triton kernels take these"
+            f"attention: bwd='gluon' runs q, k and v on one tile of {GLUON_BACKWARD_TILES} (D_v on D's "
+            f"tile, own_v_tile off) without a window; got D = {d}, D_v = {d_v} (tiles {layout.tile}, "
+            f"{layout.tile_v}), window = {window}, own_v_tile = {sw.own_v_tile}: leave it off, the Triton "
+            "kernels take these"
         )
     if window is not None and (sw.pingpong or sw.persistent):
         raise ValueError(

@@ -65,6 +65,26 @@ return the next batch's rows (and the LSE / delta of the next head): those colum
 P = 0, so they add nothing to dK, dV, and no dQ is added for them. Causal needs S_Q <= S_K (the
 public entry point splits off the rows that see no key).
 
+Head size 256 (``_gluon_bwd_d256_kernel``, issue #42). dK_c and dV_c of 64 keys x 256 columns would be
+256 registers a thread, so a program takes BLOCK_N = 64 keys and the two consumers split the work by
+product instead of by keys, each holding one [64, 256] fp32 accumulator (128 registers a thread):
+
+* consumer 0 (the default partition): S^T = K Q^T, P^T (masked), P^T (16-bit) into a double-buffered
+  [64, BLOCK_M] exchange tile, dV += P^T dO;
+* consumer 1 (a worker): dP^T = V dO^T, then, with consumer 0's P^T read back from the tile,
+  dS^T = P^T (dP^T - delta) into a second exchange tile, dK += dS^T Q;
+* each: dQ[:, D/2 c : D/2 (c + 1)] += scale * dS K[:, D/2 c : ...] from the dS^T tile.
+
+Each consumer issues 2.5 of the 5 products' FLOPs (none is computed twice); P^T travels one way and dS^T
+the other, each through shared memory with a "ready" mbarrier per buffer (count 1), and a buffer's reuse
+two steps on is ordered by the opposite barrier of the step between. P^T is rounded to 16 bits before
+consumer 1 multiplies it (the D <= 128 kernel keeps it in fp32): dq and dk errors 1.23x the Triton
+one-pass kernel's, dv's equal (lab/gluon_bwd_d256_check.py, H200, 2026-11-29). Shared memory: K + V
+64 KiB, P^T and dS^T 2 x 2 x 8 KiB, and either two Q/dO stages (128 KiB, dQ by atomics) or one stage and
+the dQ staging tiles (64 + 64 KiB, dQ by TMA bulk reductions; D256_TMA_STAGES): 225 KiB. The bulk
+reductions, the default, ran the backward at 1.00-1.25x cuDNN's on an H200 (bf16, B 2, H 16, S 4k/8k,
+causal or not) where the atomics ran 0.72-0.85x and the Triton one-pass kernel 0.34-0.37x.
+
 Layout: q, do, dq [B, S_Q, H, D]; k, v, dk, dv [B, S_K, H_KV, D]; TMA descriptors view q and do as
 [B * S_Q, H * D], k and v as [B * S_K, H_KV * D], lse and delta ([B, H, S_Q] fp32) as one vector.
 """
@@ -76,7 +96,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from repro.fa4.gluon_fwd import GLUON_DTYPES, GLUON_ERROR, GLUON_HEAD_DIMS, HAS_GLUON
+from repro.fa4.gluon_fwd import GLUON_DTYPES, GLUON_ERROR, HAS_GLUON
 
 if HAS_GLUON:
     from triton._C.libtriton import ir as _triton_ir
@@ -103,8 +123,16 @@ __all__ = [
 #: (64 per consumer warpgroup), FA3's tile at D = 128 (its 64 x 128 causal tile). Shared memory at
 #: D = 128: K + V 64 KiB, 2 stages x (Q + dO) 64 KiB, dS 2 x 16 KiB = 160 KiB; at D = 64: 96 KiB.
 #: Registers per consumer thread at D = 128: dK + dV 128, S^T and dP^T 32 each, the dQ half 32.
-GLUON_BWD_DEFAULTS = {64: (64, 2), 128: (64, 2)}
+#: D = 256 (its own kernel, ``_gluon_bwd_d256_kernel``): 64 keys per program, 64 query rows per step;
+#: two stages with the dQ atomics (K + V 64 KiB, 2 x (Q + dO) 128 KiB, P^T and dS^T 2 x 2 x 8 KiB =
+#: 224 KiB), one with the bulk reductions (their staging tiles, 2 x [64, 128] fp32, take 64 KiB):
+#: D256_TMA_STAGES.
+GLUON_BWD_DEFAULTS = {64: (64, 2), 128: (64, 2), 256: (64, 2)}
 BLOCK_N = 128
+#: Keys per program at D = 256: dV or dK of 64 keys x 256 columns is 128 fp32 registers per thread.
+BLOCK_N_D256 = 64
+#: Q/dO stages at D = 256 with dQ by TMA bulk reductions (two do not fit in 227 KiB beside the staging).
+D256_TMA_STAGES = 1
 NUM_CONSUMERS = 2
 #: Registers per thread (setmaxnreg) of the load warp and of the worker consumer, as in the forward.
 LOAD_REGS = 24
@@ -393,6 +421,279 @@ if HAS_GLUON:
             [LOAD_REGS, CONSUMER_REGS],
         )  # fmt: skip
 
+    # ----------------------------------------------------------------------------------------------
+    # D = 256: 64 keys per program, one consumer for dV and one for dK (see the module docstring).
+    # ----------------------------------------------------------------------------------------------
+
+    @gluon.jit
+    def _store_key_rows(PTR, acc, off_b, kn0, off_hk, S_K, H_KV,
+                        D: gl.constexpr, ROWS: gl.constexpr, acc_layout: gl.constexpr):  # fmt: skip
+        """acc [ROWS, D] (this program's keys) into PTR [B, S_K, H_KV, D] of key head off_hk, rows past S_K left alone."""
+        rows_k = gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
+        cols = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
+        base = ((off_b * S_K + kn0).to(gl.int64) * H_KV + off_hk) * D
+        offs = gl.expand_dims(rows_k, 1) * (H_KV * D) + gl.expand_dims(cols, 0)
+        gl.store(PTR + base + offs, acc.to(PTR.dtype.element_ty), mask=gl.expand_dims(rows_k < S_K - kn0, 1))
+
+    @gluon.jit
+    def _d256_dq(ds_tile, k_smem, empty_bar, DQACC, dq_smem, sm_scale, off_b, m, off_h, S_Q, H,
+                 CONSUMER: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, DQ_TMA: gl.constexpr):  # fmt: skip
+        """dQ rows [m, + BLOCK_M) of query head off_h, columns [CONSUMER D/2, + D/2): scale * dS K[:, cols]
+        (A = dS, the exchange tile dS^T read transposed) added to the fp32 buffer, and the stage's empty
+        barrier arrived on once its Q, dO, LSE / delta are read. By TMA bulk reduction one [BLOCK_M, D/2]
+        tile (64 accumulator registers); by atomics two [BLOCK_M, D/4] pieces in turn (32 each: with 64
+        and a row pointer per row the consumers spilled 52-56 bytes, ptxas sm_90a)."""
+        HALF: gl.constexpr = D // 2
+        PIECE: gl.constexpr = HALF if DQ_TMA else HALF // 2
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, PIECE, 16]
+        )
+        dq_zero = gl.zeros([BLOCK_M, PIECE], gl.float32, dq_layout)
+        dq_rows0 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+        dq_row_offs = gl.expand_dims(dq_rows0 * (H * D), 1)
+        for p in gl.static_range(HALF // PIECE):
+            dq_tok = warpgroup_mma(
+                ds_tile.permute((1, 0)),
+                k_smem.slice(CONSUMER * HALF + p * PIECE, PIECE, dim=1),
+                dq_zero,
+                use_acc=False,
+                is_async=True,
+            )
+            dq = warpgroup_mma_wait(0, deps=(dq_tok,))
+            if p == HALF // PIECE - 1:
+                mbarrier.arrive(empty_bar, count=1)
+            dq_cols = CONSUMER * HALF + p * PIECE + gl.arange(0, PIECE, layout=gl.SliceLayout(0, dq_layout))
+            _dq_add(DQACC, dq_smem.index(CONSUMER), dq, sm_scale, off_b, m, off_h, S_Q, H,
+                    dq_row_offs, dq_cols, dq_rows0, CONSUMER, D, DQ_TMA)  # fmt: skip
+
+    @gluon.jit
+    def _d256_consume_dv(
+        q_smem, do_smem, lse_smem, k_smem, p_smem, ds_smem, dq_smem,
+        kv_ready, q_ready, do_ready, empty, p_ready, ds_ready,
+        DQACC, DV, H, H_KV, GROUP, S_Q, S_K, qk_scale, sm_scale,
+        D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+        CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr,
+    ):  # fmt: skip
+        """Consumer 0 at D = 256 (the default partition): per step S^T = K Q^T, P^T (masked), P^T to the
+        exchange tile for consumer 1, dV += P^T dO, then, once consumer 1 has written dS^T, the dQ columns
+        [0, D/2): dS K[:, :D/2]."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
+        )
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16]
+        )
+        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        dtype: gl.constexpr = q_smem.dtype
+
+        # the program's indices from the grid and the kernel's arguments here, not passed in: values
+        # computed before the partitions start stay live into this one (the default) and spilled
+        n0 = gl.program_id(0) * BLOCK_N
+        off_b = gl.program_id(1) // H_KV
+        diag = S_K - S_Q
+        if CAUSAL:
+            m_lo = (gl.maximum(n0 - diag, 0) // BLOCK_M) * BLOCK_M
+        else:
+            m_lo = 0
+        total = GROUP * gl.cdiv(S_Q - m_lo, BLOCK_M)
+        s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+        dv = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
+        mbarrier.wait(kv_ready, 0)
+
+        start_m = m_lo
+        off_h = (gl.program_id(1) % H_KV) * GROUP
+        for it in range(total):
+            st = it % NUM_STAGES
+            ph = (it // NUM_STAGES) & 1
+            buf = it % 2
+            mbarrier.wait(q_ready.index(st), ph)
+            q_tile = q_smem.index(st)
+            s_tok = warpgroup_mma(k_smem, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            sT = warpgroup_mma_wait(0, deps=(s_tok,))
+            lse = lse_smem.index(st).load(col_s)  # after the wait: its 16 registers not beside the wgmma's
+            pT = gl.exp2(sT * qk_scale - gl.expand_dims(lse, 0))
+            # masked as in _bwd_consume: rows past S_Q hold the next batch's Q, keys past S_K the next
+            # batch's keys; consumer 1's dS^T = P^T (dP^T - delta) is then 0 there too
+            edge = (start_m + BLOCK_M > S_Q) | (n0 + BLOCK_N > S_K)
+            if CAUSAL:
+                edge = edge | (start_m + diag < n0 + BLOCK_N - 1)
+            if edge:  # the indices made here, not held across the loop (registers)
+                keys = n0 + gl.arange(0, BLOCK_N, layout=row_s)
+                qs = start_m + gl.arange(0, BLOCK_M, layout=col_s)
+                ok = gl.expand_dims(keys < S_K, 1) & gl.expand_dims(qs < S_Q, 0)
+                if CAUSAL:
+                    ok = ok & (gl.expand_dims(keys, 1) <= gl.expand_dims(qs + diag, 0))
+                pT = gl.where(ok, pT, 0.0)
+            pT16 = pT.to(dtype)
+            # P^T for consumer 1 (read with ordinary loads: no proxy fence); the buffer's previous
+            # contents (step it - 2) were read before consumer 1 arrived on ds_ready at step it - 2,
+            # which this consumer waited for
+            p_smem.index(buf).store(pT16)
+            gl.thread_barrier()
+            mbarrier.arrive(p_ready.index(buf), count=1)
+            pT_op = gl.convert_layout(pT16, op_layout)
+            mbarrier.wait(do_ready.index(st), ph)
+            dv_tok = warpgroup_mma(pT_op, do_smem.index(st), dv, is_async=True)
+            mbarrier.wait(ds_ready.index(buf), (it // 2) & 1)
+            # dV (and P^T's registers) done before the dQ product takes its accumulator's: dV 128 +
+            # P^T 16 + dQ 64 with the scalars spilled (ptxas, sm_90a)
+            dv, _ = warpgroup_mma_wait(0, deps=(dv_tok, pT_op))
+            _d256_dq(ds_smem.index(buf), k_smem, empty.index(st), DQACC, dq_smem, sm_scale, off_b, start_m,
+                     off_h, S_Q, H, 0, D, BLOCK_M, DQ_TMA)  # fmt: skip
+            start_m += BLOCK_M
+            if start_m >= S_Q:
+                start_m = m_lo
+                off_h += 1
+
+        if DQ_TMA:
+            tma.store_wait(0)
+        _store_key_rows(DV, dv, gl.program_id(1) // H_KV, gl.program_id(0) * BLOCK_N, gl.program_id(1) % H_KV,
+                        S_K, H_KV, D, BLOCK_N, acc_layout)  # fmt: skip
+
+    @gluon.jit
+    def _d256_consume_dk(
+        q_smem, do_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem,
+        kv_ready, q_ready, do_ready, empty, p_ready, ds_ready,
+        DQACC, DK, off_b, h0, off_hk, H, H_KV, S_Q, S_K, n0, m_lo, total, sm_scale,
+        D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+        DQ_TMA: gl.constexpr,
+    ):  # fmt: skip
+        """Consumer 1 at D = 256 (a worker): per step dP^T = V dO^T, then with consumer 0's P^T
+        dS^T = P^T (dP^T - delta), dS^T to the exchange tile, dK += dS^T Q and the dQ columns [D/2, D):
+        dS K[:, D/2:]."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
+        )
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16]
+        )
+        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+        dtype: gl.constexpr = q_smem.dtype
+
+        s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+        dk = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
+        mbarrier.wait(kv_ready, 0)
+
+        start_m = m_lo
+        off_h = h0
+        for it in range(total):
+            st = it % NUM_STAGES
+            ph = (it // NUM_STAGES) & 1
+            buf = it % 2
+            mbarrier.wait(do_ready.index(st), ph)
+            dp_tok = warpgroup_mma(
+                v_smem, do_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True
+            )
+            dpT = warpgroup_mma_wait(0, deps=(dp_tok,))
+            delta = delta_smem.index(st).load(col_s)
+            mbarrier.wait(p_ready.index(buf), (it // 2) & 1)
+            pT = p_smem.index(buf).load(s_layout).to(gl.float32)
+            dsT = (pT * (dpT - gl.expand_dims(delta, 0))).to(dtype)
+            # dS^T for both dQ products (tensor cores: the async proxy, hence the fence); the buffer's
+            # previous contents (step it - 2) were read by consumer 0's dQ product, finished before it
+            # arrived on p_ready at step it, which this consumer waited for
+            ds_smem.index(buf).store(dsT)
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(ds_ready.index(buf), count=1)
+            dsT_op = gl.convert_layout(dsT, op_layout)
+            mbarrier.wait(q_ready.index(st), ph)
+            dk_tok = warpgroup_mma(dsT_op, q_smem.index(st), dk, is_async=True)
+            dk, _ = warpgroup_mma_wait(0, deps=(dk_tok, dsT_op))  # as consumer 0's dV: registers
+            _d256_dq(ds_smem.index(buf), k_smem, empty.index(st), DQACC, dq_smem, sm_scale, off_b, start_m,
+                     off_h, S_Q, H, 1, D, BLOCK_M, DQ_TMA)  # fmt: skip
+            start_m += BLOCK_M
+            if start_m >= S_Q:
+                start_m = m_lo
+                off_h += 1
+
+        if DQ_TMA:
+            tma.store_wait(0)
+        _store_key_rows(DK, dk * sm_scale, off_b, n0, off_hk, S_K, H_KV, D, BLOCK_N, acc_layout)
+
+    # The sizes unspecialised (one compile for every S, H; Triton would otherwise compile a variant per
+    # size divisible by 16 or not, ~10 s each): the launch then runs what the offline compile reports.
+    @gluon.jit(do_not_specialize=["H", "H_KV", "GROUP", "S_Q", "S_K", "S_STAT"])
+    def _gluon_bwd_d256_kernel(
+        q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, DQACC, DK, DV,
+        H, H_KV, GROUP, S_Q, S_K, S_STAT, qk_scale, sm_scale,
+        D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+        CAUSAL: gl.constexpr, LOAD_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, DQ_TMA: gl.constexpr,
+    ):  # fmt: skip
+        """The D = 256 backward: program = BLOCK_N = 64 keys of one KV head (batch b); the same
+        arguments as _gluon_bwd_kernel."""
+        n_block = gl.program_id(0)
+        bhk = gl.program_id(1)
+        off_b = bhk // H_KV
+        off_hk = bhk % H_KV
+        n0 = n_block * BLOCK_N
+        if CAUSAL:
+            m_lo = (gl.maximum(n0 - (S_K - S_Q), 0) // BLOCK_M) * BLOCK_M
+        else:
+            m_lo = 0
+        n_tiles = gl.cdiv(S_Q - m_lo, BLOCK_M)
+        total = GROUP * n_tiles
+
+        dtype: gl.constexpr = q_desc.dtype
+        q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, D], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, D], do_desc.layout)
+        lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], lse_desc.layout)
+        delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], delta_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D], v_desc.layout)
+        x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+        p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], x_layout)  # P^T: consumer 0 -> 1
+        ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], x_layout)  # dS^T: 1 -> both
+        if DQ_TMA:
+            dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, D // 2], DQACC.layout)
+        else:
+            dq_smem = ds_smem  # not used
+        bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+        kv_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+        q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+        do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+        empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+        p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+        ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+        mbarrier.init(kv_ready, count=1)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(do_ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)
+        for i in gl.static_range(2):
+            mbarrier.init(p_ready.index(i), count=1)
+            mbarrier.init(ds_ready.index(i), count=1)
+        fence_async_shared()
+
+        gl.warp_specialize(
+            [
+                (_d256_consume_dv, (
+                    q_smem, do_smem, lse_smem, k_smem, p_smem, ds_smem, dq_smem,
+                    kv_ready, q_ready, do_ready, empty, p_ready, ds_ready,
+                    DQACC, DV, H, H_KV, GROUP, S_Q, S_K,
+                    qk_scale, sm_scale, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, DQ_TMA,
+                )),
+                (_bwd_load_partition, (
+                    q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc,
+                    q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
+                    kv_ready, q_ready, do_ready, empty,
+                    off_b * S_Q, off_b * S_K + n0, off_hk * D, off_b * H, off_hk * GROUP, m_lo, total, S_Q, S_STAT,
+                    D, BLOCK_M, NUM_STAGES,
+                )),
+                (_d256_consume_dk, (
+                    q_smem, do_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem,
+                    kv_ready, q_ready, do_ready, empty, p_ready, ds_ready,
+                    DQACC, DK, off_b, off_hk * GROUP, off_hk, H, H_KV, S_Q, S_K, n0, m_lo, total,
+                    sm_scale, D, BLOCK_M, BLOCK_N, NUM_STAGES, DQ_TMA,
+                )),
+            ],
+            [1, 4],
+            [LOAD_REGS, CONSUMER_REGS],
+        )  # fmt: skip
+
 
 def _constexprs(
     d: int, causal: bool, block_m: int | None = None, num_stages: int | None = None, dq_tma: bool = DQ_TMA
@@ -401,9 +702,12 @@ def _constexprs(
     (``repro.fa4.lab.compile``)."""
     if d not in GLUON_BWD_DEFAULTS:
         raise ValueError(
-            f"gluon backward: head dim D = {d} is not supported, expected one of {GLUON_HEAD_DIMS}"
+            f"gluon backward: head dim D = {d} is not supported, expected one of {tuple(GLUON_BWD_DEFAULTS)} "
+            "(q, k and v of one head size; others run the Triton backwards, bwd='fused' or 'fa2')"
         )
     bm, ns = GLUON_BWD_DEFAULTS[d]
+    if d == 256 and dq_tma is True:
+        ns = D256_TMA_STAGES
     bm = bm if block_m is None else int(block_m)
     ns = ns if num_stages is None else int(num_stages)
     if bm not in (64, 128):
@@ -412,8 +716,15 @@ def _constexprs(
         raise ValueError(f"gluon backward: num_stages must be >= 1, got {ns}")
     if not isinstance(dq_tma, bool):
         raise TypeError(f"gluon backward: dq_tma must be True or False, got {dq_tma!r}")
-    return dict(D=d, BLOCK_M=bm, BLOCK_N=BLOCK_N, NUM_STAGES=ns, CAUSAL=bool(causal),
+    if d == 256 and bm != 64:
+        raise ValueError(f"gluon backward: D = 256 runs block_m = 64 only (registers), got {bm}")
+    return dict(D=d, BLOCK_M=bm, BLOCK_N=BLOCK_N if d < 256 else BLOCK_N_D256, NUM_STAGES=ns, CAUSAL=bool(causal),
                 LOAD_REGS=LOAD_REGS, CONSUMER_REGS=CONSUMER_REGS, DQ_TMA=dq_tma)  # fmt: skip
+
+
+def kernel_for(d: int):
+    """The kernel of head size ``d``: ``_gluon_bwd_kernel`` (D 64, 128) or ``_gluon_bwd_d256_kernel``."""
+    return _gluon_bwd_d256_kernel if d == 256 else _gluon_bwd_kernel
 
 
 def _dq_layout(d: int, block_m: int):
@@ -426,10 +737,11 @@ def _layouts(d: int, block_m: int, gdt):
     """Shared-memory layouts of the TMA tiles: Q / dO [block_m, D], K / V [BLOCK_N, D], LSE / delta [block_m]."""
     # K's swizzle spans D/2 columns (128 B at D = 128, 64 B at D = 64): Triton stores a swizzled tile
     # as column blocks of one swizzle width, so each consumer's column half of K (the B operand of
-    # its dQ product) is one whole block, not a cut through a swizzle pattern
+    # its dQ product) is one whole block, not a cut through a swizzle pattern; at D = 256 (128 B, the
+    # widest swizzle) a half is two whole blocks
     return (
         gl.NVMMASharedLayout.get_default_for([block_m, d], gdt),
-        gl.NVMMASharedLayout(swizzle_byte_width=d, element_bitwidth=16, rank=2),
+        gl.NVMMASharedLayout(swizzle_byte_width=min(d, 128), element_bitwidth=16, rank=2),
         gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1),
     )
 
@@ -502,7 +814,7 @@ def gluon_attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of attention from the forward's output ``o`` and base-2 log-sum-exp ``lse``.
 
-    q, o, do: [B, S_q, H, D]; k, v: [B, S_k, H_kv, D], H_kv dividing H, D in {64, 128}, bf16 or fp16;
+    q, o, do: [B, S_q, H, D]; k, v: [B, S_k, H_kv, D], H_kv dividing H, D in {64, 128, 256}, bf16 or fp16;
     lse: [B, H, S_q] float32 (either forward's). Causal needs S_q <= S_k. Hopper (sm_90) only.
     delta = rowsum(dO * O) and the zeroed fp32 dQ buffer come from ``triton_bwd_fused``'s preprocess
     kernel. ``dq_tma``: dQ added by TMA bulk reductions from shared memory (the default), else by
@@ -534,12 +846,13 @@ def gluon_attention_backward(
     def desc(t, block, layout):
         return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
+    bn = cx["BLOCK_N"]
     q_desc, do_desc = (desc(t.view(b * s_q, h * d), [bm, d], qo_layout) for t in (q, do))
-    k_desc, v_desc = (desc(t.view(b * s_k, h_kv * d), [BLOCK_N, d], kv_layout) for t in (k, v))
+    k_desc, v_desc = (desc(t.view(b * s_k, h_kv * d), [bn, d], kv_layout) for t in (k, v))
     lse_desc, delta_desc = (desc(t.view(-1), [bm], vec_layout) for t in (lse, delta))
     # DQ_TMA: the fp32 dQ buffer [B, S_q, H, D] as [B * S_q, H * D], one consumer's part per box
     dq_arg = desc(dq_acc.view(b * s_q, h * d), [bm, d // 2], _dq_layout(d, bm)) if cx["DQ_TMA"] else dq_acc
-    _gluon_bwd_kernel[(-(-s_k // BLOCK_N), b * h_kv)](
+    kernel_for(d)[(-(-s_k // bn), b * h_kv)](
         q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, dq_arg, dk, dv,
         h, h_kv, h // h_kv, s_q, s_k, s_stat, scale / math.log(2.0), scale, **cx, num_warps=4,
     )  # fmt: skip

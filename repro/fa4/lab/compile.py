@@ -191,10 +191,12 @@ def _gluon_bwd(fn, mod, case, d, dt, causal):
 
     dq_tma = bool(case.get("dq_tma", True))
     cx = mod._constexprs(d, causal, case.get("block_m"), case.get("num_stages"), dq_tma=dq_tma)
+    if hasattr(mod, "kernel_for"):  # D = 256 has a kernel of its own (issue #42)
+        fn = mod.kernel_for(d)
     cx = {**cx, **{k: v for k, v in _LEGACY_GLUON_BWD.items() if k in fn.arg_names and k not in cx}}
     bm = cx["BLOCK_M"]
     qo_layout, kv_layout, vec_layout = mod._layouts(d, bm, {"bf16": gl.bfloat16, "fp16": gl.float16}[dt])
-    n = mod.BLOCK_N
+    n = cx.get("BLOCK_N", mod.BLOCK_N)
     signature = {
         "q_desc": f"tensordesc<{dt}[{bm}, {d}],{qo_layout!r}>",
         "do_desc": f"tensordesc<{dt}[{bm}, {d}],{qo_layout!r}>",

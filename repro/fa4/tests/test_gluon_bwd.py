@@ -128,7 +128,7 @@ GPU_CASES = [
     pytest.param(
         d, causal, dtype, fwd, id=f"d{d}-{'causal' if causal else 'full'}-{str(dtype)[6:]}-gluon-{fwd}"
     )
-    for d in (64, 128)
+    for d in (64, 128, 256)
     for causal in (False, True)
     for dtype in (torch.bfloat16, torch.float16)
     for fwd in ("triton", "gluon")
