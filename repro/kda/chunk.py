@@ -78,7 +78,8 @@ def kda_fwd_triton(
     )  # fmt: skip
     h_all, U_new, hT = inter_chunk_fwd(
         W, U_prime, intra["KD"], intra["gamma"], initial_state, output_final_state, prec, chunk_offsets,
-        block_v=config.state_fwd_bv, warps=config.state_fwd_warps,
+        block_v=config.state_fwd_bv, warps=config.state_fwd_warps, block_k=config.state_fwd_bk,
+        stages=config.state_fwd_stages,
     )  # fmt: skip
     o = output_fwd(
         intra["QG"], h_all, intra["Aqk"], U_new, H, prec, block_v=config.out_bv, warps=config.out_warps
@@ -115,6 +116,8 @@ def kda_bwd_triton(
         chunk_offsets,
         block_v=config.state_bwd_bv,
         warps=config.state_bwd_warps,
+        block_k=config.state_bwd_bk,
+        stages=config.state_bwd_stages,
     )
     grads = intra_chunk_bwd(
         q, k, v, g, beta, scale, saved, do, dU, dh_all, prec, not interpreting(),

@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from repro.kda.backward_inter_chunk import STATE_BWD_WARPS
+from repro.kda.backward_inter_chunk import STATE_BWD_STAGES, STATE_BWD_WARPS
 from repro.kda.backward_intra_chunk import (
     DQK_BK,
     DQK_BV,
@@ -25,7 +25,7 @@ from repro.kda.backward_intra_chunk import (
     MAT_STAGES,
     MAT_WARPS,
 )
-from repro.kda.inter_chunk import STATE_FWD_WARPS
+from repro.kda.inter_chunk import STATE_FWD_STAGES, STATE_FWD_WARPS
 from repro.kda.intra_chunk import INTRA_BK, INTRA_STAGES, INTRA_WARPS
 from repro.kda.output import OUT_BV, OUT_WARPS
 from repro.kda.wy_ut import WY_BK, WY_BV, WY_WARPS
@@ -44,6 +44,8 @@ DOT_PRECISIONS = ("tf32", "tf32x3", "ieee")
 _POWERS_OF_TWO = (16, 32, 64, 128)
 _WARPS = (1, 2, 4, 8, 16)
 _BOOLS = ("check_decay_range", "clamp_decay_first")
+# blocks that may be None: the launcher's rule (value blocks) or the one-tile state (key blocks)
+_OPTIONAL_BLOCKS = ("state_fwd_bv", "state_fwd_bk", "state_bwd_bv", "state_bwd_bk")
 
 
 @dataclass(frozen=True)
@@ -63,9 +65,15 @@ class KDAConfig:
     wy_bk, wy_bv, wy_warps: the WY kernel's key and value blocks and warps.
     state_fwd_bv: the forward state recurrence's value block (None: by the number of programs,
         inter_chunk.state_block_v); state_fwd_warps its warps.
+    state_fwd_bk: how the forward state recurrence holds its ``[K, BV]`` block: None (default) as
+        one tile (inter_chunk.kda_state_fwd_kernel); 16 to 128 as ``K / bk`` tiles of ``bk`` key
+        rows, at most 4 (inter_chunk.kda_state_fwd_split_kernel; issue #42, 64 at K = 256 as
+        fla), whose chunk loop has state_fwd_stages pipeline stages (unused by the one-tile kernel).
     out_bv, out_warps: the output kernel's value block and warps.
     state_bwd_bv, state_bwd_warps: the same for the state backward (at value block 16 it always
-        takes 4 warps: backward_inter_chunk.STATE_BWD_WARPS_BV16).
+        takes 4 warps: backward_inter_chunk.STATE_BWD_WARPS_BV16); state_bwd_bk, state_bwd_stages
+        its layout as state_fwd_bk's (None: one tile, backward_inter_chunk.kda_state_bwd_fused_kernel;
+        else backward_inter_chunk.kda_state_bwd_split_kernel).
     bwd_mat_bk, bwd_mat_bv, bwd_mat_warps, bwd_mat_stages: the backward's [BT, BT] gradient
         kernel; bwd_dqk_bk, bwd_dqk_bv, bwd_dqk_warps, bwd_dqk_stages: its per-channel kernel.
     Blocks are 16, 32, 64 or 128 (taken as min(block, head size)).
@@ -83,10 +91,14 @@ class KDAConfig:
     wy_warps: int = WY_WARPS
     state_fwd_bv: int | None = None
     state_fwd_warps: int = STATE_FWD_WARPS
+    state_fwd_bk: int | None = None
+    state_fwd_stages: int = STATE_FWD_STAGES
     out_bv: int = OUT_BV
     out_warps: int = OUT_WARPS
     state_bwd_bv: int | None = None
     state_bwd_warps: int = STATE_BWD_WARPS
+    state_bwd_bk: int | None = None
+    state_bwd_stages: int = STATE_BWD_STAGES
     bwd_mat_bk: int = MAT_BK
     bwd_mat_bv: int = MAT_BV
     bwd_mat_warps: int = MAT_WARPS
@@ -108,11 +120,7 @@ class KDAConfig:
             elif f.name.endswith("stages"):
                 ok, expected = isinstance(value, int) and 1 <= value <= 8, "an int from 1 to 8"
             else:  # blocks
-                allowed = (
-                    _POWERS_OF_TWO
-                    if f.name not in ("state_fwd_bv", "state_bwd_bv")
-                    else (None, *_POWERS_OF_TWO)
-                )
+                allowed = _POWERS_OF_TWO if f.name not in _OPTIONAL_BLOCKS else (None, *_POWERS_OF_TWO)
                 ok, expected = value in allowed, f"one of {allowed}"
             if not ok or (isinstance(value, bool) and f.name not in _BOOLS):
                 raise ValueError(f"KDAConfig.{f.name} = {value!r}: expected {expected}")

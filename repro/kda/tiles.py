@@ -55,6 +55,15 @@ def _load_rows_t(base, R, row_stride, C: tl.constexpr, r0, c0, BR: tl.constexpr,
 
 
 @triton.jit
+def _state_tile(
+    base, i_k: tl.constexpr, i_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr
+):
+    """Block pointer to key rows ``i_k BK ..`` and value columns ``i_v BV ..`` of the ``[K, V]``
+    state at ``base`` (row-major): tile ``i_k`` of a state split into key tiles of ``BK`` rows."""
+    return tl.make_block_ptr(base, (K, V), (V, 1), (i_k * BK, i_v * BV), (BK, BV), (1, 0))
+
+
+@triton.jit
 def _exp(x, FAST: tl.constexpr):
     """``exp(x)``; ``FAST`` (GPU only: inline PTX, which Triton's CPU interpreter cannot run) as one
     ``ex2.approx.ftz`` of ``x log2(e)``: results below 2^-126 flush to zero instead of going through

@@ -25,6 +25,12 @@ there with OutOfResources), and fingerprints (16 hex digits of SHA-256):
   tf32x3 products, fp16: two 8-byte slots swapped), which is not a change of the code; and
   ``sass_ops_sha``, how many of each SASS instruction, in any order.
 
+``--state-sweep`` compiles only the two state kernels (forward recurrence and its backward) of the
+benchmark's shape at head size 256 (:data:`STATE_SWEEP_SHAPE`) for each launch of
+:data:`STATE_SWEEP` (the one-tile kernels at their defaults, the key-split kernels of issue #42 at
+each key block, value block, warps and stages) and prints their registers, spills and shared memory:
+which candidates are worth a GPU's time (lab/tuning.py STATE_CANDIDATES).
+
 ``--compare BEFORE.json`` prints, launch by launch, whether the PTX body is identical (else whether
 the GPU IR body and the instruction counts are), and what differs in the constexprs, the declared
 parameters and ptxas's numbers; its exit status is 1 if any GPU IR body differs. The snapshot of
@@ -204,6 +210,25 @@ CASES = [
         {},
     ),
 ]
+# --state-sweep (issue #42): the benchmark's shape at K = V = 256 (B=8, T=2048, H=16, bf16), and the
+# launches of the state kernels to compile there, as KDAConfig changes: the defaults (one-tile
+# kernels), then the key-split kernels at key blocks of 64 and 128 (4 and 2 tiles) over value
+# blocks, warps and pipeline stages. Value block 16 at 8 warps is left out for the backward
+# (backward_inter_chunk.STATE_BWD_WARPS_BV16 takes 4 there, whatever the config says).
+STATE_SWEEP_SHAPE = ("d256-bench-bf16", 8, 2048, 16, 16, 256, 256, torch.bfloat16, False, None)
+STATE_SWEEP = {"defaults": {}}
+for _bk in (64, 128):
+    for _bv in (16, 32, 64):
+        for _warps in (4, 8):
+            for _stages in (1, 2, 3):
+                _tag = f"k{_bk}-v{_bv}-w{_warps}-s{_stages}"
+                STATE_SWEEP[f"fwd-{_tag}"] = dict(
+                    state_fwd_bk=_bk, state_fwd_bv=_bv, state_fwd_warps=_warps, state_fwd_stages=_stages
+                )
+                if _bv > 16 or _warps == 4:
+                    STATE_SWEEP[f"bwd-{_tag}"] = dict(
+                        state_bwd_bk=_bk, state_bwd_bv=_bv, state_bwd_warps=_warps, state_bwd_stages=_stages
+                    )
 DECODE_CASES = [
     ("decode-bf16", 2, 4, 8, 128, 128, torch.bfloat16),
     ("decode-fp32-D64", 1, 2, 2, 64, 64, torch.float32),
@@ -239,7 +264,11 @@ def record_decode(case) -> list[tuple]:
     return list(_launches)
 
 
-def snapshot(only: str = "", ptx_dir: str | None = None, ptxas: bool = False) -> list[dict]:
+def snapshot(
+    only: str = "", ptx_dir: str | None = None, ptxas: bool = False, cases=None, kernels: str = ""
+) -> list[dict]:
+    """The rows of every launch of ``cases`` (default CASES and DECODE_CASES) whose case name
+    contains ``only`` and whose kernel name contains ``kernels``."""
     JITFunction.run = _record
     # the entry points refuse CPU tensors outside the interpreter; here nothing runs on them
     for name in ("chunk", "decode"):
@@ -250,10 +279,14 @@ def snapshot(only: str = "", ptx_dir: str | None = None, ptxas: bool = False) ->
     todo = [(c[0], lambda c=c: record(c)) for c in CASES] + [
         (c[0], lambda c=c: record_decode(c)) for c in DECODE_CASES
     ]
+    if cases is not None:
+        todo = [(c[0], lambda c=c: record(c)) for c in cases]
     for case_name, fn in todo:
         if only and only not in case_name:
             continue
         for i, (kernel, args, kwargs) in enumerate(fn()):
+            if kernels not in kernel.__name__:
+                continue
             t0 = time.perf_counter()
             compiled, constexprs, runtime, options = _compile(kernel, args, kwargs)
             key = (kernel.__name__, compiled.hash)
@@ -293,6 +326,31 @@ def snapshot(only: str = "", ptx_dir: str | None = None, ptxas: bool = False) ->
                 flush=True,
             )
     return rows
+
+
+def state_sweep(ptx_dir: str | None = None) -> list[dict]:
+    """--state-sweep: the state kernels' rows (with ptxas's numbers) for each launch of STATE_SWEEP,
+    each row's ``case`` the sweep's name, and a table of them printed."""
+    name, *shape = STATE_SWEEP_SHAPE
+    cases = [(f"{name}/{tag}", *shape, change) for tag, change in STATE_SWEEP.items()]
+    rows = snapshot(ptx_dir=ptx_dir, ptxas=True, cases=cases, kernels="kda_state_")
+    # the defaults' row of each kernel, and each kernel only in the sweeps that change it
+    keep = [
+        r for r in rows
+        if r["case"].endswith("/defaults")
+        or ("_fwd_split" in r["kernel"] and "/fwd-" in r["case"])
+        or ("_bwd_split" in r["kernel"] and "/bwd-" in r["case"])
+    ]  # fmt: skip
+    print(f"\n{'launch':22s} {'kernel':27s} {'BK':>4s} {'BV':>3s} {'warps':>5s} {'stages':>6s} "
+          f"{'regs':>4s} {'spill st/ld (B)':>15s} {'shared (KiB)':>12s}")  # fmt: skip
+    for r in keep:
+        c, u = r["constexprs"], r.get("usage", {})
+        spills = f"{u.get('spill_stores')}/{u.get('spill_loads')}"
+        stages = c.get("STAGES", "-")
+        print(f"{r['case'].split('/')[1]:22s} {r['kernel']:27s} {c.get('BK', c['K']):>4} {c['BV']:>3} "
+              f"{r['num_warps']:>5} {stages:>6} {u.get('registers')!s:>4} {spills:>15s} "
+              f"{r['shared'] / 1024:>12.1f}")  # fmt: skip
+    return keep
 
 
 def compare(before: list[dict], after: list[dict]) -> int:
@@ -363,8 +421,14 @@ def main(argv=None) -> int:
     ap.add_argument("--ptx-dir", default=None, help="write each normalised PTX here as <kernel>-<hash>.ptx")
     ap.add_argument("--ptxas", action="store_true", help="also record registers, spills, shared memory")
     ap.add_argument("--compare", default=None, help="a snapshot taken before: report launch by launch")
+    ap.add_argument(
+        "--state-sweep", action="store_true", help="only the state kernels at K = V = 256 over STATE_SWEEP"
+    )
     args = ap.parse_args(argv)
-    rows = snapshot(args.only, args.ptx_dir, args.ptxas)
+    if args.state_sweep:
+        rows = state_sweep(args.ptx_dir)
+    else:
+        rows = snapshot(args.only, args.ptx_dir, args.ptxas)
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)
     if args.compare:

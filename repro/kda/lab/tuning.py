@@ -1,12 +1,17 @@
 """Tuning and comparison runs of chunk_kda on a GPU, each building :class:`repro.kda.KDAConfig`\\ s:
 
     python -m repro.kda.lab.tuning tune [--seqlens 2048,4096] [--only NAME] [--try NAME=VALUE[,NAME=VALUE]]
+        [--head-size 256] [--peer fla_kda]
     python -m repro.kda.lab.tuning precision
     python -m repro.kda.lab.tuning breakdown [--impls ours,fla_kda]
 
 * ``tune``: ours (fwd, fwd+bwd) with the defaults and with each change of :data:`TUNING` (``--only``
   picks some by name, ``--try`` gives others) applied alone, at B=8, T=2048 or at each T of
   ``--seqlens``, every setting timed once per round in interleaved rounds -> ``<device>-tune.json``.
+  Each change is checked first (output and gradients against our fp32 path, bench.CHECK_TOL);
+  ``--peer fla_kda`` times fla's chunk_kda in the same rounds, and each row says how fast it is
+  against it (``*_vs_peer``: the peer's time over the row's; issue #42's target is 0.9).
+  ``--only 'state-*'`` picks the state kernels' candidates (:data:`STATE_CANDIDATES`).
 * ``precision``: fp16 and bf16 inputs, mild gates: ours at each product precision of the
   intra-chunk algebra (``dot_prec_fp16`` / ``dot_prec_bf16`` = tf32, tf32x3, ieee) beside fla's
   chunk_kda in the same dtype, forward + backward, each checked first -> ``<device>-precision.json``.
@@ -62,6 +67,36 @@ TUNING: dict[str, dict] = {
     "no-decay-check": {"check_decay_range": False},
 }
 
+#: The state kernels with their block held as key tiles (issue #42, KDAConfig.state_fwd_bk /
+#: state_bwd_bk), for K = V = 256, where the one-tile forward state kernel took 924 us against fla's
+#: 456 (results/nvidia-h200-breakdown-d256.json). Picked from the offline sm_90a compile of every
+#: launch (lab/ptx_snapshot.py --state-sweep, 2026-11-29, bf16, B=8, T=2048, H=16): those without
+#: spills and within a Hopper block's shared memory. Registers / spill bytes / shared KiB, the
+#: one-tile defaults first (forward BV 32, 8 warps: 210 / 0 / 56; backward BV 32, 8 warps:
+#: 255 / 460 / 128):
+#:   forward, one stage: k64 v16 w4 112 / 0 / 16 (four programs an SM by registers), k64 v32 w4
+#:   160 / 0 / 24 (three), k64 v32 w8 128 / 0 / 24 (two), k64 v64 w8 184 / 0 / 40, k128 v32 w8
+#:   128 / 0 / 32; two stages: k64 v32 w4 148 / 0 / 153 (one program an SM, by shared memory).
+#:   backward: k64 v16 w4 two stages 254 / 0 / 195; k128 v32 w8 two stages 224 / 0 / 221; one
+#:   stage k128 v32 w8 255 / 8 / 64 and k64 v16 w4 255 / 136 / 32 (two programs an SM).
+#: Three stages ask for more shared memory than a block has (208-434 KiB) but for value blocks of
+#: 16 in the forward; value blocks of 64 spill in the backward (88-1008 bytes) but for none.
+STATE_CANDIDATES: dict[str, dict] = {
+    "state-fwd-k64-v16-w4": dict(state_fwd_bk=64, state_fwd_bv=16, state_fwd_warps=4, state_fwd_stages=1),
+    "state-fwd-k64-v32-w4": dict(state_fwd_bk=64, state_fwd_bv=32, state_fwd_warps=4, state_fwd_stages=1),
+    "state-fwd-k64-v32-w8": dict(state_fwd_bk=64, state_fwd_bv=32, state_fwd_warps=8, state_fwd_stages=1),
+    "state-fwd-k64-v32-w4-s2": dict(state_fwd_bk=64, state_fwd_bv=32, state_fwd_warps=4, state_fwd_stages=2),
+    "state-fwd-k64-v64-w8": dict(state_fwd_bk=64, state_fwd_bv=64, state_fwd_warps=8, state_fwd_stages=1),
+    "state-fwd-k128-v32-w8": dict(state_fwd_bk=128, state_fwd_bv=32, state_fwd_warps=8, state_fwd_stages=1),
+    "state-bwd-k64-v16-w4-s2": dict(state_bwd_bk=64, state_bwd_bv=16, state_bwd_warps=4, state_bwd_stages=2),
+    "state-bwd-k128-v32-w8-s2": dict(
+        state_bwd_bk=128, state_bwd_bv=32, state_bwd_warps=8, state_bwd_stages=2
+    ),
+    "state-bwd-k128-v32-w8": dict(state_bwd_bk=128, state_bwd_bv=32, state_bwd_warps=8, state_bwd_stages=1),
+    "state-bwd-k64-v16-w4": dict(state_bwd_bk=64, state_bwd_bv=16, state_bwd_warps=4, state_bwd_stages=1),
+}
+TUNING.update(STATE_CANDIDATES)
+
 TUNE_COLUMNS = [
     "run",
     "B",
@@ -73,21 +108,27 @@ TUNE_COLUMNS = [
     "fwd_bwd_ms",
     "fwd_bwd_min",
     "fwd_bwd_max",
+    "fwd_vs_peer",
+    "fwd_bwd_vs_peer",
 ]
 
 
 def tune(
     B: int = 8, T: int = 2048, rounds: int = kb.ROUNDS, changes: dict[str, dict] | None = None, base=None,
-    head_size: int = kb.K,
+    head_size: int = kb.K, peer: str | None = None, check: bool = True,
 ) -> list[dict]:  # fmt: skip
     """Time ours (fwd, fwd+bwd) with ``base`` (default KDAConfig()) and with each change of ``changes``
     (default TUNING) applied alone, in ``rounds`` interleaved rounds (medians; the row keeps the
-    range), at K = V = ``head_size``. A change that does not build or run is reported and left out."""
+    range), at K = V = ``head_size``. A change that does not build or run, or (``check``) whose output
+    or gradients are off our fp32 path (bench.gradient_check), is reported and left out. ``peer``
+    (a name of bench.impls, e.g. "fla_kda"): timed in the same rounds, its own row, and every row's
+    ``*_vs_peer`` the peer's time over the row's."""
     base = KDAConfig() if base is None else base
     changes = TUNING if changes is None else changes
     inputs = kb.make_inputs(B, T, dk=head_size, dv=head_size)
     leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
     do = torch.randn_like(inputs[2])
+    reference = kb.fp32_path() if check else None
     from repro.kda import chunk_kda
 
     trials, candidates = [], {}
@@ -95,29 +136,50 @@ def tune(
         try:  # compile each setting once; one that fails is a result, not the end of the run
             config = apply_settings(base, change)
             torch.autograd.grad(chunk_kda(*leaves, config=config)[0], leaves, do)
+            if check:
+                kb.gradient_check(kb.impls(config)["ours"], inputs, reference)
         except Exception as exc:
             print(f"{name}: failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
             continue
-        trials.append((name, config))
+        trials.append((name, describe_changes(config, base) or "defaults"))
         candidates[f"{name}/fwd"] = lambda c=config: chunk_kda(*inputs, config=c)
         candidates[f"{name}/fwd+bwd"] = lambda c=config: torch.autograd.grad(
             chunk_kda(*leaves, config=c)[0], leaves, do
         )
+    if peer is not None:
+        fn = kb.impls(base).get(peer)
+        if fn is None:
+            raise ValueError(f"tune: peer {peer!r} is not importable here (bench.impls)")
+        print(f"peer {peer}: first calls (compile and autotune: minutes at head size 256)", flush=True)
+        torch.autograd.grad(fn(*leaves), leaves, do, allow_unused=True)
+        trials.append((peer, f"peer {peer}"))
+        candidates[f"{peer}/fwd"] = lambda: fn(*inputs)
+        candidates[f"{peer}/fwd+bwd"] = lambda: torch.autograd.grad(
+            fn(*leaves), leaves, do, allow_unused=True
+        )
     res = measure(candidates, rounds=rounds)  # every setting and pass in turn, ``rounds`` times
-    rows = []
-    for name, config in trials:
+    rows, peer_ms = [], {}
+    if peer is not None and res[f"{peer}/fwd"].rounds and res[f"{peer}/fwd+bwd"].rounds:
+        peer_ms = {p: statistics.median(res[f"{peer}/{p}"].rounds) for p in ("fwd", "fwd+bwd")}
+    for name, change in trials:
         f_ms, fb_ms = res[f"{name}/fwd"].rounds, res[f"{name}/fwd+bwd"].rounds
         if not (f_ms and fb_ms):
             print(f"{name}: failed while timed: {res[f'{name}/fwd'].error or res[f'{name}/fwd+bwd'].error}")
             continue
         fwd_med, fb_med = statistics.median(f_ms), statistics.median(fb_ms)
-        change = describe_changes(config, base) or "defaults"
         change += f" (K=V={head_size})" if head_size != kb.K else ""
+        vs = (
+            {p: round(peer_ms[p] / ms, 3) for p, ms in (("fwd", fwd_med), ("fwd+bwd", fb_med))}
+            if peer_ms
+            else {}
+        )
         rows.append({"B": B, "T": T, "change": change, "fwd_ms": round(fwd_med, 4),
                      "fwd_range": [round(min(f_ms), 4), round(max(f_ms), 4)], "fwd_bwd_ms": round(fb_med, 4),
-                     "fwd_bwd_range": [round(min(fb_ms), 4), round(max(fb_ms), 4)]})  # fmt: skip
+                     "fwd_bwd_range": [round(min(fb_ms), 4), round(max(fb_ms), 4)],
+                     "fwd_vs_peer": vs.get("fwd"), "fwd_bwd_vs_peer": vs.get("fwd+bwd")})  # fmt: skip
+        against = f"  vs {peer}: fwd {vs['fwd']:.3f}x fwd+bwd {vs['fwd+bwd']:.3f}x" if vs else ""
         print(f"B={B} T={T} {change:40s} fwd {fwd_med:7.3f} ms ({min(f_ms):.3f}-{max(f_ms):.3f})"
-              f"  fwd+bwd {fb_med:7.3f} ms ({min(fb_ms):.3f}-{max(fb_ms):.3f})", flush=True)  # fmt: skip
+              f"  fwd+bwd {fb_med:7.3f} ms ({min(fb_ms):.3f}-{max(fb_ms):.3f}){against}", flush=True)  # fmt: skip
     return rows
 
 
@@ -129,14 +191,16 @@ def tune_report(rows: list[dict], base_changes: str = "", run: str = "", rounds:
         title="KDA launch settings, one change at a time (ours, bf16, H=16, K=V=128 unless a row says)",
         columns=TUNE_COLUMNS,
         notes=f"lab/tuning.py tune: each change against the defaults{' with ' + base_changes if base_changes else ''}, "
-        f"every setting timed once per round in {rounds} interleaved rounds; ms is the median, min/max the range.",
+        f"every setting timed once per round in {rounds} interleaved rounds; ms is the median, min/max the range; "
+        "*_vs_peer (with --peer): the peer's median over the row's (above 1: faster than the peer).",
         measure_ceilings=False,
     )
     for r in rows:
         report.add(
             run=run, B=r["B"], T=r["T"], change=r["change"], fwd_ms=r["fwd_ms"], fwd_min=r["fwd_range"][0],
             fwd_max=r["fwd_range"][1], fwd_bwd_ms=r["fwd_bwd_ms"], fwd_bwd_min=r["fwd_bwd_range"][0],
-            fwd_bwd_max=r["fwd_bwd_range"][1],
+            fwd_bwd_max=r["fwd_bwd_range"][1], fwd_vs_peer=r.get("fwd_vs_peer"),
+            fwd_bwd_vs_peer=r.get("fwd_bwd_vs_peer"),
         )  # fmt: skip
     return report
 
@@ -265,6 +329,11 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--head-size", type=int, default=kb.K, help="tune and breakdown: K = V (default 128; issue #42's 256)"
     )
+    ap.add_argument(
+        "--peer",
+        default=None,
+        help="tune: an implementation of bench.impls timed in the same rounds (fla_kda)",
+    )
     args = parse_bench_args(ap, argv)
     try:
         base = apply_settings(KDAConfig(), args.settings)
@@ -293,7 +362,7 @@ def main(argv=None) -> None:
             if not args.budget.allows():
                 print(f"tune: budget spent, T={T} not measured", flush=True)
                 continue
-            rows += tune(max(1, kb.TOKENS // T), T, args.rounds, changes, base, args.head_size)
+            rows += tune(max(1, kb.TOKENS // T), T, args.rounds, changes, base, args.head_size, args.peer)
         stamp = time.strftime("%H:%M UTC", time.gmtime())
         tune_report(rows, describe_changes(base, KDAConfig()), stamp, args.rounds).write(
             out_dir=args.out, tag="tune"

@@ -113,3 +113,17 @@ def test_tune_at_another_head_size(monkeypatch):
     )
     assert [r["change"] for r in rows] == ["defaults (K=V=32)", "wy_warps=2 (K=V=32)"]
     assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 for r in rows)
+
+
+def test_tune_times_a_peer_in_the_same_rounds(monkeypatch):
+    """lab/tuning.py tune --peer: the peer gets its own row and every row its speed against it (here a
+    stand-in peer, our own chunk_kda under another name, on the CPU at a toy size)."""
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "H", 1)
+    real_impls = bench.impls
+    monkeypatch.setattr(
+        bench, "impls", lambda config=None: {**real_impls(config), "stand_in": real_impls()["ours"]}
+    )
+    rows = tuning.tune(B=1, T=64, rounds=1, changes={}, head_size=32, peer="stand_in", check=False)
+    assert [r["change"] for r in rows] == ["defaults (K=V=32)", "peer stand_in (K=V=32)"]
+    assert all(r["fwd_vs_peer"] > 0 and r["fwd_bwd_vs_peer"] > 0 for r in rows)

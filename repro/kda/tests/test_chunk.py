@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from paperclub.testing import assert_rel_close, sanitizing
 from repro.kda import KDAConfig, chunk_kda, chunk_kda_torch, recurrent_kda
+from repro.kda.lab.tuning import STATE_CANDIDATES
 from repro.kda.tests.strategies import kda_cases
 
 CLAIM = "kda/chunk-equals-recurrent"
@@ -174,3 +175,134 @@ def test_triton_bf16_gradients_on_gpu(backward):
     for name, a, b in zip(["q", "k", "v", "g", "beta", "initial_state"], ref, low, strict=True):
         assert b.grad is not None, f"no gradient reached {name}"
         assert_rel_close(b.grad.double(), a.grad, 2e-2, f"d{name} (bf16, {backward} backward)")
+
+
+# The state kernels with the [K, BV] block held as key tiles (issue #42: KDAConfig.state_fwd_bk,
+# state_bwd_bk), at K = V = 64 in four tiles of 16 (every one of the kernels' tiles h1..h4 used)
+# and two of 32, and at K = V = 256 in four tiles of 64 (a GPU candidate, fla's layout). The
+# interpreter ignores the pipeline stages: those are the GPU's to check (test_split_state_on_gpu).
+SPLIT_STATE = {
+    "K64-bk16": (64, KDAConfig(state_fwd_bk=16, state_bwd_bk=16)),
+    "K256-bk64": (256, KDAConfig(state_fwd_bk=64, state_bwd_bk=64)),
+    "K64-bk32": (64, KDAConfig(state_fwd_bk=32, state_bwd_bk=32)),
+}
+
+
+def _state_case(K: int, with_h0: bool, T: int = 128):
+    """B = 1, H = 2, two chunks: the carried state matters (mild gates, g >= -0.5 per token)."""
+    from repro.kda.tests.strategies import make_case
+
+    return make_case(seed=K + with_h0, B=1, T=T, H=2, group=1, K=K, V=K, g_max=0.5, with_h0=with_h0)
+
+
+@pytest.mark.claim(CLAIM, section=SECTION)
+@pytest.mark.parametrize("with_h0", [False, True], ids=["no-h0", "h0"])
+@pytest.mark.parametrize("split", list(SPLIT_STATE))
+def test_split_state_kernels_fp32(split, with_h0):
+    """fp32: outputs, final state and gradients against the fp64 recurrence (1e-4, as the tests
+    above), and against the one-tile kernels on the same inputs (1e-6: the same products, summed in
+    another order)."""
+    K, config = SPLIT_STATE[split]
+    case = _state_case(K, with_h0)
+    _check_gradients(case, True, config)
+    x = [None if t is None else t.to(DEVICE, torch.float32) for t in case.tensors(torch.float64)]
+    o_one, s_one = chunk_kda(*x[:5], initial_state=x[5], output_final_state=True)
+    o, s = chunk_kda(*x[:5], initial_state=x[5], output_final_state=True, config=config)
+    assert_rel_close(o, o_one, 1e-6, "o (key tiles vs one tile)")
+    assert_rel_close(s, s_one, 1e-6, "final state (key tiles vs one tile)")
+
+
+@pytest.mark.claim(CLAIM, section=SECTION)
+@pytest.mark.parametrize("with_h0", [False, True], ids=["no-h0", "h0"])
+@pytest.mark.parametrize("split", ["K64-bk16", "K256-bk64"])
+def test_split_state_kernels_bf16(split, with_h0):
+    """bf16 q, k, v (tf32 state products; the inputs rounded to bf16 first and the fp64 recurrence
+    run on the rounded values): outputs, final state and gradients within 2e-2, the bf16 budget of
+    test_bf16_cpu.py."""
+    K, config = SPLIT_STATE[split]
+    x64 = _state_case(K, with_h0).tensors(torch.float64)
+    bf = [t.to(torch.bfloat16) for t in x64[:5]]
+    ref = [t.double().requires_grad_(True) for t in bf] + [None if x64[5] is None else x64[5].clone()]
+    low = [t.to(DEVICE).requires_grad_(True) for t in bf] + [
+        None if x64[5] is None else x64[5].to(DEVICE).float()
+    ]
+    for t in (ref[5], low[5]):
+        if t is not None:
+            t.requires_grad_(True)
+    o_ref, s_ref = recurrent_kda(*ref[:5], initial_state=ref[5], output_final_state=True)
+    o, s = chunk_kda(*low[:5], initial_state=low[5], output_final_state=True, config=config)
+    gen = torch.Generator().manual_seed(0)
+    do = torch.randn(o_ref.shape, generator=gen, dtype=torch.float64)
+    ds = torch.randn(s_ref.shape, generator=gen, dtype=torch.float64)
+    torch.autograd.backward([o_ref, s_ref], [do, ds])
+    torch.autograd.backward([o, s], [do.to(DEVICE, o.dtype), ds.to(DEVICE, torch.float32)])
+    assert_rel_close(o.double().cpu(), o_ref, 2e-2, "o (bf16)")
+    assert_rel_close(s.double().cpu(), s_ref, 2e-2, "final state (bf16)")
+    for name, a, b in zip(["q", "k", "v", "g", "beta", "initial_state"], ref, low, strict=True):
+        if a is None:
+            continue
+        assert_rel_close(b.grad.double().cpu(), a.grad, 2e-2, f"d{name} (bf16)")
+
+
+def test_split_state_kernels_packed_sequences():
+    """Packed sequences (cu_seqlens: the kernels' per-sequence programs and chunk offsets), each with
+    its own initial state: the key-tile kernels give the one-tile kernels' outputs, final states and
+    gradients (fp32, 1e-6)."""
+    from repro.kda.tests.test_varlen import packed_case
+
+    inputs, cu = packed_case(seed=5, lengths=[70, 64, 130], H=1, group=2, K=64, V=64, g_max=0.5)
+    results = []
+    for config in (KDAConfig(), SPLIT_STATE["K64-bk16"][1]):
+        x = [t.to(DEVICE, torch.float32).requires_grad_(True) for t in inputs]
+        o, s = chunk_kda(
+            *x[:5], initial_state=x[5], output_final_state=True, cu_seqlens=cu.to(DEVICE), config=config
+        )
+        gen = torch.Generator().manual_seed(0)
+        torch.autograd.backward(
+            [o, s],
+            [torch.randn(o.shape, generator=gen).to(DEVICE), torch.randn(s.shape, generator=gen).to(DEVICE)],
+        )
+        results.append([o, s] + [t.grad for t in x])
+    names = ["o", "final states", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
+    for name, a, b in zip(names, *results, strict=True):
+        assert_rel_close(b, a, 1e-6, f"{name} (key tiles vs one tile, packed)")
+
+
+def test_split_state_key_block_too_small_is_named():
+    """More than four key tiles is refused before any kernel runs, naming the setting."""
+    case = _state_case(256, False, T=16)
+    x = [t.float() for t in case.tensors(torch.float64)[:5]]
+    with pytest.raises(ValueError, match=r"KDAConfig.state_fwd_bk\) splits K = 256 into 8 tiles"):
+        chunk_kda(*x, config=KDAConfig(state_fwd_bk=32))
+
+
+@pytest.mark.gpu
+@pytest.mark.claim(CLAIM, section=SECTION)
+@pytest.mark.parametrize("candidate", sorted(STATE_CANDIDATES))
+def test_split_state_on_gpu(candidate):
+    """Every key-tile launch that lab/tuning.py times on the GPU (STATE_CANDIDATES: value blocks,
+    warps, pipeline stages), bf16 at K = V = 256, T off the chunk size, states in and out: outputs
+    and gradients within 2e-2 of the fp64 recurrence (the bf16 budget of the tests above)."""
+    from repro.kda.tests.strategies import make_case
+
+    config = KDAConfig(**STATE_CANDIDATES[candidate])
+    case = make_case(seed=7, B=1, T=1000, H=2, group=1, K=256, V=256, g_max=0.5, with_h0=True)
+    ref = [x.to("cuda").requires_grad_(True) for x in case.tensors(torch.float64)]
+    low = [
+        x.to("cuda", torch.bfloat16 if i < 3 else torch.float32).requires_grad_(True)
+        for i, x in enumerate(case.tensors(torch.float64))
+    ]
+    o, s = chunk_kda(*low[:5], initial_state=low[5], output_final_state=True, config=config)
+    if sanitizing():  # the compute-sanitizer pass: our kernels' memory accesses only
+        torch.autograd.backward([o, s], [torch.ones_like(o), torch.ones_like(s)])
+        return
+    o_ref, s_ref = recurrent_kda(*ref[:5], initial_state=ref[5], output_final_state=True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    do = torch.randn(o_ref.shape, generator=gen, device="cuda", dtype=torch.float64)
+    ds = torch.randn(s_ref.shape, generator=gen, device="cuda", dtype=torch.float64)
+    torch.autograd.backward([o_ref, s_ref], [do, ds])
+    torch.autograd.backward([o, s], [do.to(o.dtype), ds.float()])
+    assert_rel_close(o.double(), o_ref, 2e-2, f"o (bf16, {candidate})")
+    assert_rel_close(s.double(), s_ref, 2e-2, f"final state (bf16, {candidate})")
+    for name, a, b in zip(["q", "k", "v", "g", "beta", "initial_state"], ref, low, strict=True):
+        assert_rel_close(b.grad.double(), a.grad, 2e-2, f"d{name} (bf16, {candidate})")
