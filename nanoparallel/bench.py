@@ -17,7 +17,6 @@ of the run. Peer on CPU: gloo through torch.distributed; on CUDA: NCCL through t
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import time
@@ -272,27 +271,38 @@ def build_plan(device: str, sizes_: list[int], collectives: list[str]) -> list[d
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    from paperclub.bench import bench_parser, parse_bench_args
+
+    ap = bench_parser(
+        __doc__.split("\n")[0], rounds=None, quick_help="a smoke run: one pass, sizes up to 1 MiB", only=False,
+        settings=False,
+    )  # fmt: skip
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--min-bytes", default="8")
     ap.add_argument("--max-bytes", default="64M")
     ap.add_argument("--collectives", default="all_reduce,all_gather,reduce_scatter,broadcast,all_to_all")
     ap.add_argument("--no-calibrate", action="store_true")
-    ap.add_argument("--tag", default="")
     ap.add_argument("--passes", type=int, default=2, help="sweep this many times, keep each row's best")
-    args = ap.parse_args(argv)
+    args = parse_bench_args(ap, argv)
+    if args.quick:
+        args.passes = 1
 
     from nanoparallel import cost_model
     from nanoparallel.launch import World
     from paperclub.bench import Report
 
     n = args.world_size
-    sizes_ = sizes(parse_bytes(args.min_bytes), parse_bytes(args.max_bytes))
+    max_bytes = min(parse_bytes(args.max_bytes), 1 << 20) if args.quick else parse_bytes(args.max_bytes)
+    sizes_ = sizes(parse_bytes(args.min_bytes), max_bytes)
     plan = build_plan(args.device, sizes_, args.collectives.split(","))
     t0 = time.time()
     with World(n) as world:
-        results = world.run(bench_worker, plan, args.device, not args.no_calibrate, args.passes, timeout=3600)
+        # --budget-s: the sweep must end within it (its ranks are stopped at it); no limit: an hour
+        timeout = 3600 if args.budget_s is None else args.budget.left()
+        results = world.run(
+            bench_worker, plan, args.device, not args.no_calibrate, args.passes, timeout=timeout
+        )
     peer = "NCCL (torch.distributed)" if args.device == "cuda" else f"gloo (torch {torch.__version__})"
     report = Report(
         package="nanoparallel",
@@ -364,7 +374,7 @@ def main(argv=None) -> None:
         logx=True,
         logy=True,
     )
-    report.write(tag=args.tag or f"{args.device}-x{n}")
+    report.write(tag=args.tag or f"{args.device}-x{n}", out_dir=args.out)
 
 
 def _fit_quality(rows: list[dict]) -> str:

@@ -91,6 +91,8 @@ def test_the_site_has_a_results_log_per_reproduction_and_results_links_reach_it(
     monkeypatch.setattr(sitegen, "load_bench_results", lambda name: [])  # (it reads the real repro/ folders)
     root = make_repo(tmp_path)
     shutil.copytree(FIXTURES / "gpu-claims" / "repro", root / "repro")  # a reproduction, "toy"
+    paper = root / "papers" / "doe2026example.md"  # its paper, whose page links the log too
+    paper.write_text(paper.read_text().replace("tags: [attention]\n", "tags: [attention]\nrepro: toy\n", 1))
     content, problems = load(root)
     assert not problems, problems
     site = generate(content)
@@ -99,8 +101,22 @@ def test_the_site_has_a_results_log_per_reproduction_and_results_links_reach_it(
             continue
         assert site.pages[f"repro/{name}/results-log.md"].startswith("# Results log")
         assert f"({name}/results-log.md)" in site.pages[f"repro/{name}.md"]
+    assert "(../repro/toy/results-log.md)" in site.pages["papers/doe2026example.md"]
     name = next(n for n, r in content.repros.items() if not r.planned)
     known = set(site.pages)
     md = f"[the runs](../repro/{name}/results/) and [one file](../repro/{name}/results/dev.json)"
     out = rewrite_links(md, "papers/x.md", "papers/x.md", root, known)
     assert out.count(f"../repro/{name}/results-log.md") == 2, out
+
+
+def test_result_tables_escape_text_cells():
+    """A result row's text is HTML-escaped and table-safe in the site's tables: a profiler's kernel
+    name with template brackets must not open an HTML tag that swallows the rest of the page."""
+    from paperclub.sitegen import table_safe
+
+    row = table_safe({"stage": "kernel: elementwise_kernel<128, 4, Op<float>>", "check": "a | b", "ms": 1.5})
+    assert row == {
+        "stage": "kernel: elementwise_kernel&lt;128, 4, Op&lt;float&gt;&gt;",
+        "check": "a \\| b",
+        "ms": 1.5,
+    }

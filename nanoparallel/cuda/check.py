@@ -482,8 +482,9 @@ def run_groups(world: int, groups: list[str], budget_s: float, timeout_s: float,
     import torch.multiprocessing as mp
 
     from nanoparallel.launch import free_port
+    from paperclub.bench import Budget
 
-    deadline = time.monotonic() + budget_s
+    budget = Budget(budget_s)
     summary: dict = {"world": world, "groups": {}, "passed": []}
 
     def save() -> None:
@@ -493,7 +494,7 @@ def run_groups(world: int, groups: list[str], budget_s: float, timeout_s: float,
                 json.dump(summary, f, indent=1)
 
     remaining = list(groups)
-    while remaining and time.monotonic() < deadline - 15:
+    while remaining and budget.allows(reserve_s=15):
         ctx = mp.get_context("spawn")
         results = ctx.Queue()
         args = argparse.Namespace(groups=list(remaining), timeout_s=timeout_s, passed=list(summary["passed"]))
@@ -509,7 +510,7 @@ def run_groups(world: int, groups: list[str], budget_s: float, timeout_s: float,
         last = time.monotonic()
         try:
             while ended < world:
-                left = deadline - time.monotonic()
+                left = budget.left()
                 if left <= 0:
                     stalled = "budget"
                     break

@@ -21,11 +21,7 @@ from repro.fa4.api import (
     attention_forward,
     auto_backward,
     auto_forward,
-    check_inputs,
     forward_with_counts,
-    resolve,
-    run_backward,
-    run_forward,
 )
 
 __all__ = [
@@ -38,10 +34,3 @@ __all__ = [
     "auto_forward",
     "forward_with_counts",
 ]
-
-# The names repro/usp/local.py imported before issue #40, kept as aliases until it uses
-# attention_forward / attention_backward (with config=Switches(bwd="fa2") to keep its backward).
-_check = check_inputs
-_resolve = resolve
-_forward = run_forward
-_backward = run_backward

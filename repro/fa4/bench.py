@@ -71,14 +71,23 @@ from repro.fa4.api import Switches
 from repro.fa4.peer import fa4_cute, load_flash_attn_4, peer  # noqa: F401
 from repro.fa4.peer import smoke_error as _smoke_error  # noqa: F401
 
-#: The paper's sweep: 16 heads of D = 128, B x S = 16k tokens, S = 1k..16k.
-HEADS = 16
-HEAD_DIM = 128
-TOKENS = 16384
-SEQLENS = (1024, 2048, 4096, 8192, 16384)
-
-#: The Triton forward whatever the device (``gluon=False``; the default picks Gluon on Hopper).
-TRITON = {"gluon": False}
+# the shapes, FLOPs, inputs and rows the part ``peer`` shares with the others
+from repro.fa4.shapes import (
+    COLUMNS,
+    HEAD_DIM,
+    HEADS,
+    OURS_BEST,
+    OURS_GLUON,
+    SEQLENS,
+    TOKENS,
+    TRITON,
+    _err_note,
+    _report,
+    _row_error,
+    _shapes,
+    flops,
+    make_inputs,
+)
 
 #: One switch of the Triton forward changed at a time against its defaults (lazy rescaling on, hardware
 #: exp2): FA4's ideas one by one, on the kernel that has them all as switches.
@@ -99,14 +108,6 @@ ABLATIONS: dict[str, dict] = {
         "stages-4": {"num_stages": 4},
     }.items()
 }
-
-#: The Triton forward's fastest in results/nvidia-h100-80gb-hbm3.json (S = 4k-16k): TMA on, default launch shape.
-OURS_BEST = {**TRITON, "tma": True}
-
-#: The warp-specialised Gluon forward (repro.fa4.gluon_fwd; sm_90 only, launched with
-#: repro.fa4.GLUON_LAUNCH) and the backward bwd="auto" picks: the Gluon one on Hopper since
-#: 2026-11-25 (the committed peer file, of 2026-11-23, ran the FA2 Triton backward).
-OURS_GLUON = {"gluon": True}
 
 #: Our candidates in the backward comparison: the Gluon forward with each backward, and the Triton
 #: forward (TMA) with the fused one. fa4-gluon-gluonbwd is what ``bwd="auto"`` runs on Hopper (the Gluon
@@ -130,8 +131,6 @@ HEAD_SEQLENS = (4096, 8192)
 #: (left, right) windows of the window rows (D = 128): 1k and 4k keys of history.
 WINDOWS = ((1023, 0), (4095, 0))
 
-#: The columns of the comparison (<device>.json) and of the peer table (<device>-peer.json).
-COLUMNS = ["group", "impl", "causal", "S", "B", "pass", "ms", "tflops", "note"]
 BWD_COLUMNS = ["group", "impl", "causal", "S", "B", "pass", "ms", "ms_min", "ms_max", "tflops", "vs_cudnn"]
 BWD_COLUMNS += ["check", "note"]
 HEADS_COLUMNS = ["group", "impl", "D", "D_v", "causal", "window", "S", "B", "pass", "ms", "ms_min", "ms_max"]
@@ -148,12 +147,6 @@ def switches(changes: dict, base: Switches | None = None) -> dict:
     cfg = replace(BASE if base is None else base, **changes)
     default = asdict(Switches())
     return {k: v for k, v in asdict(cfg).items() if default[k] != v}
-
-
-def flops(b: int, s: int, causal: bool, passes: str) -> float:
-    """FLOPs of one call: 4 B H S^2 D forward (halved when causal), x3.5 for "fwd+bwd", x2.5 for "bwd"."""
-    f = 4.0 * b * HEADS * s * s * HEAD_DIM * (0.5 if causal else 1.0)
-    return f * {"fwd+bwd": 3.5, "bwd": 2.5}.get(passes, 1.0)
 
 
 def attention_flops(b: int, s_q: int, s_k: int, d: int, d_v: int, passes: str, visible: float) -> float:
@@ -174,17 +167,6 @@ def _visible(s: int, causal: bool, window) -> float:
 # ---------------------------------------------------------------------------------------------
 # Inputs and candidates: ours (SDPA's backends: paperclub.bench.sdpa; flash-attn-4: repro.fa4.peer)
 # ---------------------------------------------------------------------------------------------
-
-
-def make_inputs(b: int, s: int, layout: str = "bshd", d: int = HEAD_DIM, d_v: int | None = None):
-    """bf16 leaves q, k, v: [B, S, H, D] (``layout="bhsd"``: [B, H, S, D]), v's head size ``d_v``
-    (default D)."""
-
-    def leaf(dim: int) -> torch.Tensor:
-        shape = (b, s, HEADS, dim) if layout == "bshd" else (b, HEADS, s, dim)
-        return torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-
-    return [leaf(d), leaf(d), leaf(d if d_v is None else d_v)]
 
 
 def _inputs(b: int, s: int, d: int = HEAD_DIM, d_v: int | None = None) -> AttentionInputs:
@@ -218,10 +200,6 @@ def _tolerance(yardstick_err: float) -> float:
     return reference_tolerance(yardstick_err, REFERENCE_AGREEMENT)
 
 
-def _err_note(err: float) -> str:
-    return f"rel.err vs cuDNN {err:.1e}" + ("" if err < 2e-2 else " WRONG")
-
-
 def _errors_note(errs: dict, name: str) -> dict:
     """The note of a backward row: the candidate's errors against cuDNN's output and gradients."""
     note = ", ".join(f"{n} {e:.1e}" for n, e in errs.get(name, {}).items())
@@ -238,30 +216,9 @@ def _tiles(layout, name: str) -> dict:
     }
 
 
-def _report(title: str, columns: list[str], notes: str, **kw) -> Report:
-    """One of the bench's result tables; SDPA (cuDNN, FA2) the peer unless ``kw`` says otherwise."""
-    sdpa_peer = (
-        f"torch {torch.__version__} SDPA (cuDNN {torch.backends.cudnn.version()}, FlashAttention-2 backend)"
-    )
-    kw = {"peer": sdpa_peer, "packages": ["triton", "torch"], "measure_ceilings": False, **kw}
-    return Report(package="fa4", title=title, columns=columns, notes=notes, **kw)
-
-
-def _row_error(report: Report, **row) -> None:
-    report.add(**row, ms=float("nan"), tflops=float("nan"))
-
-
 def _head_shape_name(shape) -> str:
     causal, s, (d, d_v) = shape
     return f"D={d} D_v={d_v} S={s} causal={causal}"
-
-
-def _shapes(seqlens, budget: Budget, reserve_s: float, skipped: list):
-    """(causal, S, B) of each length, not causal first, B x S = TOKENS; a shape that would start with
-    less than ``reserve_s`` of the budget left is named in ``skipped`` instead."""
-    shapes = itertools.product((False, True), seqlens)
-    for causal, s in within_budget(shapes, budget, reserve_s, skipped, lambda c: f"S={c[1]} causal={c[0]}"):
-        yield causal, s, max(1, TOKENS // s)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -526,7 +483,8 @@ def main(argv: list[str] | None = None) -> None:
             if not fa4_smoke.run(out, base=BASE):
                 raise SystemExit(3)
         if "peer" in parts:
-            peer(out, (2048, 8192) if args.quick else SEQLENS, use_fa4=not args.no_fa4, rounds=args.rounds)
+            seqlens = (2048, 8192) if args.quick else SEQLENS
+            peer(out, seqlens, use_fa4=not args.no_fa4, rounds=args.rounds, base=BASE)
         if "heads" in parts:
             heads(out, HEAD_SEQLENS[:1] if args.quick else HEAD_SEQLENS, budget=budget, rounds=args.rounds)
         if "bwd" in parts:

@@ -70,37 +70,20 @@ from repro.megablocks.kernels import dsd, sdd
 from repro.megablocks.moe import _combine, dmoe_grouped, dmoe_sparse
 from repro.megablocks.peer import load_megablocks, megablocks_experts, probe_main, probe_megablocks
 from repro.megablocks.reference import activation, capacity_moe, moe_per_expert
+from repro.megablocks.shapes import (
+    MLP,
+    ROUTINGS,
+    SHAPES,  # noqa: F401 (bench.SHAPES: profile.py, the tests)
+    bench_shapes,
+    make_routing,
+)
 from repro.megablocks.topology import moe_topology, permute
 
-SHAPES = {
-    "64e-top8": dict(E=64, k=8, d=2048, f=1408, T=16384),
-    "8e-top2": dict(E=8, k=2, d=4096, f=14336, T=8192),
-}
-QUICK_TOKENS = {"64e-top8": 4096, "8e-top2": 2048}
-ROUTINGS = ("balanced", "skewed")
-SKEW = 1.2
-MLP = "glu"
 TOL_BF16 = 2e-2  # bf16 outputs vs the fp32 per-expert reference: 8 mantissa bits, fp32 accumulation
 COLUMNS = [
     "shape", "routing", "impl", "config", "tokens", "max_load", "drop_rate",
     "ms", "ms_min", "ms_max", "check", "tokens_per_s", "tflops", "pct_of_matmul", "vs_grouped_mm",
 ]  # fmt: skip
-
-
-def make_routing(T: int, E: int, k: int, routing: str, device, seed: int = 0):
-    """``weights [T, k]`` (positive, rows summing to one) and distinct ``indices [T, k]``."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    if routing == "balanced":
-        # token t takes experts (t k + j) mod E: every expert exactly T k / E times when E | T k
-        base = (torch.arange(T, device=device)[:, None] * k + torch.arange(k, device=device)) % E
-        indices = base[torch.randperm(T, device=device, generator=gen)]
-    elif routing == "skewed":
-        p = 1.0 / torch.arange(1, E + 1, device=device, dtype=torch.float32) ** SKEW
-        indices = torch.multinomial(p.expand(T, E), k, replacement=False, generator=gen)
-    else:
-        raise ValueError(f"routing={routing!r}: expected one of {ROUTINGS}")
-    weights = torch.softmax(torch.randn(T, k, device=device, generator=gen), -1)
-    return weights, indices
 
 
 def useful_flops(T: int, k: int, d: int, f: int, mlp: str = MLP) -> float:
@@ -228,13 +211,6 @@ def run_config(
                 row["vs_grouped_mm"] = round(m.median_ms / base_ms, 3)
         rows.append(row)
     return rows
-
-
-def bench_shapes(quick: bool) -> dict:
-    """The shapes of a run: ``--quick`` has 64e-top8 only, at fewer tokens."""
-    if quick:
-        return {"64e-top8": dict(SHAPES["64e-top8"], T=QUICK_TOKENS["64e-top8"])}
-    return SHAPES
 
 
 def _why(exc: BaseException) -> str:

@@ -18,6 +18,9 @@ from pathlib import Path
 
 import torch
 
+from repro.megablocks.reference import moe_per_expert
+from repro.megablocks.shapes import MLP, bench_shapes, make_routing
+
 
 def load_megablocks():
     """``(megablocks module, '')`` or ``(None, why)``."""
@@ -109,8 +112,6 @@ def probe_megablocks(quick: bool, timeout_s: float = 150.0) -> tuple[bool, str]:
 def probe_main(quick: bool) -> None:
     """The child's side of :func:`probe_megablocks`: megablocks at every benchmark shape, its output's
     error against the fp32 reference printed; exit 3 where it cannot be imported."""
-    from repro.megablocks.bench import MLP, bench_shapes, make_routing
-    from repro.megablocks.reference import moe_per_expert
 
     mb, why = load_megablocks()
     if mb is None:

@@ -32,7 +32,6 @@ min(collective only, matmul only): 1 when the shorter part is hidden entirely, 0
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 from pathlib import Path
@@ -40,7 +39,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from paperclub.bench import Candidate, Measured, Report, measure
+from paperclub.bench import Budget, Candidate, Measured, Report, bench_parser, measure, parse_bench_args
 from paperclub.testing import assert_rel_close
 
 COLUMNS = [
@@ -279,9 +278,9 @@ def run(args, out_dir: Path | None) -> Report | None:
         rounds, rep = 3, 20
     else:
         shapes, rounds, rep = [(64, 32)], 1, 2
-    t0 = time.monotonic()
+    budget = Budget(args.budget_s).part(0.7)  # from here, as each rank counts it
     for s, h in shapes:
-        if time.monotonic() - t0 > args.budget_s * 0.7:
+        if not budget.allows():
             report.notes += f" Stopped at the budget before s={s}, h={h}."
             break
         bench_shape(report, s=s, h=h, device=device, dtype=dtype, rounds=rounds, rep=rep)
@@ -310,15 +309,20 @@ def _rank_main(rank: int, world: int, port: int, args, results) -> None:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=None, help="directory for the report JSON")
-    ap.add_argument("--budget-s", type=float, default=300.0, help="stop starting new shapes near this")
-    ap.add_argument("--quick", action="store_true", help="one shape")
+    ap = bench_parser(
+        __doc__.splitlines()[0],
+        budget_s=300.0,
+        rounds=None,
+        quick_help="one shape",
+        only=False,
+        settings=False,
+        tag=False,
+    )
     ap.add_argument("--device", default="cuda", help="cuda (default); cpu for a smoke run of the code paths")
     ap.add_argument(
         "--ranks", type=int, default=None, help="ranks to spawn (default: every visible GPU; cpu: 2)"
     )
-    args = ap.parse_args(argv)
+    args = parse_bench_args(ap, argv)
     os.environ.update(MULTICAST_OFF)
     if "WORLD_SIZE" in os.environ:  # under torchrun
         if args.device == "cuda":

@@ -35,11 +35,10 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 import torch
 
-from paperclub.bench import Candidate, Report, measure
+from paperclub.bench import Budget, Candidate, Report, bench_parser, measure, parse_bench_args
 from repro.pipelinerl.actor import Engine
 from repro.pipelinerl.model import ModelConfig, Policy, flat_weights, load_flat_weights, pretrain
 from repro.pipelinerl.pipeline import Config, RunResult, run
@@ -344,12 +343,11 @@ def mean(xs: list[float]) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m repro.pipelinerl.bench", description=__doc__.splitlines()[0])
-    ap.add_argument(
-        "--out", default=None, help="directory for the Report JSON (default repro/pipelinerl/results)"
-    )
-    ap.add_argument("--budget-s", type=float, default=240.0, help="wall-clock budget for the whole benchmark")
-    ap.add_argument("--quick", action="store_true", help="shortest meaningful run")
+    ap = bench_parser(
+        __doc__.splitlines()[0], budget_s=240.0, rounds=None, quick_help="shortest meaningful run (half the budget)",
+        only=False, settings=False, tag=False,
+    )  # fmt: skip
+    ap.prog = "python -m repro.pipelinerl.bench"
     ap.add_argument(
         "--task", choices=sorted(TASKS), default="sort",
         help="sort (default) or sort-long: heavy-tailed list lengths; results file tagged with the task",
@@ -369,19 +367,19 @@ def main(argv: list[str] | None = None) -> None:
         help="stop decoding a group once a token is more than max_lag behind the actor's weights (default on, "
         "every mode); --no-abort-stale: the released code's behaviour, results file tagged noabort",
     )  # fmt: skip
-    args = ap.parse_args(argv)
+    args = parse_bench_args(ap, argv)
     if args.seeds < 1:
         raise SystemExit(f"--seeds must be >= 1, got {args.seeds}")
     if args.max_lag is not None and args.max_lag < 0:
         raise SystemExit(f"--max-lag must be >= 0 samples, got {args.max_lag}")
-    t_begin = time.perf_counter()
+    run_budget = Budget(args.budget_s * (0.5 if args.quick else 1.0))  # counted from here
     cuda = torch.cuda.is_available()
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     else:
         torch.set_num_threads(1)
-    budget = args.budget_s * (0.5 if args.quick else 1.0)
+    budget = run_budget.seconds
     s = settings(cuda, args.quick, args.task)
     default_lag = s["max_lag"]
     if args.max_lag is not None:
@@ -413,7 +411,7 @@ def main(argv: list[str] | None = None) -> None:
     # 3. real runs, equal wall-clock each (and for every seed)
     sim_reserve = 0.12 * budget
     n_runs = len(MODES) * args.seeds
-    per_mode = max(5.0, (budget - (time.perf_counter() - t_begin) - sim_reserve) / n_runs - 3.0)
+    per_mode = max(5.0, (run_budget.left() - sim_reserve) / n_runs - 3.0)
     results, run_notes = real_runs(report, s, weights, per_mode, seeds=args.seeds)
 
     # 4. simulator, fitted to the conventional run (of the first seed)
@@ -448,7 +446,7 @@ def main(argv: list[str] | None = None) -> None:
             t_sim = time.perf_counter()
             sweep = [(a, lag) for a in actors for lag in lags]
             for a, lag in sweep:
-                if time.perf_counter() - t_begin > budget and time.perf_counter() - t_sim > 5:
+                if not run_budget.allows() and time.perf_counter() - t_sim > 5:
                     notes.append(f"simulator sweep stopped at actors={a}, max_lag={lag}: budget spent")
                     break
                 for mode in MODES:
@@ -485,7 +483,7 @@ def main(argv: list[str] | None = None) -> None:
         *([] if s["max_lag"] == default_lag else [f"lag{s['max_lag']}"]),
         *([] if s["abort_stale"] else ["noabort"]),
     ]
-    report.write(tag="-".join(tags), out_dir=Path(args.out) if args.out else None)
+    report.write(tag="-".join(tags), out_dir=args.out)
 
 
 def _sim_cols(sm: dict) -> dict:

@@ -38,6 +38,10 @@ class ModelConfig:
             )
 
 
+#: The policy of the CPU tests and the lab, sized for ``task.TINY_TASK`` (its sequences fit in 12 positions).
+TINY_MODEL = ModelConfig(d_model=32, n_layers=2, n_heads=2, max_len=12)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()

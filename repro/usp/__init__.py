@@ -16,7 +16,8 @@ behind the attention of other head groups (ring degree 1).
 Files: reference.py (single-device attention and the LSE merge), layout.py (contiguous/zigzag),
 comm.py (every transfer, with byte counting), ulysses.py (all-to-all, packed and pipelined), ring.py
 (ring attention forward/backward), usp.py (the 2-D mesh), cost.py (the communication formulas),
-bench.py (one GPU), dist_bench.py (several GPUs: scaling, splits, peers, timeline, traffic),
+bench.py (one GPU), dist_bench.py (several GPUs: scaling, splits, peers, timeline, traffic; its world,
+inputs, references and timed blocks in dist_harness.py),
 timeline.py (profiler timeline), ingest.py (summaries for the page), gpu_plan.sh (the GPU run).
 """
 

@@ -19,16 +19,13 @@ bf16 tolerance 2e-2 relative (bf16 rounding of O and of the gradients, ~4e-3 eac
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
-import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from paperclub.bench import Candidate, Report, ceilings, measure
+from paperclub.bench import Budget, Candidate, Report, bench_parser, ceilings, measure, parse_bench_args
 from paperclub.testing import assert_rel_close
 
 COLUMNS = [
@@ -302,17 +299,20 @@ def peer_yunchang(*, q, k, v, do, ref, causal, passes, rounds, rep) -> list[dict
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=None, help="directory for the report JSON")
-    ap.add_argument("--budget-s", type=float, default=240.0, help="stop starting new shapes near this")
-    ap.add_argument("--quick", action="store_true", help="smallest meaningful sweep")
+    ap = bench_parser(
+        __doc__.splitlines()[0],
+        budget_s=240.0,
+        rounds=None,
+        quick_help="smallest meaningful sweep",
+        only=False,
+        settings=False,
+    )
     ap.add_argument("--device", default="cuda", help="cuda (default); cpu for a smoke run of the code paths")
     ap.add_argument("--seqs", type=int, nargs="*", default=None, help="sequence lengths (override the sweep)")
     ap.add_argument("--backends", nargs="*", default=None,
                     help="local attention backends (default auto sdpa fa4_gluon fa4; the first serves the rings)")  # fmt: skip
-    ap.add_argument("--tag", default="", help="suffix of the result file name (<device>-<tag>.json)")
-    args = ap.parse_args(argv)
-    t0 = time.monotonic()
+    args = parse_bench_args(ap, argv)
+    budget = Budget(args.budget_s).part(0.75)  # counted from here
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise SystemExit("repro.usp.bench is the one-GPU benchmark; on several GPUs run repro.usp.dist_bench")
     report = Report(
@@ -349,7 +349,7 @@ def main(argv=None) -> None:
     threads = torch.get_num_threads()
     try:
         for shape in shapes:
-            if time.monotonic() - t0 > args.budget_s * 0.75:
+            if not budget.allows():
                 report.notes += f" Stopped at the budget ({args.budget_s:.0f} s) before {shape}."
                 break
             single_gpu_config(report, **shape, **kw)

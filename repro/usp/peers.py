@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from paperclub.testing import rel_error
-from repro.usp.dist_bench import (
+from repro.usp.dist_harness import (
     Ctx,
     Entry,
     _expand,

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from paperclub.bench import Report
 from repro.usp import count_bytes, shard, usp_attention
 from repro.usp.cost import bytes_per_rank
-from repro.usp.dist_bench import PACKAGES, Ctx, _env, _free, _grad, make_inputs, splits, time_ms
+from repro.usp.dist_harness import PACKAGES, Ctx, _env, _free, _grad, make_inputs, splits, time_ms
 
 __all__ = ["comm_report", "mode_comm", "nccl_sent_bytes"]
 

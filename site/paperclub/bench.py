@@ -488,8 +488,10 @@ def bench_parser(
     only: bool = True,
     settings: bool = True,
     tag: bool = True,
+    out: Path | None = None,
 ) -> argparse.ArgumentParser:
-    """An ``ArgumentParser`` with the options every bench takes (see the module docstring): ``--out``,
+    """An ``ArgumentParser`` with the options every bench takes (see the module docstring): ``--out``
+    (default ``out``; None: ``<package>/results``),
     ``--budget-s`` (default ``budget_s``: None is no limit), ``--quick``, ``--rounds`` (default
     ``rounds``; None: the bench picks its rounds itself, no option), and ``--only``, ``--set``,
     ``--tag`` unless the bench says it has no use for them (``only=False`` ...: then argparse refuses
@@ -500,7 +502,10 @@ def bench_parser(
     )
     g = ap.add_argument_group("common to every bench (paperclub.bench)")
     g.add_argument(
-        "--out", type=Path, default=None, help="directory for the result JSON (default <package>/results)"
+        "--out",
+        type=Path,
+        default=out,
+        help=f"directory for the result JSON (default {'<package>/results' if out is None else out})",
     )
     g.add_argument(
         "--budget-s",

@@ -426,6 +426,8 @@ def paper_page(content: Content, paper: Paper, site: Site) -> str:
         docs = load_bench_results(repro.name)
         if docs:
             lines += ["## Benchmark results", "", *bench_overview(site, repro.name, docs, uri), ""]
+        log = rel_link(uri, f"repro/{repro.name}/results-log.md")
+        lines += [f"The history of the runs, newest first: [results log]({log}).", ""]
         if repro.walkthrough is not None:
             lines += [
                 "## Walkthrough",
@@ -761,12 +763,19 @@ def bench_sections(content: Content, repro: Repro, site: Site, from_uri: str, le
             "",
             '??? note "Full table"',
             "",
-            indent(markdown_table(doc["columns"], doc["rows"]), 4),
+            indent(markdown_table(doc["columns"], [table_safe(r) for r in doc["rows"]]), 4),
             "",
             "</div>",
             "",
         ]
     return "\n".join(out)
+
+
+def table_safe(row: dict) -> dict:
+    """A result row with its text cells HTML-escaped and table-safe: a profiler's kernel name
+    (``elementwise_kernel<128, 4, ...>``) would otherwise open an HTML tag that swallows the rest of
+    the page."""
+    return {k: cell(html.escape(v, quote=False)) if isinstance(v, str) else v for k, v in row.items()}
 
 
 def result_plots(

@@ -24,12 +24,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from paperclub.bench import Report, bench_parser, parse_bench_args
+from paperclub.bench import Budget, Report, bench_parser, parse_bench_args
+from paperclub.testing import rel_error
 
 #: behind the Gluon forward first (the pairing that faulted, and the one the benchmark times), D = 128 first
 SWEEP_GROUPS = [
@@ -61,14 +61,6 @@ def matrix_shapes() -> list[tuple[int, ...]]:
     return list(SHAPES)
 
 
-def max_rel_err(got, ref) -> float:
-    """The largest of ||a - r|| / ||r|| over matching gradients (fp32)."""
-    return max(
-        float((a.float() - r.float()).norm() / r.float().norm().clamp_min(1e-30))
-        for a, r in zip(got, ref, strict=True)
-    )
-
-
 def sweep_one(
     d: int, causal: bool, dtype: str, fwd: str, start: int, shapes: list, dq: str, pad: bool
 ) -> None:
@@ -95,7 +87,8 @@ def sweep_one(
         torch.cuda.synchronize()
         row = {"d": d, "causal": causal, "dtype": dtype, "fwd": fwd, "dq": dq, "shape": i,
                "B_Sq_Sk_H_Hkv": [b, s_q, s_k, h, h_kv]}  # fmt: skip
-        print(json.dumps({**row, "status": "ran", "rel_err_vs_fa2": max_rel_err(got, ref)}), flush=True)
+        err = max(rel_error(a, r) for a, r in zip(got, ref, strict=True))  # the worst of dq, dk, dv
+        print(json.dumps({**row, "status": "ran", "rel_err_vs_fa2": err}), flush=True)
 
 
 def sweep(
@@ -104,14 +97,15 @@ def sweep(
     dq: str = "tma",
     pad: bool = True,
     timeout_s: float = 90.0,
-    budget_s: float = 300.0,
+    budget: Budget | None = None,
 ) -> list[dict]:
-    """Each group of ``groups`` over ``shapes`` in its own processes (see the module docstring)."""
-    rows, t_end = [], time.monotonic() + budget_s
+    """Each group of ``groups`` over ``shapes`` in its own processes (see the module docstring), while
+    ``budget`` (default 300 s from this call) has time left."""
+    rows, budget = [], budget or Budget(300.0)
     for d, causal, dtype, fwd in groups:
         start = 0
         while start < len(shapes):
-            if time.monotonic() > t_end:
+            if not budget.allows():
                 rows.append(
                     {
                         "d": d,
@@ -199,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     groups = (
         SWEEP_GROUPS[:1] if boundary else SWEEP_GROUPS
     )  # the boundary: D = 128, not causal, bf16, Gluon fwd
-    rows = sweep(shapes, groups, args.dq, not args.no_pad, args.timeout_s, args.budget.left())
+    rows = sweep(shapes, groups, args.dq, not args.no_pad, args.timeout_s, args.budget)
     if args.out:
         tag = ("gluon-bwd-boundary" if boundary else "gluon-bwd-sweep") + (
             "" if args.dq == "tma" else f"-{args.dq}"

@@ -16,10 +16,7 @@ import sys
 
 os.environ.pop("TRITON_INTERPRET", None)
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-
+from paperclub.lab import compile_sm90  # noqa: E402
 from repro.megablocks import kernels as kn  # noqa: E402
 
 #: (name, BM, BN, BK, num_warps, num_stages): the earlier defaults (gmm_n 128) and GPU_CONFIG's gmm_n = 256
@@ -54,11 +51,9 @@ def compile_gmm(tma: bool, w_t: bool, bm: int, bn: int, bk: int, warps: int, sta
         constexprs = dict(BM=bm, BN=bn, BK=bk, IEEE=False, GROUP_M=8, stride_xk=1, stride_yn=1, **{unit: 1})
         types = {"X": f"*{dt}", "W": f"*{dt}"}
     types.update(Y=f"*{dt}", tile_group="*i32", tile_row="*i32", ends="*i32")
-    signature = {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a in DIVISIBLE}
-    src = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(
-        src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages)
+    divisible = [a for a in fn.arg_names if a in DIVISIBLE]
+    return compile_sm90(
+        fn, constexprs=constexprs, types=types, num_warps=warps, num_stages=stages, divisible=divisible
     )
 
 
@@ -77,11 +72,9 @@ def compile_wgrad(tma: bool, bm: int, bn: int, bk: int, warps: int, stages: int,
         )
         types = {"X": f"*{dt}", "G": f"*{dt}"}
     types.update(DW=f"*{dt}", starts="*i32", ends="*i32")
-    signature = {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a in WGRAD_DIVISIBLE}
-    src = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(
-        src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages)
+    divisible = [a for a in fn.arg_names if a in WGRAD_DIVISIBLE]
+    return compile_sm90(
+        fn, constexprs=constexprs, types=types, num_warps=warps, num_stages=stages, divisible=divisible
     )
 
 

@@ -51,8 +51,8 @@ def gaps(
 
 def main(argv: list[str] | None = None) -> None:
     from repro.pipelinerl.actor import Engine
-    from repro.pipelinerl.model import pretrain
-    from repro.pipelinerl.tests.conftest import MODEL, TASK
+    from repro.pipelinerl.model import TINY_MODEL, pretrain
+    from repro.pipelinerl.task import TINY_TASK
     from repro.pipelinerl.trainer import rl_step
 
     ap = argparse.ArgumentParser(
@@ -63,13 +63,13 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    m0 = Policy(MODEL)
-    pretrain(m0, TASK, steps=60, batch=32, lr=1e-2, noise=0.2, seed=0)
+    m0 = Policy(TINY_MODEL)
+    pretrain(m0, TINY_TASK, steps=60, batch=32, lr=1e-2, noise=0.2, seed=0)
     m0.eval()
     for lr in args.lrs:
         ratios = []
         for seed in range(args.seeds):
-            engine = Engine(copy.deepcopy(m0), TASK, 8, seed=seed, attempts=4)
+            engine = Engine(copy.deepcopy(m0), TINY_TASK, 8, seed=seed, attempts=4)
             batch, nxt = {}, 0
             while len(batch) < 16:
                 k = min(len(engine.free), 16 - nxt)

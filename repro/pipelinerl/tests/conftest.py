@@ -8,13 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from repro.pipelinerl.model import ModelConfig, Policy, flat_weights, pretrain
-from repro.pipelinerl.task import TaskConfig
+from repro.pipelinerl.model import TINY_MODEL, Policy, flat_weights, pretrain
+from repro.pipelinerl.task import TINY_TASK
 
 torch.set_num_threads(1)
 
-TASK = TaskConfig(min_items=1, max_items=4, skew=1.5)
-MODEL = ModelConfig(d_model=32, n_layers=2, n_heads=2, max_len=12)
+# the tests' task and policy (the lab's too): defined in the product modules
+TASK = TINY_TASK
+MODEL = TINY_MODEL
 
 
 @pytest.fixture(scope="session")

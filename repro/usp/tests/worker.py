@@ -310,10 +310,11 @@ def run_dist_bench(ctx: dict, modes: str, out: str, extra: list[str]) -> dict:
     import json
     from pathlib import Path
 
+    from paperclub.bench import Budget
     from repro.usp import dist_bench
 
     args = dist_bench.parse_args(["--mode", modes, "--out", out, "--device", "cpu", "--smoke", *extra])
-    bctx = dist_bench.Ctx(device=torch.device("cpu"), dtype=torch.float32, out=Path(out), budget_s=300.0,
+    bctx = dist_bench.Ctx(device=torch.device("cpu"), dtype=torch.float32, out=Path(out), budget=Budget(300.0),
                           smoke=True, H=8, H_kv=4, D=8, rounds=args.rounds, max_reps=args.max_reps)  # fmt: skip
     for m in modes.split(","):
         dist_bench.MODES[m](bctx, args)
