@@ -512,11 +512,7 @@ def auto_backward(
     ):
         from repro.fa4 import gluon_bwd
 
-        if (
-            gluon_bwd.HAS_GLUON
-            and not gluon_bwd.KNOWN_BROKEN_ON_GPU
-            and torch.cuda.get_device_capability(q.device) == (9, 0)
-        ):
+        if gluon_bwd.HAS_GLUON and torch.cuda.get_device_capability(q.device) == (9, 0):
             return "gluon"
     return "fused" if causal or window is not None else "fa2"
 
@@ -562,10 +558,9 @@ def run_backward(do, q, k, v, o, lse, causal: bool, scale: float, sw: Switches, 
     contiguous, at the kernels' tiles. A config whose bwd is still "auto" (resolved without the
     tensors) runs "fa2"."""
     if sw.bwd == "gluon":
-        from repro.fa4.gluon_bwd import DQ_TMA, gluon_attention_backward
+        from repro.fa4.gluon_bwd import gluon_attention_backward
 
-        dq_tma = DQ_TMA if sw.bwd_dq_tma is None else sw.bwd_dq_tma
-        return gluon_attention_backward(do, q, k, v, o, lse, causal, scale, dq_tma=dq_tma)
+        return gluon_attention_backward(do, q, k, v, o, lse, causal, scale, dq_tma=sw.bwd_dq_tma)
     if sw.bwd == "fused":
         from repro.fa4.triton_bwd_fused import backward_fused
 

@@ -136,15 +136,12 @@ BWD_COLUMNS += ["check", "note"]
 HEADS_COLUMNS = ["group", "impl", "D", "D_v", "causal", "window", "S", "B", "pass", "ms", "ms_min", "ms_max"]
 HEADS_COLUMNS += ["tflops", "vs_cudnn", "tiles", "flops_ratio", "check"]
 
-#: The config every one of our candidates is built from (its fields changed by ``--set``).
-BASE = Switches()
-
 
 def switches(changes: dict, base: Switches | None = None) -> dict:
-    """The keyword switches of the candidate ``changes`` names, on top of ``base`` (default :data:`BASE`;
-    only the fields that differ from Switches()' defaults, so that a row's candidate reads as its
-    changes)."""
-    cfg = replace(BASE if base is None else base, **changes)
+    """The keyword switches of the candidate ``changes`` names, on top of ``base`` (the config every one
+    of our candidates is built from: ``--set``'s, default ``Switches()``; only the fields that differ
+    from Switches()' defaults, so that a row's candidate reads as its changes)."""
+    cfg = replace(Switches() if base is None else base, **changes)
     default = asdict(Switches())
     return {k: v for k, v in asdict(cfg).items() if default[k] != v}
 
@@ -174,10 +171,10 @@ def _inputs(b: int, s: int, d: int = HEAD_DIM, d_v: int | None = None) -> Attent
     return AttentionInputs.of(make_inputs(b, s, d=d, d_v=d_v))
 
 
-def ours(q, k, v, causal, changes, window=None):
+def ours(q, k, v, causal, changes, window=None, base: Switches | None = None):
     from repro.fa4 import attention
 
-    sw = switches(changes)
+    sw = switches(changes, base)
     return lambda: attention(q, k, v, causal=causal, window=window, **sw)
 
 
@@ -226,8 +223,15 @@ def _head_shape_name(shape) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def full(out_dir: Path | None, seqlens, ablate_passes=("fwd",), budget: Budget | None = None) -> None:
-    """The comparison and the ablation (see the module docstring), shape by shape while ``budget`` lasts.
+def full(
+    out_dir: Path | None,
+    seqlens,
+    ablate_passes=("fwd",),
+    budget: Budget | None = None,
+    base: Switches | None = None,
+) -> None:
+    """The comparison and the ablation (see the module docstring), shape by shape while ``budget`` lasts;
+    ours built on ``base`` (:func:`switches`).
 
     Not ``measure``: each candidate is timed once, alone (``paperclub.bench.time_alone``), and a WRONG
     output is still timed, its note saying so (the committed table's semantics)."""
@@ -262,10 +266,10 @@ def full(out_dir: Path | None, seqlens, ablate_passes=("fwd",), budget: Budget |
                     if changes is None:
                         fn, inputs = sdpa(qt, kt, vt, causal, name.removeprefix("sdpa-")), (qt, kt, vt)
                     else:
-                        fn, inputs = ours(q, k, v, causal, changes), (q, k, v)
+                        fn, inputs = ours(q, k, v, causal, changes, base=base), (q, k, v)
                         if passes == "fwd":
                             with torch.no_grad():
-                                note = _err_note(rel_err(ours(*same, causal, changes)(), ref))
+                                note = _err_note(rel_err(ours(*same, causal, changes, base=base)(), ref))
                     ms = time_alone(fn, passes, inputs)
                     report.add(
                         **row, ms=ms, tflops=flops(b, s, causal, passes) / (ms * 1e-3) / 1e12, note=note
@@ -302,8 +306,10 @@ def bwd_compare(
     impls=None,
     tag: str = "bwd",
     rounds: int = 3,
+    base: Switches | None = None,
 ) -> Report:
-    """Forward + backward and backward alone: our backwards (BWD_IMPLS) beside cuDNN and FA2 (SDPA).
+    """Forward + backward and backward alone: our backwards (BWD_IMPLS, on ``base``: :func:`switches`)
+    beside cuDNN and FA2 (SDPA).
 
     At each shape every candidate's output and gradients are checked once against cuDNN's on the same
     values (tolerance: 3x FA2's own distance from cuDNN, at least 2e-2); candidates that pass are
@@ -332,7 +338,7 @@ def bwd_compare(
     for causal, s, b in _shapes(seqlens, budget, 45, skipped):
         print(f"bwd: S={s} causal={causal}: checking against cuDNN", flush=True)
         x = _inputs(b, s)
-        mine = {n: ours(*x.leaves, causal, changes) for n, changes in impls.items()}
+        mine = {n: ours(*x.leaves, causal, changes, base=base) for n, changes in impls.items()}
         try:
             ref, fa2_err, tol = x.reference(causal, REFERENCE_AGREEMENT)
         except AssertionError as exc:  # no trustworthy reference: every row of ours says so, untimed
@@ -365,10 +371,14 @@ def bwd_compare(
 
 
 def heads(
-    out_dir: Path | None, seqlens=HEAD_SEQLENS, budget: Budget | None = None, rounds: int = 3
+    out_dir: Path | None,
+    seqlens=HEAD_SEQLENS,
+    budget: Budget | None = None,
+    rounds: int = 3,
+    base: Switches | None = None,
 ) -> Report:
     """Issue #42's head sizes and the sliding window beside cuDNN and FA2 (SDPA), forward and forward +
-    backward, ours with the default switches (D <= 128: the verified kernels on padded tiles, the Gluon
+    backward, ours with ``base`` (default: the default switches; D <= 128: the verified kernels on padded tiles, the Gluon
     forward on Hopper where v shares q's tile and there is no window; the layout in ``tiles``: tile /
     v's tile x chunks; D > 128: the 256 tile; a window: the window kernels).
 
@@ -408,7 +418,7 @@ def heads(
         if ref is None:
             skipped.append(f"D={d} D_v={d_v} S={s} causal={causal} (no SDPA backend ran)")
             continue
-        mine = {"fa4": ours(*x.leaves, causal, {})}
+        mine = {"fa4": ours(*x.leaves, causal, {}, base=base)}
         try:
             tol = _tolerance(max(rel_err(a, r) for a, r in zip(fa2, ref, strict=True))) if fa2 else 2e-2
         except AssertionError as exc:  # no trustworthy reference: ours is not timed, its rows say why
@@ -431,7 +441,7 @@ def heads(
         b = max(1, TOKENS // s)
         x = _inputs(b, s)
         mask = window_mask(s, s, window[0], window[1], "cuda")
-        mine = {"fa4-window": ours(*x.leaves, False, {}, window=window)}
+        mine = {"fa4-window": ours(*x.leaves, False, {}, window=window, base=base)}
         try:
             ref = x.sdpa_grads(False, "efficient", mask)
             bad = x.check(mine, ref, 2e-2)[1]
@@ -441,7 +451,7 @@ def heads(
             # beside ours: cuDNN causal (the work a window saves), cuDNN with the window as a mask, ours causal
             cands = x.sdpa_candidates(True, passes, ("cudnn",))
             cands.update(x.sdpa_candidates(False, passes, ("cudnn",), mask, suffix="-window-mask"))
-            cands.update(x.candidates({"fa4-causal": ours(*x.leaves, True, {})}, {}, passes))
+            cands.update(x.candidates({"fa4-causal": ours(*x.leaves, True, {}, base=base)}, {}, passes))
             cands.update(x.candidates(mine, bad, passes))
             work = attention_flops(b, s, s, HEAD_DIM, HEAD_DIM, passes, _visible(s, False, window))
             fixed = dict(group="window", D=HEAD_DIM, D_v=HEAD_DIM, causal=False, window=str(window), S=s, B=b)
@@ -464,13 +474,12 @@ DEFAULT_PARTS = ("bwd", "compare", "rescale")
 
 
 def main(argv: list[str] | None = None) -> None:
-    global BASE
     ap = bench_parser(__doc__.split("\n\n")[0], rounds=3, quick_help="two lengths (one for bwd)", tag=False)
     ap.add_argument("--no-fa4", action="store_true", help="peer: cuDNN and ours only, without flash-attn-4")
     args = parse_bench_args(ap, argv)
     try:
         parts = select(PARTS, args.only, what="part") if args.only else list(DEFAULT_PARTS)
-        BASE = apply_settings(Switches(), args.settings)
+        base = apply_settings(Switches(), args.settings)
     except ValueError as exc:
         ap.error(str(exc))
     if not torch.cuda.is_available():
@@ -480,20 +489,22 @@ def main(argv: list[str] | None = None) -> None:
         if "fa4-smoke" in parts:  # the two diagnostic parts are lab tools, loaded when they run
             from repro.fa4.lab import fa4_smoke
 
-            if not fa4_smoke.run(out, base=BASE):
+            if not fa4_smoke.run(out, base=base):
                 raise SystemExit(3)
         if "peer" in parts:
             seqlens = (2048, 8192) if args.quick else SEQLENS
-            peer(out, seqlens, use_fa4=not args.no_fa4, rounds=args.rounds, base=BASE)
+            peer(out, seqlens, use_fa4=not args.no_fa4, rounds=args.rounds, base=base)
         if "heads" in parts:
-            heads(out, HEAD_SEQLENS[:1] if args.quick else HEAD_SEQLENS, budget=budget, rounds=args.rounds)
+            heads_seqlens = HEAD_SEQLENS[:1] if args.quick else HEAD_SEQLENS
+            heads(out, heads_seqlens, budget=budget, rounds=args.rounds, base=base)
         if "bwd" in parts:
             # first: the GPU job's budget may not reach the end of the table; 60% of it when more follows
             first = budget.part(0.6) if len(set(parts) & {"compare", "rescale"}) else budget
-            bwd_compare(out, (8192,) if args.quick else BWD_SEQLENS, budget=first, rounds=args.rounds)
+            bwd_seqlens = (8192,) if args.quick else BWD_SEQLENS
+            bwd_compare(out, bwd_seqlens, budget=first, rounds=args.rounds, base=base)
         seqlens = (2048, 8192) if args.quick else SEQLENS
         if "compare" in parts:
-            full(out, seqlens, budget=budget)
+            full(out, seqlens, budget=budget, base=base)
         if "rescale" in parts and budget.left() > 60:
             from repro.fa4.lab import rescale
 

@@ -140,7 +140,8 @@ CONSUMER_REGS = 240
 
 #: dQ by TMA bulk reductions (see the module docstring) unless the caller says otherwise: the
 #: default since its H100 run of 2026-11-27; ``dq_tma=False`` (``Switches(bwd_dq_tma=False)``) is the
-#: atomic-add cross-check.
+#: atomic-add cross-check. A constant: ``api.resolve`` writes it into the resolved Switches, and the
+#: launcher runs what the config says.
 DQ_TMA = True
 
 
@@ -758,15 +759,12 @@ def _layouts(d: int, block_m: int, gdt):
 #: off.json / -pad-on.json, S_q in 1, 64, 65, 113, 127, 128, 129, 192, 255, 256, 257, 384, 511, 1000):
 #: without padding exactly the shapes with S_q % 4 != 0 faulted; with :func:`pad_stats` (each head's
 #: row padded to a multiple of BLOCK_M, copies of B * H * S_q floats, small beside the backward) every
-#: one ran, and the GPU matrix passed (16 of 16) with compute-sanitizer clean. Set
-#: KNOWN_BROKEN_ON_GPU to True here, should a new fault appear: ``bwd="auto"`` then leaves this kernel
-#: out and ``bwd="gluon"`` is refused.
-KNOWN_BROKEN_ON_GPU = False
+#: one ran, and the GPU matrix passed (16 of 16) with compute-sanitizer clean. Should a new fault
+#: appear, ``api.auto_backward`` is the one place that picks this kernel for ``bwd="auto"``.
 
 
 def check_device(q: torch.Tensor) -> None:
-    """Raise, saying why, where this kernel cannot run (no Gluon, not CUDA, not sm_90, or
-    KNOWN_BROKEN_ON_GPU); else nothing."""
+    """Raise, saying why, where this kernel cannot run (no Gluon, not CUDA, not sm_90); else nothing."""
     if not HAS_GLUON:
         raise RuntimeError(f"gluon backward: this Triton has no Gluon ({GLUON_ERROR})")
     if q.device.type != "cuda":
@@ -779,17 +777,12 @@ def check_device(q: torch.Tensor) -> None:
         raise RuntimeError(
             f"gluon backward: written for Hopper (sm_90a: wgmma, TMA, setmaxnreg); this GPU is sm_{major}{minor}"
         )
-    if KNOWN_BROKEN_ON_GPU:
-        raise RuntimeError(
-            "gluon backward: refused (gluon_bwd.KNOWN_BROKEN_ON_GPU is set: a fault on the GPU); use "
-            "bwd='fused' or 'fa2'"
-        )
 
 
 def pad_stats(lse: torch.Tensor, delta: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """LSE and delta [B, H, S_q] with each head's row zero-padded to a whole number of ``block_m``
     tiles, and that row length: every 1-D TMA box of ``block_m`` entries then starts 16-byte aligned
-    and inside its own head's row (see KNOWN_BROKEN_ON_GPU's history). Unchanged where S_q is already a
+    and inside its own head's row (see the history above :func:`check_device`). Unchanged where S_q is already a
     multiple."""
     s_q = lse.shape[-1]
     s_stat = -(-s_q // block_m) * block_m

@@ -133,7 +133,7 @@ def peer(
 ) -> None:
     """The bench's part ``peer``: flash-attn-4, cuDNN (SDPA) and ours (OURS_BEST, OURS_GLUON) at the
     shapes of ``bench.full``, one process -> ``<device>-peer.json``. Ours is ``base`` (the bench's
-    :data:`repro.fa4.bench.BASE`, ``--set``; default ``Switches()``) with each forward's changes.
+    ``--set``; default ``Switches()``) with each forward's changes.
 
     Each flash-attn-4 failure is recorded in its row and in the notes; after one failure for a
     (pass, causal) pair the rest of that pair is not retried (each retry would recompile).

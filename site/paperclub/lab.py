@@ -12,7 +12,7 @@ its CPU tests of compiled code do. Everything here works without a GPU except ru
 
 :func:`signature_of` fills a kernel's signature from its argument names (pointers and descriptors as
 given, the rest ``i32`` or as named); :func:`compile_sm90` compiles a ``triton.jit`` or ``gluon.jit``
-kernel (told apart by its type) for ``GPUTarget("cuda", 90, ...)``; :func:`compile_report` reads one
+kernel (told apart by its type) for :func:`sm90_target` (``GPUTarget("cuda", 90, 32)``); :func:`compile_report` reads one
 compiled kernel into a row: ``kernel``, ``shared`` (bytes), ``num_warps``, ``target_ok`` (the PTX
 targets sm_90a), ``registers``, ``spill_stores``, ``spill_loads`` (ptxas ``-v``; the launch
 allocation, which ``setmaxnreg`` then moves), instruction counts in the PTX (:func:`ptx_counts`:
@@ -79,6 +79,7 @@ __all__ = [
     "run_ncu",
     "sass_text",
     "signature_of",
+    "sm90_target",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -116,27 +117,44 @@ def _is_gluon(fn) -> bool:
     return isinstance(fn, GluonJITFunction)
 
 
+def sm90_target(capability: int = 90, warp_size: int = 32):
+    """Triton's ``GPUTarget`` for an offline compile: CUDA, sm_``capability`` (90: Hopper, sm_90a), 32
+    threads a warp. What :func:`compile_sm90` compiles for; a tool that binds a launch's arguments
+    itself (``triton.compiler.make_backend(sm90_target())``) takes the same."""
+    from triton.backends.compiler import GPUTarget
+
+    return GPUTarget("cuda", capability, warp_size)
+
+
 def compile_sm90(
     fn,
     *,
-    constexprs: Mapping[str, Any],
+    constexprs: Mapping[Any, Any],
     types: Mapping[str, str] | None = None,
     signature: Mapping[str, str] | None = None,
     num_warps: int = 4,
     num_stages: int | None = None,
     divisible: Sequence[str] = (),
     capability: int = 90,
-    ptx_version: int = 128,
+    warp_size: int = 32,
+    attrs: Mapping[tuple, Any] | None = None,
+    options: Mapping[str, Any] | None = None,
 ):
     """Compile kernel ``fn`` (``triton.jit`` or ``gluon.jit``) for sm_``capability``a without a GPU; returns
     Triton's ``CompiledKernel`` (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``).
 
-    ``signature`` is taken as given, or built by :func:`signature_of` from ``types``; ``divisible``
-    names arguments specialised as divisible by 16 (as a launch does for aligned pointers and sizes);
-    ``num_stages`` None leaves Triton's default. Raises ``RuntimeError`` under ``TRITON_INTERPRET=1``,
-    where kernels are interpreter objects (use :func:`offline`)."""
+    ``constexprs`` by argument name, or by argument path as a launch's binder gives them
+    (``JITFunction._pack_args``); ``signature`` is taken as given, or built by :func:`signature_of` from
+    ``types``; ``divisible`` names arguments specialised as divisible by 16 (as a launch does for aligned
+    pointers and sizes), ``attrs`` adds Triton's specialisation attributes by argument path as that
+    binder makes them; ``options`` are further compile options (Triton's ``CUDAOptions`` fields, e.g. a
+    launch's whole set), under ``num_warps`` and ``num_stages`` (None: ``options``' or Triton's default).
+    ``warp_size``: the target's threads per warp (:func:`sm90_target`); before 2026-11-29 it was
+    misnamed ``ptx_version`` with a default of 128, which Triton's CUDA backend does not read (its
+    options' own warp size, 32, is what it compiles with), so the compiled code was the same.
+    Raises ``RuntimeError`` under ``TRITON_INTERPRET=1``, where kernels are interpreter objects (use
+    :func:`offline`)."""
     import triton
-    from triton.backends.compiler import GPUTarget
 
     if not hasattr(fn, "arg_names") or type(fn).__name__ == "InterpretedFunction":
         raise RuntimeError(
@@ -148,16 +166,16 @@ def compile_sm90(
     bad = [a for a in divisible if a not in args]
     if bad:
         raise ValueError(f"compile_sm90({_name(fn)}): divisible names {bad} are not arguments")
-    attrs = {(args.index(a),): [["tt.divisibility", 16]] for a in divisible}
+    attrs = {**(attrs or {}), **{(args.index(a),): [["tt.divisibility", 16]] for a in divisible}}
     if _is_gluon(fn):
         from triton.experimental.gluon._runtime import GluonASTSource as Source
     else:
         from triton.compiler import ASTSource as Source
     src = Source(fn, sig, constexprs=dict(constexprs), attrs=attrs or None)
-    options: dict[str, Any] = {"num_warps": num_warps}
+    opts: dict[str, Any] = {**(options or {}), "num_warps": num_warps}
     if num_stages is not None:
-        options["num_stages"] = num_stages
-    return triton.compile(src, target=GPUTarget("cuda", capability, ptx_version), options=options)
+        opts["num_stages"] = num_stages
+    return triton.compile(src, target=sm90_target(capability, warp_size), options=opts)
 
 
 # the most shared memory one block may use on an H100 or H200 (227 KiB, the opt-in maximum); a

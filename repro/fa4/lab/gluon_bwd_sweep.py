@@ -15,8 +15,8 @@ shape in a new process. ``--no-pad`` launches without the per-head padding of LS
 ``-boundary``).
 
 History (results/*-gluon-bwd-sweep.json, *-gluon-bwd-boundary-pad-off.json / -pad-on.json): on the
-first H100 run every shape with S_q % 4 != 0 faulted; the padding fixed it (see
-``gluon_bwd.KNOWN_BROKEN_ON_GPU``).
+first H100 run every shape with S_q % 4 != 0 faulted; the padding fixed it (see the history above
+``gluon_bwd.check_device``).
 """
 
 from __future__ import annotations

@@ -106,11 +106,17 @@ def test_parts_and_settings_are_checked(monkeypatch, capsys):
         with pytest.raises(SystemExit):
             bench.main(argv)
         assert message in capsys.readouterr().err
-    monkeypatch.setattr(bench, "BASE", bench.BASE)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         bench.main(["--set", "lazy_rescale=False", "--only", "bwd"])
-    assert bench.switches({"tma": True}) == {"lazy_rescale": False, "tma": True}
+    # the part run gets the changed config as its base, and its candidates are built on it
+    seen = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "bwd_compare", lambda *a, **kw: seen.update(kw))
+    bench.main(["--set", "lazy_rescale=False", "--only", "bwd"])
+    assert seen["base"] == bench.Switches(lazy_rescale=False)
+    assert bench.switches({"tma": True}, seen["base"]) == {"lazy_rescale": False, "tma": True}
+    assert bench.switches({"tma": True}) == {"tma": True}
 
 
 def test_head_rows_count_the_callers_work():

@@ -29,7 +29,11 @@ from paperclub.lab import HOPPER_SMEM_PER_BLOCK as H100_SMEM_PER_BLOCK  # noqa: 
 COMPILE_CASES = [(d, causal, "bf16", 2) for d in (64, 128) for causal in (False, True)]
 COMPILE_CASES += [(128, False, "fp16", 2), (128, True, "bf16", 1)]
 # D = 256 (q, k, v padded to the 256 tile): 64-key tiles, two stages (192 KiB); 128-key tiles spill.
-COMPILE_CASES += [(256, False, "bf16", 2), (256, True, "fp16", 2), (256, True, "bf16", 2, {"store_tma": True})]
+COMPILE_CASES += [
+    (256, False, "bf16", 2),
+    (256, True, "fp16", 2),
+    (256, True, "bf16", 2, {"store_tma": True}),
+]
 # The launcher's knobs (gluon_fwd.KNOBS); 3 stages at D = 128 is the tightest fit (224 KiB + barriers).
 COMPILE_CASES += [
     (128, False, "bf16", 2, {"store_tma": True}),

@@ -155,7 +155,7 @@ def test_gpu_gluon_backward_matrix(d, causal, dtype, fwd):
 )
 def test_auto_backward_picks_gluon_only_on_hopper(device, cap, dtype, d, causal, want, monkeypatch):
     """bwd="auto" is the Gluon backward exactly where it runs (sm_90, bf16/fp16, D 64/128), else the
-    faster Triton backward by causality; gluon_bwd.KNOWN_BROKEN_ON_GPU sends Hopper back to those."""
+    faster Triton backward by causality; a Triton without Gluon sends Hopper back to those."""
     from types import SimpleNamespace
 
     from repro.fa4 import auto_backward
@@ -164,7 +164,7 @@ def test_auto_backward_picks_gluon_only_on_hopper(device, cap, dtype, d, causal,
     monkeypatch.setattr(gluon_bwd, "HAS_GLUON", True)
     q = SimpleNamespace(device=torch.device(device), dtype=dtype, shape=(1, 8, 2, d))
     assert auto_backward(q, causal) == want
-    monkeypatch.setattr(gluon_bwd, "KNOWN_BROKEN_ON_GPU", True)
+    monkeypatch.setattr(gluon_bwd, "HAS_GLUON", False)
     assert auto_backward(q, causal) == ("fused" if causal else "fa2")
 
 

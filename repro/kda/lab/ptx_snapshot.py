@@ -5,9 +5,9 @@ at representative shapes, dtypes and configs (:data:`CASES`), recorded without a
 Why: to show that a change that should not change the kernels (a refactor, a move between files)
 leaves the compiled code as it was. No kernel runs: ``JITFunction.run`` is replaced by a recorder,
 the public entry points run on CPU tensors (their outputs are never read: garbage in, nothing
-checked), and each recorded launch is then compiled offline with Triton's own binder (the same
-signature, specialisation and constexprs as that launch on the GPU) for ``GPUTarget("cuda", 90,
-32)``. Each row: case, launch index, kernel, constexprs, num_warps, num_stages, the shared memory
+checked), and each recorded launch is then bound by Triton's own binder (the same signature,
+specialisation, constexprs and options as that launch on the GPU) and compiled offline by
+``paperclub.lab.compile_sm90``. Each row: case, launch index, kernel, constexprs, num_warps, num_stages, the shared memory
 Triton asks for at launch (``shared``, bytes; more than an H100's or H200's 232,448 per block fails
 there with OutOfResources), and fingerprints (16 hex digits of SHA-256):
 
@@ -51,16 +51,20 @@ import time
 os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU: JITFunction, not the interpreter
 
 import torch  # noqa: E402
-import triton  # noqa: E402
 from triton import knobs  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.compiler import make_backend  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
-from paperclub.lab import compile_report, fingerprint, normalized_ptx, sass_text  # noqa: E402
+from paperclub.lab import (  # noqa: E402
+    compile_report,
+    compile_sm90,
+    fingerprint,
+    normalized_ptx,
+    sass_text,
+    sm90_target,
+)
 
-TARGET = GPUTarget("cuda", 90, 32)
-BACKEND = make_backend(TARGET)
+BACKEND = make_backend(sm90_target())
 _launches: list[tuple] = []
 
 
@@ -69,7 +73,7 @@ def _record(self, *args, grid, warmup, **kwargs):
 
 
 def _compile(fn, args, kwargs):
-    """Triton's own launch-time binding (JITFunction.run), then an offline compile for TARGET."""
+    """Triton's own launch-time binding (JITFunction.run), then the offline sm_90a compile."""
     kwargs = dict(kwargs)
     kwargs["debug"] = kwargs.get("debug", fn.debug) or knobs.runtime.debug
     kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
@@ -78,8 +82,14 @@ def _compile(fn, args, kwargs):
     options, signature, constexprs, attrs = fn._pack_args(
         BACKEND, kwargs, bound_args, specialization, options
     )
-    kernel = triton.compile(
-        ASTSource(fn, signature, constexprs, attrs), target=TARGET, options=options.__dict__
+    kernel = compile_sm90(
+        fn,
+        constexprs=constexprs,
+        signature=signature,
+        attrs=attrs,
+        num_warps=options.num_warps,
+        num_stages=options.num_stages,
+        options=options.__dict__,
     )
     named = {fn.arg_names[path[0]]: value for path, value in constexprs.items() if len(path) == 1}
     runtime = [name for name, kind in signature.items() if kind != "constexpr"]
