@@ -11,7 +11,8 @@ last token is, §3.3.1); the sliding window is STRIDE = 1, OFFSET = 0, WINDOW = 
 FlashAttention-2 tiling: a tile of BM queries of one head per program, BN keys per step; the forward
 may walk the key tiles every query of its tile sees without a mask (``SPLIT``). The backward is
 FlashAttention-2's two kernels: dQ per query tile, dK/dV per key tile (the G heads of a group add into
-fp32 dK/dV with atomics).
+fp32 dK/dV with atomics); with ``SPLIT`` they too walk the tiles that see each other whole unmasked (dQ
+over key tiles as the forward, dK/dV over query tiles: ``_query_interior``).
 """
 
 from __future__ import annotations
@@ -175,15 +176,56 @@ def _strided_fwd_kernel(
 
 
 @triton.jit
+def _strided_bwd_dq_tile(q, q2, do, lse2, delta, dq, dq2, K, V, kv_base, v_base, i0, offs_m, offs_d, offs_dv,
+                         NK, skt, svt, scale_log2, STRIDE: tl.constexpr, OFFSET: tl.constexpr,
+                         WINDOW: tl.constexpr, BN: tl.constexpr, MASK: tl.constexpr, IEEE: tl.constexpr,
+                         D: tl.constexpr, D2: tl.constexpr, D_V: tl.constexpr):  # fmt: skip
+    """One key tile of the dQ kernel; MASK = False for tiles :func:`_interior` proved fully visible to
+    every row of the query tile (no bounds check, no mask). Rows past T were loaded as zeros: their
+    dS is 0 either way, and they are not stored."""
+    offs_n = i0 + tl.arange(0, BN)
+    kv_off = offs_n[:, None] * skt + offs_d[None, :]
+    v_off = kv_off
+    if D_V > 0:
+        v_off = offs_n[:, None] * svt + offs_dv[None, :]
+    if MASK:
+        k, v = load_pair(K, V, kv_base, kv_off, offs_n < NK, v_base, v_off)
+    else:
+        k = tl.load(K + kv_base + kv_off)
+        v = tl.load(V + v_base + v_off)
+    s = dot(q, tl.trans(k), IEEE)
+    k2 = k
+    if D2 > 0:
+        if MASK:
+            k2 = load_cols(K, kv_base, offs_n * skt, offs_n < NK, D, D2)
+        else:
+            k2 = tl.load(K + kv_base + offs_n[:, None] * skt + (D + tl.arange(0, D2))[None, :])
+        s += dot(q2, tl.trans(k2), IEEE)
+    s = s * scale_log2
+    if MASK:
+        vis = visible_keys(offs_m, offs_n, NK, STRIDE, OFFSET, WINDOW)
+        p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
+    else:
+        p = tl.exp2(s - lse2[:, None])
+    dp = dot(do, tl.trans(v), IEEE)
+    ds = p * (dp - delta[:, None])
+    dq += dot(ds.to(k.dtype), k, IEEE)
+    if D2 > 0:
+        dq2 += dot(ds.to(k.dtype), k2, IEEE)
+    return dq, dq2
+
+
+@triton.jit
 def _strided_bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ,
     sqb, sqt, sqh, skb, skt, skh,
     T, NK, HQ, G, scale_log2, scale,
     STRIDE: tl.constexpr, OFFSET: tl.constexpr, WINDOW: tl.constexpr,
     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr,
-    D2: tl.constexpr = 0, D_V: tl.constexpr = 0,
+    D2: tl.constexpr = 0, D_V: tl.constexpr = 0, SPLIT: tl.constexpr = False,
 ):  # fmt: skip
-    DVAL: tl.constexpr = D if D_V == 0 else D_V  # head sizes as in _strided_fwd_kernel
+    # Head sizes as in _strided_fwd_kernel; SPLIT: the key tiles in three loops as the forward's
+    DVAL: tl.constexpr = D if D_V == 0 else D_V
     pid_m = tl.program_id(0)
     b, hq, h = query_head(tl.program_id(1), HQ, G)
     offs_m, offs_d, row_ok = tile_rows(pid_m, BM, T, D)
@@ -211,31 +253,112 @@ def _strided_bwd_dq_kernel(
         v_base = b * svb + h * svh
     t_last = tl.minimum(pid_m * BM + BM, T) - 1
     start, end = _key_range(pid_m * BM, t_last, NK, STRIDE, OFFSET, WINDOW, BN)
-    for i0 in range(start, end, BN):
-        offs_n = i0 + tl.arange(0, BN)
-        kv_off = offs_n[:, None] * skt + offs_d[None, :]
-        v_off = kv_off
-        if D_V > 0:
-            v_off = offs_n[:, None] * svt + offs_dv[None, :]
-        k, v = load_pair(K, V, kv_base, kv_off, offs_n < NK, v_base, v_off)
-        s = dot(q, tl.trans(k), IEEE)
-        k2 = k
-        if D2 > 0:
-            k2 = load_cols(K, kv_base, offs_n * skt, offs_n < NK, D, D2)
-            s += dot(q2, tl.trans(k2), IEEE)
-        s = s * scale_log2
-        vis = visible_keys(offs_m, offs_n, NK, STRIDE, OFFSET, WINDOW)
-        p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
-        dp = dot(do, tl.trans(v), IEEE)
-        ds = p * (dp - delta[:, None])
-        dq += dot(ds.to(k.dtype), k, IEEE)
-        if D2 > 0:
-            dq2 += dot(ds.to(k.dtype), k2, IEEE)
+    a, b_ = end, end  # SPLIT off: every tile in the first, masked, loop
+    if SPLIT:  # masked tiles at the window's edge, the unmasked interior, masked tiles at the diagonal
+        a, b_ = _interior(pid_m * BM, t_last, start, end, NK, STRIDE, OFFSET, WINDOW, BN)
+    for i0 in range(start, a, BN):
+        dq, dq2 = _strided_bwd_dq_tile(q, q2, do, lse2, delta, dq, dq2, K, V, kv_base, v_base, i0, offs_m,
+                                       offs_d, offs_dv, NK, skt, svt, scale_log2, STRIDE, OFFSET, WINDOW,
+                                       BN, True, IEEE, D, D2, D_V)  # fmt: skip
+    if SPLIT:
+        for i0 in range(a, b_, BN):
+            dq, dq2 = _strided_bwd_dq_tile(q, q2, do, lse2, delta, dq, dq2, K, V, kv_base, v_base, i0, offs_m,
+                                           offs_d, offs_dv, NK, skt, svt, scale_log2, STRIDE, OFFSET, WINDOW,
+                                           BN, False, IEEE, D, D2, D_V)  # fmt: skip
+        for i0 in range(b_, end, BN):
+            dq, dq2 = _strided_bwd_dq_tile(q, q2, do, lse2, delta, dq, dq2, K, V, kv_base, v_base, i0, offs_m,
+                                           offs_d, offs_dv, NK, skt, svt, scale_log2, STRIDE, OFFSET, WINDOW,
+                                           BN, True, IEEE, D, D2, D_V)  # fmt: skip
     tl.store(DQ + row_base + row_off, (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
     if D2 > 0:
         cols = D + tl.arange(0, D2)
         tl.store(DQ + row_base + offs_m[:, None] * sqt + cols[None, :], (dq2 * scale).to(DQ.dtype.element_ty),
                  mask=row_ok[:, None])  # fmt: skip
+
+
+@triton.jit
+def _query_interior(n0, t_start, n_steps, T, NK, STRIDE: tl.constexpr, OFFSET: tl.constexpr,
+                    WINDOW: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):  # fmt: skip
+    """The dK/dV kernel's :func:`_interior`: of the query tiles j = 0 .. n_steps - 1 (queries
+    t_start + j BM ..) that a program walks for keys n0 .. n0 + BN - 1, those [a, b) that see every key
+    of the tile, so that they need no mask: the key tile full (n0 + BN <= NK), every query < T, at or
+    past the last key's position and, with a window, less than WINDOW past the first key's. Tiles
+    before a hold the diagonal, tiles from b the window's far edge and T. 0 <= a <= b <= n_steps."""
+    n = tl.maximum(n_steps, 0)
+    last_pos = (n0 + BN - 1) * STRIDE + OFFSET  # >= t_start: the key tile starts in tile 0
+    a = tl.minimum(tl.cdiv(last_pos - t_start, BM), n)
+    lim = T  # queries below lim see the first key
+    if WINDOW > 0:
+        lim = tl.minimum(lim, n0 * STRIDE + OFFSET + WINDOW)
+    b = tl.minimum(tl.maximum(lim - t_start, 0) // BM, n)
+    b = tl.where(n0 + BN <= NK, tl.maximum(b, a), a)
+    return a, b
+
+
+@triton.jit
+def _strided_bwd_dkdv_tiles(lo, hi, gap_lo, gap_hi, k, k2, v, dk, dv, dk2, Q, DO, LSE, DELTA, b, hq0,
+                            offs_n, offs_d, offs_dv, col_ok, t_start, T, HQ, sqb, sqt, sqh, sob, sot, soh,
+                            scale_log2, STRIDE: tl.constexpr, OFFSET: tl.constexpr, WINDOW: tl.constexpr,
+                            BM: tl.constexpr, HEADS: tl.constexpr, MASK: tl.constexpr, IEEE: tl.constexpr,
+                            D: tl.constexpr, D2: tl.constexpr, D_V: tl.constexpr,
+                            GAP: tl.constexpr = False):  # fmt: skip
+    """The dK/dV kernel's query tiles j = lo .. hi - 1 (queries t_start + j BM ..), less gap_lo ..
+    gap_hi - 1 with ``GAP``, for each of the HEADS heads hq0 .., one head after another, added into dk,
+    dv, dk2 (the kernel's order: its loop's PTX is the one before the split); MASK = False for tiles
+    :func:`_query_interior` proved fully visible (no bounds check, no mask). The split walks the
+    interior, then the masked tiles on both sides of it in one loop (``GAP``): ptxas spilled 72-228 bytes
+    a thread with a third loop at the paper's head sizes, 0-8 with two (lab/sm90_check, 2026-11-29)."""
+    n = hi - lo
+    if GAP:
+        n = n - (gap_hi - gap_lo)
+    for i in range(HEADS * n):
+        hq = hq0 + i // n
+        j = lo + i % n
+        if GAP:
+            j += tl.where(j >= gap_lo, gap_hi - gap_lo, 0)
+        t0 = t_start + j * BM
+        row_base = b * sqb + hq * sqh
+        do_base = row_base
+        if D_V > 0:
+            do_base = b * sob + hq * soh
+        offs_m = t0 + tl.arange(0, BM)
+        row_ok = offs_m < T
+        q_off = offs_m[:, None] * sqt + offs_d[None, :]
+        do_off = q_off
+        if D_V > 0:
+            do_off = offs_m[:, None] * sot + offs_dv[None, :]
+        if MASK:
+            q, do = load_pair(Q, DO, row_base, q_off, row_ok, do_base, do_off)
+            lse2, delta = row_stats(LSE, DELTA, b * T + offs_m, HQ, hq, row_ok)
+        else:  # every row saw a key: its lse is finite
+            q = tl.load(Q + row_base + q_off)
+            do = tl.load(DO + do_base + do_off)
+            lse2 = tl.load(LSE + (b * T + offs_m) * HQ + hq) * 1.4426950408889634
+            delta = tl.load(DELTA + (b * T + offs_m) * HQ + hq)
+        s_t = dot(k, tl.trans(q), IEEE)  # [BN, BM]
+        q2 = q
+        if D2 > 0:
+            if MASK:
+                q2 = load_cols(Q, row_base, offs_m * sqt, row_ok, D, D2)
+            else:
+                q2 = tl.load(Q + row_base + (offs_m * sqt)[:, None] + (D + tl.arange(0, D2))[None, :])
+            s_t += dot(k2, tl.trans(q2), IEEE)
+        s_t = s_t * scale_log2
+        if MASK:
+            kpos = offs_n * STRIDE + OFFSET
+            vis_t = (kpos[:, None] <= offs_m[None, :]) & col_ok[:, None] & row_ok[None, :]
+            if WINDOW > 0:
+                vis_t = vis_t & (offs_m[None, :] - kpos[:, None] < WINDOW)
+            p_t = tl.where(vis_t, tl.exp2(s_t - lse2[None, :]), 0.0)
+        else:
+            p_t = tl.exp2(s_t - lse2[None, :])
+        dv += dot(p_t.to(do.dtype), do, IEEE)
+        dp_t = dot(v, tl.trans(do), IEEE)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += dot(ds_t.to(q.dtype), q, IEEE)
+        if D2 > 0:
+            dk2 += dot(ds_t.to(q.dtype), q2, IEEE)
+    return dk, dv, dk2
 
 
 @triton.jit
@@ -245,11 +368,12 @@ def _strided_bwd_dkdv_kernel(
     T, NK, HQ, G, scale_log2, scale,
     STRIDE: tl.constexpr, OFFSET: tl.constexpr, WINDOW: tl.constexpr,
     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr,
-    D2: tl.constexpr = 0, D_V: tl.constexpr = 0, HEADS: tl.constexpr = 1,
+    D2: tl.constexpr = 0, D_V: tl.constexpr = 0, HEADS: tl.constexpr = 1, SPLIT: tl.constexpr = False,
 ):  # fmt: skip
     # One program per (key tile, HEADS query heads of one group): K and V loaded once, dK and dV summed
     # over the HEADS heads in registers, then added into fp32 dK/dV with atomics (G / HEADS programs
-    # add into each tile). Head sizes as in _strided_fwd_kernel; dV contiguous like dK.
+    # add into each tile). Head sizes as in _strided_fwd_kernel; dV contiguous like dK. SPLIT: the query
+    # tiles that see the whole key tile (_query_interior) in a loop of their own, unmasked.
     DVAL: tl.constexpr = D if D_V == 0 else D_V
     pid_n = tl.program_id(0)
     b, hq0, h = query_head(tl.program_id(1) * HEADS, HQ, G)
@@ -280,38 +404,17 @@ def _strided_bwd_dkdv_kernel(
         last = tl.minimum(pid_n * BN + BN, NK) - 1
         t_end = tl.minimum(T, last * STRIDE + OFFSET + WINDOW)
     n_steps = tl.cdiv(t_end - t_start, BM)
-    for i in range(HEADS * n_steps):  # the HEADS heads one after another, each over its query tiles
-        hq = hq0 + i // n_steps
-        t0 = t_start + (i % n_steps) * BM
-        row_base = b * sqb + hq * sqh
-        do_base = row_base
-        if D_V > 0:
-            do_base = b * sob + hq * soh
-        offs_m = t0 + tl.arange(0, BM)
-        row_ok = offs_m < T
-        q_off = offs_m[:, None] * sqt + offs_d[None, :]
-        do_off = q_off
-        if D_V > 0:
-            do_off = offs_m[:, None] * sot + offs_dv[None, :]
-        q, do = load_pair(Q, DO, row_base, q_off, row_ok, do_base, do_off)
-        lse2, delta = row_stats(LSE, DELTA, b * T + offs_m, HQ, hq, row_ok)
-        s_t = dot(k, tl.trans(q), IEEE)  # [BN, BM]
-        q2 = q
-        if D2 > 0:
-            q2 = load_cols(Q, row_base, offs_m * sqt, row_ok, D, D2)
-            s_t += dot(k2, tl.trans(q2), IEEE)
-        s_t = s_t * scale_log2
-        kpos = offs_n * STRIDE + OFFSET
-        vis_t = (kpos[:, None] <= offs_m[None, :]) & col_ok[:, None] & row_ok[None, :]
-        if WINDOW > 0:
-            vis_t = vis_t & (offs_m[None, :] - kpos[:, None] < WINDOW)
-        p_t = tl.where(vis_t, tl.exp2(s_t - lse2[None, :]), 0.0)
-        dv += dot(p_t.to(do.dtype), do, IEEE)
-        dp_t = dot(v, tl.trans(do), IEEE)
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk += dot(ds_t.to(q.dtype), q, IEEE)
-        if D2 > 0:
-            dk2 += dot(ds_t.to(q.dtype), q2, IEEE)
+    a, b_ = n_steps, n_steps  # SPLIT off: every tile in one masked loop
+    if SPLIT:  # the unmasked interior [a, b_), then the diagonal [0, a) and far edge [b_, n_steps), masked
+        a, b_ = _query_interior(pid_n * BN, t_start, n_steps, T, NK, STRIDE, OFFSET, WINDOW, BM, BN)
+        dk, dv, dk2 = _strided_bwd_dkdv_tiles(a, b_, 0, 0, k, k2, v, dk, dv, dk2, Q, DO, LSE, DELTA, b,
+                                              hq0, offs_n, offs_d, offs_dv, col_ok, t_start, T, HQ, sqb, sqt,
+                                              sqh, sob, sot, soh, scale_log2, STRIDE, OFFSET, WINDOW, BM,
+                                              HEADS, False, IEEE, D, D2, D_V)  # fmt: skip
+    dk, dv, dk2 = _strided_bwd_dkdv_tiles(0, n_steps, a, b_, k, k2, v, dk, dv, dk2, Q, DO, LSE, DELTA, b, hq0,
+                                          offs_n, offs_d, offs_dv, col_ok, t_start, T, HQ, sqb, sqt, sqh, sob,
+                                          sot, soh, scale_log2, STRIDE, OFFSET, WINDOW, BM, HEADS, True, IEEE,
+                                          D, D2, D_V, SPLIT)  # fmt: skip
     d_off = offs_n[:, None] * sdt + offs_d[None, :]
     tl.atomic_add(DK + (b * sdb + h * sdh) + d_off, dk * scale, mask=col_ok[:, None])
     if D_V > 0:
@@ -389,12 +492,12 @@ def strided_forward(q, k, v, scale: float, stride: int, offset: int, window: int
     return o, lse
 
 
-def strided_backward(
-    do, q, k, v, o, lse, scale: float, stride: int, offset: int, window: int, heads_per_program: int = 1
-):
+def strided_backward(do, q, k, v, o, lse, scale: float, stride: int, offset: int, window: int,
+                     heads_per_program: int = 1, split: bool = False):  # fmt: skip
     """dQ, dK, dV of :func:`strided_forward` (same layouts; dK, dV summed over each group's heads).
     ``heads_per_program``: query heads of a group one dK/dV program walks (a divisor of the group;
-    larger values are clamped to the group)."""
+    larger values are clamped to the group). ``split``: both kernels walk the tiles that see each other
+    whole without a mask (``Switches.strided_bwd_split``)."""
     b, t, hq, d = q.shape
     nk, h, d_v = k.shape[1], k.shape[2], v.shape[3]
     g = hq // h
@@ -414,6 +517,8 @@ def strided_backward(
     common = dict(
         STRIDE=stride, OFFSET=offset, WINDOW=window, IEEE=is_fp32(q), **head_constexprs(d, d_v), **cfg
     )
+    if split:  # given only when on: off, the launches are the ones before the switch (lab/fingerprints)
+        common["SPLIT"] = True
     _strided_bwd_dq_kernel[(triton.cdiv(t, cfg["BM"]), b * hq)](
         q, k, v, do, lse, delta, dq,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -441,6 +546,7 @@ class StridedAttention(torch.autograd.Function):
         ctx.args = (scale, stride, offset, window)
         sw = switches or Switches()
         ctx.heads = sw.window_bwd_heads if window > 0 else sw.cmp_bwd_heads
+        ctx.split = sw.strided_bwd_split
         ctx.mark_non_differentiable(lse)
         # lse's gradient is never read: no [B, T, HQ] zeros allocated and filled for it (a launch)
         ctx.set_materialize_grads(False)
@@ -451,7 +557,8 @@ class StridedAttention(torch.autograd.Function):
         if do is None:  # only lse was used downstream: nothing reaches q, k, v
             return (None,) * 9
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = strided_backward(do, q, k, v, o, lse, *ctx.args, heads_per_program=ctx.heads)
+        dq, dk, dv = strided_backward(do, q, k, v, o, lse, *ctx.args, heads_per_program=ctx.heads,
+                                      split=ctx.split)  # fmt: skip
         return dq, dk, dv, None, None, None, None, None, None
 
 

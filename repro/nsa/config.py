@@ -30,6 +30,15 @@ class Switches:
         inputs on a GPU keep one loop too: their tile already spills at D = 128 and the three loops
         double that. Under the interpreter the compressed branch splits in every dtype, so the CPU
         tests cover the GPU's path.
+    strided_bwd_split: the strided backward (both branches, every dtype) walks the tiles that see each
+        other whole without a mask or bounds checks, as ``strided_split`` does the forward: the dQ kernel
+        the key tiles of its query tile in the forward's three loops (edge, interior, diagonal), the
+        dK/dV kernel the query tiles of its key tile (for each of its heads) in two, the interior, then
+        the masked tiles on both sides of it (the diagonal; the window's far edge and T). False: every
+        tile masked (the kernels before 2026-11-29, compiled to the same code). Off until timed on a
+        GPU: built for issue #39 (the backward's branches at 0.17-0.20 of cuDNN's rate per FLOP on an
+        H200 at 16k), checked on the CPU interpreter only; offline sm_90a at the paper's head sizes
+        (lab/sm90_check) it takes 221-255 registers a thread against 187-226, and spills at most 8 bytes.
     strided_fwd_tile: (BM, BN, num_warps, num_stages) of the strided forward (both branches) on a GPU,
         for sweeps; None takes each branch's launch shape (``compression.forward_tile``,
         ``window.window_tile``, with the measurements behind them).
@@ -78,6 +87,7 @@ class Switches:
     """
 
     strided_split: bool = True
+    strided_bwd_split: bool = False
     strided_fwd_tile: tuple[int, int, int, int] | None = None
     scores_tile: tuple[int, int, int, int] | None = None
     fused_topk: bool = True

@@ -327,6 +327,7 @@ HEAD_SIZE_DECODES = [(4, 8192, torch.bfloat16, 64, 4, 192, 128), (2, 300, torch.
 #: the non-default switch settings timed by the bench or the lab, each run at the first shape
 VARIANTS = [
     dict(strided_split=False),
+    dict(strided_bwd_split=True),
     dict(fused_topk=False),
     dict(slc_backward="query-major"),
     dict(slc_bwd_rows=64, slc_bwd_stages=1),
@@ -439,9 +440,10 @@ def scenarios(api, shapes: list[Shape] = SHAPES, decodes=DECODES) -> list[tuple[
 
 def head_size_scenarios(api, shapes: list[Shape] = HEAD_SIZE_SHAPES, decodes=HEAD_SIZE_DECODES):
     """(name, run) of the launches of issue #39's head sizes: the layer forward + backward at each of
-    ``shapes`` (Dk = ``d``, Dv = ``dv``), the bench's cmp + slc setting (l = d = l' = 64) and the
-    block-major backward's other launch shapes at the first, and decode at each of ``decodes``. Kept
-    apart from :func:`scenarios`, whose launches are the record compared with main's."""
+    ``shapes`` (Dk = ``d``, Dv = ``dv``), the bench's cmp + slc setting (l = d = l' = 64), the
+    block-major backward's other launch shapes and the split strided backward at the first, and decode
+    at each of ``decodes``. Kept apart from :func:`scenarios`, whose launches are the record compared
+    with main's."""
     ref = api.ref
     cfg = ref.NSAConfig()
     fla = ref.NSAConfig(block_len=64, stride=64, select_len=64, n_select=16, n_initial=1, n_local=2)
@@ -463,7 +465,11 @@ def head_size_scenarios(api, shapes: list[Shape] = HEAD_SIZE_SHAPES, decodes=HEA
 
         out.append((f"layer[{s.name()}]", layer))
         if i == 0:
-            for kw in (dict(slc_bwd_rows=64, slc_bwd_stages=2), dict(slc_bwd_rows=32, slc_bwd_stages=1)):
+            for kw in (
+                dict(slc_bwd_rows=64, slc_bwd_stages=2),
+                dict(slc_bwd_rows=32, slc_bwd_stages=1),
+                dict(strided_bwd_split=True),
+            ):
                 label = ",".join(f"{k}={v}" for k, v in kw.items())
                 out.append((f"layer[{s.name()},{label}]", lambda kw=kw: layer(**kw)))
 

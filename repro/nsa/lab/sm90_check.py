@@ -8,9 +8,9 @@ The launches are the fast path's own: at D = 128, ``launches.scenarios`` at that
 forward + backward with the default switches and with each non-default one, the bench's cmp+slc
 setting, the strided sweep's tiles, the split forced either way, the top-n fallback, the fused gate,
 decode at an 8k cache); at 192 / 128, ``launches.head_size_scenarios`` (the layer with the default
-switches and the block-major backward's other launch shapes, the cmp+slc setting, decode at an 8k
-cache); each kernel once (``NAME``: only the kernels whose name contains it). A compile error here is
-one the GPU would hit too. Rows from ``paperclub.lab.compile_report``.
+switches, with the block-major backward's other launch shapes and with the strided backward split, the
+cmp+slc setting, decode at an 8k cache); each kernel once (``NAME``: only the kernels whose name
+contains it). A compile error here is one the GPU would hit too. Rows from ``paperclub.lab.compile_report``.
 
 Compiled as launched, with Triton's argument specialisation (16-byte aligned pointers, sizes and
 strides divisible by 16): the check before issue #40 compiled each kernel from a hand-written

@@ -73,14 +73,16 @@ def test_selected_kernel_equals_reference(seed, t, g, d, dv, s):
     d=head_dims,
     dv=head_dims,
     ld=st.sampled_from([(16, 8), (32, 16), (8, 4), (4, 1)]),
+    bwd_split=st.booleans(),
 )
-def test_compressed_kernel_equals_reference(seed, t, g, d, dv, ld):
+def test_compressed_kernel_equals_reference(seed, t, g, d, dv, ld, bwd_split):
+    """Forward, lse and gradients; the backward in one masked loop or split (Switches.strided_bwd_split)."""
     l, stride = ld
     gen = torch.Generator().manual_seed(seed)
     nc = max(1, ref.num_compressed(t, l, stride))
     q, k, v = randn(gen, 1, t, g, d), randn(gen, 1, nc, 1, d), randn(gen, 1, nc, 1, dv)
     ins, ins_ref = _leaves(q, k, v)
-    out, lse = compressed_attention(*ins, l, stride)
+    out, lse = compressed_attention(*ins, l, stride, switches=Switches(strided_bwd_split=bwd_split))
     out_ref, lse_ref = ref.compressed_attention(*ins_ref, l, stride)
     seen = ~torch.isinf(lse_ref)
     assert torch.equal(torch.isinf(lse.cpu()), ~seen)
@@ -98,12 +100,14 @@ def test_compressed_kernel_equals_reference(seed, t, g, d, dv, ld):
     d=head_dims,
     dv=head_dims,
     w=st.integers(1, 40),
+    bwd_split=st.booleans(),
 )
-def test_window_kernel_equals_reference(seed, t, g, d, dv, w):
+def test_window_kernel_equals_reference(seed, t, g, d, dv, w, bwd_split):
+    """Forward and gradients; the backward in one masked loop or split (Switches.strided_bwd_split)."""
     gen = torch.Generator().manual_seed(seed)
     q, k, v = randn(gen, 1, t, 2 * g, d), randn(gen, 1, t, 2, d), randn(gen, 1, t, 2, dv)
     ins, ins_ref = _leaves(q, k, v)
-    out = sliding_window_attention(*ins, w)
+    out = sliding_window_attention(*ins, w, switches=Switches(strided_bwd_split=bwd_split))
     out_ref = ref.sliding_window_attention(*ins_ref, w)
     _check_grads("window", out, out_ref, ins, ins_ref, gen)
 
@@ -421,6 +425,36 @@ def test_strided_backward_heads_per_program(stride, window):
             assert_rel_close(x.cpu(), y.cpu(), 1e-5, f"{name} heads={heads}")
     with pytest.raises(ValueError, match="heads_per_program = 3 must divide the group of 4"):
         strided_backward(do, q, k, v, o, lse, *args, heads_per_program=3)
+
+
+@pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4 (arXiv v2)")
+@pytest.mark.parametrize("heads", [1, 2])
+@pytest.mark.parametrize(
+    "t, stride, offset, window, nk",
+    [
+        (9, 1, 0, 4, 9),  # T below the 16 x 16 tile: no interior
+        (9, 16, 31, 0, 1),  # no query sees the one compressed token
+        (100, 1, 0, 9, 100),  # window below the tile: no tile is seen whole
+        (100, 1, 0, 40, 100),  # interiors between the diagonal and the window's far edge
+        (40, 1, 0, 64, 40),  # window past T: causal, interiors below the diagonal, T off the tile
+        (100, 4, 7, 0, 24),  # compressed (l = 8, d = 4): key tiles of 16 cover 64 positions
+        (300, 16, 31, 0, 17),  # the paper's l = 32, d = 16: one interior tile each way, a partial key tile
+    ],
+)
+def test_strided_backward_split_loops_equal_one_loop(t, stride, offset, window, nk, heads):
+    """The strided backward with its tiles split into masked and unmasked loops
+    (Switches.strided_bwd_split) gives the gradients of the one masked loop: shapes where the
+    interiors are empty and where they exist, one and several query heads per dK/dV program."""
+    gen = torch.Generator().manual_seed(t + 7 * window + stride)
+    d, dv, h, g = 16, 32, 2, 2
+    q, do = (randn(gen, 1, t, h * g, x).to(DEVICE, torch.float32) for x in (d, dv))
+    k, v = (randn(gen, 1, nk, h, x).to(DEVICE, torch.float32) for x in (d, dv))
+    args = (d**-0.5, stride, offset, window)
+    o, lse = strided_forward(q, k, v, *args, forward_tile(max(d, dv), 4), Switches())
+    one = strided_backward(do, q, k, v, o, lse, *args, heads_per_program=heads)
+    split = strided_backward(do, q, k, v, o, lse, *args, heads_per_program=heads, split=True)
+    for name, x, y in zip(("dq", "dk", "dv"), split, one, strict=True):
+        assert_rel_close(x.cpu(), y.cpu(), FP32_TOL, f"{name} split (heads={heads})")
 
 
 @pytest.mark.parametrize("gate_dtype", [torch.float32, torch.bfloat16])
