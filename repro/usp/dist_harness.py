@@ -285,6 +285,22 @@ def usp_entry(ctx, full, ref, *, P, pu, pr, layout, causal, passes="fwd+bwd", ba
             head_groups=head_groups,
         )  # fmt: skip
 
+    run, check = _run_and_check(fwd, leaves, do, ref, passes)
+
+    name = impl or (
+        f"usp {pu}x{pr}" + (" contiguous" if layout == "contiguous" and pr > 1 else "")
+        + (f" hg{head_groups}" if head_groups > 1 else "") + (f" ({backend})" if backend != "auto" else "")
+    )  # fmt: skip
+    row = dict(impl=name, gpus=P, ulysses=pu, ring=pr, layout=layout, backend=backend, head_groups=head_groups,
+               S=S, S_per_gpu=S // P, B=B, note=note)  # fmt: skip
+    return Entry(row, run, check, attention_flops(B, S, ctx.H, ctx.D, causal, passes) / P, B * S)
+
+
+def _run_and_check(fwd, leaves, do, ref, passes):
+    """An entry's two closures over its forward ``fwd``: ``run`` (the timed pass: forward, and the
+    backward into ``leaves`` with cotangent ``do`` for "fwd+bwd") and ``check`` (the largest relative
+    error of the output, and of the gradients for "fwd+bwd", against ``ref``)."""
+
     def run():
         if passes == "fwd+bwd":
             _grad(fwd(), leaves, do)
@@ -300,13 +316,7 @@ def usp_entry(ctx, full, ref, *, P, pu, pr, layout, causal, passes="fwd+bwd", ba
                 errs.append(rel_error(g.float(), ref[name].float()))
         return max(errs)
 
-    name = impl or (
-        f"usp {pu}x{pr}" + (" contiguous" if layout == "contiguous" and pr > 1 else "")
-        + (f" hg{head_groups}" if head_groups > 1 else "") + (f" ({backend})" if backend != "auto" else "")
-    )  # fmt: skip
-    row = dict(impl=name, gpus=P, ulysses=pu, ring=pr, layout=layout, backend=backend, head_groups=head_groups,
-               S=S, S_per_gpu=S // P, B=B, note=note)  # fmt: skip
-    return Entry(row, run, check, attention_flops(B, S, ctx.H, ctx.D, causal, passes) / P, B * S)
+    return run, check
 
 
 def sdpa_entry(ctx, full, ref, *, causal, passes="fwd+bwd") -> Entry:
@@ -324,20 +334,7 @@ def sdpa_entry(ctx, full, ref, *, causal, passes="fwd+bwd") -> Entry:
         )
         return o.transpose(1, 2)
 
-    def run():
-        if passes == "fwd+bwd":
-            _grad(fwd(), leaves, do)
-        else:
-            with torch.no_grad():
-                fwd()
-
-    def check():
-        o = fwd()
-        errs = [rel_error(o.detach().float(), ref["o"].float())]
-        if passes == "fwd+bwd":
-            for name, g in zip(("dq", "dk", "dv"), _grad(o, leaves, do), strict=True):
-                errs.append(rel_error(g.float(), ref[name].float()))
-        return max(errs)
+    run, check = _run_and_check(fwd, leaves, do, ref, passes)
 
     row = dict(impl="full sdpa", gpus=1, ulysses=1, ring=1, layout="-", backend=_sdpa_choice(ctx, q, causal),
                head_groups=1, S=S, S_per_gpu=S, B=B, note="one call, K/V expanded inside it")  # fmt: skip

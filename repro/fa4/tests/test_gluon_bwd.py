@@ -45,12 +45,18 @@ def _case_id(case, dq):
 CASES = [(tuple(c), dq) for dq in DQ for c in COMPILE_CASES]
 
 
+def compile_cases(cases, tmp_path_factory) -> dict:
+    """((D, causal, dtype), dq) cases compiled offline for sm_90a in one subprocess
+    (paperclub.lab.offline): case -> compile report row."""
+    specs = [dict(kernel="gluon_bwd", d=d, causal=c, dtype=t, dq_tma=DQ[dq]) for (d, c, t), dq in cases]
+    rows = offline("repro.fa4.lab.compile:checks", specs, cache_dir=tmp_path_factory.mktemp("triton-cache"))
+    return {key: row for key, row in zip(cases, rows, strict=True)}
+
+
 @pytest.fixture(scope="module")
 def compile_rows(tmp_path_factory) -> dict:
-    """COMPILE_CASES x DQ compiled offline for sm_90a in one subprocess (paperclub.lab.offline)."""
-    cases = [dict(kernel="gluon_bwd", d=d, causal=c, dtype=t, dq_tma=DQ[dq]) for (d, c, t), dq in CASES]
-    rows = offline("repro.fa4.lab.compile:checks", cases, cache_dir=tmp_path_factory.mktemp("triton-cache"))
-    return {key: row for key, row in zip(CASES, rows, strict=True)}
+    """COMPILE_CASES x DQ compiled offline for sm_90a."""
+    return compile_cases(CASES, tmp_path_factory)
 
 
 @needs_gluon

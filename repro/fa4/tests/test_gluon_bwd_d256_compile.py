@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from paperclub.lab import HOPPER_SMEM_PER_BLOCK, offline
+from paperclub.lab import HOPPER_SMEM_PER_BLOCK
 from repro.fa4.gluon_bwd import D256_TMA_STAGES, GLUON_BWD_DEFAULTS, _constexprs
-from repro.fa4.tests.test_gluon_bwd import DQ, _case_id, needs_gluon
+from repro.fa4.tests.test_gluon_bwd import _case_id, compile_cases, needs_gluon
 
 #: (D, causal, dtype), dq: the four launches with the default dQ (TMA) and the atomic cross-check in bf16
 CASES = [((256, c, t), "tma") for c in (False, True) for t in ("bf16", "fp16")] + [
@@ -26,10 +26,8 @@ SPILL_BUDGET = {("tma", False): 0, ("tma", True): 4, ("atomic", False): 12, ("at
 
 @pytest.fixture(scope="module")
 def compile_rows(tmp_path_factory) -> dict:
-    """CASES compiled offline for sm_90a in one subprocess (paperclub.lab.offline)."""
-    cases = [dict(kernel="gluon_bwd", d=d, causal=c, dtype=t, dq_tma=DQ[dq]) for (d, c, t), dq in CASES]
-    rows = offline("repro.fa4.lab.compile:checks", cases, cache_dir=tmp_path_factory.mktemp("triton-cache"))
-    return {key: row for key, row in zip(CASES, rows, strict=True)}
+    """CASES compiled offline for sm_90a in one subprocess."""
+    return compile_cases(CASES, tmp_path_factory)
 
 
 @needs_gluon
