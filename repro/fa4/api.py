@@ -144,11 +144,10 @@ class Switches:
         load warp, two consumer warpgroups of 64 keys each with asynchronous wgmma, dQ by TMA bulk
         reductions; at the 256 tile its own schedule: 64 keys a program, one consumer for dV and
         one for dK, P^T and dS^T exchanged through shared memory); Hopper (sm_90) only, refused in the
-        CPU interpreter. "auto" (the default, :func:`auto_backward`): "gluon" on Hopper at tiles 64
-        and 128, else "fused" when causal and "fa2" otherwise. At D = 256 (H200, 2026-11-29,
+        CPU interpreter. "auto" (the default, :func:`auto_backward`): "gluon" on Hopper at tiles 64,
+        128 and 256, else "fused" when causal and "fa2" otherwise. At D = 256 (H200, 2026-11-29,
         results/nvidia-h200-gluon-bwd-d256.json, backward alone, bf16, S = 4k-8k) "gluon" ran
-        1.00-1.25x cuDNN's speed and "fused" 0.34-0.37x; "auto" stays "fused" there until flash-attn's
-        test matrix and compute-sanitizer have run through it.
+        1.00-1.25x cuDNN's speed and "fused" 0.34-0.37x.
         Measured on an H100 (results/*-bwd-gluon-dq.json, 2026-11-27, D = 128, bf16, S = 4k-16k,
         forward + backward behind the Gluon forward, 9 interleaved rounds): gluon 0.99-1.05x cuDNN's
         speed; (results/*-bwd.json, 2026-11-25) fused 0.67-0.75x; fa2 0.67-0.73x.
@@ -497,16 +496,17 @@ def auto_backward(
 ) -> str:
     """The backward bwd="auto" runs for ``q`` (head size ``d``, v's ``d_v``: the tiles the kernels run,
     by default q's last dimension): "gluon" on a Hopper GPU (sm_90) where Triton has Gluon and q is
-    bf16/fp16 with d = d_v in {64, 128} and no ``window``, the fastest of ours there at every measured
-    shape (results/*-bwd.json, 2026-11-25, and *-bwd-gluon-dq.json, 2026-11-27, H100); elsewhere (other
-    GPUs, the CPU interpreter, D 16/32/256, fp32, a window) "fused" when causal or windowed and "fa2"
+    bf16/fp16 with d = d_v in {64, 128, 256} and no ``window``, the fastest of ours there at every
+    measured shape (results/*-bwd.json, 2026-11-25, and *-bwd-gluon-dq.json, 2026-11-27, H100; at 256
+    nvidia-h200-gluon-bwd-d256.json, 2026-11-29); elsewhere (other GPUs, the CPU interpreter, D 16/32,
+    fp32, a window) "fused" when causal or windowed and "fa2"
     otherwise, the faster Triton backward of each."""
     d = q.shape[-1] if d is None else d
     d_v = d if d_v is None else d_v
     if (
         q.device.type == "cuda"
         and q.dtype in (torch.bfloat16, torch.float16)
-        and d in (64, 128)
+        and d in GLUON_BACKWARD_TILES
         and d_v == d
         and window is None
     ):

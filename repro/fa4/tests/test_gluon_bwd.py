@@ -152,6 +152,7 @@ def test_gpu_gluon_backward_matrix(d, causal, dtype, fwd):
     [
         ("cuda", (9, 0), torch.bfloat16, 128, False, "gluon"),
         ("cuda", (9, 0), torch.float16, 64, True, "gluon"),
+        ("cuda", (9, 0), torch.bfloat16, 256, True, "gluon"),  # the 256 tile (D 129-256 padded)
         ("cuda", (9, 0), torch.float32, 128, True, "fused"),  # fp32: the Triton backwards only
         ("cuda", (9, 0), torch.bfloat16, 32, False, "fa2"),  # D 32: not a Gluon head dim
         ("cuda", (8, 0), torch.bfloat16, 128, True, "fused"),  # not Hopper
@@ -160,7 +161,7 @@ def test_gpu_gluon_backward_matrix(d, causal, dtype, fwd):
     ],
 )
 def test_auto_backward_picks_gluon_only_on_hopper(device, cap, dtype, d, causal, want, monkeypatch):
-    """bwd="auto" is the Gluon backward exactly where it runs (sm_90, bf16/fp16, D 64/128), else the
+    """bwd="auto" is the Gluon backward exactly where it runs (sm_90, bf16/fp16, tiles 64/128/256), else the
     faster Triton backward by causality; a Triton without Gluon sends Hopper back to those."""
     from types import SimpleNamespace
 
