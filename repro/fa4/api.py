@@ -31,8 +31,11 @@ bytes and so on: memory passes, small beside the S^2 work at S >= 1k).
   tile, each a call of the kernels on the same q and k (exact: O's columns and, backward, dV's are
   independent per chunk, dQ and dK the sums of the chunks'), so D_v up to 512 reuses them too. On
   Hopper the forward there is the Gluon kernel (:func:`auto_forward`).
-* D > 128: the 256 tile (v on a tile of its own, 64, 128 or 256): on Hopper the Gluon forward where v
-  shares the 256 tile, else the Triton one; the Triton backward.
+* D > 128: the 256 tile (v on a tile of its own, 64, 128 or 256): on Hopper the Gluon forward and
+  backward, v padded to the 256 tile where it is narrower (:func:`run_layout`: MLA's D = 192,
+  D_v = 128 does 1.6x the caller's matmul work there rather than 1.2x, on kernels 1.6x (forward) to
+  3x (backward) faster than the Triton ones at that tile); elsewhere the Triton kernels, v on its own
+  tile.
 * ``window``: the Triton kernels' sliding-window entry points (``triton_fwd._fwd_window_kernel``,
   ``triton_bwd._bwd_*_window_kernel``, ``triton_bwd_fused._bwd_fused_window_kernel``). A window that
   hides no key from any row, or only the future, runs the plain (or causal) kernels.
@@ -86,6 +89,7 @@ __all__ = [
     "auto_forward",
     "forward_with_counts",
     "head_layout",
+    "run_layout",
 ]
 
 #: The head sizes of q and k the public entry points take (flash-attn's: up to 256) ...
@@ -491,6 +495,24 @@ def auto_forward(q: torch.Tensor, window, layout: HeadLayout, sw: Switches) -> b
     return gluon_fwd.HAS_GLUON and torch.cuda.get_device_capability(q.device) == (9, 0)
 
 
+def run_layout(q: torch.Tensor, window, tiles, sw: Switches, d_v: int | None = None) -> HeadLayout:
+    """The tiles a call with ``q`` (head size D, v's ``d_v``, by default D) and ``sw`` runs on:
+    :func:`head_layout`'s, except where it puts v on a narrower tile than q's (D > 128, D_v below the
+    256 tile; not with ``own_v_tile``): there v is padded to q's tile too when that lets the Gluon
+    kernels take the call (``gluon=True``, or ``gluon=None`` where :func:`auto_forward` picks them).
+    Padded v costs matmul work (:meth:`HeadLayout.flops_ratio` 1.6x against 1.2x at D = 192,
+    D_v = 128) on kernels faster at the 256 tile than the Triton ones by more than that: forward
+    1.07-1.11x cuDNN against 0.64-0.72x, backward 1.00-1.25x against 0.34-0.37x (H200, 2026-11-29,
+    results/nvidia-h200-heads.json and nvidia-h200-gluon-bwd-d256.json, D = D_v = 256)."""
+    d = q.shape[-1]
+    d_v = d if d_v is None else d_v
+    layout = head_layout(d, d_v, tiles, sw.own_v_tile)
+    if sw.own_v_tile or sw.gluon is False or layout.tile_v >= layout.tile:
+        return layout
+    shared = HeadLayout(d, d_v, layout.tile, layout.tile, 1)
+    return shared if sw.gluon or auto_forward(q, window, shared, sw) else layout
+
+
 def auto_backward(
     q: torch.Tensor, causal: bool, window=None, d: int | None = None, d_v: int | None = None
 ) -> str:
@@ -684,7 +706,7 @@ def _prepare(q, k, v, causal, scale, window, sw: Switches, tiles, dtypes, dims=N
             f"attention: q, k, v are on {q.device}; the kernels need a CUDA device, or TRITON_INTERPRET=1 "
             "for the CPU interpreter"
         )
-    layout = head_layout(d, d_v, tiles, sw.own_v_tile)
+    layout = run_layout(q, window, tiles, sw, d_v)
     if sw.gluon is None:
         sw = replace(sw, gluon=auto_forward(q, window, layout, sw))
     if sw.bwd == "auto":

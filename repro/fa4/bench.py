@@ -36,6 +36,7 @@ README lists them).
 
 from __future__ import annotations
 
+import argparse
 import functools
 import itertools
 import sys
@@ -376,6 +377,7 @@ def heads(
     budget: Budget | None = None,
     rounds: int = 3,
     base: Switches | None = None,
+    shapes=HEAD_SHAPES,
 ) -> Report:
     """Issue #42's head sizes and the sliding window beside cuDNN and FA2 (SDPA), forward and forward +
     backward, ours with ``base`` (default: the default switches; D <= 128: the verified kernels on padded tiles, the Gluon
@@ -389,7 +391,7 @@ def heads(
     matmul work the tiles do over the caller's). Window rows: D = 128, (left, 0) windows, beside ours
     and cuDNN causal (the work a window saves) and cuDNN with the window as a boolean mask.
     Writes ``<device>-heads.json``."""
-    from repro.fa4.api import head_layout
+    from repro.fa4.api import PUBLIC_TILES, head_layout, run_layout
     from repro.fa4.reference import window_mask
 
     budget = budget or Budget(None)
@@ -402,14 +404,14 @@ def heads(
         "vs_cudnn: cuDNN's ms / this row's (> 1 faster). tiles: the tile q and k ran on / v's tile x chunks; "
         "flops_ratio: matmul work on the tiles over the caller's (1 = no padding). fa4 = ours with the "
         "default switches (gluon=None: the Gluon forward on Hopper where q, k, v share the 64, 128 or 256 tile "
-        "and there is no window, else the Triton one; bwd='auto'). Issue #42's target: at least 0.9x cuDNN where the tile is the head "
+        "(v padded to q's 256 tile for it: run_layout) and there is no window, else the Triton one; bwd='auto'). Issue #42's target: at least 0.9x cuDNN where the tile is the head "
         f"size itself (64, 128, 256); elsewhere the padding's cost is flops_ratio. group=window: D = 128, a "
         "(left, 0) window; every row's TFLOP/s count the window's work, so the causal rows (ours, cuDNN) show "
         "what the window saves as time, and sdpa-cudnn-window-mask is cuDNN given the window as a boolean "
         f"mask. Interleaved: {rounds} rounds.",
     )
     skipped = []
-    shapes = itertools.product((False, True), seqlens, HEAD_SHAPES)
+    shapes = itertools.product((False, True), seqlens, shapes)
     for causal, s, (d, d_v) in within_budget(shapes, budget, 30, skipped, _head_shape_name):
         b = max(1, TOKENS // s)
         x = _inputs(b, s, d, d_v)
@@ -425,7 +427,9 @@ def heads(
             bad = {"fa4": str(exc)}
         else:
             bad = x.check(mine, ref, tol)[1]
-        tiles = functools.partial(_tiles, head_layout(d, d_v))
+        tiles = functools.partial(
+            _tiles, run_layout(x.leaves[0], None, PUBLIC_TILES, base or Switches(), d_v)
+        )
         for passes in ("fwd", "fwd+bwd"):
             cands = {**x.sdpa_candidates(causal, passes), **x.candidates(mine, bad, passes)}
             work = attention_flops(b, s, s, d, d_v, passes, _visible(s, causal, None))
@@ -469,6 +473,19 @@ def heads(
     return report
 
 
+def _head_shapes(text: str) -> tuple[tuple[int, int], ...]:
+    """``--heads 192:128,256:256`` -> ((192, 128), (256, 256))."""
+    try:
+        shapes = tuple(tuple(int(n) for n in part.split(":")) for part in text.split(","))
+    except ValueError:
+        shapes = ()
+    if not shapes or any(len(p) != 2 or not (1 <= p[0] <= 256 and 1 <= p[1] <= 512) for p in shapes):
+        raise argparse.ArgumentTypeError(
+            f"--heads takes D:DV pairs separated by commas, D 1-256 and DV 1-512, got {text!r}"
+        )
+    return shapes
+
+
 PARTS = ("bwd", "compare", "rescale", "peer", "fa4-smoke", "heads")
 DEFAULT_PARTS = ("bwd", "compare", "rescale")
 
@@ -476,6 +493,13 @@ DEFAULT_PARTS = ("bwd", "compare", "rescale")
 def main(argv: list[str] | None = None) -> None:
     ap = bench_parser(__doc__.split("\n\n")[0], rounds=3, quick_help="two lengths (one for bwd)", tag=False)
     ap.add_argument("--no-fa4", action="store_true", help="peer: cuDNN and ours only, without flash-attn-4")
+    ap.add_argument(
+        "--heads",
+        type=_head_shapes,
+        default=HEAD_SHAPES,
+        metavar="D:DV[,D:DV]",
+        help="heads: only these (D, D_v) (default: HEAD_SHAPES)",
+    )
     args = parse_bench_args(ap, argv)
     try:
         parts = select(PARTS, args.only, what="part") if args.only else list(DEFAULT_PARTS)
@@ -496,7 +520,7 @@ def main(argv: list[str] | None = None) -> None:
             peer(out, seqlens, use_fa4=not args.no_fa4, rounds=args.rounds, base=base)
         if "heads" in parts:
             heads_seqlens = HEAD_SEQLENS[:1] if args.quick else HEAD_SEQLENS
-            heads(out, heads_seqlens, budget=budget, rounds=args.rounds, base=base)
+            heads(out, heads_seqlens, budget=budget, rounds=args.rounds, base=base, shapes=args.heads)
         if "bwd" in parts:
             # first: the GPU job's budget may not reach the end of the table; 60% of it when more follows
             first = budget.part(0.6) if len(set(parts) & {"compare", "rescale"}) else budget

@@ -116,3 +116,44 @@ def test_auto_forward_picks_gluon_only_where_it_runs(monkeypatch):
     monkeypatch.setattr(api, "interpreting", lambda: True)
     capability[0] = (9, 0)
     assert auto_forward(q, None, on_tile, Switches()) is False  # the CPU interpreter runs no Gluon
+
+
+def test_run_layout_pads_v_to_q_tile_where_the_gluon_kernels_take_it(monkeypatch):
+    """D > 128 with a narrower v (MLA's 192 / 128): v padded to q's 256 tile where the Gluon kernels
+    run the call (Hopper, gluon None or True), v on its own tile elsewhere (off Hopper, a window,
+    gluon=False, own_v_tile, a Triton-only switch, the interpreter); D <= 128 and D_v on q's tile
+    already: head_layout's tiles unchanged."""
+    from types import SimpleNamespace
+
+    from repro.fa4 import api, gluon_fwd
+    from repro.fa4.api import PUBLIC_TILES, head_layout, run_layout
+
+    monkeypatch.setattr(api, "interpreting", lambda: False)
+    monkeypatch.setattr(gluon_fwd, "HAS_GLUON", True)
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+
+    def q(d, dtype=torch.bfloat16):
+        return SimpleNamespace(device=torch.device("cuda", 0), dtype=dtype, shape=(1, 8, 2, d))
+
+    lay = run_layout(q(192), None, PUBLIC_TILES, Switches(), 128)
+    assert (lay.tile, lay.tile_v, lay.chunks) == (256, 256, 1) and lay.gluon_forward and lay.gluon_backward
+    assert lay.flops_ratio() == pytest.approx(512 / 320)
+    assert run_layout(q(192), None, PUBLIC_TILES, Switches(gluon=True), 64).tile_v == 256
+    own = head_layout(192, 128)
+    assert own.tile_v == 128
+    for args in (
+        (q(192), (64, 0), Switches()),  # a window: the Triton window kernels
+        (q(192), None, Switches(gluon=False)),
+        (q(192), None, Switches(own_v_tile=True)),
+        (q(192), None, Switches(tma=True)),  # a Triton-only forward switch
+        (q(192, torch.float32), None, Switches()),
+    ):
+        assert run_layout(*args[:2], PUBLIC_TILES, args[2], 128) == own, args
+    for d, d_v in ((96, 64), (128, 512), (256, 256), (200, 300)):
+        assert run_layout(q(d), None, PUBLIC_TILES, Switches(), d_v) == head_layout(d, d_v)
+    capability[0] = (8, 0)
+    assert run_layout(q(192), None, PUBLIC_TILES, Switches(), 128) == own
+    capability[0] = (9, 0)
+    monkeypatch.setattr(api, "interpreting", lambda: True)
+    assert run_layout(q(192), None, PUBLIC_TILES, Switches(), 128) == own
