@@ -35,10 +35,12 @@ class Switches:
         the key tiles of its query tile in the forward's three loops (edge, interior, diagonal), the
         dK/dV kernel the query tiles of its key tile (for each of its heads) in two, the interior, then
         the masked tiles on both sides of it (the diagonal; the window's far edge and T). False: every
-        tile masked (the kernels before 2026-11-29, compiled to the same code). Off until timed on a
-        GPU: built for issue #39 (the backward's branches at 0.17-0.20 of cuDNN's rate per FLOP on an
-        H200 at 16k), checked on the CPU interpreter only; offline sm_90a at the paper's head sizes
-        (lab/sm90_check) it takes 221-255 registers a thread against 187-226, and spills at most 8 bytes.
+        tile masked (the kernels before 2026-11-29, compiled to the same code). On an H200 at the
+        paper's shape, T = 16k (2026-11-29, lab/breakdown.py --pass bwd, results/*-T16384-split-on.json
+        and -split-off.json) the window's backward took 7.77 ms split against 8.97 ms in one loop, the
+        compressed branch's 8.02 against 9.44 ms, the whole backward 29.5 against 32.2 ms (cuDNN's full
+        attention 28.9 ms). Offline sm_90a at the paper's head sizes (lab/sm90_check) it takes 221-255
+        registers a thread against 187-226, and spills at most 8 bytes.
     strided_fwd_tile: (BM, BN, num_warps, num_stages) of the strided forward (both branches) on a GPU,
         for sweeps; None takes each branch's launch shape (``compression.forward_tile``,
         ``window.window_tile``, with the measurements behind them).
@@ -87,7 +89,7 @@ class Switches:
     """
 
     strided_split: bool = True
-    strided_bwd_split: bool = False
+    strided_bwd_split: bool = True
     strided_fwd_tile: tuple[int, int, int, int] | None = None
     scores_tile: tuple[int, int, int, int] | None = None
     fused_topk: bool = True

@@ -327,7 +327,7 @@ HEAD_SIZE_DECODES = [(4, 8192, torch.bfloat16, 64, 4, 192, 128), (2, 300, torch.
 #: the non-default switch settings timed by the bench or the lab, each run at the first shape
 VARIANTS = [
     dict(strided_split=False),
-    dict(strided_bwd_split=True),
+    dict(strided_bwd_split=False),
     dict(fused_topk=False),
     dict(slc_backward="query-major"),
     dict(slc_bwd_rows=64, slc_bwd_stages=1),
@@ -468,7 +468,7 @@ def head_size_scenarios(api, shapes: list[Shape] = HEAD_SIZE_SHAPES, decodes=HEA
             for kw in (
                 dict(slc_bwd_rows=64, slc_bwd_stages=2),
                 dict(slc_bwd_rows=32, slc_bwd_stages=1),
-                dict(strided_bwd_split=True),
+                dict(strided_bwd_split=False),
             ):
                 label = ",".join(f"{k}={v}" for k, v in kw.items())
                 out.append((f"layer[{s.name()},{label}]", lambda kw=kw: layer(**kw)))
