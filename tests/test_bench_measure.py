@@ -84,3 +84,20 @@ def test_report_stores_the_ceilings_its_rows_used(tmp_path, monkeypatch):
     plain = pb.Report(package="kda", title="t", columns=["tflops"])
     doc = json.loads(plain.write(out_dir=tmp_path, tag="x", env={"device": "test device"}).read_text())
     assert doc["ceilings"] == {"matmul_bf16_tflops": 664.0} and probes == [1]
+
+
+def test_report_writes_only_the_plots_that_draw_something(tmp_path):
+    """A run cut to some sections (e.g. NSA's train rows without decode) writes no plot whose ``where``
+    selects no row with numbers, so the site and ``paperclub check`` find none empty. Fails if an
+    empty plot is written or a drawing one dropped."""
+    import json
+
+    import paperclub.bench as pb
+
+    report = pb.Report(package="nsa", title="t", columns=["section", "T", "ms"], measure_ceilings=False)
+    report.plot(title="train", x="T", y="ms", series="section", where={"section": "train"})
+    report.plot(title="decode", x="T", y="ms", series="section", where={"section": "decode"})
+    report.add(section="train", T=8192, ms=1.5)
+    report.add(section="decode", T=8192, ms=None)  # decode measured nothing: no number to draw
+    doc = json.loads(report.write(out_dir=tmp_path, env={"device": "test device"}).read_text())
+    assert [p["title"] for p in doc["plots"]] == ["train"]

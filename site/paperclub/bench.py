@@ -359,9 +359,23 @@ class Plot:
     logy: bool = False
 
 
+def drawn_rows(plot: Mapping, rows: Iterable) -> list[dict]:
+    """The rows a plot (a :class:`Plot`'s fields) draws: those its ``where`` selects with numbers in
+    its ``x`` and ``y`` columns."""
+    where = plot.get("where") or {}
+    return [
+        r
+        for r in rows
+        if isinstance(r, dict)
+        and all(r.get(k) == v for k, v in where.items())
+        and all(isinstance(r.get(plot[k]), int | float) for k in ("x", "y"))
+    ]
+
+
 @dataclass
 class Report:
-    """A benchmark's result table for one machine; ``write`` prints it and saves the JSON."""
+    """A benchmark's result table for one machine; ``write`` prints it and saves the JSON (with the
+    plots that draw something: a run cut to some sections or lengths declares no empty plot)."""
 
     package: str
     title: str
@@ -411,7 +425,7 @@ class Report:
             "peer": self.peer,
             "columns": list(self.columns),
             "rows": self.rows,
-            "plots": [p.__dict__ for p in self.plots],
+            "plots": [p.__dict__ for p in self.plots if drawn_rows(p.__dict__, self.rows)],
             "notes": self.notes,
             "command": " ".join(sys.argv),
         }

@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from paperclub import ROOT
+from paperclub.bench import drawn_rows
 from paperclub.bibliography import BibEntry, load_bibliography
 from paperclub.claims import (
     GPU_CHECKS_NAME,
@@ -989,8 +990,7 @@ def _empty_plots(file: str, doc: dict) -> list[Problem]:
             continue
         where = plot.get("where") or {}
         chosen = [r for r in rows if isinstance(r, dict) and all(r.get(k) == v for k, v in where.items())]
-        numeric = [r for r in chosen if all(isinstance(r.get(plot[k]), (int, float)) for k in ("x", "y"))]
-        if numeric:
+        if drawn_rows(plot, rows):
             continue
         held = {k: sorted({str(r.get(k)) for r in rows if isinstance(r, dict)}) for k in where}
         why = (
