@@ -346,3 +346,29 @@ def test_patch_is_idempotent_under_the_interpreter():
     )
     res = _run(code, "1")
     assert res.returncode == 0, res.stderr
+
+
+@needs_interpreter
+def test_faster_builtin_patching_patches_what_triton_would():
+    """fix_interpreter_patch_speed's _patch_builtin patches, in order, exactly the members Triton's
+    own version would (every member inspect.getmembers finds to be a builtin), on each of the
+    modules and classes the interpreter patches, and nothing more while an enclosing patch is in
+    place (a nested jitted call)."""
+    import inspect
+
+    from triton.runtime import interpreter
+
+    assert getattr(interpreter._patch_builtin, "_paperclub_fixed", False)
+    for pkg in (tl, tl.tensor, tl.math, tl.core.tensor_descriptor_base):
+        expected = [name for name, member in inspect.getmembers(pkg) if tl.core.is_builtin(member)]
+        assert expected, f"no builtins found in {pkg}"
+        outer = interpreter._LangPatchScope()
+        try:
+            interpreter._patch_builtin(pkg, interpreter.interpreter_builder, outer)
+            assert [name for _, name, _ in outer._changes] == expected, pkg
+            nested = interpreter._LangPatchScope()
+            interpreter._patch_builtin(pkg, interpreter.interpreter_builder, nested)
+            assert nested._changes == [], pkg
+        finally:
+            outer.restore()
+        assert [name for name, member in inspect.getmembers(pkg) if tl.core.is_builtin(member)] == expected

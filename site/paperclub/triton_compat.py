@@ -17,6 +17,14 @@ Two quirks of Triton 3.6's interpreter are mended:
   their float32 values (``bits << 16``), computes in float32 (a dot accumulates in float32, as the
   tensor cores do) and encodes a bf16 result with round-to-nearest-even. Every other dtype takes
   the interpreter's own path unchanged.
+
+And one cost of it is cut, with the same result: before every call of a jitted function, kernel or
+helper, the interpreter points each ``@builtin`` of ``triton.language`` (and of its tensor class,
+math module and tensor descriptors) at an interpreter version, finding them by
+``inspect.getmembers`` over the whole module each time (about a tenth of a small kernel's time
+under the interpreter, which the CPU test suite spends most of its time in). The names of those
+builtins are found once per module; every call still patches exactly the members that are builtins
+at that moment (:func:`fix_interpreter_patch_speed`).
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ __all__ = [
     "bf16_bits_to_float32",
     "float32_to_bf16_bits",
     "fix_interpreter_index",
+    "fix_interpreter_patch_speed",
     "interpreting",
     "patch_interpreter",
 ]
@@ -45,7 +54,8 @@ def interpreting() -> bool:
 
 
 def patch_interpreter() -> None:
-    """Install every interpreter fix of this module (the ``__index__`` fix and the bf16 fix).
+    """Install every interpreter fix of this module (the ``__index__`` fix, the bf16 fix and the
+    faster builtin patching).
 
     Idempotent, and a no-op unless ``TRITON_INTERPRET=1``. Call it at import time of a module that
     defines or launches Triton kernels; it patches Triton's interpreter classes, so it covers every
@@ -55,6 +65,7 @@ def patch_interpreter() -> None:
         return
     fix_interpreter_index()
     _fix_interpreter_bf16()
+    fix_interpreter_patch_speed()
 
 
 def fix_interpreter_index() -> None:
@@ -87,6 +98,42 @@ def fix_interpreter_index() -> None:
 
     patched._paperclub_fixed = True
     interpreter._patch_lang_tensor = patched
+
+
+def fix_interpreter_patch_speed() -> None:
+    """Replace the interpreter's ``_patch_builtin(pkg, builder, scope)`` (a no-op unless
+    ``TRITON_INTERPRET=1``; installed once) by one that lists ``pkg``'s builtin names once and, on
+    every call, patches those of them whose current member is a builtin, in the same (sorted) order.
+
+    The same members are patched as by Triton's own version, which patches every member that
+    ``inspect.getmembers`` finds to be a builtin at that moment: a module's builtins are fixed once
+    it is imported, and a member already patched by an enclosing call (an interpreter lambda, not a
+    builtin) is skipped by both. The first listing happens at the first kernel launch, before
+    anything is patched."""
+    if not interpreting():
+        return
+    import inspect
+
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    if getattr(interpreter._patch_builtin, "_paperclub_fixed", False):
+        return
+    is_builtin = tl.core.is_builtin
+    patch_attr = interpreter._patch_attr
+    names: dict[int, tuple[Any, list[str]]] = {}
+
+    def patch_builtin(pkg, builder, scope) -> None:
+        known = names.get(id(pkg))
+        if known is None or known[0] is not pkg:
+            known = names[id(pkg)] = (pkg, [n for n, m in inspect.getmembers(pkg) if is_builtin(m)])
+        for name in known[1]:
+            member = getattr(pkg, name)
+            if is_builtin(member):
+                patch_attr(pkg, name, member, builder, scope)
+
+    patch_builtin._paperclub_fixed = True
+    interpreter._patch_builtin = patch_builtin
 
 
 # --- bf16 <-> float32 on raw bit patterns ---------------------------------------------------------
