@@ -181,6 +181,9 @@ def test_triton_bf16_gradients_on_gpu(backward):
 # state_bwd_bk), at K = V = 64 in four tiles of 16 (every one of the kernels' tiles h1..h4 used)
 # and two of 32, and at K = V = 256 in four tiles of 64 (a GPU candidate, fla's layout). The
 # interpreter ignores the pipeline stages: those are the GPU's to check (test_split_state_on_gpu).
+# Two heads at K = 64 (a second head's offsets into every tensor); one at K = 256, which runs the
+# same kernel code and adds the K > 128 value-block rules (forward and backward), at half the
+# interpreter time of two heads (each head there is 8-16 value-block programs per kernel).
 SPLIT_STATE = {
     "K64-bk16": (64, KDAConfig(state_fwd_bk=16, state_bwd_bk=16)),
     "K256-bk64": (256, KDAConfig(state_fwd_bk=64, state_bwd_bk=64)),
@@ -189,10 +192,12 @@ SPLIT_STATE = {
 
 
 def _state_case(K: int, with_h0: bool, T: int = 128):
-    """B = 1, H = 2, two chunks: the carried state matters (mild gates, g >= -0.5 per token)."""
+    """B = 1, two chunks: the carried state matters (mild gates, g >= -0.5 per token); H = 2 at
+    K <= 128, H = 1 at K = 256 (see SPLIT_STATE)."""
     from repro.kda.tests.strategies import make_case
 
-    return make_case(seed=K + with_h0, B=1, T=T, H=2, group=1, K=K, V=K, g_max=0.5, with_h0=with_h0)
+    H = 1 if K > 128 else 2
+    return make_case(seed=K + with_h0, B=1, T=T, H=H, group=1, K=K, V=K, g_max=0.5, with_h0=with_h0)
 
 
 @pytest.mark.claim(CLAIM, section=SECTION)
