@@ -283,19 +283,51 @@ def report_or_error(make: Callable[[], Any], *, ptxas: bool = True, sass: bool =
         return {**fields, "error": f"{type(exc).__name__}: {exc}"[-3000:]}
 
 
+#: Processes for :func:`offline`'s ``jobs`` where a caller wants every CPU this process may use.
+CPU_JOBS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def offline(
-    target: str, cases: Any, *, cache_dir: Path | str | None = None, timeout_s: float = 900
+    target: str,
+    cases: Any,
+    *,
+    cache_dir: Path | str | None = None,
+    timeout_s: float = 900,
+    jobs: int = 1,
 ) -> list[dict]:
     """Rows of compile driver ``target`` run in a fresh process without ``TRITON_INTERPRET`` and with
     Triton's cache in ``cache_dir`` (a new temporary folder when None). ``target`` is
     ``"package.module:function"`` (a function of the JSON-able ``cases`` returning a list of dicts) or
     ``"package.module"`` (run as ``python -m package.module '<cases JSON>'``, printing the rows as JSON
-    on its last line of output). Raises ``RuntimeError`` with the driver's error output when it fails."""
+    on its last line of output). Raises ``RuntimeError`` with the driver's error output when it fails.
+
+    ``jobs`` > 1 (e.g. :data:`CPU_JOBS`), for a driver that returns one row per case, each compiled on
+    its own: a list of cases is dealt round-robin to up to ``jobs`` such processes at once (sharing
+    ``cache_dir``) and their rows put back in the cases' order, the same rows as one process gives
+    (a compile is single-threaded: the CPU test suite's offline compiles took minutes in one)."""
     module, sep, func = target.partition(":")
     if not module or (sep and not func):
         raise ValueError(
             f"offline: target must be 'package.module:function' or 'package.module', got {target!r}"
         )
+    n = min(jobs, len(cases)) if isinstance(cases, list) else 1
+    if n > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        parts = [cases[i::n] for i in range(n)]
+        with ThreadPoolExecutor(n) as pool:
+            done = list(
+                pool.map(lambda part: offline(target, part, cache_dir=cache_dir, timeout_s=timeout_s), parts)
+            )
+        rows: list[dict] = [{}] * len(cases)
+        for i, (part, got) in enumerate(zip(parts, done, strict=True)):
+            if len(got) != len(part):
+                raise RuntimeError(
+                    f"offline: driver {target} returned {len(got)} rows for {len(part)} cases; jobs > 1 "
+                    "needs one row per case"
+                )
+            rows[i::n] = got
+        return rows
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     paths = [str(ROOT / "site"), str(ROOT)]
     env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])

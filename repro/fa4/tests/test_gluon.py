@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 
-from paperclub.lab import offline
+from paperclub.lab import CPU_JOBS, offline
 from paperclub.testing import assert_rel_close
 from repro.fa4 import attention
 from repro.fa4.gluon_fwd import HAS_GLUON, gluon_attention_forward
@@ -58,12 +58,17 @@ def _case_id(case):
 
 @pytest.fixture(scope="module")
 def compile_rows(tmp_path_factory) -> dict:
-    """All COMPILE_CASES compiled offline for sm_90a in one subprocess (paperclub.lab.offline)."""
+    """All COMPILE_CASES compiled offline for sm_90a (paperclub.lab.offline, one process per CPU)."""
     cases = [
         dict(kernel="gluon_fwd", d=d, causal=c, dtype=t, num_consumers=n, **(rest[0] if rest else {}))
         for d, c, t, n, *rest in COMPILE_CASES
     ]
-    rows = offline("repro.fa4.lab.compile:checks", cases, cache_dir=tmp_path_factory.mktemp("triton-cache"))
+    rows = offline(
+        "repro.fa4.lab.compile:checks",
+        cases,
+        cache_dir=tmp_path_factory.mktemp("triton-cache"),
+        jobs=CPU_JOBS,
+    )
     return {_key(*case): row for case, row in zip(COMPILE_CASES, rows, strict=True)}
 
 

@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 
-from paperclub.lab import offline
+from paperclub.lab import CPU_JOBS, offline
 from paperclub.triton_compat import interpreting
 from repro.fa4 import attention_any_d, gluon_bwd
 from repro.fa4.gluon_bwd import check_device, gluon_attention_backward
@@ -46,10 +46,15 @@ CASES = [(tuple(c), dq) for dq in DQ for c in COMPILE_CASES]
 
 
 def compile_cases(cases, tmp_path_factory) -> dict:
-    """((D, causal, dtype), dq) cases compiled offline for sm_90a in one subprocess
-    (paperclub.lab.offline): case -> compile report row."""
+    """((D, causal, dtype), dq) cases compiled offline for sm_90a (paperclub.lab.offline, one
+    process per CPU): case -> compile report row."""
     specs = [dict(kernel="gluon_bwd", d=d, causal=c, dtype=t, dq_tma=DQ[dq]) for (d, c, t), dq in cases]
-    rows = offline("repro.fa4.lab.compile:checks", specs, cache_dir=tmp_path_factory.mktemp("triton-cache"))
+    rows = offline(
+        "repro.fa4.lab.compile:checks",
+        specs,
+        cache_dir=tmp_path_factory.mktemp("triton-cache"),
+        jobs=CPU_JOBS,
+    )
     return {key: row for key, row in zip(cases, rows, strict=True)}
 
 

@@ -165,11 +165,16 @@ _FA2_MAIN = [
 
 @pytest.fixture(scope="module")
 def issue42_rows(tmp_path_factory) -> dict:
-    """fingerprints.issue42_cases() and main's FA2 kernels compiled for sm_90a in one subprocess."""
-    from paperclub.lab import offline
+    """fingerprints.issue42_cases() and main's FA2 kernels compiled for sm_90a (one process per CPU)."""
+    from paperclub.lab import CPU_JOBS, offline
 
     cases = [*fingerprints.issue42_cases(), *_FA2_MAIN]
-    rows = offline("repro.fa4.lab.compile:checks", cases, cache_dir=tmp_path_factory.mktemp("triton-cache"))
+    rows = offline(
+        "repro.fa4.lab.compile:checks",
+        cases,
+        cache_dir=tmp_path_factory.mktemp("triton-cache"),
+        jobs=CPU_JOBS,
+    )
     return {c["name"]: row for c, row in zip(cases, rows, strict=True)}
 
 
@@ -214,7 +219,7 @@ def test_d256_sweep_launches_fit_hopper(tmp_path):
     """Every launch of the D = 256 backward sweep (tuning.D256_SWEEP, issue #42) compiles for sm_90a
     inside a Hopper block's shared memory with at most 140 bytes of register spills, as its screen
     found: so that the GPU time of the sweep goes to launches that can win."""
-    from paperclub.lab import offline
+    from paperclub.lab import CPU_JOBS, offline
 
     cases = []
     for name, (bwd, bm, bn, nw, ns) in tuning.D256_SWEEP.items():
@@ -224,7 +229,7 @@ def test_d256_sweep_launches_fit_hopper(tmp_path):
         else:
             launch = dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns)
             cases += [dict(base, kernel=k, **launch) for k in ("bwd_dkdv", "bwd_dq")]
-    rows = offline("repro.fa4.lab.compile:checks", cases, cache_dir=tmp_path)
+    rows = offline("repro.fa4.lab.compile:checks", cases, cache_dir=tmp_path, jobs=CPU_JOBS)
     for case, row in zip(cases, rows, strict=True):
         assert "error" not in row, (case["name"], row["error"])
         assert 0 < row["shared"] <= H100_SMEM_PER_BLOCK, (case["name"], case["kernel"], row["shared"])
