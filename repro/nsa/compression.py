@@ -80,6 +80,30 @@ def _interior(t_first, t_last, start, end, NK, STRIDE: tl.constexpr, OFFSET: tl.
 
 
 @triton.jit
+def _value_layout(offs_d, sqb, sqt, sqh, skb, skt, skh, D: tl.constexpr, D2: tl.constexpr, D_V: tl.constexpr):
+    """Where value rows (V, dV) and output rows (O, dO) lie: on the split path (``D_V`` given, common.py)
+    their own columns ``offs_dv`` and the strides of contiguous tensors scaled from k's and q's; on the
+    verified path k's and q's, unchanged. Returns (offs_dv, svb, svt, svh, sob, sot, soh)."""
+    offs_dv, svb, svt, svh, sob, sot, soh = offs_d, skb, skt, skh, sqb, sqt, sqh
+    if D_V > 0:
+        offs_dv = tl.arange(0, D_V)
+        svb, svt, svh = value_strides(skb, skt, skh, D + D2, D_V)
+        sob, sot, soh = value_strides(sqb, sqt, sqh, D + D2, D_V)
+    return offs_dv, svb, svt, svh, sob, sot, soh
+
+
+@triton.jit
+def _tile_offsets(rows, offs_d, offs_dv, s_row, s_row_v, D_V: tl.constexpr):
+    """32-bit offsets of a tile of ``rows`` (keys, or queries): [rows, D] of K (or Q) at row stride
+    ``s_row``, and of V (or dO), its own at ``s_row_v`` on the split path, the same ones otherwise."""
+    off = rows[:, None] * s_row + offs_d[None, :]
+    v_off = off
+    if D_V > 0:
+        v_off = rows[:, None] * s_row_v + offs_dv[None, :]
+    return off, v_off
+
+
+@triton.jit
 def _strided_fwd_tile(q, Kb, Vb, i0, offs_m, offs_d, NK, skt, m_i, l_i, acc, scale_log2,
                       STRIDE: tl.constexpr, OFFSET: tl.constexpr, WINDOW: tl.constexpr,
                       BN: tl.constexpr, MASK: tl.constexpr, IEEE: tl.constexpr,
@@ -88,10 +112,7 @@ def _strided_fwd_tile(q, Kb, Vb, i0, offs_m, offs_d, NK, skt, m_i, l_i, acc, sca
     (no bounds check, no mask). Head sizes as in :func:`_strided_fwd_kernel` (q2, svt, offs_dv: the
     split path's, q, skt, offs_d again on the verified one)."""
     offs_n = i0 + tl.arange(0, BN)
-    kv_off = offs_n[:, None] * skt + offs_d[None, :]
-    v_off = kv_off
-    if D_V > 0:
-        v_off = offs_n[:, None] * svt + offs_dv[None, :]
+    kv_off, v_off = _tile_offsets(offs_n, offs_d, offs_dv, skt, svt, D_V)
     if MASK:
         k = tl.load(Kb + kv_off, mask=offs_n[:, None] < NK, other=0.0)
         v = tl.load(Vb + v_off, mask=offs_n[:, None] < NK, other=0.0)
@@ -133,11 +154,7 @@ def _strided_fwd_kernel(
     pid_m = tl.program_id(0)
     b, hq, h = query_head(tl.program_id(1), HQ, G)
     offs_m, offs_d, row_ok = tile_rows(pid_m, BM, T, D)
-    offs_dv, svb, svt, svh, sob, sot, soh = offs_d, skb, skt, skh, sqb, sqt, sqh
-    if D_V > 0:
-        offs_dv = tl.arange(0, DVAL)
-        svb, svt, svh = value_strides(skb, skt, skh, D + D2, DVAL)
-        sob, sot, soh = value_strides(sqb, sqt, sqh, D + D2, DVAL)
+    offs_dv, svb, svt, svh, sob, sot, soh = _value_layout(offs_d, sqb, sqt, sqh, skb, skt, skh, D, D2, D_V)
     Qb = Q + b * sqb + hq * sqh  # scalar 64-bit base; the tile's offsets stay 32-bit
     Kb = K + b * skb + h * skh
     Vb = V + b * svb + h * svh
@@ -183,6 +200,8 @@ def _strided_bwd_dq_tile(q, q2, do, lse2, delta, dq, dq2, K, V, kv_base, v_base,
     """One key tile of the dQ kernel; MASK = False for tiles :func:`_interior` proved fully visible to
     every row of the query tile (no bounds check, no mask). Rows past T were loaded as zeros: their
     dS is 0 either way, and they are not stored."""
+    # the offsets of _tile_offsets written out: through it the fp32 split dQ kernel compiles to other
+    # SASS (registers; lab/fingerprints, 2026-11-29), as the two kernels' own K/V and Q/dO offsets do
     offs_n = i0 + tl.arange(0, BN)
     kv_off = offs_n[:, None] * skt + offs_d[None, :]
     v_off = kv_off
@@ -225,15 +244,10 @@ def _strided_bwd_dq_kernel(
     D2: tl.constexpr = 0, D_V: tl.constexpr = 0, SPLIT: tl.constexpr = False,
 ):  # fmt: skip
     # Head sizes as in _strided_fwd_kernel; SPLIT: the key tiles in three loops as the forward's
-    DVAL: tl.constexpr = D if D_V == 0 else D_V
     pid_m = tl.program_id(0)
     b, hq, h = query_head(tl.program_id(1), HQ, G)
     offs_m, offs_d, row_ok = tile_rows(pid_m, BM, T, D)
-    offs_dv, svb, svt, svh, sob, sot, soh = offs_d, skb, skt, skh, sqb, sqt, sqh
-    if D_V > 0:
-        offs_dv = tl.arange(0, DVAL)
-        svb, svt, svh = value_strides(skb, skt, skh, D + D2, DVAL)
-        sob, sot, soh = value_strides(sqb, sqt, sqh, D + D2, DVAL)
+    offs_dv, svb, svt, svh, sob, sot, soh = _value_layout(offs_d, sqb, sqt, sqh, skb, skt, skh, D, D2, D_V)
     row_base = b * sqb + hq * sqh  # 64-bit scalar bases, 32-bit tile offsets (fewer registers)
     row_off = offs_m[:, None] * sqt + offs_d[None, :]
     do_base, do_off = row_base, row_off
@@ -323,10 +337,7 @@ def _strided_bwd_dkdv_tiles(lo, hi, gap_lo, gap_hi, k, k2, v, dk, dv, dk2, Q, DO
             do_base = b * sob + hq * soh
         offs_m = t0 + tl.arange(0, BM)
         row_ok = offs_m < T
-        q_off = offs_m[:, None] * sqt + offs_d[None, :]
-        do_off = q_off
-        if D_V > 0:
-            do_off = offs_m[:, None] * sot + offs_dv[None, :]
+        q_off, do_off = _tile_offsets(offs_m, offs_d, offs_dv, sqt, sot, D_V)
         if MASK:
             q, do = load_pair(Q, DO, row_base, q_off, row_ok, do_base, do_off)
             lse2, delta = row_stats(LSE, DELTA, b * T + offs_m, HQ, hq, row_ok)
@@ -378,11 +389,7 @@ def _strided_bwd_dkdv_kernel(
     pid_n = tl.program_id(0)
     b, hq0, h = query_head(tl.program_id(1) * HEADS, HQ, G)
     offs_n, offs_d, col_ok = tile_rows(pid_n, BN, NK, D)
-    offs_dv, svb, svt, svh, sob, sot, soh = offs_d, skb, skt, skh, sqb, sqt, sqh
-    if D_V > 0:
-        offs_dv = tl.arange(0, DVAL)
-        svb, svt, svh = value_strides(skb, skt, skh, D + D2, DVAL)
-        sob, sot, soh = value_strides(sqb, sqt, sqh, D + D2, DVAL)
+    offs_dv, svb, svt, svh, sob, sot, soh = _value_layout(offs_d, sqb, sqt, sqh, skb, skt, skh, D, D2, D_V)
     kv_base = b * skb + h * skh
     kv_off = offs_n[:, None] * skt + offs_d[None, :]
     v_base, v_off = kv_base, kv_off
