@@ -291,6 +291,33 @@ def online_softmax_step(
 
 
 @triton.jit
+def dq_step(p, k, k2, v, do, delta, dq, dq2, IEEE: tl.constexpr, D2: tl.constexpr):
+    """FlashAttention-2's dQ update for one tile of probabilities ``p`` [rows, keys]: dP = dO V^T,
+    dS = P * (dP - delta), dQ += dS K (dq2 += dS K2 for the keys' second piece, D2 > 0; pass dq, k
+    again when D2 = 0). Unscaled: the kernel multiplies by the softmax scale at the store."""
+    dp = dot(do, tl.trans(v), IEEE)
+    ds = p * (dp - delta[:, None])
+    dq += dot(ds.to(k.dtype), k, IEEE)
+    if D2 > 0:
+        dq2 += dot(ds.to(k.dtype), k2, IEEE)
+    return dq, dq2
+
+
+@triton.jit
+def dkdv_step(p_t, q, q2, do, v, delta, dk, dv, dk2, IEEE: tl.constexpr, D2: tl.constexpr):
+    """FlashAttention-2's dK / dV update for one tile, transposed ([keys, rows], so that P is never
+    transposed): dV += P^T dO, dS^T = P^T * (V dO^T - delta), dK += dS^T Q (dk2 += dS^T Q2 for the keys'
+    second piece, D2 > 0; pass dk, q again when D2 = 0). Unscaled, as :func:`dq_step`."""
+    dv += dot(p_t.to(do.dtype), do, IEEE)
+    dp_t = dot(v, tl.trans(do), IEEE)
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk += dot(ds_t.to(q.dtype), q, IEEE)
+    if D2 > 0:
+        dk2 += dot(ds_t.to(q.dtype), q2, IEEE)
+    return dk, dv, dk2
+
+
+@triton.jit
 def normalise(acc, m_i, l_i):
     """The output and natural-log log-sum-exp of an online softmax; o = 0, lse = -inf where no key was seen."""
     empty = l_i == 0.0

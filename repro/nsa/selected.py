@@ -26,7 +26,9 @@ from repro.nsa.common import (
     check_block_size,
     check_qkv,
     check_tensor,
+    dkdv_step,
     dot,
+    dq_step,
     group_rows,
     head_constexprs,
     interpreting,
@@ -196,11 +198,7 @@ def _slc_bwd_dq_kernel(
             s += dot(q2, tl.trans(k2), IEEE)
         s = s * scale_log2
         p = tl.where(valid[None, :] & g_ok[:, None], tl.exp2(s - lse2[:, None]), 0.0)
-        dp = dot(do, tl.trans(v), IEEE)
-        ds = p * (dp - delta[:, None])
-        dq += dot(ds.to(k.dtype), k, IEEE)
-        if D2 > 0:
-            dq2 += dot(ds.to(k.dtype), k2, IEEE)
+        dq, dq2 = dq_step(p, k, k2, v, do, delta, dq, dq2, IEEE, D2)
     tl.store(DQ + row_base + row_off, (dq * scale).to(DQ.dtype.element_ty), mask=g_ok[:, None])
     if D2 > 0:
         cols = D + tl.arange(0, D2)
@@ -273,10 +271,7 @@ def _slc_bwd_dkdv_kernel(
             s_t = dot(k, tl.trans(q), IEEE) * scale_log2
             valid_t = (kpos <= t)[:, None] & g_ok[None, :]
             p_t = tl.where(valid_t, tl.exp2(s_t - lse2[None, :]), 0.0)
-            acc_dv += dot(p_t.to(do.dtype), do, IEEE)
-            dp_t = dot(v, tl.trans(do), IEEE)
-            ds_t = p_t * (dp_t - delta[None, :])
-            acc_dk += dot(ds_t.to(q.dtype), q, IEEE)
+            acc_dk, acc_dv, _ = dkdv_step(p_t, q, q, do, v, delta, acc_dk, acc_dv, acc_dk, IEEE, 0)
     if cur >= 0:
         _slc_flush(DK, DV, acc_dk, acc_dv, cur, NB, H, T, sdb, sdt, sdh, scale, D, BS)
 
@@ -366,12 +361,7 @@ def _slc_bwd_dkdv_tiled_kernel(
             s_t = s_t * scale_log2
             valid_t = (kpos[:, None] <= t[None, :]) & ok[None, :]  # causal inside the query's own block
             p_t = tl.where(valid_t, tl.exp2(s_t - lse2[None, :]), 0.0)
-            dv += dot(p_t.to(do.dtype), do, IEEE)
-            dp_t = dot(v, tl.trans(do), IEEE)
-            ds_t = p_t * (dp_t - delta[None, :])
-            dk += dot(ds_t.to(q.dtype), q, IEEE)
-            if D2 > 0:
-                dk2 += dot(ds_t.to(q.dtype), q2, IEEE)
+            dk, dv, dk2 = dkdv_step(p_t, q, q2, do, v, delta, dk, dv, dk2, IEEE, D2)
         d_off = kpos[:, None] * sdt + offs_d[None, :]
         d_base = b * sdb + h * sdh
         d_ok = (kpos < T)[:, None]
