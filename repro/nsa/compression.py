@@ -226,6 +226,8 @@ def _strided_bwd_dq_tile(q, q2, do, lse2, delta, dq, dq2, K, V, kv_base, v_base,
         p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
     else:
         p = tl.exp2(s - lse2[:, None])
+    # common.dq_step written out, as the dK/dV tiles' common.dkdv_step: through the helpers the fp32
+    # split dQ and dK/dV launches compiled to other SASS (lab/fingerprints, 2026-11-29)
     dp = dot(do, tl.trans(v), IEEE)
     ds = p * (dp - delta[:, None])
     dq += dot(ds.to(k.dtype), k, IEEE)

@@ -128,12 +128,9 @@ def _slc_fwd_kernel(
     b, h, HQ, offs_d, g_ok, hq, row_base, row_off, kv_base = _slc_prologue(
         t, tl.program_id(1), H, G, sqb, sqt, sqh, skb, skh, BG, D
     )
-    if D_V > 0:
-        offs_dv, v_base, svt, o_base, o_off = _slc_split_rows(
-            t, b, h, hq, offs_d, row_base, row_off, kv_base, sqb, sqt, sqh, skb, skt, skh, D, D2, D_V
-        )
-    else:
-        offs_dv, v_base, svt, o_base, o_off = offs_d, kv_base, skt, row_base, row_off
+    offs_dv, v_base, svt, o_base, o_off = _slc_split_rows(
+        t, b, h, hq, offs_d, row_base, row_off, kv_base, sqb, sqt, sqh, skb, skt, skh, D, D2, D_V
+    )
     q = tl.load(Q + row_base + row_off, mask=g_ok[:, None], other=0.0)
     q2 = q
     if D2 > 0:
@@ -167,12 +164,9 @@ def _slc_bwd_dq_kernel(
     b, h, HQ, offs_d, g_ok, hq, row_base, row_off, kv_base = _slc_prologue(
         t, tl.program_id(1), H, G, sqb, sqt, sqh, skb, skh, BG, D
     )
-    if D_V > 0:
-        offs_dv, v_base, svt, o_base, o_off = _slc_split_rows(
-            t, b, h, hq, offs_d, row_base, row_off, kv_base, sqb, sqt, sqh, skb, skt, skh, D, D2, D_V
-        )
-    else:
-        offs_dv, v_base, svt, o_base, o_off = offs_d, kv_base, skt, row_base, row_off
+    offs_dv, v_base, svt, o_base, o_off = _slc_split_rows(
+        t, b, h, hq, offs_d, row_base, row_off, kv_base, sqb, sqt, sqh, skb, skt, skh, D, D2, D_V
+    )
     q, do = load_pair(Q, DO, row_base, row_off, g_ok, o_base, o_off)
     if FUSE_DELTA:
         # kept in registers: re-reading DELTA here would read what other threads of this program

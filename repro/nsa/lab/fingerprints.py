@@ -22,6 +22,13 @@ Issue #39 (separate key and value head sizes, keys in two pieces) was recorded t
 before it (``fingerprints-before-head-sizes.json``, commit 0cde878) and compared with the branch after
 it: all 236 launches the same. The launches of the new head sizes are ``launches.head_size_scenarios``,
 outside this record (they did not exist before).
+
+Issue #40's kernel helpers (``compression._value_layout`` / ``_tile_offsets``, ``common.dq_step`` /
+``dkdv_step``) were recorded before and after each step, 2026-11-29: every launch's SASS the same (the
+PTX differs in its debug labels, ``$L__tmp``, where an inlined call adds a scope). The same helpers in
+the strided dQ tile, the strided dK/dV step and the two strided backward kernels' own offsets changed
+the SASS of the fp32 split launches (register order), and ``selected._selected_block`` in the decoding
+kernel that of its fp32 D = 16 launch: those stay written out.
 """
 
 from __future__ import annotations
