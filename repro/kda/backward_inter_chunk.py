@@ -11,8 +11,9 @@ Everything that is a sum over value channels (dW, dKD, dgamma) is left to the pa
 per-channel kernel (backward_intra_chunk.py), which reads ``dS`` per chunk from ``dh_all``.
 
 As in the forward (inter_chunk.py), two layouts of a program's ``[K, BV]`` block of dS, chosen by
-``KDAConfig.state_bwd_bk``: one tile (:func:`kda_state_bwd_fused_kernel`, the default), or ``K / BK``
-tiles of key rows (:func:`kda_state_bwd_split_kernel`, issue #42).
+``KDAConfig.state_bwd_bk``: one tile (:func:`kda_state_bwd_fused_kernel`), or ``K / BK`` tiles of key
+rows (:func:`kda_state_bwd_split_kernel`, issue #42; the default at K = 256 for bf16 inputs,
+``KDAConfig.large_head_state``).
 """
 
 from __future__ import annotations
@@ -57,8 +58,9 @@ STATE_BWD_BV_K256_FP32 = 16
 # at most launches (fp32 operands for every product, the tf32 A operands in registers); without
 # spills only key tiles of 64, BV 16, 4 warps, two stages (254 registers, 195 KiB shared) and key
 # tiles of 128, BV 32, 8 warps, two stages (224, 221 KiB); one stage spills 136 and 8 bytes
-# there (32 and 64 KiB). The one-tile kernel: 255 registers, 460 bytes of spills, 128 KiB. Not yet
-# run on a GPU (lab/tuning.py tune --head-size 256 --only 'state-bwd-*').
+# there (32 and 64 KiB). The one-tile kernel: 255 registers, 460 bytes of spills, 128 KiB. Timed
+# on an H200 (2026-11-29): key tiles of 128, BV 32, 8 warps, two stages is K = 256's default launch
+# for bf16 inputs (config.LARGE_HEAD_STATE_BWD, with the numbers).
 STATE_BWD_MAX_KEY_TILES = 4
 STATE_BWD_STAGES = 2
 

@@ -64,6 +64,7 @@ def kda_fwd_triton(
     (:func:`_pack_chunk_aligned`), initial_state and the final state ``[N, HV, K, V]``. Returns o,
     the final state or None, and the tensors the backward needs."""
     H, HV, V = q.shape[2], v.shape[2], v.shape[3]
+    config = config.for_launch(q.shape[3], q.dtype)  # the split state launch at K = 256 (config.py)
     prec = config.dot_precision(q.dtype)
     fast_exp = not interpreting()
     intra = intra_chunk_fwd(
@@ -104,6 +105,7 @@ def kda_bwd_triton(
     chunk_offsets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
     """The backward launches: dq, dk, dv, dg, dbeta and dh0 (None without an initial state)."""
+    config = config.for_launch(q.shape[3], q.dtype)
     prec = config.dot_precision(q.dtype)
     do = do.contiguous()
     dU, dh_all, dh0 = inter_chunk_bwd(

@@ -10,7 +10,7 @@ inter_chunk.py, output.py, backward_inter_chunk.py, backward_intra_chunk.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -43,9 +43,26 @@ from repro.kda.wy_ut import WY_BK, WY_BV, WY_WARPS
 DOT_PRECISIONS = ("tf32", "tf32x3", "ieee")
 _POWERS_OF_TWO = (16, 32, 64, 128)
 _WARPS = (1, 2, 4, 8, 16)
-_BOOLS = ("check_decay_range", "clamp_decay_first")
+_BOOLS = ("check_decay_range", "clamp_decay_first", "large_head_state")
 # blocks that may be None: the launcher's rule (value blocks) or the one-tile state (key blocks)
 _OPTIONAL_BLOCKS = ("state_fwd_bv", "state_fwd_bk", "state_bwd_bv", "state_bwd_bk")
+
+# The state recurrences' launches at kernel key size 256 (head sizes 129-256) for bf16 inputs,
+# where ``large_head_state`` is on and a pass's four state fields are at their defaults: [K, BV] held
+# as key tiles (inter_chunk.kda_state_fwd_split_kernel, backward_inter_chunk.kda_state_bwd_split_kernel).
+# On an H200 (2026-11-29, lab/tuning.py tune --head-size 256 --only 'state-*', B = 8, T = 2k, H = 16,
+# K = V = 256, bf16, 3 interleaved rounds, results/nvidia-h200-tune-d256-state.json) against the
+# one-tile kernels: forward 2.165 ms against 2.463 (tiles of 64 keys, value block 32, 4 warps, 2
+# stages; the other five forward candidates 2.32-2.62 ms), forward + backward 11.34 ms against 12.87
+# (backward tiles of 128 keys, value block 32, 8 warps, 2 stages; at 1 stage 12.04, the 64-key
+# candidates 12.73-12.74). bf16 only: fp16's products are tf32x3 (dot_prec_fp16), with which the
+# two-stage split backward needs 275,456 bytes of shared memory, over Hopper's 232,448 (Triton's
+# OutOfResources on an H200, fla's D = 256 fp16 cases, 2026-11-29); fp16 and fp32 (the tests' exact
+# path) keep the one-tile kernels. Beside fla 0.6.0 (B = 2, T = 8k, H = 16, K = V = 256, bf16, same
+# rounds, results/nvidia-h200-gates-d256.json): forward 2.167 against 1.966 ms (0.91x fla's speed,
+# was 0.80x), forward + backward 11.05 against 10.68 ms (0.97x, was 0.83x).
+LARGE_HEAD_STATE_FWD = dict(state_fwd_bk=64, state_fwd_bv=32, state_fwd_warps=4, state_fwd_stages=2)
+LARGE_HEAD_STATE_BWD = dict(state_bwd_bk=128, state_bwd_bv=32, state_bwd_warps=8, state_bwd_stages=2)
 
 
 @dataclass(frozen=True)
@@ -74,6 +91,11 @@ class KDAConfig:
         takes 4 warps: backward_inter_chunk.STATE_BWD_WARPS_BV16); state_bwd_bk, state_bwd_stages
         its layout as state_fwd_bk's (None: one tile, backward_inter_chunk.kda_state_bwd_fused_kernel;
         else backward_inter_chunk.kda_state_bwd_split_kernel).
+    large_head_state: at kernel key size 256 (head sizes 129-256) with bf16 inputs, a pass
+        whose four state fields (``state_fwd_*``, or ``state_bwd_*``) are all at their defaults runs
+        the split launch tuned there (LARGE_HEAD_STATE_FWD / _BWD, with the measurement); fields set
+        by the caller are used as given. False: the fields as they are at every size (the one-tile
+        kernels at their defaults). See :meth:`for_launch`.
     bwd_mat_bk, bwd_mat_bv, bwd_mat_warps, bwd_mat_stages: the backward's [BT, BT] gradient
         kernel; bwd_dqk_bk, bwd_dqk_bv, bwd_dqk_warps, bwd_dqk_stages: its per-channel kernel.
     Blocks are 16, 32, 64 or 128 (taken as min(block, head size)).
@@ -99,6 +121,7 @@ class KDAConfig:
     state_bwd_warps: int = STATE_BWD_WARPS
     state_bwd_bk: int | None = None
     state_bwd_stages: int = STATE_BWD_STAGES
+    large_head_state: bool = True
     bwd_mat_bk: int = MAT_BK
     bwd_mat_bv: int = MAT_BV
     bwd_mat_warps: int = MAT_WARPS
@@ -130,6 +153,17 @@ class KDAConfig:
         if dtype == torch.float32:
             return "ieee"
         return self.dot_prec_fp16 if dtype == torch.float16 else self.dot_prec_bf16
+
+    def for_launch(self, key_size: int, dtype: torch.dtype) -> KDAConfig:
+        """The config the launches run at kernel key head size ``key_size`` and input ``dtype``: this
+        one, with ``large_head_state``'s split state launches where they apply."""
+        if not self.large_head_state or key_size <= 128 or dtype != torch.bfloat16:
+            return self
+        changes = {}
+        for tuned in (LARGE_HEAD_STATE_FWD, LARGE_HEAD_STATE_BWD):
+            if all(getattr(self, name) == getattr(DEFAULT, name) for name in tuned):
+                changes.update(tuned)
+        return replace(self, **changes) if changes else self
 
 
 DEFAULT = KDAConfig()

@@ -9,9 +9,10 @@ one ``[BT, K] x [K, BV]`` and one ``[K, BT] x [BT, BV]`` product per chunk. Colu
 incoming state (for the output and the backward) and the pseudo-values U.
 
 Two layouts of that block, chosen by ``KDAConfig.state_fwd_bk``: :func:`kda_state_fwd_kernel` holds
-it as one ``[K, BV]`` tile and prefetches chunk n + 1's ``[BT, K]`` tiles by hand (the default);
-:func:`kda_state_fwd_split_kernel` holds it as ``K / BK`` tiles of ``[BK, BV]`` (issue #42, for
-K = 256), so that no ``[BT, K]`` tile is ever live whole.
+it as one ``[K, BV]`` tile and prefetches chunk n + 1's ``[BT, K]`` tiles by hand (the default up to
+K = 128 and in fp32); :func:`kda_state_fwd_split_kernel` holds it as ``K / BK`` tiles of ``[BK, BV]``
+(issue #42; the default at K = 256 for bf16 inputs, ``KDAConfig.large_head_state``), so that no
+``[BT, K]`` tile is ever live whole.
 """
 
 from __future__ import annotations
@@ -48,8 +49,10 @@ STATE_FWD_LARGEST_BV_K256 = 32
 # tiles of 64, BV 32, 4 warps, one stage 160 registers, 24 KiB shared (three programs an SM by
 # registers; the one-tile kernel's 210 at 8 warps fit one), BV 16 112 registers; two stages 148
 # registers but 153 KiB shared (one an SM), three 222 KiB; no spills but at BV 64 with 4 warps
-# (the table: lab/tuning.py STATE_CANDIDATES). Not yet run on a GPU: lab/tuning.py tune
-# --head-size 256 --only 'state-*' --peer fla_kda times the candidates. One stage by default.
+# (the table: lab/tuning.py STATE_CANDIDATES). Timed on an H200 (2026-11-29): tiles of 64, BV 32,
+# 4 warps, two stages is K = 256's default launch for bf16 inputs (config.LARGE_HEAD_STATE_FWD,
+# with the numbers); the config's own default stays one stage (the fields' defaults are the
+# one-tile kernel's).
 STATE_FWD_MAX_KEY_TILES = 4
 STATE_FWD_STAGES = 1
 

@@ -273,6 +273,29 @@ def test_split_state_kernels_packed_sequences():
         assert_rel_close(b, a, 1e-6, f"{name} (key tiles vs one tile, packed)")
 
 
+def test_large_head_state_launch_rule():
+    """The split state launches tuned at K = 256 (config.LARGE_HEAD_STATE_FWD / _BWD) run by default
+    exactly where measured: kernel key size 256 with bf16 inputs, a pass whose state fields the caller
+    left alone; fp16, fp32, K <= 128, a field set by the caller, or ``large_head_state=False`` keep
+    the fields as given."""
+    from repro.kda.config import LARGE_HEAD_STATE_BWD, LARGE_HEAD_STATE_FWD
+
+    def state(cfg):
+        return {n: getattr(cfg, n) for n in (*LARGE_HEAD_STATE_FWD, *LARGE_HEAD_STATE_BWD)}
+
+    default = KDAConfig()
+    assert state(default.for_launch(256, torch.bfloat16)) == {**LARGE_HEAD_STATE_FWD, **LARGE_HEAD_STATE_BWD}
+    assert default.for_launch(128, torch.bfloat16) is default
+    for dtype in (torch.float16, torch.float32):  # fp16's split backward is over Hopper's shared memory
+        assert default.for_launch(256, dtype) is default
+    off = KDAConfig(large_head_state=False)
+    assert off.for_launch(256, torch.bfloat16) is off
+    mine = KDAConfig(state_fwd_warps=4)  # the forward as given, the backward tuned
+    got = state(mine.for_launch(256, torch.bfloat16))
+    assert got["state_fwd_warps"] == 4 and got["state_fwd_bk"] is None and got["state_fwd_stages"] == 1
+    assert {n: got[n] for n in LARGE_HEAD_STATE_BWD} == LARGE_HEAD_STATE_BWD
+
+
 def test_split_state_key_block_too_small_is_named():
     """More than four key tiles is refused before any kernel runs, naming the setting."""
     case = _state_case(256, False, T=16)
