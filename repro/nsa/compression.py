@@ -317,19 +317,22 @@ def _strided_bwd_dkdv_tiles(lo, hi, gap_lo, gap_hi, k, k2, v, dk, dv, dk2, Q, DO
                             scale_log2, STRIDE: tl.constexpr, OFFSET: tl.constexpr, WINDOW: tl.constexpr,
                             BM: tl.constexpr, HEADS: tl.constexpr, MASK: tl.constexpr, IEEE: tl.constexpr,
                             D: tl.constexpr, D2: tl.constexpr, D_V: tl.constexpr,
-                            GAP: tl.constexpr = False):  # fmt: skip
+                            GAP: tl.constexpr = False, REVERSE: tl.constexpr = False):  # fmt: skip
     """The dK/dV kernel's query tiles j = lo .. hi - 1 (queries t_start + j BM ..), less gap_lo ..
     gap_hi - 1 with ``GAP``, for each of the HEADS heads hq0 .., one head after another, added into dk,
     dv, dk2 (the kernel's order: its loop's PTX is the one before the split); MASK = False for tiles
     :func:`_query_interior` proved fully visible (no bounds check, no mask). The split walks the
     interior, then the masked tiles on both sides of it in one loop (``GAP``): ptxas spilled 72-228 bytes
-    a thread with a third loop at the paper's head sizes, 0-8 with two (lab/sm90_check, 2026-11-29)."""
+    a thread with a third loop at the paper's head sizes, 0-8 with two (lab/sm90_check, 2026-11-29).
+    ``REVERSE``: each head's tiles last to first (``Switches.cmp_bwd_reverse``)."""
     n = hi - lo
     if GAP:
         n = n - (gap_hi - gap_lo)
     for i in range(HEADS * n):
         hq = hq0 + i // n
         j = lo + i % n
+        if REVERSE:
+            j = lo + n - 1 - i % n
         if GAP:
             j += tl.where(j >= gap_lo, gap_hi - gap_lo, 0)
         t0 = t_start + j * BM
@@ -382,11 +385,14 @@ def _strided_bwd_dkdv_kernel(
     STRIDE: tl.constexpr, OFFSET: tl.constexpr, WINDOW: tl.constexpr,
     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr,
     D2: tl.constexpr = 0, D_V: tl.constexpr = 0, HEADS: tl.constexpr = 1, SPLIT: tl.constexpr = False,
+    REVERSE: tl.constexpr = False,
 ):  # fmt: skip
     # One program per (key tile, HEADS query heads of one group): K and V loaded once, dK and dV summed
     # over the HEADS heads in registers, then added into fp32 dK/dV with atomics (G / HEADS programs
     # add into each tile). Head sizes as in _strided_fwd_kernel; dV contiguous like dK. SPLIT: the query
-    # tiles that see the whole key tile (_query_interior) in a loop of their own, unmasked.
+    # tiles that see the whole key tile (_query_interior) in a loop of their own, unmasked. REVERSE: the
+    # query tiles from the last (Switches.cmp_bwd_reverse): the programs of one head then read the
+    # same Q / dO rows at the same time, which stay in L2 for the others.
     DVAL: tl.constexpr = D if D_V == 0 else D_V
     pid_n = tl.program_id(0)
     b, hq0, h = query_head(tl.program_id(1) * HEADS, HQ, G)
@@ -419,11 +425,11 @@ def _strided_bwd_dkdv_kernel(
         dk, dv, dk2 = _strided_bwd_dkdv_tiles(a, b_, 0, 0, k, k2, v, dk, dv, dk2, Q, DO, LSE, DELTA, b,
                                               hq0, offs_n, offs_d, offs_dv, col_ok, t_start, T, HQ, sqb, sqt,
                                               sqh, sob, sot, soh, scale_log2, STRIDE, OFFSET, WINDOW, BM,
-                                              HEADS, False, IEEE, D, D2, D_V)  # fmt: skip
+                                              HEADS, False, IEEE, D, D2, D_V, False, REVERSE)  # fmt: skip
     dk, dv, dk2 = _strided_bwd_dkdv_tiles(0, n_steps, a, b_, k, k2, v, dk, dv, dk2, Q, DO, LSE, DELTA, b, hq0,
                                           offs_n, offs_d, offs_dv, col_ok, t_start, T, HQ, sqb, sqt, sqh, sob,
                                           sot, soh, scale_log2, STRIDE, OFFSET, WINDOW, BM, HEADS, True, IEEE,
-                                          D, D2, D_V, SPLIT)  # fmt: skip
+                                          D, D2, D_V, SPLIT, REVERSE)  # fmt: skip
     d_off = offs_n[:, None] * sdt + offs_d[None, :]
     tl.atomic_add(DK + (b * sdb + h * sdh) + d_off, dk * scale, mask=col_ok[:, None])
     if D_V > 0:
@@ -502,11 +508,12 @@ def strided_forward(q, k, v, scale: float, stride: int, offset: int, window: int
 
 
 def strided_backward(do, q, k, v, o, lse, scale: float, stride: int, offset: int, window: int,
-                     heads_per_program: int = 1, split: bool = False):  # fmt: skip
+                     heads_per_program: int = 1, split: bool = False, reverse: bool = False):  # fmt: skip
     """dQ, dK, dV of :func:`strided_forward` (same layouts; dK, dV summed over each group's heads).
     ``heads_per_program``: query heads of a group one dK/dV program walks (a divisor of the group;
     larger values are clamped to the group). ``split``: both kernels walk the tiles that see each other
-    whole without a mask (``Switches.strided_bwd_split``)."""
+    whole without a mask (``Switches.strided_bwd_split``). ``reverse``: the dK/dV kernel walks its
+    query tiles last to first (``Switches.cmp_bwd_reverse`` for the compressed branch)."""
     b, t, hq, d = q.shape
     nk, h, d_v = k.shape[1], k.shape[2], v.shape[3]
     g = hq // h
@@ -534,11 +541,12 @@ def strided_backward(do, q, k, v, o, lse, scale: float, stride: int, offset: int
         t, nk, hq, hq // h, scale * LOG2E, scale, **common,
     )  # fmt: skip
     if nk > 0:
+        dkdv = dict(REVERSE=True) if reverse else {}  # off: the launches before the switch (fingerprints)
         _strided_bwd_dkdv_kernel[(triton.cdiv(nk, cfg["BN"]), b * hq // heads)](
             q, k, v, do, lse, delta, dk, dv,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             dk.stride(0), dk.stride(1), dk.stride(2),
-            t, nk, hq, hq // h, scale * LOG2E, scale, HEADS=heads, **common,
+            t, nk, hq, hq // h, scale * LOG2E, scale, HEADS=heads, **common, **dkdv,
         )  # fmt: skip
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
@@ -556,6 +564,7 @@ class StridedAttention(torch.autograd.Function):
         sw = switches or Switches()
         ctx.heads = sw.window_bwd_heads if window > 0 else sw.cmp_bwd_heads
         ctx.split = sw.strided_bwd_split
+        ctx.reverse = sw.cmp_bwd_reverse and window == 0
         ctx.mark_non_differentiable(lse)
         # lse's gradient is never read: no [B, T, HQ] zeros allocated and filled for it (a launch)
         ctx.set_materialize_grads(False)
@@ -567,7 +576,7 @@ class StridedAttention(torch.autograd.Function):
             return (None,) * 9
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = strided_backward(do, q, k, v, o, lse, *ctx.args, heads_per_program=ctx.heads,
-                                      split=ctx.split)  # fmt: skip
+                                      split=ctx.split, reverse=ctx.reverse)  # fmt: skip
         return dq, dk, dv, None, None, None, None, None, None
 
 

@@ -41,6 +41,17 @@ class Switches:
         compressed branch's 8.02 against 9.44 ms, the whole backward 29.5 against 32.2 ms (cuDNN's full
         attention 28.9 ms). Offline sm_90a at the paper's head sizes (lab/sm90_check) it takes 221-255
         registers a thread against 187-226, and spills at most 8 bytes.
+    cmp_bwd_reverse: the compressed branch's dK/dV kernel walks each head's query tiles from the last
+        to the first. A key tile's program walks every query from the tile's first visible position
+        to T: walked forwards, the programs of one head start at different queries and read
+        different Q / dO rows at any moment; walked backwards they all start at the last query tile
+        and read the same rows together, which L2 then serves to the rest. On an H200 at the paper's
+        shape (2026-11-29, lab/breakdown.py --pass bwd, results/*-reverse-off.json and
+        -reverse-on.json) the compressed branch's backward took 85.6 ms reversed against 93.5 ms at
+        T = 64k (the whole backward 172.8 against 180.4; cuDNN 459) and 7.35 against 8.04 ms at 16k
+        (the whole 28.9 against 29.5). The window's backward walks at most w + BN queries a key tile
+        and keeps the forward order: reversed it took 7.87 against 7.74 ms at 16k. False: the
+        launches before the switch.
     strided_fwd_tile: (BM, BN, num_warps, num_stages) of the strided forward (both branches) on a GPU,
         for sweeps; None takes each branch's launch shape (``compression.forward_tile``,
         ``window.window_tile``, with the measurements behind them).
@@ -90,6 +101,7 @@ class Switches:
 
     strided_split: bool = True
     strided_bwd_split: bool = True
+    cmp_bwd_reverse: bool = True
     strided_fwd_tile: tuple[int, int, int, int] | None = None
     scores_tile: tuple[int, int, int, int] | None = None
     fused_topk: bool = True

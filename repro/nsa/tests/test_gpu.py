@@ -61,22 +61,25 @@ def test_gpu_selected_bf16(hq, h, d, t):
 @pytest.mark.claim("nsa/kernels-equal-reference", section="§3.4 (arXiv v2)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
-    "branch, t, split, bwd_split",
+    "branch, t, split, bwd_split, reverse",
     [
-        ("compressed", 1100, False, True),
-        ("compressed", 4100, False, False),
-        ("compressed", 4100, True, True),
-        ("window", 1100, True, True),
-        ("window", 1100, True, False),
+        ("compressed", 1100, False, True, True),
+        ("compressed", 4100, False, False, True),
+        ("compressed", 4100, True, True, True),
+        ("compressed", 4100, True, True, False),
+        ("window", 1100, True, True, False),
+        ("window", 1100, True, False, False),
     ],
 )
-def test_gpu_compressed_and_window(branch, t, dtype, split, bwd_split):
+def test_gpu_compressed_and_window(branch, t, dtype, split, bwd_split, reverse):
     """Both strided branches, forward and gradients, the compressed forward's key tiles in one masked
     loop and split (Switches.strided_split, the default), the backward's tiles in one masked loop and
     split (Switches.strided_bwd_split, the default). At T = 4100 the split has unmasked interior
     tiles (from t = 1024 + 31 on, 64 compressed keys a tile; none at 1100). The window's forward keeps
-    one loop whatever the switch; its reference is dense ([T, T] per head), hence its shorter length."""
-    sw = Switches(strided_split=split, strided_bwd_split=bwd_split)
+    one loop whatever the switch; its reference is dense ([T, T] per head), hence its shorter length.
+    ``reverse``: the compressed dK/dV kernel's query tiles last to first (Switches.cmp_bwd_reverse,
+    the default; the window keeps the forward order)."""
+    sw = Switches(strided_split=split, strided_bwd_split=bwd_split, cmp_bwd_reverse=reverse)
     gen = torch.Generator(device="cuda").manual_seed(t)
     hq, h, d = 64, 4, 128
     cfg = ref.NSAConfig()

@@ -444,7 +444,10 @@ def test_strided_backward_heads_per_program(stride, window):
 def test_strided_backward_split_loops_equal_one_loop(t, stride, offset, window, nk, heads):
     """The strided backward with its tiles split into masked and unmasked loops
     (Switches.strided_bwd_split) gives the gradients of the one masked loop: shapes where the
-    interiors are empty and where they exist, one and several query heads per dK/dV program."""
+    interiors are empty and where they exist, one and several query heads per dK/dV program; so does
+    the dK/dV kernel walking its query tiles last to first as well (Switches.cmp_bwd_reverse; in one
+    masked loop, the compressed branch's default with strided_bwd_split off, it is checked against
+    the reference by test_compressed_kernel_equals_reference)."""
     gen = torch.Generator().manual_seed(t + 7 * window + stride)
     d, dv, h, g = 16, 32, 2, 2
     q, do = (randn(gen, 1, t, h * g, x).to(DEVICE, torch.float32) for x in (d, dv))
@@ -452,9 +455,11 @@ def test_strided_backward_split_loops_equal_one_loop(t, stride, offset, window, 
     args = (d**-0.5, stride, offset, window)
     o, lse = strided_forward(q, k, v, *args, forward_tile(max(d, dv), 4), Switches())
     one = strided_backward(do, q, k, v, o, lse, *args, heads_per_program=heads)
-    split = strided_backward(do, q, k, v, o, lse, *args, heads_per_program=heads, split=True)
-    for name, x, y in zip(("dq", "dk", "dv"), split, one, strict=True):
-        assert_rel_close(x.cpu(), y.cpu(), FP32_TOL, f"{name} split (heads={heads})")
+    for split, reverse in ((True, False), (True, True)):  # one loop reversed: the reference tests
+        got = strided_backward(do, q, k, v, o, lse, *args, heads_per_program=heads, split=split,
+                               reverse=reverse)  # fmt: skip
+        for name, x, y in zip(("dq", "dk", "dv"), got, one, strict=True):
+            assert_rel_close(x.cpu(), y.cpu(), FP32_TOL, f"{name} split={split} reverse={reverse} (heads={heads})")
 
 
 @pytest.mark.parametrize("gate_dtype", [torch.float32, torch.bfloat16])
