@@ -58,7 +58,7 @@ _OPTIONAL_BLOCKS = ("state_fwd_bv", "state_fwd_bk", "state_bwd_bv", "state_bwd_b
 # candidates 12.73-12.74). bf16 only: fp16's products are tf32x3 (dot_prec_fp16), with which the
 # two-stage split backward needs 275,456 bytes of shared memory, over Hopper's 232,448 (Triton's
 # OutOfResources on an H200, fla's D = 256 fp16 cases, 2026-11-29); fp16 and fp32 (the tests' exact
-# path) keep the one-tile kernels. Beside fla 0.6.0 (B = 2, T = 8k, H = 16, K = V = 256, bf16, same
+# path) keep the one-tile kernels, and so does bf16 with dot_prec_bf16 other than tf32. Beside fla 0.6.0 (B = 2, T = 8k, H = 16, K = V = 256, bf16, same
 # rounds, results/nvidia-h200-gates-d256.json): forward 2.167 against 1.966 ms (0.91x fla's speed,
 # was 0.80x), forward + backward 11.05 against 10.68 ms (0.97x, was 0.83x).
 LARGE_HEAD_STATE_FWD = dict(state_fwd_bk=64, state_fwd_bv=32, state_fwd_warps=4, state_fwd_stages=2)
@@ -91,7 +91,8 @@ class KDAConfig:
         takes 4 warps: backward_inter_chunk.STATE_BWD_WARPS_BV16); state_bwd_bk, state_bwd_stages
         its layout as state_fwd_bk's (None: one tile, backward_inter_chunk.kda_state_bwd_fused_kernel;
         else backward_inter_chunk.kda_state_bwd_split_kernel).
-    large_head_state: at kernel key size 256 (head sizes 129-256) with bf16 inputs, a pass
+    large_head_state: at kernel key size 256 (head sizes 129-256) with bf16 inputs and their default
+        tf32 products, a pass
         whose four state fields (``state_fwd_*``, or ``state_bwd_*``) are all at their defaults runs
         the split launch tuned there (LARGE_HEAD_STATE_FWD / _BWD, with the measurement); fields set
         by the caller are used as given. False: the fields as they are at every size (the one-tile
@@ -158,6 +159,8 @@ class KDAConfig:
         """The config the launches run at kernel key head size ``key_size`` and input ``dtype``: this
         one, with ``large_head_state``'s split state launches where they apply."""
         if not self.large_head_state or key_size <= 128 or dtype != torch.bfloat16:
+            return self
+        if self.dot_prec_bf16 != "tf32":  # tf32x3 / ieee products: the fp16 case's shared memory
             return self
         changes = {}
         for tuned in (LARGE_HEAD_STATE_FWD, LARGE_HEAD_STATE_BWD):

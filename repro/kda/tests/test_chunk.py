@@ -276,8 +276,8 @@ def test_split_state_kernels_packed_sequences():
 def test_large_head_state_launch_rule():
     """The split state launches tuned at K = 256 (config.LARGE_HEAD_STATE_FWD / _BWD) run by default
     exactly where measured: kernel key size 256 with bf16 inputs, a pass whose state fields the caller
-    left alone; fp16, fp32, K <= 128, a field set by the caller, or ``large_head_state=False`` keep
-    the fields as given."""
+    left alone, with bf16's default tf32 products; fp16, fp32, other products, K <= 128, a field set
+    by the caller, or ``large_head_state=False`` keep the fields as given."""
     from repro.kda.config import LARGE_HEAD_STATE_BWD, LARGE_HEAD_STATE_FWD
 
     def state(cfg):
@@ -290,6 +290,8 @@ def test_large_head_state_launch_rule():
         assert default.for_launch(256, dtype) is default
     off = KDAConfig(large_head_state=False)
     assert off.for_launch(256, torch.bfloat16) is off
+    precise = KDAConfig(dot_prec_bf16="tf32x3")  # fp16's products: over the shared memory there
+    assert precise.for_launch(256, torch.bfloat16) is precise
     mine = KDAConfig(state_fwd_warps=4)  # the forward as given, the backward tuned
     got = state(mine.for_launch(256, torch.bfloat16))
     assert got["state_fwd_warps"] == 4 and got["state_fwd_bk"] is None and got["state_fwd_stages"] == 1
