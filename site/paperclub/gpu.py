@@ -434,7 +434,9 @@ def _xdist_args() -> list[str]:
         if not wanted.isdigit() or int(wanted) < 1:
             raise SystemExit(f"PAPERCLUB_GPU_WORKERS={wanted!r}: expected a positive integer")
         return ["-n", wanted]
-    return ["-n", str(max(1, min(4, (os.cpu_count() or 2) // 4)))]
+    # under 8 CPUs one worker: in this process, not one xdist worker beside an idle controller
+    n = max(1, min(4, (os.cpu_count() or 2) // 4))
+    return ["-n", str(n)] if n > 1 else []
 
 
 def _pytest_summary(text: str) -> str:
