@@ -15,6 +15,10 @@ import pytest
 from paperclub import ROOT
 from paperclub.gpu import GpuJobError, package_share, read_peers, sanitizer_errors, sanitizer_probes
 
+# the tests that run a job, on one xdist worker: every job installs its peers into the same folder
+# (/tmp/paperclub-peers/toy, emptied and made again), so two jobs at once would race on it
+ONE_JOB_AT_A_TIME = pytest.mark.xdist_group("paperclub-gpu-job")
+
 BENCH = """
 import argparse, json, pathlib
 ap = argparse.ArgumentParser()
@@ -75,6 +79,7 @@ def run_gpu_job(root: Path, env: dict, out: Path, *args: str) -> subprocess.Comp
     )  # fmt: skip
 
 
+@ONE_JOB_AT_A_TIME
 def test_job_runs_every_step_and_collects(tmp_path):
     root, env = toy_repo(tmp_path, 0)
     out = tmp_path / "out"
@@ -133,6 +138,7 @@ def test_skipped_checks_keep_the_earlier_record(tmp_path):
     assert (checks["sanitizer"]["status"], checks["sanitizer"]["date"]) == ("ok", "d1")
 
 
+@ONE_JOB_AT_A_TIME
 def test_selected_part_runs_alone_and_is_recorded_apart(tmp_path):
     """--select runs the -k part of a package's GPU tests in the tests and sanitizer steps, says so in
     the details, and keeps its record beside the whole package's, never in its place."""
@@ -160,6 +166,7 @@ def test_selected_part_runs_alone_and_is_recorded_apart(tmp_path):
     assert r.returncode == 2 and "--select 'toy='" in r.stderr
 
 
+@ONE_JOB_AT_A_TIME
 def test_sanitizer_errors_fail_the_job(tmp_path):
     root, env = toy_repo(tmp_path, 3)
     out = tmp_path / "out"
@@ -170,6 +177,7 @@ def test_sanitizer_errors_fail_the_job(tmp_path):
     assert san["status"] == "failed" and "compute-sanitizer errors: 3" in san["detail"]
 
 
+@ONE_JOB_AT_A_TIME
 def test_probe_reports_alone_leave_the_sanitizer_step_ok(tmp_path):
     for probes, reported, want in ((2, 2, "ok"), (2, 3, "failed")):
         root, env = toy_repo(tmp_path / f"{probes}-{reported}", reported, probes=probes)
