@@ -19,17 +19,15 @@ from pathlib import Path
 
 import pytest
 
+from paperclub import usable_cpus
+
 HERE = Path(__file__).resolve().parent
 _SHARED_SCOPES = ("session", "package", "module", "class")
 
 
-def _cpus() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
 if os.environ.get("PYTEST_XDIST_WORKER") and _WORKERS > 1:
-    _threads = max(1, _cpus() // _WORKERS)
+    _threads = max(1, usable_cpus() // _WORKERS)
     os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
     if "torch" in sys.modules:  # already imported (by a plugin): set its pool too
         sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))

@@ -28,6 +28,13 @@ pytestmark = pytest.mark.skipif(
 )
 USP = "2025-08-unified-sequence-parallelism"
 SKIP = ("source", "slides", "search", "assets")  # code views, decks (walked apart), and no pages
+# Screenshots are left for a reader, not asserted on; a full-page capture of the long claims
+# dashboard took over 20 s on a loaded 2-core CI machine (CI failed on it), so they capture the
+# window and wait longer than the page's default timeout.
+SHOT_TIMEOUT_MS = 120_000
+# How long a page may take to load or draw before a wait fails: generous, since a wait that succeeds
+# returns at once and only a real failure pays it in full
+WAIT_MS = 60_000
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +82,7 @@ def page(browser, server):
     context = browser.new_context(viewport={"width": 1280, "height": 900})
     context.add_init_script(OPEN_SHADOW_ROOTS)
     pg = context.new_page()
-    pg.set_default_timeout(20_000)
+    pg.set_default_timeout(WAIT_MS)
     pg.outside_requests = []
 
     def watch(route):
@@ -159,7 +166,7 @@ def test_every_deck_walked_with_the_arrow_keys_draws_every_diagram(page, server)
                 page.wait_for_function(
                     "Array.from(Reveal.getCurrentSlide().querySelectorAll('pre.mermaid'))"
                     ".every(e => e.querySelector('svg'))",
-                    timeout=10_000,
+                    timeout=WAIT_MS,
                 )
             except Exception:  # reported below with the slide's number
                 pass
@@ -256,7 +263,7 @@ def test_every_page_renders_its_math_diagrams_and_plots(page, server, built_site
         opened += 1
         page.goto(f"{server}/{'' if rel == '.' else rel + '/'}", wait_until="domcontentloaded")
         try:
-            page.wait_for_function(RENDERED, timeout=15_000)
+            page.wait_for_function(RENDERED, timeout=WAIT_MS)
         except Exception:  # what did not render is listed below
             pass
         found = page.evaluate(PAGE_PROBLEMS)
@@ -283,7 +290,8 @@ def test_phone_width_pages_do_not_scroll_sideways(browser, server, tmp_path):
         scrolled = pg.evaluate(
             "() => { window.scrollTo(10000, 0); const x = window.scrollX; window.scrollTo(0, 0); return x; }"
         )
-        pg.screenshot(path=str(tmp_path / f"{url.strip('/').replace('/', '-')}-390.png"))
+        shot = tmp_path / f"{url.strip('/').replace('/', '-')}-390.png"
+        pg.screenshot(path=str(shot), timeout=SHOT_TIMEOUT_MS)
         if scrolled:
             wide[url] = scrolled
     print(f"screenshots: {tmp_path}")
@@ -320,7 +328,7 @@ def test_claims_dashboard_fits_a_1400_pixel_window(page, server, tmp_path):
       })})"""
     m = page.evaluate(measure)
     shot = tmp_path / "claims-1400.png"
-    page.screenshot(path=str(shot), full_page=True)
+    page.screenshot(path=str(shot), timeout=SHOT_TIMEOUT_MS)  # the window, not the whole long page
     print(f"screenshot: {shot}")
     assert m["page"] <= 1400, f"the page scrolls sideways: {m['page']} px wide"
     claims_tables = [t for t in m["tables"] if t["claims"]]

@@ -9,9 +9,10 @@ into the website; ``site/`` itself is deliberately not a package (it would shado
 own ``site`` module).
 """
 
+import os
 from pathlib import Path
 
-__all__ = ["ROOT"]
+__all__ = ["ROOT", "usable_cpus"]
 
 
 def _find_root() -> Path:
@@ -24,3 +25,11 @@ def _find_root() -> Path:
 
 ROOT: Path = _find_root()
 """The repository root (the folder holding mkdocs.yml)."""
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the OS tells it, else the machine's count).
+
+    Kept here, in the package's light root, so that the repository's conftest.py can size its test
+    workers' thread pools without importing torch or triton."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

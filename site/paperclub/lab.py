@@ -57,7 +57,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from paperclub import ROOT
+from paperclub import ROOT, usable_cpus
 from paperclub.triton_compat import ptxas_usage
 
 __all__ = [
@@ -284,7 +284,7 @@ def report_or_error(make: Callable[[], Any], *, ptxas: bool = True, sass: bool =
 
 
 #: Processes for :func:`offline`'s ``jobs`` where a caller wants every CPU this process may use.
-CPU_JOBS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+CPU_JOBS = usable_cpus()
 
 
 def offline(
