@@ -327,6 +327,31 @@ D256_SWEEP = {
 }
 
 
+def screen_d256(jobs: int | None = None) -> list[dict]:
+    """Every launch of :data:`D256_SWEEP` compiled offline for sm_90a (no GPU): one row per kernel
+    with its shared memory, registers and spills, and ``fits`` when it stays inside a Hopper block's
+    shared memory with at most 140 bytes of spills (the screen's bound). Run before spending GPU time
+    on ``bwd-d256`` after the sweep or the backward kernels change (``tuning.py screen-d256``)."""
+    from paperclub.lab import CPU_JOBS, HOPPER_SMEM_PER_BLOCK, offline
+
+    cases = []
+    for name, (bwd, bm, bn, nw, ns) in D256_SWEEP.items():
+        base = dict(d=256, dtype="bf16", causal=True, name=name)
+        if bwd == "fused":
+            cases.append(dict(base, kernel="fused", launch=[bm, bn, nw, ns, False, False]))
+        else:
+            launch = dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns)
+            cases += [dict(base, kernel=k, **launch) for k in ("bwd_dkdv", "bwd_dq")]
+    rows = offline("repro.fa4.lab.compile:checks", cases, jobs=jobs or CPU_JOBS)
+    for row in rows:
+        row["fits"] = (
+            "error" not in row
+            and 0 < row.get("shared", 0) <= HOPPER_SMEM_PER_BLOCK
+            and row.get("spill_stores", 0) <= 140
+        )
+    return rows
+
+
 def d256_configs() -> dict[str, Switches]:
     """D256_SWEEP's launches as configs (the Triton forward at D = 256, its default)."""
     return {
@@ -404,13 +429,21 @@ def backward_sweep(out: Path | None, rounds: int, budget: Budget, configs: dict[
     return report
 
 
-SWEEPS = ("launch", "gluon", "gluon-combos", "bwd-fused", "gluon-bwd-dq", "bwd-d256")
+SWEEPS = ("launch", "gluon", "gluon-combos", "bwd-fused", "gluon-bwd-dq", "bwd-d256", "screen-d256")
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = bench_parser(__doc__.split("\n\n")[0], rounds=5, only=False, settings=False, tag=False)
     ap.add_argument("sweep", choices=SWEEPS)
     args = parse_bench_args(ap, argv)
+    if args.sweep == "screen-d256":  # offline compiles: no GPU needed
+        rows = screen_d256()
+        for r in rows:
+            print({k: r.get(k) for k in ("name", "kernel", "shared", "registers", "spill_stores", "fits", "error")})
+        bad = [r["name"] for r in rows if not r["fits"]]
+        if bad:
+            raise SystemExit(f"launches that do not fit a Hopper block: {bad}")
+        return
     if not torch.cuda.is_available():
         raise SystemExit("repro.fa4.lab.tuning needs a CUDA GPU")
     out, budget = args.out, args.budget

@@ -213,25 +213,3 @@ def test_fa2_backward_has_no_atomics(issue42_rows):
         assert row["atomic_count"] == 0 and row["bulk_reduce"] == 0, row
     fused = [r for n, r in issue42_rows.items() if n.startswith("fused")]
     assert fused and all(r["atomic_count"] > 0 for r in fused)  # the check tells the two apart
-
-
-def test_d256_sweep_launches_fit_hopper(tmp_path):
-    """Every launch of the D = 256 backward sweep (tuning.D256_SWEEP, issue #42) compiles for sm_90a
-    inside a Hopper block's shared memory with at most 140 bytes of register spills, as its screen
-    found: so that the GPU time of the sweep goes to launches that can win."""
-    from paperclub.lab import CPU_JOBS, offline
-
-    cases = []
-    for name, (bwd, bm, bn, nw, ns) in tuning.D256_SWEEP.items():
-        base = dict(d=256, dtype="bf16", causal=True, name=name)
-        if bwd == "fused":
-            cases.append(dict(base, kernel="fused", launch=[bm, bn, nw, ns, False, False]))
-        else:
-            launch = dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns)
-            cases += [dict(base, kernel=k, **launch) for k in ("bwd_dkdv", "bwd_dq")]
-    rows = offline("repro.fa4.lab.compile:checks", cases, cache_dir=tmp_path, jobs=CPU_JOBS)
-    for case, row in zip(cases, rows, strict=True):
-        assert "error" not in row, (case["name"], row["error"])
-        assert 0 < row["shared"] <= H100_SMEM_PER_BLOCK, (case["name"], case["kernel"], row["shared"])
-        if "spill_stores" in row:  # absent only when this Triton bundles no ptxas
-            assert row["spill_stores"] <= 140, (case["name"], case["kernel"], row["spill_stores"])
