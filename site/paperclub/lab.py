@@ -14,8 +14,8 @@ its CPU tests of compiled code do. Everything here works without a GPU except ru
 given, the rest ``i32`` or as named); :func:`compile_sm90` compiles a ``triton.jit`` or ``gluon.jit``
 kernel (told apart by its type) for :func:`sm90_target` (``GPUTarget("cuda", 90, 32)``); :func:`compile_report` reads one
 compiled kernel into a row: ``kernel``, ``shared`` (bytes), ``num_warps``, ``target_ok`` (the PTX
-targets sm_90a), ``registers``, ``spill_stores``, ``spill_loads`` (ptxas ``-v``; the launch
-allocation, which ``setmaxnreg`` then moves), instruction counts in the PTX (:func:`ptx_counts`:
+targets sm_90a), ``registers``, ``spill_stores``, ``spill_loads`` (ptxas ``-v``, as Triton ran it
+to assemble the cubin; the launch allocation, which ``setmaxnreg`` then moves), instruction counts in the PTX (:func:`ptx_counts`:
 wgmma, TMA loads and stores, TMA bulk reductions, atomics, bulk-group commits and waits, mbarrier
 waits, barrier syncs, ``setmaxnreg`` values) and two fingerprints, ``ptx_sha`` and ``sass_sha``:
 SHA-256 (16 hex digits) of the PTX without its debug information (:func:`normalized_ptx`: ``.file``
@@ -42,10 +42,12 @@ repro.fa4.lab.ncu --target`` and ``python -m paperclub.lab ncu-summary FILE.csv`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import glob
 import hashlib
 import importlib
+import io
 import json
 import os
 import re
@@ -58,7 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from paperclub import ROOT, usable_cpus
-from paperclub.triton_compat import ptxas_usage
+from paperclub.triton_compat import ptxas_log_usage, ptxas_usage
 
 __all__ = [
     "HOPPER_SMEM_PER_BLOCK",
@@ -175,7 +177,23 @@ def compile_sm90(
     opts: dict[str, Any] = {**(options or {}), "num_warps": num_warps}
     if num_stages is not None:
         opts["num_stages"] = num_stages
-    return triton.compile(src, target=sm90_target(capability, warp_size), options=opts)
+    # Triton runs ``ptxas -v`` to make the cubin and drops what it prints unless asked to print it:
+    # keep it, so that compile_report reads registers and spills from the assembly the GPU would load
+    # instead of assembling the PTX a second time (a quarter of an offline compile's time)
+    printed = io.StringIO()
+    knob = triton.knobs.nvidia
+    before = knob.dump_ptxas_log
+    try:
+        knob.dump_ptxas_log = True
+        with contextlib.redirect_stdout(printed):
+            compiled = triton.compile(src, target=sm90_target(capability, warp_size), options=opts)
+    except BaseException:
+        sys.stdout.write(printed.getvalue())  # Triton's own report of a failed ptxas, as it printed it
+        raise
+    finally:
+        knob.dump_ptxas_log = before
+    compiled.ptxas_log = printed.getvalue()  # empty when the kernel came from Triton's cache
+    return compiled
 
 
 # the most shared memory one block may use on an H100 or H200 (227 KiB, the opt-in maximum); a
@@ -270,7 +288,9 @@ def compile_report(compiled, *, ptxas: bool = True, sass: bool = True, **fields)
         **ptx_counts(ptx),
     )
     if ptxas:
-        row.update(ptxas_usage(ptx))
+        log = getattr(compiled, "ptxas_log", "")  # compile_sm90's capture of Triton's own ptxas -v
+        usage = ptxas_log_usage(log) if "Used " in log else {}
+        row.update(usage if usage.get("registers") is not None else ptxas_usage(ptx))
     return row
 
 

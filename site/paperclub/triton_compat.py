@@ -356,7 +356,12 @@ def ptxas_usage(ptx: str) -> dict:
         )
     if r.returncode != 0:
         return {"ptxas_error": (r.stdout + r.stderr)[-2000:]}
-    text = r.stdout + r.stderr
+    return ptxas_log_usage(r.stdout + r.stderr)
+
+
+def ptxas_log_usage(text: str) -> dict:
+    """Registers and spill bytes from the text ``ptxas -v`` prints (its first kernel's; keys None where
+    the text does not say)."""
     regs = re.search(r"Used (\d+) registers", text)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
     return {
