@@ -22,7 +22,11 @@ claims:
 
 
 @pytest.fixture
-def toy(pytester):
+def toy(pytester, monkeypatch):
+    # the inner runs load the claims plugin (addopts) and no installed plugin, none of which plays a
+    # part here: hypothesis's alone imports all of hypothesis at each run's end (with xdist's and the
+    # others, three quarters of the CPU time of an inner run, several of which each test makes)
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
     pytester.makefile(
         ".toml", pyproject="[tool.pytest.ini_options]\naddopts = '-p paperclub.pytest_claims'\n"
     )

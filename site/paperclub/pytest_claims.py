@@ -18,8 +18,11 @@ Loaded for every run through ``addopts = -p paperclub.pytest_claims`` in pyproje
 
 from __future__ import annotations
 
+import ctypes
 import datetime as _dt
+import functools
 import gc
+import importlib.metadata
 import json
 import os
 import platform
@@ -107,13 +110,7 @@ def pytest_collection_modifyitems(
         raise pytest.UsageError("claim markers do not match the registry:\n  " + "\n  ".join(problems))
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if gpu_items:
-        try:
-            import torch
-
-            has_cuda = torch.cuda.is_available()
-        except Exception:  # pragma: no cover - torch missing
-            has_cuda = False
-        if not has_cuda:
+        if not _on_gpu():
             for item in gpu_items:
                 item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
 
@@ -279,7 +276,29 @@ def _test_exists(root: Path, nodeid: str) -> bool:
     return not func or f"def {func}(" in path.read_text(encoding="utf-8", errors="replace")
 
 
+def _no_gpu_here() -> bool:
+    """True when this (Linux) machine has no GPU that torch could use, known without importing torch
+    (seconds of a run that imports nothing else of it: the claims plugin's own tests, the CPU runs of
+    a package's pure-Python claims, the GPU job's toy): no NVIDIA driver library (``libcuda.so.1``,
+    which CUDA's runtime loads) and no AMD GPU device (``/dev/kfd``, ROCm). False where unsure: torch
+    is already imported, another OS, or a driver is there (then torch is asked)."""
+    if "torch" in sys.modules or not sys.platform.startswith("linux") or os.path.exists("/dev/kfd"):
+        return False
+    return not _cuda_driver_loads()
+
+
+@functools.cache
+def _cuda_driver_loads() -> bool:
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
 def _on_gpu() -> bool:
+    if _no_gpu_here():
+        return False
     try:
         import torch
 
@@ -302,6 +321,11 @@ def _relative_nodeid(nodeid: str, rootpath: Path, root: Path) -> str:
 
 
 def _platform() -> str:
+    if _no_gpu_here():  # torch's version without importing it (its installed distribution's)
+        try:
+            return f"cpu, torch {importlib.metadata.version('torch')}, {platform.machine()}"
+        except importlib.metadata.PackageNotFoundError:
+            return platform.machine()
     try:
         import torch
 
