@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import http.server
+import json
 import re
 import shutil
 import threading
@@ -37,17 +38,53 @@ SHOT_TIMEOUT_MS = 120_000
 WAIT_MS = 60_000
 
 
-@pytest.fixture(scope="module")
-def server(built_site):
+# A search index with no page, for the tests that only open pages: each page load would otherwise build
+# the whole index in Material's worker
+_FIELDS = {"title": {"boost": 1000.0}, "text": {"boost": 1.0}, "tags": {"boost": 1000000.0}}
+_CONFIG = {"lang": ["en"], "separator": r"[\s\-]+", "pipeline": ["stopWordFilter"], "fields": _FIELDS}
+EMPTY_SEARCH_INDEX = json.dumps({"config": _CONFIG, "docs": []}).encode()
+
+
+@functools.cache
+def content():
+    """The repository's content, loaded once for the module's tests (each load runs the content checks)."""
+    return load(ROOT)[0]
+
+
+def _serve(directory, empty_search_index: bool = False):
     class Quiet(http.server.SimpleHTTPRequestHandler):
         def log_message(self, *args):  # keep pytest's output readable
             pass
 
-    handler = functools.partial(Quiet, directory=str(built_site))
+        def do_GET(self):
+            if empty_search_index and self.path.split("?")[0].endswith("/search/search_index.json"):
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(EMPTY_SEARCH_INDEX)))
+                self.end_headers()
+                self.wfile.write(EMPTY_SEARCH_INDEX)
+                return
+            super().do_GET()
+
+    handler = functools.partial(Quiet, directory=str(directory))
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    return httpd, f"http://127.0.0.1:{httpd.server_address[1]}"
+
+
+@pytest.fixture(scope="module")
+def server(built_site):
+    httpd, url = _serve(built_site)
+    yield url
+    httpd.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server_without_search_index(built_site):
+    """The built site with an empty search index (see EMPTY_SEARCH_INDEX), on a server of its own."""
+    httpd, url = _serve(built_site, empty_search_index=True)
+    yield url
     httpd.shutdown()
 
 
@@ -64,6 +101,12 @@ def browser():
                 "--disable-background-networking",
                 "--disable-component-update",
                 "--no-first-run",
+                # nothing leaves the machine: every request to another host goes to a closed local
+                # port and fails at once (the browser never proxies loopback addresses); the page
+                # fixture lists such requests. Blocked here rather than by intercepting every request
+                # (page.route), which turns the browser's cache off and sends each request through
+                # this process: every page then fetched mermaid, KaTeX and Material's bundle anew.
+                "--proxy-server=http://127.0.0.1:9",
             ],
         )
         yield b
@@ -85,14 +128,12 @@ def page(browser, server):
     pg.set_default_timeout(WAIT_MS)
     pg.outside_requests = []
 
-    def watch(route):
-        host = urlparse(route.request.url).hostname
+    def watch(request):  # the browser's proxy setting makes them fail (see the browser fixture)
+        host = urlparse(request.url).hostname
         if host not in ("127.0.0.1", "localhost", None):
-            pg.outside_requests.append(route.request.url)
-            return route.abort()
-        return route.continue_()
+            pg.outside_requests.append(request.url)
 
-    pg.route("**/*", watch)
+    context.on("request", watch)
     errors = []
     pg.on("pageerror", lambda exc: errors.append(str(exc)))
     pg.js_errors = errors
@@ -144,8 +185,7 @@ def test_every_deck_walked_with_the_arrow_keys_draws_every_diagram(page, server)
     """Each deck, slide by slide with the arrow keys as a presenter moves: every diagram reached is
     drawn at a real size (those drawn while hidden came out as 20x20 boxes), no formula fails, and
     the slides' headings are the deck's."""
-    content, _ = load(ROOT)
-    decks = [s for s in content.sessions if s.deck is not None]
+    decks = [s for s in content().sessions if s.deck is not None]
     assert len(decks) >= 8
     problems = []
     for session in decks:
@@ -184,8 +224,7 @@ def test_every_deck_walked_with_the_arrow_keys_draws_every_diagram(page, server)
 
 def test_a_deck_opened_on_a_slide_draws_its_diagram(page, server):
     """The other way in: a deck's URL naming a slide with a diagram."""
-    content, _ = load(ROOT)
-    session = next(s for s in content.sessions if s.folder == USP)
+    session = next(s for s in content().sessions if s.folder == USP)
     index = next(i for i, sl in enumerate(split_slides(session.deck.read_text())) if "```mermaid" in sl)
     page.goto(f"{server}/slides/{USP}/index.html#/{index}")
     page.wait_for_function("window.Reveal && Reveal.isReady()")
@@ -237,7 +276,7 @@ def _raw_math_outside_code(html_text: str) -> list[str]:
     return [m.strip()[:80] for m in re.findall(r"[^<>]*\$\$[^<>]*", prose)]
 
 
-def test_every_page_renders_its_math_diagrams_and_plots(page, server, built_site):
+def test_every_page_renders_its_math_diagrams_and_plots(page, server_without_search_index, built_site):
     """Every page of the site but the source views: no KaTeX error, no formula or diagram left as
     source, no raw '$$', every diagram drawn, every plot loaded (the strict build and paperclub check
     once passed while some of these did not render). A page with no formula, diagram or image has
@@ -246,11 +285,7 @@ def test_every_page_renders_its_math_diagrams_and_plots(page, server, built_site
         p for p in built_site.rglob("index.html") if p.relative_to(built_site).parts[0] not in SKIP
     )
     assert len(pages) > 60
-    # an empty search index: each page load would otherwise build the whole one in Material's worker
-    fields = {"title": {"boost": 1000.0}, "text": {"boost": 1.0}, "tags": {"boost": 1000000.0}}
-    config = {"lang": ["en"], "separator": r"[\s\-]+", "pipeline": ["stopWordFilter"], "fields": fields}
-    empty = {"config": config, "docs": []}
-    page.route("**/search/search_index.json", lambda route: route.fulfill(json=empty))
+    server = server_without_search_index  # an empty search index (see EMPTY_SEARCH_INDEX)
     problems: dict[str, list[str]] = {}
     opened = 0
     for path in pages:
@@ -280,8 +315,7 @@ def test_phone_width_pages_do_not_scroll_sideways(browser, server, tmp_path):
     block per row). Screenshots are left in the test's tmp dir."""
     context = browser.new_context(viewport={"width": 390, "height": 844})
     pg = context.new_page()
-    content, _ = load(ROOT)
-    math_papers = sorted(k for k, p in content.papers.items() if "$$" in p.body)
+    math_papers = sorted(k for k, p in content().papers.items() if "$$" in p.body)
     urls = ["claims/", "sessions/", *[f"papers/{k}/" for k in math_papers[:3]]]
     wide = {}
     for url in urls:
@@ -341,9 +375,8 @@ def test_claims_dashboard_fits_a_1400_pixel_window(page, server, tmp_path):
     # each test function is one entry; its parametrised cases are listed only inside its <details>
     cases = page.locator("details.claim-test[open] .claim-cases code").count()
     assert cases >= 2
-    content, _ = load(ROOT)
-    recorded = sum(len(content.record(c).tests) for c in content.claims.values())
+    recorded = sum(len(content().record(c).tests) for c in content().claims.values())
     groups = page.locator(".claims-table .claim-test").count()
-    assert groups == sum(len(content.record(c).groups) for c in content.claims.values())
+    assert groups == sum(len(content().record(c).groups) for c in content().claims.values())
     assert groups < recorded, "parametrised cases should be grouped under their test function"
     assert not page.js_errors, page.js_errors
