@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -14,6 +15,16 @@ import pytest
 from paperclub import ROOT
 
 FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@functools.cache
+def repository_content():
+    """``paperclub.content.load(ROOT)`` of the repository itself, loaded once per test process and
+    shared by the tests that only read it: each load runs the whole content check (every page rendered,
+    formulas and diagrams through node), seconds of CPU each time. (content, problems)."""
+    from paperclub.content import load
+
+    return load(ROOT)
 
 
 def make_repo(tmp_path: Path, broken: str | None = None) -> Path:

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from paperclub import ROOT
 from paperclub.bibliography import format_entry, load_bibliography, parse_text
-from paperclub.content import load
+from tests.conftest import repository_content
 
 
 def test_every_bib_file_parses_without_failed_blocks():
@@ -21,7 +21,7 @@ def test_every_bib_file_parses_without_failed_blocks():
 
 
 def test_every_cited_paper_has_an_entry_with_the_required_fields():
-    content, _ = load(ROOT)
+    content, _ = repository_content()
     cited = {k for s in content.sessions for k in s.meta.papers}
     assert cited, "sessions cite no paper"
     for key in sorted(cited):

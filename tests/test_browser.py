@@ -20,8 +20,8 @@ from urllib.parse import urlparse
 
 import pytest
 
-from paperclub import ROOT
-from paperclub.content import load, split_slides
+from paperclub.content import split_slides
+from tests.conftest import repository_content
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(
@@ -45,10 +45,9 @@ _CONFIG = {"lang": ["en"], "separator": r"[\s\-]+", "pipeline": ["stopWordFilter
 EMPTY_SEARCH_INDEX = json.dumps({"config": _CONFIG, "docs": []}).encode()
 
 
-@functools.cache
 def content():
-    """The repository's content, loaded once for the module's tests (each load runs the content checks)."""
-    return load(ROOT)[0]
+    """The repository's content, loaded once per test process (tests/conftest.py)."""
+    return repository_content()[0]
 
 
 def _serve(directory, empty_search_index: bool = False):

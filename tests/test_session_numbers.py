@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from paperclub import ROOT
 from paperclub.content import load
 from paperclub.sitegen import session_page, sessions_index
-from tests.conftest import make_repo
+from tests.conftest import make_repo, repository_content
 
 EXAMPLE = "sessions/2026-01-04-example-session"
 
@@ -61,7 +60,7 @@ def test_undated_numbered_session_sits_between_its_neighbours(tmp_path):
 
 
 def test_the_site_shows_both_numbers():
-    content, problems = load(ROOT)
+    content, problems = repository_content()
     assert not problems
     index = sessions_index(content)
     assert "| Date | Archive | Session |" in index

@@ -12,9 +12,12 @@ from paperclub import ROOT
 from paperclub.claims import summary
 from paperclub.content import load, split_slides
 from paperclub.sitegen import claims_dashboard
-from tests.conftest import FIXTURES, make_repo, paperclub
+from tests.conftest import FIXTURES, make_repo, paperclub, repository_content
 
-CONTENT, _ = load(ROOT)
+
+def repo():
+    """The repository's content, loaded once per test process (tests/conftest.py)."""
+    return repository_content()[0]
 
 
 def test_strict_build_has_no_warnings(built_site):
@@ -24,21 +27,21 @@ def test_strict_build_has_no_warnings(built_site):
 
 def test_every_session_has_a_page_and_appears_in_the_index(built_site):
     index = (built_site / "sessions" / "index.html").read_text()
-    assert len(CONTENT.sessions) == 26
-    for s in CONTENT.sessions:
+    assert len(repo().sessions) == 26
+    for s in repo().sessions:
         assert (built_site / "sessions" / s.folder / "index.html").exists(), s.folder
         assert f'href="{s.folder}/"' in index, f"{s.folder} missing from the sessions index"
 
 
 def test_sessions_index_is_newest_first(built_site):
     index = (built_site / "sessions" / "index.html").read_text()
-    order = [s.folder for s in CONTENT.sessions_newest_first()]
+    order = [s.folder for s in repo().sessions_newest_first()]
     positions = [index.index(f'href="{f}/"') for f in order]
     assert positions == sorted(positions)
 
 
 def test_paired_sessions_have_a_deck_of_ten_to_twenty_slides(built_site):
-    paired = [s for s in CONTENT.sessions if s.meta.repro]
+    paired = [s for s in repo().sessions if s.meta.repro]
     assert len(paired) == 8
     for s in paired:
         assert s.deck is not None, f"{s.folder} pairs with a repro but has no slides.md"
@@ -53,9 +56,9 @@ def test_paired_sessions_have_a_deck_of_ten_to_twenty_slides(built_site):
 def test_every_paper_page_bibliography_entry_and_tag(built_site):
     bib = (built_site / "bibliography" / "index.html").read_text()
     tags = (built_site / "tags" / "index.html").read_text()
-    for key, paper in CONTENT.papers.items():
+    for key, paper in repo().papers.items():
         page = (built_site / "papers" / key / "index.html").read_text()
-        assert CONTENT.bib[key].title.split(":")[0][:20] in page
+        assert repo().bib[key].title.split(":")[0][:20] in page
         assert f'id="{key}"' in bib
         for t in paper.meta.tags:
             assert f'id="{t}"' in tags
@@ -63,12 +66,12 @@ def test_every_paper_page_bibliography_entry_and_tag(built_site):
 
 def test_claims_and_benchmarks_pages_list_every_claim_and_result(built_site):
     claims_html = (built_site / "claims" / "index.html").read_text()
-    for cid, claim in CONTENT.claims.items():
+    for cid, claim in repo().claims.items():
         assert cid in claims_html
         if not claim.reproducible:
             assert "not reproducible here" in claims_html
     bench_html = (built_site / "benchmarks" / "index.html").read_text()
-    for name, repro in CONTENT.repros.items():
+    for name, repro in repo().repros.items():
         if repro.planned:
             continue
         assert f'id="{name}"' in bench_html
@@ -83,7 +86,7 @@ def test_claims_and_benchmarks_pages_list_every_claim_and_result(built_site):
 
 
 def test_walkthrough_notebooks_are_executed_into_pages(built_site):
-    for name, repro in CONTENT.repros.items():
+    for name, repro in repo().repros.items():
         if repro.walkthrough is None:
             continue
         page = built_site / "repro" / name / "walkthrough" / "index.html"
@@ -99,9 +102,9 @@ def test_search_index_holds_every_papers_key_terms(built_site):
     for doc in index["docs"]:
         page = doc["location"].split("#")[0]
         by_location[page] = by_location.get(page, "") + " " + doc["title"] + " " + doc["text"]
-    for key in CONTENT.papers:
+    for key in repo().papers:
         text = by_location.get(f"papers/{key}/", "").lower()
-        entry = CONTENT.bib[key]
+        entry = repo().bib[key]
         terms = [w for w in re.findall(r"[a-z][a-z0-9-]{4,}", entry.title.lower())][:4]
         if entry.eprint:
             terms.append(entry.eprint)
@@ -334,7 +337,7 @@ def test_links_to_code_by_symbol_reach_the_definition_line(built_site):
 
 
 def test_repro_pages_show_claims_and_results_before_files(built_site):
-    for name, repro in CONTENT.repros.items():
+    for name, repro in repo().repros.items():
         if repro.planned:
             continue
         page = (built_site / "repro" / name / "index.html").read_text()
@@ -346,7 +349,7 @@ def test_repro_pages_show_claims_and_results_before_files(built_site):
 
 def test_benchmarks_page_is_an_overview(built_site):
     page = (built_site / "benchmarks" / "index.html").read_text()
-    landed = [n for n, r in CONTENT.repros.items() if not r.planned]
+    landed = [n for n, r in repo().repros.items() if not r.planned]
     assert page.count("<img") <= 2 * len(landed)
     usp = (built_site / "repro" / "usp" / "index.html").read_text()
     assert "bench-plot" in usp, "a result without declared plots gets a summary chart"
@@ -372,7 +375,7 @@ def test_result_headings_tell_files_of_one_package_apart():
     from paperclub.bench import load_results
     from paperclub.sitegen import result_heading
 
-    for name in CONTENT.repros:
+    for name in repo().repros:
         headings = [result_heading(d, name) for d in load_results(name)]
         assert len(headings) == len(set(headings)), f"{name}: {headings}"
 
