@@ -434,8 +434,12 @@ def test_strided_backward_heads_per_program(stride, window):
     [
         (9, 1, 0, 4, 9),  # T below the 16 x 16 tile: no interior
         (9, 16, 31, 0, 1),  # no query sees the one compressed token
-        (100, 1, 0, 9, 100),  # window below the tile: no tile is seen whole
-        (100, 1, 0, 40, 100),  # interiors between the diagonal and the window's far edge
+        # the window cases at the fewest 16-row tiles that still hold their paths (the interpreter runs
+        # every tile's program in Python): 40 = 3 tiles, the last partial, each query tile with an edge
+        # tile before its diagonal; 72 = 5 tiles, the last partial, query tiles 3 and 4 with whole
+        # (interior) key tiles between the far edge and the diagonal
+        (40, 1, 0, 9, 40),  # window below the tile: no tile is seen whole
+        (72, 1, 0, 40, 72),  # interiors between the diagonal and the window's far edge
         (40, 1, 0, 64, 40),  # window past T: causal, interiors below the diagonal, T off the tile
         (100, 4, 7, 0, 24),  # compressed (l = 8, d = 4): key tiles of 16 cover 64 positions
         (300, 16, 31, 0, 17),  # the paper's l = 32, d = 16: one interior tile each way, a partial key tile
